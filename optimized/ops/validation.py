@@ -1,0 +1,88 @@
+"""Input checks shared by every portable kernel, dtype codes, and the two package-wide switches.
+
+Errors always name the operator and the argument, and say what was expected and what arrived.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+# torch_npu passes `int? *_dtype` arguments as c10::ScalarType codes; its private low-bit types are
+# carried in uint8 storage (op-plugin's TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP).
+DTYPE_CODES: dict[int, torch.dtype] = {
+    0: torch.uint8,
+    1: torch.int8,
+    2: torch.int16,
+    3: torch.int32,
+    4: torch.int64,
+    5: torch.float16,
+    6: torch.float32,
+    7: torch.float64,
+    11: torch.bool,
+    15: torch.bfloat16,
+    23: torch.float8_e5m2,
+    24: torch.float8_e4m3fn,
+    285: torch.uint8,  # int4 (packed)
+    290: torch.uint8,  # hifloat8
+    291: torch.float8_e5m2,
+    292: torch.float8_e4m3fn,
+    296: torch.uint8,  # float4_e2m1fn_x2
+    297: torch.uint8,  # float4_e1m2fn_x2
+}
+
+
+def dtype_from_code(op: str, arg: str, code: int) -> torch.dtype:
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{op}: {arg}={code} is not a known dtype code; known: {sorted(DTYPE_CODES)}")
+    return DTYPE_CODES[code]
+
+
+def strict_npu_limits() -> bool:
+    """Enforce hardware/kernel caps (not semantic rules) too. QWEN3_MOE_STRICT_NPU_LIMITS=1 turns it on."""
+    return os.environ.get("QWEN3_MOE_STRICT_NPU_LIMITS", "0") == "1"
+
+
+def soc_variant() -> str:
+    """Which SoC's rounding the norm kernels reproduce: 'a2a3' (Atlas A2/A3, default) or '950'."""
+    value = os.environ.get("NPU_GOLDEN_SOC", "a2a3")
+    if value not in ("a2a3", "950"):
+        raise ValueError(f"NPU_GOLDEN_SOC={value!r}; allowed: 'a2a3', '950'")
+    return value
+
+
+def fail(op: str, message: str) -> None:
+    raise ValueError(f"{op}: {message}")
+
+
+def check(condition: bool, op: str, message: str) -> None:
+    if not condition:
+        fail(op, message)
+
+
+def check_npu_limit(condition: bool, op: str, message: str) -> None:
+    """A hardware cap: raised only in strict mode (see strict_npu_limits)."""
+    if not condition and strict_npu_limits():
+        fail(op, f"NPU limit: {message} (strict mode; unset QWEN3_MOE_STRICT_NPU_LIMITS to allow)")
+
+
+def check_dtype(op: str, arg: str, tensor: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if tensor.dtype not in allowed:
+        fail(op, f"{arg} has dtype {tensor.dtype}; allowed: {', '.join(str(d) for d in allowed)}")
+
+
+def check_dim(op: str, arg: str, tensor: torch.Tensor, allowed: Iterable[int]) -> None:
+    allowed = tuple(allowed)
+    if tensor.dim() not in allowed:
+        fail(op, f"{arg} must have {' or '.join(map(str, allowed))} dims; got shape {tuple(tensor.shape)}")
+
+
+def check_shape(op: str, arg: str, tensor: torch.Tensor, expected: tuple) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        fail(op, f"{arg} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")
+
+
+def unsupported(op: str, feature: str) -> None:
+    raise NotImplementedError(f"{op}: {feature} not supported by the portable kernel")
