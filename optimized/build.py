@@ -1,0 +1,43 @@
+"""`load_model`: the optimized model for one rank, with its shard of a checkpoint (or random weights)."""
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import Qwen3MoeConfig
+
+from .comm import ParallelState
+from .config import InferenceConfig, ParallelConfig
+from .loader import CheckpointReader, RandomWeights
+from .model import Qwen3MoeForCausalLM
+
+
+def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None = None,
+               dtype: torch.dtype = torch.bfloat16, random_weights: bool = False, seed: int = 0,
+               num_hidden_layers: int | None = None, device: torch.device | str = "cpu") -> Qwen3MoeForCausalLM:
+    """Build the optimized Qwen3MoeForCausalLM for this rank and load this rank's weight shards.
+
+    model_path: a directory with config.json (+ safetensors unless random_weights). parallel: the process
+    groups (default: a single process). num_hidden_layers: keep only the first N layers.
+    """
+    config = Qwen3MoeConfig.from_pretrained(model_path)
+    full_layers = config.num_hidden_layers
+    if num_hidden_layers is not None:
+        if not 1 <= num_hidden_layers <= full_layers:
+            raise ValueError(f"num_hidden_layers={num_hidden_layers} must be in [1, {full_layers}] for {model_path}")
+        config.num_hidden_layers = num_hidden_layers
+    parallel = parallel or ParallelState.single()
+    InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(config, parallel, dtype)
+    source = RandomWeights(seed) if random_weights else CheckpointReader(model_path)
+    if isinstance(source, CheckpointReader) and config.num_hidden_layers < full_layers:
+        source.used.update(name for name in source.names() if _layer_of(name) >= config.num_hidden_layers)
+    model.load_weights(source)
+    model.weight_source = source
+    return model.eval()
+
+
+def _layer_of(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") else -1

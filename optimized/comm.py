@@ -1,0 +1,416 @@
+"""Process groups and the collectives the model layers call.
+
+Group layouts for world size W (all sizes divide W; `moe_tp_size * moe_ep_size == W`):
+
+- `attn_tp`   (size A): contiguous ranks `[i*A, (i+1)*A)`; ranks with the same `rank // A` shard one
+  attention replica (the W/A replicas are attention data parallel).
+- `moe_tp`    (size T): contiguous ranks `[i*T, (i+1)*T)`; also shards the dense MLP layers.
+- `moe_ep`    (size E = W/T): strided, the ranks with the same `rank % T` (`[j, j+T, j+2T, ...]`);
+  each holds `num_experts / E` experts, split T ways by its moe_tp group.
+- `embed_tp`  (size V): contiguous ranks `[i*V, (i+1)*V)`.
+- `lmhead_tp` (size L): contiguous ranks `[i*L, (i+1)*L)`.
+
+`layout_ranks(...)` computes these lists without any process group (pure, testable);
+`ParallelState.build(...)` creates the `torch.distributed` groups. Every rank calls `new_group` for every
+group of every kind in the same order (a torch.distributed requirement), groups of size 1 are `None`, a
+group spanning the whole world is the default group, and identical rank lists share one group.
+
+Collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all_single`) take a ProcessGroup, a
+`GroupInfo` or None, and are the identity when the group is None or of size 1, so single-process runs need
+no `torch.distributed` initialization at all.
+
+Backend findings (torch 2.13, gloo on CPU; checked by equivalence/test_dist_harness.py):
+- bfloat16 / float16: gloo supports all_reduce, all_gather, reduce_scatter and all_to_all natively; the
+  sum is computed in the 16-bit dtype (a rounding per reduction step, like HCCL/NCCL rings). Pass
+  `upcast=True` to reduce in float32 and round once at the end instead.
+- float8 (and other 1-byte float types: e8m0 scales, packed fp4): gloo rejects them ("Invalid scalar
+  type") for every collective. Data movement (all_gather, all_to_all, broadcast) therefore sends
+  `view(torch.uint8)` and views back: bit-exact on every backend. Reductions of such dtypes are refused
+  (there is no meaningful fp8 sum on the wire; dequantize first).
+- Uneven all_gather: gloo has no uneven list all_gather, so `all_gather(..., sizes=[...])` pads every
+  shard to the largest size, gathers once and trims.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import platform
+from .config import PARALLEL_SIZES, ParallelConfig
+
+KINDS = ("attn_tp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
+
+# ------------------------------------------------------------------------------------------ environment
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise RuntimeError(f"environment variable {name} is not set; start multi-process runs with torchrun "
+                               f"(it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") -> None:
+    """Backend-specific environment, set before the process group exists.
+
+    On NPU (hccl): `HCCL_OP_EXPANSION_MODE` defaults to AIV (collectives expanded on the AI vector cores,
+    the recipe's low-latency setting) unless the environment already sets it; None leaves it alone.
+    """
+    if backend == "npu" and hccl_op_expansion_mode is not None:
+        os.environ.setdefault("HCCL_OP_EXPANSION_MODE", hccl_op_expansion_mode)
+
+
+def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV",
+                     timeout: datetime.timedelta | None = None) -> DistEnv:
+    """Join the job described by torchrun's env:// variables; a single process needs nothing.
+
+    WORLD_SIZE unset or 1: returns DistEnv(0, 1, 0) without initializing torch.distributed. Otherwise
+    initializes the default group with `platform.dist_backend()` (hccl / nccl / gloo) from RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and selects the local device. Idempotent.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return DistEnv(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", dist.get_rank()))
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size <= 1:
+        return DistEnv(0, 1, 0)
+    rank = _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise RuntimeError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
+                               f"start multi-process runs with torchrun")
+    backend = platform.backend_name()
+    apply_backend_env(backend, hccl_op_expansion_mode)
+    if backend == "npu":
+        torch.npu.set_device(local_rank)
+    elif backend == "cuda":
+        torch.cuda.set_device(local_rank)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(platform.dist_backend(), init_method="env://", rank=rank, world_size=world_size,
+                            **kwargs)
+    return DistEnv(rank, world_size, local_rank)
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+
+def _contiguous(world_size: int, size: int) -> list[list[int]]:
+    return [list(range(i * size, (i + 1) * size)) for i in range(world_size // size)]
+
+
+def _strided(world_size: int, stride: int) -> list[list[int]]:
+    return [list(range(j, world_size, stride)) for j in range(stride)]
+
+
+def layout_ranks(parallel: ParallelConfig) -> dict[str, list[list[int]]]:
+    """The rank lists of every group of every kind (validated layout; pure, no torch.distributed)."""
+    parallel.validate()
+    w = parallel.world_size
+    return {
+        "attn_tp": _contiguous(w, parallel.attn_tp_size),
+        "moe_tp": _contiguous(w, parallel.moe_tp_size),
+        "moe_ep": _strided(w, parallel.moe_tp_size),
+        "embed_tp": _contiguous(w, parallel.embed_tp_size),
+        "lmhead_tp": _contiguous(w, parallel.lmhead_tp_size),
+    }
+
+
+# --------------------------------------------------------------------------------------- group registry
+
+_GROUP_NAMES: dict[str, dist.ProcessGroup] = {}
+
+
+def register_group_name(name: str, group: "dist.ProcessGroup | None") -> str:
+    """Make `group` findable by `name` (ops such as the MC2 dispatch take a group name string)."""
+    _GROUP_NAMES[name] = group
+    return name
+
+
+def group_by_name(name: str) -> "dist.ProcessGroup | None":
+    try:
+        return _GROUP_NAMES[name]
+    except KeyError:
+        raise KeyError(f"no process group registered under {name!r}; registered: {sorted(_GROUP_NAMES)}") from None
+
+
+def comm_name(group: "dist.ProcessGroup | None", rank: int | None = None) -> str:
+    """The string an operator takes for `group`, registered so `group_by_name` resolves it.
+
+    On NPU this is the HCCL communicator name (what torch_npu's MC2 operators expect); elsewhere the
+    process group's own name ('' -> 'single' for no group).
+    """
+    if group is None:
+        return register_group_name("single", None)
+    if platform.backend_name() == "npu":  # pragma: no cover - needs torch_npu
+        r = dist.get_rank(group) if rank is None else rank
+        name = group._get_backend(torch.device("npu")).get_hccl_comm_name(r)
+    else:
+        name = group.group_name
+    return register_group_name(name, group)
+
+
+# ------------------------------------------------------------------------------------------ group state
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """This rank's view of one group: the group (None when size 1), its rank list, size, rank within."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    group: "dist.ProcessGroup | None"
+    size: int
+    rank: int
+
+
+_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _new_group(ranks: tuple[int, ...], world_size: int) -> "dist.ProcessGroup | None":
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == world_size:
+        return dist.group.WORLD
+    if ranks not in _GROUP_CACHE:
+        # Collective: every rank of the default group calls this with the same lists in the same order.
+        _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
+    return _GROUP_CACHE[ranks]
+
+
+def destroy_groups() -> None:
+    """Destroy the cached subgroups (all ranks together); the default group stays."""
+    for pg in _GROUP_CACHE.values():
+        dist.destroy_process_group(pg)
+    _GROUP_CACHE.clear()
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    world_size: int
+    rank: int
+    parallel: ParallelConfig
+    attn_tp: GroupInfo
+    moe_tp: GroupInfo
+    moe_ep: GroupInfo
+    embed_tp: GroupInfo
+    lmhead_tp: GroupInfo
+
+    def __getitem__(self, kind: str) -> GroupInfo:
+        if kind not in KINDS:
+            raise KeyError(f"unknown group kind {kind!r}; kinds: {', '.join(KINDS)}")
+        return getattr(self, kind)
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig | None = None, rank: int | None = None, *,
+              create_groups: bool | None = None, **sizes: int) -> "ParallelState":
+        """Groups for `parallel` (or keyword sizes: world_size=, attn_tp_size=, ...).
+
+        rank / world_size default to torch.distributed's when initialized, else 0 / 1. `create_groups`
+        (default: torch.distributed is initialized) False gives the rank lists with every group None,
+        e.g. to inspect a layout in a single process.
+        """
+        initialized = dist.is_available() and dist.is_initialized()
+        if parallel is None:
+            if "world_size" not in sizes:
+                sizes["world_size"] = dist.get_world_size() if initialized else 1
+            unknown = set(sizes) - {"world_size", *PARALLEL_SIZES}
+            if unknown:
+                raise TypeError(f"unknown parallel sizes {sorted(unknown)}; allowed: world_size, {', '.join(PARALLEL_SIZES)}")
+            parallel = ParallelConfig(**sizes)
+        elif sizes:
+            raise TypeError("pass either a ParallelConfig or keyword sizes, not both")
+        layouts = layout_ranks(parallel)
+        w = parallel.world_size
+        if create_groups is None:
+            create_groups = initialized and w > 1
+        if create_groups:
+            if not initialized:
+                raise RuntimeError("create_groups=True needs an initialized torch.distributed (init_distributed())")
+            if dist.get_world_size() != w:
+                raise ValueError(f"parallel_config.world_size ({w}) != torch.distributed world size "
+                                 f"({dist.get_world_size()})")
+            rank = dist.get_rank() if rank is None else rank
+        rank = 0 if rank is None else rank
+        if not 0 <= rank < w:
+            raise ValueError(f"rank {rank} is outside world_size {w}")
+        infos = {}
+        for kind in KINDS:  # same order on every rank
+            mine = None
+            for ranks in layouts[kind]:
+                t = tuple(ranks)
+                pg = _new_group(t, w) if create_groups else None
+                if rank in t:
+                    mine = GroupInfo(kind, t, pg, len(t), t.index(rank))
+            infos[kind] = mine
+        return cls(world_size=w, rank=rank, parallel=parallel, **infos)
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        return cls.build(ParallelConfig(), 0, create_groups=False)
+
+
+# ------------------------------------------------------------------------------------------ collectives
+
+_ONE_BYTE_FLOATS = tuple(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    if hasattr(torch, n))
+
+
+def _pg(group) -> "dist.ProcessGroup | None":
+    """ProcessGroup from a ProcessGroup / GroupInfo / None; None when no communication is needed."""
+    if isinstance(group, GroupInfo):
+        group = group.group
+    if group is None:
+        return None
+    if dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """A dtype every backend moves: 1-byte float types travel as uint8 (bit-exact)."""
+    return x.view(torch.uint8) if x.dtype in _ONE_BYTE_FLOATS else x
+
+
+def _check_reducible(x: torch.Tensor, what: str) -> None:
+    if x.dtype in _ONE_BYTE_FLOATS:
+        raise TypeError(f"{what}: cannot sum {x.dtype} tensors on the wire (no backend reduces fp8/fp4 "
+                        f"exactly); dequantize to bfloat16/float32 first")
+
+
+def all_reduce(x: torch.Tensor, group, *, upcast: bool = False) -> torch.Tensor:
+    """Sum over the group. Returns the result (x itself is reduced in place when contiguous).
+
+    upcast=True reduces 16-bit floats in float32 and rounds once (instead of once per reduction step).
+    """
+    pg = _pg(group)
+    if pg is None:
+        return x
+    _check_reducible(x, "all_reduce")
+    if upcast and x.dtype in (torch.bfloat16, torch.float16):
+        buf = x.float()
+        dist.all_reduce(buf, group=pg)
+        return buf.to(x.dtype)
+    buf = x if x.is_contiguous() else x.contiguous()
+    dist.all_reduce(buf, group=pg)
+    return buf
+
+
+def all_gather(x: torch.Tensor, group, dim: int = 0, *, sizes: list[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in group-rank order.
+
+    Without `sizes` all ranks' shapes must be equal. With `sizes` (the per-rank extent along `dim`, the
+    same list on every rank) shards may differ: each is padded to the largest, gathered once, trimmed.
+    """
+    pg = _pg(group)
+    if pg is None:
+        return x
+    n = dist.get_world_size(pg)
+    dim = dim % x.dim()
+    src = x.movedim(dim, 0)
+    if sizes is not None:
+        if len(sizes) != n:
+            raise ValueError(f"all_gather: sizes has {len(sizes)} entries for a group of {n} ranks")
+        me = sizes[dist.get_rank(pg)]
+        if src.shape[0] != me:
+            raise ValueError(f"all_gather: this rank's extent along dim {dim} is {src.shape[0]}, sizes says {me}")
+        pad = max(sizes) - me
+        if pad:
+            src = torch.cat([src, src.new_zeros((pad, *src.shape[1:]))])
+    src = _wire(src.contiguous())
+    out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+    dist.all_gather_into_tensor(out, src, group=pg)
+    if x.dtype in _ONE_BYTE_FLOATS:
+        out = out.view(x.dtype)
+    if sizes is not None and max(sizes) != min(sizes):
+        out = torch.cat([c[:s] for c, s in zip(out.chunk(n), sizes)])
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0, *, upcast: bool = False) -> torch.Tensor:
+    """Sum over the group, then keep this rank's `1/n` chunk along `dim` (chunk i goes to group rank i)."""
+    pg = _pg(group)
+    if pg is None:
+        return x
+    _check_reducible(x, "reduce_scatter")
+    n = dist.get_world_size(pg)
+    dim = dim % x.dim()
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: size {x.shape[dim]} along dim {dim} is not divisible by the group size {n}")
+    src = x.movedim(dim, 0)
+    cast = upcast and x.dtype in (torch.bfloat16, torch.float16)
+    src = (src.float() if cast else src).contiguous()
+    out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+    dist.reduce_scatter_tensor(out, src, group=pg)
+    if cast:
+        out = out.to(x.dtype)
+    return out.movedim(0, dim)
+
+
+def exchange_split_sizes(input_split_sizes: list[int], group) -> list[int]:
+    """What every peer sends this rank, given what this rank sends each peer (one small all_to_all)."""
+    pg = _pg(group)
+    if pg is None:
+        return list(input_split_sizes)
+    send = torch.tensor(input_split_sizes, dtype=torch.int64)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    return recv.tolist()
+
+
+def all_to_all_single(x: torch.Tensor, group, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None) -> torch.Tensor:
+    """Rows of `x` (dim 0) split by `input_split_sizes` go to group ranks 0..n-1; returns what arrives.
+
+    Equal splits when both are None. When only `input_split_sizes` is given, the output splits are
+    exchanged first (`exchange_split_sizes`).
+    """
+    pg = _pg(group)
+    if pg is None:
+        if input_split_sizes is not None and output_split_sizes is not None \
+                and list(input_split_sizes) != list(output_split_sizes):
+            raise ValueError("all_to_all_single without a group: input and output splits must match")
+        return x
+    n = dist.get_world_size(pg)
+    for name, splits in (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes)):
+        if splits is not None and len(splits) != n:
+            raise ValueError(f"all_to_all_single: {name} has {len(splits)} entries for a group of {n} ranks")
+    if input_split_sizes is not None and sum(input_split_sizes) != x.shape[0]:
+        raise ValueError(f"all_to_all_single: input_split_sizes sum to {sum(input_split_sizes)} but x has "
+                         f"{x.shape[0]} rows")
+    if input_split_sizes is None and x.shape[0] % n:
+        raise ValueError(f"all_to_all_single: {x.shape[0]} rows cannot be split equally over {n} ranks")
+    if input_split_sizes is not None and output_split_sizes is None:
+        output_split_sizes = exchange_split_sizes(input_split_sizes, pg)
+    src = _wire(x.contiguous())
+    rows = sum(output_split_sizes) if output_split_sizes is not None else src.shape[0]
+    out = src.new_empty((rows, *src.shape[1:]))
+    dist.all_to_all_single(out, src, output_split_sizes, input_split_sizes, group=pg)
+    return out.view(x.dtype) if x.dtype in _ONE_BYTE_FLOATS else out
+
+
+def broadcast(x: torch.Tensor, group, src_group_rank: int = 0) -> torch.Tensor:
+    """Every rank gets group rank `src_group_rank`'s `x` (in place when contiguous)."""
+    pg = _pg(group)
+    if pg is None:
+        return x
+    buf = x if x.is_contiguous() else x.contiguous()
+    dist.broadcast(_wire(buf), group=pg, group_src=src_group_rank)
+    return buf

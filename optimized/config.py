@@ -1,0 +1,343 @@
+"""Inference configuration: one YAML file with the cann-recipes-infer sections, validated with clear errors.
+
+```yaml
+model_config:        # what to run
+  model_path: fixture:tiny      # see "model_path" below
+  exe_mode: eager               # eager | graph (torchair on NPU, inductor elsewhere)
+  dtype: bfloat16               # bfloat16 | float32
+  with_ckpt: true               # false: random weights of the real shapes (benchmarks without a checkpoint)
+  enable_cache_compile: false   # graph mode: reuse the compiled graph cache between runs
+  num_hidden_layers: null       # optional override: build only the first N decoder layers
+data_config:         # what to feed it
+  dataset: prompts              # prompts: the `prompts` list | random: random token ids (benchmarks)
+  prompts: ["The capital of France is"]
+  input_max_len: 1024           # prompts are truncated / random inputs are this long
+  seed: 0                       # seed of the random dataset (and of random weights)
+parallel_config:     # how to shard it (every *_size divides world_size)
+  world_size: 1
+  attn_tp_size: 1               # attention tensor parallel (contiguous ranks)
+  moe_tp_size: 1                # MoE (and dense MLP) tensor parallel (contiguous ranks)
+  moe_ep_size: 1                # MoE expert parallel (strided ranks); moe_tp_size * moe_ep_size == world_size
+  embed_tp_size: 1              # vocab-parallel embedding (contiguous ranks)
+  lmhead_tp_size: 1             # vocab-parallel lm_head (contiguous ranks)
+scheduler_config:    # how to schedule it
+  batch_size: 1
+  max_new_tokens: 32
+  block_size: 128               # paged KV cache block size (tokens per block)
+```
+
+Every key is optional (the dataclass defaults above); unknown keys are rejected.
+
+`model_path` convention:
+- a directory with an HF `config.json` (and safetensors when `with_ckpt` is true);
+- `fixture:NAME`: the tiny deterministic checkpoint `NAME` built (and cached) by the `fixtures/` builder,
+  e.g. `fixture:tiny`;
+- `preset:NAME`: the `config.json` of a released model kept under `fixtures/presets/NAME/` (real shapes,
+  no weights), meant for `with_ckpt: false` benchmarks, e.g. `preset:qwen3_30b_a3b`.
+This module only checks the syntax; the loader resolves the path.
+
+`num_hidden_layers` overrides the model's layer count (benchmarks with real shapes but few layers). With a
+checkpoint it keeps the first N layers, so it may not exceed the checkpoint's count.
+
+Validation happens in two steps. `from_dict` / `from_yaml` check what the file alone decides (keys, types,
+positive sizes, world_size divisible by every parallel size, moe_tp_size * moe_ep_size == world_size).
+`validate_for_model(hf_config)` checks what needs the model (head, expert, vocab and MLP divisibility).
+All violations are reported together in one `ConfigError`, one line each, starting with the dotted key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXE_MODES = ("eager", "graph")
+DTYPES = ("bfloat16", "float32")
+DATASETS = ("prompts", "random")
+MODEL_PATH_SCHEMES = ("fixture", "preset")
+
+
+class ConfigError(ValueError):
+    """One or more invalid config entries. `errors` holds (dotted key, message) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors = list(errors)
+        self.source = source
+        head = f"invalid inference config{f' {source}' if source else ''}"
+        super().__init__(head + ":\n" + "\n".join(f"  {key}: {msg}" for key, msg in self.errors))
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _describe(v: Any) -> str:
+    return f"{v!r} ({type(v).__name__})"
+
+
+class _Checker:
+    """Collects (key, message) errors for one section."""
+
+    def __init__(self, section: str, errors: list[tuple[str, str]]):
+        self.section, self.errors = section, errors
+
+    def fail(self, key: str, msg: str) -> None:
+        self.errors.append((f"{self.section}.{key}", msg))
+
+    def positive_int(self, obj, key: str, *, optional: bool = False) -> bool:
+        v = getattr(obj, key)
+        if optional and v is None:
+            return True
+        if not _is_int(v) or v <= 0:
+            self.fail(key, f"must be a positive integer{' or null' if optional else ''}, got {_describe(v)}")
+            return False
+        return True
+
+    def non_negative_int(self, obj, key: str) -> bool:
+        v = getattr(obj, key)
+        if not _is_int(v) or v < 0:
+            self.fail(key, f"must be a non-negative integer, got {_describe(v)}")
+            return False
+        return True
+
+    def boolean(self, obj, key: str) -> bool:
+        v = getattr(obj, key)
+        if not isinstance(v, bool):
+            self.fail(key, f"must be a boolean (true/false), got {_describe(v)}")
+            return False
+        return True
+
+    def choice(self, obj, key: str, choices: tuple[str, ...]) -> bool:
+        v = getattr(obj, key)
+        if v not in choices or not isinstance(v, str):
+            self.fail(key, f"must be one of {', '.join(choices)}; got {_describe(v)}")
+            return False
+        return True
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+@dataclass
+class ModelConfig:
+    model_path: str = "fixture:tiny"
+    exe_mode: str = "eager"
+    dtype: str = "bfloat16"
+    with_ckpt: bool = True
+    enable_cache_compile: bool = False
+    num_hidden_layers: int | None = None
+
+    @property
+    def scheme(self) -> tuple[str | None, str]:
+        """('fixture', NAME), ('preset', NAME) or (None, path)."""
+        head, sep, rest = self.model_path.partition(":")
+        if sep and head in MODEL_PATH_SCHEMES:
+            return head, rest
+        return None, self.model_path
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
+
+    def _check(self, c: _Checker) -> None:
+        if not isinstance(self.model_path, str) or not self.model_path:
+            c.fail("model_path", f"must be a non-empty string, got {_describe(self.model_path)}")
+        else:
+            scheme, name = self.scheme
+            if scheme is not None and not name:
+                c.fail("model_path", f"'{scheme}:' must be followed by a name, e.g. '{scheme}:tiny'")
+        c.choice(self, "exe_mode", EXE_MODES)
+        c.choice(self, "dtype", DTYPES)
+        c.boolean(self, "with_ckpt")
+        c.boolean(self, "enable_cache_compile")
+        c.positive_int(self, "num_hidden_layers", optional=True)
+        if self.enable_cache_compile is True and self.exe_mode == "eager":
+            c.fail("enable_cache_compile", "needs exe_mode: graph (there is no compiled graph to cache in eager mode)")
+        if isinstance(self.model_path, str) and self.scheme[0] == "preset" and self.with_ckpt is True:
+            c.fail("with_ckpt", "must be false with a 'preset:' model_path (presets have a config.json, no weights)")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "prompts"
+    prompts: list[str] = field(default_factory=lambda: ["The capital of France is"])
+    input_max_len: int = 1024
+    seed: int = 0
+
+    def _check(self, c: _Checker) -> None:
+        c.choice(self, "dataset", DATASETS)
+        if not isinstance(self.prompts, list) or not all(isinstance(p, str) for p in self.prompts):
+            c.fail("prompts", f"must be a list of strings, got {_describe(self.prompts)}")
+        elif self.dataset == "prompts" and not self.prompts:
+            c.fail("prompts", "must not be empty when dataset is 'prompts'")
+        c.positive_int(self, "input_max_len")
+        c.non_negative_int(self, "seed")
+
+
+PARALLEL_SIZES = ("attn_tp_size", "moe_tp_size", "moe_ep_size", "embed_tp_size", "lmhead_tp_size")
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int = 1
+    attn_tp_size: int = 1
+    moe_tp_size: int = 1
+    moe_ep_size: int = 1
+    embed_tp_size: int = 1
+    lmhead_tp_size: int = 1
+
+    def _check(self, c: _Checker) -> None:
+        ok = {k: c.positive_int(self, k) for k in ("world_size",) + PARALLEL_SIZES}
+        if not ok["world_size"]:
+            return
+        w = self.world_size
+        for k in PARALLEL_SIZES:
+            if ok[k] and w % getattr(self, k):
+                c.fail(k, f"world_size ({w}) must be divisible by {k} ({getattr(self, k)})")
+        if ok["moe_tp_size"] and ok["moe_ep_size"] and self.moe_tp_size * self.moe_ep_size != w:
+            c.fail("moe_ep_size", f"moe_tp_size * moe_ep_size must equal world_size "
+                                  f"({self.moe_tp_size} * {self.moe_ep_size} != {w})")
+
+    def validate(self) -> "ParallelConfig":
+        errors: list[tuple[str, str]] = []
+        self._check(_Checker("parallel_config", errors))
+        if errors:
+            raise ConfigError(errors)
+        return self
+
+
+@dataclass
+class SchedulerConfig:
+    batch_size: int = 1
+    max_new_tokens: int = 32
+    block_size: int = 128
+
+    def _check(self, c: _Checker) -> None:
+        for k in ("batch_size", "max_new_tokens", "block_size"):
+            c.positive_int(self, k)
+
+
+SECTIONS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "data_config": DataConfig,
+    "parallel_config": ParallelConfig,
+    "scheduler_config": SchedulerConfig,
+}
+
+
+def _allowed(cls) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+@dataclass
+class InferenceConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    data_config: DataConfig = field(default_factory=DataConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    # ---- construction
+    @classmethod
+    def from_dict(cls, d: dict | None, *, source: str | None = None) -> "InferenceConfig":
+        """Build and validate (file-only rules). Raises ConfigError naming every bad dotted key."""
+        errors: list[tuple[str, str]] = []
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ConfigError([("<top level>", f"must be a mapping of sections, got {_describe(d)}")], source)
+        sections: dict[str, Any] = {}
+        for name, value in d.items():
+            if name not in SECTIONS:
+                errors.append((str(name), f"unknown section; allowed sections: {', '.join(SECTIONS)}"))
+                continue
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                errors.append((name, f"must be a mapping, got {_describe(value)}"))
+                continue
+            sec_cls = SECTIONS[name]
+            allowed = _allowed(sec_cls)
+            unknown = [k for k in value if k not in allowed]
+            for k in unknown:
+                errors.append((f"{name}.{k}", f"unknown key; allowed keys: {', '.join(allowed)}"))
+            sections[name] = sec_cls(**{k: v for k, v in value.items() if k in allowed})
+        cfg = cls(**sections)
+        for name in SECTIONS:
+            getattr(cfg, name)._check(_Checker(name, errors))
+        if errors:
+            raise ConfigError(errors, source)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "InferenceConfig":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError([("<yaml>", f"not valid YAML: {e}")], str(path)) from e
+        return cls.from_dict(data, source=str(path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # ---- model-dependent rules
+    def validate_for_model(self, hf_config) -> "InferenceConfig":
+        """Check the parallel layout against a Qwen3-MoE config (transformers `Qwen3MoeConfig` or alike).
+
+        Rules: num_attention_heads % attn_tp_size == 0; KV heads either split evenly over attention-TP
+        ranks or are replicated (attn_tp_size % num_key_value_heads == 0); moe_intermediate_size %
+        moe_tp_size == 0; num_experts % moe_ep_size == 0; vocab_size % embed_tp_size == 0 and
+        vocab_size % lmhead_tp_size == 0 (vocab padding is not implemented); intermediate_size %
+        moe_tp_size == 0 when the (possibly truncated) model has dense MLP layers (the dense MLP is
+        sharded over the moe_tp group); num_hidden_layers override <= the checkpoint's layers when
+        with_ckpt.
+        """
+        p, m = self.parallel_config, self.model_config
+        errors: list[tuple[str, str]] = []
+        pc, mc = "parallel_config", "model_config"
+
+        def div(key: str, attr: str, size: int, extra: str = "") -> None:
+            total = getattr(hf_config, attr)
+            if total % size:
+                errors.append((f"{pc}.{key}", f"model {attr} ({total}) must be divisible by {key} ({size}){extra}"))
+
+        div("attn_tp_size", "num_attention_heads", p.attn_tp_size)
+        kv = hf_config.num_key_value_heads
+        if kv % p.attn_tp_size and p.attn_tp_size % kv:
+            errors.append((f"{pc}.attn_tp_size",
+                           f"model num_key_value_heads ({kv}) must be divisible by attn_tp_size ({p.attn_tp_size}), "
+                           f"or attn_tp_size must be a multiple of it (KV heads are then replicated)"))
+        div("moe_tp_size", "moe_intermediate_size", p.moe_tp_size)
+        div("moe_ep_size", "num_experts", p.moe_ep_size)
+        no_pad = " (padding the vocabulary is not implemented)"
+        div("embed_tp_size", "vocab_size", p.embed_tp_size, no_pad)
+        div("lmhead_tp_size", "vocab_size", p.lmhead_tp_size, no_pad)
+        n_layers = m.num_hidden_layers or hf_config.num_hidden_layers
+        if m.num_hidden_layers is not None and m.with_ckpt and m.num_hidden_layers > hf_config.num_hidden_layers:
+            errors.append((f"{mc}.num_hidden_layers",
+                           f"({m.num_hidden_layers}) must not exceed the checkpoint's num_hidden_layers "
+                           f"({hf_config.num_hidden_layers}) when with_ckpt is true"))
+        if dense_layers(hf_config, n_layers):
+            div("moe_tp_size", "intermediate_size", p.moe_tp_size,
+                " (the dense MLP layers are sharded over the moe_tp group)")
+        if errors:
+            raise ConfigError(errors)
+        return self
+
+
+def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
+    """Indices of decoder layers with a dense MLP, by HF Qwen3-MoE's rule."""
+    n = num_layers if num_layers is not None else hf_config.num_hidden_layers
+    only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    experts = getattr(hf_config, "num_experts", 0)
+    return [i for i in range(n) if i in only or not (experts > 0 and (i + 1) % step == 0)]

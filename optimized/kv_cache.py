@@ -1,0 +1,58 @@
+"""Paged KV cache: a pool of fixed-size blocks per layer, block tables and slot mappings per request.
+
+Cache tensors are [num_blocks, block_size, kv_heads, head_dim] ("BnBsND"); attention reads them as
+BnBsH. Block 0 is the null block: padding entries of block tables point at it and it is never handed
+out, so a stray write to it cannot corrupt a request.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+NULL_BLOCK = 0
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be positive")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(num_layers)]
+        self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))   # pop() hands out 1, 2, 3, ...
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """Blocks for a request of up to `num_tokens` tokens."""
+        needed = math.ceil(num_tokens / self.block_size)
+        if needed > len(self._free):
+            raise RuntimeError(f"KV cache out of blocks: a request of {num_tokens} tokens needs {needed} blocks of "
+                               f"{self.block_size}, {len(self._free)} free of {self.num_blocks - 1}")
+        return [self._free.pop() for _ in range(needed)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def block_table(requests_blocks: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, max_blocks] int32, each row padded with the null block."""
+    width = max((len(blocks) for blocks in requests_blocks), default=0) or 1
+    table = torch.full((len(requests_blocks), width), NULL_BLOCK, dtype=torch.int32)
+    for row, blocks in enumerate(requests_blocks):
+        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return table.to(device)
+
+
+def slot_mapping(table: torch.Tensor, request_of_token: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Cache slot of each token: block_table[b, pos // block_size] * block_size + pos % block_size."""
+    blocks = table[request_of_token, positions // block_size].long()
+    return blocks * block_size + positions % block_size

@@ -1,0 +1,83 @@
+"""Qwen3-MoE attention on the fused operators, tensor-parallel over the attention TP group.
+
+merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rotary_pos_emb (TND)
+-> npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache)
+-> o_proj (row-parallel, all_reduce). New K/V go to the paged cache with npu_scatter_nd_update_.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..forward_metadata import ForwardMetadata
+from .linear import QKVParallelLinear, RowParallelLinear
+from .norm import RMSNorm
+
+# sparse_mode 3 reads this 2048x2048 template (True = masked) whatever the sequence length.
+CAUSAL_MASK_TEMPLATE_SIZE = 2048
+
+
+def causal_mask_template(device: torch.device | str = "cpu") -> torch.Tensor:
+    size = CAUSAL_MASK_TEMPLATE_SIZE
+    return ~torch.tril(torch.ones(size, size, dtype=torch.bool, device=device))
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, config, tp, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.head_dim = config.head_dim
+        self.merged_qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                                 config.num_key_value_heads, tp, dtype)
+        self.num_heads = self.merged_qkv_proj.q_heads          # per rank
+        self.num_kv_heads = self.merged_qkv_proj.kv_heads      # per rank
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, tp, dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.softmax_scale = config.head_dim ** -0.5
+
+    def load(self, source, prefix: str) -> None:
+        self.merged_qkv_proj.load(source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight",
+                                  f"{prefix}.v_proj.weight")
+        self.o_proj.load(source, f"{prefix}.o_proj.weight")
+        self.q_norm.load(source, f"{prefix}.q_norm.weight")
+        self.k_norm.load(source, f"{prefix}.k_norm.weight")
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], atten_mask: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.merged_qkv_proj(hidden).split(self.merged_qkv_proj.output_sizes, dim=-1)
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))        # [T, Nq, D]
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))     # [T, Nkv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)                  # [T, Nkv, D]
+        q, k = torch.ops.npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="TND")
+        if meta.is_prefill:
+            out = self.attention_prefill(q, k, v, meta, atten_mask)
+            self.kv_cache_update(k, v, meta, kv_cache)
+        else:
+            self.kv_cache_update(k, v, meta, kv_cache)
+            out = self.attention_decode(q, meta, kv_cache, atten_mask)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def attention_prefill(self, q, k, v, meta: ForwardMetadata, atten_mask):
+        # No prefix caching: a prompt attends only to itself, so q and kv lengths are the same prefix sums.
+        return torch.ops.npu.npu_fused_infer_attention_score_v2(
+            q, k, v, num_query_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            softmax_scale=self.softmax_scale, input_layout="TND", sparse_mode=3, atten_mask=atten_mask,
+            actual_seq_qlen=meta.actual_seq_lengths_cu_q, actual_seq_kvlen=meta.actual_seq_lengths_cu_q)[0]
+
+    def attention_decode(self, q, meta: ForwardMetadata, kv_cache, atten_mask):
+        k_cache, v_cache = kv_cache
+        num_blocks, block_size = k_cache.shape[:2]
+        return torch.ops.npu.npu_fused_infer_attention_score_v2(
+            q, k_cache.view(num_blocks, block_size, -1), v_cache.view(num_blocks, block_size, -1),
+            num_query_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            softmax_scale=self.softmax_scale, input_layout="TND", sparse_mode=3, atten_mask=atten_mask,
+            actual_seq_qlen=meta.actual_seq_lengths_cu_q, actual_seq_kvlen=meta.actual_seq_lengths_kv,
+            block_table=meta.block_table, block_size=meta.block_size)[0]
+
+    def kv_cache_update(self, k, v, meta: ForwardMetadata, kv_cache) -> None:
+        k_cache, v_cache = kv_cache                                            # [blocks, block_size, Nkv, D]
+        slots = meta.slot_mapping.view(-1, 1)
+        torch.ops.npu.npu_scatter_nd_update_(k_cache.view(-1, self.num_kv_heads, self.head_dim), slots, k)
+        torch.ops.npu.npu_scatter_nd_update_(v_cache.view(-1, self.num_kv_heads, self.head_dim), slots, v)

@@ -1,0 +1,111 @@
+"""Qwen3-MoE sparse block on the fused operators: router, routing, grouped-matmul experts, combine.
+
+Parallelism: experts split across the MoE EP group (rank e holds experts [e*L, (e+1)*L)) and each
+expert's intermediate dimension split across the MoE TP group. Every rank sees the same tokens, routes
+them to its local experts only (`active_expert_range`), and the partial sums are all-reduced.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from .linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _split
+
+
+class FusedMoEGMM(nn.Module):
+    """This rank's experts merged for grouped matmul: w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, moe_tp, moe_ep,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.moe_tp, self.moe_ep = moe_tp, moe_ep
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.local_experts = _split(num_experts, moe_ep.size, "num_experts")
+        self.first_expert = moe_ep.rank * self.local_experts
+        self.inter_per_rank = _split(intermediate_size, moe_tp.size, "moe_intermediate_size")
+        shape13 = (self.local_experts, hidden_size, 2 * self.inter_per_rank)
+        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.local_experts, self.inter_per_rank, hidden_size, dtype=dtype),
+                               requires_grad=False)
+
+    def load(self, source, prefix: str) -> None:
+        """Per-expert checkpoint tensors `{prefix}.E.{gate,up,down}_proj.weight`, this rank's slices only."""
+        inter, hidden, i_r = self.intermediate_size, self.hidden_size, self.inter_per_rank
+        cols = slice(self.moe_tp.rank * i_r, (self.moe_tp.rank + 1) * i_r)
+        for local in range(self.local_experts):
+            name = f"{prefix}.{self.first_expert + local}"
+            gate = source.read(f"{name}.gate_proj.weight", (inter, hidden), (cols,))   # [I_r, H]
+            up = source.read(f"{name}.up_proj.weight", (inter, hidden), (cols,))       # [I_r, H]
+            down = source.read(f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r]
+            self.w13[local, :, :i_r].copy_(gate.t())
+            self.w13[local, :, i_r:].copy_(up.t())
+            self.w2[local].copy_(down.t())
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: [M, H] rows grouped by local expert, counts [L]; rows past the counts are padding."""
+        h = torch.ops.npu.npu_grouped_matmul([x], [self.w13], group_list=tokens_per_expert, group_type=0,
+                                             group_list_type=1, split_item=3)[0]      # [M, 2*I_r]
+        h = torch.ops.npu.npu_swiglu(h)                                                # [M, I_r]
+        return torch.ops.npu.npu_grouped_matmul([h], [self.w2], group_list=tokens_per_expert, group_type=0,
+                                                group_list_type=1, split_item=3)[0]   # [M, H]
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype):
+        super().__init__()
+        self.moe_tp, self.moe_ep = moe_tp, moe_ep
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        # The router runs in float32 (as the NPU recipe does), whatever the activation dtype.
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, torch.float32)
+        self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                   moe_tp, moe_ep, dtype)
+
+    def load(self, source, prefix: str) -> None:
+        self.gate.load(source, f"{prefix}.gate.weight")
+        self.experts.load(source, f"{prefix}.experts")
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k weights [T, K] (float32, renormalized if configured) and expert ids [T, K] int32."""
+        router_logits = self.gate(hidden.float())                                       # [T, E]
+        topk_weight, topk_idx, _ = torch.ops.npu.npu_moe_gating_top_k_softmax(router_logits, None, k=self.top_k)
+        if self.norm_topk_prob:
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_weight, topk_idx.to(torch.int32)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        topk_weight, topk_idx = self.route(hidden)
+        return self.moe_infer_tp(hidden, topk_idx, topk_weight)
+
+    def moe_infer_tp(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        first = self.experts.first_expert
+        expanded_x, expanded_row_idx, tokens_per_expert, _ = torch.ops.npu.npu_moe_init_routing_v2(
+            hidden, expert_idx=topk_idx, active_num=tokens * self.top_k, expert_num=self.num_experts,
+            expert_tokens_num_type=1, expert_tokens_num_flag=True,
+            active_expert_range=[first, first + self.experts.local_experts], quant_mode=-1)
+        expert_out = self.experts(expanded_x, tokens_per_expert)
+        # Slots routed to experts of other EP ranks carry -1 and contribute nothing here.
+        out = torch.ops.npu.npu_moe_finalize_routing(
+            expert_out, skip1=None, skip2=None, bias=None, scales=topk_weight.to(expert_out.dtype),
+            expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=None, drop_pad_mode=2)
+        # Partial sums over this rank's intermediate slice (TP) and its experts (EP).
+        return comm.all_reduce(comm.all_reduce(out, self.moe_tp.group), self.moe_ep.group)
+
+
+class Qwen3MoeMLP(nn.Module):
+    """Dense SwiGLU MLP (mlp_only_layers / decoder_sparse_step), tensor-parallel over the MoE TP group."""
+
+    def __init__(self, config, moe_tp, dtype: torch.dtype):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], moe_tp, dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, moe_tp, dtype)
+
+    def load(self, source, prefix: str) -> None:
+        self.gate_up_proj.load(source, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
+        self.down_proj.load(source, f"{prefix}.down_proj.weight")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.ops.npu.npu_swiglu(self.gate_up_proj(hidden)))

@@ -1,0 +1,69 @@
+"""`python -m reference generate` on a tiny checkpoint prints what greedy_generate computes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.checkpoints import checkpoint
+from fixtures.tokenizer import decode, encode
+from reference.__main__ import main as cli_main
+from reference.checkpoint import load_model
+from reference.generate import greedy_generate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "reference", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_generate_prints_prompt_and_generated_ids():
+    path = checkpoint("tiny")
+    out = run_cli("generate", "--model", str(path), "--prompt", "hello", "--max-new-tokens", "6")
+    assert out.returncode == 0, out.stderr
+    prompt = encode("hello")
+    expected = greedy_generate(load_model(path), torch.tensor([prompt]), 6)[0].tolist()
+    lines = out.stdout.splitlines()
+    assert f"prompt ids: {','.join(map(str, prompt))}" in lines
+    assert f"generated ids: {','.join(map(str, expected))}" in lines
+    assert f"text: {decode(prompt + expected)!r}" in lines
+
+
+def test_generate_from_ids_bfloat16_without_cache(capsys):
+    """In-process (same `main` as the subprocess above, without a second interpreter start)."""
+    path = checkpoint("tiny-dense")
+    assert cli_main(["generate", "--model", str(path), "--prompt-ids", "1,2,300", "--max-new-tokens", "4",
+                     "--dtype", "bfloat16", "--no-cache"]) == 0
+    model = load_model(path, dtype=torch.bfloat16)
+    expected = greedy_generate(model, torch.tensor([[1, 2, 300]]), 4, use_cache=False)[0].tolist()
+    lines = capsys.readouterr().out.splitlines()
+    assert f"generated ids: {','.join(map(str, expected))}" in lines
+    assert f"text: {decode([1, 2, 300] + expected)!r}" in lines
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1,x"], "expected comma-separated integers"),
+    (["--prompt-ids", "1,600"], "token id 600 is outside the vocabulary [0, 512)"),
+    (["--prompt", "a", "--prompt-ids", "1"], "not allowed with argument"),
+    (["--prompt", "a", "--dtype", "float16"], "invalid choice"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "a", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+])
+def test_bad_input_is_an_argparse_error(args, message, capsys):
+    """In-process (the subprocess path is the same `main`): usage errors exit 2 with the reason."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["generate", "--model", str(checkpoint("tiny")), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_directory_is_an_argparse_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "a"])
+    assert exit_info.value.code == 2
+    assert "nope" in capsys.readouterr().err
