@@ -192,34 +192,40 @@ class WorkerPool:
             now = time.monotonic()
             if now >= deadline:
                 break
-            ready = wait(list(waiting) + [s for s, r in sentinels.items() if r not in dead and r not in results
-                                          and r not in errors], timeout=deadline - now)
+            pending = set(waiting.values())
+            ready = wait(list(waiting) + [s for s, r in sentinels.items() if r in pending], timeout=deadline - now)
             for obj in ready:
-                if obj in waiting:
-                    r = waiting[obj]
-                    try:
-                        data = obj.recv_bytes()
-                    except (EOFError, OSError):
-                        continue  # the process sentinel reports the death
-                    del waiting[obj]
-                    try:
-                        tid, ok, value = _loads(data)
-                    except Exception:
-                        errors[r] = "its answer could not be unpickled here:\n" + traceback.format_exc()
-                        continue
-                    if tid != task_id:  # cannot happen in a healthy pool
-                        errors[r] = f"answered task {tid!r} while task {task_id!r} was expected"
-                    elif ok:
-                        results[r] = value
-                    else:
-                        errors[r] = value
-                elif obj in sentinels:
+                if obj in sentinels:  # the process exited: read what it left in the pipe, if anything
                     r = sentinels[obj]
-                    conn = self._conns[r]
-                    if conn in waiting and not conn.poll():
+                    obj = self._conns[r]
+                    if obj not in waiting:
+                        continue
+                    if not obj.poll():
+                        del waiting[obj]
                         self._procs[r].join(0.1)
                         dead[r] = self._procs[r].exitcode
-                        del waiting[conn]
+                        continue
+                r = waiting.get(obj)
+                if r is None:
+                    continue
+                del waiting[obj]
+                try:
+                    data = obj.recv_bytes()
+                except (EOFError, OSError):  # the worker's end closed: it died
+                    self._procs[r].join(0.5)
+                    dead[r] = self._procs[r].exitcode
+                    continue
+                try:
+                    tid, ok, value = _loads(data)
+                except Exception:
+                    errors[r] = "its answer could not be unpickled here:\n" + traceback.format_exc()
+                    continue
+                if tid != task_id:  # cannot happen in a healthy pool
+                    errors[r] = f"answered task {tid!r} while task {task_id!r} was expected"
+                elif ok:
+                    results[r] = value
+                else:
+                    errors[r] = value
             if (errors or dead) and waiting:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         silent = sorted(waiting.values())

@@ -186,7 +186,7 @@ def test_torch_compile_fullgraph_matches_eager():
     gen = torch.Generator().manual_seed(9)
     k, v = torch.randn(5, 2, 8, generator=gen).bfloat16(), torch.randn(5, 2, 8, generator=gen).bfloat16()
     slots = torch.tensor([9, 3, 4, 0, 0])
-    fresh = lambda: (torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16))  # noqa: E731
+    fresh = lambda: tuple(torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16) for _ in range(2))  # noqa: E731
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     kc_eager, vc_eager = fresh()
@@ -210,7 +210,8 @@ def test_errors_name_op_and_argument(name):
         op(self, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 5, 6))
     with pytest.raises(ValueError, match=rf"{name}: indices has dtype torch.float32; allowed"):
         op(self, torch.zeros(3, 1), torch.zeros(3, 5, 6))
-    with pytest.raises(ValueError, match=rf"{name}: indices.shape\[-1\] \(index depth\) must be in \[1, self.dim\(\)=3\]; got 4"):
+    with pytest.raises(ValueError,
+                       match=rf"{name}: indices.shape\[-1\] \(index depth\) must be in \[1, self.dim\(\)=3\]; got 4"):
         op(self, torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3))
     with pytest.raises(ValueError, match=rf"{name}: updates has dtype torch.float16; expected self.dtype"):
         op(self, torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 6, dtype=torch.float16))

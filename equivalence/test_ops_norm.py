@@ -173,7 +173,8 @@ def test_rms_norm_edge_cases():
     x_nan = torch.ones(1, 4)
     x_nan[0, 0] = float("nan")
     assert ops.npu_rms_norm(x_nan, torch.ones(4))[0].isnan().all()
-    empty_y, empty_rstd = ops.npu_rms_norm(torch.empty(0, 3, 16, dtype=torch.float16), torch.ones(16, dtype=torch.float16))
+    half = torch.float16
+    empty_y, empty_rstd = ops.npu_rms_norm(torch.empty(0, 3, 16, dtype=half), torch.ones(16, dtype=half))
     assert empty_y.shape == (0, 3, 16) and empty_rstd.shape == (0, 3, 1) and empty_rstd.dtype == torch.float32
 
 
@@ -248,7 +249,8 @@ def test_variant_switch_pinned():
     xf = xs.to(torch.bfloat16).float()
     rstd = 1.0 / torch.sqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
     assert_bitwise_equal(rstd_a, rstd, "A: rstd of the rounded sum")
-    assert_bitwise_equal(y_a, ((xf * rstd).to(torch.bfloat16).float() * gamma.float()).to(torch.bfloat16), "A cast points")
+    want_a = ((xf * rstd).to(torch.bfloat16).float() * gamma.float()).to(torch.bfloat16)
+    assert_bitwise_equal(y_a, want_a, "A cast points")
     assert_bitwise_equal(y_b, (xs * rstd_b * gamma.float()).to(torch.bfloat16), "B cast points")
     assert not torch.equal(y_a, y_b)
 

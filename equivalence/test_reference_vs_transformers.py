@@ -218,3 +218,19 @@ def test_tied_embeddings_equal_transformers():
     input_ids = torch.randint(0, 512, (2, 13), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert_close(ref(input_ids), hf(input_ids).logits, "model.float32", "tied embeddings")
+
+
+@settings(max_examples=5)
+@given(rows=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_router_dtype_float32_computes_bf16_router_logits_in_fp32(rows, seed):
+    """router_dtype="float32" (the NPU recipe): bf16 activations and gate weight are upcast for the logits,
+    so the probabilities are fp32-exact for the bf16 inputs; the HF default rounds the logits to bf16."""
+    (ref32, _), (ref, _) = models("tiny", "bfloat16", router_dtype="float32"), models("tiny", "bfloat16")
+    block32, block = ref32.model.layers[0].mlp, ref.model.layers[0].mlp
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)  # [T, H]
+    exact = torch.softmax(x.double() @ block.gate.weight.double().T, dim=-1)  # [T, E]
+    weights, _, probs = block32.route(x)
+    assert weights.dtype == torch.float32
+    assert_close(probs, exact, "op.float32", "fp32 router probabilities")
+    _, _, probs_bf16_logits = block.route(x)
+    assert (probs_bf16_logits.double() - exact).abs().max() > 1e-4  # bf16 logits are visibly coarser

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from .comm import ParallelState
-from .config import InferenceConfig, ParallelConfig
+from .config import InferenceConfig
 from .loader import CheckpointReader, RandomWeights
 from .model import Qwen3MoeForCausalLM
 
@@ -26,18 +26,29 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
         if not 1 <= num_hidden_layers <= full_layers:
             raise ValueError(f"num_hidden_layers={num_hidden_layers} must be in [1, {full_layers}] for {model_path}")
         config.num_hidden_layers = num_hidden_layers
+    if random_weights:
+        source = RandomWeights(seed)
+    else:
+        source = CheckpointReader(model_path)
+        # Layers cut off by num_hidden_layers are deliberately unused, not unexpected.
+        for name in source.names():
+            if _layer_of(name) >= config.num_hidden_layers:
+                source.skip(name)
+    return model_from_source(config, source, parallel=parallel, dtype=dtype, device=device)
+
+
+def model_from_source(config, source, *, parallel: ParallelState | None = None,
+                      dtype: torch.dtype = torch.bfloat16,
+                      device: torch.device | str = "cpu") -> Qwen3MoeForCausalLM:
+    """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...)."""
     parallel = parallel or ParallelState.single()
     InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
     with torch.device(device):
         model = Qwen3MoeForCausalLM(config, parallel, dtype)
-    source = RandomWeights(seed) if random_weights else CheckpointReader(model_path)
-    if isinstance(source, CheckpointReader) and config.num_hidden_layers < full_layers:
-        source.used.update(name for name in source.names() if _layer_of(name) >= config.num_hidden_layers)
     model.load_weights(source)
     model.weight_source = source
     return model.eval()
 
 
 def _layer_of(name: str) -> int:
-    parts = name.split(".")
-    return int(parts[2]) if name.startswith("model.layers.") else -1
+    return int(name.split(".")[2]) if name.startswith("model.layers.") else -1

@@ -68,11 +68,12 @@ class CheckpointReader:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def skip(self, name: str) -> None:
+        """`name` belongs to the model but another rank loads it: not unexpected here."""
+        self.used.add(name)
+
     def check_all_used(self) -> None:
-        unexpected = sorted(self.names() - self.used)
-        if unexpected:
-            shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
-            raise CheckpointError(f"{self.path}: unexpected tensors the model does not use: {shown}")
+        _check_all_used(str(self.path), self.names(), self.used)
 
 
 class RandomWeights:
@@ -99,6 +100,9 @@ class RandomWeights:
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}:{index!r}".encode()))
         return torch.randn(shape, generator=generator) * self.std
 
+    def skip(self, name: str) -> None:
+        pass
+
     def check_all_used(self) -> None:
         pass
 
@@ -111,3 +115,44 @@ def _sliced_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
         else:
             raise TypeError(f"only slices are supported in a read index, got {item!r}")
     return tuple(out)
+
+
+class StateDictSource:
+    """Weights from an in-memory `{checkpoint name: tensor}` dict (e.g. a reference model's state_dict),
+    with the same checks as a checkpoint: benchmarks and tests share one set of weights this way."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], label: str = "state_dict"):
+        self.state_dict, self.label = state_dict, label
+        self.used: set[str] = set()
+        self.bytes_read = 0
+
+    def names(self) -> set[str]:
+        return set(self.state_dict)
+
+    def has(self, name: str) -> bool:
+        return name in self.state_dict
+
+    def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
+        if name not in self.state_dict:
+            raise CheckpointError(f"{self.label}: missing tensor {name!r}")
+        tensor = self.state_dict[name]
+        if tuple(tensor.shape) != tuple(expected_shape):
+            raise CheckpointError(f"{self.label}: tensor {name!r} has shape {tuple(tensor.shape)}; the model "
+                                  f"expects {tuple(expected_shape)}")
+        part = tensor[index] if index else tensor
+        self.used.add(name)
+        self.bytes_read += part.numel() * part.element_size()
+        return part
+
+    def skip(self, name: str) -> None:
+        self.used.add(name)
+
+    def check_all_used(self) -> None:
+        _check_all_used(self.label, self.names(), self.used)
+
+
+def _check_all_used(label: str, names: set[str], used: set[str]) -> None:
+    unexpected = sorted(names - used)
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+        raise CheckpointError(f"{label}: unexpected tensors the model does not use: {shown}")

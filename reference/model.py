@@ -171,7 +171,7 @@ class Attention(nn.Module):
         scores = (q @ k.transpose(-1, -2)) * self.scale  # [B, N, S, L]
         causal = torch.ones(S, L, dtype=torch.bool, device=x.device).tril(diagonal=L - S)  # query i is at L - S + i
         scores = scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, N, S, L]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, N, S, L]
         out = (probs @ v).transpose(1, 2).reshape(B, S, -1)  # [B, S, N * D]
         return self.o_proj(out)
 

@@ -41,6 +41,14 @@ class FusedMoEGMM(nn.Module):
             self.w13[local, :, :i_r].copy_(gate.t())
             self.w13[local, :, i_r:].copy_(up.t())
             self.w2[local].copy_(down.t())
+        # The other EP ranks' experts are theirs to read: deliberately unused here, not unexpected.
+        mine = range(self.first_expert, self.first_expert + self.local_experts)
+        source.used.update(f"{prefix}.{e}.{w}_proj.weight" for e in range(self.num_experts) if e not in mine
+                           for w in ("gate", "up", "down"))
+        local_range = range(self.first_expert, self.first_expert + self.local_experts)
+        for expert in set(range(self.num_experts)) - set(local_range):   # other EP ranks load these
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                source.skip(f"{prefix}.{expert}.{proj}.weight")
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [M, H] rows grouped by local expert, counts [L]; rows past the counts are padding."""

@@ -48,7 +48,8 @@ def _dst_code(dst_type) -> int:
 
 # schema: npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, int? dst_type=None, str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, Tensor)
 # rounding: scale = amax * f32(1/DTYPE_MAX); q = xf / scale (fp32 division); int8/int4: round half to even, then
-#           saturate; fp8: clamp to [-DTYPE_MAX, DTYPE_MAX] BEFORE the RNE cast (PyTorch overflows to NaN).
+#           saturate; fp8: clamp to [-DTYPE_MAX, DTYPE_MAX] BEFORE the RNE cast (a bare PyTorch cast may overflow
+#           to inf/NaN, and fp32->int8 wraps), because the NPU saturates.
 # zero rows: amax == 0 -> y = 0 and scale = 0 (the NPU divides 0/0 there; spec §10.17).
 # packing (quint4x2): int32 words, last dim H/8; element j of a word sits in bits [4j, 4j+4) (element 2k in
 #           the low nibble of byte k, little-endian), two's complement nibbles.

@@ -1,0 +1,315 @@
+"""Command line: `python -m optimized generate | bench | convert`.
+
+    python -m optimized generate --config YAML [--model-path P] [--prompt TEXT ... | --prompt-ids 1,2,3 ...]
+                                 [--max-new-tokens N] [--dtype bfloat16|float32]
+    torchrun --nproc-per-node N -m optimized generate --config YAML ...   (N == parallel_config.world_size)
+    python -m optimized bench [--preset qwen3_30b_a3b|qwen3_235b_a22b|tiny] [--layers 2] [--batch 1]
+                              [--prompt-len 128] [--decode-steps 8] [--warmup 1] [--repeats 3]
+                              [--dtype bfloat16|float32] [--skip-hf] [--json PATH]
+    python -m optimized convert ...                                       (not implemented yet: exits 2)
+
+generate
+  The YAML is an `optimized.config.InferenceConfig`; command-line options override it. Prompts: every
+  `--prompt TEXT` (byte-level, UTF-8 bytes) or `--prompt-ids 1,2,3` is one request of the batch; without
+  either, the config's data_config decides (`prompts`: its prompts, cycled to scheduler_config.batch_size
+  requests; `random`: batch_size random prompts of input_max_len ids drawn from data_config.seed), each
+  truncated to data_config.input_max_len.
+  model_config.model_path: `fixture:NAME` (the tiny checkpoint built and cached by the repository's
+  `fixtures/` package: run from the repository root), `preset:NAME` (a released model's config.json,
+  e.g. preset:qwen3_30b_a3b, written to a cache directory; random weights, with_ckpt: false), or a
+  checkpoint directory. with_ckpt: false draws seeded random weights (data_config.seed).
+  Under torchrun every rank loads only its own shards; rank 0 prints, per request, `prompt ids:`,
+  `generated ids:` and `text:` (the lines `python -m reference generate` prints; with several requests
+  each line starts with `[i] `), then the prefill time and the decode time per token.
+  exe_mode: graph is rejected for now ("not implemented yet"): graph mode (torchair on NPU, inductor
+  elsewhere) with its compile cache is a later step; run with exe_mode: eager.
+
+Errors a user can fix (bad config, bad prompt, world size mismatch, missing checkpoint) print one line
+`python -m optimized: error: ...` on stderr and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+PROG = "python -m optimized"
+
+
+class UsageError(Exception):
+    """A problem the user can fix: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        fail(f"{self.prog.split()[-1] if self.prog != PROG else ''}{': ' if self.prog != PROG else ''}{message}")
+
+
+def fail(message: str) -> "NoReturn":  # noqa: F821
+    message = " ".join(str(message).split())  # one line, whatever the exception text looked like
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3; got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0; got {text!r}")
+    return ids
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Qwen3-MoE optimized for Ascend NPUs (portable kernels elsewhere)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="greedy generation from an inference config (single process or torchrun)")
+    gen.add_argument("--config", required=True, help="inference config YAML (see optimized/config.py)")
+    gen.add_argument("--model-path", help="overrides model_config.model_path (directory, fixture:NAME, preset:NAME)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a prompt, tokenized byte-level; repeat for a batch")
+    prompt.add_argument("--prompt-ids", action="append", type=_prompt_ids, metavar="IDS",
+                        help="comma-separated token ids, e.g. 1,2,3; repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, help="overrides scheduler_config.max_new_tokens")
+    gen.add_argument("--dtype", choices=["bfloat16", "float32"], help="overrides model_config.dtype")
+    gen.add_argument("--block-size", type=int, help="overrides scheduler_config.block_size (a multiple of 16)")
+
+    from . import bench
+    bench.add_arguments(sub.add_parser("bench", help="latency: reference vs optimized vs transformers, "
+                                                     "beside the memory-bandwidth floor"))
+
+    conv = sub.add_parser("convert", help="offline BF16 -> MXFP8 / W4A8 checkpoint conversion (not implemented yet)")
+    conv.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------- model_path
+
+def _fixtures(what: str):
+    """The repository's `fixtures` package (not installed with the project: it lives at the repository root)."""
+    try:
+        import fixtures.checkpoints  # noqa: F401
+        import fixtures.presets  # noqa: F401
+        import fixtures.tokenizer  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{what} needs the repository's `fixtures` package, which is not importable here: run from "
+                         f"the repository root (or add it to PYTHONPATH)") from None
+    import fixtures
+    return fixtures
+
+
+def preset_name(name: str, known) -> str:
+    """'qwen3_30b_a3b', 'Qwen3-30B-A3B', ... -> the key of fixtures.presets.PRESETS."""
+    def norm(s: str) -> str:
+        return s.lower().replace("-", "_").replace(".", "_")
+    for key in known:
+        if norm(key) == norm(name):
+            return key
+    raise UsageError(f"unknown preset {name!r}; known presets: "
+                     f"{', '.join(norm(k) for k in sorted(known))}")
+
+
+def preset_dir(name: str, num_hidden_layers: int | None = None) -> Path:
+    """A directory with the config.json of preset `name` (written once into the fixture cache)."""
+    fixtures = _fixtures(f"preset:{name}")
+    key = preset_name(name, fixtures.presets.PRESETS)
+    config = fixtures.presets.preset_config(key)
+    root = fixtures.checkpoints.cache_root().parent / "presets"
+    final = root / key
+    if not (final / "config.json").is_file():
+        final.mkdir(parents=True, exist_ok=True)
+        tmp = final / f".config.json.{os.getpid()}"
+        tmp.write_text(config.to_json_string())
+        os.replace(tmp, final / "config.json")  # atomic: concurrent ranks write the same bytes
+    return final
+
+
+def resolve_model_path(model_path: str, scheme: str | None, name: str) -> Path:
+    if scheme == "fixture":
+        fixtures = _fixtures(f"model_path 'fixture:{name}'")
+        if name not in fixtures.tiny.TINY_CONFIGS if hasattr(fixtures, "tiny") else False:
+            raise UsageError(f"unknown fixture {name!r}; known fixtures: {', '.join(sorted(fixtures.tiny.TINY_CONFIGS))}")
+        try:
+            return fixtures.checkpoints.checkpoint(name)
+        except KeyError as e:
+            raise UsageError(str(e).strip("\"'")) from None
+    if scheme == "preset":
+        return preset_dir(name)
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"model_path {model_path!r} is not a directory with a config.json "
+                         f"(or use fixture:NAME / preset:NAME)")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+def _encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _decode(ids) -> str:
+    """Byte-level: ids below 256 are UTF-8 bytes, others are shown as `<id>` (fixtures.tokenizer.decode)."""
+    parts, run = [], bytearray()
+    for i in ids:
+        if 0 <= i < 256:
+            run.append(i)
+            continue
+        parts += [run.decode("utf-8", errors="replace"), f"<{i}>"]
+        run = bytearray()
+    return "".join(parts) + run.decode("utf-8", errors="replace")
+
+
+def build_prompts(args, cfg, vocab_size: int) -> list[list[int]]:
+    data, batch = cfg.data_config, cfg.scheduler_config.batch_size
+    if args.prompt is not None:
+        prompts = [_encode(p) for p in args.prompt]
+    elif args.prompt_ids is not None:
+        prompts = list(args.prompt_ids)
+    elif data.dataset == "random":
+        import torch
+        gen = torch.Generator().manual_seed(data.seed)
+        prompts = torch.randint(0, vocab_size, (batch, data.input_max_len), generator=gen).tolist()
+    else:
+        prompts = [_encode(data.prompts[i % len(data.prompts)])[:data.input_max_len] for i in range(batch)]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise UsageError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return prompts
+
+
+# --------------------------------------------------------------------------------------------- generate
+
+def generate(args) -> int:
+    from .config import ConfigError, InferenceConfig
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise UsageError(f"config file {args.config!r} not found")
+    try:
+        cfg = InferenceConfig.from_yaml(path)
+    except ConfigError as e:
+        raise UsageError(f"invalid inference config {path}: " + "; ".join(f"{k}: {m}" for k, m in e.errors)) from None
+    except OSError as e:
+        raise UsageError(f"cannot read config file {args.config!r}: {e.strerror or e}") from None
+    m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
+    if args.model_path is not None:
+        m.model_path = args.model_path
+        if m.scheme[0] == "preset":
+            m.with_ckpt = False
+    if args.dtype is not None:
+        m.dtype = args.dtype
+    if args.max_new_tokens is not None:
+        if args.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+        s.max_new_tokens = args.max_new_tokens
+    if args.block_size is not None:
+        s.block_size = args.block_size
+    if s.block_size % 16:
+        raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of 16 "
+                         f"(the paged attention kernel's block granularity)")
+    if m.exe_mode == "graph":
+        raise UsageError("model_config.exe_mode: graph is not implemented yet (torchair / inductor graph mode comes "
+                         "later); use exe_mode: eager")
+
+    # World size: checked against the launcher before any process group exists.
+    env_world = os.environ.get("WORLD_SIZE")
+    launched = int(env_world) if env_world and env_world.isdigit() else 1
+    if launched != p.world_size:
+        how = (f"launched with WORLD_SIZE={launched}" if env_world else "launched as a single process")
+        raise UsageError(f"parallel_config.world_size is {p.world_size} but this job was {how}; start it with "
+                         f"`torchrun --nproc-per-node {p.world_size} -m optimized generate ...`"
+                         if p.world_size > 1 else
+                         f"parallel_config.world_size is 1 but this job was {how}; run it as a single process")
+
+    scheme, name = m.scheme
+    model_dir = resolve_model_path(m.model_path, scheme, name)
+
+    import torch
+    from transformers import Qwen3MoeConfig
+
+    try:
+        hf_config = Qwen3MoeConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
+    try:
+        cfg.validate_for_model(hf_config)
+    except ConfigError as e:
+        raise UsageError(f"inference config {path} does not fit the model {m.model_path}: "
+                         + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
+    prompts = build_prompts(args, cfg, hf_config.vocab_size)
+    longest = max(len(q) for q in prompts) + s.max_new_tokens
+    if longest > hf_config.max_position_embeddings:
+        raise UsageError(f"a prompt of {longest - s.max_new_tokens} tokens + {s.max_new_tokens} new tokens exceeds "
+                         f"max_position_embeddings={hf_config.max_position_embeddings}")
+
+    from . import platform
+    from .build import load_model
+    from .comm import ParallelState, init_distributed
+    from .loader import CheckpointError
+    from .runner import ModelRunner
+
+    env = init_distributed()
+    try:
+        state = ParallelState.build(p)
+        device = platform.device(env.local_rank)
+        try:
+            model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
+                               seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
+        except CheckpointError as e:
+            raise UsageError(f"checkpoint {model_dir}: {e}") from None
+        result = ModelRunner(model, s.block_size, device).generate(prompts, s.max_new_tokens)
+        if env.rank == 0:
+            _print_result(cfg, model_dir, prompts, result, env.world_size)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _print_result(cfg, model_dir, prompts, result, world_size: int) -> None:
+    m, p = cfg.model_config, cfg.parallel_config
+    layout = ", ".join(f"{k} {getattr(p, k)}" for k in ("attn_tp_size", "moe_tp_size", "moe_ep_size",
+                                                         "embed_tp_size", "lmhead_tp_size"))
+    print(f"model: {m.model_path} ({model_dir}), {m.dtype}, {'checkpoint' if m.with_ckpt else 'random weights'}, "
+          f"world_size {world_size} ({layout}), exe_mode {m.exe_mode}")
+    many = len(prompts) > 1
+    for i, (prompt, new) in enumerate(zip(prompts, result.tokens)):
+        tag = f"[{i}] " if many else ""
+        print(f"{tag}prompt ids: {','.join(map(str, prompt))}")
+        print(f"{tag}generated ids: {','.join(map(str, new))}")
+        print(f"{tag}text: {_decode(prompt + new)!r}")
+    n_tokens = sum(len(q) for q in prompts)
+    print(f"prefill: {1000 * result.prefill_seconds:.2f} ms ({n_tokens} tokens in {len(prompts)} request(s))")
+    steps = len(result.decode_seconds)
+    print(f"decode: {result.decode_ms_per_token:.2f} ms/token ({steps} step(s), batch {len(prompts)})")
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return generate(args)
+        if args.command == "bench":
+            from . import bench
+            return bench.run(args)
+        raise UsageError("convert is not implemented yet (MXFP8/W4A8 conversion comes later)")
+    except UsageError as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
