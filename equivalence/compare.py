@@ -49,6 +49,11 @@ TOLERANCES: dict[str, Tolerance] = {
             "routing agrees or is replayed; bound = ~1 bf16 ulp of a logit (|x| < 4: 2^-6) so one reassociated "
             "rounding passes, while one flipped expert (bf16 vs fp32 rel_l2 measured 2.6e-2..5.3e-2) fails",
     ),
+    # --- optimized layers / whole model over real gloo ranks vs the reference (test_*_parallel.py) ---
+    "layer.float32": Tolerance(
+        atol=1e-5, rtol=1e-4, max_rel_l2=1e-5,
+        why="PROVISIONAL (being measured)",
+    ),
     "router_tie.float32": Tolerance(
         atol=0.0, rtol=1e-6,
         why="router near-tie in fp32: two experts' fp32 probabilities within a few fp32 ulps of router logits "

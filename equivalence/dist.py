@@ -91,7 +91,7 @@ def _send(conn, obj) -> None:
     conn.send_bytes(data)
 
 
-def _worker_main(rank: int, world_size: int, init_file: str, conn, parent_pid: int) -> None:
+def _worker_main(rank: int, world_size: int, init_file: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     for c in _ALL_PARENT_CONNS:  # inherited copies of the parent's ends: close so EOF reaches peers
@@ -148,7 +148,7 @@ class WorkerPool:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, name=f"distpool{world_size}-rank{rank}",
-                            args=(rank, world_size, init_file, child_end, os.getpid()), daemon=True)
+                            args=(rank, world_size, init_file, child_end), daemon=True)
             p.start()
             child_end.close()
             _ALL_PARENT_CONNS.append(parent_end)

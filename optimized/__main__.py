@@ -34,16 +34,15 @@ import os
 import sys
 from pathlib import Path
 
+from .bench import UsageError
+
 PROG = "python -m optimized"
 
 
-class UsageError(Exception):
-    """A problem the user can fix: printed as one line, exit status 2."""
-
-
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block
-        fail(f"{self.prog.split()[-1] if self.prog != PROG else ''}{': ' if self.prog != PROG else ''}{message}")
+    def error(self, message: str):  # one line (no usage block), exit status 2 like argparse
+        command = self.prog[len(PROG):].strip()
+        fail(f"{command}: {message}" if command else message)
 
 
 def fail(message: str) -> "NoReturn":  # noqa: F821
@@ -96,7 +95,7 @@ def _fixtures(what: str):
     try:
         import fixtures.checkpoints  # noqa: F401
         import fixtures.presets  # noqa: F401
-        import fixtures.tokenizer  # noqa: F401
+        import fixtures.tiny  # noqa: F401
     except ImportError:
         raise UsageError(f"{what} needs the repository's `fixtures` package, which is not importable here: run from "
                          f"the repository root (or add it to PYTHONPATH)") from None
@@ -133,12 +132,9 @@ def preset_dir(name: str, num_hidden_layers: int | None = None) -> Path:
 def resolve_model_path(model_path: str, scheme: str | None, name: str) -> Path:
     if scheme == "fixture":
         fixtures = _fixtures(f"model_path 'fixture:{name}'")
-        if name not in fixtures.tiny.TINY_CONFIGS if hasattr(fixtures, "tiny") else False:
+        if name not in fixtures.tiny.TINY_CONFIGS:
             raise UsageError(f"unknown fixture {name!r}; known fixtures: {', '.join(sorted(fixtures.tiny.TINY_CONFIGS))}")
-        try:
-            return fixtures.checkpoints.checkpoint(name)
-        except KeyError as e:
-            raise UsageError(str(e).strip("\"'")) from None
+        return fixtures.checkpoints.checkpoint(name)
     if scheme == "preset":
         return preset_dir(name)
     path = Path(model_path)

@@ -1,0 +1,160 @@
+"""Shared machinery of the multi-rank equivalence tests (test_layers_parallel, test_e2e_parallel,
+test_loader_parallel): worker-side model building, the parent-side reference, routing-flip accounting.
+
+Worker side (runs inside `equivalence.dist` ranks): `rank_model(path, layout, dtype)` builds this rank's
+optimized model for a layout (`ParallelState.build(**layout)`, same calls in the same order on every rank)
+and keeps the last few in a small cache, so the hypothesis examples of one layout share one build.
+`paged_cache` / `runner_of` give a paged KV cache and the runner's metadata builders.
+
+Parent side: `reference_model(name, dtype)` (the independent oracle, cached), `same_on_all_ranks` (every
+rank processes the same tokens, so every rank must return bitwise the same activations), `routing_check`
+(routing-flip-aware comparison: which tokens picked other experts than the reference, and whether each
+such token was a near-tie for the reference), `run_property` (a hypothesis property run with a per-call
+example budget, capped by the active profile).
+"""
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from hypothesis import given, settings
+
+from equivalence.compare import assert_bitwise_equal
+from equivalence.strategies import BLOCK_SIZE
+
+_MODEL_CACHE: OrderedDict = OrderedDict()
+_MODEL_CACHE_SIZE = 4
+
+
+# ------------------------------------------------------------------------------------------ worker side
+
+def rank_model(path: str, layout: dict, dtype: torch.dtype):
+    """This rank's optimized model (cached per checkpoint, layout and dtype)."""
+    import optimized  # noqa: F401  (registers torch.ops.npu.*)
+    from optimized.build import load_model
+    from optimized.comm import ParallelState
+
+    key = (str(path), tuple(sorted(layout.items())), dtype)
+    if key in _MODEL_CACHE:
+        _MODEL_CACHE.move_to_end(key)
+        return _MODEL_CACHE[key]
+    state = ParallelState.build(**layout)
+    model = load_model(path, parallel=state, dtype=dtype)
+    _MODEL_CACHE[key] = model
+    while len(_MODEL_CACHE) > _MODEL_CACHE_SIZE:
+        _MODEL_CACHE.popitem(last=False)
+    return model
+
+
+def runner_of(model):
+    from optimized.runner import ModelRunner
+    return ModelRunner(model, BLOCK_SIZE)
+
+
+def paged_cache(model, budgets: list[int], num_layers: int | None = None):
+    """A paged cache with room for requests of `budgets` tokens, and their block table.
+
+    Blocks are handed out interleaved across requests (request 0 gets blocks 1, 1+B, ...), so a request's
+    blocks are not contiguous and every lookup goes through the block table.
+    """
+    from optimized.kv_cache import PagedKVCache, block_table
+
+    attn = model.layers[0].self_attn
+    needs = [-(-n // BLOCK_SIZE) for n in budgets]
+    cache = PagedKVCache(num_layers or len(model.layers), 1 + sum(needs), BLOCK_SIZE, attn.num_kv_heads,
+                         attn.head_dim, model.dtype)
+    blocks: list[list[int]] = [[] for _ in budgets]
+    for step in range(max(needs)):
+        for r, need in enumerate(needs):
+            if step < need:
+                blocks[r] += cache.allocate(1)
+    return cache, block_table(blocks)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+# ------------------------------------------------------------------------------------------ parent side
+
+@functools.lru_cache(maxsize=None)
+def reference_model(name: str, dtype_name: str = "float32"):
+    """The reference model of fixture `name` (fp32 router, as the optimized model routes in fp32)."""
+    from fixtures.checkpoints import checkpoint
+    from reference.checkpoint import load_model
+
+    return load_model(checkpoint(name), dtype_of(dtype_name), router_dtype="float32")
+
+
+def same_on_all_ranks(results: list, what: str):
+    """Every rank computed the same tokens: their outputs must be bitwise equal. Returns rank 0's."""
+    first = results[0]
+    for r, other in enumerate(results[1:], start=1):
+        _bitwise_tree(other, first, f"{what}: rank {r} vs rank 0")
+    return first
+
+
+def _bitwise_tree(a, b, what: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert_bitwise_equal(a, b, what)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{what}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            _bitwise_tree(a[k], b[k], f"{what} [{k}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{what}: lengths {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _bitwise_tree(x, y, f"{what} [{i}]")
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+@dataclass
+class RoutingStats:
+    """Routing of `tokens` tokens by the optimized model vs the reference router on the same input."""
+
+    tokens: int = 0
+    flips: int = 0            # tokens whose expert set differs from the reference's own top-k
+    clear_flips: int = 0      # ... of which the reference margin was NOT a near-tie (a bug)
+    worst_margin: float = 0.0  # the largest relative reference margin among flipped tokens
+
+    def add(self, other: "RoutingStats") -> "RoutingStats":
+        return RoutingStats(self.tokens + other.tokens, self.flips + other.flips,
+                            self.clear_flips + other.clear_flips, max(self.worst_margin, other.worst_margin))
+
+    @property
+    def flip_rate(self) -> float:
+        return self.flips / self.tokens if self.tokens else 0.0
+
+    def __str__(self) -> str:
+        return (f"routing flips {self.flips}/{self.tokens} tokens ({100 * self.flip_rate:.2f}%), "
+                f"{self.clear_flips} not near-ties, worst flipped relative margin {self.worst_margin:.2e}")
+
+
+def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor, near_tie: float) -> RoutingStats:
+    """Compare the optimized expert ids [T, K] with the reference router's probabilities [T, E].
+
+    The reference's relative top-k margin of a token is (p_k - p_(k+1)) / p_k over its sorted
+    probabilities; a token may pick another expert set only if that margin is below `near_tie`.
+    """
+    ordered = probs.float().sort(dim=-1, descending=True, stable=True)
+    own = ordered.indices[:, :top_k].sort(-1).values
+    theirs = optimized_ids.long().sort(-1).values
+    flipped = (own != theirs).any(-1)                                       # [T]
+    if top_k < probs.shape[-1]:
+        pk, pk1 = ordered.values[:, top_k - 1], ordered.values[:, top_k]
+        margin = (pk - pk1) / pk.clamp_min(torch.finfo(torch.float32).tiny)  # [T]
+    else:
+        margin = torch.zeros(probs.shape[0])
+    flipped_margins = margin[flipped]
+    return RoutingStats(tokens=int(probs.shape[0]), flips=int(flipped.sum()),
+                        clear_flips=int((flipped_margins >= near_tie).sum()),
+                        worst_margin=float(flipped_margins.max()) if flipped_margins.numel() else 0.0)
+
+
+def run_property(check, max_examples: int, **strategies) -> None:
+    """Run `check(**drawn)` as a hypothesis property with `max_examples` (capped by the active profile)."""
+    cap = settings.default.max_examples
+    settings(max_examples=max(1, min(max_examples, cap)))(given(**strategies)(check))()

@@ -1,0 +1,117 @@
+"""Shared hypothesis strategies for the multi-rank equivalence tests.
+
+- `layouts(world_size, config)`: a valid parallel layout (keyword sizes for `ParallelState.build`) for a model
+  config: attn_tp divides the query heads and either divides the KV heads or is a multiple of them (KV heads
+  replicate), moe_tp divides moe_intermediate_size (and intermediate_size when the model has dense layers),
+  moe_ep = world / moe_tp divides num_experts, embed_tp and lmhead_tp divide the vocabulary. The rules are
+  restated here from the design, not imported from `optimized.config`, so a wrong validator cannot narrow
+  what is tested. `corner_layouts` lists the layouts every world size must cover whatever hypothesis draws
+  (the largest attention TP, hence KV replication, and the largest expert parallelism).
+- `prompt_lengths` / `prompt_batches`: batches of 1-3 prompts of 1-40 tokens, biased towards the 16-token
+  block boundaries (15, 16, 17, 31, 32, 33) so packed prefill and paged decode cross blocks.
+- `hidden_kinds` + `hidden_states(kind, seed, ...)`: layer inputs, drawn as a seed and a kind so that
+  hypothesis never builds big tensors: "random" (randn), "identical" (one token repeated: every token routes
+  to the same experts, so other experts and whole EP ranks get nothing), "two_distinct" (two tokens
+  alternating), "large" (randn * 30: saturated softmaxes, peaked routing).
+"""
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+BLOCK_SIZE = 16  # the paged KV cache block size the parallel tests use (attention op rule: multiple of 16)
+BOUNDARY_LENGTHS = (15, 16, 17, 31, 32, 33)
+HIDDEN_KINDS = ("random", "identical", "two_distinct", "large")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _has_dense_layers(config) -> bool:
+    only = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return any(i in only or (i + 1) % step for i in range(config.num_hidden_layers))
+
+
+def allowed_sizes(world_size: int, config) -> dict[str, list[int]]:
+    """Per kind, the sizes valid for `config` at `world_size` (moe_tp fixes moe_ep = world / moe_tp)."""
+    ws = divisors(world_size)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    attn = [a for a in ws if heads % a == 0 and (kv % a == 0 or a % kv == 0)]
+    moe_tp = [t for t in ws if config.moe_intermediate_size % t == 0 and config.num_experts % (world_size // t) == 0
+              and (not _has_dense_layers(config) or config.intermediate_size % t == 0)]
+    vocab = [v for v in ws if config.vocab_size % v == 0]
+    return {"attn_tp_size": attn, "moe_tp_size": moe_tp, "embed_tp_size": vocab, "lmhead_tp_size": vocab}
+
+
+def layout(world_size: int, attn_tp_size: int = 1, moe_tp_size: int | None = None, embed_tp_size: int = 1,
+           lmhead_tp_size: int = 1) -> dict[str, int]:
+    """Keyword sizes for `ParallelState.build` (moe_tp defaults to 1, i.e. pure expert parallelism)."""
+    moe_tp_size = 1 if moe_tp_size is None else moe_tp_size
+    return dict(world_size=world_size, attn_tp_size=attn_tp_size, moe_tp_size=moe_tp_size,
+                moe_ep_size=world_size // moe_tp_size, embed_tp_size=embed_tp_size, lmhead_tp_size=lmhead_tp_size)
+
+
+@st.composite
+def layouts(draw, world_size: int, config) -> dict[str, int]:
+    sizes = allowed_sizes(world_size, config)
+    # Larger sizes first: hypothesis shrinks towards the first choice, i.e. the most sharded layout.
+    pick = {k: draw(st.sampled_from(sorted(v, reverse=True))) for k, v in sizes.items()}
+    return layout(world_size, **pick)
+
+
+def corner_layouts(world_size: int, config) -> list[dict[str, int]]:
+    """Layouts every world size covers: everything at its largest, and max attention TP with max MoE TP."""
+    sizes = allowed_sizes(world_size, config)
+    top = {k: max(v) for k, v in sizes.items()}
+    out = [layout(world_size, **{**top, "moe_tp_size": min(sizes["moe_tp_size"])})]  # max EP, max attn TP
+    if max(sizes["moe_tp_size"]) != min(sizes["moe_tp_size"]):
+        out.append(layout(world_size, attn_tp_size=top["attn_tp_size"], moe_tp_size=top["moe_tp_size"],
+                          embed_tp_size=1, lmhead_tp_size=top["lmhead_tp_size"]))
+    return out
+
+
+def describe_layout(lay: dict[str, int]) -> str:
+    return (f"W={lay['world_size']} attn_tp={lay['attn_tp_size']} moe_tp={lay['moe_tp_size']} "
+            f"moe_ep={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}")
+
+
+def prompt_length(max_len: int = 40):
+    boundary = [n for n in BOUNDARY_LENGTHS if n <= max_len]
+    return st.one_of(st.sampled_from(boundary), st.integers(1, max_len)) if boundary else st.integers(1, max_len)
+
+
+def prompt_lengths(min_batch: int = 1, max_batch: int = 3, max_len: int = 40):
+    return st.lists(prompt_length(max_len), min_size=min_batch, max_size=max_batch)
+
+
+@st.composite
+def prompt_batches(draw, vocab_size: int, min_batch: int = 1, max_batch: int = 3, max_len: int = 40,
+                   distinct_lengths: bool = False) -> list[list[int]]:
+    """Prompts (lists of token ids in [0, vocab_size)); `distinct_lengths` forces different lengths."""
+    lengths = draw(st.lists(prompt_length(max_len), min_size=min_batch, max_size=max_batch,
+                            unique=distinct_lengths))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+hidden_kinds = st.sampled_from(HIDDEN_KINDS)
+seeds = st.integers(0, 2**31 - 1)
+
+
+def hidden_states(kind: str, seed: int, tokens: int, hidden: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[tokens, hidden] layer input of the given kind, deterministic in `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        x = torch.randn(tokens, hidden, generator=g)
+    elif kind == "identical":
+        x = torch.randn(1, hidden, generator=g).expand(tokens, hidden).clone()
+    elif kind == "two_distinct":
+        x = torch.randn(2, hidden, generator=g)[torch.arange(tokens) % 2]
+    elif kind == "large":
+        x = torch.randn(tokens, hidden, generator=g) * 30
+    else:
+        raise ValueError(f"unknown hidden kind {kind!r}; kinds: {HIDDEN_KINDS}")
+    return x.to(dtype)

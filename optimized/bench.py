@@ -1,0 +1,435 @@
+"""Latency of one device: the reference, the optimized model and HF transformers on the same weights,
+beside the memory-bandwidth floor. `python -m optimized bench --help`.
+
+What is measured (single process, greedy, batch B of random prompts of `--prompt-len` ids):
+- prefill: one forward over the B prompts (to the first token's logits), with a device sync;
+- decode: each of `--decode-steps` steps (one new token per request), with a device sync.
+Each model runs `--warmup` discarded rounds and `--repeats` timed ones, interleaved round by round so a
+change of background load hits all models alike; prefill reports one sample per round, decode one per
+step. Median and p90 are printed; the ratios are computed from medians of this one run (CPU numbers are
+only meaningful relative to each other: the machine is shared and has few cores).
+
+Weights: `optimized.loader.RandomWeights(seed)` (N(0, 0.02), norm weights 1) at the preset's shapes, in
+`--dtype`, loaded into the reference; the optimized model reads the reference's state_dict
+(`StateDictSource`), transformers gets the same tensors (the experts stacked into its fused
+`gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`; every other tensor is shared, not copied).
+
+Floor: decode must read every active weight once per step: per layer the attention projections and norms,
+the router and the experts the batch routes to (top_k for batch 1; E * (1 - (1 - k/E)^B) expected for
+batch B under uniform routing) or the dense MLP, plus the final norm, lm_head and B embedding rows, plus
+the KV cache read at the mean context. floor = those bytes / copy bandwidth, the bandwidth being
+measured in the same run as (bytes read + bytes written) / time of a large tensor copy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+class UsageError(Exception):
+    """A problem the user can fix: `python -m optimized` prints it as one line and exits with status 2."""
+
+
+BENCH_PRESETS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B", "tiny": "tiny"}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+GB = 1e9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen3_30b_a3b", choices=sorted(BENCH_PRESETS),
+                   help="model shapes: a released model's, or the tiny fixture's (default qwen3_30b_a3b)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers to build (default 2)")
+    p.add_argument("--batch", type=int, default=1, help="requests per step (default 1)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens (default 128)")
+    p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per round (default 8)")
+    p.add_argument("--warmup", type=int, default=1, help="discarded rounds (default 1)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--block-size", type=int, default=128, help="optimized model's KV block size (multiple of 16)")
+    p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
+    p.add_argument("--skip-hf", action="store_true", help="do not build HF transformers' model")
+    p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def synchronize() -> None:
+    from .runner import synchronize as sync
+    from .platform import device
+    sync(device())
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+def bench_config(preset: str, layers: int):
+    try:
+        if preset == "tiny":
+            from fixtures.tiny import tiny_config
+            config = tiny_config("tiny")
+            config.num_hidden_layers = layers
+            return config
+        from fixtures.presets import preset_config
+    except ImportError:
+        raise UsageError("bench needs the repository's `fixtures` package (the model shapes), which is not "
+                         "importable here: run from the repository root (or add it to PYTHONPATH)") from None
+    try:
+        return preset_config(BENCH_PRESETS[preset], num_hidden_layers=layers)
+    except ValueError as e:
+        raise UsageError(f"--layers: {e}") from None
+
+
+def full_layer_count(preset: str) -> int:
+    """Decoder layers of the released model (or of the tiny fixture)."""
+    if preset == "tiny":
+        from fixtures.tiny import TINY_CONFIGS
+        return TINY_CONFIGS["tiny"]["num_hidden_layers"]
+    from fixtures.presets import PRESETS
+    return PRESETS[BENCH_PRESETS[preset]]["num_hidden_layers"]
+
+
+def reference_model(config, dtype: torch.dtype, seed: int):
+    """The reference Qwen3MoeForCausalLM with `RandomWeights(seed)` values, built without a second copy."""
+    from reference.model import Qwen3MoeForCausalLM
+
+    from .loader import RandomWeights
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    source = RandomWeights(seed)
+    weights = {name: source.read(name, tuple(t.shape)).to(dtype) for name, t in model.state_dict().items()}
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.eval()
+
+
+def hf_model(config, reference, dtype: torch.dtype):
+    """transformers' Qwen3MoeForCausalLM on the reference's tensors (experts stacked, the rest shared)."""
+    import transformers
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+    sd = reference.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    experts = {}
+    for name, t in sd.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:  # model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+            experts.setdefault(".".join(parts[:5]), {})[(int(parts[5]), parts[6])] = t
+        else:
+            out[name] = t
+    for prefix, tensors in experts.items():
+        n = 1 + max(e for e, _ in tensors)
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([tensors[(e, "gate_proj")], tensors[(e, "up_proj")]]) for e in range(n)])   # [E, 2I, H]
+        out[f"{prefix}.down_proj"] = torch.stack([tensors[(e, "down_proj")] for e in range(n)])   # [E, H, I]
+    config = type(config).from_dict(config.to_dict())
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    model.load_state_dict(out, strict=True, assign=True)
+    model.model.rotary_emb = hf.Qwen3MoeRotaryEmbedding(config)  # its buffers are not in the state dict
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RuntimeError(f"transformers model buffers left on the meta device: {left}")
+    return model.to(dtype).eval()
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+@torch.no_grad()
+def run_reference(model, ids: torch.Tensor, steps: int):
+    cache = model.new_cache()
+    start = time.perf_counter()
+    token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)       # [B, 1]
+    synchronize()
+    prefill, decode, tokens = time.perf_counter() - start, [], [token]
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
+        synchronize()
+        decode.append(time.perf_counter() - start)
+        tokens.append(token)
+    return prefill, decode, torch.cat(tokens, 1).tolist()
+
+
+def run_optimized(runner, ids: torch.Tensor, steps: int):
+    result = runner.generate(ids.tolist(), steps + 1)
+    return result.prefill_seconds, list(result.decode_seconds), result.tokens
+
+
+@torch.no_grad()
+def run_hf(model, ids: torch.Tensor, steps: int):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    synchronize()
+    prefill, decode, tokens = time.perf_counter() - start, [], [token]
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        synchronize()
+        decode.append(time.perf_counter() - start)
+        tokens.append(token)
+    return prefill, decode, torch.cat(tokens, 1).tolist()
+
+
+def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy, median of `repeats`."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def stats(samples: list[float]) -> dict:
+    ms = sorted(1000 * s for s in samples)
+    if not ms:
+        return {"median": float("nan"), "p90": float("nan"), "samples": []}
+    p90 = ms[min(len(ms) - 1, math.ceil(0.9 * len(ms)) - 1)]  # nearest-rank
+    return {"median": statistics.median(ms), "p90": p90, "samples": ms}
+
+
+# ---------------------------------------------------------------------------------------------- floor
+
+def decode_bytes(config, dtype: torch.dtype, batch: int, context: float, num_layers: int | None = None) -> dict:
+    """Bytes one decode step must read (see the module docstring), by part."""
+    from .config import dense_layers
+
+    size = torch.finfo(dtype).bits // 8
+    H, D, V = config.hidden_size, config.head_dim, config.vocab_size
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    E, k, I = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    layers = num_layers if num_layers is not None else config.num_hidden_layers
+    dense = len(dense_layers(config, layers))
+    sparse = layers - dense
+    active = E * (1 - (1 - k / E) ** batch)
+    parts = {
+        "attention": layers * (H * nq * D + 2 * H * nkv * D + nq * D * H + 2 * D + 2 * H),
+        "router": sparse * E * H,
+        "experts": sparse * active * 3 * H * I,
+        "dense_mlp": dense * 3 * H * config.intermediate_size,
+        "lm_head_norm_embedding": V * H + H + batch * H,
+        "kv_cache": layers * 2 * nkv * D * context * batch,
+    }
+    out = {name: n * size for name, n in parts.items()}
+    out["total"] = sum(out.values())
+    out["active_experts_per_layer"] = active
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+def _available_memory() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    """'same' or how many leading tokens agree (random weights in bf16 may diverge after a near-tie)."""
+    if a == b:
+        return "same"
+    lead = [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)]
+    return f"differ (first {min(lead)} of {len(a[0])} tokens agree)"
+
+
+def run(args) -> int:
+    for name in ("layers", "batch", "prompt_len", "decode_steps", "repeats", "block_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0; got {args.warmup}")
+    if args.block_size % 16:
+        raise UsageError(f"--block-size must be a multiple of 16; got {args.block_size}")
+    if args.json:
+        json_path = Path(args.json)
+        if not json_path.parent.is_dir():
+            raise UsageError(f"--json: directory {str(json_path.parent)!r} does not exist")
+
+    from . import ModelRunner, model_from_source
+    from .loader import StateDictSource
+
+    dtype = DTYPES[args.dtype]
+    config = bench_config(args.preset, args.layers)
+    full_layers = full_layer_count(args.preset)
+    if args.prompt_len + args.decode_steps + 1 > config.max_position_embeddings:
+        raise UsageError(f"--prompt-len + --decode-steps exceed max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    size = torch.finfo(dtype).bits // 8
+    from reference.model import Qwen3MoeForCausalLM
+    with torch.device("meta"):
+        shapes = Qwen3MoeForCausalLM(config).state_dict()
+    params = sum(t.numel() for t in shapes.values())
+    expert_params = sum(t.numel() for n, t in shapes.items() if ".mlp.experts." in n)
+    model_bytes, expert_bytes = params * size, expert_params * size
+    need = 2 * model_bytes + (0 if args.skip_hf else expert_bytes)
+    avail = _available_memory()
+    hf_note, hf_impl = None, None
+    if avail is not None and 2.2 * model_bytes > avail:
+        raise UsageError(f"reference + optimized models need ~{2 * model_bytes / GB:.1f} GB, only "
+                         f"{avail / GB:.1f} GB available; use fewer --layers")
+    if not args.skip_hf and avail is not None and 1.1 * need > avail:
+        args.skip_hf = True
+        hf_note = (f"HF transformers skipped: all three models need ~{need / GB:.1f} GB, {avail / GB:.1f} GB "
+                   f"available")
+        progress(hf_note)
+
+    name = BENCH_PRESETS[args.preset]
+    progress(f"{name}: {args.layers} layer(s), {args.dtype}, ~{model_bytes / GB:.2f} GB per model "
+             f"({expert_bytes / GB:.2f} GB experts); {torch.get_num_threads()} threads")
+    t0 = time.perf_counter()
+    progress("building the reference model (random weights, seed %d) ..." % args.seed)
+    ref = reference_model(config, dtype, args.seed)
+    progress(f"  done in {time.perf_counter() - t0:.1f} s; building the optimized model from its state_dict ...")
+    t0 = time.perf_counter()
+    opt = model_from_source(config, StateDictSource(ref.state_dict(), label="reference state_dict"), dtype=dtype)
+    runner = ModelRunner(opt, args.block_size)
+    progress(f"  done in {time.perf_counter() - t0:.1f} s")
+    models = {"reference": (run_reference, ref), "optimized": (run_optimized, runner)}
+    if not args.skip_hf:
+        t0 = time.perf_counter()
+        progress("building HF transformers' model (experts stacked, other tensors shared) ...")
+        hf = hf_model(config, ref, dtype)
+        models["hf"] = (run_hf, hf)
+        hf_impl = (f"experts {getattr(hf.config, '_experts_implementation', None)}, "
+                   f"attention {getattr(hf.config, '_attn_implementation', None)}")
+        progress(f"  done in {time.perf_counter() - t0:.1f} s (experts implementation: "
+                 f"{getattr(hf.config, '_experts_implementation', None)}, attention: "
+                 f"{getattr(hf.config, '_attn_implementation', None)})")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len), generator=gen)
+    samples = {m: {"prefill": [], "decode": []} for m in models}
+    tokens: dict[str, list] = {}
+    rounds = args.warmup + args.repeats
+    for r in range(rounds):
+        timed = r >= args.warmup
+        for m, (fn, model) in models.items():
+            t0 = time.perf_counter()
+            prefill, decode, toks = fn(model, ids, args.decode_steps)
+            tokens[m] = toks
+            if timed:
+                samples[m]["prefill"].append(prefill)
+                samples[m]["decode"].extend(decode)
+            progress(f"round {r + 1}/{rounds} ({'timed' if timed else 'warm-up'}) {m}: prefill "
+                     f"{1000 * prefill:.1f} ms, decode {1000 * statistics.median(decode):.1f} ms/token "
+                     f"({time.perf_counter() - t0:.1f} s)")
+
+    progress("measuring copy bandwidth ...")
+    bandwidth = copy_bandwidth()
+    context = args.prompt_len + (args.decode_steps + 1) / 2
+    floor_bytes = decode_bytes(config, dtype, args.batch, context)
+    full_bytes = decode_bytes(config, dtype, args.batch, context, num_layers=full_layers)
+
+    results = {m: {"prefill_ms": stats(s["prefill"]), "decode_ms_per_token": stats(s["decode"])}
+               for m, s in samples.items()}
+    ratios = {}
+    for m in models:
+        if m == "optimized":
+            continue
+        ratios[f"{m}/optimized"] = {
+            "prefill": results[m]["prefill_ms"]["median"] / results["optimized"]["prefill_ms"]["median"],
+            "decode": results[m]["decode_ms_per_token"]["median"] / results["optimized"]["decode_ms_per_token"]["median"],
+        }
+    floor_ms = 1000 * floor_bytes["total"] / bandwidth
+    report = {
+        "setup": {"preset": name, "layers": args.layers, "full_layers": full_layers, "dtype": args.dtype,
+                  "batch": args.batch, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
+                  "warmup": args.warmup, "repeats": args.repeats, "block_size": args.block_size, "seed": args.seed,
+                  "threads": torch.get_num_threads(), "device": str(_device()), "torch": torch.__version__,
+                  "hf": "skipped" if args.skip_hf else "measured", "hf_note": hf_note,
+                  "hf_implementation": hf_impl},
+        "results": results,
+        "ratios": ratios,
+        "tokens": {m: _agreement(tokens["reference"], t) for m, t in tokens.items() if m != "reference"},
+        "floor": {"copy_bandwidth_gb_s": bandwidth / GB, "bytes_per_decode_step": floor_bytes,
+                  "floor_ms_per_token": floor_ms,
+                  "optimized_over_floor": results["optimized"]["decode_ms_per_token"]["median"] / floor_ms,
+                  "full_model_bytes_per_decode_step": full_bytes["total"],
+                  "full_model_floor_ms_per_token": 1000 * full_bytes["total"] / bandwidth},
+    }
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        progress(f"wrote {args.json}")
+    return 0
+
+
+def _device():
+    from .platform import device
+    return device()
+
+
+def transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def _mb(n: float) -> str:
+    if n < 1e6:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.3f} GB"
+
+
+def format_report(r: dict) -> str:
+    s, res, fl = r["setup"], r["results"], r["floor"]
+    labels = {"reference": "reference", "optimized": "optimized", "hf": "HF transformers"}
+    lines = [
+        f"{s['preset']} shapes, {s['layers']} of {s['full_layers']} layers, {s['dtype']}, batch {s['batch']}, "
+        f"prompt {s['prompt_len']}, {s['decode_steps']} decode steps; warm-up {s['warmup']}, repeats "
+        f"{s['repeats']}; {s['device']}, {s['threads']} threads",
+        "",
+        f"{'model':<18}{'prefill ms':>14}{'p90':>10}{'decode ms/token':>18}{'p90':>10}",
+    ]
+    for m, v in res.items():
+        p, d = v["prefill_ms"], v["decode_ms_per_token"]
+        lines.append(f"{labels[m]:<18}{p['median']:>14.2f}{p['p90']:>10.2f}{d['median']:>18.2f}{d['p90']:>10.2f}")
+    if s["hf_implementation"]:
+        lines.append(f"(HF transformers {transformers_version()}: {s['hf_implementation']})")
+    if s["hf_note"]:
+        lines.append(f"({s['hf_note']})")
+    elif s["hf"] == "skipped":
+        lines.append("(HF transformers skipped: --skip-hf)")
+    lines += ["", "ratios (medians, this run; > 1 means the optimized model is faster)"]
+    for name, v in r["ratios"].items():
+        lines.append(f"  {name:<20} prefill {v['prefill']:>6.2f}x   decode {v['decode']:>6.2f}x")
+    for m, verdict in r["tokens"].items():
+        lines.append(f"  generated tokens, {labels[m]} vs reference: {verdict}")
+    b = fl["bytes_per_decode_step"]
+    lines += [
+        "",
+        "memory-bandwidth floor (decode reads every active weight once per step)",
+        f"  bytes per decode step: {_mb(b['total'])} (attention {_mb(b['attention'])}, router {_mb(b['router'])}, "
+        f"experts {_mb(b['experts'])} [{b['active_experts_per_layer']:.1f} per layer], dense MLP "
+        f"{_mb(b['dense_mlp'])}, lm_head+norm+embedding {_mb(b['lm_head_norm_embedding'])}, "
+        f"KV cache {_mb(b['kv_cache'])})",
+        f"  copy bandwidth (read+write, measured now): {fl['copy_bandwidth_gb_s']:.1f} GB/s",
+        f"  floor: {fl['floor_ms_per_token']:.2f} ms/token; optimized decode / floor = "
+        f"{fl['optimized_over_floor']:.2f}x",
+    ]
+    if s["full_layers"] != s["layers"]:
+        lines.append(f"  full model ({s['full_layers']} layers): {_mb(fl['full_model_bytes_per_decode_step'])} "
+                     f"per decode step, floor {fl['full_model_floor_ms_per_token']:.1f} ms/token at this bandwidth")
+    return "\n".join(lines)
