@@ -34,6 +34,8 @@ import os
 import sys
 from pathlib import Path
 
+from reference.tokenizer import decode, encode, parse_prompt_ids
+
 from .bench import UsageError
 
 PROG = "python -m optimized"
@@ -53,16 +55,6 @@ def fail(message: str) -> "NoReturn":  # noqa: F821
 
 # ------------------------------------------------------------------------------------------------ parsing
 
-def _prompt_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3; got {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError(f"token ids must be >= 0; got {text!r}")
-    return ids
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Qwen3-MoE optimized for Ascend NPUs (portable kernels elsewhere)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -73,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append", metavar="TEXT",
                         help="a prompt, tokenized byte-level; repeat for a batch")
-    prompt.add_argument("--prompt-ids", action="append", type=_prompt_ids, metavar="IDS",
+    prompt.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS",
                         help="comma-separated token ids, e.g. 1,2,3; repeat for a batch")
     gen.add_argument("--max-new-tokens", type=int, help="overrides scheduler_config.max_new_tokens")
     gen.add_argument("--dtype", choices=["bfloat16", "float32"], help="overrides model_config.dtype")
@@ -114,7 +106,7 @@ def preset_name(name: str, known) -> str:
                      f"{', '.join(norm(k) for k in sorted(known))}")
 
 
-def preset_dir(name: str, num_hidden_layers: int | None = None) -> Path:
+def preset_dir(name: str) -> Path:
     """A directory with the config.json of preset `name` (written once into the fixture cache)."""
     fixtures = _fixtures(f"preset:{name}")
     key = preset_name(name, fixtures.presets.PRESETS)
@@ -146,26 +138,10 @@ def resolve_model_path(model_path: str, scheme: str | None, name: str) -> Path:
 
 # ---------------------------------------------------------------------------------------------- prompts
 
-def _encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def _decode(ids) -> str:
-    """Byte-level: ids below 256 are UTF-8 bytes, others are shown as `<id>` (fixtures.tokenizer.decode)."""
-    parts, run = [], bytearray()
-    for i in ids:
-        if 0 <= i < 256:
-            run.append(i)
-            continue
-        parts += [run.decode("utf-8", errors="replace"), f"<{i}>"]
-        run = bytearray()
-    return "".join(parts) + run.decode("utf-8", errors="replace")
-
-
 def build_prompts(args, cfg, vocab_size: int) -> list[list[int]]:
     data, batch = cfg.data_config, cfg.scheduler_config.batch_size
     if args.prompt is not None:
-        prompts = [_encode(p) for p in args.prompt]
+        prompts = [encode(p) for p in args.prompt]
     elif args.prompt_ids is not None:
         prompts = list(args.prompt_ids)
     elif data.dataset == "random":
@@ -173,7 +149,7 @@ def build_prompts(args, cfg, vocab_size: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(data.seed)
         prompts = torch.randint(0, vocab_size, (batch, data.input_max_len), generator=gen).tolist()
     else:
-        prompts = [_encode(data.prompts[i % len(data.prompts)])[:data.input_max_len] for i in range(batch)]
+        prompts = [encode(data.prompts[i % len(data.prompts)])[:data.input_max_len] for i in range(batch)]
     for i, p in enumerate(prompts):
         if not p:
             raise UsageError(f"prompt {i} is empty")
@@ -195,8 +171,8 @@ def generate(args) -> int:
         cfg = InferenceConfig.from_yaml(path)
     except ConfigError as e:
         raise UsageError(f"invalid inference config {path}: " + "; ".join(f"{k}: {m}" for k, m in e.errors)) from None
-    except OSError as e:
-        raise UsageError(f"cannot read config file {args.config!r}: {e.strerror or e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read config file {args.config!r}: {getattr(e, 'strerror', None) or e}") from None
     m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
     if args.model_path is not None:
         m.model_path = args.model_path
@@ -210,7 +186,7 @@ def generate(args) -> int:
         s.max_new_tokens = args.max_new_tokens
     if args.block_size is not None:
         s.block_size = args.block_size
-    if s.block_size % 16:
+    if s.block_size < 1 or s.block_size % 16:
         raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of 16 "
                          f"(the paged attention kernel's block granularity)")
     if m.exe_mode == "graph":
@@ -284,7 +260,7 @@ def _print_result(cfg, model_dir, prompts, result, world_size: int) -> None:
         tag = f"[{i}] " if many else ""
         print(f"{tag}prompt ids: {','.join(map(str, prompt))}")
         print(f"{tag}generated ids: {','.join(map(str, new))}")
-        print(f"{tag}text: {_decode(prompt + new)!r}")
+        print(f"{tag}text: {decode(prompt + new)!r}")
     n_tokens = sum(len(q) for q in prompts)
     print(f"prefill: {1000 * result.prefill_seconds:.2f} ms ({n_tokens} tokens in {len(prompts)} request(s))")
     steps = len(result.decode_seconds)

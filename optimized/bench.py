@@ -6,8 +6,9 @@ What is measured (single process, greedy, batch B of random prompts of `--prompt
 - decode: each of `--decode-steps` steps (one new token per request), with a device sync.
 Each model runs `--warmup` discarded rounds and `--repeats` timed ones, interleaved round by round so a
 change of background load hits all models alike; prefill reports one sample per round, decode one per
-step. Median and p90 are printed; the ratios are computed from medians of this one run (CPU numbers are
-only meaningful relative to each other: the machine is shared and has few cores).
+step. Median, p90 and best (minimum) are printed; the ratios are computed from the medians and from the
+best samples of this one run (CPU numbers are only meaningful relative to each other: the machine is
+shared and has few cores, and background load shifts medians; the best samples are the robust estimate).
 
 Weights: `optimized.loader.RandomWeights(seed)` (N(0, 0.02), norm weights 1) at the preset's shapes, in
 `--dtype`, loaded into the reference; the optimized model reads the reference's state_dict
@@ -202,9 +203,9 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
 def stats(samples: list[float]) -> dict:
     ms = sorted(1000 * s for s in samples)
     if not ms:
-        return {"median": float("nan"), "p90": float("nan"), "samples": []}
+        return {"median": float("nan"), "p90": float("nan"), "min": float("nan"), "samples": []}
     p90 = ms[min(len(ms) - 1, math.ceil(0.9 * len(ms)) - 1)]  # nearest-rank
-    return {"median": statistics.median(ms), "p90": p90, "samples": ms}
+    return {"median": statistics.median(ms), "p90": p90, "min": ms[0], "samples": ms}
 
 
 # ---------------------------------------------------------------------------------------------- floor
@@ -350,9 +351,9 @@ def run(args) -> int:
         if m == "optimized":
             continue
         ratios[f"{m}/optimized"] = {
-            "prefill": results[m]["prefill_ms"]["median"] / results["optimized"]["prefill_ms"]["median"],
-            "decode": results[m]["decode_ms_per_token"]["median"] / results["optimized"]["decode_ms_per_token"]["median"],
-        }
+            f"{phase}{suffix}": results[m][key][stat] / results["optimized"][key][stat]
+            for stat, suffix in (("median", ""), ("min", "_best"))
+            for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"))}
     floor_ms = 1000 * floor_bytes["total"] / bandwidth
     report = {
         "setup": {"preset": name, "layers": args.layers, "full_layers": full_layers, "dtype": args.dtype,
@@ -401,20 +402,24 @@ def format_report(r: dict) -> str:
         f"prompt {s['prompt_len']}, {s['decode_steps']} decode steps; warm-up {s['warmup']}, repeats "
         f"{s['repeats']}; {s['device']}, {s['threads']} threads",
         "",
-        f"{'model':<18}{'prefill ms':>14}{'p90':>10}{'decode ms/token':>18}{'p90':>10}",
+        f"{'':<18}{'prefill ms':>32}{'decode ms/token':>34}",
+        f"{'model':<18}{'median':>12}{'p90':>10}{'best':>10}{'median':>14}{'p90':>10}{'best':>10}",
     ]
     for m, v in res.items():
         p, d = v["prefill_ms"], v["decode_ms_per_token"]
-        lines.append(f"{labels[m]:<18}{p['median']:>14.2f}{p['p90']:>10.2f}{d['median']:>18.2f}{d['p90']:>10.2f}")
+        lines.append(f"{labels[m]:<18}{p['median']:>12.2f}{p['p90']:>10.2f}{p['min']:>10.2f}"
+                     f"{d['median']:>14.2f}{d['p90']:>10.2f}{d['min']:>10.2f}")
     if s["hf_implementation"]:
         lines.append(f"(HF transformers {transformers_version()}: {s['hf_implementation']})")
     if s["hf_note"]:
         lines.append(f"({s['hf_note']})")
     elif s["hf"] == "skipped":
         lines.append("(HF transformers skipped: --skip-hf)")
-    lines += ["", "ratios (medians, this run; > 1 means the optimized model is faster)"]
+    lines += ["", "ratios (time of the other model / optimized, this run; > 1 means the optimized model is faster;"
+                  " 'best' uses the fastest samples, robust to background load)"]
     for name, v in r["ratios"].items():
-        lines.append(f"  {name:<20} prefill {v['prefill']:>6.2f}x   decode {v['decode']:>6.2f}x")
+        lines.append(f"  {name:<20} prefill {v['prefill']:>6.2f}x (best {v['prefill_best']:.2f}x)   "
+                     f"decode {v['decode']:>6.2f}x (best {v['decode_best']:.2f}x)")
     for m, verdict in r["tokens"].items():
         lines.append(f"  generated tokens, {labels[m]} vs reference: {verdict}")
     b = fl["bytes_per_decode_step"]

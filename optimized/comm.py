@@ -275,6 +275,11 @@ ParallelGroups = ParallelState  # the name optimized/model.py's docstring uses
 
 # ------------------------------------------------------------------------------------------ collectives
 
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names; torch_npu users may be
+# on an older torch (>= 2.8) that has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _ONE_BYTE_FLOATS = tuple(getattr(torch, n) for n in (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
     if hasattr(torch, n))
@@ -341,7 +346,7 @@ def all_gather(x: torch.Tensor, group, dim: int = 0, *, sizes: list[int] | None 
             src = torch.cat([src, src.new_zeros((pad, *src.shape[1:]))])
     src = _wire(src.contiguous())
     out = src.new_empty((n * src.shape[0], *src.shape[1:]))
-    dist.all_gather_into_tensor(out, src, group=pg)
+    _all_gather_single(out, src, group=pg)
     if x.dtype in _ONE_BYTE_FLOATS:
         out = out.view(x.dtype)
     if sizes is not None and max(sizes) != min(sizes):
@@ -363,7 +368,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, *, upcast: bool = False
     cast = upcast and x.dtype in (torch.bfloat16, torch.float16)
     src = (src.float() if cast else src).contiguous()
     out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-    dist.reduce_scatter_tensor(out, src, group=pg)
+    _reduce_scatter_single(out, src, group=pg)
     if cast:
         out = out.to(x.dtype)
     return out.movedim(0, dim)

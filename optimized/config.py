@@ -32,8 +32,8 @@ Every key is optional (the dataclass defaults above); unknown keys are rejected.
 - a directory with an HF `config.json` (and safetensors when `with_ckpt` is true);
 - `fixture:NAME`: the tiny deterministic checkpoint `NAME` built (and cached) by the `fixtures/` builder,
   e.g. `fixture:tiny`;
-- `preset:NAME`: the `config.json` of a released model kept under `fixtures/presets/NAME/` (real shapes,
-  no weights), meant for `with_ckpt: false` benchmarks, e.g. `preset:qwen3_30b_a3b`.
+- `preset:NAME`: a released model's config.json (real shapes, no weights) from `fixtures.presets`, written
+  once into the fixture cache by the CLI; meant for `with_ckpt: false` benchmarks, e.g. `preset:qwen3_30b_a3b`.
 This module only checks the syntax; the loader resolves the path.
 
 `num_hidden_layers` overrides the model's layer count (benchmarks with real shapes but few layers). With a

@@ -9,26 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _prompt_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3; got {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError(f"token ids must be >= 0; got {text!r}")
-    return ids
-
-
-def _decode(ids: list[int]) -> str:
-    out, run = [], bytearray()
-    for i in ids:
-        if i < 256:
-            run.append(i)
-        else:
-            out += [run.decode("utf-8", errors="replace"), f"<{i}>"]
-            run = bytearray()
-    return "".join(out) + run.decode("utf-8", errors="replace")
+from .tokenizer import decode, encode, parse_prompt_ids
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, tokenized byte-level (UTF-8 bytes)")
-    prompt.add_argument("--prompt-ids", type=_prompt_ids, help="comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt-ids", type=parse_prompt_ids, help="comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--no-cache", action="store_true", help="recompute the full sequence at every step")
@@ -50,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}")
-    ids = args.prompt_ids if args.prompt is None else list(args.prompt.encode("utf-8"))
+    ids = args.prompt_ids if args.prompt is None else encode(args.prompt)
     if not ids:
         parser.error("the prompt is empty")
 
@@ -67,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     new = new[0].tolist()
     print("prompt ids:", ",".join(map(str, ids)))
     print("generated ids:", ",".join(map(str, new)))
-    print("text:", repr(_decode(ids + new)))
+    print("text:", repr(decode(ids + new)))
     return 0
 
 

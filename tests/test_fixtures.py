@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fixtures import checkpoints, tokenizer
+from fixtures import checkpoints
+from reference import tokenizer
 from fixtures.presets import PRESETS, preset_config
 from fixtures.tiny import TINY_CONFIGS, tiny_config
 from reference.model import head_dim_of, is_sparse_layer

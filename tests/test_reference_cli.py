@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fixtures.checkpoints import checkpoint
-from fixtures.tokenizer import decode, encode
+from reference.tokenizer import decode, encode
 from reference.__main__ import main as cli_main
 from reference.checkpoint import load_model
 from reference.generate import greedy_generate

@@ -106,6 +106,8 @@ def _biases(op: str, bias, weight, Ws, single_3d: bool, out_dtype: torch.dtype) 
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor, b, out_dtype: torch.dtype) -> torch.Tensor:
+    if a.shape[0] == 0:  # an empty group: no rows to compute, so never touch (upcast) its weight
+        return a.new_empty((*a.shape[:-1], w.shape[-1]), dtype=out_dtype)
     y = a.float() @ w.float()
     if b is not None:
         y = y + b.float()
