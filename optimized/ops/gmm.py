@@ -236,40 +236,31 @@ def _run(op: str, mode: str, x, Ws, Bs, ends, split_item: int, out_dtype: torch.
     return [Y]
 
 
-def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
-                       group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, x_dtype=None,
-                       weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
-    op = OP
-    _reject_quant(op, act_type, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
-                  antiquant_offset=antiquant_offset, per_token_scale=per_token_scale,
-                  activation_input=activation_input, activation_quant_scale=activation_quant_scale,
-                  activation_quant_offset=activation_quant_offset, x_dtype=x_dtype, weight_dtype=weight_dtype,
-                  scale_dtype=scale_dtype, per_token_scale_dtype=per_token_scale_dtype)
-    check(group_type is not None, op, "group_type is None: Requires manual passing group_type (-1, 0 or 2)")
+def _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, quant_args):
+    """Validation shared by the kernel and the fake kernel of the Tensor-group_list overload."""
+    _reject_quant(OP, act_type, **quant_args)
+    check(group_type is not None, OP, "group_type is None: Requires manual passing group_type (-1, 0 or 2)")
     n_list = None if group_list is None else (group_list.shape[0] if group_list.dim() >= 1 else 1)
-    mode, Ws, Bs, out_dtype = _plan(op, x, weight, bias, n_list, split_item, group_type, output_dtype)
+    return _plan(OP, x, weight, bias, n_list, split_item, group_type, output_dtype)
+
+
+# The quantization arguments of the schema (scale, offset, antiquant_*, per_token_scale, activation_*,
+# x/weight/scale/per_token_scale dtypes) arrive in **quant_args; any of them set is rejected.
+def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None, group_list_type=0,
+                       act_type=0, tuning_config=None, output_dtype=None, **quant_args):
+    op = OP
+    mode, Ws, Bs, out_dtype = _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type,
+                                           output_dtype, quant_args)
     ends = None if group_list is None else _ends_from_tensor(op, group_list, group_list_type)
     # split_item 0/1 with a count group_list: the C++ sizes outputs from raw value differences (right only
     # for cumsum); the golden uses the resolved ends for both types (spec §13.14).
     return _run(op, mode, x, Ws, Bs, ends, split_item, out_dtype)
 
 
-def _npu_grouped_matmul_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                             antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                             activation_quant_scale=None, activation_quant_offset=None, split_item=0,
-                             group_type=None, group_list_type=0, act_type=0, tuning_config=None, output_dtype=None,
-                             x_dtype=None, weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
-    op = OP
-    _reject_quant(op, act_type, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
-                  antiquant_offset=antiquant_offset, per_token_scale=per_token_scale,
-                  activation_input=activation_input, activation_quant_scale=activation_quant_scale,
-                  activation_quant_offset=activation_quant_offset, x_dtype=x_dtype, weight_dtype=weight_dtype,
-                  scale_dtype=scale_dtype, per_token_scale_dtype=per_token_scale_dtype)
-    check(group_type is not None, op, "group_type is None: Requires manual passing group_type (-1, 0 or 2)")
-    n_list = None if group_list is None else (group_list.shape[0] if group_list.dim() >= 1 else 1)
-    mode, Ws, _, out_dtype = _plan(op, x, weight, bias, n_list, split_item, group_type, output_dtype)
+def _npu_grouped_matmul_fake(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
+                             group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, **quant_args):
+    mode, Ws, _, out_dtype = _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type,
+                                          output_dtype, quant_args)
     if mode == "m_single" and split_item in (0, 1):
         # Per-group row counts live in group_list's values: data-dependent sizes.
         ctx = torch.library.get_ctx()
@@ -318,28 +309,18 @@ def _list_plan(x, weight, bias, group_list, split_item, group_type, group_list_t
     return mode, Ws, Bs, out_dtype
 
 
-def npu_grouped_matmul_list(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                            antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                            activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
-                            group_list_type=0, act_type=0, output_dtype=None):
-    _reject_quant(OP_LIST, act_type, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
-                  antiquant_offset=antiquant_offset, per_token_scale=per_token_scale,
-                  activation_input=activation_input, activation_quant_scale=activation_quant_scale,
-                  activation_quant_offset=activation_quant_offset)
+def npu_grouped_matmul_list(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
+                            group_list_type=0, act_type=0, output_dtype=None, **quant_args):
+    _reject_quant(OP_LIST, act_type, **quant_args)
     mode, Ws, Bs, out_dtype = _list_plan(x, weight, bias, group_list, split_item, group_type, group_list_type,
                                          output_dtype)
     ends = None if group_list is None else list(group_list)
     return _run(OP_LIST, mode, x, Ws, Bs, ends, split_item, out_dtype)
 
 
-def _npu_grouped_matmul_list_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                                  antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                                  activation_quant_scale=None, activation_quant_offset=None, split_item=0,
-                                  group_type=None, group_list_type=0, act_type=0, output_dtype=None):
-    _reject_quant(OP_LIST, act_type, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
-                  antiquant_offset=antiquant_offset, per_token_scale=per_token_scale,
-                  activation_input=activation_input, activation_quant_scale=activation_quant_scale,
-                  activation_quant_offset=activation_quant_offset)
+def _npu_grouped_matmul_list_fake(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
+                                  group_list_type=0, act_type=0, output_dtype=None, **quant_args):
+    _reject_quant(OP_LIST, act_type, **quant_args)
     mode, Ws, _, out_dtype = _list_plan(x, weight, bias, group_list, split_item, group_type, group_list_type,
                                         output_dtype)
     rows = None
