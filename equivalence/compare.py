@@ -51,8 +51,31 @@ TOLERANCES: dict[str, Tolerance] = {
     ),
     # --- optimized layers / whole model over real gloo ranks vs the reference (test_*_parallel.py) ---
     "layer.float32": Tolerance(
-        atol=1e-5, rtol=1e-4, max_rel_l2=1e-5,
-        why="PROVISIONAL (being measured)",
+        atol=2e-5, rtol=1e-4, max_rel_l2=1e-5,
+        why="optimized attention (prefill + paged decode) / MoE block / decoder layer on 1-8 gloo ranks vs the "
+            "reference layer, fp32, ~9000 comparisons (thorough profile, every layout kind): max rel_l2 5.9e-7; "
+            "max_abs 1.9e-6 (attention), 2.4e-6 (layer), 1.3e-5 (MoE on randn*4 inputs: expert sums cancel to "
+            "|y|~0.5 from terms ~10); bound ~2x / 17x above, far below a wrong shard or expert (rel_l2 >= 1e-2)",
+    ),
+    "layer.bfloat16": Tolerance(
+        atol=0.25, rtol=2e-2, max_rel_l2=1.5e-2,
+        why="optimized bf16 MoE block (grouped matmul, fp32-routed, weights applied in finalize) vs the reference "
+            "replaying the same expert ids (per-expert bf16 linears, bf16 index_add), 1-8 ranks, 60 draws: max "
+            "rel_l2 7.2e-3 (~2 bf16 ulps: each side rounds 3-4 times on different intermediates), max_abs 0.19 on "
+            "randn*4 inputs (|y| up to ~20); rel_l2 bound 2x measured, a missing expert or shard gives >= 1e-1",
+    ),
+    "model.parallel.bfloat16": Tolerance(
+        atol=0.125, rtol=2e-2, max_rel_l2=4e-2,
+        why="optimized bf16 model (fused add_rms_norm carrying the residual, fp32-internal attention, grouped "
+            "matmul) on 1-8 ranks vs the bf16 reference replaying its expert ids, logits of 2-3 layer tiny "
+            "fixtures, ~60 draws: max_abs 7.8e-2, rel_l2 2.4e-2 (the reference with its own routing: same range, "
+            "top-1 agreement >= 0.975); bound ~1.6x measured; logic errors (wrong head/shard) give rel_l2 > 0.3",
+    ),
+    "router_tie.model.bfloat16": Tolerance(
+        atol=0.0, rtol=6e-2,
+        why="whole bf16 model: router inputs of later layers already differ by ~2e-2 rel (model.parallel.bfloat16), "
+            "so a token may flip when its reference relative top-k margin (p_k - p_k+1) / p_k is below this; "
+            "measured: 72 flips in 3535 token routings (2.0%), worst flipped margin 3.8e-2",
     ),
     "router_tie.float32": Tolerance(
         atol=0.0, rtol=1e-6,

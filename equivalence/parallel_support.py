@@ -120,7 +120,7 @@ class RoutingStats:
     clear_flips: int = 0      # ... of which the reference margin was NOT a near-tie (a bug)
     worst_margin: float = 0.0  # the largest relative reference margin among flipped tokens
 
-    def add(self, other: "RoutingStats") -> "RoutingStats":
+    def __add__(self, other: "RoutingStats") -> "RoutingStats":
         return RoutingStats(self.tokens + other.tokens, self.flips + other.flips,
                             self.clear_flips + other.clear_flips, max(self.worst_margin, other.worst_margin))
 
@@ -155,6 +155,8 @@ def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor, 
 
 
 def run_property(check, max_examples: int, **strategies) -> None:
-    """Run `check(**drawn)` as a hypothesis property with `max_examples` (capped by the active profile)."""
+    """Run `check(**drawn)` as a hypothesis property with `max_examples` examples under the `ci` profile
+    (max_examples 20); profiles with a larger budget scale it (dev 2x, thorough 50x), always capped by it."""
     cap = settings.default.max_examples
-    settings(max_examples=max(1, min(max_examples, cap)))(given(**strategies)(check))()
+    n = max_examples * max(1, cap // 20)
+    settings(max_examples=max(1, min(n, cap)))(given(**strategies)(check))()
