@@ -13,6 +13,11 @@ from .. import comm
 from .linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _split
 
 
+def _transposed_empty(groups: int, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized [groups, k, n] tensor whose storage is [groups, n, k]."""
+    return torch.empty(groups, n, k, dtype=dtype).transpose(1, 2)
+
+
 class FusedMoEGMM(nn.Module):
     """This rank's experts merged for grouped matmul: w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H]."""
 
@@ -24,9 +29,11 @@ class FusedMoEGMM(nn.Module):
         self.local_experts = _split(num_experts, moe_ep.size, "num_experts")
         self.first_expert = moe_ep.rank * self.local_experts
         self.inter_per_rank = _split(intermediate_size, moe_tp.size, "moe_intermediate_size")
-        shape13 = (self.local_experts, hidden_size, 2 * self.inter_per_rank)
-        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.local_experts, self.inter_per_rank, hidden_size, dtype=dtype),
+        # Logical [L, K, N] as grouped matmul reads them, stored as transposed views of [L, N, K] (the
+        # checkpoint's row orientation), as the recipe does: each expert's GEMM then streams weight rows.
+        self.w13 = nn.Parameter(_transposed_empty(self.local_experts, hidden_size, 2 * self.inter_per_rank, dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(_transposed_empty(self.local_experts, self.inter_per_rank, hidden_size, dtype),
                                requires_grad=False)
 
     def load(self, source, prefix: str) -> None:

@@ -108,6 +108,10 @@ def _biases(op: str, bias, weight, Ws, single_3d: bool, out_dtype: torch.dtype) 
 def _mm(a: torch.Tensor, w: torch.Tensor, b, out_dtype: torch.dtype) -> torch.Tensor:
     if a.shape[0] == 0:  # an empty group: no rows to compute, so never touch (upcast) its weight
         return a.new_empty((*a.shape[:-1], w.shape[-1]), dtype=out_dtype)
+    if b is None and a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16) and out_dtype == a.dtype:
+        # CPU 16-bit GEMMs accumulate in fp32 and round once: the same single rounding, without materializing
+        # an fp32 copy of every routed expert's weight on each call (the decode bottleneck otherwise).
+        return a @ w
     y = a.float() @ w.float()
     if b is not None:
         y = y + b.float()
