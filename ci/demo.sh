@@ -28,8 +28,7 @@ echo "$REF_OUT"
 echo
 echo "== optimized: torchrun --nproc-per-node $NPROC -m optimized generate --config $CONFIG"
 OPT_OUT="$("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    -m optimized generate --config "$CONFIG" --prompt "$PROMPT" --max-new-tokens "$NEW" --dtype float32 \
-    2> >(grep -v -e 'FutureWarning' -e 'return func(\*args' -e '^\*\+$' -e 'OMP_NUM_THREADS' >&2))"
+    -m optimized generate --config "$CONFIG" --prompt "$PROMPT" --max-new-tokens "$NEW" --dtype float32)"
 echo "$OPT_OUT"
 
 ref_ids="$(grep '^generated ids:' <<<"$REF_OUT")"
