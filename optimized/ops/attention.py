@@ -527,20 +527,19 @@ fia_v2 = functools.partial(_v2, OP_V2, False)
 fia_v2_fake = functools.partial(_v2, OP_V2, True)
 
 
-# npu_fused_infer_attention_score_v2.out(..., Tensor? workspace=None, Tensor(a!) attention_out,
-#                                         Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))
-def _v2_out(fake: bool, query, key, value, *, attention_out, softmax_lse, workspace=None, **kwargs):
-    op = OP_V2 + ".out"
-    out, lse = _v2(op, fake, query, key, value, **kwargs)
-    return _write_out(op, "attention_out", attention_out, out), _write_out(op, "softmax_lse", softmax_lse, lse)
+def _out_overload(op: str, functional):
+    """Kernel and fake kernel of an `.out` overload (`..., Tensor? workspace=None, Tensor(a!) attention_out,
+    Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))`): compute with `functional`, write into the outputs."""
+    def variant(fake: bool):
+        def kernel(query, key, value, *, attention_out, softmax_lse, workspace=None, **kwargs):
+            out, lse = functional(op, fake, query, key, value, **kwargs)
+            return (_write_out(op, "attention_out", attention_out, out),
+                    _write_out(op, "softmax_lse", softmax_lse, lse))
+        return kernel
+    return variant(False), variant(True)
 
 
-def fia_v2_out(query, key, value, *, attention_out, softmax_lse, workspace=None, **kwargs):
-    return _v2_out(False, query, key, value, attention_out=attention_out, softmax_lse=softmax_lse, **kwargs)
-
-
-def fia_v2_out_fake(query, key, value, *, attention_out, softmax_lse, workspace=None, **kwargs):
-    return _v2_out(True, query, key, value, attention_out=attention_out, softmax_lse=softmax_lse, **kwargs)
+fia_v2_out, fia_v2_out_fake = _out_overload(OP_V2 + ".out", _v2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -590,20 +589,7 @@ fia_v1 = functools.partial(_v1, OP_V1, False)
 fia_v1_fake = functools.partial(_v1, OP_V1, True)
 
 
-# npu_fused_infer_attention_score.out(..., Tensor? workspace=None, Tensor(a!) attention_out,
-#                                      Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))
-def _v1_out(fake: bool, query, key, value, *, attention_out, softmax_lse, workspace=None, **kwargs):
-    op = OP_V1 + ".out"
-    out, lse = _v1(op, fake, query, key, value, **kwargs)
-    return _write_out(op, "attention_out", attention_out, out), _write_out(op, "softmax_lse", softmax_lse, lse)
-
-
-def fia_v1_out(query, key, value, *, attention_out, softmax_lse, workspace=None, **kwargs):
-    return _v1_out(False, query, key, value, attention_out=attention_out, softmax_lse=softmax_lse, **kwargs)
-
-
-def fia_v1_out_fake(query, key, value, *, attention_out, softmax_lse, workspace=None, **kwargs):
-    return _v1_out(True, query, key, value, attention_out=attention_out, softmax_lse=softmax_lse, **kwargs)
+fia_v1_out, fia_v1_out_fake = _out_overload(OP_V1 + ".out", _v1)
 
 
 register(OP_V2, fia_v2, fia_v2_fake)
