@@ -24,46 +24,29 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the model: a missing, unexpected or mis-shaped tensor."""
 
 
-class CheckpointReader:
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if (self.path / INDEX_FILE).exists():
-            weight_map = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
-            self._file_of = {name: self.path / file for name, file in weight_map.items()}
-        elif (self.path / SINGLE_FILE).exists():
-            with safe_open(self.path / SINGLE_FILE, framework="pt") as f:
-                self._file_of = {name: self.path / SINGLE_FILE for name in f.keys()}
-        else:
-            raise CheckpointError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-        self._handles: dict[Path, object] = {}
+class _NamedSource:
+    """What the checkpoint-backed sources share: the name/shape checks, the byte count, the used set.
+
+    Subclasses provide `label`, `names()`, `has(name)` and `_tensor(name)`, an object with `get_shape()`
+    (or `.shape`) that can be indexed with a tuple of slices.
+    """
+
+    label: str
+
+    def __init__(self):
         self.used: set[str] = set()
         self.bytes_read = 0
 
-    def names(self) -> set[str]:
-        return set(self._file_of)
-
-    def has(self, name: str) -> bool:
-        return name in self._file_of
-
-    def _slice(self, name: str):
-        if name not in self._file_of:
-            raise CheckpointError(f"{self.path}: missing tensor {name!r}")
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_slice(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
-
     def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
         """Read `name[index]` after checking the full tensor has `expected_shape`."""
-        part = self._slice(name)
-        shape = tuple(part.get_shape())
+        if not self.has(name):
+            raise CheckpointError(f"{self.label}: missing tensor {name!r}")
+        full = self._tensor(name)
+        shape = tuple(full.get_shape() if hasattr(full, "get_shape") else full.shape)
         if shape != tuple(expected_shape):
-            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {shape}; the model expects "
+            raise CheckpointError(f"{self.label}: tensor {name!r} has shape {shape}; the model expects "
                                   f"{tuple(expected_shape)}")
-        tensor = part[index] if index else part[:]
+        tensor = full[index] if index else full[:]
         self.used.add(name)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
@@ -73,7 +56,40 @@ class CheckpointReader:
         self.used.add(name)
 
     def check_all_used(self) -> None:
-        _check_all_used(str(self.path), self.names(), self.used)
+        unexpected = sorted(self.names() - self.used)
+        if unexpected:
+            shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+            raise CheckpointError(f"{self.label}: unexpected tensors the model does not use: {shown}")
+
+
+class CheckpointReader(_NamedSource):
+    """A safetensors checkpoint (single file or sharded with an index); reads through `get_slice`."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__()
+        self.path = Path(path)
+        self.label = str(self.path)
+        if (self.path / INDEX_FILE).exists():
+            weight_map = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
+            self._file_of = {name: self.path / file for name, file in weight_map.items()}
+        elif (self.path / SINGLE_FILE).exists():
+            with safe_open(self.path / SINGLE_FILE, framework="pt") as f:
+                self._file_of = {name: self.path / SINGLE_FILE for name in f.keys()}
+        else:
+            raise CheckpointError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _tensor(self, name: str):
+        file = self._file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file].get_slice(name)
 
 
 class RandomWeights:
@@ -117,14 +133,13 @@ def _sliced_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
     return tuple(out)
 
 
-class StateDictSource:
+class StateDictSource(_NamedSource):
     """Weights from an in-memory `{checkpoint name: tensor}` dict (e.g. a reference model's state_dict),
     with the same checks as a checkpoint: benchmarks and tests share one set of weights this way."""
 
     def __init__(self, state_dict: dict[str, torch.Tensor], label: str = "state_dict"):
+        super().__init__()
         self.state_dict, self.label = state_dict, label
-        self.used: set[str] = set()
-        self.bytes_read = 0
 
     def names(self) -> set[str]:
         return set(self.state_dict)
@@ -132,27 +147,5 @@ class StateDictSource:
     def has(self, name: str) -> bool:
         return name in self.state_dict
 
-    def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
-        if name not in self.state_dict:
-            raise CheckpointError(f"{self.label}: missing tensor {name!r}")
-        tensor = self.state_dict[name]
-        if tuple(tensor.shape) != tuple(expected_shape):
-            raise CheckpointError(f"{self.label}: tensor {name!r} has shape {tuple(tensor.shape)}; the model "
-                                  f"expects {tuple(expected_shape)}")
-        part = tensor[index] if index else tensor
-        self.used.add(name)
-        self.bytes_read += part.numel() * part.element_size()
-        return part
-
-    def skip(self, name: str) -> None:
-        self.used.add(name)
-
-    def check_all_used(self) -> None:
-        _check_all_used(self.label, self.names(), self.used)
-
-
-def _check_all_used(label: str, names: set[str], used: set[str]) -> None:
-    unexpected = sorted(names - used)
-    if unexpected:
-        shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
-        raise CheckpointError(f"{label}: unexpected tensors the model does not use: {shown}")
+    def _tensor(self, name: str) -> torch.Tensor:
+        return self.state_dict[name]
