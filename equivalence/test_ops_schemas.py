@@ -27,3 +27,15 @@ def test_registered_schema_text_matches_torch_npu():
         name, _, overload = qualname.partition(".")
         registered = getattr(getattr(torch.ops.npu, name), overload or "default")._schema
         assert str(registered) == str(torch._C.parse_schema("npu::" + schema)), qualname
+
+
+def test_registration_is_idempotent():
+    import importlib
+
+    import optimized.ops.norm as norm
+
+    x, gamma = torch.randn(3, 8), torch.rand(8) + 0.5
+    before = torch.ops.npu.npu_rms_norm(x, gamma, 1e-6)[0]
+    importlib.reload(norm)            # registers again: must neither raise nor change the operator
+    importlib.reload(optimized.ops)
+    assert torch.equal(torch.ops.npu.npu_rms_norm(x, gamma, 1e-6)[0], before)
