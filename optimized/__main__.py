@@ -149,10 +149,13 @@ def build_prompts(args, cfg, vocab_size: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(data.seed)
         prompts = torch.randint(0, vocab_size, (batch, data.input_max_len), generator=gen).tolist()
     else:
-        prompts = [encode(data.prompts[i % len(data.prompts)])[:data.input_max_len] for i in range(batch)]
+        prompts = [encode(data.prompts[i % len(data.prompts)]) for i in range(batch)]
     for i, p in enumerate(prompts):
         if not p:
             raise UsageError(f"prompt {i} is empty")
+        if len(p) > data.input_max_len:  # never truncated silently
+            raise UsageError(f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
+                             f"{data.input_max_len}; shorten it or raise input_max_len")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise UsageError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -11,7 +11,7 @@ model_config:        # what to run
 data_config:         # what to feed it
   dataset: prompts              # prompts: the `prompts` list | random: random token ids (benchmarks)
   prompts: ["The capital of France is"]
-  input_max_len: 1024           # prompts are truncated / random inputs are this long
+  input_max_len: 1024           # longest prompt accepted (longer is an error) / random inputs are this long
   seed: 0                       # seed of the random dataset (and of random weights)
 parallel_config:     # how to shard it (every *_size divides world_size)
   world_size: 1

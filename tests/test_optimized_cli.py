@@ -159,3 +159,8 @@ def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
 
 def test_bench_bad_arguments(capsys):
     assert "--layers must be >= 1" in run_error(["bench", "--preset", "tiny", "--layers", "0"], capsys)
+
+
+def test_prompt_longer_than_input_max_len_is_an_error_not_truncated(capsys):
+    err = run_error(["generate", "--config", SINGLE, "--prompt", "x" * 65], capsys)
+    assert "prompt 0 has 65 tokens, more than data_config.input_max_len=64" in err
