@@ -37,6 +37,7 @@ from pathlib import Path
 from reference.tokenizer import decode, encode, parse_prompt_ids
 
 from .bench import UsageError
+from .runner import check_prompts
 
 PROG = "python -m optimized"
 
@@ -151,14 +152,9 @@ def build_prompts(args, cfg, vocab_size: int) -> list[list[int]]:
     else:
         prompts = [encode(data.prompts[i % len(data.prompts)]) for i in range(batch)]
     for i, p in enumerate(prompts):
-        if not p:
-            raise UsageError(f"prompt {i} is empty")
         if len(p) > data.input_max_len:  # never truncated silently
             raise UsageError(f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
                              f"{data.input_max_len}; shorten it or raise input_max_len")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise UsageError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return prompts
 
 
@@ -222,10 +218,11 @@ def generate(args) -> int:
         raise UsageError(f"inference config {path} does not fit the model {m.model_path}: "
                          + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
     prompts = build_prompts(args, cfg, hf_config.vocab_size)
-    longest = max(len(q) for q in prompts) + s.max_new_tokens
-    if longest > hf_config.max_position_embeddings:
-        raise UsageError(f"a prompt of {longest - s.max_new_tokens} tokens + {s.max_new_tokens} new tokens exceeds "
-                         f"max_position_embeddings={hf_config.max_position_embeddings}")
+
+    try:  # before loading the model: a bad prompt should not cost a checkpoint load
+        check_prompts(prompts, s.max_new_tokens, hf_config.vocab_size, hf_config.max_position_embeddings)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
     from . import platform
     from .build import load_model

@@ -270,9 +270,6 @@ class ParallelState:
         return cls.build(ParallelConfig(), 0, create_groups=False)
 
 
-ParallelGroups = ParallelState  # the name optimized/model.py's docstring uses
-
-
 # ------------------------------------------------------------------------------------------ collectives
 
 # torch 2.13 renamed the single-tensor collectives and deprecated the old names; torch_npu users may be

@@ -334,10 +334,14 @@ class InferenceConfig:
         return self
 
 
-def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
-    """Indices of decoder layers with a dense MLP, by HF Qwen3-MoE's rule."""
-    n = num_layers if num_layers is not None else hf_config.num_hidden_layers
-    only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+def is_sparse_layer(hf_config, layer_idx: int) -> bool:
+    """HF Qwen3-MoE's rule: a MoE layer unless listed in mlp_only_layers or off the decoder_sparse_step."""
+    only = getattr(hf_config, "mlp_only_layers", None) or []
     step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    experts = getattr(hf_config, "num_experts", 0)
-    return [i for i in range(n) if i in only or not (experts > 0 and (i + 1) % step == 0)]
+    return layer_idx not in only and getattr(hf_config, "num_experts", 0) > 0 and (layer_idx + 1) % step == 0
+
+
+def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
+    """Indices of decoder layers with a dense MLP."""
+    n = num_layers if num_layers is not None else hf_config.num_hidden_layers
+    return [i for i in range(n) if not is_sparse_layer(hf_config, i)]

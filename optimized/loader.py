@@ -104,9 +104,6 @@ class RandomWeights:
         self.used: set[str] = set()
         self.bytes_read = 0
 
-    def has(self, name: str) -> bool:
-        return True
-
     def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
         shape = _sliced_shape(tuple(expected_shape), index)
         self.used.add(name)

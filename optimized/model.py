@@ -1,7 +1,7 @@
 """The optimized Qwen3MoeForCausalLM: one decoder layer's data flow fits on one screen.
 
 Tokens are packed (TND: all requests of a step concatenated). Every rank runs every token; the weights
-are sharded over the process groups of `comm.ParallelGroups` (attention TP, MoE TP x EP, embedding TP,
+are sharded over the process groups of `comm.ParallelState` (attention TP, MoE TP x EP, embedding TP,
 lm_head TP). The residual stream is carried between layers by `npu_add_rms_norm`.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .config import is_sparse_layer
 from .forward_metadata import ForwardMetadata
 from .layers.attention import Qwen3MoeAttention, causal_mask_template
 from .layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,11 +30,6 @@ def check_supported(config) -> None:
         if unsupported(config):
             value = getattr(config, key.split(".")[0], None)
             raise NotImplementedError(f"config {key}={value!r} is not supported by the optimized model")
-
-
-def is_sparse_layer(config, layer_idx: int) -> bool:
-    return (layer_idx not in (config.mlp_only_layers or []) and config.num_experts > 0
-            and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):

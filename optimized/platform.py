@@ -1,7 +1,7 @@
-"""The one place that chooses device, collective backend and graph backend.
+"""The one place that chooses the device and the collective backend.
 
-Model code never asks which hardware it runs on; it asks this module for a device, a process-group
-backend or a compile backend, and calls `torch.ops.npu.*` the same way everywhere.
+Model code never asks which hardware it runs on; it asks this module for a device or a process-group
+backend, and calls `torch.ops.npu.*` the same way everywhere.
 """
 from __future__ import annotations
 
@@ -47,7 +47,3 @@ def dist_backend() -> str:
     """Collective backend for torch.distributed: hccl on NPU, nccl on CUDA, gloo on CPU."""
     return {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}[backend_name()]
 
-
-def compile_backend() -> str:
-    """Graph-mode backend: torchair on NPU, inductor elsewhere."""
-    return "torchair" if backend_name() == "npu" else "inductor"

@@ -21,6 +21,21 @@ def synchronize(device: torch.device) -> None:
         torch.npu.synchronize(device)
 
 
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int, max_positions: int) -> None:
+    """ValueError naming the first prompt that cannot be generated from (empty, bad id, too long)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt) + max_new_tokens > max_positions:
+            raise ValueError(f"prompt {i}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed "
+                             f"max_position_embeddings={max_positions}")
+
+
 @dataclass
 class GenerationResult:
     tokens: list[list[int]]                       # generated ids per request
@@ -41,22 +56,9 @@ class ModelRunner:
         self.num_layers, self.max_positions = config.num_hidden_layers, config.max_position_embeddings
         self.vocab_size = config.vocab_size
 
-    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-        for i, prompt in enumerate(prompts):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-            if len(prompt) + max_new_tokens > self.max_positions:
-                raise ValueError(f"prompt {i}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed "
-                                 f"max_position_embeddings={self.max_positions}")
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> GenerationResult:
-        self._check_prompts(prompts, max_new_tokens)
+        check_prompts(prompts, max_new_tokens, self.vocab_size, self.max_positions)
         budget = [len(p) + max_new_tokens for p in prompts]
         num_blocks = 1 + sum(-(-n // self.block_size) for n in budget)
         cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
