@@ -805,6 +805,10 @@ ERROR_CASES = [
      r"init_routing_v2: drop_pad_mode=1 needs the full active_expert_range"),
     (lambda: npu.npu_moe_init_routing_v2(_x, _ids - 1, expert_num=4), ValueError,
      r"init_routing_v2: expert_idx values must be >= 0"),
+    (lambda: npu.npu_moe_init_routing_v2(_x, _ids + 5, expert_num=4), ValueError,
+     r"init_routing_v2: expert_idx value 5 is outside \[0, expert_num=4\]"),
+    (lambda: npu.npu_moe_init_routing_v2(_x, _ids + 5, expert_num=4, active_expert_range=[0, 2]), ValueError,
+     r"init_routing_v2: expert_idx value 5 is outside"),
     (lambda: npu.npu_moe_init_routing_v2(_x, _ids.long(), expert_num=4), ValueError,
      r"init_routing_v2: expert_idx has dtype"),
     (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, scale=torch.ones(3)), ValueError,
@@ -842,6 +846,19 @@ ERROR_CASES = [
 ]
 
 
+def test_init_routing_v2_drops_the_finished_marker_but_refuses_ids_past_it():
+    """Spec §4.1: expert_num is gating's "finished" id, dropped (never an error); expert_num + 1 is refused."""
+    ids = torch.tensor([[0, 4], [4, 1]], dtype=torch.int32)
+    x = torch.randn(2, 6)
+    expanded_x, row_idx, counts, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=4, expert_tokens_num_type=1,
+                                                                  expert_tokens_num_flag=True)
+    assert counts.tolist() == [1, 1, 0, 0]
+    assert row_idx.tolist() == [0, -1, -1, 1]
+    assert_bitwise_equal(expanded_x[:2], x[[0, 1]], "rows of experts 0 and 1")
+    with pytest.raises(ValueError, match=r"expert_idx value 5 is outside \[0, expert_num=4\]"):
+        npu.npu_moe_init_routing_v2(x, ids + 1, expert_num=4)
+
+
 @pytest.mark.parametrize("case", range(len(ERROR_CASES)))
 def test_invalid_inputs_raise_naming_op_and_argument(case):
     call, error, pattern = ERROR_CASES[case]
@@ -851,7 +868,6 @@ def test_invalid_inputs_raise_naming_op_and_argument(case):
 
 STRICT_CASES = [
     (lambda: npu.npu_moe_gating_top_k_softmax(torch.zeros(1, 1100), None, k=1025), r"gating_top_k_softmax: NPU limit"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids + 5, expert_num=4), r"init_routing_v2: NPU limit.*<= 4"),
     (lambda: npu.npu_moe_compute_expert_tokens(torch.tensor([1, 0], dtype=torch.int32), 2),
      r"compute_expert_tokens: NPU limit.*non-decreasing"),
     (lambda: npu.npu_moe_re_routing(_x, torch.tensor([[4]])), r"re_routing: NPU limit: tokens has dtype"),

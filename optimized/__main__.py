@@ -1,7 +1,9 @@
 """Command line: `python -m optimized generate | bench | convert`.
 
     python -m optimized generate --config YAML [--model-path P] [--prompt TEXT ... | --prompt-ids 1,2,3 ...]
-                                 [--max-new-tokens N] [--dtype bfloat16|float32]
+                                 [--chat] [--max-new-tokens N] [--dtype bfloat16|float32]
+                                 [--temperature T] [--top-k K] [--top-p P] [--seed S] [--ignore-eos]
+                                 [--save-logits FILE]
     torchrun --nproc-per-node N -m optimized generate --config YAML ...   (N == parallel_config.world_size)
     python -m optimized bench [--preset qwen3_30b_a3b|qwen3_235b_a22b|tiny] [--layers 2] [--batch 1]
                               [--prompt-len 128] [--decode-steps 8] [--warmup 1] [--repeats 3]
@@ -10,34 +12,44 @@
 
 generate
   The YAML is an `optimized.config.InferenceConfig`; command-line options override it. Prompts: every
-  `--prompt TEXT` (byte-level, UTF-8 bytes) or `--prompt-ids 1,2,3` is one request of the batch; without
-  either, the config's data_config decides (`prompts`: its prompts, cycled to scheduler_config.batch_size
-  requests; `random`: batch_size random prompts of input_max_len ids drawn from data_config.seed), each
-  truncated to data_config.input_max_len.
+  `--prompt TEXT` (encoded by the checkpoint's own tokenizer) or `--prompt-ids 1,2,3` is one request of
+  the batch; without either, the config's data_config decides (`prompts`: its prompts, cycled to
+  scheduler_config.batch_size requests; `random`: batch_size random prompts of input_max_len ids drawn
+  from data_config.seed). A prompt longer than data_config.input_max_len is an error, never truncated.
+  `--chat` (or model_config.tokenizer_mode: chat) sends each text prompt through the tokenizer's chat
+  template as a user message. Generation is greedy unless --temperature > 0 (then --top-k, --top-p,
+  --seed apply); a request stops at an EOS id of generation_config.json (else config.json) unless
+  --ignore-eos. --save-logits FILE writes (torch.save) the prompts, the tokens, the logits at every prompt
+  position and the logits each generated token was chosen from.
   model_config.model_path: `fixture:NAME` (the tiny checkpoint built and cached by the repository's
   `fixtures/` package: run from the repository root), `preset:NAME` (a released model's config.json,
   e.g. preset:qwen3_30b_a3b, written to a cache directory; random weights, with_ckpt: false), or a
   checkpoint directory. with_ckpt: false draws seeded random weights (data_config.seed).
-  Under torchrun every rank loads only its own shards; rank 0 prints, per request, `prompt ids:`,
-  `generated ids:` and `text:` (the lines `python -m reference generate` prints; with several requests
-  each line starts with `[i] `), then the prefill time and the decode time per token.
+  Under torchrun every rank loads only its own shards, and before loading checks with one small
+  collective that every rank holds the same config, model and prompts; collectives that wait longer
+  than parallel_config.collective_timeout_s fail. Rank 0 prints, per request, `prompt ids:`,
+  `generated ids:`, `finish:` (eos | length) and, with a tokenizer, `text:` and `completion:` (the lines
+  `python -m reference generate` prints; with several requests each line starts with `[i] `), then the
+  prefill time and the decode time per token.
   exe_mode: graph is rejected for now ("not implemented yet"): graph mode (torchair on NPU, inductor
   elsewhere) with its compile cache is a later step; run with exe_mode: eager.
 
-Errors a user can fix (bad config, bad prompt, world size mismatch, missing checkpoint) print one line
+Errors a user can fix (bad config, bad prompt, world size mismatch, missing or broken checkpoint, an
+unsupported model config, ranks that disagree, a collective timeout) print one line
 `python -m optimized: error: ...` on stderr and exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 from pathlib import Path
 
-from reference.tokenizer import decode, encode, parse_prompt_ids
+from reference.tokenizer import PromptError, decode, encode, eos_token_ids, load_tokenizer, parse_prompt_ids
 
 from .bench import UsageError
-from .runner import check_prompts
+from .runner import BLOCK_GRANULARITY, check_prompts
 
 PROG = "python -m optimized"
 
@@ -65,12 +77,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model-path", help="overrides model_config.model_path (directory, fixture:NAME, preset:NAME)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append", metavar="TEXT",
-                        help="a prompt, tokenized byte-level; repeat for a batch")
+                        help="a prompt, encoded by the checkpoint's tokenizer; repeat for a batch")
     prompt.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS",
                         help="comma-separated token ids, e.g. 1,2,3; repeat for a batch")
     gen.add_argument("--max-new-tokens", type=int, help="overrides scheduler_config.max_new_tokens")
     gen.add_argument("--dtype", choices=["bfloat16", "float32"], help="overrides model_config.dtype")
     gen.add_argument("--block-size", type=int, help="overrides scheduler_config.block_size (a multiple of 16)")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (tokenizer_mode: chat)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this mass")
+    gen.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    gen.add_argument("--save-logits", metavar="FILE", help="torch.save the prompt and generation logits (rank 0)")
 
     from . import bench
     bench.add_arguments(sub.add_parser("bench", help="latency: reference vs optimized vs transformers, "
@@ -139,10 +158,13 @@ def resolve_model_path(model_path: str, scheme: str | None, name: str) -> Path:
 
 # ---------------------------------------------------------------------------------------------- prompts
 
-def build_prompts(args, cfg, vocab_size: int) -> list[list[int]]:
+def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
     data, batch = cfg.data_config, cfg.scheduler_config.batch_size
+    mode = "chat" if args.chat else cfg.model_config.tokenizer_mode
+    if args.chat and args.prompt_ids is not None:
+        raise UsageError("--chat applies the chat template to text prompts; it cannot be combined with --prompt-ids")
     if args.prompt is not None:
-        prompts = [encode(p) for p in args.prompt]
+        prompts = [encode(tokenizer, p, mode, f"--prompt {i}") for i, p in enumerate(args.prompt)]
     elif args.prompt_ids is not None:
         prompts = list(args.prompt_ids)
     elif data.dataset == "random":
@@ -150,7 +172,8 @@ def build_prompts(args, cfg, vocab_size: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(data.seed)
         prompts = torch.randint(0, vocab_size, (batch, data.input_max_len), generator=gen).tolist()
     else:
-        prompts = [encode(data.prompts[i % len(data.prompts)]) for i in range(batch)]
+        prompts = [encode(tokenizer, data.prompts[i % len(data.prompts)], mode,
+                          f"data_config.prompts[{i % len(data.prompts)}]") for i in range(batch)]
     for i, p in enumerate(prompts):
         if len(p) > data.input_max_len:  # never truncated silently
             raise UsageError(f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
@@ -185,8 +208,8 @@ def generate(args) -> int:
         s.max_new_tokens = args.max_new_tokens
     if args.block_size is not None:
         s.block_size = args.block_size
-    if s.block_size < 1 or s.block_size % 16:
-        raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of 16 "
+    if s.block_size < 1 or s.block_size % BLOCK_GRANULARITY:
+        raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
                          f"(the paged attention kernel's block granularity)")
     if m.exe_mode == "graph":
         raise UsageError("model_config.exe_mode: graph is not implemented yet (torchair / inductor graph mode comes "
@@ -205,11 +228,13 @@ def generate(args) -> int:
     scheme, name = m.scheme
     model_dir = resolve_model_path(m.model_path, scheme, name)
 
-    import torch
-    from transformers import Qwen3MoeConfig
+    from .hf_config import ModelConfigError, load_hf_config
+    from .sampling import SamplingParams
 
     try:
-        hf_config = Qwen3MoeConfig.from_pretrained(model_dir)
+        hf_config = load_hf_config(model_dir)
+    except ModelConfigError as e:
+        raise UsageError(str(e)) from None
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
     try:
@@ -217,31 +242,52 @@ def generate(args) -> int:
     except ConfigError as e:
         raise UsageError(f"inference config {path} does not fit the model {m.model_path}: "
                          + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
-    prompts = build_prompts(args, cfg, hf_config.vocab_size)
-
-    try:  # before loading the model: a bad prompt should not cost a checkpoint load
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        tokenizer = load_tokenizer(model_dir)
+        prompts = build_prompts(args, cfg, hf_config.vocab_size, tokenizer)
+        # before loading the model: a bad prompt should not cost a checkpoint load
         check_prompts(prompts, s.max_new_tokens, hf_config.vocab_size, hf_config.max_position_embeddings)
-    except ValueError as e:
+    except ValueError as e:  # PromptError, bad sampling options, prompt ids outside the vocabulary, ...
         raise UsageError(str(e)) from None
+    eos = [] if args.ignore_eos else eos_token_ids(model_dir)
 
     from . import platform
     from .build import load_model
     from .comm import ParallelState, init_distributed
+    from .dist_guard import (CollectiveTimeoutError, RankMismatchError, check_ranks_agree, collective_timeout_s,
+                             named_collective_errors, run_fingerprint)
     from .loader import CheckpointError
     from .runner import ModelRunner
 
-    env = init_distributed()
     try:
-        state = ParallelState.build(p)
-        device = platform.device(env.local_rank)
-        try:
-            model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
-                               seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
-        except CheckpointError as e:
-            raise UsageError(f"checkpoint {model_dir}: {e}") from None
-        result = ModelRunner(model, s.block_size, device).generate(prompts, s.max_new_tokens)
+        timeout_s = collective_timeout_s(p.collective_timeout_s)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        with named_collective_errors(timeout_s):
+            check_ranks_agree(run_fingerprint(cfg.to_dict(), model_dir, prompts, sampling=repr(sampling), eos=eos,
+                                              chat=args.chat))
+            state = ParallelState.build(p)
+            device = platform.device(env.local_rank)
+            try:
+                model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
+                                   seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
+            except CheckpointError as e:
+                raise UsageError(f"checkpoint {model_dir}: {e}") from None
+            positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
+            result = ModelRunner(model, s.block_size, device).generate(
+                prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos, prompt_logits_positions=positions,
+                return_logits=bool(args.save_logits))
         if env.rank == 0:
-            _print_result(cfg, model_dir, prompts, result, env.world_size)
+            _print_result(cfg, model_dir, prompts, result, env.world_size, tokenizer)
+            if args.save_logits:
+                import torch
+                torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
+                            "logits": result.logits, "finish_reasons": result.finish_reasons}, args.save_logits)
+    except (CollectiveTimeoutError, RankMismatchError) as e:
+        raise UsageError(f"rank {env.rank}: {e}") from None
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -249,7 +295,7 @@ def generate(args) -> int:
     return 0
 
 
-def _print_result(cfg, model_dir, prompts, result, world_size: int) -> None:
+def _print_result(cfg, model_dir, prompts, result, world_size: int, tokenizer) -> None:
     m, p = cfg.model_config, cfg.parallel_config
     layout = ", ".join(f"{k} {getattr(p, k)}" for k in ("attn_tp_size", "moe_tp_size", "moe_ep_size",
                                                          "embed_tp_size", "lmhead_tp_size"))
@@ -260,7 +306,10 @@ def _print_result(cfg, model_dir, prompts, result, world_size: int) -> None:
         tag = f"[{i}] " if many else ""
         print(f"{tag}prompt ids: {','.join(map(str, prompt))}")
         print(f"{tag}generated ids: {','.join(map(str, new))}")
-        print(f"{tag}text: {decode(prompt + new)!r}")
+        print(f"{tag}finish: {result.finish_reasons[i]}")
+        if tokenizer is not None:
+            print(f"{tag}text: {decode(tokenizer, prompt + new)!r}")
+            print(f"{tag}completion: {decode(tokenizer, new)!r}")
     n_tokens = sum(len(q) for q in prompts)
     print(f"prefill: {1000 * result.prefill_seconds:.2f} ms ({n_tokens} tokens in {len(prompts)} request(s))")
     steps = len(result.decode_seconds)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import Qwen3MoeConfig
 
 from .comm import ParallelState
 from .config import InferenceConfig
+from .hf_config import load_hf_config
 from .loader import CheckpointReader, RandomWeights
 from .model import Qwen3MoeForCausalLM
 
@@ -20,7 +20,7 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
     model_path: a directory with config.json (+ safetensors unless random_weights). parallel: the process
     groups (default: a single process). num_hidden_layers: keep only the first N layers.
     """
-    config = Qwen3MoeConfig.from_pretrained(model_path)
+    config = load_hf_config(model_path)  # ModelConfigError for another model_type, missing counts, ...
     full_layers = config.num_hidden_layers
     if num_hidden_layers is not None:
         if not 1 <= num_hidden_layers <= full_layers:

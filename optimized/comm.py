@@ -88,6 +88,8 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV",
     WORLD_SIZE unset or 1: returns DistEnv(0, 1, 0) without initializing torch.distributed. Otherwise
     initializes the default group with `platform.dist_backend()` (hccl / nccl / gloo) from RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and selects the local device. Idempotent.
+    timeout: how long a collective may wait; None: `dist_guard.collective_timeout()` (the environment
+    variable QWEN3_MOE_COLLECTIVE_TIMEOUT_S, else 120 s), never torch's 30-minute default.
     """
     if dist.is_available() and dist.is_initialized():
         return DistEnv(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", dist.get_rank()))
@@ -106,9 +108,9 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV",
         torch.npu.set_device(local_rank)
     elif backend == "cuda":
         torch.cuda.set_device(local_rank)
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    from .dist_guard import collective_timeout
     dist.init_process_group(platform.dist_backend(), init_method="env://", rank=rank, world_size=world_size,
-                            **kwargs)
+                            timeout=timeout if timeout is not None else collective_timeout())
     return DistEnv(rank, world_size, local_rank)
 
 
@@ -228,7 +230,9 @@ class ParallelState:
 
         rank / world_size default to torch.distributed's when initialized, else 0 / 1. `create_groups`
         (default: torch.distributed is initialized) False gives the rank lists with every group None,
-        e.g. to inspect a layout in a single process.
+        e.g. to inspect a layout in a single process. Otherwise a world size > 1 without an initialized
+        torch.distributed, or a WORLD_SIZE environment that disagrees with the config, is refused: such a
+        process would compute as rank 0 of 1 and print wrong tokens.
         """
         initialized = dist.is_available() and dist.is_initialized()
         if parallel is None:
@@ -243,6 +247,7 @@ class ParallelState:
         layouts = layout_ranks(parallel)
         w = parallel.world_size
         if create_groups is None:
+            _check_launch(w, initialized)
             create_groups = initialized and w > 1
         if create_groups:
             if not initialized:
@@ -268,6 +273,17 @@ class ParallelState:
     @classmethod
     def single(cls) -> "ParallelState":
         return cls.build(ParallelConfig(), 0, create_groups=False)
+
+
+def _check_launch(world_size: int, initialized: bool) -> None:
+    env = os.environ.get("WORLD_SIZE")
+    if env is not None and env.strip() != str(world_size):
+        raise RuntimeError(f"parallel_config.world_size is {world_size} but the environment says WORLD_SIZE={env}; "
+                           f"launch with `torchrun --nproc-per-node {world_size}` or fix parallel_config.world_size")
+    if world_size > 1 and not initialized:
+        raise RuntimeError(f"parallel_config.world_size is {world_size} but torch.distributed is not initialized: "
+                           f"call optimized.comm.init_distributed() first, in every process started by torchrun "
+                           f"(or pass create_groups=False to inspect a layout without process groups)")
 
 
 # ------------------------------------------------------------------------------------------ collectives

@@ -8,6 +8,7 @@ model_config:        # what to run
   with_ckpt: true               # false: random weights of the real shapes (benchmarks without a checkpoint)
   enable_cache_compile: false   # graph mode: reuse the compiled graph cache between runs
   num_hidden_layers: null       # optional override: build only the first N decoder layers
+  tokenizer_mode: default       # default: prompts encoded as they are | chat: through the chat template
 data_config:         # what to feed it
   dataset: prompts              # prompts: the `prompts` list | random: random token ids (benchmarks)
   prompts: ["The capital of France is"]
@@ -20,6 +21,8 @@ parallel_config:     # how to shard it (every *_size divides world_size)
   moe_ep_size: 1                # MoE expert parallel (strided ranks); moe_tp_size * moe_ep_size == world_size
   embed_tp_size: 1              # vocab-parallel embedding (contiguous ranks)
   lmhead_tp_size: 1             # vocab-parallel lm_head (contiguous ranks)
+  collective_timeout_s: 120     # a collective waiting longer fails, naming this key (env override:
+                                # QWEN3_MOE_COLLECTIVE_TIMEOUT_S); torch's default would wait 30 minutes
 scheduler_config:    # how to schedule it
   batch_size: 1
   max_new_tokens: 32
@@ -56,6 +59,7 @@ import yaml
 EXE_MODES = ("eager", "graph")
 DTYPES = ("bfloat16", "float32")
 DATASETS = ("prompts", "random")
+TOKENIZER_MODES = ("default", "chat")
 MODEL_PATH_SCHEMES = ("fixture", "preset")
 
 
@@ -129,6 +133,7 @@ class ModelConfig:
     with_ckpt: bool = True
     enable_cache_compile: bool = False
     num_hidden_layers: int | None = None
+    tokenizer_mode: str = "default"
 
     @property
     def scheme(self) -> tuple[str | None, str]:
@@ -155,6 +160,7 @@ class ModelConfig:
         c.boolean(self, "with_ckpt")
         c.boolean(self, "enable_cache_compile")
         c.positive_int(self, "num_hidden_layers", optional=True)
+        c.choice(self, "tokenizer_mode", TOKENIZER_MODES)
         if self.enable_cache_compile is True and self.exe_mode == "eager":
             c.fail("enable_cache_compile", "needs exe_mode: graph (there is no compiled graph to cache in eager mode)")
         if isinstance(self.model_path, str) and self.scheme[0] == "preset" and self.with_ckpt is True:
@@ -189,8 +195,12 @@ class ParallelConfig:
     moe_ep_size: int = 1
     embed_tp_size: int = 1
     lmhead_tp_size: int = 1
+    collective_timeout_s: float = 120.0
 
     def _check(self, c: _Checker) -> None:
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            c.fail("collective_timeout_s", f"must be a positive number of seconds, got {_describe(t)}")
         ok = {k: c.positive_int(self, k) for k in ("world_size",) + PARALLEL_SIZES}
         if not ok["world_size"]:
             return

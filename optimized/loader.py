@@ -8,20 +8,14 @@ the real shapes (benchmarks, latency runs) and never builds a full tensor either
 """
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: a missing, unexpected or mis-shaped tensor."""
+from .checkpoint_files import (INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError,  # noqa: F401
+                               FusedExpertView, declared_dtype, expand_fused_experts, open_file, weight_files)
 
 
 class _NamedSource:
@@ -63,33 +57,46 @@ class _NamedSource:
 
 
 class CheckpointReader(_NamedSource):
-    """A safetensors checkpoint (single file or sharded with an index); reads through `get_slice`."""
+    """A safetensors checkpoint (single file or sharded with an index); reads through `get_slice`.
+
+    Fused expert tensors (transformers v5) are read under the per-expert names, one slice at a time; every
+    tensor must have the dtype config.json declares. Broken files raise CheckpointError naming the file.
+    """
 
     def __init__(self, path: str | os.PathLike):
         super().__init__()
         self.path = Path(path)
         self.label = str(self.path)
-        if (self.path / INDEX_FILE).exists():
-            weight_map = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
-            self._file_of = {name: self.path / file for name, file in weight_map.items()}
-        elif (self.path / SINGLE_FILE).exists():
-            with safe_open(self.path / SINGLE_FILE, framework="pt") as f:
-                self._file_of = {name: self.path / SINGLE_FILE for name in f.keys()}
-        else:
-            raise CheckpointError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        self._file_of = weight_files(self.path)
         self._handles: dict[Path, object] = {}
+        self._fused = expand_fused_experts(self._file_of, lambda n: self._slice(n).get_shape())
+        self.dtype = declared_dtype(self.path)
 
     def names(self) -> set[str]:
-        return set(self._file_of)
+        fused = {name for name, _, _ in self._fused.values()}
+        return (set(self._file_of) - fused) | set(self._fused)
 
     def has(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._fused or name in self._file_of
 
-    def _tensor(self, name: str):
+    def _slice(self, name: str):
         file = self._file_of[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
+            self._handles[file] = open_file(file)
         return self._handles[file].get_slice(name)
+
+    def _tensor(self, name: str):
+        if name in self._fused:
+            fused, part, expert = self._fused[name]
+            tensor = FusedExpertView(self._slice(fused), part, expert)
+        else:
+            tensor = self._slice(name)
+        dtype = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())
+        if self.dtype is not None and dtype != self.dtype:
+            raise CheckpointError(f"{self.label}: tensor {name!r} has dtype {dtype} but config.json declares "
+                                  f"dtype {self.dtype}; the file is corrupt or was written by another "
+                                  f"conversion: re-download or re-convert it")
+        return tensor
 
 
 class RandomWeights:

@@ -1,7 +1,9 @@
-"""Prefill/decode loop with greedy sampling over the paged cache.
+"""Prefill/decode loop over the paged cache: greedy by default, seeded sampling, EOS, returned logits.
 
-One prefill step packs all prompts (TND), then each decode step feeds one token per request. Timings
-are measured per phase with a device sync, so they are honest on asynchronous devices too.
+One prefill step packs all prompts (TND), then each decode step feeds one token per request that is
+still running: a request stops at one of its EOS ids (or after max_new_tokens) and from then on costs no
+decode work. Every decode step goes through `decode_step`, the one place a compiled step plugs in.
+Timings are measured per phase with a device sync, so they are honest on asynchronous devices too.
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import torch
 
 from .forward_metadata import ForwardMetadata
 from .kv_cache import PagedKVCache, block_table, slot_mapping
+from .sampling import GREEDY, Sampler, SamplingParams
+
+BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
 
 
 def synchronize(device: torch.device) -> None:
@@ -38,18 +43,37 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
 
 @dataclass
 class GenerationResult:
-    tokens: list[list[int]]                       # generated ids per request
+    tokens: list[list[int]]                       # generated ids per request (the EOS id included when hit)
     prefill_seconds: float = 0.0
     decode_seconds: list[float] = field(default_factory=list)   # one entry per decode step
+    finish_reasons: list[str] = field(default_factory=list)     # per request: "eos" or "length"
+    # float32 logits on the host, when asked for: prompt_logits[i] [len(positions[i]), V] at the requested
+    # prompt positions (row j predicts the token after position j); logits[i] [len(tokens[i]), V], the
+    # logits each generated token was chosen from (row 0 from the prefill's last position).
+    prompt_logits: list[torch.Tensor] | None = None
+    logits: list[torch.Tensor] | None = None
 
     @property
     def decode_ms_per_token(self) -> float:
         return 1000 * sum(self.decode_seconds) / max(len(self.decode_seconds), 1)
 
 
+def check_block_size(block_size) -> int:
+    if not isinstance(block_size, int) or block_size < 1 or block_size % BLOCK_GRANULARITY:
+        raise ValueError(f"block_size={block_size!r} must be a positive multiple of {BLOCK_GRANULARITY} (the paged "
+                         f"attention kernel's block granularity), e.g. 128")
+    return block_size
+
+
+def _eos_set(eos_token_id) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([int(eos_token_id)] if isinstance(eos_token_id, int) else map(int, eos_token_id))
+
+
 class ModelRunner:
     def __init__(self, model, block_size: int = 128, device: torch.device | str = "cpu"):
-        self.model, self.block_size, self.device = model, block_size, torch.device(device)
+        self.model, self.block_size, self.device = model, check_block_size(block_size), torch.device(device)
         config = model.config
         attn = model.layers[0].self_attn
         self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -57,34 +81,88 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> GenerationResult:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, sampling: SamplingParams | None = None,
+                 eos_token_id: int | list[int] | None = None, prompt_logits_positions: list[list[int]] | None = None,
+                 return_logits: bool = False) -> GenerationResult:
+        """Generate up to `max_new_tokens` per prompt.
+
+        sampling: greedy when None (or temperature 0). eos_token_id: id(s) that end a request (kept as its last
+        token); None: always `max_new_tokens` (e.g. `reference.tokenizer.eos_token_ids(path)` gives a
+        checkpoint's). prompt_logits_positions: per request, prompt positions whose logits to return.
+        return_logits: also return the logits every generated token was chosen from.
+        """
         check_prompts(prompts, max_new_tokens, self.vocab_size, self.max_positions)
+        sampling = sampling or GREEDY
+        eos = _eos_set(eos_token_id)
+        positions = self._check_positions(prompts, prompt_logits_positions)
+        sampler = Sampler(sampling, len(prompts), seed=None if sampling.greedy else shared_seed(self.model))
         budget = [len(p) + max_new_tokens for p in prompts]
         num_blocks = 1 + sum(-(-n // self.block_size) for n in budget)
         cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
                              self.model.dtype, self.device)
         table = block_table([cache.allocate(n) for n in budget], self.device)
         lengths = [len(p) for p in prompts]
-        result = GenerationResult(tokens=[[] for _ in prompts])
+        result = GenerationResult(tokens=[[] for _ in prompts], finish_reasons=["length"] * len(prompts),
+                                  logits=[[] for _ in prompts] if return_logits else None)
 
         start = time.perf_counter()
         ids, meta, last = self.prefill_inputs(prompts, table)
-        next_ids = self.model(ids, meta, cache.layers, logits_indices=last).argmax(-1)
+        offsets = [sum(lengths[:i]) for i in range(len(prompts))]
+        wanted = [offsets[i] + j for i, pos in enumerate(positions or []) for j in pos]
+        indices = torch.cat([torch.tensor(wanted, dtype=last.dtype, device=self.device), last])
+        logits = self.model(ids, meta, cache.layers, logits_indices=indices)
+        if positions is not None:
+            kept = logits[:len(wanted)].float().cpu()
+            result.prompt_logits = list(kept.split([len(pos) for pos in positions]))
+        logits = logits[len(wanted):]
+        active = list(range(len(prompts)))
+        next_ids = sampler(logits, active)
         synchronize(self.device)
         result.prefill_seconds = time.perf_counter() - start
 
-        for step in range(max_new_tokens):
-            for request, token in enumerate(next_ids.tolist()):
+        while True:
+            if return_logits:
+                for row, request in enumerate(active):
+                    result.logits[request].append(logits[row].float().cpu())
+            still = []
+            for row, (request, token) in enumerate(zip(active, next_ids.tolist())):
                 result.tokens[request].append(token)
-            if step == max_new_tokens - 1:
+                if token in eos:
+                    result.finish_reasons[request] = "eos"
+                elif len(result.tokens[request]) < max_new_tokens:
+                    still.append(row)
+            if not still:
                 break
+            if len(still) < len(active):  # finished requests leave the batch: no more decode work for them
+                next_ids = next_ids[torch.tensor(still, device=self.device)]
+                active = [active[row] for row in still]
             start = time.perf_counter()
-            meta = self.decode_metadata(lengths, table)
-            next_ids = self.model(next_ids, meta, cache.layers).argmax(-1)
+            meta = self.decode_metadata([lengths[r] for r in active], table[torch.tensor(active, device=self.device)])
+            logits = self.decode_step(next_ids, meta, cache.layers)
+            next_ids = sampler(logits, active)
             synchronize(self.device)
             result.decode_seconds.append(time.perf_counter() - start)
-            lengths = [n + 1 for n in lengths]
+            for r in active:
+                lengths[r] += 1
+        if return_logits:
+            result.logits = [torch.stack(rows) for rows in result.logits]
         return result
+
+    def decode_step(self, ids: torch.Tensor, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
+        """One decode step: ids [B] (one token per running request) -> logits [B, V]."""
+        return self.model(ids, meta, kv_caches)
+
+    def _check_positions(self, prompts, positions):
+        if positions is None:
+            return None
+        if len(positions) != len(prompts):
+            raise ValueError(f"prompt_logits_positions has {len(positions)} entries for {len(prompts)} prompts")
+        for i, (prompt, pos) in enumerate(zip(prompts, positions)):
+            bad = [j for j in pos if not (isinstance(j, int) and 0 <= j < len(prompt))]
+            if bad:
+                raise ValueError(f"prompt_logits_positions[{i}]: position {bad[0]!r} is outside prompt {i} "
+                                 f"(length {len(prompt)})")
+        return [list(pos) for pos in positions]
 
     def prefill_inputs(self, prompts: list[list[int]], table: torch.Tensor):
         lengths = torch.tensor([len(p) for p in prompts])
@@ -108,3 +186,12 @@ class ModelRunner:
             actual_seq_lengths_kv=[n + 1 for n in lengths],
             slot_mapping=slot_mapping(table, torch.arange(batch, device=self.device), positions, self.block_size),
             block_table=table, block_size=self.block_size)
+
+
+def shared_seed(model) -> int:
+    """A fresh random seed, the same on every rank (rank 0's, broadcast) when the model is sharded."""
+    import torch.distributed as dist
+    seed = torch.randint(0, 2**31 - 1, (1,))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    return int(seed)

@@ -1,28 +1,38 @@
-"""python -m reference generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens 16]
-[--dtype float32|bfloat16] [--no-cache]
+"""python -m reference generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens 16]
+[--dtype float32|bfloat16] [--no-cache] [--ignore-eos]
 
-Text is byte-level (the tiny fixtures' tokenizer): a prompt is its UTF-8 bytes; in the decoded output ids
-below 256 are bytes and other ids are shown as `<id>`.
+Text prompts are encoded by the checkpoint's own tokenizer (`--chat`: through its chat template) and the
+output decoded with it; greedy generation stops at an EOS id of generation_config.json (else config.json)
+unless --ignore-eos. Errors a user can fix print one line and exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .tokenizer import decode, encode, parse_prompt_ids
+from .tokenizer import PromptError, decode, encode, eos_token_ids, load_tokenizer, parse_prompt_ids
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line (no usage block), exit status 2 like argparse
+        message = " ".join(str(message).split())
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m reference", description="Plain eager Qwen3-MoE reference")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="python -m reference", description="Plain eager Qwen3-MoE reference")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="greedy generation from a Hugging Face Qwen3-MoE checkpoint")
-    gen.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
+    gen.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors + tokenizer)")
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text, tokenized byte-level (UTF-8 bytes)")
+    prompt.add_argument("--prompt", help="text, encoded by the checkpoint's tokenizer")
     prompt.add_argument("--prompt-ids", type=parse_prompt_ids, help="comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to --prompt")
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--no-cache", action="store_true", help="recompute the full sequence at every step")
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     return parser
 
 
@@ -31,24 +41,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}")
-    ids = args.prompt_ids if args.prompt is None else encode(args.prompt)
-    if not ids:
+    if args.chat and args.prompt is None:
+        parser.error("--chat applies the chat template to --prompt text; it cannot be combined with --prompt-ids")
+    if args.prompt is not None and not args.prompt:
         parser.error("the prompt is empty")
 
     import torch  # after argument parsing, so usage errors are instant
 
-    from reference.checkpoint import load_model
-    from reference.generate import greedy_generate
+    from reference.checkpoint import load_config, load_model
+    from reference.generate import greedy_generate, trim_at_eos
 
     try:
+        load_config(args.model)  # a bad model path fails before the tokenizer is looked for
+        tokenizer = load_tokenizer(args.model)
+        ids = args.prompt_ids if args.prompt is None else encode(tokenizer, args.prompt,
+                                                                   "chat" if args.chat else "default")
+        if not ids:
+            parser.error("the prompt is empty")
+        eos = [] if args.ignore_eos else eos_token_ids(args.model)
         model = load_model(args.model, dtype=getattr(torch, args.dtype))
-        new = greedy_generate(model, torch.tensor([ids]), args.max_new_tokens, use_cache=not args.no_cache)
-    except (ValueError, OSError) as e:  # bad checkpoint directory, token id outside vocab, too long
+        new = greedy_generate(model, torch.tensor([ids]), args.max_new_tokens, use_cache=not args.no_cache,
+                              eos_token_ids=eos)
+    except (ValueError, OSError) as e:  # bad checkpoint / config / prompt, token id outside vocab, too long
         parser.error(str(e))
-    new = new[0].tolist()
+    new = trim_at_eos(new[0].tolist(), eos)
     print("prompt ids:", ",".join(map(str, ids)))
     print("generated ids:", ",".join(map(str, new)))
-    print("text:", repr(decode(ids + new)))
+    print("finish:", "eos" if new and new[-1] in eos else "length")
+    if tokenizer is not None:
+        print("text:", repr(decode(tokenizer, ids + new)))
+        print("completion:", repr(decode(tokenizer, new)))
     return 0
 
 

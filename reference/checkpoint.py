@@ -5,8 +5,10 @@ The fused transformers-v5 expert tensors, when present, are split into those nam
   `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H] -> experts.E.gate_proj.weight [I, H] (first half)
                                                           and experts.E.up_proj.weight [I, H] (second half)
   `model.layers.N.mlp.experts.down_proj`    [E, H, I]  -> experts.E.down_proj.weight [H, I]
-Every mismatch between the checkpoint and the model (missing, unexpected, mis-shaped, non-float tensor)
-raises CheckpointError naming the tensor.
+Every mismatch between the checkpoint and the model (missing, unexpected, mis-shaped, non-float tensor, a
+dtype other than the one config.json declares) and every unreadable file (bad index JSON, index without
+`weight_map`, missing shard, empty / truncated / corrupt safetensors) raises CheckpointError naming the
+tensor or file. config.json must say model_type qwen3_moe and give the model's sizes explicitly.
 """
 from __future__ import annotations
 
@@ -35,13 +37,49 @@ def _listing(names, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
+# transformers fills absent keys with defaults (the 30B model's): a config without them would load silently.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
+
+
 def load_config(path) -> Qwen3MoeConfig:
     path = Path(path)
-    config_dict, _ = Qwen3MoeConfig.get_config_dict(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} does not exist or is not a directory")
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"model path {str(path)!r} has no config.json; point it at a Hugging Face "
+                              "checkpoint directory")
+    try:
+        config_dict = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e})") from None
     model_type = config_dict.get("model_type")
     if model_type != "qwen3_moe":
-        raise CheckpointError(f"{path}/config.json has model_type={model_type!r}; expected 'qwen3_moe'")
+        raise CheckpointError(f"{file} has model_type={model_type!r}; expected 'qwen3_moe'")
+    missing = [k for k in REQUIRED_KEYS if k not in config_dict]
+    if missing:
+        raise CheckpointError(f"{file}: required key(s) {', '.join(missing)} missing (transformers would use "
+                              "defaults); add them from the released model's config.json")
     return Qwen3MoeConfig.from_pretrained(path)
+
+
+def _declared_dtype(path: Path) -> torch.dtype | None:
+    """config.json's `dtype` (or `torch_dtype`): every tensor of an unquantized checkpoint has it."""
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _open(file: Path):
+    try:
+        return safe_open(file, framework="pt")
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: file not found; the checkpoint is incomplete (re-download it)") from None
+    except Exception as e:  # safetensors' own SafetensorError for empty, truncated or corrupt files
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download or re-convert "
+                              "it") from None
 
 
 def split_fused_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,7 +110,14 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
     """All tensors of `path/model.safetensors` or of the shards listed in `path/model.safetensors.index.json`."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
-        weight_map: dict[str, str] = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path / INDEX_FILE} is not valid JSON ({e}); re-download it") from None
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{path / INDEX_FILE} has no 'weight_map' (tensor name -> shard file); "
+                                  "re-download it")
         files = sorted(set(weight_map.values()))
     elif (path / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
@@ -80,7 +125,7 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(path / file, framework="pt") as f:
+        with _open(path / file) as f:
             for name in f.keys():
                 if name in tensors:
                     raise CheckpointError(f"tensor {name} appears in more than one file of {path} (again in {file})")
@@ -133,5 +178,11 @@ def model_from_state_dict(config: Qwen3MoeConfig, state_dict: dict[str, torch.Te
 
 def load_model(path, dtype: torch.dtype = torch.float32, router_dtype: str = "activation") -> Qwen3MoeForCausalLM:
     path = Path(path)
-    return model_from_state_dict(load_config(path), read_state_dict(path), dtype, router_dtype,
-                                 source=f"checkpoint {path}")
+    config = load_config(path)
+    state_dict = read_state_dict(path)
+    declared = _declared_dtype(path)
+    for name, t in state_dict.items():
+        if declared is not None and t.dtype != declared:
+            raise CheckpointError(f"checkpoint {path}: tensor {name} has dtype {t.dtype} but config.json declares "
+                                  f"dtype {declared}; the file is corrupt or from another conversion")
+    return model_from_state_dict(config, state_dict, dtype, router_dtype, source=f"checkpoint {path}")

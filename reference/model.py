@@ -36,6 +36,10 @@ def check_config(config: Qwen3MoeConfig) -> None:
     def bad(key, value, why):
         raise UnsupportedConfigError(f"config {key}={value!r} is not supported by the reference: {why}")
 
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings"):
+        if not isinstance(getattr(config, key), int) or getattr(config, key) < 1:
+            bad(key, getattr(config, key), "it must be a positive integer")
     rope = config.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         bad("rope_parameters['rope_type']", rope.get("rope_type"), "only 'default' RoPE is implemented")

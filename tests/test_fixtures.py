@@ -1,5 +1,5 @@
 """Fixture checkpoints are deterministic and cached; configs keep the real models' structure; presets are
-the released facts; the byte tokenizer round-trips."""
+the released facts; the fixtures ship a real tokenizer (AutoTokenizer, chat template, EOS ids)."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fixtures import checkpoints
-from reference import tokenizer
+from reference.tokenizer import decode, encode, eos_token_ids, load_tokenizer
 from fixtures.presets import PRESETS, preset_config
 from fixtures.tiny import TINY_CONFIGS, tiny_config
 from reference.model import head_dim_of, is_sparse_layer
@@ -115,12 +115,26 @@ def test_preset_layer_cut():
     assert set(PRESETS) == {"Qwen3-30B-A3B", "Qwen3-235B-A22B"}
 
 
-@given(st.text())
-def test_tokenizer_round_trip(text):
-    ids = tokenizer.encode(text)
-    assert all(0 <= i < 256 for i in ids)
-    assert tokenizer.decode(ids) == text
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return load_tokenizer(checkpoints.checkpoint("tiny"))
 
 
-def test_tokenizer_shows_non_byte_ids():
-    assert tokenizer.decode([104, 105, 300, 33]) == "hi<300>!"
+def test_fixture_tokenizer_loads_like_a_released_checkpoint(tiny_tokenizer):
+    path = checkpoints.checkpoint("tiny")
+    assert (path / "tokenizer.json").is_file() and "chat_template" in (path / "tokenizer_config.json").read_text()
+    assert len(tiny_tokenizer) == tiny_config("tiny").vocab_size  # every id a tiny model emits decodes
+    text = "The capital of France is"
+    ids = encode(tiny_tokenizer, text)
+    assert len(ids) < len(text) // 2 and decode(tiny_tokenizer, ids) == text  # BPE merges, exact round trip
+    chat = encode(tiny_tokenizer, "hi", "chat")
+    assert decode(tiny_tokenizer, chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    special = tiny_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert eos_token_ids(path) == special and max(special) < len(tiny_tokenizer)
+
+
+@given(st.text(max_size=40))
+def test_fixture_tokenizer_round_trip(tiny_tokenizer, text):
+    ids = encode(tiny_tokenizer, text)
+    assert all(0 <= i < len(tiny_tokenizer) for i in ids)
+    assert decode(tiny_tokenizer, ids) == text

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fixtures.checkpoints import checkpoint
-from reference.tokenizer import decode, encode
+from reference.tokenizer import decode, encode, eos_token_ids, load_tokenizer
 from optimized.__main__ import main as cli_main
 from reference.checkpoint import load_model
-from reference.generate import greedy_generate
+from reference.generate import greedy_generate, trim_at_eos
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "fixtures" / "configs"
@@ -23,7 +23,13 @@ SINGLE, TP2 = str(CONFIGS / "tiny_single.yaml"), str(CONFIGS / "tiny_tp2.yaml")
 
 
 def reference_tokens(prompt: list[int], n: int, name: str = "tiny") -> list[int]:
-    return greedy_generate(load_model(checkpoint(name)), torch.tensor([prompt]), n)[0].tolist()
+    """The reference's greedy tokens, ending at the checkpoint's first EOS id (as the CLI stops there)."""
+    tokens = greedy_generate(load_model(checkpoint(name)), torch.tensor([prompt]), n)[0].tolist()
+    return trim_at_eos(tokens, eos_token_ids(checkpoint(name)))
+
+
+def tokenizer(name: str = "tiny"):
+    return load_tokenizer(checkpoint(name))
 
 
 def ids_line(ids) -> str:
@@ -43,13 +49,15 @@ def run_error(argv, capsys) -> str:
 # ------------------------------------------------------------------------------------------- generate
 
 def test_generate_single_process_equals_reference(capsys):
-    prompt = encode("hello")
+    tok = tokenizer()
+    prompt = encode(tok, "hello")
     assert cli_main(["generate", "--config", SINGLE, "--prompt", "hello", "--max-new-tokens", "6"]) == 0
     lines = capsys.readouterr().out.splitlines()
     expected = reference_tokens(prompt, 6)
     assert f"prompt ids: {ids_line(prompt)}" in lines
     assert f"generated ids: {ids_line(expected)}" in lines
-    assert f"text: {decode(prompt + expected)!r}" in lines
+    assert f"text: {decode(tok, prompt + expected)!r}" in lines
+    assert f"completion: {decode(tok, expected)!r}" in lines
     assert any(line.startswith("prefill: ") and " ms " in line for line in lines)
     assert any(line.startswith("decode: ") and "ms/token" in line for line in lines)
 
@@ -59,12 +67,12 @@ def test_generate_batch_from_config_prompts_equals_reference(capsys):
     assert cli_main(["generate", "--config", SINGLE, "--max-new-tokens", "5", "--model-path", "fixture:tiny-dense"]) == 0
     lines = capsys.readouterr().out.splitlines()
     for i, text in enumerate(["The capital of France is", "1, 2, 3,"]):
-        expected = reference_tokens(encode(text), 5, "tiny-dense")
+        expected = reference_tokens(encode(tokenizer("tiny-dense"), text), 5, "tiny-dense")
         assert f"[{i}] generated ids: {ids_line(expected)}" in lines
 
 
 def test_generate_under_torchrun_two_ranks_equals_reference():
-    prompt = encode("1, 2, 3,")
+    prompt = encode(tokenizer(), "1, 2, 3,")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -162,5 +170,5 @@ def test_bench_bad_arguments(capsys):
 
 
 def test_prompt_longer_than_input_max_len_is_an_error_not_truncated(capsys):
-    err = run_error(["generate", "--config", SINGLE, "--prompt", "x" * 65], capsys)
+    err = run_error(["generate", "--config", SINGLE, "--prompt-ids", ",".join(["7"] * 65)], capsys)
     assert "prompt 0 has 65 tokens, more than data_config.input_max_len=64" in err

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fixtures.checkpoints import checkpoint
-from reference.tokenizer import decode, encode
+from reference.tokenizer import decode, encode, eos_token_ids, load_tokenizer
 from reference.__main__ import main as cli_main
 from reference.checkpoint import load_model
-from reference.generate import greedy_generate
+from reference.generate import greedy_generate, trim_at_eos
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,24 +26,26 @@ def test_generate_prints_prompt_and_generated_ids():
     path = checkpoint("tiny")
     out = run_cli("generate", "--model", str(path), "--prompt", "hello", "--max-new-tokens", "6")
     assert out.returncode == 0, out.stderr
-    prompt = encode("hello")
-    expected = greedy_generate(load_model(path), torch.tensor([prompt]), 6)[0].tolist()
+    tok = load_tokenizer(path)
+    prompt = encode(tok, "hello")
+    expected = trim_at_eos(greedy_generate(load_model(path), torch.tensor([prompt]), 6)[0].tolist(),
+                           eos_token_ids(path))
     lines = out.stdout.splitlines()
     assert f"prompt ids: {','.join(map(str, prompt))}" in lines
     assert f"generated ids: {','.join(map(str, expected))}" in lines
-    assert f"text: {decode(prompt + expected)!r}" in lines
+    assert f"text: {decode(tok, prompt + expected)!r}" in lines
 
 
 def test_generate_from_ids_bfloat16_without_cache(capsys):
     """In-process (same `main` as the subprocess above, without a second interpreter start)."""
     path = checkpoint("tiny-dense")
     assert cli_main(["generate", "--model", str(path), "--prompt-ids", "1,2,300", "--max-new-tokens", "4",
-                     "--dtype", "bfloat16", "--no-cache"]) == 0
+                     "--dtype", "bfloat16", "--no-cache", "--ignore-eos"]) == 0
     model = load_model(path, dtype=torch.bfloat16)
     expected = greedy_generate(model, torch.tensor([[1, 2, 300]]), 4, use_cache=False)[0].tolist()
     lines = capsys.readouterr().out.splitlines()
     assert f"generated ids: {','.join(map(str, expected))}" in lines
-    assert f"text: {decode([1, 2, 300] + expected)!r}" in lines
+    assert f"text: {decode(load_tokenizer(path), [1, 2, 300] + expected)!r}" in lines
 
 
 @pytest.mark.parametrize("args, message", [

@@ -236,8 +236,12 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     n, k = expert_idx.shape
     nk = n * k
     ef = expert_idx.reshape(-1).long()
-    check(nk == 0 or int(ef.min()) >= 0, _V2, "expert_idx values must be >= 0")
-    check_npu_limit(nk == 0 or int(ef.max()) <= expert_num, _V2, f"expert_idx values must be <= {expert_num}")
+    # Spec §4.1: ids are in [0, expert_num]; expert_num itself is gating's "finished" marker (dropped like any
+    # id outside the active range). Anything else is a caller bug: refused, never silently dropped.
+    check(nk == 0 or int(ef.min()) >= 0, _V2, f"expert_idx values must be >= 0; got {int(ef.min()) if nk else 0}")
+    check(nk == 0 or int(ef.max()) <= expert_num, _V2,
+          f"expert_idx value {int(ef.max()) if nk else 0} is outside [0, expert_num={expert_num}] (expert_num itself "
+          f"marks a finished row); pass the global expert count as expert_num")
     in_range = (ef >= s) & (ef < e)
     avail = int(in_range.sum())
     key = torch.where(ef < s, torch.iinfo(torch.int64).max, ef)

@@ -1,0 +1,134 @@
+"""The files of a safetensors checkpoint, opened with a named error for every way they can be broken.
+
+- `weight_files(path)`: tensor name -> file, from `model.safetensors.index.json` (its `weight_map`) or the
+  single `model.safetensors`. Bad JSON, an index without `weight_map`, a shard the index lists but the
+  directory lacks, and a truncated / empty / corrupt-header file each raise CheckpointError naming the file
+  and the fix.
+- `declared_dtype(path)`: the dtype config.json declares (`dtype`, or the older `torch_dtype`); every tensor
+  read must have it (an int32 tensor in a float checkpoint is a corrupt file, not weights).
+- Fused experts: transformers v5 may write one tensor per layer for all experts,
+  `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H] and `...experts.down_proj` [E, H, I]. `FusedExpertView`
+  presents one expert's gate / up / down slice of it under the per-expert name, and reads only the
+  requested slice (`get_slice` on the fused tensor), so no rank materializes the fused tensor.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+# safetensors dtype codes (slice.get_dtype()) -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model or cannot be read (the message names file / tensor)."""
+
+
+def open_file(file: Path):
+    """safe_open with a named error for a missing, empty, truncated or corrupt file."""
+    try:
+        return safe_open(file, framework="pt")
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: file not found; the checkpoint is incomplete (re-download it)") from None
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError) for bad files
+        size = file.stat().st_size if file.exists() else 0
+        raise CheckpointError(f"{file} ({size} bytes) is not a readable safetensors file ({e}); it is truncated "
+                              f"or corrupt: re-download or re-convert it") from None
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it."""
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            data = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index} is not valid JSON ({e}); re-download it") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map' (tensor name -> shard file); re-download it, "
+                                  f"or remove it if the weights are one {SINGLE_FILE}")
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                listed = sorted(n for n, f in files.items() if f == file)
+                raise CheckpointError(f"{index} lists shard {file.name} (for {len(listed)} tensor(s), e.g. "
+                                      f"{listed[0]}) but {file} does not exist; the download is incomplete")
+        return files
+    if (path / SINGLE_FILE).exists():
+        with open_file(path / SINGLE_FILE) as f:
+            return {name: path / SINGLE_FILE for name in f.keys()}
+    raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def declared_dtype(path: Path) -> torch.dtype | None:
+    """config.json's `dtype` / `torch_dtype`; None when absent or when the checkpoint is quantized."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("quantization_config"):  # quantized tensors have their own dtypes
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def expand_fused_experts(files: dict[str, Path], shape_of) -> dict[str, tuple[str, str, int]]:
+    """Per-expert name -> (fused name, 'gate' | 'up' | 'down', expert) for every fused expert tensor.
+
+    `shape_of(name)` gives a fused tensor's shape (read from the header only).
+    """
+    virtual: dict[str, tuple[str, str, int]] = {}
+    for name in files:
+        m = FUSED_EXPERTS.match(name)
+        if m is None:
+            continue
+        prefix, kind = m.groups()
+        shape = tuple(shape_of(name))
+        if len(shape) != 3 or (kind == "gate_up_proj" and shape[1] % 2):
+            raise CheckpointError(f"fused expert tensor {name} has shape {shape}; expected [E, 2*I, H] "
+                                  f"(gate_up_proj) or [E, H, I] (down_proj)")
+        parts = ("gate", "up") if kind == "gate_up_proj" else ("down",)
+        for e in range(shape[0]):
+            for part in parts:
+                virtual[f"{prefix}.{e}.{part}_proj.weight"] = (name, part, e)
+    return virtual
+
+
+class FusedExpertView:
+    """One expert's gate / up / down matrix inside a fused expert tensor, sliced on read."""
+
+    def __init__(self, fused_slice, part: str, expert: int):
+        self.fused, self.part, self.expert = fused_slice, part, expert
+        e, rows2, cols = fused_slice.get_shape()
+        self.offset = rows2 // 2 if part == "up" else 0
+        self.shape = (rows2 // 2, cols) if part in ("gate", "up") else (rows2, cols)
+
+    def get_shape(self):
+        return self.shape
+
+    def get_dtype(self):
+        return self.fused.get_dtype()
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        rows = index[0] if index else slice(None)
+        cols = index[1] if len(index) > 1 else slice(None)
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise TypeError(f"fused expert reads need contiguous row slices, got {rows}")
+        rows = slice(self.offset + start, self.offset + stop)
+        return self.fused[self.expert:self.expert + 1, rows, cols][0]
