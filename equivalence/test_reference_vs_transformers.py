@@ -37,6 +37,9 @@ def models(name: str, dtype_name: str, router_dtype: str = "activation"):
     ref = load_model(path, dtype=dtype, router_dtype=router_dtype)
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
+    # Greedy generation is compared over a fixed number of tokens: no EOS from generation_config.json (with
+    # min_new_tokens, transformers would mask the EOS logits and pick another token than the plain argmax).
+    hf.generation_config.eos_token_id = None
     return ref, hf
 
 
