@@ -150,6 +150,9 @@ def resolve_model_path(model_path: str, scheme: str | None, name: str) -> Path:
     if scheme == "preset":
         return preset_dir(name)
     path = Path(model_path)
+    if not path.exists():
+        raise UsageError(f"model_path {model_path!r} does not exist; give a checkpoint directory (config.json, "
+                         f"safetensors, tokenizer), fixture:NAME or preset:NAME")
     if not (path / "config.json").is_file():
         raise UsageError(f"model_path {model_path!r} is not a directory with a config.json "
                          f"(or use fixture:NAME / preset:NAME)")

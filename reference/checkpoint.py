@@ -184,5 +184,6 @@ def load_model(path, dtype: torch.dtype = torch.float32, router_dtype: str = "ac
     for name, t in state_dict.items():
         if declared is not None and t.dtype != declared:
             raise CheckpointError(f"checkpoint {path}: tensor {name} has dtype {t.dtype} but config.json declares "
-                                  f"dtype {declared}; the file is corrupt or from another conversion")
+                                  f"dtype {declared}; the file is corrupt or from another conversion: re-download or "
+                                  "re-convert it")
     return model_from_state_dict(config, state_dict, dtype, router_dtype, source=f"checkpoint {path}")

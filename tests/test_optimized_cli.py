@@ -114,7 +114,7 @@ def test_world_size_mismatch_with_launcher(capsys, monkeypatch):
     (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "a", "--block-size", "24"], "must be a multiple of 16"),
     (["--prompt", "a", "--model-path", "fixture:nope"], "unknown fixture 'nope'"),
-    (["--prompt", "a", "--model-path", "/nonexistent/dir"], "is not a directory with a config.json"),
+    (["--prompt", "a", "--model-path", "/nonexistent/dir"], "model_path '/nonexistent/dir' does not exist"),
     (["--prompt", "a", "--model-path", "preset:nope"], "unknown preset 'nope'"),
 ])
 def test_bad_input_exits_2_naming_the_problem(args, message, capsys):
