@@ -172,3 +172,24 @@ def test_bench_bad_arguments(capsys):
 def test_prompt_longer_than_input_max_len_is_an_error_not_truncated(capsys):
     err = run_error(["generate", "--config", SINGLE, "--prompt-ids", ",".join(["7"] * 65)], capsys)
     assert "prompt 0 has 65 tokens, more than data_config.input_max_len=64" in err
+
+
+def test_chat_sampling_eos_and_saved_logits(tmp_path, capsys):
+    """--chat through the template, seeded sampling (same seed, same output), EOS reported, logits saved."""
+    tok = tokenizer()
+    argv = ["generate", "--config", SINGLE, "--prompt", "hi", "--chat", "--max-new-tokens", "12",
+            "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "1"]
+    outs = []
+    for i in range(2):
+        assert cli_main(argv + ["--save-logits", str(tmp_path / f"logits{i}.pt")]) == 0
+        outs.append([line for line in capsys.readouterr().out.splitlines() if not line.startswith(("prefill", "decode"))])
+    assert outs[0] == outs[1]
+    chat = encode(tok, "hi", "chat")
+    assert f"prompt ids: {ids_line(chat)}" in outs[0]
+    generated = [int(i) for i in next(x for x in outs[0] if x.startswith("generated ids: "))[15:].split(",")]
+    finish = "eos" if generated[-1] in eos_token_ids(checkpoint("tiny")) else "length"
+    assert f"finish: {finish}" in outs[0] and (finish == "eos" or len(generated) == 12)
+    assert f"completion: {decode(tok, generated)!r}" in outs[0]
+    saved = torch.load(tmp_path / "logits0.pt")
+    assert saved["tokens"] == [generated] and saved["prompts"] == [chat]
+    assert saved["prompt_logits"][0].shape == (len(chat), 512) and saved["logits"][0].shape == (len(generated), 512)
