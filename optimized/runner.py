@@ -115,7 +115,7 @@ class ModelRunner:
             kept = logits[:len(wanted)].float().cpu()
             result.prompt_logits = list(kept.split([len(pos) for pos in positions]))
         logits = logits[len(wanted):]
-        active = list(range(len(prompts)))
+        active, active_table = list(range(len(prompts))), table   # the running requests and their block rows
         next_ids = sampler(logits, active)
         synchronize(self.device)
         result.prefill_seconds = time.perf_counter() - start
@@ -134,10 +134,11 @@ class ModelRunner:
             if not still:
                 break
             if len(still) < len(active):  # finished requests leave the batch: no more decode work for them
-                next_ids = next_ids[torch.tensor(still, device=self.device)]
+                keep = torch.tensor(still, device=self.device)
+                next_ids, active_table = next_ids[keep], active_table[keep]
                 active = [active[row] for row in still]
             start = time.perf_counter()
-            meta = self.decode_metadata([lengths[r] for r in active], table[torch.tensor(active, device=self.device)])
+            meta = self.decode_metadata([lengths[r] for r in active], active_table)
             logits = self.decode_step(next_ids, meta, cache.layers)
             next_ids = sampler(logits, active)
             synchronize(self.device)
