@@ -57,7 +57,14 @@ def load_config(path) -> Qwen3MoeConfig:
     model_type = config_dict.get("model_type")
     if model_type != "qwen3_moe":
         raise CheckpointError(f"{file} has model_type={model_type!r}; expected 'qwen3_moe'")
-    missing = [k for k in REQUIRED_KEYS if k not in config_dict]
+    for name, stored in Qwen3MoeConfig.attribute_map.items():  # transformers v5 writes num_local_experts
+        if stored in config_dict:
+            config_dict.setdefault(name, config_dict[stored])
+    required = list(REQUIRED_KEYS)
+    only, step = config_dict.get("mlp_only_layers") or [], config_dict.get("decoder_sparse_step") or 1
+    if any(i not in only and (i + 1) % step == 0 for i in range(config_dict.get("num_hidden_layers") or 0)):
+        required += ["num_experts", "num_experts_per_tok"]  # some layer is sparse
+    missing = [k for k in required if k not in config_dict]
     if missing:
         raise CheckpointError(f"{file}: required key(s) {', '.join(missing)} missing (transformers would use "
                               "defaults); add them from the released model's config.json")
