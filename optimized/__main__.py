@@ -277,8 +277,8 @@ def generate(args) -> int:
             try:
                 model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
                                    seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
-            except CheckpointError as e:
-                raise UsageError(f"checkpoint {model_dir}: {e}") from None
+            except CheckpointError as e:  # its message names the file; name the checkpoint when it does not
+                raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
             result = ModelRunner(model, s.block_size, device).generate(
                 prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos, prompt_logits_positions=positions,

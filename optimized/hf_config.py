@@ -54,7 +54,10 @@ def check_supported(config, file) -> None:
     from .model import UNSUPPORTED
     for key, unsupported in UNSUPPORTED.items():
         if unsupported(config):
-            value = getattr(config, key.split(".")[0], None)
+            head, _, field = key.partition(".")
+            value = getattr(config, head, None)
+            if field:  # e.g. rope_parameters.rope_type
+                value = (value or {}).get(field)
             raise ModelConfigError(f"{file}: {key}={value!r} is not supported by the optimized model (the "
                                    f"released Qwen3-MoE checkpoints do not use it); use a checkpoint without it")
 
