@@ -7,6 +7,7 @@ Timings are measured per phase with a device sync, so they are honest on asynchr
 """
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -95,7 +96,7 @@ class ModelRunner:
         sampling = sampling or GREEDY
         eos = _eos_set(eos_token_id)
         positions = self._check_positions(prompts, prompt_logits_positions)
-        sampler = Sampler(sampling, len(prompts), seed=None if sampling.greedy else shared_seed(self.model))
+        sampler = Sampler(sampling, len(prompts), seed=None if sampling.greedy else shared_seed(self.device))
         budget = [len(p) + max_new_tokens for p in prompts]
         num_blocks = 1 + sum(-(-n // self.block_size) for n in budget)
         cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
@@ -189,10 +190,11 @@ class ModelRunner:
             block_table=table, block_size=self.block_size)
 
 
-def shared_seed(model) -> int:
+def shared_seed(device: torch.device) -> int:
     """A fresh random seed, the same on every rank (rank 0's, broadcast) when the model is sharded."""
     import torch.distributed as dist
-    seed = torch.randint(0, 2**31 - 1, (1,))
+    # From the OS, not torch's default generator (which every process starts with the same fixed seed).
+    seed = torch.tensor([secrets.randbits(31)], device=device)   # hccl / nccl broadcast device tensors only
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(seed, src=0)
     return int(seed)

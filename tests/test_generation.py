@@ -60,8 +60,9 @@ def test_sampling_is_seeded_per_request(runner):
     assert sample(11) == first                       # same seed, same tokens
     assert sample(12) != first                       # another seed, other tokens
     assert sample(11, PROMPTS[:1]) == first[:1]      # a request's draws do not depend on the rest of the batch
-    unseeded = runner.generate(PROMPTS, 8, sampling=SamplingParams(temperature=1.0))
-    assert all(len(t) == 8 and all(0 <= i < 512 for i in t) for t in unseeded.tokens)
+    unseeded = [runner.generate(PROMPTS, 8, sampling=SamplingParams(temperature=1.0)).tokens for _ in range(2)]
+    assert all(len(t) == 8 and all(0 <= i < 512 for i in t) for t in unseeded[0])
+    assert unseeded[0] != unseeded[1]                # no seed: a fresh one every call (from the OS)
 
 
 @given(st.integers(1, 12), st.floats(0.05, 1.0), st.floats(0.2, 3.0), st.integers(0, 2**16))
