@@ -182,7 +182,8 @@ def test_chat_sampling_eos_and_saved_logits(tmp_path, capsys):
     outs = []
     for i in range(2):
         assert cli_main(argv + ["--save-logits", str(tmp_path / f"logits{i}.pt")]) == 0
-        outs.append([line for line in capsys.readouterr().out.splitlines() if not line.startswith(("prefill", "decode"))])
+        lines = capsys.readouterr().out.splitlines()
+        outs.append([line for line in lines if not line.startswith(("prefill", "decode"))])  # timings vary
     assert outs[0] == outs[1]
     chat = encode(tok, "hi", "chat")
     assert f"prompt ids: {ids_line(chat)}" in outs[0]
