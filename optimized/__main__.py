@@ -267,7 +267,11 @@ def generate(args) -> int:
         timeout_s = collective_timeout_s(p.collective_timeout_s)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    try:  # a rank that never joins (it failed before) makes the rendezvous time out: named, exit 2
+        with named_collective_errors(timeout_s):
+            env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    except CollectiveTimeoutError as e:
+        raise UsageError(f"joining the job: {e}") from None
     try:
         with named_collective_errors(timeout_s):
             check_ranks_agree(run_fingerprint(cfg.to_dict(), model_dir, prompts, sampling=repr(sampling), eos=eos,
