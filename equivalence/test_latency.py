@@ -92,7 +92,9 @@ def test_cpu_relative_budget(name, record_property):
         opt, ref = report["ms"], report["reference_ms"]
         line = (f"{name} {phase} ({budget.clock} time): optimized p50 {opt['p50']:.2f} ms (p90 {opt['p90']:.2f}, "
                 f"p99 {opt['p99']:.2f}), reference p50 {ref['p50']:.2f} ms: ratio {report['ratio_p50']:.3f}, "
-                f"budget <= {report['max_ratio']}")
+                f"budget <= {report['max_ratio']}"
+                + (f"; memory floor {report['floor_ms']:.2f} ms at {report['copy_bandwidth_gb_s']:.1f} GB/s"
+                   if "floor_ms" in report else ""))
         print(line)
         if not report["passed"]:
             failed.append(line)

@@ -250,10 +250,14 @@ def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
         if spec.get("routing", "real") != "real":
             raise BudgetError(f"{where}.routing: must be 'real' (the router decides; balanced routing is never "
                               f"forced), got {spec['routing']!r}")
-        limits = spec.get("limits_ms" if spec["kind"] == "absolute" else "max_ratio")
-        key = "limits_ms" if spec["kind"] == "absolute" else "max_ratio"
-        if not isinstance(limits, dict) or not limits or set(limits) - set(PHASES):
-            raise BudgetError(f"{where}.{key}: must map phases ({', '.join(PHASES)}) to numbers, got {limits!r}")
+        key, other = ("limits_ms", "max_ratio") if spec["kind"] == "absolute" else ("max_ratio", "limits_ms")
+        limits = spec.get(key)
+        if other in spec:
+            raise BudgetError(f"{where}.{other}: {spec['kind']} budgets have {key}, not {other}")
+        if (not isinstance(limits, dict) or not limits or set(limits) - set(PHASES)
+                or not all(isinstance(v, (int, float)) and v > 0 for v in limits.values())):
+            raise BudgetError(f"{where}.{key}: must map phases ({', '.join(PHASES)}) to positive numbers, "
+                              f"got {limits!r}")
         for counter in ("batch", "prompt_len", "decode_steps", "repeats"):
             if counter in spec and (not isinstance(spec[counter], int) or spec[counter] < 1):
                 raise BudgetError(f"{where}.{counter}: must be a positive integer, got {spec[counter]!r}")
@@ -391,6 +395,13 @@ def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_siz
     return ref.eval(), ModelRunner(opt, block_size)
 
 
+def copy_bandwidth(clock: Callable[[], float] = time.perf_counter, nbytes: int = 128 * 2**20) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy on this CPU, median of 3, timed by `clock`."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / statistics.median(measure(lambda: dst.copy_(src), warmup=1, repeats=3, clock=clock))
+
+
 def random_prompts(budget: Budget, vocab_size: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(budget.seed)
     return torch.randint(0, vocab_size, (budget.batch, budget.prompt_len), generator=gen).tolist()
@@ -419,7 +430,15 @@ def reference_samples(model, prompts: list[list[int]], decode_steps: int,
 
 
 def run_relative(budget: Budget) -> dict[str, dict]:
-    """Measure a relative budget on this CPU: {phase: phase_report}."""
+    """Measure a relative budget on this CPU: {phase: phase_report}. Thread CPU time counts only the
+    calling thread, so torch runs single-threaded for it."""
+    if budget.clock == "thread_cpu" and torch.get_num_threads() != 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run_relative(budget)
+        finally:
+            torch.set_num_threads(threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[budget.dtype]
     config = budget.hf_config()
     ref, runner = reference_and_optimized(config, dtype, budget.seed)
@@ -428,8 +447,16 @@ def run_relative(budget: Budget) -> dict[str, dict]:
     samples = interleave({"reference": lambda: reference_samples(ref, prompts, budget.decode_steps, clock),
                           "optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
                          warmup=budget.warmup, repeats=budget.repeats)
-    return {phase: phase_report(budget, phase, samples["optimized"][phase],
-                                reference_seconds=samples["reference"][phase]) for phase in budget.phases}
+    reports = {phase: phase_report(budget, phase, samples["optimized"][phase],
+                                   reference_seconds=samples["reference"][phase]) for phase in budget.phases}
+    if "decode" in reports:   # for scale: the CPU memory floor at the bandwidth of a copy measured now
+        from .floor import cpu_hardware, decode_floor
+        context = budget.prompt_len + (budget.decode_steps + 1) / 2
+        bandwidth = copy_bandwidth(clock)
+        floor_s = decode_floor(config, cpu_hardware(bandwidth), dtype, budget.batch, context)["floor_s"]
+        reports["decode"].update(copy_bandwidth_gb_s=bandwidth / 1e9, floor_ms=1000 * floor_s,
+                                 p50_over_floor=reports["decode"]["ms"]["p50"] / (1000 * floor_s))
+    return reports
 
 
 # ---------------------------------------------------------------------------------- NPU: one process per rank
@@ -479,10 +506,16 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     if budget.kind != "absolute":
         raise UsageError(f"--budget {budget.name} is a relative budget: it runs in-process under pytest -m latency")
-    if budget.exe_mode != "eager":
-        missing = missing_features(["graph_mode"])
-        if missing:
-            raise UsageError(f"budget {budget.name} runs exe_mode {budget.exe_mode}: not built yet: {missing[0]}")
+    # What this run applies today: eager BF16/FP32 on the TP path. A budget asking for more fails here
+    # (never measures something else under its name) until the feature exists and is applied below.
+    asks = [what for what, applies in ((f"exe_mode {budget.exe_mode}", budget.exe_mode == "eager"),
+                                       (f"precision {budget.precision}", budget.precision in ("bf16", "fp32")),
+                                       ("SP prefill", not budget.sp_prefill)) if not applies]
+    if asks:
+        missing = missing_features({f for names in budget.needs.values() for f in names})
+        raise UsageError(f"budget {budget.name} runs {', '.join(asks)}: " + (
+            f"not built yet: {'; '.join(missing)}" if missing else
+            "built, but not applied by `python -m optimized latency` yet (optimized/latency.py run)"))
     cfg = budget.inference_config()
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[budget.dtype]
     env = init_distributed()

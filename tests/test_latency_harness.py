@@ -152,6 +152,8 @@ def test_npu_budgets_skip_naming_hardware_and_missing_features(monkeypatch):
     ({"needs": {"decode": ["warp_drive"]}}, "unknown feature 'warp_drive'"),
     ({"colour": "red"}, "unknown key(s) ['colour']"),
     ({"warmup": -1}, "warmup: must be a non-negative integer"),
+    ({"limits_ms": {"decode": 0}}, "to positive numbers"),
+    ({"max_ratio": {"decode": 2}}, "max_ratio: absolute budgets have limits_ms, not max_ratio"),
     ({"hardware": {"soc": "x", "devices": 1, "floor": "abacus", "name": "n"}}, "unknown 'abacus'"),
 ])
 def test_bad_budget_files_name_the_budget_and_key(tmp_path, change, message):
@@ -211,10 +213,15 @@ def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys
                        "--json", str(out), "--model-path", "/ckpt"]
 
 
-def test_cli_latency_errors(tmp_path, capsys):
+def test_cli_latency_errors(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli_main(["latency", "--budget", "nope", "--json", str(tmp_path / "x.json")])
     assert e.value.code == 2 and "no budget named 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["latency", "--budget", "a3_235b_bf16_decode", "--json", str(tmp_path / "x.json")])
     assert "not built yet: graph mode" in capsys.readouterr().err
+    # once the feature exists, the run still refuses to measure eager under a graph-mode budget's name
+    monkeypatch.setitem(L.FEATURES, "graph_mode", ("graph mode", lambda: True))
+    with pytest.raises(SystemExit):
+        cli_main(["latency", "--budget", "a3_235b_bf16_decode", "--json", str(tmp_path / "x.json")])
+    assert "runs exe_mode ge_graph: built, but not applied" in capsys.readouterr().err
