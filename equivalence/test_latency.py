@@ -41,8 +41,9 @@ def _skip(record_property, budget, phase, reason):
 
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory):
-    """A directory all xdist workers of this session share (the parent of the per-worker temp dirs)."""
-    return tmp_path_factory.getbasetemp().parent
+    """A directory only this session uses, shared by its xdist workers (their temp dirs' common parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def _measure_absolute(budget, shared_dir, checkpoint):

@@ -1,8 +1,8 @@
 """Physical floors: the least time a prefill or a decode step can take on given hardware.
 
 A floor is a lower bound, so every figure below is taken on the optimistic side (the fastest published
-number, balanced routing, no kernel launch cost, perfect overlap inside a phase); a measured latency is
-reported beside it as "measured / floor", never compared with it for equality.
+number, routed experts spread evenly over the EP ranks, no kernel launch cost, compute and memory traffic
+fully overlapped); a measured latency is reported beside it as "measured / floor".
 
 - decode step (one new token per request), per rank:
       floor = bytes this rank must read / HBM bandwidth + collectives per step x collective latency
@@ -26,7 +26,7 @@ bandwidth, one rank) and the NPU latency budgets (`equivalence/test_latency.py`)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 TB, GB = 1e12, 1e9
 
@@ -330,6 +330,3 @@ def prefill_floor(config, hardware: Hardware, precision="bf16", prompt_lens: lis
     return {"flops": f, "bytes": b, "comm_bytes": c, "compute_s": compute_s, "memory_s": memory_s,
             "comm_s": comm_s, "floor_s": max(compute_s, memory_s) + comm_s}
 
-
-def with_bandwidth(hardware: Hardware, hbm_bandwidth: float) -> Hardware:
-    return replace(hardware, hbm_bandwidth=hbm_bandwidth)

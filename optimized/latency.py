@@ -34,6 +34,7 @@ PHASES = ("prefill", "decode")
 # wall: elapsed time (what a user waits). thread_cpu: CPU time of the calling thread, i.e. the work one
 # step does with torch on one thread, unaffected by other processes preempting it on a shared machine.
 CLOCKS = {"wall": time.perf_counter, "thread_cpu": time.thread_time}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 KINDS = ("absolute", "relative")
 DEFAULT_BUDGETS = Path(__file__).resolve().parents[1] / "fixtures" / "budgets.yaml"
 CHECKPOINT_ENV = "QWEN3_MOE_LATENCY_CHECKPOINT"
@@ -132,16 +133,28 @@ def this_host() -> Host:
     return Host(backend, "", torch.cuda.device_count() if backend == "cuda" else 0)
 
 
+def _graph_mode_built() -> bool:
+    from .config import EXE_MODES
+    return "ge_graph" in EXE_MODES
+
+
+def _w4a8_built() -> bool:
+    return importlib.util.find_spec("optimized.quantize") is not None
+
+
+def _sp_prefill_built() -> bool:
+    from .config import ParallelConfig
+    return "moe_ep_scheme" in ParallelConfig.__dataclass_fields__
+
+
 # Features a budget may need, each with the probe that says whether this tree has it. A probe checks the
-# entry point the feature is reached through (named in the issue that builds it).
+# entry point the feature is reached through (as named in the issue that builds it).
 FEATURES: dict[str, tuple[str, Callable[[], bool]]] = {
     "graph_mode": ("graph mode (model_config.exe_mode: ge_graph; optimized.config accepts eager only)",
-                   lambda: "ge_graph" in __import__("optimized.config", fromlist=["EXE_MODES"]).EXE_MODES),
-    "w4a8": ("W4A8 quantization (MXFP4 experts, MXFP8 attention; the optimized.quantize converter)",
-             lambda: importlib.util.find_spec("optimized.quantize") is not None),
+                   _graph_mode_built),
+    "w4a8": ("W4A8 quantization (MXFP4 experts, MXFP8 attention; the optimized.quantize converter)", _w4a8_built),
     "sp_prefill": ("Attention SP+TP prefill with MoE EP by AllGather (parallel_config.moe_ep_scheme)",
-                   lambda: "moe_ep_scheme" in __import__("optimized.config", fromlist=["x"]).ParallelConfig
-                   .__dataclass_fields__),
+                   _sp_prefill_built),
 }
 
 
@@ -245,6 +258,11 @@ def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
         spec = dict(spec)
         if spec["kind"] not in KINDS:
             raise BudgetError(f"{where}.kind: must be one of {KINDS}, got {spec['kind']!r}")
+        if spec.get("dtype", "bfloat16") not in DTYPES:
+            raise BudgetError(f"{where}.dtype: must be one of {', '.join(DTYPES)}, got {spec['dtype']!r}")
+        from .floor import PRECISIONS
+        if spec.get("precision", "bf16") not in PRECISIONS:
+            raise BudgetError(f"{where}.precision: must be one of {', '.join(PRECISIONS)}, got {spec['precision']!r}")
         if spec.get("clock", "wall") not in CLOCKS:
             raise BudgetError(f"{where}.clock: must be one of {', '.join(CLOCKS)}, got {spec['clock']!r}")
         if spec.get("routing", "real") != "real":
@@ -439,7 +457,7 @@ def run_relative(budget: Budget) -> dict[str, dict]:
             return run_relative(budget)
         finally:
             torch.set_num_threads(threads)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[budget.dtype]
+    dtype = DTYPES[budget.dtype]
     config = budget.hf_config()
     ref, runner = reference_and_optimized(config, dtype, budget.seed)
     prompts = random_prompts(budget, config.vocab_size)
@@ -517,7 +535,7 @@ def run(args) -> int:
             f"not built yet: {'; '.join(missing)}" if missing else
             "built, but not applied by `python -m optimized latency` yet (optimized/latency.py run)"))
     cfg = budget.inference_config()
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[budget.dtype]
+    dtype = DTYPES[budget.dtype]
     env = init_distributed()
     try:
         state = ParallelState.build(cfg.parallel_config)

@@ -153,6 +153,8 @@ def test_npu_budgets_skip_naming_hardware_and_missing_features(monkeypatch):
     ({"colour": "red"}, "unknown key(s) ['colour']"),
     ({"warmup": -1}, "warmup: must be a non-negative integer"),
     ({"limits_ms": {"decode": 0}}, "to positive numbers"),
+    ({"dtype": "float16"}, "dtype: must be one of bfloat16, float32"),
+    ({"precision": "int4"}, "precision: must be one of bf16, fp32, w4a8"),
     ({"max_ratio": {"decode": 2}}, "max_ratio: absolute budgets have limits_ms, not max_ratio"),
     ({"hardware": {"soc": "x", "devices": 1, "floor": "abacus", "name": "n"}}, "unknown 'abacus'"),
 ])
