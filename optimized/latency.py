@@ -509,7 +509,8 @@ def collective_latency(group=None, repeats: int = 50) -> float:
 
 
 def run(args) -> int:
-    """`python -m optimized latency`: measure one absolute budget on this rank; rank 0 writes the samples."""
+    """`python -m optimized latency`: measure one absolute budget on this rank (the optimized runner's
+    phase timings, device-synced); each sample becomes the slowest rank's, and rank 0 writes them."""
     from .bench import UsageError
     from .build import load_model, model_from_source
     from .comm import ParallelState, init_distributed
@@ -550,7 +551,14 @@ def run(args) -> int:
         prompts = random_prompts(budget, model.config.vocab_size)
         samples = interleave({"optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
                              warmup=budget.warmup, repeats=budget.repeats)["optimized"]
-        measured_latency = collective_latency() if env.world_size > 1 else None
+        measured_latency = None
+        if env.world_size > 1:   # a step lasts until its slowest rank is done: keep each sample's max over ranks
+            import torch.distributed as dist
+            for phase, values in samples.items():
+                t = torch.tensor(values, dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                samples[phase] = t.tolist()
+            measured_latency = collective_latency()
         if env.rank == 0:
             Path(args.json).write_text(json.dumps({
                 "budget": budget.name, "world_size": env.world_size, "device": str(dev),
