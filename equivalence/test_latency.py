@@ -18,8 +18,8 @@ import subprocess
 
 import pytest
 
-from optimized.latency import CHECKPOINT_ENV, budget_floor, launch_command, load_budgets, phase_report, \
-    run_relative, this_host
+from optimized.budget_run import launch_command, run_relative
+from optimized.budgets import CHECKPOINT_ENV, budget_floor, load_budgets, phase_report, this_host
 
 pytestmark = pytest.mark.latency
 

@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_arguments(sub.add_parser("bench", help="latency: reference vs optimized vs transformers, "
                                                      "beside the memory-bandwidth floor"))
 
-    from . import latency
-    latency.add_arguments(sub.add_parser("latency", help="one latency budget (fixtures/budgets.yaml) on this rank; "
+    from . import budget_run
+    budget_run.add_arguments(sub.add_parser("latency", help="one latency budget (fixtures/budgets.yaml) on this rank; "
                                                          "under torchrun, one process per rank"))
 
     conv = sub.add_parser("convert", help="offline BF16 -> MXFP8 / W4A8 checkpoint conversion (not implemented yet)")
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             from . import bench
             return bench.run(args)
         if args.command == "latency":
-            from . import latency
-            return latency.run(args)
+            from . import budget_run
+            return budget_run.run(args)
         raise UsageError("convert is not implemented yet (MXFP8/W4A8 conversion comes later)")
     except UsageError as e:
         fail(str(e))

@@ -11,7 +11,7 @@ import torch
 from fixtures.presets import preset_config
 from fixtures.tiny import tiny_config
 from optimized import floor as F
-from optimized.latency import budget_floor, load_budgets
+from optimized.budgets import budget_floor, load_budgets
 
 Q235 = preset_config("Qwen3-235B-A22B")
 MX8, MX4 = 1 + 1 / 32, 0.5 + 1 / 32        # bytes per element incl. one E8M0 scale byte per 32

@@ -1,5 +1,6 @@
-"""optimized.latency: statistics, the timing loop under a deterministic fake clock, the budget table and its
-skip rules, the pooled random weights, and `python -m optimized latency` on one CPU process."""
+"""The latency harness (optimized.latency, .budgets, .budget_run): statistics, the timing loop under a
+deterministic fake clock, the budget table and its skip rules, the pooled random weights, and
+`python -m optimized latency` on one CPU process."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from optimized import budget_run as R
+from optimized import budgets as B
 from optimized import latency as L
 from optimized.__main__ import main as cli_main
 
@@ -76,7 +79,7 @@ def test_interleave_runs_round_by_round_and_drops_warmup_rounds():
 
 
 def test_runner_phase_timer_is_the_injected_clock():
-    from optimized.latency import generation_samples, reference_and_optimized
+    from optimized.budget_run import generation_samples, reference_and_optimized
     from fixtures.tiny import tiny_config
     _, runner = reference_and_optimized(tiny_config("tiny"), torch.float32)
     ticks = iter(range(100))
@@ -89,28 +92,28 @@ def test_runner_phase_timer_is_the_injected_clock():
 def _budget(**kw):
     base = dict(name="b", kind="absolute", description="d", model={"fixture": "tiny"}, limits_ms={"decode": 20})
     base.update(kw)
-    return L.Budget(**base)
+    return B.Budget(**base)
 
 
 def test_absolute_verdict_is_p50_against_the_limit_with_floor_ratio():
-    at = L.phase_report(_budget(), "decode", [0.019, 0.020, 0.030], floor_s=0.004)
+    at = B.phase_report(_budget(), "decode", [0.019, 0.020, 0.030], floor_s=0.004)
     assert at["ms"]["p50"] == pytest.approx(20.0) and at["passed"] and at["p50_over_floor"] == pytest.approx(5.0)
-    over = L.phase_report(_budget(), "decode", [0.0201, 0.0201, 0.001], floor_s=0.004)
+    over = B.phase_report(_budget(), "decode", [0.0201, 0.0201, 0.001], floor_s=0.004)
     assert not over["passed"]
 
 
 def test_relative_verdict_is_the_ratio_of_p50s():
     b = _budget(kind="relative", limits_ms={}, max_ratio={"prefill": 1.5})
-    r = L.phase_report(b, "prefill", [0.003, 0.003, 0.009], reference_seconds=[0.002, 0.002, 0.001])
+    r = B.phase_report(b, "prefill", [0.003, 0.003, 0.009], reference_seconds=[0.002, 0.002, 0.001])
     assert r["ratio_p50"] == pytest.approx(1.5) and r["passed"]
-    r = L.phase_report(b, "prefill", [0.0031] * 3, reference_seconds=[0.002] * 3)
+    r = B.phase_report(b, "prefill", [0.0031] * 3, reference_seconds=[0.002] * 3)
     assert not r["passed"]
 
 
 # ---------------------------------------------------------------------------------------------- budgets
 
 def test_seed_budgets_are_written_in():
-    budgets = L.load_budgets()
+    budgets = B.load_budgets()
     a3 = budgets["a3_235b_bf16_decode"]
     assert (a3.hardware.soc, a3.hardware.devices, a3.world_size) == ("Ascend910_93*", 16, 16)
     assert a3.limits_ms == {"decode": 20} and a3.prompt_len == 4096 and a3.batch == 1 and a3.routing == "real"
@@ -126,22 +129,22 @@ def test_seed_budgets_are_written_in():
 
 
 def test_npu_budgets_skip_naming_hardware_and_missing_features(monkeypatch):
-    budgets = L.load_budgets()
+    budgets = B.load_budgets()
     a3, pr = budgets["a3_235b_bf16_decode"], budgets["atlas950pr_235b_w4a8"]
-    cpu = L.Host("cpu", "", 0)
+    cpu = B.Host("cpu", "", 0)
     reason = a3.skip_reason("decode", cpu)
     assert "needs Atlas A3" in reason and "'Ascend910_93*'" in reason and "this host: backend cpu" in reason
     assert "not built yet: graph mode" in reason
     # the right hardware with too few devices, the wrong SoC
-    assert "16 NPU devices" in a3.skip_reason("decode", L.Host("npu", "Ascend910_9392", 8))
-    assert "needs Atlas A3" in a3.skip_reason("decode", L.Host("npu", "Ascend910B3", 16))
+    assert "16 NPU devices" in a3.skip_reason("decode", B.Host("npu", "Ascend910_9392", 8))
+    assert "needs Atlas A3" in a3.skip_reason("decode", B.Host("npu", "Ascend910B3", 16))
     # on an A3 the only reason left is the missing feature: never a pass without the feature
-    a3_host = L.Host("npu", "Ascend910_9392", 16)
+    a3_host = B.Host("npu", "Ascend910_9392", 16)
     assert a3.skip_reason("decode", a3_host) == ("not built yet: graph mode (model_config.exe_mode: ge_graph; "
                                                  "optimized.config accepts eager only)")
-    prefill = pr.skip_reason("prefill", L.Host("npu", "Ascend950PR", 4))
+    prefill = pr.skip_reason("prefill", B.Host("npu", "Ascend950PR", 4))
     assert "W4A8" in prefill and "SP+TP prefill" in prefill and "graph mode" not in prefill
-    monkeypatch.setitem(L.FEATURES, "graph_mode", ("graph mode", lambda: True))
+    monkeypatch.setitem(B.FEATURES, "graph_mode", ("graph mode", lambda: True))
     assert a3.skip_reason("decode", a3_host) is None
     assert budgets["cpu_tiny_relative"].skip_reason("decode", a3_host).startswith("a CPU relative budget")
 
@@ -165,15 +168,15 @@ def test_bad_budget_files_name_the_budget_and_key(tmp_path, change, message):
     spec.update(change)
     path = tmp_path / "budgets.yaml"
     path.write_text(json.dumps({"budgets": {"mine": spec}}))
-    with pytest.raises(L.BudgetError, match="budgets.mine") as e:
-        L.load_budgets(path)
+    with pytest.raises(B.BudgetError, match="budgets.mine") as e:
+        B.load_budgets(path)
     assert message in str(e.value)
 
 
 # --------------------------------------------------------------------------------------- weights, CLI
 
 def test_pooled_weights_read_the_same_values_whole_or_sliced():
-    src = L.PooledRandomWeights(seed=3, pool=1001)          # tensors longer than the pool wrap around it
+    src = R.PooledRandomWeights(seed=3, pool=1001)          # tensors longer than the pool wrap around it
     whole = src.read("model.layers.0.mlp.experts.5.down_proj.weight", (64, 48))
     assert whole.shape == (64, 48) and whole.std() > 0
     rows = src.read("model.layers.0.mlp.experts.5.down_proj.weight", (64, 48), (slice(16, 32),))
@@ -185,7 +188,7 @@ def test_pooled_weights_read_the_same_values_whole_or_sliced():
 
 def test_reference_and_optimized_compute_the_same_tokens():
     from fixtures.tiny import tiny_config
-    ref, runner = L.reference_and_optimized(tiny_config("tiny-dense"), torch.float32, seed=1)
+    ref, runner = R.reference_and_optimized(tiny_config("tiny-dense"), torch.float32, seed=1)
     prompts = [[5, 6, 7, 8]]
     with torch.no_grad():
         ids, cache, ref_tokens = torch.tensor(prompts), ref.new_cache(), []
@@ -208,8 +211,8 @@ def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys
     assert raw["world_size"] == 1 and raw["model"] == "random weights" and raw["collective_latency_s"] is None
     assert len(raw["samples_s"]["prefill"]) == 2 and len(raw["samples_s"]["decode"]) == 2 * 3
     assert all(s > 0 for phase in raw["samples_s"].values() for s in phase)
-    budget = L.load_budgets(budgets)["tiny_one_rank"]
-    cmd = L.launch_command(budget, out, budgets, model_path="/ckpt")
+    budget = B.load_budgets(budgets)["tiny_one_rank"]
+    cmd = R.launch_command(budget, out, budgets, model_path="/ckpt")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     assert cmd[6:] == ["-m", "optimized", "latency", "--budget", "tiny_one_rank", "--budgets", str(budgets),
                        "--json", str(out), "--model-path", "/ckpt"]
@@ -223,7 +226,7 @@ def test_cli_latency_errors(tmp_path, capsys, monkeypatch):
         cli_main(["latency", "--budget", "a3_235b_bf16_decode", "--json", str(tmp_path / "x.json")])
     assert "not built yet: graph mode" in capsys.readouterr().err
     # once the feature exists, the run still refuses to measure eager under a graph-mode budget's name
-    monkeypatch.setitem(L.FEATURES, "graph_mode", ("graph mode", lambda: True))
+    monkeypatch.setitem(B.FEATURES, "graph_mode", ("graph mode", lambda: True))
     with pytest.raises(SystemExit):
         cli_main(["latency", "--budget", "a3_235b_bf16_decode", "--json", str(tmp_path / "x.json")])
     assert "runs exe_mode ge_graph: built, but not applied" in capsys.readouterr().err
