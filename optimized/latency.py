@@ -30,7 +30,7 @@ def percentile(samples: list[float], q: float) -> float:
     if not 0 < q <= 100:
         raise ValueError(f"percentile q must be in (0, 100], got {q}")
     ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+    return ordered[max(0, math.ceil(q * len(ordered) / 100) - 1)]   # q * n first: 7 / 100 * 100 > 7
 
 
 def summarize(seconds: list[float]) -> dict:

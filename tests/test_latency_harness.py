@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from optimized import budget_run as R
 from optimized import budgets as B
@@ -36,10 +38,23 @@ def test_nearest_rank_percentiles_by_hand():
     # rank ceil(q/100 * 10): p50 -> 5th = 5, p90 -> 9th = 9, p99 -> 10th = 10, p10 -> 1st = 1
     assert [L.percentile(shuffled, q) for q in (50, 90, 99, 10, 100)] == [5.0, 9.0, 10.0, 1.0, 10.0]
     assert L.percentile([7.0], 99) == 7.0
+    # rank ceil(7 * 100 / 100) = 7, though 7 / 100 * 100 = 7.000000000000001 in floating point
+    assert L.percentile([float(x) for x in range(1, 101)], 7) == 7.0
     with pytest.raises(ValueError, match="no samples"):
         L.percentile([], 50)
     with pytest.raises(ValueError, match=r"\(0, 100\]"):
         L.percentile([1.0], 0)
+
+
+@given(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=1, max_size=200),
+       st.floats(0, 100, exclude_min=True))
+def test_percentile_is_the_nearest_rank(samples, q):
+    # the smallest sample with at least q% of the samples at or below it
+    p = L.percentile(samples, q)
+    n = len(samples)
+    assert p in samples
+    assert 100 * sum(x <= p for x in samples) >= q * n
+    assert 100 * sum(x < p for x in samples) < q * n
 
 
 def test_summarize_reports_milliseconds():
