@@ -94,9 +94,10 @@ def test_interleave_runs_round_by_round_and_drops_warmup_rounds():
 
 
 def test_runner_phase_timer_is_the_injected_clock():
-    from optimized.budget_run import generation_samples, reference_and_optimized
     from fixtures.tiny import tiny_config
-    _, runner = reference_and_optimized(tiny_config("tiny"), torch.float32)
+    from optimized import ModelRunner, model_from_source
+    from optimized.budget_run import generation_samples
+    runner = ModelRunner(model_from_source(tiny_config("tiny"), R.PooledRandomWeights(), dtype=torch.float32), 16)
     ticks = iter(range(100))
     runner.clock = lambda: float(next(ticks))       # every phase takes exactly one tick
     assert generation_samples(runner, [[1, 2, 3]], 3) == {"prefill": [1.0], "decode": [1.0, 1.0, 1.0]}
