@@ -8,6 +8,8 @@
     python -m optimized bench [--preset qwen3_30b_a3b|qwen3_235b_a22b|tiny] [--layers 2] [--batch 1]
                               [--prompt-len 128] [--decode-steps 8] [--warmup 1] [--repeats 3]
                               [--dtype bfloat16|float32] [--skip-hf] [--json PATH]
+    torchrun --nproc-per-node N -m optimized latency --budget NAME --json PATH [--model-path DIR]
+                                                                          (N = the budget's world size)
     python -m optimized convert ...                                       (not implemented yet: exits 2)
 
 generate
@@ -94,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     from . import bench
     bench.add_arguments(sub.add_parser("bench", help="latency: reference vs optimized vs transformers, "
                                                      "beside the memory-bandwidth floor"))
+
+    from . import budget_run
+    budget_run.add_arguments(sub.add_parser("latency", help="one latency budget (fixtures/budgets.yaml) on this rank; "
+                                                         "under torchrun, one process per rank"))
 
     conv = sub.add_parser("convert", help="offline BF16 -> MXFP8 / W4A8 checkpoint conversion (not implemented yet)")
     conv.add_argument("args", nargs=argparse.REMAINDER)
@@ -334,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from . import bench
             return bench.run(args)
+        if args.command == "latency":
+            from . import budget_run
+            return budget_run.run(args)
         raise UsageError("convert is not implemented yet (MXFP8/W4A8 conversion comes later)")
     except UsageError as e:
         fail(str(e))

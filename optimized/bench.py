@@ -19,7 +19,8 @@ Floor: decode must read every active weight once per step: per layer the attenti
 the router and the experts the batch routes to (top_k for batch 1; E * (1 - (1 - k/E)^B) expected for
 batch B under uniform routing) or the dense MLP, plus the final norm, lm_head and B embedding rows, plus
 the KV cache read at the mean context. floor = those bytes / copy bandwidth, the bandwidth being
-measured in the same run as (bytes read + bytes written) / time of a large tensor copy.
+measured in the same run as (bytes read + bytes written) / time of a large tensor copy. The arithmetic is
+`optimized.floor` (one rank), which the NPU latency budgets share.
 """
 from __future__ import annotations
 
@@ -211,29 +212,9 @@ def stats(samples: list[float]) -> dict:
 # ---------------------------------------------------------------------------------------------- floor
 
 def decode_bytes(config, dtype: torch.dtype, batch: int, context: float, num_layers: int | None = None) -> dict:
-    """Bytes one decode step must read (see the module docstring), by part."""
-    from .config import dense_layers
-
-    size = torch.finfo(dtype).bits // 8
-    H, D, V = config.hidden_size, config.head_dim, config.vocab_size
-    nq, nkv = config.num_attention_heads, config.num_key_value_heads
-    E, k, I = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
-    layers = num_layers if num_layers is not None else config.num_hidden_layers
-    dense = len(dense_layers(config, layers))
-    sparse = layers - dense
-    active = E * (1 - (1 - k / E) ** batch)
-    parts = {
-        "attention": layers * (H * nq * D + 2 * H * nkv * D + nq * D * H + 2 * D + 2 * H),
-        "router": sparse * E * H,
-        "experts": sparse * active * 3 * H * I,
-        "dense_mlp": dense * 3 * H * config.intermediate_size,
-        "lm_head_norm_embedding": V * H + H + batch * H,
-        "kv_cache": layers * 2 * nkv * D * context * batch,
-    }
-    out = {name: n * size for name, n in parts.items()}
-    out["total"] = sum(out.values())
-    out["active_experts_per_layer"] = active
-    return out
+    """Bytes one decode step must read (see the module docstring), by part: `optimized.floor` on one rank."""
+    from .floor import decode_bytes as floor_decode_bytes
+    return floor_decode_bytes(config, dtype, batch, context, num_layers)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -354,7 +335,8 @@ def run(args) -> int:
             f"{phase}{suffix}": results[m][key][stat] / results["optimized"][key][stat]
             for stat, suffix in (("median", ""), ("min", "_best"))
             for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"))}
-    floor_ms = 1000 * floor_bytes["total"] / bandwidth
+    from .floor import cpu_hardware, decode_floor
+    floor_ms = 1000 * decode_floor(config, cpu_hardware(bandwidth), dtype, args.batch, context)["floor_s"]
     report = {
         "setup": {"preset": name, "layers": args.layers, "full_layers": full_layers, "dtype": args.dtype,
                   "batch": args.batch, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,

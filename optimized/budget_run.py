@@ -1,0 +1,239 @@
+"""Measuring a latency budget: in this process for the CPU relative budgets (`run_relative`), one
+process per rank for the NPU budgets (`python -m optimized latency`, launched by `launch_command`).
+
+Weights: a checkpoint when one is given, else `PooledRandomWeights` of the budget's real shapes (cheap to
+build, every rank and layout reads one model). Prompts: seeded random ids. Routing is the router's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, BudgetError, load_budgets, \
+    missing_features, phase_report, this_host
+from .latency import CLOCKS, collective_latency, copy_bandwidth, interleave
+
+
+# ----------------------------------------------------------------------------------------- model building
+
+class PooledRandomWeights:
+    """A weight source of the real shapes filled cheaply: tensor `name` is the stretch of one seeded
+    N(0, std) pool repeated end to end that starts at an offset seeded by the name, so building a 30B-shaped
+    layer costs copies, not a billion random draws. A slice reads the same values as the whole tensor at
+    those positions (every rank and every layout sees one model). Each tensor owns its memory (timings
+    read real bytes); norm weights are 1. Routing stays real: router weights and inputs are random."""
+
+    def __init__(self, seed: int = 0, std: float = 0.02, pool: int = (1 << 22) + 1):
+        gen = torch.Generator().manual_seed(seed)
+        self.pool = torch.randn(pool, generator=gen) * std
+        self.seed, self.used, self.bytes_read = seed, set(), 0
+
+    def _stretch(self, start: int, n: int) -> torch.Tensor:
+        """Elements [start, start + n) of the pool repeated end to end (a new tensor)."""
+        P, out, filled = self.pool.numel(), torch.empty(n), 0
+        while filled < n:
+            at = (start + filled) % P
+            take = min(P - at, n - filled)
+            out[filled:filled + take] = self.pool[at:at + take]
+            filled += take
+        return out
+
+    def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
+        from .loader import _sliced_shape
+        shape = tuple(expected_shape)
+        self.used.add(name)
+        if name.endswith("norm.weight"):
+            return torch.ones(_sliced_shape(shape, index))
+        start = zlib.crc32(f"{self.seed}:{name}".encode()) % self.pool.numel()
+        rows = index[0] if index else slice(None)
+        first, stop, step = rows.indices(shape[0])
+        if step != 1:
+            raise ValueError(f"{name}: only unit-step slices are supported, got {rows!r}")
+        row = math.prod(shape[1:])
+        t = self._stretch(start + first * row, (stop - first) * row).view(stop - first, *shape[1:])
+        return t[(slice(None),) + tuple(index[1:])].clone() if len(index) > 1 else t
+
+    def skip(self, name: str) -> None:
+        pass
+
+    def check_all_used(self) -> None:
+        pass
+
+
+def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_size: int = 128):
+    """The reference model and an optimized ModelRunner (one process) computing the same function: the
+    optimized model loads pooled random weights, the reference's experts are views of its expert storage
+    (the recipe stores each expert's rows as the checkpoint does, so the views are contiguous) and its other
+    weights are the same pooled values. One copy of the experts keeps a 30B-shaped layer cheap to build."""
+    from reference.model import Qwen3MoeForCausalLM as Reference
+
+    from .build import model_from_source
+    from .runner import ModelRunner
+
+    source = PooledRandomWeights(seed)
+    opt = model_from_source(config, source, dtype=dtype)
+    with torch.device("meta"):
+        ref = Reference(config)
+    weights = {}
+    for name, t in ref.state_dict().items():
+        if ".mlp.experts." in name:    # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+            parts = name.split(".")
+            experts, e, proj = opt.layers[int(parts[2])].mlp.experts, int(parts[5]), parts[6]
+            i = experts.inter_per_rank
+            w = {"gate_proj": experts.w13[e, :, :i], "up_proj": experts.w13[e, :, i:],
+                 "down_proj": experts.w2[e]}[proj].t()
+            assert w.is_contiguous() and w.shape == t.shape, name
+            weights[name] = w
+        else:
+            weights[name] = source.read(name, tuple(t.shape)).to(dtype)
+    ref.load_state_dict(weights, strict=True, assign=True)
+    return ref.eval(), ModelRunner(opt, block_size)
+
+
+def random_prompts(budget: Budget, vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(budget.seed)
+    return torch.randint(0, vocab_size, (budget.batch, budget.prompt_len), generator=gen).tolist()
+
+
+def generation_samples(runner, prompts: list[list[int]], decode_steps: int) -> dict[str, list[float]]:
+    """One prefill and `decode_steps` decode steps of the optimized runner (it syncs the device per phase)."""
+    result = runner.generate(prompts, decode_steps + 1)
+    return {"prefill": [result.prefill_seconds], "decode": list(result.decode_seconds)}
+
+
+@torch.no_grad()
+def reference_samples(model, prompts: list[list[int]], decode_steps: int,
+                      clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """The same for the reference model (its own contiguous KV cache, CPU only), timed as the runner times."""
+    ids = torch.tensor(prompts)
+    cache = model.new_cache()
+    start = clock()
+    token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)
+    prefill, decode = clock() - start, []
+    for _ in range(decode_steps):
+        start = clock()
+        token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
+        decode.append(clock() - start)
+    return {"prefill": [prefill], "decode": decode}
+
+
+def run_relative(budget: Budget) -> dict[str, dict]:
+    """Measure a relative budget on this CPU: {phase: phase_report}. Thread CPU time counts only the
+    calling thread, so torch runs single-threaded for it."""
+    if budget.clock == "thread_cpu" and torch.get_num_threads() != 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run_relative(budget)
+        finally:
+            torch.set_num_threads(threads)
+    dtype = DTYPES[budget.dtype]
+    config = budget.hf_config()
+    ref, runner = reference_and_optimized(config, dtype, budget.seed)
+    prompts = random_prompts(budget, config.vocab_size)
+    clock = runner.clock = CLOCKS[budget.clock]
+    samples = interleave({"reference": lambda: reference_samples(ref, prompts, budget.decode_steps, clock),
+                          "optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
+                         warmup=budget.warmup, repeats=budget.repeats)
+    reports = {phase: phase_report(budget, phase, samples["optimized"][phase],
+                                   reference_seconds=samples["reference"][phase]) for phase in budget.phases}
+    if "decode" in reports:   # for scale: the CPU memory floor at the bandwidth of a copy measured now
+        from .floor import cpu_hardware, decode_floor
+        context = budget.prompt_len + (budget.decode_steps + 1) / 2
+        bandwidth = copy_bandwidth(clock)
+        floor_s = decode_floor(config, cpu_hardware(bandwidth), dtype, budget.batch, context)["floor_s"]
+        reports["decode"].update(copy_bandwidth_gb_s=bandwidth / 1e9, floor_ms=1000 * floor_s,
+                                 p50_over_floor=reports["decode"]["ms"]["p50"] / (1000 * floor_s))
+    return reports
+
+
+# ---------------------------------------------------------------------------------- NPU: one process per rank
+
+def launch_command(budget: Budget, json_path: str | os.PathLike, budgets_path: str | os.PathLike | None = None,
+                   model_path: str | None = None) -> list[str]:
+    """torchrun (torch.distributed.run) over `python -m optimized latency`, one process per rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(budget.world_size), "-m", "optimized", "latency", "--budget", budget.name,
+           "--budgets", str(budgets_path or DEFAULT_BUDGETS), "--json", str(json_path)]
+    return cmd + (["--model-path", model_path] if model_path else [])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", required=True, help="budget name in the budgets file")
+    p.add_argument("--budgets", default=str(DEFAULT_BUDGETS), help="budgets YAML (default fixtures/budgets.yaml)")
+    p.add_argument("--model-path", help=f"checkpoint directory (else ${CHECKPOINT_ENV}, else random weights "
+                                        f"of the budget's model shapes)")
+    p.add_argument("--json", required=True, metavar="PATH", help="rank 0 writes the raw samples here")
+
+
+def run(args) -> int:
+    """`python -m optimized latency`: measure one absolute budget on this rank (the optimized runner's
+    phase timings, device-synced); each sample becomes the slowest rank's, and rank 0 writes them."""
+    from .bench import UsageError
+    from .build import load_model, model_from_source
+    from .comm import ParallelState, init_distributed
+    from .platform import device
+    from .runner import ModelRunner
+
+    try:
+        budget = load_budgets(args.budgets)[args.budget]
+    except KeyError:
+        raise UsageError(f"--budget: no budget named {args.budget!r} in {args.budgets}") from None
+    except (BudgetError, OSError) as e:
+        raise UsageError(str(e)) from None
+    if budget.kind != "absolute":
+        raise UsageError(f"--budget {budget.name} is a relative budget: it runs in-process under pytest -m latency")
+    # What this run applies today: eager BF16/FP32 on the TP path. A budget asking for more fails here
+    # (never measures something else under its name) until the feature exists and is applied below.
+    asks = [what for what, applies in ((f"exe_mode {budget.exe_mode}", budget.exe_mode == "eager"),
+                                       (f"precision {budget.precision}", budget.precision in ("bf16", "fp32")),
+                                       ("SP prefill", not budget.sp_prefill)) if not applies]
+    if asks:
+        missing = missing_features({f for names in budget.needs.values() for f in names})
+        raise UsageError(f"budget {budget.name} runs {', '.join(asks)}: " + (
+            f"not built yet: {'; '.join(missing)}" if missing else
+            "built, but not applied by `python -m optimized latency` yet (optimized/budget_run.py run)"))
+    cfg = budget.inference_config()
+    dtype = DTYPES[budget.dtype]
+    env = init_distributed()
+    try:
+        state = ParallelState.build(cfg.parallel_config)
+        dev = device(env.local_rank)
+        model_path = args.model_path or os.environ.get(CHECKPOINT_ENV)
+        if model_path:
+            model = load_model(model_path, parallel=state, dtype=dtype, device=dev)
+        else:
+            model = model_from_source(budget.hf_config(), PooledRandomWeights(budget.seed), parallel=state,
+                                      dtype=dtype, device=dev)
+        runner = ModelRunner(model, cfg.scheduler_config.block_size, dev)
+        prompts = random_prompts(budget, model.config.vocab_size)
+        samples = interleave({"optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
+                             warmup=budget.warmup, repeats=budget.repeats)["optimized"]
+        measured_latency = None
+        if env.world_size > 1:   # a step lasts until its slowest rank is done: keep each sample's max over ranks
+            import torch.distributed as dist
+            for phase, values in samples.items():
+                t = torch.tensor(values, dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                samples[phase] = t.tolist()
+            measured_latency = collective_latency()
+        if env.rank == 0:
+            Path(args.json).write_text(json.dumps({
+                "budget": budget.name, "world_size": env.world_size, "device": str(dev),
+                "soc": this_host().soc, "model": model_path or "random weights", "samples_s": samples,
+                "collective_latency_s": measured_latency}, indent=1) + "\n")
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+

@@ -1,0 +1,270 @@
+"""Latency budgets (fixtures/budgets.yaml): the table, the skip rules, the floors and the verdicts.
+
+Two kinds:
+- `absolute`: a seed latency target on named NPU hardware (SoC name pattern, device count), measured by
+  `python -m optimized latency` with one process per rank (torchrun; `optimized.budget_run`), beside the
+  physical floor of `optimized.floor`. A budget skips, with a reason, where the hardware does not match
+  or a feature it needs is not built yet (`FEATURES`): it never passes without being measured.
+- `relative`: optimized vs reference in the same process and run, on this CPU: the optimized p50 may
+  be at most `max_ratio` times the reference p50, per phase.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .latency import CLOCKS, summarize
+
+PHASES = ("prefill", "decode")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+KINDS = ("absolute", "relative")
+DEFAULT_BUDGETS = Path(__file__).resolve().parents[1] / "fixtures" / "budgets.yaml"
+CHECKPOINT_ENV = "QWEN3_MOE_LATENCY_CHECKPOINT"
+
+
+# --------------------------------------------------------------------------------------------- budgets
+
+class BudgetError(ValueError):
+    """A malformed budget file: names the budget and key."""
+
+
+@dataclass(frozen=True)
+class HardwareRule:
+    """Where an absolute budget runs: an NPU whose SoC name matches `soc`, with >= `devices` devices."""
+
+    soc: str
+    devices: int
+    floor: str            # key of optimized.floor.HARDWARE
+    name: str
+
+
+@dataclass(frozen=True)
+class Host:
+    backend: str          # npu | cuda | cpu
+    soc: str              # torch.npu.get_device_name(0) on NPU, else ""
+    devices: int
+
+    def describe(self) -> str:
+        if self.backend == "npu":
+            return f"{self.devices} NPU device(s), SoC {self.soc}"
+        return f"backend {self.backend}, no NPU"
+
+
+def this_host() -> Host:
+    from .platform import backend_name
+    backend = backend_name()
+    if backend == "npu":
+        return Host("npu", torch.npu.get_device_name(0), torch.npu.device_count())
+    return Host(backend, "", torch.cuda.device_count() if backend == "cuda" else 0)
+
+
+def _graph_mode_built() -> bool:
+    from .config import EXE_MODES
+    return "ge_graph" in EXE_MODES
+
+
+def _w4a8_built() -> bool:
+    return importlib.util.find_spec("optimized.quantize") is not None
+
+
+def _sp_prefill_built() -> bool:
+    from .config import ParallelConfig
+    return "moe_ep_scheme" in ParallelConfig.__dataclass_fields__
+
+
+# Features a budget may need, each with the probe that says whether this tree has it. A probe checks the
+# entry point the feature is reached through (as named in the issue that builds it).
+FEATURES: dict[str, tuple[str, Callable[[], bool]]] = {
+    "graph_mode": ("graph mode (model_config.exe_mode: ge_graph; optimized.config accepts eager only)",
+                   _graph_mode_built),
+    "w4a8": ("W4A8 quantization (MXFP4 experts, MXFP8 attention; the optimized.quantize converter)", _w4a8_built),
+    "sp_prefill": ("Attention SP+TP prefill with MoE EP by AllGather (parallel_config.moe_ep_scheme)",
+                   _sp_prefill_built),
+}
+
+
+def missing_features(names) -> list[str]:
+    return [FEATURES[n][0] for n in names if not FEATURES[n][1]()]
+
+
+@dataclass(frozen=True)
+class Budget:
+    name: str
+    kind: str
+    description: str
+    model: dict                              # preset / fixture, optional num_hidden_layers, vocab_size
+    dtype: str = "bfloat16"
+    precision: str = "bf16"                  # optimized.floor.PRECISIONS key
+    batch: int = 1
+    prompt_len: int = 128                    # prefill length; decode runs at this context and beyond
+    decode_steps: int = 8
+    warmup: int = 1
+    repeats: int = 3
+    seed: int = 0
+    routing: str = "real"
+    limits_ms: dict = field(default_factory=dict)      # absolute: phase -> ms (p50 must not exceed)
+    max_ratio: dict = field(default_factory=dict)      # relative: phase -> optimized p50 / reference p50
+    why: str = ""                                      # relative: what justifies the ratios
+    clock: str = "wall"                                # relative: wall | thread_cpu (see CLOCKS)
+    needs: dict = field(default_factory=dict)          # phase -> feature names (absolute)
+    hardware: HardwareRule | None = None
+    config: str | None = None                # absolute: inference config YAML (layout), repo-relative
+    exe_mode: str = "eager"
+    sp_prefill: bool = False
+
+    @property
+    def phases(self) -> list[str]:
+        return list(self.limits_ms or self.max_ratio)
+
+    def skip_reason(self, phase: str, host: Host) -> str | None:
+        """Why this budget phase cannot be measured here, or None."""
+        reasons = []
+        if self.kind == "relative":
+            if host.backend != "cpu":
+                reasons.append(f"a CPU relative budget (optimized vs reference on the CPU); this host computes "
+                               f"on {host.backend}")
+        else:
+            hw = self.hardware
+            if host.backend != "npu" or not fnmatch.fnmatch(host.soc, hw.soc) or host.devices < hw.devices:
+                reasons.append(f"needs {hw.name}: {hw.devices} NPU devices with SoC name matching {hw.soc!r} "
+                               f"(torch_npu); this host: {host.describe()}")
+        missing = missing_features(self.needs.get(phase, []))
+        if missing:
+            reasons.append("not built yet: " + "; ".join(missing))
+        return " | ".join(reasons) or None
+
+    @property
+    def world_size(self) -> int:
+        return self.inference_config().parallel_config.world_size if self.config else 1
+
+    def inference_config(self):
+        from .config import InferenceConfig
+        path = Path(self.config)
+        if not path.is_absolute():
+            path = DEFAULT_BUDGETS.parents[1] / path
+        return InferenceConfig.from_yaml(path)
+
+    def hf_config(self):
+        """The model's Qwen3MoeConfig: its preset or tiny fixture, with the budget's overrides."""
+        spec = dict(self.model)
+        if "preset" in spec:
+            from fixtures.presets import preset_config
+            config = preset_config(spec.pop("preset"))
+        else:
+            from fixtures.tiny import tiny_config
+            config = tiny_config(spec.pop("fixture"))
+        for key, value in spec.items():
+            setattr(config, key, value)
+        return config
+
+
+_REQUIRED = {"kind", "description", "model"}
+_ALLOWED = {f for f in Budget.__dataclass_fields__} - {"name"}
+
+
+def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
+    """Every budget of a budgets YAML (default fixtures/budgets.yaml), validated with clear errors."""
+    import yaml
+    path = Path(path or DEFAULT_BUDGETS)
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw.get("budgets"), dict):
+        raise BudgetError(f"{path}: needs a top-level mapping 'budgets: {{NAME: {{...}}}}'")
+    out = {}
+    for name, spec in raw["budgets"].items():
+        where = f"{path}: budgets.{name}"
+        if not isinstance(spec, dict):
+            raise BudgetError(f"{where}: must be a mapping")
+        unknown = sorted(set(spec) - _ALLOWED)
+        if unknown:
+            raise BudgetError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_ALLOWED)}")
+        missing = sorted(_REQUIRED - set(spec))
+        if missing:
+            raise BudgetError(f"{where}: missing key(s) {missing}")
+        spec = dict(spec)
+        if spec["kind"] not in KINDS:
+            raise BudgetError(f"{where}.kind: must be one of {KINDS}, got {spec['kind']!r}")
+        if spec.get("dtype", "bfloat16") not in DTYPES:
+            raise BudgetError(f"{where}.dtype: must be one of {', '.join(DTYPES)}, got {spec['dtype']!r}")
+        from .floor import PRECISIONS
+        if spec.get("precision", "bf16") not in PRECISIONS:
+            raise BudgetError(f"{where}.precision: must be one of {', '.join(PRECISIONS)}, got {spec['precision']!r}")
+        if spec.get("clock", "wall") not in CLOCKS:
+            raise BudgetError(f"{where}.clock: must be one of {', '.join(CLOCKS)}, got {spec['clock']!r}")
+        if spec.get("routing", "real") != "real":
+            raise BudgetError(f"{where}.routing: must be 'real' (the router decides; balanced routing is never "
+                              f"forced), got {spec['routing']!r}")
+        key, other = ("limits_ms", "max_ratio") if spec["kind"] == "absolute" else ("max_ratio", "limits_ms")
+        limits = spec.get(key)
+        if other in spec:
+            raise BudgetError(f"{where}.{other}: {spec['kind']} budgets have {key}, not {other}")
+        if (not isinstance(limits, dict) or not limits or set(limits) - set(PHASES)
+                or not all(isinstance(v, (int, float)) and v > 0 for v in limits.values())):
+            raise BudgetError(f"{where}.{key}: must map phases ({', '.join(PHASES)}) to positive numbers, "
+                              f"got {limits!r}")
+        for counter in ("batch", "prompt_len", "decode_steps", "repeats"):
+            if counter in spec and (not isinstance(spec[counter], int) or spec[counter] < 1):
+                raise BudgetError(f"{where}.{counter}: must be a positive integer, got {spec[counter]!r}")
+        if not isinstance(spec.get("warmup", 1), int) or spec.get("warmup", 1) < 0:
+            raise BudgetError(f"{where}.warmup: must be a non-negative integer, got {spec['warmup']!r}")
+        for feature in (f for names in spec.get("needs", {}).values() for f in names):
+            if feature not in FEATURES:
+                raise BudgetError(f"{where}.needs: unknown feature {feature!r}; known: {sorted(FEATURES)}")
+        if spec["kind"] == "absolute":
+            for k in ("hardware", "config"):
+                if k not in spec:
+                    raise BudgetError(f"{where}: an absolute budget needs '{k}'")
+            hw = spec["hardware"]
+            if set(hw) != {"soc", "devices", "floor", "name"}:
+                raise BudgetError(f"{where}.hardware: needs exactly soc, devices, floor, name; got {sorted(hw)}")
+            from .floor import HARDWARE
+            if hw["floor"] not in HARDWARE:
+                raise BudgetError(f"{where}.hardware.floor: unknown {hw['floor']!r}; known: {sorted(HARDWARE)}")
+            spec["hardware"] = HardwareRule(**hw)
+        out[name] = Budget(name=name, **spec)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ floors
+
+def budget_floor(budget: Budget, phase: str, collective_latency: float | None = None) -> dict:
+    """The physical floor of one absolute budget phase (optimized.floor), in seconds with its parts."""
+    from . import floor
+    config = budget.hf_config()
+    layout = floor.Layout.of(budget.inference_config().parallel_config)
+    hw = floor.HARDWARE[budget.hardware.floor]
+    if phase == "prefill":
+        return floor.prefill_floor(config, hw, budget.precision, [budget.prompt_len] * budget.batch, layout,
+                                   sp=budget.sp_prefill)
+    context = budget.prompt_len + (budget.decode_steps + 1) / 2      # mean context of the timed steps
+    return floor.decode_floor(config, hw, budget.precision, budget.batch, context, layout,
+                              collective_latency=collective_latency)
+
+
+def phase_report(budget: Budget, phase: str, seconds: list[float], floor_s: float | None = None,
+                 reference_seconds: list[float] | None = None) -> dict:
+    """Statistics, limit and verdict of one budget phase (what the JSON report records)."""
+    stats = summarize(seconds)
+    report = {"budget": budget.name, "phase": phase, "kind": budget.kind, "description": budget.description,
+              "ms": stats}
+    if budget.kind == "absolute":
+        report["limit_ms"] = budget.limits_ms[phase]
+        report["passed"] = stats["p50"] <= budget.limits_ms[phase]
+        if floor_s is not None:
+            report["floor_ms"] = 1000 * floor_s
+            report["p50_over_floor"] = stats["p50"] / (1000 * floor_s)
+    else:
+        ref = summarize(reference_seconds)
+        report["reference_ms"] = ref
+        report["ratio_p50"] = stats["p50"] / ref["p50"]
+        report["max_ratio"] = budget.max_ratio[phase]
+        report["passed"] = report["ratio_p50"] <= budget.max_ratio[phase]
+        report["why"], report["clock"] = budget.why, budget.clock
+    return report
+
+
