@@ -1,0 +1,424 @@
+"""MX quantization operators (spec mx_quant.md) proven against an independent quantizer.
+
+`equivalence/mx_oracle.py` re-derives every rule in float64 numpy with ml_dtypes element casts and brute-force
+FP4 rounding; the kernels are compared with it byte for byte on adversarial inputs (raw bit patterns, ties,
+mantissa 1.5/1.75 boundaries, tiny/flush, zero, Inf/NaN and huge blocks, K not a multiple of 32/64, every
+dst_type, scale_alg and round mode). The spec's worked examples (§10) are fixed golden vectors. Also: error
+bounds of dequantize(quantize(x)), the converter's quantizer (§8.2), shapes under fake tensors, opcheck,
+torch.compile, named validation errors, and an NPU-vs-portable comparison.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import optimized  # noqa: F401  (registers torch.ops.npu.*)
+from equivalence import mx_oracle as oracle
+from equivalence.compare import assert_bitwise_equal
+from optimized.ops import mx_format as mxf
+from optimized.ops.registry import portable_kernel
+
+npu = torch.ops.npu
+QUANT = npu.npu_dynamic_mx_quant
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+E4M3, E5M2, FP4 = 24, 23, 296
+
+# Every legal (dst_type, scale_alg, round_mode, dst_type_max, max_low_bound) of §3.4 the kernels implement.
+CONFIGS = [
+    (E4M3, 0, "rint", 0.0, 0.0), (E5M2, 0, "rint", 0.0, 0.0), (292, 1, "rint", 0.0, 0.0),
+    (291, 1, "rint", 0.0, 0.0), (E4M3, 1, "rint", 0.0, 1e-3), (E5M2, 1, "rint", 0.0, 2.0**-120),
+    (FP4, 0, "rint", 0.0, 0.0), (FP4, 0, "round", 0.0, 0.0), (FP4, 0, "floor", 0.0, 0.0),
+    (FP4, 2, "rint", 0.0, 0.0), (FP4, 2, "round", 6.0, 0.0), (FP4, 2, "floor", 7.0, 0.0),
+    (FP4, 2, "rint", 7.0, 0.0), (FP4, 2, "rint", 9.5, 0.0), (FP4, 2, "floor", 12.0, 0.0),
+]
+
+
+def quant(x, dst, alg=0, rm="rint", dtm=0.0, mlb=0.0, axis=-1, block_size=32):
+    return QUANT(x, axis=axis, round_mode=rm, dst_type=dst, block_size=block_size, scale_alg=alg,
+                 dst_type_max=dtm, max_low_bound=mlb)
+
+
+def bytes_of(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def assert_matches_oracle(x, dst, alg=0, rm="rint", dtm=0.0, mlb=0.0, axis=-1, block_size=32):
+    y, s = quant(x, dst, alg, rm, dtm, mlb, axis, block_size)
+    y_ref, s_ref = oracle.quantize(x, dst, axis=axis, round_mode=rm, scale_alg=alg, block_size=block_size,
+                                   dst_type_max=dtm, max_low_bound=mlb)
+    label = f"dst={dst} alg={alg} {rm} dtm={dtm} mlb={mlb} axis={axis} bs={block_size} x{tuple(x.shape)} {x.dtype}"
+    assert s.dtype == torch.uint8, label
+    np.testing.assert_array_equal(s.numpy(), s_ref, err_msg=f"scale bytes: {label}")
+    assert y.dtype == (torch.uint8 if dst == FP4 else mxf.FORMATS[mxf.dtype_code(dst)].torch_dtype), label
+    np.testing.assert_array_equal(bytes_of(y), y_ref, err_msg=f"element bytes: {label}")
+    return y, s
+
+
+# --- bit-exact against the independent quantizer --------------------------------------------------------
+
+
+@st.composite
+def quant_cases(draw):
+    dst, alg, rm, dtm, mlb = draw(st.sampled_from(CONFIGS))
+    dtype = draw(st.sampled_from([BF16, FP16, FP32]))
+    k = draw(st.one_of(st.integers(1, 130), st.sampled_from([31, 33, 63, 65, 96, 160, 4096])))
+    if dst == FP4 and k % 2:
+        k += 1
+    lead = draw(st.lists(st.integers(1, 3), max_size=2))
+    shape = lead + [k]
+    axis = draw(st.sampled_from(range(-len(shape), len(shape)))) if draw(st.booleans()) else -1
+    block_size = 32 if dtype == FP32 or alg == 2 else draw(st.sampled_from([32, 32, 64, 96]))
+    kinds = draw(st.sampled_from([oracle.BLOCK_KINDS, ("gauss", "ties"), ("boundary", "tiny", "zero", "special")]))
+    x = oracle.mx_inputs(draw(st.integers(0, 2**31 - 1)), shape, dtype, kinds)
+    return x, dict(dst=dst, alg=alg, rm=rm, dtm=dtm, mlb=mlb, axis=axis, block_size=block_size)
+
+
+@given(quant_cases())
+def test_quantize_matches_independent_quantizer(case):
+    x, kw = case
+    assert_matches_oracle(x, **kw)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-alg{c[1]}-{c[2]}-dtm{c[3]}-mlb{c[4]:g}")
+def test_every_config_and_dtype_matches_on_all_block_kinds(config):
+    # A guaranteed sweep (hypothesis draws only 20 cases in CI): each legal configuration x input dtype, on
+    # rows whose 128 blocks cover every adversarial block kind.
+    dst, alg, rm, dtm, mlb = config
+    for i, dtype in enumerate((BF16, FP16, FP32)):
+        x = oracle.mx_inputs(100 + i, (3, 4096 + 34), dtype)  # 130 blocks: odd count, padded tail
+        assert_matches_oracle(x, dst, alg, rm, dtm, mlb)
+
+
+def test_non_last_axis_scale_layout_interleaves_the_pair():
+    # x [P, D, Q] along axis 1 -> scale [P, ceil(D/64), Q, 2]; scale[p, i, q, j] is block 2i+j of column (p, q),
+    # i.e. exactly the last-axis quantization of the transposed tensor with the pair dim moved (§2.2).
+    x = oracle.mx_inputs(7, (2, 100, 6), BF16)
+    y, s = assert_matches_oracle(x, E4M3, axis=1)
+    assert s.shape == (2, 2, 6, 2)
+    yt, st_ = quant(x.transpose(1, 2).contiguous(), E4M3)
+    assert_bitwise_equal(y, yt.transpose(1, 2).contiguous(), "y along axis 1")
+    assert_bitwise_equal(s, st_.permute(0, 2, 1, 3).contiguous(), "scale along axis 1")
+    # FP4 along axis 0 still packs the LAST dim
+    x4 = oracle.mx_inputs(8, (70, 4), BF16)
+    y4, s4 = assert_matches_oracle(x4, FP4, axis=0)
+    assert y4.shape == (70, 2) and s4.shape == (2, 4, 2)
+
+
+def test_fp4_brute_force_rint_agrees_with_ml_dtypes():
+    # The oracle's two FP4 encoders cross-check each other on every tie and both sides of each threshold.
+    grid = np.array(sorted({t + d for t in np.arange(0, 8, 0.125) for d in (-2**-20, 0.0, 2**-20)}))
+    v = np.concatenate([grid, -grid, [-0.0, 7.0, -9.0]])
+    lib = np.clip(v, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    np.testing.assert_array_equal(oracle.fp4_brute_force(v, "rint"), lib)
+
+
+# --- golden vectors (§10) -------------------------------------------------------------------------------
+
+BLOCK_10_1 = [0x4049, 0xBFC0, 0x0000, 0x3F40, 0xBEC0, 0x4000, 0x3DCD, 0xBD4D, 0x3FA0, 0xC030, 0x3F30, 0x3C80,
+              0xBB00, 0x3E9A, 0x3F66, 0xBF66, 0x3F80, 0xBF80, 0x3F00, 0xBF00, 0x3E80, 0x4020, 0xC040, 0x3E00,
+              0x3FE0, 0xBF20, 0x3D80, 0x3E4D, 0xBC24, 0x3EE0, 0x4010, 0xBF90]
+
+
+def bf16_from_bits(bits) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(BF16)
+
+
+def hexbytes(s: str) -> list[int]:
+    return [int(b, 16) for b in s.split()]
+
+
+def fp4_codes(y: torch.Tensor) -> list[int]:
+    return mxf.unpack_fp4(y).flatten().tolist()
+
+
+def test_golden_10_1_block_to_e4m3():
+    x = bf16_from_bits(BLOCK_10_1)[None]
+    assert x[0, :3].tolist() == [3.140625, -1.5, 0.0]
+    want = hexbytes("7D F4 00 6C E4 78 55 CD 72 FB 6B 40 A8 62 6E EE 70 F0 68 E8 60 7A FC 58 76 EA 50 5D BA 66 79 F1")
+    for alg in (0, 1):
+        y, s = quant(x, E4M3, alg)
+        assert y.dtype == torch.float8_e4m3fn and y.view(torch.uint8)[0].tolist() == want
+        assert s.tolist() == [[[120, 0]]]
+
+
+def test_golden_10_2_block_to_e2m1_all_round_modes():
+    x = bf16_from_bits(BLOCK_10_1)[None]
+    rint = [int(c, 16) for c in "7 D 0 3 A 6 0 8 4 F 3 0 8 1 4 C 4 C 2 A 1 6 F 0 6 A 0 1 8 2 6 C".split()]
+    y, s = quant(x, FP4, 0, "rint")
+    assert s.tolist() == [[[126, 0]]] and y.shape == (1, 16)
+    assert y[0].tolist() == hexbytes("D7 30 6A 80 F4 03 18 C4 C4 A2 61 0F A6 10 28 C6")
+    assert fp4_codes(y) == rint
+    round_ = list(rint)
+    round_[8], round_[21], round_[23], round_[25] = 0x5, 0x7, 0x1, 0xB
+    assert fp4_codes(quant(x, FP4, 0, "round")[0]) == round_
+    floor = [int(c, 16) for c in "7 D 0 3 A 6 0 9 4 F 2 0 9 1 3 C 4 C 2 A 1 6 F 0 5 B 0 0 9 1 6 D".split()]
+    assert fp4_codes(quant(x, FP4, 0, "floor")[0]) == floor
+
+
+def test_golden_10_3_scale_rules_disagree():
+    x = torch.zeros(1, 32, dtype=BF16)
+    x[0, :3] = torch.tensor([3.75, 1.0, -0.5])
+    rows = [  # (dst, alg, dtm, byte, first element bytes / codes, decoded)
+        (E4M3, 0, 0.0, 120, [0x7E, 0x70, 0xE8], [3.5, 1.0, -0.5]),
+        (E4M3, 1, 0.0, 121, [0x77, 0x68, 0xE0], [3.75, 1.0, -0.5]),
+        (FP4, 0, 0.0, 126, [0x7, 0x4, 0xA], [3.0, 1.0, -0.5]),
+        (FP4, 2, 0.0, 127, [0x6, 0x2, 0x9], [4.0, 1.0, -0.5]),
+        (FP4, 2, 6.0, 127, [0x6, 0x2, 0x9], [4.0, 1.0, -0.5]),
+    ]
+    for dst, alg, dtm, byte, first, decoded in rows:
+        y, s = quant(x, dst, alg, dtm=dtm)
+        assert s.tolist() == [[[byte, 0]]], (dst, alg)
+        got = fp4_codes(y)[:3] if dst == FP4 else y.view(torch.uint8)[0, :3].tolist()
+        assert got == first, (dst, alg)
+        fmt = mxf.FORMATS[dst]
+        assert mxf.dequantize(y, s, fmt)[0, :3].tolist() == decoded
+    # the converter (§8.2): E4M3 = scale_alg 1, E2M1 = scale_alg 2 with dst_type_max 7, half-away ties
+    data, scale = mxf.mx_quantize_weight(x, mxf.E4M3)
+    assert scale.tolist() == [[121]] and data.view(torch.uint8)[0, :3].tolist() == [0x77, 0x68, 0xE0]
+    data, scale = mxf.mx_quantize_weight(x, mxf.E2M1)
+    assert scale.tolist() == [[127]] and fp4_codes(data)[:3] == [0x6, 0x2, 0x9]
+    # scale_alg 2 on other amax values
+    for amax, dtm, byte in ((3.0, 0.0, 126), (3.25, 0.0, 127), (3.5, 6.0, 127), (3.5, 7.0, 126)):
+        xa = torch.zeros(1, 32, dtype=BF16)
+        xa[0, 5] = amax
+        assert quant(xa, FP4, 2, dtm=dtm)[1].tolist() == [[[byte, 0]]], (amax, dtm)
+
+
+def test_golden_10_4_padding_and_pairing():
+    x = (torch.arange(80, dtype=torch.float32) / 8).to(BF16)[None]
+    y8, s8 = quant(x, E4M3)
+    assert y8.shape == (1, 80) and s8.tolist() == [[[120, 121], [122, 0]]]
+    y4, s4 = quant(x, FP4)
+    assert y4.shape == (1, 40) and s4.tolist() == [[[126, 127], [128, 0]]]
+    y, s = quant(torch.ones(1, 16, dtype=BF16), FP4)
+    assert y.tolist() == [[0x66] * 8] and s.tolist() == [[[125, 0]]]
+    _, s96 = quant(torch.ones(3, 96, dtype=BF16), E4M3)
+    assert s96.shape == (3, 2, 2) and s96[:, 1, 1].tolist() == [0, 0, 0]
+
+
+def test_golden_10_5_special_blocks():
+    x = torch.zeros(4, 32, dtype=BF16)
+    x[1] = 1.0
+    x[1, 7] = float("inf")
+    x[2] = -2.0
+    x[2, 3] = float("nan")
+    x[3, 0] = bf16_from_bits([0x0010])[0]  # 2^-129
+    x[3, 1] = -bf16_from_bits([0x0010])[0]
+    for dst in (E4M3, E5M2, FP4):
+        y, s = quant(x, dst)
+        assert s[:, 0, 0].tolist() == [0, 255, 255, 0], dst
+        assert (y.view(torch.uint8)[:3] == 0).all(), f"zero and non-finite blocks: elements +0 ({dst})"
+        first = [0x80] if dst == FP4 else [0x00, 0x80]  # flushed to zeros that keep their sign
+        assert y.view(torch.uint8)[3].tolist()[: len(first)] == first, dst
+    # tiny block: scale_alg 0 flushes; scale_alg 1 encodes with 2^127 (0.25 = E4M3 0x28)
+    y0, s0 = quant(x[3:], E4M3, 0)
+    y1, s1 = quant(x[3:], E4M3, 1)
+    assert s0.tolist() == [[[0, 0]]] and y0.view(torch.uint8)[0, :2].tolist() == [0x00, 0x80]
+    assert s1.tolist() == [[[0, 0]]] and y1.view(torch.uint8)[0, :2].tolist() == [0x28, 0xA8]
+    assert mxf.dequantize(y1, s1, mxf.E4M3)[0, :2].tolist() == [2.0**-129, -(2.0**-129)]
+
+
+# --- error bounds (§11.5) and idempotence -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-alg{c[1]}-{c[2]}-dtm{c[3]}-mlb{c[4]:g}")
+def test_dequantize_error_bound(config):
+    # |dequant - x| <= 1/2 ulp_elem(v) * scale (rint, round) or 1 ulp (floor) for unsaturated elements of
+    # finite, non-flushed blocks; saturation (|v| > maxval) only where the scale rule allows it.
+    dst, alg, rm, dtm, mlb = config
+    fmt = oracle.fmt_name(dst)
+    x = oracle.mx_inputs(11, (4, 4096), BF16, kinds=("gauss", "ties", "boundary", "huge"))
+    y, s = quant(x, dst, alg, rm, dtm, mlb)
+    byte = s.flatten(-2)[:, : 4096 // 32].numpy().astype(np.int64).repeat(32, axis=1)
+    dq = oracle.dequantize(bytes_of(y), s.numpy(), fmt)
+    xd = x.double().numpy()
+    scale = np.ldexp(1.0, byte - 127)
+    v = xd / scale
+    live = (byte > 0) & (byte < 255)
+    maxval = oracle.FORMATS[fmt][1]
+    saturated = np.abs(v) > maxval
+    if alg == 1 or (alg == 2 and dtm not in (7.0,) and dtm <= 6.0):
+        assert not saturated[live].any(), "this scale rule never saturates"
+    ok = live & ~saturated
+    ulps = np.abs(dq - xd)[ok] / (oracle.element_ulp(v, fmt) * scale)[ok]
+    assert ulps.max() <= (1.0 if rm == "floor" else 0.5)
+    assert np.all(np.abs(dq[live & saturated]) == maxval * scale[live & saturated])
+
+
+# --- converter quantizer (§8.2) -----------------------------------------------------------------------
+
+
+@given(st.sampled_from([mxf.E4M3, mxf.E2M1]), st.sampled_from([BF16, FP32]), st.integers(1, 3),
+       st.sampled_from([2, 30, 32, 64, 66, 128, 200]), st.integers(0, 2**31 - 1))
+def test_converter_quantizer_matches_independent_quantizer(fmt, dtype, rows, k, seed):
+    w = oracle.mx_inputs(seed, (rows, k), dtype, kinds=("gauss", "ties", "boundary", "tiny", "zero"))
+    data, scale = mxf.mx_quantize_weight(w, fmt)
+    data_ref, scale_ref = oracle.convert_weight(w, "e4m3" if fmt is mxf.E4M3 else "e2m1")
+    np.testing.assert_array_equal(scale.numpy(), scale_ref)
+    np.testing.assert_array_equal(bytes_of(data), data_ref)
+    assert data.dtype == (torch.float8_e4m3fn if fmt is mxf.E4M3 else torch.uint8)
+    assert scale.shape == (rows, math.ceil(k / 32)) and data.shape == (rows, k if fmt is mxf.E4M3 else k // 2)
+    if dtype == BF16:  # §8.2 facts: the converter's scales are scale_alg 1 (E4M3) / scale_alg 2, dtm 7 (E2M1)
+        _, s = quant(w, E4M3, 1) if fmt is mxf.E4M3 else quant(w, FP4, 2, dtm=7.0)
+        np.testing.assert_array_equal(mxf.unpair_scales(s, scale.shape[-1]).numpy(), scale.numpy())
+
+
+def test_converter_rounds_half_away_from_zero():
+    # scale byte 127 (amax 4 -> 2^ceil(log2(4/7)) = 1): FP4 ties 0.25 -> 0.5, 2.5 -> 3, 5 -> 6, -1.25 -> -1.5;
+    # the operator's rint gives 0, 2, 4, -1 on the same values
+    w = torch.zeros(1, 32, dtype=BF16)
+    w[0, :5] = torch.tensor([4.0, 0.25, 2.5, 5.0, -1.25])
+    data, scale = mxf.mx_quantize_weight(w, mxf.E2M1)
+    assert scale.tolist() == [[127]] and fp4_codes(data)[:5] == [0x6, 0x1, 0x5, 0x7, 0xB]
+    # E4M3: amax 448 -> byte 127; 17 and 19 are ties between 16/18 and 18/20: away from zero -> 18, 20
+    w8 = torch.zeros(1, 32, dtype=BF16)
+    w8[0, :3] = torch.tensor([448.0, 17.0, -19.0])
+    data, scale = mxf.mx_quantize_weight(w8, mxf.E4M3)
+    assert scale.tolist() == [[127]] and data[0, :3].float().tolist() == [448.0, 18.0, -20.0]
+    zero, zscale = mxf.mx_quantize_weight(torch.zeros(2, 64, dtype=BF16), mxf.E2M1)
+    assert zscale.tolist() == [[0, 0], [0, 0]] and (zero == 0).all()
+
+
+# --- packing helpers (§1.3) -----------------------------------------------------------------------------
+
+
+def test_fp4_packing_low_nibble_first_and_round_trip():
+    codes = torch.arange(16, dtype=torch.uint8).reshape(2, 8)
+    packed = mxf.pack_fp4(codes)
+    assert packed.tolist() == [[0x10, 0x32, 0x54, 0x76], [0x98, 0xBA, 0xDC, 0xFE]]
+    assert torch.equal(mxf.unpack_fp4(packed), codes)
+    # packed along dim 0 of a transposed view: [K/2, N] logical, stride-1 axis = 0 after transpose
+    w = torch.randint(0, 16, (6, 8), dtype=torch.uint8)
+    along0 = mxf.pack_fp4(w, dim=0)
+    assert along0.shape == (3, 8) and torch.equal(mxf.unpack_fp4(along0, dim=0), w)
+    assert torch.equal(mxf.unpack_fp4(mxf.pack_fp4(w.t().contiguous()).t(), dim=0), w)
+    assert mxf.decode_fp4(torch.tensor([0, 1, 7, 8, 9, 15])).tolist() == [0.0, 0.5, 6.0, -0.0, -0.5, -6.0]
+    assert math.copysign(1.0, mxf.decode_fp4(torch.tensor([8])).item()) == -1.0
+
+
+def test_e8m0_bytes_decode_exactly():
+    b = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    got = mxf.e8m0_to_float(b)
+    assert got[:6].tolist() == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127] and got[6].isnan()
+    assert torch.equal(mxf.e8m0_to_float(b.view(torch.float8_e8m0fnu)).nan_to_num(7.0), got.nan_to_num(7.0))
+    assert (mxf.float4_e2m1fn_x2, mxf.float8_e8m0fnu, mxf.float8_e4m3fn, mxf.float8_e5m2, mxf.hifloat8,
+            mxf.float4_e1m2fn_x2, mxf.int4) == (296, 293, 292, 291, 290, 297, 285)
+
+
+# --- shapes under fake tensors, opcheck, torch.compile -----------------------------------------------------
+
+
+def _quant_samples():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 80, generator=g).to(BF16)
+    return [
+        ((x,), {}),
+        ((x,), {"dst_type": 24}),
+        ((x.half(),), {"dst_type": 23, "scale_alg": 1}),
+        ((x.float().t(),), {"dst_type": 292, "axis": 0}),  # non-contiguous, non-last axis
+        ((x[:, :64].reshape(2, 3, 32),), {"dst_type": 296, "round_mode": "floor", "scale_alg": 2, "axis": 1}),
+        ((x,), {"dst_type": 24, "block_size": 64, "scale_alg": None}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_quant_opcheck(index):
+    args, kwargs = _quant_samples()[index]
+    torch.library.opcheck(QUANT.default, args, kwargs)
+
+
+def test_fake_shapes_match_eager():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for args, kwargs in _quant_samples():
+        eager = QUANT(*args, **kwargs)
+        with FakeTensorMode() as mode:
+            fake = QUANT(*(mode.from_tensor(a) for a in args), **kwargs)
+        for e, f in zip(eager, fake):
+            assert (e.shape, e.dtype) == (f.shape, f.dtype)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    def step(x):
+        y8, s8 = npu.npu_dynamic_mx_quant(x, dst_type=torch.float8_e4m3fn)
+        y4, s4 = npu.npu_dynamic_mx_quant(x, dst_type=296, round_mode="round", scale_alg=2)
+        return y8, s8, y4, s4
+
+    x = oracle.mx_inputs(3, (4, 96), BF16)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(x), step(x)):
+        assert_bitwise_equal(got, want, "compiled vs eager")
+
+
+# --- validation errors name the operator, the argument and what is allowed ------------------------------
+
+_X = torch.ones(2, 64, dtype=BF16)
+QUANT_ERRORS = {
+    "dtype": (lambda: QUANT(_X.double()), ValueError, r"npu_dynamic_mx_quant: input has dtype torch.float64; allowed"),
+    "rank": (lambda: QUANT(torch.ones([1] * 8, dtype=BF16)), ValueError, r"input must have 1 to 7 dims"),
+    "axis": (lambda: QUANT(_X, axis=2), ValueError, r"axis=2 is out of range .* \(allowed \[-2, 1\]\)"),
+    "dst": (lambda: QUANT(_X, dst_type=1), ValueError, r"dst_type=1 is not an MX element type; allowed codes: 23/291"),
+    "e1m2": (lambda: QUANT(_X, dst_type=297), NotImplementedError, r"dst_type=297 \(float4_e1m2fn_x2\)"),
+    "fp8_alg2": (lambda: QUANT(_X, dst_type=24, scale_alg=2), ValueError,
+                 r"scale_alg=2 is not allowed with dst_type float8_e4m3fn; allowed: 0, 1"),
+    "fp4_alg1": (lambda: QUANT(_X, scale_alg=1), ValueError,
+                 r"scale_alg=1 is not allowed with dst_type float4_e2m1fn; allowed: 0, 2"),
+    "fp8_round": (lambda: QUANT(_X, dst_type=23, round_mode="round"), ValueError,
+                  r"round_mode='round' is not allowed with dst_type float8_e5m2; allowed: 'rint'"),
+    "fp4_mode": (lambda: QUANT(_X, round_mode="ceil"), ValueError,
+                 r"round_mode='ceil' .* allowed: 'rint', 'round', 'floor'"),
+    "block": (lambda: QUANT(_X, block_size=48), ValueError, r"block_size=48; allowed: a multiple of 32 in \[32, 1024\]"),
+    "block_fp32": (lambda: QUANT(_X.float(), block_size=64), ValueError, r"block_size=64 with a float32 input"),
+    "block_alg2": (lambda: QUANT(_X, scale_alg=2, block_size=64), ValueError, r"block_size=64 with scale_alg=2"),
+    "dtm_range": (lambda: QUANT(_X, scale_alg=2, dst_type_max=5.0), ValueError,
+                  r"dst_type_max=5.0; allowed: 0.0 or a value in \[6.0, 12.0\]"),
+    "dtm_alg0": (lambda: QUANT(_X, dst_type_max=6.0), ValueError, r"dst_type_max=6.0 with scale_alg=0; allowed: 0.0"),
+    "mlb_alg0": (lambda: QUANT(_X, dst_type=24, max_low_bound=1.0), ValueError,
+                 r"max_low_bound=1.0 with scale_alg=0; allowed: 0.0"),
+    "mlb_negative": (lambda: QUANT(_X, dst_type=24, scale_alg=1, max_low_bound=-1.0), ValueError,
+                     r"max_low_bound=-1.0; allowed: >= 0.0"),
+    "fp4_odd": (lambda: QUANT(torch.ones(2, 33, dtype=BF16)), ValueError,
+                r"input has shape \(2, 33\); FP4 output packs pairs along the last dim, which must be even"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUANT_ERRORS))
+def test_invalid_quantize_arguments_raise_naming_op_and_argument(name):
+    call, error, match = QUANT_ERRORS[name]
+    with pytest.raises(error, match=match):
+        call()
+
+
+# --- NPU kernel vs portable kernel (same inputs, bytes except inside 0xFF blocks) -------------------------
+
+
+def _mask_nonfinite_blocks(y: np.ndarray, s: np.ndarray, fp4: bool) -> np.ndarray:
+    per_block = s.reshape(s.shape[:-2] + (-1,))
+    elems_per_byte = 16 if fp4 else 32
+    bad = np.repeat(per_block == 255, elems_per_byte, axis=-1)[..., : y.shape[-1]]
+    return np.where(bad, 0, y)
+
+
+@pytest.mark.npu
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-alg{c[1]}-{c[2]}-dtm{c[3]}-mlb{c[4]:g}")
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_npu_quantize_matches_portable(config, dtype):
+    dst, alg, rm, dtm, mlb = config
+    x = oracle.mx_inputs(21, (8, 4096 + 64), dtype)
+    kwargs = dict(dst_type=dst, scale_alg=alg, round_mode=rm, dst_type_max=dtm, max_low_bound=mlb)
+    try:
+        y, s = QUANT(x.to("npu"), **kwargs)
+    except RuntimeError as error:  # MX needs Ascend 950 (arch35)
+        pytest.skip(f"this NPU/CANN rejects npu_dynamic_mx_quant {kwargs}: {error}")
+    y_cpu, s_cpu = portable_kernel("npu_dynamic_mx_quant")(x, **kwargs)
+    assert_bitwise_equal(s.cpu(), s_cpu, "scale bytes")
+    a, b = bytes_of(y.cpu()), bytes_of(y_cpu)
+    np.testing.assert_array_equal(_mask_nonfinite_blocks(a, s_cpu.numpy(), dst == FP4),
+                                  _mask_nonfinite_blocks(b, s_cpu.numpy(), dst == FP4))

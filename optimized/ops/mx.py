@@ -1,0 +1,120 @@
+"""MX quantization operators (spec mx_quant.md §6): quantize, decode, fused norm / SwiGLU + quantize, and the
+MX mode of `npu_quant_matmul`. The bit-level rules live in `mx_format.py`; this module holds the schemas'
+argument handling, validation (§3.4) and fake kernels. The MX grouped matmul is in `gmm.py`.
+
+    y, s = npu_dynamic_mx_quant(x, dst_type=torch.float8_e4m3fn)          # x [..., K] -> s [..., ceil(K/64), 2]
+    out = npu_quant_matmul(y, w_t, w_s, pertoken_scale=s, scale_dtype=293, pertoken_scale_dtype=293,
+                           output_dtype=torch.bfloat16, group_sizes=[1, 1, 32])
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import mx_format as mxf
+from .registry import register
+from .validation import check, check_dtype, fail, unsupported
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_CODES = (23, 24, 291, 292)
+_DST_HELP = "23/291 (float8_e5m2), 24/292 (float8_e4m3fn), 296 (float4_e2m1fn_x2)"
+
+
+def _format(op: str, arg: str, dst_type) -> mxf.MxFormat:
+    code = mxf.dtype_code(dst_type)
+    if code == mxf.float4_e1m2fn_x2:
+        unsupported(op, f"{arg}=297 (float4_e1m2fn_x2)")
+    if code not in mxf.FORMATS:
+        fail(op, f"{arg}={dst_type} is not an MX element type; allowed codes: {_DST_HELP}")
+    return mxf.FORMATS[code]
+
+
+def _check_scale_alg_round_mode(op: str, fmt: mxf.MxFormat, scale_alg: int, round_mode: str,
+                                algs_fp8=(0, 1), algs_fp4=(0, 2)) -> None:
+    """The validation matrix of §3.4."""
+    algs = algs_fp4 if fmt.packed else algs_fp8
+    check(scale_alg in algs, op, f"scale_alg={scale_alg} is not allowed with dst_type {fmt.name}; allowed: "
+                                 f"{', '.join(map(str, algs))}")
+    modes = mxf.FP4_ROUND_MODES if fmt.packed else ("rint",)
+    check(round_mode in modes, op, f"round_mode={round_mode!r} is not allowed with dst_type {fmt.name}; allowed: "
+                                   f"{', '.join(map(repr, modes))}")
+
+
+def _check_fp4_last_dim(op: str, arg: str, shape, fmt: mxf.MxFormat) -> None:
+    if fmt.packed:
+        check(len(shape) >= 1 and shape[-1] % 2 == 0, op,
+              f"{arg} has shape {tuple(shape)}; FP4 output packs pairs along the last dim, which must be even")
+
+
+def _scale_shape(shape, axis: int, block_size: int = mxf.BLOCK_SIZE) -> tuple:
+    """§2.2: the quantized axis -> ceil(ceil(D/bs)/2), plus a trailing pair dim."""
+    shape = list(shape)
+    shape[axis] = math.ceil(math.ceil(shape[axis] / block_size) / 2)
+    return tuple(shape) + (2,)
+
+
+def _y_meta(shape, fmt: mxf.MxFormat):
+    shape = tuple(shape)
+    if fmt.packed:
+        return shape[:-1] + (shape[-1] // 2,), torch.uint8
+    return shape, fmt.torch_dtype
+
+
+# ---------------------------------------------------------------------------------------------------
+# npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", int dst_type=296, int block_size=32,
+#                      int? scale_alg=0, float dst_type_max=0.0, float max_low_bound=0.0) -> (Tensor, Tensor)
+# ---------------------------------------------------------------------------------------------------
+OP_QUANT = "npu_dynamic_mx_quant"
+
+
+def _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, dst_type_max, max_low_bound):
+    op = OP_QUANT
+    check_dtype(op, "input", input, _INPUT_DTYPES)
+    check(1 <= input.dim() <= 7, op, f"input must have 1 to 7 dims; got shape {tuple(input.shape)}")
+    check(-input.dim() <= axis < input.dim(), op,
+          f"axis={axis} is out of range for input of shape {tuple(input.shape)} (allowed [{-input.dim()}, "
+          f"{input.dim() - 1}])")
+    fmt = _format(op, "dst_type", dst_type)
+    alg = 0 if scale_alg is None else scale_alg
+    _check_scale_alg_round_mode(op, fmt, alg, round_mode)
+    check(block_size > 0 and block_size % 32 == 0 and block_size <= 1024, op,
+          f"block_size={block_size}; allowed: a multiple of 32 in [32, 1024]")
+    check(block_size == 32 or input.dtype != torch.float32, op,
+          f"block_size={block_size} with a float32 input; allowed: 32")
+    check(block_size == 32 or alg != 2, op, f"block_size={block_size} with scale_alg=2; allowed: 32")
+    if alg == 2:
+        check(dst_type_max == 0.0 or 6.0 <= dst_type_max <= 12.0, op,
+              f"dst_type_max={dst_type_max}; allowed: 0.0 or a value in [6.0, 12.0]")
+    else:
+        check(dst_type_max == 0.0, op, f"dst_type_max={dst_type_max} with scale_alg={alg}; allowed: 0.0 "
+                                       f"(only scale_alg=2 uses it)")
+    check(max_low_bound >= 0.0, op, f"max_low_bound={max_low_bound}; allowed: >= 0.0")
+    check(max_low_bound == 0.0 or alg == 1, op, f"max_low_bound={max_low_bound} with scale_alg={alg}; allowed: "
+                                                f"0.0 (only scale_alg=1 uses it)")
+    _check_fp4_last_dim(op, "input", input.shape, fmt)
+    return fmt, alg
+
+
+def npu_dynamic_mx_quant(input: torch.Tensor, *, axis: int = -1, round_mode: str = "rint", dst_type: int = 296,
+                         block_size: int = 32, scale_alg: int | None = 0, dst_type_max: float = 0.0,
+                         max_low_bound: float = 0.0):
+    fmt, alg = _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, dst_type_max,
+                               max_low_bound)
+    return mxf.mx_quantize(input, fmt, axis=axis, round_mode=round_mode, scale_alg=alg, block_size=block_size,
+                           dst_type_max=dst_type_max, max_low_bound=max_low_bound)
+
+
+def _npu_dynamic_mx_quant_fake(input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32, scale_alg=0,
+                               dst_type_max=0.0, max_low_bound=0.0):
+    fmt, _ = _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, dst_type_max,
+                             max_low_bound)
+    y_shape, y_dtype = _y_meta(input.shape, fmt)
+    scale_shape = _scale_shape(input.shape, axis % input.dim(), block_size)
+    return input.new_empty(y_shape, dtype=y_dtype), input.new_empty(scale_shape, dtype=torch.uint8)
+
+
+register(OP_QUANT, npu_dynamic_mx_quant, _npu_dynamic_mx_quant_fake)
+
+
+__all__ = ["npu_dynamic_mx_quant"]
