@@ -180,14 +180,17 @@ def decode(y: np.ndarray, fmt: str) -> np.ndarray:
     return y.view(FORMATS[fmt][2]).astype(np.float64)
 
 
-def dequantize(y: np.ndarray, scale: np.ndarray, fmt: str, block_size: int = 32) -> np.ndarray:
-    """float64 values (last-axis layout): element * 2^(byte-127), NaN where byte is 0xFF."""
+def dequantize(y: np.ndarray, scale: np.ndarray, fmt: str, block_size: int = 32, axis: int = -1) -> np.ndarray:
+    """float64 values: element * 2^(byte-127), NaN where byte is 0xFF; `axis` = the quantized axis."""
     values = decode(y, fmt)
+    axis = axis % values.ndim
+    values = np.moveaxis(values, axis, -1)
+    scale = np.moveaxis(scale, axis, -2)
     k = values.shape[-1]
     per_block = scale.reshape(scale.shape[:-2] + (-1,)).astype(np.int64)
-    idx = np.arange(k) // block_size
-    s = per_block[..., idx]
-    return np.where(s == 255, np.nan, values * np.ldexp(1.0, s - 127))
+    s = per_block[..., np.arange(k) // block_size]
+    out = np.where(s == 255, np.nan, values * np.ldexp(1.0, s - 127))
+    return np.moveaxis(out, -1, axis)
 
 
 def element_ulp(v: np.ndarray, fmt: str) -> np.ndarray:

@@ -251,6 +251,74 @@ def test_dequantize_error_bound(config):
     assert np.all(np.abs(dq[live & saturated]) == maxval * scale[live & saturated])
 
 
+# --- npu_anti_mx_quant (§6.7) ---------------------------------------------------------------------------
+
+ANTI = npu.npu_anti_mx_quant
+
+
+@given(quant_cases(), st.sampled_from([(6, FP32), (15, BF16), (5, FP16), (None, BF16)]))
+def test_anti_quant_equals_independent_decode(case, out):
+    # fp32 decode is exact, so the result is the float64 value rounded once to dst_type (NaN for 0xFF blocks)
+    x, kw = case
+    if kw["block_size"] != 32:
+        kw["block_size"] = 32
+    y, s = quant(x, **kw)
+    dst_code, out_dtype = out
+    src = kw["dst"]
+    got = ANTI(y, s, axis=kw["axis"], dst_type=dst_code, src_type=src)
+    want = oracle.dequantize(bytes_of(y), s.numpy(), oracle.fmt_name(src), axis=kw["axis"])
+    assert_bitwise_equal(got, torch.from_numpy(want).to(out_dtype), "anti_mx_quant vs float64 decode")
+
+
+@given(quant_cases())
+def test_quantize_is_idempotent_through_decode(case):
+    # quant(dequant(quant(x))) == quant(x): the decoded block's amax has the same exponent (§11.4)
+    x, kw = case
+    kw.update(alg=0, rm="rint", dtm=0.0, mlb=0.0, block_size=32)
+    if kw["dst"] == FP4 and x.shape[-1] % 2:
+        return
+    y, s = quant(x, **kw)
+    again = quant(ANTI(y, s, axis=kw["axis"], dst_type=6, src_type=kw["dst"]), **kw)
+    assert_bitwise_equal(again[1], s, "scale after a round trip")
+    assert_bitwise_equal(again[0], y, "elements after a round trip")
+
+
+def test_anti_quant_accepts_e8m0_storage_and_pins_nan_blocks():
+    x = torch.ones(2, 64, dtype=BF16)
+    x[1, 40] = float("nan")
+    y, s = quant(x, E4M3)
+    a = ANTI(y, s, dst_type=6)
+    b = ANTI(y, s.view(torch.float8_e8m0fnu), dst_type=torch.float32)
+    assert_bitwise_equal(a, b, "uint8 vs float8_e8m0fnu scale storage")
+    assert a[0].tolist() == [1.0] * 64 and a[1, :32].tolist() == [1.0] * 32 and a[1, 32:].isnan().all()
+
+
+ANTI_ERRORS = {
+    "src_mismatch": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e5m2), torch.zeros(2, 1, 2, dtype=torch.uint8)),
+                     ValueError, r"npu_anti_mx_quant: x has dtype torch.float8_e5m2; src_type=292 needs"),
+    "src_code": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 1, 2, dtype=torch.uint8),
+                              src_type=290), ValueError, r"src_type=290 is not an MX element type; allowed codes"),
+    "fp4_dtype": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.int8), torch.zeros(2, 1, 2, dtype=torch.uint8),
+                               src_type=296), ValueError, r"x has dtype torch.int8; allowed: torch.uint8"),
+    "scale_shape": (lambda: ANTI(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, 2, dtype=torch.uint8),
+                                 src_type=296), ValueError,
+                    r"mxscale has shape \(2, 2, 2\); expected \(2, 1, 2\) for x of logical shape \(2, 32\)"),
+    "scale_dtype": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2)),
+                    ValueError, r"mxscale has dtype torch.float32; allowed: torch.uint8, torch.float8_e8m0fnu"),
+    "dst": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2, dtype=torch.uint8),
+                         dst_type=1), ValueError, r"dst_type=1 is not allowed; allowed codes: 15 \(bfloat16\)"),
+    "axis": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2, dtype=torch.uint8),
+                          axis=-3), ValueError, r"axis=-3 is out of range"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ANTI_ERRORS))
+def test_invalid_anti_quant_arguments_raise_naming_op_and_argument(name):
+    call, error, match = ANTI_ERRORS[name]
+    with pytest.raises(error, match=match):
+        call()
+
+
 # --- converter quantizer (§8.2) -----------------------------------------------------------------------
 
 
@@ -327,28 +395,58 @@ def _quant_samples():
     ]
 
 
+def _anti_samples():
+    out = []
+    for (x,), kw in _quant_samples()[1:5]:
+        y, s = QUANT(x, **kw)
+        dst = kw["dst_type"]
+        out.append(((y, s), {"axis": kw.get("axis", -1), "src_type": dst, "dst_type": {23: 5, 24: 15}.get(dst, 6)}))
+    return out
+
+
+def opcheck(op, args, kwargs):
+    """torch.library.opcheck; its schema check (SchemaCheckMode) multiplies input tensors to detect
+    mutation, which CPU float8 tensors do not support, so fp8 inputs run the other three checks."""
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    tensors += [t for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) for t in a
+                if isinstance(t, torch.Tensor)]
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors):
+        utils = utils[1:]
+    torch.library.opcheck(op, args, kwargs, test_utils=utils)
+
+
 @pytest.mark.parametrize("index", range(6))
 def test_quant_opcheck(index):
     args, kwargs = _quant_samples()[index]
-    torch.library.opcheck(QUANT.default, args, kwargs)
+    opcheck(QUANT.default, args, kwargs)
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_anti_quant_opcheck(index):
+    args, kwargs = _anti_samples()[index]
+    opcheck(ANTI.default, args, kwargs)
 
 
 def test_fake_shapes_match_eager():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for args, kwargs in _quant_samples():
-        eager = QUANT(*args, **kwargs)
+    cases = [(QUANT, a, k) for a, k in _quant_samples()] + [(ANTI, a, k) for a, k in _anti_samples()]
+    for op, args, kwargs in cases:
+        eager = op(*args, **kwargs)
         with FakeTensorMode() as mode:
-            fake = QUANT(*(mode.from_tensor(a) for a in args), **kwargs)
+            fake = op(*(mode.from_tensor(a) for a in args), **kwargs)
+        eager, fake = (eager, fake) if isinstance(eager, tuple) else ((eager,), (fake,))
         for e, f in zip(eager, fake):
-            assert (e.shape, e.dtype) == (f.shape, f.dtype)
+            assert (e.shape, e.dtype) == (f.shape, f.dtype), op
 
 
 def test_torch_compile_fullgraph_matches_eager():
     def step(x):
         y8, s8 = npu.npu_dynamic_mx_quant(x, dst_type=torch.float8_e4m3fn)
         y4, s4 = npu.npu_dynamic_mx_quant(x, dst_type=296, round_mode="round", scale_alg=2)
-        return y8, s8, y4, s4
+        back = npu.npu_anti_mx_quant(y4, s4, dst_type=torch.float32, src_type=296)
+        return y8, s8, y4, s4, back, npu.npu_anti_mx_quant(y8, s8)
 
     x = oracle.mx_inputs(3, (4, 96), BF16)
     torch._dynamo.reset()

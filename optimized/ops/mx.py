@@ -117,4 +117,56 @@ def _npu_dynamic_mx_quant_fake(input, *, axis=-1, round_mode="rint", dst_type=29
 register(OP_QUANT, npu_dynamic_mx_quant, _npu_dynamic_mx_quant_fake)
 
 
-__all__ = ["npu_dynamic_mx_quant"]
+# ---------------------------------------------------------------------------------------------------
+# npu_anti_mx_quant(Tensor x, Tensor mxscale, *, int? axis=-1, int? dst_type=15, int? src_type=292) -> Tensor
+# y = decode(x) * 2^(mxscale-127) in fp32 (exact), rounded (RNE) to dst_type; byte 0xFF -> NaN (§6.7).
+# None for an optional argument means its schema default.
+# ---------------------------------------------------------------------------------------------------
+OP_ANTI = "npu_anti_mx_quant"
+_OUT_DTYPES = {15: torch.bfloat16, 5: torch.float16, 6: torch.float32}
+
+
+def _out_dtype(op: str, arg: str, value, default: int) -> torch.dtype:
+    code = default if value is None else mxf.dtype_code(value)
+    check(code in _OUT_DTYPES, op, f"{arg}={value} is not allowed; allowed codes: 15 (bfloat16), 5 (float16), "
+                                   f"6 (float32)")
+    return _OUT_DTYPES[code]
+
+
+def _validate_anti(x, mxscale, axis, dst_type, src_type):
+    op = OP_ANTI
+    fmt = _format(op, "src_type", 292 if src_type is None else src_type)
+    if fmt.packed:
+        check_dtype(op, "x", x, (torch.uint8,))
+    else:
+        check(x.dtype == fmt.torch_dtype, op, f"x has dtype {x.dtype}; src_type={src_type} needs {fmt.torch_dtype}")
+    check(1 <= x.dim() <= 7, op, f"x must have 1 to 7 dims; got shape {tuple(x.shape)}")
+    axis = -1 if axis is None else axis
+    check(-x.dim() <= axis < x.dim(), op,
+          f"axis={axis} is out of range for x of shape {tuple(x.shape)} (allowed [{-x.dim()}, {x.dim() - 1}])")
+    check_dtype(op, "mxscale", mxscale, (torch.uint8, torch.float8_e8m0fnu))
+    logical = tuple(x.shape[:-1]) + ((2 * x.shape[-1],) if fmt.packed else tuple(x.shape[-1:]))
+    expected = _scale_shape(logical, axis % x.dim())
+    check(tuple(mxscale.shape) == expected, op,
+          f"mxscale has shape {tuple(mxscale.shape)}; expected {expected} for x of logical shape {logical} "
+          f"quantized along axis {axis}")
+    return fmt, axis % x.dim(), logical, _out_dtype(op, "dst_type", dst_type, 15)
+
+
+def npu_anti_mx_quant(x: torch.Tensor, mxscale: torch.Tensor, *, axis: int | None = -1, dst_type: int | None = 15,
+                      src_type: int | None = 292) -> torch.Tensor:
+    fmt, axis, _, out_dtype = _validate_anti(x, mxscale, axis, dst_type, src_type)
+    values = mxf.decode_elements(x, fmt).movedim(axis, -1)
+    factors = mxf.expand_scales(mxscale.movedim(axis, -2), values.shape[-1])
+    return (values * factors).movedim(-1, axis).to(out_dtype).contiguous()
+
+
+def _npu_anti_mx_quant_fake(x, mxscale, *, axis=-1, dst_type=15, src_type=292):
+    _, _, logical, out_dtype = _validate_anti(x, mxscale, axis, dst_type, src_type)
+    return x.new_empty(logical, dtype=out_dtype)
+
+
+register(OP_ANTI, npu_anti_mx_quant, _npu_anti_mx_quant_fake)
+
+
+__all__ = ["npu_dynamic_mx_quant", "npu_anti_mx_quant"]
