@@ -13,6 +13,7 @@ import math
 import torch
 
 from . import mx_format as mxf
+from .norm import _check_norm_shapes, _rstd, _rstd_shape
 from .registry import register
 from .validation import check, check_dtype, fail, unsupported
 
@@ -169,4 +170,178 @@ def _npu_anti_mx_quant_fake(x, mxscale, *, axis=-1, dst_type=15, src_type=292):
 register(OP_ANTI, npu_anti_mx_quant, _npu_anti_mx_quant_fake)
 
 
-__all__ = ["npu_dynamic_mx_quant", "npu_anti_mx_quant"]
+# ---------------------------------------------------------------------------------------------------
+# npu_rms_norm_dynamic_mx_quant(Tensor x, Tensor gamma, *, Tensor? beta=None, float epsilon=1e-06,
+#     int scale_alg=0, str round_mode="rint", int dst_type=296) -> (Tensor, Tensor, Tensor)
+# npu_add_rms_norm_dynamic_mx_quant(Tensor x1, Tensor x2, Tensor gamma, *, Tensor? beta=None,
+#     float epsilon=1e-06, int scale_alg=0, str round_mode="rint", int dst_type=296) -> (Tensor, Tensor, Tensor, Tensor)
+# rounding: t = rne_{x.dtype}(xf * rstd * f32(gamma) (+ f32(beta))), all in fp32, then t is MX-quantized along the
+#           last axis exactly as npu_dynamic_mx_quant (block 32). The add variant normalizes the fp32 sum
+#           s = f32(x1) + f32(x2) and returns x_out = rne(s) (§6.2, §6.3). rstd: full shape, fp32.
+# ---------------------------------------------------------------------------------------------------
+OP_RMS = "npu_rms_norm_dynamic_mx_quant"
+OP_ADD_RMS = "npu_add_rms_norm_dynamic_mx_quant"
+_NORM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _validate_norm(op, x_arg, x, gamma, beta, epsilon, scale_alg, round_mode, dst_type):
+    check_dtype(op, x_arg, x, _NORM_DTYPES)
+    check(1 <= x.dim() <= 7, op, f"{x_arg} must have 1 to 7 dims; got shape {tuple(x.shape)}")
+    check(gamma.dtype in (x.dtype, torch.float32), op,
+          f"gamma has dtype {gamma.dtype}; allowed: {x.dtype} ({x_arg}.dtype), torch.float32")
+    _check_norm_shapes(op, x_arg, x, gamma, epsilon)
+    if beta is not None:
+        check(beta.dtype == gamma.dtype and beta.shape == gamma.shape, op,
+              f"beta is {beta.dtype}{tuple(beta.shape)}; expected gamma's {gamma.dtype}{tuple(gamma.shape)}")
+    fmt = _format(op, "dst_type", dst_type)
+    _check_scale_alg_round_mode(op, fmt, scale_alg, round_mode, algs_fp4=(0,))
+    _check_fp4_last_dim(op, x_arg, x.shape, fmt)
+    return fmt
+
+
+def _norm_quant(s: torch.Tensor, dtype, gamma, beta, epsilon, fmt, scale_alg, round_mode):
+    """(y, mxscale, rstd) from the fp32 input s of the norm."""
+    rstd = _rstd(s, gamma.dim(), epsilon)
+    t = s * rstd * gamma.float()
+    if beta is not None:
+        t = t + beta.float()
+    y, scale = mxf.mx_quantize(t.to(dtype), fmt, round_mode=round_mode, scale_alg=scale_alg)
+    return y, scale, rstd.contiguous()
+
+
+def _norm_fakes(x, gamma, fmt):
+    y_shape, y_dtype = _y_meta(x.shape, fmt)
+    return (x.new_empty(y_shape, dtype=y_dtype), x.new_empty(_scale_shape(x.shape, x.dim() - 1), dtype=torch.uint8),
+            x.new_empty(_rstd_shape(x, gamma.dim()), dtype=torch.float32))
+
+
+def npu_rms_norm_dynamic_mx_quant(x: torch.Tensor, gamma: torch.Tensor, *, beta: torch.Tensor | None = None,
+                                  epsilon: float = 1e-06, scale_alg: int = 0, round_mode: str = "rint",
+                                  dst_type: int = 296):
+    fmt = _validate_norm(OP_RMS, "x", x, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
+    return _norm_quant(x.float(), x.dtype, gamma, beta, epsilon, fmt, scale_alg, round_mode)
+
+
+def _npu_rms_norm_dynamic_mx_quant_fake(x, gamma, *, beta=None, epsilon=1e-06, scale_alg=0, round_mode="rint",
+                                        dst_type=296):
+    fmt = _validate_norm(OP_RMS, "x", x, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
+    return _norm_fakes(x, gamma, fmt)
+
+
+def _validate_add_norm(x1, x2, gamma, beta, epsilon, scale_alg, round_mode, dst_type):
+    fmt = _validate_norm(OP_ADD_RMS, "x1", x1, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
+    check(x2.dtype == x1.dtype and x2.shape == x1.shape, OP_ADD_RMS,
+          f"x2 is {x2.dtype}{tuple(x2.shape)}; expected x1's {x1.dtype}{tuple(x1.shape)}")
+    return fmt
+
+
+def npu_add_rms_norm_dynamic_mx_quant(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, *,
+                                      beta: torch.Tensor | None = None, epsilon: float = 1e-06, scale_alg: int = 0,
+                                      round_mode: str = "rint", dst_type: int = 296):
+    fmt = _validate_add_norm(x1, x2, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
+    s = x1.float() + x2.float()
+    y, scale, rstd = _norm_quant(s, x1.dtype, gamma, beta, epsilon, fmt, scale_alg, round_mode)
+    return y, s.to(x1.dtype).contiguous(), scale, rstd
+
+
+def _npu_add_rms_norm_dynamic_mx_quant_fake(x1, x2, gamma, *, beta=None, epsilon=1e-06, scale_alg=0,
+                                            round_mode="rint", dst_type=296):
+    fmt = _validate_add_norm(x1, x2, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
+    y, scale, rstd = _norm_fakes(x1, gamma, fmt)
+    return y, x1.new_empty(x1.shape), scale, rstd
+
+
+register(OP_RMS, npu_rms_norm_dynamic_mx_quant, _npu_rms_norm_dynamic_mx_quant_fake)
+register(OP_ADD_RMS, npu_add_rms_norm_dynamic_mx_quant, _npu_add_rms_norm_dynamic_mx_quant_fake)
+
+
+# ---------------------------------------------------------------------------------------------------
+# npu_swiglu_mx_quant(Tensor x, *, Tensor? group_index=None, int activate_dim=-1, bool activate_left=False,
+#     int swiglu_mode=0, float clamp_limit=7.0, float glu_alpha=1.702, float glu_bias=1.0, int group_mode=0,
+#     int axis=-1, int dst_type=296, str round_mode="rint", int scale_alg=0, float max_dtype_value=0)
+#     -> (Tensor, Tensor)
+# rounding: halves L | R along activate_dim; t = rne_{x.dtype}(silu(L) * R) (activate_left) or silu(R) * L,
+#           in fp32 with npu_swiglu's expression a * sigmoid(a) * b, then MX-quantized along `axis` (block 32).
+# group_index: rows (the dims before the last, flattened) past sum(counts) (group_mode 0) or group_index[-1]
+#           (group_mode 1) belong to no group and are written as y 0 and scale byte 0 (§6.4).
+# ---------------------------------------------------------------------------------------------------
+OP_SWIGLU = "npu_swiglu_mx_quant"
+
+
+def _validate_swiglu(x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type, round_mode, scale_alg,
+                     max_dtype_value):
+    op = OP_SWIGLU
+    check_dtype(op, "x", x, _NORM_DTYPES)
+    check(2 <= x.dim() <= 7, op, f"x must have 2 to 7 dims; got shape {tuple(x.shape)}")
+    for name, dim in (("activate_dim", activate_dim), ("axis", axis)):
+        check(-x.dim() <= dim < x.dim(), op, f"{name}={dim} is out of range for x of shape {tuple(x.shape)} "
+                                             f"(allowed [{-x.dim()}, {x.dim() - 1}])")
+    act, axis = activate_dim % x.dim(), axis % x.dim()
+    check(x.shape[act] % 2 == 0, op, f"x has odd size {x.shape[act]} along activate_dim={activate_dim}; it "
+                                     f"splits into two equal halves")
+    if swiglu_mode == 1:
+        unsupported(op, "swiglu_mode=1 (clamped, interleaved SwiGLU)")
+    check(swiglu_mode == 0, op, f"swiglu_mode={swiglu_mode}; allowed: 0, 1")
+    fmt = _format(op, "dst_type", dst_type)
+    _check_scale_alg_round_mode(op, fmt, scale_alg, round_mode, algs_fp4=(0,))
+    check(max_dtype_value == 0, op, f"max_dtype_value={max_dtype_value}; allowed: 0 (only scale_alg=2 uses it, "
+                                    f"which this operator does not take)")
+    t_shape = list(x.shape)
+    t_shape[act] //= 2
+    _check_fp4_last_dim(op, "the activation (x with activate_dim halved)", t_shape, fmt)
+    if group_index is not None:
+        check_dtype(op, "group_index", group_index, (torch.int64,))
+        check(group_index.dim() == 1 and 1 <= group_index.shape[0] <= 256, op,
+              f"group_index must be 1-D with 1 to 256 groups; got shape {tuple(group_index.shape)}")
+        check(group_mode in (0, 1), op, f"group_mode={group_mode}; allowed: 0 (counts), 1 (cumsum)")
+        if act != x.dim() - 1 or axis != x.dim() - 1:
+            unsupported(op, f"group_index with activate_dim={activate_dim}, axis={axis} (only the last dim)")
+    return fmt, act, axis, t_shape
+
+
+def _valid_rows(group_index: torch.Tensor, group_mode: int, rows: int) -> int:
+    values = group_index.tolist()
+    if group_mode == 0:
+        check(all(v >= 0 for v in values), OP_SWIGLU, f"group_index (group_mode=0, counts) must be >= 0; got {values}")
+        total = sum(values)
+    else:
+        check(all(v >= 0 for v in values) and all(a <= b for a, b in zip(values, values[1:])), OP_SWIGLU,
+              f"group_index (group_mode=1, cumsum) must be non-negative and non-decreasing; got {values}")
+        total = values[-1]
+    check(total <= rows, OP_SWIGLU, f"group_index covers {total} rows but x has {rows}")
+    return total
+
+
+def npu_swiglu_mx_quant(x: torch.Tensor, *, group_index: torch.Tensor | None = None, activate_dim: int = -1,
+                        activate_left: bool = False, swiglu_mode: int = 0, clamp_limit: float = 7.0,
+                        glu_alpha: float = 1.702, glu_bias: float = 1.0, group_mode: int = 0, axis: int = -1,
+                        dst_type: int = 296, round_mode: str = "rint", scale_alg: int = 0,
+                        max_dtype_value: float = 0):
+    fmt, act, axis, _ = _validate_swiglu(x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type,
+                                         round_mode, scale_alg, max_dtype_value)
+    left, right = x.float().chunk(2, dim=act)
+    a, b = (left, right) if activate_left else (right, left)
+    t = (a * torch.sigmoid(a) * b).to(x.dtype)
+    y, scale = mxf.mx_quantize(t, fmt, axis=axis, round_mode=round_mode, scale_alg=scale_alg)
+    if group_index is not None:
+        rows = math.prod(x.shape[:-1])
+        valid = _valid_rows(group_index, group_mode, rows)
+        y.view(torch.uint8).reshape(rows, -1)[valid:] = 0
+        scale.reshape(rows, -1)[valid:] = 0
+    return y, scale
+
+
+def _npu_swiglu_mx_quant_fake(x, *, group_index=None, activate_dim=-1, activate_left=False, swiglu_mode=0,
+                              clamp_limit=7.0, glu_alpha=1.702, glu_bias=1.0, group_mode=0, axis=-1, dst_type=296,
+                              round_mode="rint", scale_alg=0, max_dtype_value=0):
+    fmt, _, axis, t_shape = _validate_swiglu(x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type,
+                                             round_mode, scale_alg, max_dtype_value)
+    y_shape, y_dtype = _y_meta(t_shape, fmt)
+    return x.new_empty(y_shape, dtype=y_dtype), x.new_empty(_scale_shape(t_shape, axis), dtype=torch.uint8)
+
+
+register(OP_SWIGLU, npu_swiglu_mx_quant, _npu_swiglu_mx_quant_fake)
+
+
+__all__ = ["npu_dynamic_mx_quant", "npu_anti_mx_quant", "npu_rms_norm_dynamic_mx_quant",
+           "npu_add_rms_norm_dynamic_mx_quant", "npu_swiglu_mx_quant"]

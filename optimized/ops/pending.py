@@ -3,8 +3,7 @@ dispatch/combine collectives. Defined now so the whole torch_npu surface exists;
 NotImplementedError naming it."""
 from .registry import register_schema_only
 
-for _name in ("npu_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_dynamic_mx_quant",
-              "npu_quant_matmul", "npu_swiglu_mx_quant"):
+for _name in ("npu_quant_matmul",):
     register_schema_only(_name, "MX quantization family")
 for _name in ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"):
     register_schema_only(_name, "MC2 dispatch/combine collectives")
