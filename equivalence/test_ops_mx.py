@@ -523,6 +523,263 @@ def test_invalid_fused_arguments_raise_naming_op_and_argument(name):
         call()
 
 
+# --- MX matmuls (§6.5, §6.6) == dequantize, then an fp32-accumulated matmul ---------------------------------
+# The float64 reference indexes every scale byte explicitly, [k // 64, n, (k // 32) % 2] for weights and
+# [m, k // 64, (k // 32) % 2] for activations, with random (distinct) bytes per block and pair slot, so a layout
+# mistake cannot cancel out. fp32 accumulation in any order is within gamma_K * sum|x_k w_k| of the exact sum
+# (the standard summation bound, K products and K-1 additions with unit roundoff 2^-24).
+
+QMM = npu.npu_quant_matmul
+GMM = npu.npu_grouped_matmul
+
+
+def _random_elements(g, shape, fmt: str) -> torch.Tensor:
+    """Random finite element bytes: fp8 tensors, or uint8 packed FP4 (last dim = shape[-1] / 2)."""
+    if fmt == "e2m1":
+        return torch.randint(0, 256, tuple(shape[:-1]) + (shape[-1] // 2,), generator=g, dtype=torch.uint8)
+    dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    b = torch.randint(0, 256, tuple(shape), generator=g, dtype=torch.uint8)
+    finite = b.view(dtype).float().isfinite()
+    return torch.where(finite, b, b & 0x3F).view(dtype)  # non-finite codes -> small finite ones
+
+
+def _random_scales(g, shape, lo=112, hi=142) -> torch.Tensor:
+    return torch.randint(lo, hi, tuple(shape), generator=g, dtype=torch.uint8)
+
+
+def _decode_rows(data: torch.Tensor, fmt: str) -> np.ndarray:
+    return oracle.decode(bytes_of(data), fmt)
+
+
+def _act_ref(x: np.ndarray, xs: torch.Tensor) -> np.ndarray:
+    """x [..., M, K] * 2^(xs[..., m, k // 64, (k // 32) % 2] - 127), float64."""
+    k = np.arange(x.shape[-1])
+    return x * np.ldexp(1.0, xs.numpy()[..., k // 64, (k // 32) % 2].astype(np.int64) - 127)
+
+
+def _weight_ref(w: np.ndarray, ws: np.ndarray) -> np.ndarray:
+    """w [K, N] * 2^(ws[k // 64, n, (k // 32) % 2] - 127), float64."""
+    k = np.arange(w.shape[0])[:, None]
+    n = np.arange(w.shape[1])[None, :]
+    return w * np.ldexp(1.0, ws[k // 64, n, (k // 32) % 2].astype(np.int64) - 127)
+
+
+def assert_fp32_matmul_bound(got: torch.Tensor, a: np.ndarray, b: np.ndarray, bias=None) -> None:
+    exact = a @ b + (0.0 if bias is None else bias)
+    k = a.shape[-1]
+    u = 2.0**-24
+    gamma = (k + 1) * u / (1 - (k + 1) * u)
+    bound = gamma * (np.abs(a) @ np.abs(b) + (0.0 if bias is None else np.abs(bias))) + 2.0**-149
+    err = np.abs(got.double().numpy() - exact)
+    assert np.all(err <= bound), f"fp32 matmul error {err.max():.3e} exceeds the summation bound {bound.max():.3e}"
+
+
+@st.composite
+def qmm_cases(draw):
+    mode = draw(st.sampled_from(["e4m3", "e5m2", "e2m1"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    m, n = draw(st.integers(1, 6)), 2 * draw(st.integers(1, 12))
+    k = draw(st.sampled_from([32, 64, 96, 128, 160])) if mode == "e2m1" else draw(st.integers(1, 130))
+    batch = draw(st.sampled_from([(), (2,)]))
+    x1 = _random_elements(g, batch + (m, k), mode)
+    kb = math.ceil(k / 64)
+    xs = _random_scales(g, batch + (m, kb, 2))
+    if mode == "e2m1":  # A4W4: x2 [K, N/2] packed along N
+        x2 = _random_elements(g, (k, n), mode)
+    else:  # the linear's stored [N, K] weight, passed transposed: a [K, N] view
+        x2 = _random_elements(g, (n, k), mode).t()
+    ws = _random_scales(g, (n, kb, 2)).transpose(0, 1)  # [ceil(K/64), N, 2] view of the stored layout
+    bias = torch.randn(n, generator=g) if draw(st.booleans()) else None
+    return mode, x1, x2, xs, ws, bias
+
+
+@given(qmm_cases())
+def test_quant_matmul_mx_equals_dequantize_then_matmul(case):
+    mode, x1, x2, xs, ws, bias = case
+    kw = dict(pertoken_scale=xs, bias=bias, scale_dtype=293, pertoken_scale_dtype=293, group_sizes=[1, 1, 32])
+    if mode == "e2m1":
+        kw.update(x1_dtype=296, x2_dtype=296)
+    out32 = QMM(x1, x2, ws, output_dtype=torch.float32, **kw)
+    a = _act_ref(_decode_rows(x1, mode), xs)
+    b_vals = _decode_rows(x2, mode) if mode == "e2m1" else _decode_rows(x2.t(), mode).T
+    b = _weight_ref(b_vals, ws.numpy())
+    assert out32.shape == x1.shape[:-1] + (b.shape[1],) and out32.dtype == torch.float32
+    assert_fp32_matmul_bound(out32, a, b, None if bias is None else bias.double().numpy())
+    out16 = QMM(x1, x2, ws, output_dtype=torch.bfloat16, **kw)  # the same fp32 result, rounded once (RNE)
+    assert_bitwise_equal(out16, out32.to(torch.bfloat16), "bf16 output = fp32 result rounded")
+    assert_bitwise_equal(QMM(x1, x2, ws, **kw), out16, "output_dtype None -> bfloat16")
+
+
+def test_quant_matmul_mxfp8_linear_from_quantized_bf16():
+    # The attention-linear pipeline: x and W quantized by npu_dynamic_mx_quant, W passed as [K, N] / [K/64, N, 2]
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(5, 256, generator=g).to(BF16), torch.randn(48, 256, generator=g).to(BF16) * 0.05
+    xq, xs = quant(x, E4M3)
+    wq, wsc = quant(w, E4M3)
+    out = QMM(xq, wq.t(), wsc.transpose(0, 1), pertoken_scale=xs, scale_dtype=293, pertoken_scale_dtype=293,
+              output_dtype=6, group_sizes=[1, 1, 32])
+    a = oracle.dequantize(bytes_of(xq), xs.numpy(), "e4m3")
+    b = oracle.dequantize(bytes_of(wq), wsc.numpy(), "e4m3").T
+    assert_fp32_matmul_bound(out, a, b)
+
+
+@st.composite
+def gmm_cases(draw):
+    mode = draw(st.sampled_from(["w4a8", "w4a8", "w8a8", "a4w4"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    e, n = draw(st.integers(1, 4)), 2 * draw(st.integers(1, 8))
+    k = draw(st.sampled_from([32, 64, 96, 128])) if mode != "w8a8" else draw(st.integers(1, 100))
+    counts = draw(st.lists(st.integers(0, 4), min_size=e, max_size=e))
+    m = sum(counts) + draw(st.integers(0, 2))  # rows past the last group
+    kb = math.ceil(k / 64)
+    xf = "e2m1" if mode == "a4w4" else "e4m3"
+    x = _random_elements(g, (m, k), xf)
+    xs = _random_scales(g, (m, kb, 2))
+    stored_scale = _random_scales(g, (e, n, kb, 2))  # reshape_mx_scale of the checkpoint [E, N, K/32]
+    ws = stored_scale.transpose(1, 2)  # [E, ceil(K/64), N, 2] view
+    if mode == "w4a8":  # stored [E, N, K/2] (packed along K), passed as the [E, K/2, N] view
+        w = _random_elements(g, (e, n, k), "e2m1").transpose(1, 2)
+        kw = dict(antiquant_scale=[ws], weight_dtype=296)
+        w_vals = np.stack([_decode_rows(w[i].t(), "e2m1").T for i in range(e)]) if e else None
+    elif mode == "w8a8":
+        w = _random_elements(g, (e, n, k), "e4m3").transpose(1, 2)
+        kw = dict(scale=[ws], scale_dtype=293)
+        w_vals = np.stack([_decode_rows(w[i].t(), "e4m3").T for i in range(e)])
+    else:  # A4W4: weight [E, K, N/2] contiguous, packed along N
+        w = _random_elements(g, (e, k, n), "e2m1")
+        kw = dict(scale=[ws], scale_dtype=293, weight_dtype=296, x_dtype=296)
+        w_vals = np.stack([_decode_rows(w[i], "e2m1") for i in range(e)])
+    list_type = draw(st.sampled_from([0, 1]))
+    group_list = torch.tensor(counts if list_type == 1 else np.cumsum(counts).tolist(), dtype=torch.int64)
+    kw.update(per_token_scale=[xs], per_token_scale_dtype=293, group_list=group_list, group_type=0,
+              group_list_type=list_type, split_item=draw(st.sampled_from([2, 3])))
+    return xf, x, w, w_vals, xs, ws, counts, kw
+
+
+@given(gmm_cases())
+def test_grouped_matmul_mx_equals_dequantize_then_matmul(case):
+    xf, x, w, w_vals, xs, ws, counts, kw = case
+    (out32,) = GMM([x], [w], output_dtype=torch.float32, **kw)
+    a = _act_ref(_decode_rows(x, xf), xs)
+    m, n = x.shape[0], ws.shape[2]
+    assert out32.shape == (m, n)
+    start = 0
+    for e, c in enumerate(counts):
+        b = _weight_ref(w_vals[e], ws[e].numpy())
+        assert_fp32_matmul_bound(out32[start:start + c], a[start:start + c], b)
+        start += c
+    assert (out32[start:] == 0).all(), "rows past the last group are 0"
+    (out16,) = GMM([x], [w], output_dtype=torch.bfloat16, **kw)
+    assert_bitwise_equal(out16, out32.to(torch.bfloat16), "bf16 output = fp32 result rounded")
+    assert_bitwise_equal(GMM([x], [w], **kw)[0], out16, "output_dtype None -> bfloat16")
+
+
+def test_golden_10_7_gmm_w4a8_indexing():
+    x = torch.tensor([[1.0] * 32 + [2.0] * 32], dtype=BF16)
+    xq, xs = quant(x, E4M3)
+    assert xs.tolist() == [[[119, 120]]] and xq.view(torch.uint8).unique().tolist() == [0x78]
+    w, ws = mxf.mx_quantize_weight(torch.full((1, 64), 0.5, dtype=BF16), mxf.E2M1)  # converter: [N=1, K/2]
+    assert w.tolist() == [[0x66] * 32] and ws.tolist() == [[124, 124]]
+    weight = w[None].transpose(1, 2)  # [E=1, K/2=32, N=1]
+    scale = ws[None].reshape(1, 1, 1, 2).transpose(1, 2)  # reshape_mx_scale, then [E, K/64, N, 2]
+    (y,) = GMM([xq], [weight], antiquant_scale=[scale], per_token_scale=[xs], group_list=torch.tensor([1]),
+               group_type=0, group_list_type=1, split_item=3, weight_dtype=296, per_token_scale_dtype=293,
+               output_dtype=torch.bfloat16)
+    assert y.tolist() == [[48.0]]
+
+
+def test_w4a8_experts_pipeline():
+    # converter weights x npu_dynamic_mx_quant activations through GMM1 -> swiglu_mx_quant -> GMM2, each matmul
+    # checked against the float64 dequantized product
+    g = torch.Generator().manual_seed(4)
+    e, h, inter, counts = 3, 64, 64, [2, 0, 3]
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) * 0.1).to(BF16)
+    w2 = (torch.randn(e, h, inter, generator=g) * 0.1).to(BF16)
+    q13, s13 = mxf.mx_quantize_weight(w13, mxf.E2M1)  # [E, 2I, H/2], [E, 2I, H/32]
+    q2, s2 = mxf.mx_quantize_weight(w2, mxf.E2M1)
+    x = torch.randn(sum(counts), h, generator=g).to(BF16)
+    xq, xs = quant(x, E4M3)
+    tok = torch.tensor(counts)
+    common = dict(group_list=tok, group_type=0, group_list_type=1, split_item=3, weight_dtype=296,
+                  per_token_scale_dtype=293, output_dtype=torch.bfloat16)
+    view = lambda q, s: ([q.transpose(1, 2)], [s.unflatten(-1, (-1, 2)).transpose(1, 2)])  # noqa: E731
+    wv, sv = view(q13, s13)
+    (h1,) = GMM([xq], wv, antiquant_scale=sv, per_token_scale=[xs], **common)
+    a = oracle.dequantize(bytes_of(xq), xs.numpy(), "e4m3")
+    start = 0
+    for i, c in enumerate(counts):
+        b = oracle.dequantize(q13[i].numpy(), mxf.pair_scales(s13[i]).numpy(), "e2m1").T
+        exact = a[start:start + c] @ b
+        assert np.all(np.abs(h1[start:start + c].double().numpy() - exact) <= 2.0**-8 * np.abs(exact) + 1e-6)
+        start += c
+    hq, hs = SWIGLU_Q(h1, group_index=tok, activate_left=True, dst_type=torch.float8_e4m3fn)
+    wv, sv = view(q2, s2)
+    (out,) = GMM([hq], wv, antiquant_scale=sv, per_token_scale=[hs], **common)
+    assert out.shape == (5, h) and out.isfinite().all() and out.abs().max() > 0
+
+
+MM_ERRORS = {
+    "qmm_not_mx": (lambda: QMM(torch.zeros(2, 32, dtype=torch.int8), torch.zeros(32, 4, dtype=torch.int8),
+                               torch.ones(4)), NotImplementedError, r"npu_quant_matmul: scale_dtype=None, "
+                                                                    r"pertoken_scale_dtype=None \(only the MX modes"),
+    "qmm_half_mx": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293), ValueError,
+                    r"npu_quant_matmul: pertoken_scale_dtype=None in MX mode; allowed: 293"),
+    "qmm_group_sizes": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293,
+                                    group_sizes=[1, 1, 64]), ValueError, r"group_sizes=\[1, 1, 64\] in MX mode"),
+    "qmm_x2_dtype": (lambda: QMM(_F8, _F8.t().to(torch.float16), _S2, pertoken_scale=_S1, scale_dtype=293,
+                                 pertoken_scale_dtype=293), ValueError,
+                     r"x2 is torch.float16 with x2_dtype=None; allowed: torch.float8_e4m3fn / torch.float8_e5m2, "
+                     r"or torch.uint8 with x2_dtype=296"),
+    "qmm_a8w4": (lambda: QMM(_F8, torch.zeros(64, 4, dtype=torch.uint8), _S2, pertoken_scale=_S1, scale_dtype=293,
+                             pertoken_scale_dtype=293, x2_dtype=296), NotImplementedError, r"MX A8W4 linear"),
+    "qmm_k": (lambda: QMM(_F8, _F8[:, :32].t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293),
+              ValueError, r"x2 has shape \(32, 3\); expected \[K=64, N\]"),
+    "qmm_scale_shape": (lambda: QMM(_F8, _F8.t(), _S2[:, :2], pertoken_scale=_S1, scale_dtype=293,
+                                    pertoken_scale_dtype=293), ValueError,
+                        r"npu_quant_matmul: scale has shape \(1, 2, 2\); expected \(1, 3, 2\)"),
+    "qmm_no_x_scale": (lambda: QMM(_F8, _F8.t(), _S2, scale_dtype=293, pertoken_scale_dtype=293), ValueError,
+                       r"pertoken_scale is required in MX mode"),
+    "qmm_dtype_code": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293,
+                                   x1_dtype=23), ValueError, r"x1_dtype=23 contradicts x1.dtype torch.float8_e4m3fn"),
+    "qmm_output_dtype": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293,
+                                     output_dtype=1), ValueError, r"output_dtype=1 is not allowed; allowed codes: 15"),
+    "gmm_split": (lambda: GMM([_F8], [_W4], antiquant_scale=[_WS], per_token_scale=[_S1], per_token_scale_dtype=293,
+                              weight_dtype=296, group_list=torch.tensor([3]), group_type=0, split_item=0),
+                  ValueError, r"npu_grouped_matmul: MX mode takes group_type=0 with split_item 2 or 3"),
+    "gmm_no_weight_scale": (lambda: GMM([_F8], [_W4], per_token_scale=[_S1], per_token_scale_dtype=293,
+                                        weight_dtype=296, group_list=torch.tensor([3]), **_M3), ValueError,
+                            r"antiquant_scale \(the W4A8 weight scale\) must be a list of one tensor in MX mode"),
+    "gmm_weight_shape": (lambda: GMM([_F8], [_W4[:, :16]], antiquant_scale=[_WS], per_token_scale=[_S1],
+                                     per_token_scale_dtype=293, weight_dtype=296, group_list=torch.tensor([3]), **_M3),
+                         ValueError, r"weight\[0\] has shape \(1, 16, 3\); FP4 expects \[E, K/2, N\]"),
+    "gmm_ws_shape": (lambda: GMM([_F8], [_W4], antiquant_scale=[_WS[:, :, :2]], per_token_scale=[_S1],
+                                 per_token_scale_dtype=293, weight_dtype=296, group_list=torch.tensor([3]), **_M3),
+                     ValueError, r"weight scale has shape \(1, 1, 2, 2\); expected \(1, 1, 3, 2\)"),
+    "gmm_bias": (lambda: GMM([_F8], [_W4], bias=[torch.zeros(1, 3)], antiquant_scale=[_WS], per_token_scale=[_S1],
+                             per_token_scale_dtype=293, weight_dtype=296, group_list=torch.tensor([3]), **_M3),
+                 ValueError, r"npu_grouped_matmul: bias must be None in MX mode"),
+    "gmm_rows": (lambda: GMM([_F8], [_W4], antiquant_scale=[_WS], per_token_scale=[_S1], per_token_scale_dtype=293,
+                             weight_dtype=296, group_list=torch.tensor([4]), **_M3),
+                 ValueError, r"group_list sums to 4 rows but x\[0\] has M=3"),
+    "gmm_scale_dtype": (lambda: GMM([_F8], [_F8.t()[None]], scale=[_WS], per_token_scale=[_S1],
+                                    per_token_scale_dtype=293, group_list=torch.tensor([3]), **_M3), ValueError,
+                        r"MX weight scale in `scale` needs scale_dtype=293"),
+}
+_F8 = torch.ones(3, 64).to(torch.float8_e4m3fn)
+_S1 = torch.full((3, 1, 2), 127, dtype=torch.uint8)
+_S2 = torch.full((1, 3, 2), 127, dtype=torch.uint8)
+_W4 = torch.zeros(1, 32, 3, dtype=torch.uint8)
+_WS = torch.full((1, 1, 3, 2), 127, dtype=torch.uint8)
+_M3 = dict(group_type=0, group_list_type=1, split_item=3)
+
+
+@pytest.mark.parametrize("name", sorted(MM_ERRORS))
+def test_invalid_mx_matmul_arguments_raise_naming_op_and_argument(name):
+    call, error, match = MM_ERRORS[name]
+    with pytest.raises(error, match=match):
+        call()
+
+
 # --- converter quantizer (§8.2) -----------------------------------------------------------------------
 
 
@@ -633,6 +890,31 @@ def _fused_samples():
     ]
 
 
+def _matmul_samples():
+    g = torch.Generator().manual_seed(13)
+    x1, x2 = _random_elements(g, (3, 96), "e4m3"), _random_elements(g, (8, 96), "e4m3").t()
+    xs, ws = _random_scales(g, (3, 2, 2)), _random_scales(g, (8, 2, 2)).transpose(0, 1)
+    mx = dict(scale_dtype=293, pertoken_scale_dtype=293, group_sizes=[1, 1, 32])
+    w4 = _random_elements(g, (2, 8, 96), "e2m1").transpose(1, 2)
+    ws4 = _random_scales(g, (2, 8, 2, 2)).transpose(1, 2)
+    gmm = dict(group_list=torch.tensor([1, 2]), group_type=0, group_list_type=1, split_item=3,
+               per_token_scale_dtype=293)
+    return [
+        (QMM, (x1, x2, ws), dict(pertoken_scale=xs, output_dtype=15, **mx)),
+        (QMM, (_random_elements(g, (2, 3, 64), "e2m1"), _random_elements(g, (64, 8), "e2m1"),
+               _random_scales(g, (1, 8, 2))), dict(pertoken_scale=_random_scales(g, (2, 3, 1, 2)), x1_dtype=296,
+                                                   x2_dtype=296, bias=torch.randn(8, generator=g), **mx)),
+        (GMM, ([x1], [w4]), dict(antiquant_scale=[ws4], per_token_scale=[xs], weight_dtype=296,
+                                 output_dtype=torch.bfloat16, **gmm)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_matmul_opcheck(index):
+    op, args, kwargs = _matmul_samples()[index]
+    opcheck(op.default, args, kwargs)
+
+
 @pytest.mark.parametrize("index", range(5))
 def test_fused_opcheck(index):
     op, args, kwargs = _fused_samples()[index]
@@ -655,13 +937,17 @@ def test_fake_shapes_match_eager():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     cases = [(QUANT, a, k) for a, k in _quant_samples()] + [(ANTI, a, k) for a, k in _anti_samples()]
-    cases += _fused_samples()
+    cases += _fused_samples() + _matmul_samples()
     for op, args, kwargs in cases:
         eager = op(*args, **kwargs)
         with FakeTensorMode() as mode:
-            fake_kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            fake = op(*(mode.from_tensor(a) for a in args), **fake_kwargs)
-        eager, fake = (eager, fake) if isinstance(eager, tuple) else ((eager,), (fake,))
+            def to_fake(v):
+                if isinstance(v, (list, tuple)):
+                    return type(v)(to_fake(t) for t in v)
+                return mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+
+            fake = op(*to_fake(list(args)), **{k: to_fake(v) for k, v in kwargs.items()})
+        eager, fake = (eager, fake) if isinstance(eager, (tuple, list)) else ((eager,), (fake,))
         for e, f in zip(eager, fake):
             assert (e.shape, e.dtype) == (f.shape, f.dtype), op
 
@@ -674,7 +960,13 @@ def test_torch_compile_fullgraph_matches_eager():
         yn, res, sn, _ = npu.npu_add_rms_norm_dynamic_mx_quant(x, x, gamma, dst_type=torch.float8_e4m3fn)
         yr, sr, _ = npu.npu_rms_norm_dynamic_mx_quant(res, gamma)
         ys, ss = npu.npu_swiglu_mx_quant(x, activate_left=True, dst_type=torch.float8_e4m3fn)
-        return y8, s8, y4, s4, back, npu.npu_anti_mx_quant(y8, s8), yn, res, sn, yr, sr, ys, ss
+        mm = npu.npu_quant_matmul(y8, y8[:8].t(), s8[:8].transpose(0, 1), pertoken_scale=s8, scale_dtype=293,
+                                  pertoken_scale_dtype=293, output_dtype=torch.bfloat16, group_sizes=[1, 1, 32])
+        (gm,) = npu.npu_grouped_matmul([y8], [y4.view(2, 2, 48).transpose(1, 2)],
+                                       antiquant_scale=[s4.view(2, 2, 2, 2).transpose(1, 2)],
+                                       per_token_scale=[s8], group_list=torch.tensor([1, 3]), group_type=0,
+                                       group_list_type=1, split_item=3, weight_dtype=296, per_token_scale_dtype=293)
+        return y8, s8, y4, s4, back, npu.npu_anti_mx_quant(y8, s8), yn, res, sn, yr, sr, ys, ss, mm, gm
 
     x = oracle.mx_inputs(3, (4, 96), BF16, kinds=("gauss", "ties", "zero"))
     gamma = torch.rand(96).to(BF16)
@@ -749,3 +1041,74 @@ def test_npu_quantize_matches_portable(config, dtype):
     a, b = bytes_of(y.cpu()), bytes_of(y_cpu)
     np.testing.assert_array_equal(_mask_nonfinite_blocks(a, s_cpu.numpy(), dst == FP4),
                                   _mask_nonfinite_blocks(b, s_cpu.numpy(), dst == FP4))
+
+
+def _decoded_close_within_one_step(a_y, a_s, b_y, b_s, fmt: str) -> None:
+    """Fused ops may differ by 1 ulp of the bf16 pre-quant tensor (§6.2, §13.6): the decoded values must then
+    agree within one element step at the larger of the two block scales."""
+    a = oracle.dequantize(bytes_of(a_y), a_s.numpy(), fmt)
+    b = oracle.dequantize(bytes_of(b_y), b_s.numpy(), fmt)
+    scale = np.ldexp(1.0, np.maximum(a_s.numpy(), b_s.numpy()).astype(np.int64) - 127)
+    k = a.shape[-1]
+    scale = scale.reshape(scale.shape[:-2] + (-1,))[..., np.arange(k) // 32]
+    step = oracle.element_ulp(np.maximum(np.abs(a), np.abs(b)) / scale, fmt) * scale
+    assert np.all((np.abs(a - b) <= step) | (np.isnan(a) & np.isnan(b)))
+    assert np.mean(a_s.numpy() == b_s.numpy()) >= 0.99, "scale bytes mostly identical"
+
+
+@pytest.mark.npu
+@pytest.mark.parametrize("dst", [E4M3, FP4])
+def test_npu_fused_ops_match_portable(dst):
+    g = torch.Generator().manual_seed(22)
+    x1, x2 = torch.randn(16, 1024, generator=g).to(BF16), torch.randn(16, 1024, generator=g).to(BF16)
+    gamma = (torch.rand(1024, generator=g) + 0.5).to(BF16)
+    cases = [
+        ("npu_rms_norm_dynamic_mx_quant", (x1, gamma), dict(dst_type=dst), (0, 1)),
+        ("npu_add_rms_norm_dynamic_mx_quant", (x1, x2, gamma), dict(dst_type=dst), (0, 2)),
+        ("npu_swiglu_mx_quant", (x1,), dict(dst_type=dst, activate_left=True), (0, 1)),
+    ]
+    fmt = oracle.fmt_name(dst)
+    for name, args, kwargs, (iy, isc) in cases:
+        try:
+            got = getattr(npu, name)(*(a.to("npu") for a in args), **kwargs)
+        except RuntimeError as error:
+            pytest.skip(f"this NPU/CANN rejects {name}: {error}")
+        want = portable_kernel(name)(*args, **kwargs)
+        _decoded_close_within_one_step(got[iy].cpu(), got[isc].cpu(), want[iy], want[isc], fmt)
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.npu
+def test_npu_mx_matmuls_match_portable():
+    from equivalence.compare import assert_close, op_tolerance
+
+    g = torch.Generator().manual_seed(23)
+    x, w = torch.randn(24, 256, generator=g).to(BF16), (torch.randn(3, 64, 256, generator=g) * 0.05).to(BF16)
+    xq, xs = quant(x, E4M3)
+    wq, ws = quant(w[0], E4M3)
+    q4, s4 = mxf.mx_quantize_weight(w, mxf.E2M1)
+    mm_args = (xq, wq.t(), ws.transpose(0, 1))
+    mm_kw = dict(pertoken_scale=xs, scale_dtype=293, pertoken_scale_dtype=293, output_dtype=torch.bfloat16,
+                 group_sizes=[1, 1, 32])
+    gmm_args = ([xq], [q4.transpose(1, 2)])
+    gmm_kw = dict(antiquant_scale=[s4.unflatten(-1, (-1, 2)).transpose(1, 2)], per_token_scale=[xs],
+                  group_list=torch.tensor([10, 0, 9]), group_type=0, group_list_type=1, split_item=3,
+                  weight_dtype=296, per_token_scale_dtype=293, output_dtype=torch.bfloat16)
+    for name, args, kwargs, rows in (("npu_quant_matmul", mm_args, mm_kw, 24), ("npu_grouped_matmul", gmm_args,
+                                                                               gmm_kw, 19)):
+        try:
+            got = getattr(npu, name)(*_to_device(args, "npu"), **_to_device(kwargs, "npu"))
+        except RuntimeError as error:
+            pytest.skip(f"this NPU/CANN rejects MX {name}: {error}")
+        want = portable_kernel(name)(*args, **kwargs)
+        got, want = (got[0], want[0]) if isinstance(want, list) else (got, want)
+        assert_close(got.cpu()[:rows], want[:rows], op_tolerance(torch.bfloat16), f"{name}: NPU vs portable")

@@ -127,7 +127,7 @@ OP_ANTI = "npu_anti_mx_quant"
 _OUT_DTYPES = {15: torch.bfloat16, 5: torch.float16, 6: torch.float32}
 
 
-def _out_dtype(op: str, arg: str, value, default: int) -> torch.dtype:
+def mx_output_dtype(op: str, arg: str, value, default: int) -> torch.dtype:
     code = default if value is None else mxf.dtype_code(value)
     check(code in _OUT_DTYPES, op, f"{arg}={value} is not allowed; allowed codes: 15 (bfloat16), 5 (float16), "
                                    f"6 (float32)")
@@ -151,7 +151,7 @@ def _validate_anti(x, mxscale, axis, dst_type, src_type):
     check(tuple(mxscale.shape) == expected, op,
           f"mxscale has shape {tuple(mxscale.shape)}; expected {expected} for x of logical shape {logical} "
           f"quantized along axis {axis}")
-    return fmt, axis % x.dim(), logical, _out_dtype(op, "dst_type", dst_type, 15)
+    return fmt, axis % x.dim(), logical, mx_output_dtype(op, "dst_type", dst_type, 15)
 
 
 def npu_anti_mx_quant(x: torch.Tensor, mxscale: torch.Tensor, *, axis: int | None = -1, dst_type: int | None = 15,
@@ -343,5 +343,91 @@ def _npu_swiglu_mx_quant_fake(x, *, group_index=None, activate_dim=-1, activate_
 register(OP_SWIGLU, npu_swiglu_mx_quant, _npu_swiglu_mx_quant_fake)
 
 
+# ---------------------------------------------------------------------------------------------------
+# npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, Tensor? pertoken_scale=None,
+#     Tensor? bias=None, int? output_dtype=None, int? x1_dtype=None, int? x2_dtype=None,
+#     int? pertoken_scale_dtype=None, int? scale_dtype=None, int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor
+# MX modes only (scale_dtype / pertoken_scale_dtype == 293): `pertoken_scale` is x1's E8M0 scale
+# [..., M, ceil(K/64), 2], `scale` is x2's [ceil(K/64), N, 2]. MXFP8: x1 fp8 [..., M, K], x2 fp8 [K, N] (any strides);
+# A4W4: x1 uint8 [..., M, K/2] (x1_dtype=296), x2 uint8 [K, N/2] (x2_dtype=296, packed along N).
+# numerics: both operands dequantized to fp32 (exact), one fp32 matmul, + fp32 bias, rounded once to
+# output_dtype (None -> bfloat16). Not bit-exact vs the NPU (accumulation order, §13.7).
+# ---------------------------------------------------------------------------------------------------
+OP_QMM = "npu_quant_matmul"
+
+
+def mx_operand_format(op: str, arg: str, t: torch.Tensor, dtype_arg: str, code) -> mxf.MxFormat:
+    """Element format of an MX matmul operand: a native fp8 tensor, or uint8 declared FP4 by its dtype code."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmt = mxf.E4M3 if t.dtype == torch.float8_e4m3fn else mxf.E5M2
+        check(code is None or mxf.FORMATS.get(mxf.dtype_code(code)) is fmt, op,
+              f"{dtype_arg}={code} contradicts {arg}.dtype {t.dtype}; allowed: None or its code")
+        return fmt
+    check(t.dtype == torch.uint8 and code is not None and mxf.dtype_code(code) == mxf.float4_e2m1fn_x2, op,
+          f"{arg} is {t.dtype} with {dtype_arg}={code}; allowed: torch.float8_e4m3fn / torch.float8_e5m2, or "
+          f"torch.uint8 with {dtype_arg}=296 (packed float4_e2m1fn_x2)")
+    return mxf.E2M1
+
+
+def check_mx_scale(op: str, arg: str, scale, expected: tuple) -> None:
+    check(scale is not None, op, f"{arg} is required in MX mode (E8M0 bytes of shape {expected})")
+    check_dtype(op, arg, scale, (torch.uint8, torch.float8_e8m0fnu))
+    check(tuple(scale.shape) == tuple(expected), op, f"{arg} has shape {tuple(scale.shape)}; expected {expected}")
+
+
+def _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_dtype, x2_dtype,
+                  pertoken_scale_dtype, scale_dtype, group_sizes, y_scale):
+    op = OP_QMM
+    if mxf.float8_e8m0fnu not in (scale_dtype, pertoken_scale_dtype):
+        unsupported(op, f"scale_dtype={scale_dtype}, pertoken_scale_dtype={pertoken_scale_dtype} (only the MX "
+                        f"modes, scale_dtype=293 and pertoken_scale_dtype=293, are implemented)")
+    for name, code in (("scale_dtype", scale_dtype), ("pertoken_scale_dtype", pertoken_scale_dtype)):
+        check(code == mxf.float8_e8m0fnu, op, f"{name}={code} in MX mode; allowed: 293 (float8_e8m0fnu)")
+    check(group_sizes is None or list(group_sizes) == [1, 1, 32], op,
+          f"group_sizes={group_sizes} in MX mode; allowed: [1, 1, 32] (or None)")
+    check(offset is None and y_scale is None, op, "offset and y_scale must be None in MX mode")
+    f1 = mx_operand_format(op, "x1", x1, "x1_dtype", x1_dtype)
+    f2 = mx_operand_format(op, "x2", x2, "x2_dtype", x2_dtype)
+    if f1.packed != f2.packed:
+        unsupported(op, f"x1 {f1.name} with x2 {f2.name} (MX A8W4 linear; MXFP8 x MXFP8 and FP4 x FP4 are supported)")
+    check(x1.dim() in (2, 3), op, f"x1 must be [M, K] or [B, M, K]; got shape {tuple(x1.shape)}")
+    check(x2.dim() == 2, op, f"x2 must be [K, N]; got shape {tuple(x2.shape)}")
+    k = x1.shape[-1] * (2 if f1.packed else 1)
+    check(x2.shape[0] == k, op, f"x2 has shape {tuple(x2.shape)}; expected [K={k}, N{'/2' if f2.packed else ''}] "
+                                f"for x1 of shape {tuple(x1.shape)}")
+    n = x2.shape[1] * (2 if f2.packed else 1)
+    kb = math.ceil(k / 64)
+    check_mx_scale(op, "pertoken_scale", pertoken_scale, tuple(x1.shape[:-1]) + (kb, 2))
+    check_mx_scale(op, "scale", scale, (kb, n, 2))
+    if bias is not None:
+        check_dtype(op, "bias", bias, (torch.float32, torch.bfloat16))
+        check(tuple(bias.shape) in ((n,), (1, n)), op, f"bias has shape {tuple(bias.shape)}; expected ({n},)")
+    return f1, f2, k, n, mx_output_dtype(op, "output_dtype", output_dtype, 15)
+
+
+def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *, offset=None, pertoken_scale=None,
+                     bias=None, output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
+                     scale_dtype=None, group_sizes=None, y_scale=None) -> torch.Tensor:
+    f1, f2, k, _, out_dtype = _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_dtype,
+                                            x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
+    a = mxf.decode_elements(x1, f1) * mxf.expand_scales(pertoken_scale, k)
+    b = mxf.dequantize_weight(x2, scale, f2, k)
+    y = a @ b
+    if bias is not None:
+        y = y + bias.float().reshape(-1)
+    return y.to(out_dtype)
+
+
+def _npu_quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
+                           x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None,
+                           group_sizes=None, y_scale=None):
+    _, _, _, n, out_dtype = _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_dtype,
+                                          x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
+    return x1.new_empty(tuple(x1.shape[:-1]) + (n,), dtype=out_dtype)
+
+
+register(OP_QMM, npu_quant_matmul, _npu_quant_matmul_fake)
+
+
 __all__ = ["npu_dynamic_mx_quant", "npu_anti_mx_quant", "npu_rms_norm_dynamic_mx_quant",
-           "npu_add_rms_norm_dynamic_mx_quant", "npu_swiglu_mx_quant"]
+           "npu_add_rms_norm_dynamic_mx_quant", "npu_swiglu_mx_quant", "npu_quant_matmul"]

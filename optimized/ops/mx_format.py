@@ -157,6 +157,31 @@ def dequantize(data: torch.Tensor, pairs: torch.Tensor, fmt: MxFormat, block_siz
     return values * expand_scales(pairs, values.shape[-1], block_size)
 
 
+def fp4_packed_axis(shape, k: int) -> int | None:
+    """Which axis of a packed FP4 weight `[..., K or K/2, N or N/2]` holds the pairs, decided by the K the
+    activation implies (§7.1): -2 for `[..., K/2, N]` (packed along K), -1 for `[..., K, N/2]`; None if neither."""
+    if 2 * shape[-2] == k:
+        return -2
+    if shape[-2] == k:
+        return -1
+    return None
+
+
+def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, fmt: MxFormat, k: int) -> torch.Tensor:
+    """fp32 logical `[..., K, N]` weight from its view (any strides) and scale `[..., ceil(K/64), N, 2]`:
+    element (k, n) uses byte `scale[..., k // 64, n, (k // 32) % 2]` (§5, §6.5, §6.6)."""
+    if fmt.packed:
+        axis = fp4_packed_axis(w.shape, k)
+        if axis is None:
+            raise ValueError(f"dequantize_weight: FP4 weight view {tuple(w.shape)} is neither [..., K/2, N] nor "
+                             f"[..., K, N/2] for K={k}")
+        values = decode_fp4(unpack_fp4(w, axis))
+    else:
+        values = w.float()
+    factors = expand_scales(scale.movedim(-3, -2), k).transpose(-1, -2)  # [..., N, K] -> [..., K, N]
+    return values * factors
+
+
 # --- scale rules (§3) ---------------------------------------------------------------------------------
 
 
