@@ -247,7 +247,8 @@ def mx_inputs(seed: int, shape, dtype: torch.dtype, kinds=BLOCK_KINDS, block_siz
     bits = {torch.float32: 32}.get(dtype, 16)
     raw = torch.randint(0, 2**bits, n, generator=g, dtype=torch.int64)
     raw = (raw.to(torch.int32).view(torch.float32) if bits == 32 else raw.to(torch.int16).view(dtype)).float()
-    ties = (torch.randint(-96, 97, n, generator=g).float() / 16).view(rows, nb, block_size) * torch.exp2(torch.floor(binade / 3))
+    ties = torch.randint(-96, 97, n, generator=g).float().view(rows, nb, block_size) / 16
+    ties = ties * torch.exp2(torch.floor(binade / 3))  # multiples of 1/16 at a power-of-two scale: exact ties
     mant = torch.tensor([1.0, 1.5, 1.5 + 2**-7, 1.75, 1.75 + 2**-7, 2 - 2**-7, 1.25, 1 + 2**-7])
     pick = mant[torch.randint(0, len(mant), n, generator=g)]
     sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)

@@ -224,6 +224,32 @@ def test_golden_10_5_special_blocks():
     assert mxf.dequantize(y1, s1, mxf.E4M3)[0, :2].tolist() == [2.0**-129, -(2.0**-129)]
 
 
+def test_floor_mode_sees_the_fp32_scaled_value():
+    # Elements are scaled in fp32 (§4.1). A negative element whose scaled value underflows fp32 becomes -0 and
+    # floors to -0 (0x8); one that stays an fp32 subnormal floors to -0.5 (0x9). Other modes round both to -0.
+    x = torch.zeros(1, 32, dtype=BF16)
+    x[0, 0] = 2.0**100  # byte 100 + 127 - 2 = 225: scaled by 2^-98
+    x[0, 2] = -(2.0**-60)  # -2^-158: below fp32's smallest subnormal 2^-149 -> -0.0
+    x[0, 3] = -(2.0**-40)  # -2^-138: an fp32 subnormal
+    y, s = quant(x, FP4, 0, "floor")
+    assert s.tolist() == [[[225, 0]]] and fp4_codes(y)[:4] == [0x6, 0x0, 0x8, 0x9]
+    assert fp4_codes(quant(x, FP4, 0, "rint")[0])[:4] == [0x6, 0x0, 0x8, 0x8]
+
+
+def test_dtype_codes_as_int_enums_and_torch_dtypes():
+    # torch_npu's dtype constants may be IntEnum-like (§13.9); torch dtypes arrive as their ScalarType numbers
+    import enum
+
+    class Codes(enum.IntEnum):
+        FP4 = 296
+        E4M3 = 292
+
+    x = oracle.mx_inputs(5, (2, 64), BF16, kinds=("gauss",))
+    for a, b in ((quant(x, Codes.FP4), quant(x, 296)), (quant(x, Codes.E4M3), quant(x, torch.float8_e4m3fn))):
+        for got, want in zip(a, b):
+            assert_bitwise_equal(got, want, "dtype code spellings")
+
+
 # --- error bounds (§11.5) and idempotence -------------------------------------------------------------
 
 
@@ -993,7 +1019,8 @@ QUANT_ERRORS = {
                   r"round_mode='round' is not allowed with dst_type float8_e5m2; allowed: 'rint'"),
     "fp4_mode": (lambda: QUANT(_X, round_mode="ceil"), ValueError,
                  r"round_mode='ceil' .* allowed: 'rint', 'round', 'floor'"),
-    "block": (lambda: QUANT(_X, block_size=48), ValueError, r"block_size=48; allowed: a multiple of 32 in \[32, 1024\]"),
+    "block": (lambda: QUANT(_X, block_size=48), ValueError,
+              r"block_size=48; allowed: a multiple of 32 in \[32, 1024\]"),
     "block_fp32": (lambda: QUANT(_X.float(), block_size=64), ValueError, r"block_size=64 with a float32 input"),
     "block_alg2": (lambda: QUANT(_X, scale_alg=2, block_size=64), ValueError, r"block_size=64 with scale_alg=2"),
     "dtm_range": (lambda: QUANT(_X, scale_alg=2, dst_type_max=5.0), ValueError,

@@ -18,7 +18,6 @@ from .registry import register
 from .validation import check, check_dtype, fail, unsupported
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_CODES = (23, 24, 291, 292)
 _DST_HELP = "23/291 (float8_e5m2), 24/292 (float8_e4m3fn), 296 (float4_e2m1fn_x2)"
 
 
