@@ -4,8 +4,10 @@
 FP4 rounding; the kernels are compared with it byte for byte on adversarial inputs (raw bit patterns, ties,
 mantissa 1.5/1.75 boundaries, tiny/flush, zero, Inf/NaN and huge blocks, K not a multiple of 32/64, every
 dst_type, scale_alg and round mode). The spec's worked examples (§10) are fixed golden vectors. Also: error
-bounds of dequantize(quantize(x)), the converter's quantizer (§8.2), shapes under fake tensors, opcheck,
-torch.compile, named validation errors, and an NPU-vs-portable comparison.
+bounds of dequantize(quantize(x)), decode and idempotence, fused norm / SwiGLU + quantize == the unfused ops
+bitwise, MX matmuls (npu_quant_matmul, npu_grouped_matmul) == dequantize then an fp32 matmul within the
+summation error bound, the converter's quantizer (§8.2), shapes under fake tensors, opcheck, torch.compile,
+named validation errors, and NPU-vs-portable comparisons.
 """
 from __future__ import annotations
 
