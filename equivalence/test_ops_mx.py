@@ -120,6 +120,28 @@ def test_fp4_brute_force_rint_agrees_with_ml_dtypes():
     np.testing.assert_array_equal(oracle.fp4_brute_force(v, "rint"), lib)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_brute_force_agrees_with_ml_dtypes(fmt):
+    # The oracle's FP8 path (clamp, then the ml_dtypes cast) against exhaustive search over all 256 codes:
+    # nearest finite value, ties to the even code, saturating; every midpoint and both its neighbours.
+    np_type, maxval = oracle.FORMATS[fmt][2], oracle.FORMATS[fmt][1]
+    codes = np.arange(256, dtype=np.uint8)
+    values = codes.view(np_type).astype(np.float64)
+    keep = np.isfinite(values) & ~((values == 0) & (codes != 0))
+    table, table_codes = values[keep], codes[keep]
+    order = np.argsort(table)
+    table, table_codes = table[order], table_codes[order]
+    mids = (table[1:] + table[:-1]) / 2
+    v = np.concatenate([table, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), [1e9, -1e9]])
+    dist = np.abs(np.clip(v, -maxval, maxval)[:, None] - table[None, :])
+    best = dist == dist.min(1, keepdims=True)
+    even = best & (table_codes[None, :] % 2 == 0)
+    pick = np.where(even.any(1), np.argmax(even, 1), np.argmax(best, 1))
+    want = table[pick]
+    got = np.clip(v, -maxval, maxval).astype(np_type).astype(np.float64)
+    np.testing.assert_array_equal(got, want)
+
+
 # --- golden vectors (§10) -------------------------------------------------------------------------------
 
 BLOCK_10_1 = [0x4049, 0xBFC0, 0x0000, 0x3F40, 0xBEC0, 0x4000, 0x3DCD, 0xBD4D, 0x3FA0, 0xC030, 0x3F30, 0x3C80,
