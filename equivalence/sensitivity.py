@@ -4,13 +4,14 @@ Used by the config-sensitivity tests and the drawn-config properties (equivalenc
 - `config_of(**changes)`: the "tiny" fixture config with some keys changed (`rope_theta=` sets
   rope_parameters, `head_dim=None` removes head_dim so it falls back to hidden_size / num_attention_heads);
 - `Trio.build(config, seed)`: transformers' model with the fixtures' seeded weight draw, its checkpoint-named
-  state dict, and the reference and the optimized model (single process, fp32) built from that state dict;
+  state dict, and (built on first use) the reference and the optimized model (single process, fp32) on it;
 - `Trio.logits(prompts, forced)`: per request, the logits at every prompt position and at each teacher-forced
   decode step, from all three models (the optimized model by one packed prefill, then paged decode steps).
 """
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,22 +51,24 @@ class Trio:
     config: Qwen3MoeConfig
     hf: torch.nn.Module
     state: dict[str, torch.Tensor]   # checkpoint names (per-expert), fp32
-    ref: torch.nn.Module
-    opt: torch.nn.Module
 
     @staticmethod
-    def build(config: Qwen3MoeConfig, seed: int, scales: dict[str, float] | None = None,
-              hf: torch.nn.Module | None = None) -> "Trio":
-        """`hf` (a transformers model for `config`) replaces the seeded draw: other weights, same code path."""
+    def build(config: Qwen3MoeConfig, seed: int, scales: dict[str, float] | None = None) -> "Trio":
+        hf = seeded_model(eager(config), seed, scales)
+        return Trio(config, hf, split_fused_experts({k: v.detach().clone() for k, v in hf.state_dict().items()}))
+
+    # Built on first use, so a failure of one model fails only the tests that use it.
+    @functools.cached_property
+    def ref(self) -> torch.nn.Module:
+        return model_from_state_dict(self.config, self.state, torch.float32)
+
+    @functools.cached_property
+    def opt(self) -> torch.nn.Module:
         import optimized  # noqa: F401  (registers torch.ops.npu.*)
         from optimized.build import model_from_source
         from optimized.loader import StateDictSource
 
-        hf = hf if hf is not None else seeded_model(eager(config), seed, scales)
-        state = split_fused_experts({k: v.detach().clone() for k, v in hf.state_dict().items()})
-        ref = model_from_state_dict(config, state, torch.float32)
-        opt = model_from_source(config, StateDictSource(state), dtype=torch.float32)
-        return Trio(config, hf, state, ref, opt)
+        return model_from_source(self.config, StateDictSource(self.state), dtype=torch.float32)
 
     @torch.no_grad()
     def hf_logits(self, prompts: list[list[int]], forced: list[list[int]] = ()) -> list[torch.Tensor]:
