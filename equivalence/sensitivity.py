@@ -53,8 +53,16 @@ class Trio:
     state: dict[str, torch.Tensor]   # checkpoint names (per-expert), fp32
 
     @staticmethod
-    def build(config: Qwen3MoeConfig, seed: int, scales: dict[str, float] | None = None) -> "Trio":
+    def build(config: Qwen3MoeConfig, seed: int, scales: dict[str, float] | None = None,
+              share: dict[str, torch.Tensor] | None = None) -> "Trio":
+        """share: a transformers state dict whose tensors replace the drawn ones of the same name and shape
+        (so a model of a changed config keeps every weight the change leaves in place)."""
         hf = seeded_model(eager(config), seed, scales)
+        if share:
+            with torch.no_grad():
+                for name, p in hf.state_dict().items():
+                    if name in share and share[name].shape == p.shape:
+                        p.copy_(share[name])
         return Trio(config, hf, split_fused_experts({k: v.detach().clone() for k, v in hf.state_dict().items()}))
 
     # Built on first use, so a failure of one model fails only the tests that use it.
