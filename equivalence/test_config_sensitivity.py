@@ -196,6 +196,23 @@ def test_max_position_embeddings_is_the_position_limit(limit):
         runner.generate([prompts[0]], 2)
 
 
+@pytest.mark.parametrize("index", [0, 1], ids=["vocab512", "vocab389"])
+def test_vocab_size_bounds_token_ids(index):
+    """Token id vocab_size - 1 is read, vocab_size is an error naming the key, in the reference and in the
+    optimized runner (the vocab-parallel embedding would silently embed an out-of-shard id as zeros)."""
+    from optimized.runner import ModelRunner
+
+    t = trio("vocab_size", index)
+    vocab = t.config.vocab_size
+    runner = ModelRunner(t.opt, 16)
+    assert len(runner.generate([[vocab - 1, 0]], 1).tokens[0]) == 1
+    with torch.no_grad():
+        assert t.ref(torch.tensor([[vocab - 1, 0]])).shape[-1] == vocab
+    for call in (lambda: runner.generate([[vocab, 0]], 1), lambda: t.ref(torch.tensor([[vocab, 0]]))):
+        with pytest.raises(ValueError, match=f"vocabulary \\[0, {vocab}\\)"):
+            call()
+
+
 # ------------------------------------------------------------------------------------------ router policy
 
 class _Capture(TorchDispatchMode):
