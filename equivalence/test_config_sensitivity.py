@@ -9,15 +9,17 @@ leaves in place (all of them unless the field changes the checkpoint layout):
 - at every value the reference equals transformers and the optimized model equals the reference (packed
   prefill + paged decode), within `model.float32`.
 A model ignoring the field gives one answer for both values, so it fails at one of them at least (or cannot
-load one layout). Fields: every Qwen3MoeConfig key the reference or the optimized model reads, plus
-max_position_embeddings (the position limit: transformers' default RoPE never reads it) and the router
-precision policy of the bf16 optimized MoE block. Configs drawn by hypothesis then cover the combinations
+load one layout). Fields: every Qwen3MoeConfig size, count, layer rule and constant the models compute
+with, plus max_position_embeddings (the position limit: transformers' default RoPE never reads it),
+vocab_size as the token-id limit and the router precision policy of the bf16 optimized MoE block (keys the
+models only validate, and tie_word_embeddings, have their own tests). Configs drawn by hypothesis then cover the combinations
 (head ratios 1-6, head_dim != hidden / heads, odd expert counts, top-k 1..E, dense layers by each rule).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass, field
+import json
 
 import pytest
 import torch
@@ -47,12 +49,12 @@ EPS_SCALES = {"embed_tokens": 0.1, "q_proj": 0.03, "k_proj": 0.03, "v_proj": 0.0
               "down_proj": 0.03}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class FieldCase:
     field: str
     values: tuple
     bug: str                                  # what ignoring the field would look like
-    base: dict = field(default_factory=dict)  # changes to the "tiny" config that make the field read
+    base: dict = dataclasses.field(default_factory=dict)  # changes to the "tiny" config that make the field read
     scales: dict | None = None
 
     def config(self, value):
@@ -270,13 +272,19 @@ def test_bf16_router_logits_are_fp32_logits_of_bf16_hidden_states():
 
 @functools.lru_cache(maxsize=8)
 def drawn_trio(kwargs_key: str, seed: int) -> Trio:
-    import json
     return Trio.build(config_of(**json.loads(kwargs_key)), seed)
 
 
 def _trio_of(kwargs: dict, seed: int) -> Trio:
-    import json
+    """The drawn config's models, shared by the properties that draw the same config and seed."""
     return drawn_trio(json.dumps(kwargs, sort_keys=True), seed)
+
+
+def prompt_sets(config):
+    """1-3 prompts of 1-40 tokens that fit the config's vocabulary and position limit."""
+    room = min(40, config.max_position_embeddings - 2)
+    return st.lists(st.integers(1, room), min_size=1, max_size=3).flatmap(
+        lambda lengths: st.integers(0, 2**31 - 1).map(lambda s: prompts_for(config.vocab_size, lengths, s)))
 
 
 # Per drawn-config property: half the profile's examples (ci: 10; thorough: 500).
@@ -301,12 +309,6 @@ def test_drawn_config_optimized_equals_reference_float32(kwargs, seed, data):
     forced = prompts_for(t.config.vocab_size, [len(prompts)] * steps, seed)
     for b, (opt, ref) in enumerate(zip(t.opt_logits(prompts, forced), t.ref_logits(prompts, forced))):
         assert_close(opt, ref, TOL, f"{kwargs} request {b}: optimized (prefill + {steps} decode) vs reference")
-
-
-def prompt_sets(config):
-    room = min(40, config.max_position_embeddings - 2)
-    return st.lists(st.integers(1, room), min_size=1, max_size=3).flatmap(
-        lambda lengths: st.integers(0, 2**31 - 1).map(lambda s: prompts_for(config.vocab_size, lengths, s)))
 
 
 @torch.no_grad()
