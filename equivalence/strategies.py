@@ -123,7 +123,8 @@ def tiny_model_configs(draw) -> dict:
     """Keyword changes to the "tiny" fixture config (`equivalence.sensitivity.config_of`): a tiny Qwen3-MoE of
     another structure. Query heads 1-6 per KV head; head_dim never hidden_size / num_attention_heads; expert
     counts mostly odd, top-k anywhere in 1..E; dense layers by `decoder_sparse_step` and, on layers that step
-    leaves sparse, by `mlp_only_layers` (each rule alone decides its layers; `DENSE_RULES`); eps 1e-6..1e-3; RoPE bases 1e2..1e6; odd vocabularies."""
+    leaves sparse, by `mlp_only_layers` (each rule alone decides its layers; `DENSE_RULES`); eps 1e-6..1e-3;
+    RoPE bases 1e2..1e6; odd vocabularies."""
     kv = draw(st.sampled_from([1, 2]))
     heads = kv * draw(st.integers(1, 6))
     hidden = draw(st.sampled_from([32, 48, 64]))

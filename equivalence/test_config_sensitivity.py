@@ -12,8 +12,9 @@ A model ignoring the field gives one answer for both values, so it fails at one 
 load one layout). Fields: every Qwen3MoeConfig size, count, layer rule and constant the models compute
 with, plus max_position_embeddings (the position limit: transformers' default RoPE never reads it),
 vocab_size as the token-id limit and the router precision policy of the bf16 optimized MoE block (keys the
-models only validate, and tie_word_embeddings, have their own tests). Configs drawn by hypothesis then cover the combinations
-(head ratios 1-6, head_dim != hidden / heads, odd expert counts, top-k 1..E, dense layers by each rule).
+models only validate, and tie_word_embeddings, have their own tests). Configs drawn by hypothesis then
+cover the combinations (head ratios 1-6, head_dim != hidden / heads, odd expert counts, top-k 1..E, dense
+layers by each rule).
 """
 from __future__ import annotations
 
