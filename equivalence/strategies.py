@@ -14,6 +14,9 @@
   to the same experts, so other experts and whole EP ranks get nothing), "two_distinct" (two tokens
   alternating), "large" (randn * 4: router logits 4x larger, peaked routing; inputs
   to a layer are RMS-normalized in the model, so larger scales only test fp32 cancellation).
+- `tiny_model_configs()`: changes to the "tiny" fixture config that give another tiny structure (head ratios,
+  head_dim, odd expert counts, top-k, dense layers by each rule, eps, RoPE base, vocabulary), for the
+  drawn-config properties of equivalence/test_config_sensitivity.py.
 """
 from __future__ import annotations
 
