@@ -14,6 +14,9 @@
   to the same experts, so other experts and whole EP ranks get nothing), "two_distinct" (two tokens
   alternating), "large" (randn * 4: router logits 4x larger, peaked routing; inputs
   to a layer are RMS-normalized in the model, so larger scales only test fp32 cancellation).
+- `tiny_model_configs()`: changes to the "tiny" fixture config that give another tiny structure (head ratios,
+  head_dim, odd expert counts, top-k, dense layers by each rule, eps, RoPE base, vocabulary), for the
+  drawn-config properties of equivalence/test_config_sensitivity.py.
 """
 from __future__ import annotations
 
@@ -116,3 +119,45 @@ def hidden_states(kind: str, seed: int, tokens: int, hidden: int, dtype: torch.d
     else:
         raise ValueError(f"unknown hidden kind {kind!r}; kinds: {HIDDEN_KINDS}")
     return x.to(dtype)
+
+
+@st.composite
+def tiny_model_configs(draw) -> dict:
+    """Keyword changes to the "tiny" fixture config (`equivalence.sensitivity.config_of`): a tiny Qwen3-MoE of
+    another structure. Query heads 1-6 per KV head; head_dim never hidden_size / num_attention_heads; expert
+    counts mostly odd, top-k anywhere in 1..E; dense layers by `decoder_sparse_step` and, on layers that step
+    leaves sparse, by `mlp_only_layers` (each rule alone decides its layers; `DENSE_RULES`); eps 1e-6..1e-3;
+    RoPE bases 1e2..1e6; odd vocabularies."""
+    kv = draw(st.sampled_from([1, 2]))
+    heads = kv * draw(st.integers(1, 6))
+    hidden = draw(st.sampled_from([32, 48, 64]))
+    head_dim = draw(st.sampled_from([d for d in (8, 12, 16, 24) if d != hidden // heads]))
+    experts = draw(st.sampled_from([3, 5, 7, 8, 9]))
+    layers, step, mlp_only = draw(st.sampled_from(DENSE_RULES).flatmap(lambda rule: _dense_layers(rule)))
+    return dict(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        num_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)),
+        norm_topk_prob=draw(st.booleans()), num_hidden_layers=layers, decoder_sparse_step=step,
+        mlp_only_layers=mlp_only,
+        intermediate_size=draw(st.sampled_from([24, 40, 64])), moe_intermediate_size=draw(st.sampled_from([8, 12, 20])),
+        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5, 1e-4, 1e-3])),
+        rope_theta=draw(st.sampled_from([100.0, 1e4, 5e5, 1e6])),
+        vocab_size=draw(st.sampled_from([64, 97, 131])), max_position_embeddings=draw(st.sampled_from([48, 64, 100])),
+    )
+
+
+# Which rule makes layers dense: "both" has a layer dense by decoder_sparse_step only and another by
+# mlp_only_layers only (never a layer dense by both), and a sparse layer.
+DENSE_RULES = ("both", "step", "mlp_only", "none")
+
+
+def _dense_layers(rule: str):
+    """(num_hidden_layers, decoder_sparse_step, mlp_only_layers) for a dense-layer rule; >= 1 sparse layer."""
+    if rule == "both":  # layers 0, 2 dense by the step; 1 or 3 by mlp_only_layers; the other sparse
+        return st.tuples(st.just(4), st.just(2), st.sampled_from([[1], [3]]))
+    if rule == "step":
+        return st.sampled_from([(2, 2, []), (3, 2, []), (3, 3, []), (4, 3, []), (4, 2, [])])
+    if rule == "mlp_only":  # mlp_only_layers: a proper subset of the layers
+        return st.integers(2, 4).flatmap(lambda n: st.tuples(st.just(n), st.just(1), st.lists(
+            st.integers(0, n - 1), min_size=1, max_size=n - 1, unique=True).map(sorted)))
+    return st.tuples(st.integers(2, 4), st.just(1), st.just([]))

@@ -355,3 +355,9 @@ def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
     """Indices of decoder layers with a dense MLP."""
     n = num_layers if num_layers is not None else hf_config.num_hidden_layers
     return [i for i in range(n) if not is_sparse_layer(hf_config, i)]
+
+
+def head_dim_of(hf_config) -> int:
+    """The attention head size: `head_dim`, or hidden_size // num_attention_heads where the config has none
+    (transformers' rule)."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import is_sparse_layer
+from .config import head_dim_of, is_sparse_layer
 from .forward_metadata import ForwardMetadata
 from .layers.attention import Qwen3MoeAttention, causal_mask_template
 from .layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -104,7 +104,7 @@ class Qwen3MoeForCausalLM(nn.Module):
 
 def rope_cos_sin_cache(config) -> torch.Tensor:
     """[max_positions, 2*D] float32: cos | sin of the rotate_half RoPE with the config's rope_theta."""
-    dim = config.head_dim
+    dim = head_dim_of(config)
     theta = config.rope_parameters["rope_theta"]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     freqs = torch.arange(config.max_position_embeddings, dtype=torch.float)[:, None] * inv_freq   # [P, D/2]

@@ -77,11 +77,12 @@ def test_tiny_configs_keep_the_real_structure(name):
         assert c.rope_parameters["rope_theta"] == 1e6 and c.norm_topk_prob is True
 
 
-def test_tiny_dense_has_a_dense_layer_from_each_mechanism():
+def test_tiny_dense_has_a_dense_layer_from_each_mechanism_alone():
     c = tiny_config("tiny-dense")
-    assert [is_sparse_layer(c, i) for i in range(c.num_hidden_layers)] == [False, True, False]
-    assert 0 in c.mlp_only_layers  # layer 0: mlp_only_layers
-    assert 2 not in c.mlp_only_layers and (2 + 1) % c.decoder_sparse_step != 0  # layer 2: decoder_sparse_step
+    assert [is_sparse_layer(c, i) for i in range(c.num_hidden_layers)] == [False, False, False, True]
+    assert c.mlp_only_layers == [1] and (1 + 1) % c.decoder_sparse_step == 0  # layer 1: mlp_only_layers only
+    for i in (0, 2):  # decoder_sparse_step only
+        assert i not in c.mlp_only_layers and (i + 1) % c.decoder_sparse_step != 0
 
 
 def _params(c, active: bool) -> float:

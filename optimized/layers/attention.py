@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import head_dim_of
 from ..forward_metadata import ForwardMetadata
 from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
@@ -26,15 +27,15 @@ class Qwen3MoeAttention(nn.Module):
     def __init__(self, config, tp, dtype: torch.dtype):
         super().__init__()
         self.tp = tp
-        self.head_dim = config.head_dim
-        self.merged_qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+        self.head_dim = head_dim = head_dim_of(config)
+        self.merged_qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                                  config.num_key_value_heads, tp, dtype)
         self.num_heads = self.merged_qkv_proj.q_heads          # per rank
         self.num_kv_heads = self.merged_qkv_proj.kv_heads      # per rank
-        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, tp, dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.softmax_scale = config.head_dim ** -0.5
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, dtype)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+        self.softmax_scale = head_dim ** -0.5
 
     def load(self, source, prefix: str) -> None:
         self.merged_qkv_proj.load(source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight",
