@@ -6,7 +6,7 @@
     python -m optimized bench [--preset qwen3_30b_a3b|qwen3_235b_a22b|tiny] [--layers 2] [--batch 1]
                               [--prompt-len 128] [--decode-steps 8] [--warmup 1] [--repeats 3]
                               [--dtype bfloat16|float32] [--skip-hf] [--json PATH]
-    python -m optimized convert ...                                       (not implemented yet: exits 2)
+    python -m optimized convert --quant w4a8 SRC DST [--no-progress]
 
 generate
   The YAML is an `optimized.config.InferenceConfig`; command-line options override it. Prompts: every
@@ -23,6 +23,11 @@ generate
   each line starts with `[i] `), then the prefill time and the decode time per token.
   exe_mode: graph is rejected for now ("not implemented yet"): graph mode (torchair on NPU, inductor
   elsewhere) with its compile cache is a later step; run with exe_mode: eager.
+
+convert
+  Offline conversion of a BF16 Qwen3-MoE checkpoint directory SRC into a W4A8 checkpoint DST (MXFP4 experts,
+  MXFP8 attention linears, the rest unchanged; see optimized/quantize.py), streamed tensor by tensor with a
+  progress bar on stderr. A source that is already quantized, or a non-empty DST, is an error.
 
 Errors a user can fix (bad config, bad prompt, world size mismatch, missing checkpoint) print one line
 `python -m optimized: error: ...` on stderr and exit with status 2.
@@ -76,8 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_arguments(sub.add_parser("bench", help="latency: reference vs optimized vs transformers, "
                                                      "beside the memory-bandwidth floor"))
 
-    conv = sub.add_parser("convert", help="offline BF16 -> MXFP8 / W4A8 checkpoint conversion (not implemented yet)")
-    conv.add_argument("args", nargs=argparse.REMAINDER)
+    conv = sub.add_parser("convert", help="offline BF16 -> W4A8 checkpoint conversion (MXFP4 experts, MXFP8 attention)")
+    conv.add_argument("--quant", required=True, choices=["w4a8"], help="target scheme")
+    conv.add_argument("src", help="BF16 checkpoint directory (config.json + safetensors)")
+    conv.add_argument("dst", help="output directory (must not exist or be empty)")
+    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -268,6 +276,24 @@ def _print_result(cfg, model_dir, prompts, result, world_size: int) -> None:
     sys.stdout.flush()
 
 
+# ---------------------------------------------------------------------------------------------- convert
+
+def convert(args) -> int:
+    import time
+
+    from .quantize import ConversionError, convert_checkpoint
+
+    start = time.perf_counter()
+    try:
+        report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress)
+    except ConversionError as e:
+        raise UsageError(str(e)) from None
+    print(f"converted {args.src} -> {args.dst} ({args.quant}): {report.tensors} tensors, "
+          f"{report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB in "
+          f"{time.perf_counter() - start:.1f} s")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from . import bench
             return bench.run(args)
-        raise UsageError("convert is not implemented yet (MXFP8/W4A8 conversion comes later)")
+        return convert(args)
     except UsageError as e:
         fail(str(e))
 

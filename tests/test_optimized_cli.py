@@ -134,8 +134,8 @@ def test_preset_model_path_writes_config(tmp_path, monkeypatch):
     assert preset_dir("Qwen3-30B-A3B") == path
 
 
-def test_convert_is_not_implemented(capsys):
-    assert "not implemented yet" in run_error(["convert"], capsys)
+def test_convert_needs_quant_src_and_dst(capsys):
+    assert "--quant" in run_error(["convert", "a", "b"], capsys)
 
 
 # ---------------------------------------------------------------------------------------------- bench
