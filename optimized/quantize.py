@@ -65,13 +65,18 @@ def _shared_exponent(amax: torch.Tensor, fmt: _Format) -> torch.Tensor:
     return torch.where(amax > 0, shared, torch.full_like(shared, -127))
 
 
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2^n as fp32 for integer n in [-126, 127], built from the exponent bits (exact on every platform)."""
+    return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
 def _round_e4m3_half_away(a: torch.Tensor) -> torch.Tensor:
     """fp32 a (|a| < 512) -> nearest E4M3 value, ties away from zero, saturated at 448 (exact in fp32)."""
     magnitude = a.abs()
     _, exponent = torch.frexp(magnitude)
     p = (exponent - 1).clamp_min(-6)                    # binade; subnormal spacing 2^-9 below 2^-6
-    units = torch.floor(torch.ldexp(magnitude, 3 - p) + 0.5)
-    return torch.copysign(torch.ldexp(units, p - 3).clamp_max(MXFP8.max), a)
+    units = torch.floor(magnitude * _pow2(3 - p) + 0.5)
+    return torch.copysign((units * _pow2(p - 3)).clamp_max(MXFP8.max), a)
 
 
 def mx_quantize_weight(w: torch.Tensor, fmt: _Format) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,12 +84,13 @@ def mx_quantize_weight(w: torch.Tensor, fmt: _Format) -> tuple[torch.Tensor, tor
     k = w.shape[-1]
     x = F.pad(w.float(), (0, -k % BLOCK)).unflatten(-1, (-1, BLOCK))    # [..., nb, 32]
     shared = _shared_exponent(x.abs().amax(-1), fmt)                    # [..., nb]
-    a = torch.ldexp(x, -shared[..., None])                              # exact: power-of-two scaling
+    a = x * _pow2(-shared)[..., None]                                   # exact: power-of-two scaling
     scale = (shared + 127).to(torch.uint8)
     if fmt is MXFP8:
         return _round_e4m3_half_away(a).flatten(-2)[..., :k].to(torch.float8_e4m3fn), scale
-    codes = sum((a.abs() >= t).to(torch.uint8) for t in _FP4_MIDPOINTS) | (torch.signbit(a).to(torch.uint8) << 3)
-    codes = codes.flatten(-2)[..., :k]
+    magnitude = a.abs()
+    codes = sum((magnitude >= t).to(torch.uint8) for t in _FP4_MIDPOINTS)   # midpoints <= |a|: ties away
+    codes = (codes | (torch.signbit(a).to(torch.uint8) << 3)).flatten(-2)[..., :k]
     return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
 
 
@@ -271,7 +277,7 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True) -> 
     with tqdm(total=total, unit="tensor", desc=f"convert {quant}", disable=not progress) as bar:
         for file in files:
             bar.set_postfix_str(file)
-            _write_file(handles[file], plans[file], dst / file, stats, bar)
+            _write_file(handles.pop(file), plans[file], dst / file, stats, bar)   # pop: unmap it when done
 
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name not in ("config.json", INDEX_FILE):

@@ -1,5 +1,8 @@
 """python -m reference generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens 16]
-[--dtype float32|bfloat16] [--no-cache]
+[--dtype float32|bfloat16] [--no-cache] [--fake-quant w4a8]
+
+--fake-quant w4a8 runs the BF16 checkpoint quantize-dequantized where a W4A8 checkpoint is quantized
+(reference/fake_quant.py): the oracle of `python -m optimized generate` on the converted checkpoint.
 
 Text is byte-level (the tiny fixtures' tokenizer): a prompt is its UTF-8 bytes; in the decoded output ids
 below 256 are bytes and other ids are shown as `<id>`.
@@ -23,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--no-cache", action="store_true", help="recompute the full sequence at every step")
+    gen.add_argument("--fake-quant", choices=["w4a8"], help="MX quantize-dequantize weights and activations")
     return parser
 
 
@@ -42,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = load_model(args.model, dtype=getattr(torch, args.dtype))
+        if args.fake_quant:
+            from reference.fake_quant import fake_quantize
+            fake_quantize(model, args.fake_quant)
         new = greedy_generate(model, torch.tensor([ids]), args.max_new_tokens, use_cache=not args.no_cache)
     except (ValueError, OSError) as e:  # bad checkpoint directory, token id outside vocab, too long
         parser.error(str(e))
