@@ -5,15 +5,20 @@
     y = npu_grouped_matmul([h], [w2], group_list=tok, group_type=0, group_list_type=1, split_item=3)[0]
 
 Numerics (spec §0): upcast to fp32, one fp32 matmul (+ bias) per group, round once to the output dtype.
-Quantized grouped matmul (scale, antiquant_*, per_token_scale, act_type, *_dtype codes) is the MX/W4A8
-family's work and raises NotImplementedError here; `tuning_config` is a tiling hint and is ignored.
+MX modes (spec mx_quant.md §6.6, selected by per_token_scale_dtype / scale_dtype == 293): W4A8 (MXFP8 x,
+MXFP4 weight, weight scale in antiquant_scale), MXFP8 W8A8 and A4W4 (weight scale in scale); both operands are
+dequantized to fp32, then one fp32 matmul per group. Other quantized modes (int8 scale/offset, antiquant
+without MX, act_type) raise NotImplementedError; `tuning_config` is a tiling hint and is ignored.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from . import mx_format as mxf
+from .mx import check_mx_scale, mx_operand_format, mx_output_dtype
 from .registry import register
 from .validation import check, check_dim, check_dtype, check_npu_limit, check_shape, dtype_from_code, fail, unsupported
 
@@ -248,11 +253,93 @@ def _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type, 
     return _plan(OP, x, weight, bias, n_list, split_item, group_type, output_dtype)
 
 
+# --- MX modes (spec mx_quant.md §6.6) ---------------------------------------------------------------------
+# y[m, n] = Σ_k (x[m,k] 2^(xs[m, k//64, (k//32)%2] - 127)) (w[e,k,n] 2^(ws[e, k//64, n, (k//32)%2] - 127)), rows of
+# expert e(m); fp32 accumulation, rounded once to output_dtype (None -> bfloat16). Rows past the last group: 0.
+# W4A8:   x fp8 [M, K], weight uint8 [E, K/2, N] (weight_dtype=296; a transposed view of [E, N, K/2]),
+#         antiquant_scale=[ws [E, ceil(K/64), N, 2]] read as E8M0 bytes, per_token_scale=[xs [M, ceil(K/64), 2]].
+# MXFP8:  x fp8, weight fp8 [E, K, N], scale=[ws], scale_dtype=293.
+# A4W4:   x uint8 [M, K/2] (x_dtype=296), weight uint8 [E, K, N/2] (weight_dtype=296), scale=[ws], scale_dtype=293.
+_MX_UNUSED = ("offset", "antiquant_offset", "activation_input", "activation_quant_scale", "activation_quant_offset")
+
+
+def _is_mx(quant_args) -> bool:
+    return mxf.float8_e8m0fnu in (quant_args.get("per_token_scale_dtype"), quant_args.get("scale_dtype"))
+
+
+def _one(op: str, name: str, tensors):
+    check(tensors is not None and len(tensors) == 1, op, f"{name} must be a list of one tensor in MX mode; got "
+                                                         f"{None if tensors is None else len(tensors)}")
+    return tensors[0]
+
+
+def _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, q):
+    """Validation shared by the MX kernel and its fake. Returns (fx, fw, K, N, xs, ws, out_dtype)."""
+    op = OP
+    check(group_type == 0 and split_item in (2, 3), op,
+          f"MX mode takes group_type=0 with split_item 2 or 3; got group_type={group_type}, split_item={split_item}")
+    check(group_list is not None, op, "MX mode needs a group_list (one entry per expert)")
+    check(bias is None, op, "bias must be None in MX mode")
+    check(act_type in (None, 0), op, f"act_type={act_type}; MX mode takes 0")
+    for name in _MX_UNUSED:
+        check(q.get(name) is None, op, f"{name} must be None in MX mode")
+    check(q.get("per_token_scale_dtype") == mxf.float8_e8m0fnu, op,
+          f"per_token_scale_dtype={q.get('per_token_scale_dtype')} in MX mode; allowed: 293 (float8_e8m0fnu)")
+    if q.get("scale") is not None:
+        check(q.get("scale_dtype") == mxf.float8_e8m0fnu and q.get("antiquant_scale") is None, op,
+              f"MX weight scale in `scale` needs scale_dtype=293 and no antiquant_scale; got "
+              f"scale_dtype={q.get('scale_dtype')}")
+        ws = _one(op, "scale", q["scale"])
+    else:
+        check(q.get("scale_dtype") is None, op, f"scale_dtype={q.get('scale_dtype')} without a scale")
+        ws = _one(op, "antiquant_scale (the W4A8 weight scale)", q.get("antiquant_scale"))
+    a, w = _one(op, "x", x), _one(op, "weight", weight)
+    xs = _one(op, "per_token_scale", q.get("per_token_scale"))
+    fx = mx_operand_format(op, "x[0]", a, "x_dtype", q.get("x_dtype"))
+    fw = mx_operand_format(op, "weight[0]", w, "weight_dtype", q.get("weight_dtype"))
+    check(a.dim() == 2, op, f"x[0] must be [M, K]; got shape {tuple(a.shape)}")
+    check(w.dim() == 3, op, f"weight[0] must be one [E, K, N] tensor in MX mode; got shape {tuple(w.shape)}")
+    k = a.shape[1] * (2 if fx.packed else 1)
+    if fw.packed:
+        axis = mxf.fp4_packed_axis(w.shape, k)
+        check(axis is not None, op, f"weight[0] has shape {tuple(w.shape)}; FP4 expects [E, K/2, N] (packed along "
+                                    f"K) or [E, K, N/2] (packed along N) with K={k} from x[0]")
+        n = w.shape[2] * (2 if axis == -1 else 1)
+    else:
+        check(w.shape[1] == k, op, f"weight[0] has shape {tuple(w.shape)}; expected [E, K={k}, N]")
+        n = w.shape[2]
+    kb = math.ceil(k / 64)
+    check_mx_scale(op, "per_token_scale[0]", xs, (a.shape[0], kb, 2))
+    check_mx_scale(op, "weight scale", ws, (w.shape[0], kb, n, 2))
+    n_list = group_list.shape[0] if group_list.dim() >= 1 else 1
+    check(n_list == w.shape[0], op, f"group_list has {n_list} entries; expected {w.shape[0]} (one per expert)")
+    return fx, fw, k, n, xs, ws, mx_output_dtype(op, "output_dtype", output_dtype, 15)
+
+
+def _mx_grouped_matmul(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type, output_dtype,
+                       quant_args):
+    fx, fw, k, n, xs, ws, out_dtype = _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type,
+                                               output_dtype, quant_args)
+    ends = _ends_from_tensor(OP, group_list, group_list_type)
+    a, w = x[0], weight[0]
+    m = a.shape[0]
+    check(not ends or ends[-1] <= m, OP, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={m}")
+    xd = mxf.decode_elements(a, fx) * mxf.expand_scales(xs, k)
+    y = torch.zeros(m, n, dtype=out_dtype, device=a.device)  # rows past the last group stay 0
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end > start:  # an empty expert's weight is never decoded
+            y[start:end] = (xd[start:end] @ mxf.dequantize_weight(w[e], ws[e], fw, k)).to(out_dtype)
+    return [y]
+
+
 # The quantization arguments of the schema (scale, offset, antiquant_*, per_token_scale, activation_*,
-# x/weight/scale/per_token_scale dtypes) arrive in **quant_args; any of them set is rejected.
+# x/weight/scale/per_token_scale dtypes) arrive in **quant_args; outside the MX modes any of them set is rejected.
 def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None, group_list_type=0,
                        act_type=0, tuning_config=None, output_dtype=None, **quant_args):
     op = OP
+    if _is_mx(quant_args):
+        return _mx_grouped_matmul(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
+                                  output_dtype, quant_args)
     mode, Ws, Bs, out_dtype = _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type,
                                            output_dtype, quant_args)
     ends = None if group_list is None else _ends_from_tensor(op, group_list, group_list_type)
@@ -263,6 +350,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, g
 
 def _npu_grouped_matmul_fake(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
                              group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, **quant_args):
+    if _is_mx(quant_args):
+        _, _, _, n, _, _, out_dtype = _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type,
+                                               output_dtype, quant_args)
+        return [x[0].new_empty((x[0].shape[0], n), dtype=out_dtype)]
     mode, Ws, _, out_dtype = _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type,
                                           output_dtype, quant_args)
     if mode == "m_single" and split_item in (0, 1):

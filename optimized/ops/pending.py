@@ -1,10 +1,6 @@
-"""Schemas whose portable kernels come in later work: the MX quantization family and the MC2
-dispatch/combine collectives. Defined now so the whole torch_npu surface exists; calling one raises
-NotImplementedError naming it."""
+"""Schemas whose portable kernels come in later work: the MC2 dispatch/combine collectives. Defined now so
+the whole torch_npu surface exists; calling one raises NotImplementedError naming it."""
 from .registry import register_schema_only
 
-for _name in ("npu_rms_norm_dynamic_mx_quant", "npu_dynamic_mx_quant", "npu_anti_mx_quant",
-              "npu_add_rms_norm_dynamic_mx_quant", "npu_quant_matmul", "npu_swiglu_mx_quant"):
-    register_schema_only(_name, "MX quantization family")
 for _name in ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"):
     register_schema_only(_name, "MC2 dispatch/combine collectives")
