@@ -45,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     from reference.generate import greedy_generate
 
     try:
-        model = load_model(args.model, dtype=getattr(torch, args.dtype))
         if args.fake_quant:
-            from reference.fake_quant import fake_quantize
-            fake_quantize(model, args.fake_quant)
+            from reference.fake_quant import load_fake_quant_model
+            model = load_fake_quant_model(args.model, getattr(torch, args.dtype))
+        else:
+            model = load_model(args.model, dtype=getattr(torch, args.dtype))
         new = greedy_generate(model, torch.tensor([ids]), args.max_new_tokens, use_cache=not args.no_cache)
     except (ValueError, OSError) as e:  # bad checkpoint directory, token id outside vocab, too long
         parser.error(str(e))

@@ -13,11 +13,13 @@ Two scale rules, two element tie rules:
 
 W4A8 (§9): attention q/k/v/o weights MXFP8 E4M3, expert gate/up/down weights MXFP4 E2M1, and the inputs of
 those linears (the normed hidden state, the attention output, the expert input, the SwiGLU product) MXFP8.
+The SwiGLU product is formed in fp32 and rounded once, as the fused SwiGLU + quantization does.
 Norms, router, embeddings and lm_head stay unquantized. Dense MLP layers (none in released Qwen3-MoE) are
 MXFP8 like attention.
 
-    from reference.fake_quant import fake_quantize
+    from reference.fake_quant import fake_quantize, load_fake_quant_model
     fake_quantize(model)        # in place; the model then computes what a W4A8 checkpoint computes
+    model = load_fake_quant_model(path, torch.bfloat16)   # quantizes the checkpoint's own values, then casts
 """
 from __future__ import annotations
 
@@ -129,6 +131,21 @@ class FakeQuantLinear(nn.Module):
         return F.linear(fake_quant_activation(x), self.weight)
 
 
+class FakeQuantMLP(nn.Module):
+    """SwiGLU with quantized linears; the product silu(gate) * up is formed in fp32 and rounded once to the
+    activation dtype before down_proj quantizes it (the W4A8 path's fused SwiGLU + MX quantization, §6.4)."""
+
+    def __init__(self, mlp: nn.Module, fmt: ElementFormat):
+        super().__init__()
+        self.gate_proj = FakeQuantLinear(mlp.gate_proj, fmt)
+        self.up_proj = FakeQuantLinear(mlp.up_proj, fmt)
+        self.down_proj = FakeQuantLinear(mlp.down_proj, fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
+        return self.down_proj(product.to(x.dtype))
+
+
 def fake_quantize(model: nn.Module, scheme: str = "w4a8") -> nn.Module:
     """Replace the reference model's quantized linears by FakeQuantLinear, in place (W4A8 placement, §8.1/§9)."""
     if scheme != "w4a8":
@@ -137,8 +154,17 @@ def fake_quantize(model: nn.Module, scheme: str = "w4a8") -> nn.Module:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(attn, name, FakeQuantLinear(getattr(attn, name), E4M3))
-        mlps, fmt = (layer.mlp.experts, E2M1) if hasattr(layer.mlp, "experts") else ([layer.mlp], E4M3)
-        for mlp in mlps:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                setattr(mlp, name, FakeQuantLinear(getattr(mlp, name), fmt))
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = nn.ModuleList(FakeQuantMLP(expert, E2M1) for expert in layer.mlp.experts)
+        else:
+            layer.mlp = FakeQuantMLP(layer.mlp, E4M3)
     return model
+
+
+def load_fake_quant_model(path, dtype: torch.dtype = torch.bfloat16, router_dtype: str = "activation") -> nn.Module:
+    """The reference model of checkpoint `path`, fake-quantized from the checkpoint's stored values (as the
+    converter quantizes them, whatever their dtype), then cast to `dtype` (dequantized MX values are exact in
+    bf16 and fp32)."""
+    from reference.checkpoint import load_model
+
+    return fake_quantize(load_model(path, torch.float32, router_dtype)).to(dtype)

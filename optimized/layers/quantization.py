@@ -72,6 +72,12 @@ def _expect_float(source, name: str, tensor: torch.Tensor) -> None:
                               "tensor, but config.json has no quantization_config (the model is built unquantized)")
 
 
+def _check_activation_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"W4A8 checkpoints run with bfloat16 or float16 activations (the fused SwiGLU + MX "
+                         f"quantization takes no float32); got dtype {dtype}")
+
+
 def even_blocks(k: int) -> int:
     nb = -(-k // BLOCK)
     return nb + nb % 2
@@ -128,6 +134,7 @@ class MxFp8LinearMethod:
     then npu_quant_matmul (fp32 accumulation, output in the activation dtype)."""
 
     def create_weights(self, layer: nn.Module, out_rows: int, in_features: int, dtype: torch.dtype) -> None:
+        _check_activation_dtype(dtype)
         layer.weight = nn.Parameter(torch.empty(out_rows, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.zeros(out_rows, even_blocks(in_features), dtype=torch.uint8),
                                           requires_grad=False)
@@ -208,6 +215,7 @@ class W4A8MxFp4MoEGMMMethod:
         def param(*shape, zeros=False):
             make = torch.zeros if zeros else torch.empty
             return nn.Parameter(make(*shape, dtype=torch.uint8), requires_grad=False)
+        _check_activation_dtype(dtype)
         if hidden % 2 or inter % 2:
             raise ValueError(f"MXFP4 packs two values per byte along K: hidden_size={hidden} and the per-rank "
                              f"moe_intermediate_size={inter} must be even")
