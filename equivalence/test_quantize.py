@@ -2,9 +2,10 @@
 
 - The reference quantizers (`reference/fake_quant.py`, float64) reproduce the spec's worked examples
   (mx_quant.md §10.1 activation bytes, §10.3 converter rows, §10.5 special blocks).
-- The converter's quantizer (`optimized/quantize.py`, fp32 frexp/ldexp and threshold codes) equals the
-  reference's weight quantizer bitwise on drawn bf16 bit patterns (ties, subnormals, zero blocks, K not a
-  multiple of 32).
+- The converter's quantizer (`optimized/quantize.py`, fp32 with exponent-bit powers of two and threshold
+  codes) equals the reference's weight quantizer bitwise on drawn bf16 bit patterns (ties, subnormals, zero
+  blocks, K not a multiple of 32), and the independent `equivalence/mx_oracle.convert_weight` on its
+  adversarial finite blocks in bf16 and fp32.
 - Converting the tiny fixtures (single file and sharded): every tensor has the spec's name, dtype and shape
   (§8.1), kept tensors are byte-identical, quantized ones equal the reference quantizer's codes and scale
   bytes, config.json carries the §8.3 quantization_config (restated here), an already-quantized source and a
@@ -20,7 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from equivalence import mx_oracle
 from equivalence.compare import assert_bitwise_equal
+from equivalence.mx_oracle import mx_inputs
 from fixtures.checkpoints import checkpoint
 from optimized.quantize import MXFP4, MXFP8, ConversionError, convert_checkpoint, mx_quantize_weight
 from reference.checkpoint import read_state_dict
@@ -118,6 +121,18 @@ def test_converter_quantizer_equals_reference_bitwise(w, fp4):
     want_q, want_s = reference_bytes(w, fmt)
     assert_bitwise_equal(s, want_s, "scale bytes")
     assert_bitwise_equal(q, want_q, "elements")
+
+
+@given(seed=st.integers(0, 2**31 - 1), k=st.integers(1, 70).map(lambda n: 2 * n),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), fp4=st.booleans())
+def test_converter_quantizer_equals_mx_oracle_bitwise(seed, k, dtype, fp4):
+    """vs `equivalence/mx_oracle.convert_weight` (float64 numpy, ml_dtypes casts): finite adversarial blocks
+    (ties, mantissa 1.5 / 1.75 boundaries, tiny, zero, huge), bf16 and fp32 sources."""
+    w = mx_inputs(seed, (3, k), dtype, kinds=("gauss", "ties", "boundary", "tiny", "zero", "huge"))
+    q, s = mx_quantize_weight(w, MXFP4 if fp4 else MXFP8)
+    want_q, want_s = mx_oracle.convert_weight(w, "e2m1" if fp4 else "e4m3")
+    assert_bitwise_equal(s, torch.from_numpy(want_s), "scale bytes")
+    assert_bitwise_equal(q.view(torch.uint8), torch.from_numpy(want_q), "elements")
 
 
 # ----------------------------------------------------------------------------------- whole checkpoints
