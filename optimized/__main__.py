@@ -235,6 +235,7 @@ def generate(args) -> int:
     from . import platform
     from .build import load_model
     from .comm import ParallelState, init_distributed
+    from .layers.quantization import QuantConfigError
     from .loader import CheckpointError
     from .runner import ModelRunner
 
@@ -245,7 +246,7 @@ def generate(args) -> int:
         try:
             model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
                                seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
-        except CheckpointError as e:
+        except (CheckpointError, QuantConfigError) as e:
             raise UsageError(f"checkpoint {model_dir}: {e}") from None
         result = ModelRunner(model, s.block_size, device).generate(prompts, s.max_new_tokens)
         if env.rank == 0:

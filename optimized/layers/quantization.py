@@ -74,7 +74,7 @@ def _expect_float(source, name: str, tensor: torch.Tensor) -> None:
 
 def _check_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"W4A8 checkpoints run with bfloat16 or float16 activations (the fused SwiGLU + MX "
+        raise QuantConfigError(f"W4A8 checkpoints run with bfloat16 or float16 activations (the fused SwiGLU + MX "
                          f"quantization takes no float32); got dtype {dtype}")
 
 
