@@ -176,3 +176,8 @@ def test_unsupported_quantization_config_names_the_key(w4a8_copy):
 def test_w4a8_checkpoint_in_float32_is_an_error():
     with pytest.raises(QuantConfigError, match="W4A8 checkpoints run with bfloat16 or float16 activations"):
         load_model(w4a8_checkpoint("tiny"), dtype=torch.float32)
+
+
+def test_random_weights_for_a_w4a8_config_is_an_error():
+    with pytest.raises(QuantConfigError, match="has a quantization_config: random weights"):
+        load_model(w4a8_checkpoint("tiny"), random_weights=True)
