@@ -4,8 +4,10 @@
 FP4 rounding; the kernels are compared with it byte for byte on adversarial inputs (raw bit patterns, ties,
 mantissa 1.5/1.75 boundaries, tiny/flush, zero, Inf/NaN and huge blocks, K not a multiple of 32/64, every
 dst_type, scale_alg and round mode). The spec's worked examples (§10) are fixed golden vectors. Also: error
-bounds of dequantize(quantize(x)), the converter's quantizer (§8.2), shapes under fake tensors, opcheck,
-torch.compile, named validation errors, and an NPU-vs-portable comparison.
+bounds of dequantize(quantize(x)), decode and idempotence, fused norm / SwiGLU + quantize == the unfused ops
+bitwise, MX matmuls (npu_quant_matmul, npu_grouped_matmul) == dequantize then an fp32 matmul within the
+summation error bound, the converter's quantizer (§8.2), shapes under fake tensors, opcheck, torch.compile,
+named validation errors, and NPU-vs-portable comparisons.
 """
 from __future__ import annotations
 
@@ -116,6 +118,28 @@ def test_fp4_brute_force_rint_agrees_with_ml_dtypes():
     v = np.concatenate([grid, -grid, [-0.0, 7.0, -9.0]])
     lib = np.clip(v, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
     np.testing.assert_array_equal(oracle.fp4_brute_force(v, "rint"), lib)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_brute_force_agrees_with_ml_dtypes(fmt):
+    # The oracle's FP8 path (clamp, then the ml_dtypes cast) against exhaustive search over all 256 codes:
+    # nearest finite value, ties to the even code, saturating; every midpoint and both its neighbours.
+    np_type, maxval = oracle.FORMATS[fmt][2], oracle.FORMATS[fmt][1]
+    codes = np.arange(256, dtype=np.uint8)
+    values = codes.view(np_type).astype(np.float64)
+    keep = np.isfinite(values) & ~((values == 0) & (codes != 0))
+    table, table_codes = values[keep], codes[keep]
+    order = np.argsort(table)
+    table, table_codes = table[order], table_codes[order]
+    mids = (table[1:] + table[:-1]) / 2
+    v = np.concatenate([table, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), [1e9, -1e9]])
+    dist = np.abs(np.clip(v, -maxval, maxval)[:, None] - table[None, :])
+    best = dist == dist.min(1, keepdims=True)
+    even = best & (table_codes[None, :] % 2 == 0)
+    pick = np.where(even.any(1), np.argmax(even, 1), np.argmax(best, 1))
+    want = table[pick]
+    got = np.clip(v, -maxval, maxval).astype(np_type).astype(np.float64)
+    np.testing.assert_array_equal(got, want)
 
 
 # --- golden vectors (§10) -------------------------------------------------------------------------------

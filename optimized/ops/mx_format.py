@@ -333,16 +333,16 @@ def mx_quantize_weight(w: torch.Tensor, fmt: MxFormat):
     field, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
     bump = ((field > 0) & (mant > 0x600000)).to(torch.int32)  # mantissa 1.m > 1.75; subnormal amax -> byte 0
     byte = torch.where(field > 0, (field + bump - fmt.emax).clamp_min(0), 0)
-    # a = x / 2^shared, exact in fp64; round half away from zero on the grid of a's binade
-    a = xf.double() * torch.ldexp(torch.ones_like(amax, dtype=torch.float64), 127 - byte).unsqueeze(-1)
+    # a = x / 2^shared, round half away from zero on the grid of a's binade. fp32 is exact here: |a| < 2^(emax+2),
+    # and an a that underflows to an fp32 subnormal lies far below half the smallest grid step (rounds to 0).
+    a = xf * pow2(127 - byte).unsqueeze(-1)
     mb, pmin = (3, -6) if fmt is E4M3 else (1, 0)
-    _, e = torch.frexp(a)
-    p = (e.to(torch.int64) - 1).clamp_min(pmin)
-    step = torch.ldexp(torch.ones_like(a), p - mb)
+    p = (torch.frexp(a).exponent - 1).clamp_min(pmin)
+    step = pow2(p - mb)
     q = torch.sign(a) * torch.floor(a.abs() / step + 0.5) * step
     q = torch.where(a == 0, a, q).clamp(-fmt.maxval, fmt.maxval)  # keeps -0.0
     if fmt is E4M3:
-        data = q.float().to(torch.float8_e4m3fn).flatten(-2)[..., :k]
+        data = q.to(torch.float8_e4m3fn).flatten(-2)[..., :k]
     else:
-        data = pack_fp4(encode_fp4(q.float(), "rint").flatten(-2)[..., :k])  # q is on the grid: exact
+        data = pack_fp4(encode_fp4(q, "rint").flatten(-2)[..., :k])  # q is on the grid: exact
     return data.contiguous(), byte.to(torch.uint8).contiguous()
