@@ -11,10 +11,11 @@ tiny's moe_intermediate_size 32 is one MX block, which MoE TP cannot split).
 - MoE block (W4A8 grouped matmul, fused SwiGLU + MXFP8): vs the fake-quant reference replaying its expert ids,
   within `layer.w4a8.bfloat16`; and at least 10x closer to it than to the BF16 reference (so it quantizes
   at the oracle's points, with the oracle's rules).
-- Whole model, bf16 (tiny at world 1, tiny-dense with MXFP8 dense MLPs at 2, tiny-nonorm at 4): prefill and decode logits vs the fake-quant reference replaying the optimized routing,
-  within `model.w4a8.bfloat16` (flips only on near-ties, `router_tie.model.w4a8`); and the cost of
-  quantization itself against the BF16 reference (its own routing): logits cosine, top-1 agreement and
-  greedy-token agreement, bounded by `quant_cost.w4a8`.
+- Whole model, bf16 (tiny at world 1, tiny-dense with MXFP8 dense MLPs at 2, tiny-nonorm at 4): prefill and
+  decode logits vs the fake-quant reference replaying the optimized routing, within `model.w4a8.bfloat16`
+  (flips only on near-ties, `router_tie.model.w4a8`); and the cost of quantization itself against the BF16
+  reference (its own routing): logits cosine, rel_l2 and top-1 agreement, and greedy-token agreement over 3
+  prompts, bounded by `quant_cost.w4a8`.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def test_mxfp8_attention_linears_equal_fake_quant_reference(attn_tp):
             d, qh, kvh = CONFIG.head_dim, proj.q_heads, proj.kv_heads
             kv0 = (rank * CONFIG.num_key_value_heads // attn_tp) * d if CONFIG.num_key_value_heads >= attn_tp \
                 else (rank * qh // (CONFIG.num_attention_heads // CONFIG.num_key_value_heads)) * d
-            want = torch.cat([q[:, rank * qh * d:(rank + 1) * qh * d], k[:, kv0:kv0 + kvh * d], v[:, kv0:kv0 + kvh * d]], -1)
+            kv = slice(kv0, kv0 + kvh * d)
+            want = torch.cat([q[:, rank * qh * d:(rank + 1) * qh * d], k[:, kv], v[:, kv]], -1)
             got = proj(x)
             assert torch.equal(got, want), f"attn_tp {attn_tp} rank {rank}: merged QKV {describe(got, want)}"
             cols = slice(rank * qh * d, (rank + 1) * qh * d)
@@ -102,12 +104,14 @@ def test_w4a8_moe_block_equals_fake_quant_reference(world):
                                   2: [("random", 4, 1), ("two_distinct", 5, 0)], 4: [("large", 6, 0)]}[world]:
         x = hidden_states(kind, seed, 37, H, torch.bfloat16)
         got = same_on_all_ranks(get_pool(world).run(_moe_task, path, lay, layer_idx, x, timeout=120), "w4a8 moe")
-        block, plain = fake_quant_reference("tiny").model.layers[layer_idx].mlp, bf16_reference("tiny").model.layers[layer_idx].mlp
+        block = fake_quant_reference("tiny").model.layers[layer_idx].mlp
+        plain = bf16_reference("tiny").model.layers[layer_idx].mlp
         with torch.no_grad():
             stats = routing_check(block.route(x)[2], block.top_k, got["ids"], near_tie)
             want = block(x, expert_ids=got["ids"].long())
             unquantized = plain(x, expert_ids=got["ids"].long())
-        what = (f"{describe_layout(lay)} {kind} layer {layer_idx}: {stats}; vs fake-quant {describe(got['out'], want)}; "
+        what = (f"{describe_layout(lay)} {kind} layer {layer_idx}: {stats}; "
+                f"vs fake-quant {describe(got['out'], want)}; "
                 f"vs bf16 reference rel_l2 {rel_l2(got['out'], unquantized):.3e}")
         print(what)
         assert stats.clear_flips == 0, what

@@ -49,7 +49,8 @@ def expected(full: dict, lay: dict, rank: int) -> dict:
     qh = nq // a_tp
     kv = range(a * nkv // a_tp, (a + 1) * nkv // a_tp) if nkv >= a_tp else [a * qh // (nq // nkv)]
     rows = [h * d + i for h in range(a * qh, (a + 1) * qh) for i in range(d)]
-    rows += [nq * d + h * d + i for h in kv for i in range(d)] + [(nq + nkv) * d + h * d + i for h in kv for i in range(d)]
+    rows += [nq * d + h * d + i for h in kv for i in range(d)]
+    rows += [(nq + nkv) * d + h * d + i for h in kv for i in range(d)]
     cols = slice(a * qh * d, (a + 1) * qh * d)
     blocks = slice(cols.start // 32, cols.stop // 32)
 

@@ -80,7 +80,8 @@ def _round_e4m3_half_away(a: torch.Tensor) -> torch.Tensor:
 
 
 def mx_quantize_weight(w: torch.Tensor, fmt: _Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N, K] -> (MXFP8: float8_e4m3fn [..., N, K] | MXFP4: uint8 [..., N, K/2], scale uint8 [..., N, ceil(K/32)])."""
+    """w [..., N, K] -> (elements, scale uint8 [..., N, ceil(K/32)]); elements: MXFP8 float8_e4m3fn [..., N, K],
+    MXFP4 uint8 [..., N, K/2]."""
     k = w.shape[-1]
     x = F.pad(w.float(), (0, -k % BLOCK)).unflatten(-1, (-1, BLOCK))    # [..., nb, 32]
     shared = _shared_exponent(x.abs().amax(-1), fmt)                    # [..., nb]

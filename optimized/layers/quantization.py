@@ -102,7 +102,7 @@ def output_dtype_code(dtype: torch.dtype) -> int:
 
 
 def mx_quant(x: torch.Tensor):
-    """MXFP8 E4M3 activation quantization as the recipe does it (scale_alg 0, rint): (fp8 [M, K], scale [M, K/64, 2])."""
+    """MXFP8 E4M3 activations as the recipe quantizes them (scale_alg 0, rint): fp8 [M, K], scale [M, K/64, 2]."""
     return torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=FLOAT8_E4M3FN)
 
 
