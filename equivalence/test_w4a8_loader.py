@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from equivalence.compare import assert_bitwise_equal
+from equivalence.compare import assert_bitwise_equal, rel_l2
 from equivalence.strategies import describe_layout, layout
 from fixtures.checkpoints import w4a8_checkpoint
 from fixtures.tiny import tiny_config
@@ -182,3 +182,40 @@ def test_w4a8_checkpoint_in_float32_is_an_error():
 def test_random_weights_for_a_w4a8_config_is_an_error():
     with pytest.raises(QuantConfigError, match="has a quantization_config: random weights"):
         load_model(w4a8_checkpoint("tiny"), random_weights=True)
+
+
+def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
+    """MoE TP 2 on synthetic W4A8 experts (I = 128: 64 per rank, two MX blocks): each rank's gate/up rows and
+    SwiGLU are its slice of the unsharded ones (bitwise), and the down-projection partial products of the two
+    K-slices sum to the unsharded output (the all-reduce, here in fp32) within op.bfloat16."""
+    H, inter, experts = 64, 128, 2
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for e in range(experts):
+        for proj, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+            q, s = mx_quantize_weight(torch.randn(shape, generator=g).bfloat16(), MXFP4)
+            state[f"m.{e}.{proj}.weight"], state[f"m.{e}.{proj}.weight_scale"] = q, s
+    x = torch.randn(11, H, generator=g).bfloat16()
+    counts = torch.tensor([7, 4])
+
+    def layer(tp_size, tp_rank):
+        tp, ep = SimpleNamespace(size=tp_size, rank=tp_rank, group=None), SimpleNamespace(size=1, rank=0, group=None)
+        moe = FusedMoEGMM(experts, H, inter, tp, ep, torch.bfloat16, W4A8MxFp4MoEGMMMethod())
+        moe.load(StateDictSource(state), "m")
+        return moe
+
+    full = layer(1, 0)
+    want = full(x, counts)
+    parts = []
+    for rank in range(2):
+        part = layer(2, rank)
+        assert_bitwise_equal(part.w13_weight, torch.cat([full.w13_weight[:, rank * 64:(rank + 1) * 64],
+                                                         full.w13_weight[:, 128 + rank * 64:128 + (rank + 1) * 64]], 1))
+        parts.append(part(x, counts).double())
+    # Each partial and the unsharded output are fp32 sums rounded once to bf16 (<= 1/2 ulp each, ulp <= eps*|v|);
+    # partials cancel, so the bound is on their magnitudes, not on the (smaller) result's.
+    eps = torch.finfo(torch.bfloat16).eps
+    err = (parts[0] + parts[1] - want.double()).abs()
+    bound = eps * (parts[0].abs() + parts[1].abs() + want.double().abs())
+    assert (err <= bound).all(), f"MoE TP partial sums vs unsharded: worst excess {(err - bound).max():.3e}"
+    assert rel_l2(parts[0] + parts[1], want) < 1e-2
