@@ -215,3 +215,14 @@ def test_converter_refuses_quantized_source_and_nonempty_destination(tmp_path):
         convert_checkpoint(dst, tmp_path / "again", progress=False)
     with pytest.raises(ConversionError, match="exists and is not empty"):
         convert_checkpoint(checkpoint("tiny"), dst, progress=False)
+
+
+def test_row_chunked_conversion_writes_the_same_bytes(tmp_path, monkeypatch):
+    """Chunks of 3 rows (quantized) / 1 KB (kept) give byte-identical files to whole-tensor conversion."""
+    import optimized.quantize as quantize
+    convert_checkpoint(checkpoint("tiny"), tmp_path / "whole", progress=False)
+    monkeypatch.setattr(quantize, "QUANT_CHUNK_VALUES", 3 * 64)
+    monkeypatch.setattr(quantize, "KEPT_CHUNK_BYTES", 1024)
+    convert_checkpoint(checkpoint("tiny"), tmp_path / "chunked", progress=False)
+    whole, chunked = (tmp_path / d / "model.safetensors" for d in ("whole", "chunked"))
+    assert whole.read_bytes() == chunked.read_bytes()

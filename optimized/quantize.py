@@ -10,8 +10,8 @@ of §8.3 (with `kv_cache_scheme: null`: the KV cache stays 16-bit); other files 
 rewritten with the same shard file names.
 
 Streaming: every output shard's header is computed from the source's tensor metadata before any data is
-read, then each tensor is read, quantized and appended on its own (kept tensors in row chunks), so memory
-holds one tensor at a time, never a shard or the model.
+read, then each tensor is read (through `get_slice`), quantized and appended in row chunks, so memory holds
+a few MB of one tensor at a time, never a whole tensor, shard or model.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ INDEX_FILE = "model.safetensors.index.json"
 QUANT_TYPES = ("w4a8",)
 BLOCK = 32
 KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
+QUANT_CHUNK_VALUES = 1 << 20  # quantized tensors are converted in row chunks of about this many values
 
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
@@ -192,8 +193,9 @@ def _header(entries: list[_Entry]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+def _raw(t: torch.Tensor):
+    """The tensor's bytes as a buffer (no copy for a contiguous tensor)."""
+    return t.contiguous().view(torch.uint8).numpy()
 
 
 class _Stats:
@@ -219,13 +221,20 @@ def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, pr
                 stats.bytes_in += e.nbytes
                 progress.update(1)
             elif e.part == "weight":
-                w = handle.get_tensor(e.source)
-                q, s = mx_quantize_weight(w, MXFP8 if e.dtype == "F8_E4M3" else MXFP4)
+                # Row chunks: quantization is per row, so the chunks' bytes concatenate to the whole tensor's,
+                # and the fp32 temporaries stay a few MB whatever the tensor's size.
+                meta, fmt = handle.get_slice(e.source), MXFP8 if e.dtype == "F8_E4M3" else MXFP4
+                rows, k = meta.get_shape()
+                step = max(1, QUANT_CHUNK_VALUES // k)
+                scales = []
+                for start in range(0, rows, step):
+                    w = meta[start:start + step]
+                    q, s = mx_quantize_weight(w, fmt)
+                    out.write(_raw(q))
+                    scales.append(s)
+                    stats.bytes_in += w.numel() * w.element_size()
                 stats.tensors_in += 1
-                stats.bytes_in += w.numel() * w.element_size()
-                del w
-                out.write(_raw(q))
-                quantized[e.source] = s        # its scale follows right after
+                quantized[e.source] = torch.cat(scales)        # its scale follows right after
                 progress.update(1)
             else:
                 out.write(_raw(quantized.pop(e.source)))
