@@ -10,7 +10,7 @@
                               [--dtype bfloat16|float32] [--skip-hf] [--json PATH]
     torchrun --nproc-per-node N -m optimized latency --budget NAME --json PATH [--model-path DIR]
                                                                           (N = the budget's world size)
-    python -m optimized convert ...                                       (not implemented yet: exits 2)
+    python -m optimized convert --quant w4a8 SRC DST [--no-progress]
 
 generate
   The YAML is an `optimized.config.InferenceConfig`; command-line options override it. Prompts: every
@@ -36,8 +36,13 @@ generate
   exe_mode: graph is rejected for now ("not implemented yet"): graph mode (torchair on NPU, inductor
   elsewhere) with its compile cache is a later step; run with exe_mode: eager.
 
+convert
+  Offline conversion of a BF16 Qwen3-MoE checkpoint directory SRC into a W4A8 checkpoint DST (MXFP4 experts,
+  MXFP8 attention linears, the rest unchanged; see optimized/quantize.py), streamed tensor by tensor with a
+  progress bar on stderr. A source that is already quantized, or a non-empty DST, is an error.
+
 Errors a user can fix (bad config, bad prompt, world size mismatch, missing or broken checkpoint, an
-unsupported model config, ranks that disagree, a collective timeout) print one line
+unsupported model config or quantization_config, ranks that disagree, a collective timeout) print one line
 `python -m optimized: error: ...` on stderr and exit with status 2.
 """
 from __future__ import annotations
@@ -101,8 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     budget_run.add_arguments(sub.add_parser("latency", help="one latency budget (fixtures/budgets.yaml) on this rank; "
                                                          "under torchrun, one process per rank"))
 
-    conv = sub.add_parser("convert", help="offline BF16 -> MXFP8 / W4A8 checkpoint conversion (not implemented yet)")
-    conv.add_argument("args", nargs=argparse.REMAINDER)
+    conv = sub.add_parser("convert", help="offline BF16 -> W4A8 checkpoint conversion (MXFP4 experts, MXFP8 attention)")
+    conv.add_argument("--quant", required=True, choices=["w4a8"], help="target scheme")
+    conv.add_argument("src", help="BF16 checkpoint directory (config.json + safetensors)")
+    conv.add_argument("dst", help="output directory (must not exist or be empty)")
+    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -266,6 +274,7 @@ def generate(args) -> int:
     from .comm import ParallelState, init_distributed
     from .dist_guard import (CollectiveTimeoutError, RankMismatchError, check_ranks_agree, collective_timeout_s,
                              named_collective_errors, run_fingerprint)
+    from .layers.quantization import QuantConfigError
     from .loader import CheckpointError
     from .runner import ModelRunner
 
@@ -287,7 +296,7 @@ def generate(args) -> int:
             try:
                 model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
                                    seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
-            except CheckpointError as e:  # its message names the file; name the checkpoint when it does not
+            except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint when it does not
                 raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
             result = ModelRunner(model, s.block_size, device).generate(
@@ -330,6 +339,24 @@ def _print_result(cfg, model_dir, prompts, result, world_size: int, tokenizer) -
     sys.stdout.flush()
 
 
+# ---------------------------------------------------------------------------------------------- convert
+
+def convert(args) -> int:
+    import time
+
+    from .quantize import ConversionError, convert_checkpoint
+
+    start = time.perf_counter()
+    try:
+        report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress)
+    except ConversionError as e:
+        raise UsageError(str(e)) from None
+    print(f"converted {args.src} -> {args.dst} ({args.quant}): {report.tensors} tensors, "
+          f"{report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB in "
+          f"{time.perf_counter() - start:.1f} s")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "latency":
             from . import budget_run
             return budget_run.run(args)
-        raise UsageError("convert is not implemented yet (MXFP8/W4A8 conversion comes later)")
+        return convert(args)
     except UsageError as e:
         fail(str(e))
 

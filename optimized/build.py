@@ -27,6 +27,10 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
             raise ValueError(f"num_hidden_layers={num_hidden_layers} must be in [1, {full_layers}] for {model_path}")
         config.num_hidden_layers = num_hidden_layers
     if random_weights:
+        if getattr(config, "quantization_config", None):
+            from .layers.quantization import QuantConfigError
+            raise QuantConfigError(f"{model_path}/config.json has a quantization_config: random weights are drawn in "
+                                   "the activation dtype, so run a quantized model from its checkpoint (with_ckpt: true)")
         source = RandomWeights(seed)
     else:
         source = CheckpointReader(model_path)

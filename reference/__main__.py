@@ -1,5 +1,8 @@
 """python -m reference generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens 16]
-[--dtype float32|bfloat16] [--no-cache] [--ignore-eos]
+[--dtype float32|bfloat16] [--no-cache] [--ignore-eos] [--fake-quant w4a8]
+
+--fake-quant w4a8 runs the BF16 checkpoint quantize-dequantized where a W4A8 checkpoint is quantized
+(reference/fake_quant.py): the oracle of `python -m optimized generate` on the converted checkpoint.
 
 Text prompts are encoded by the checkpoint's own tokenizer (`--chat`: through its chat template) and the
 output decoded with it; greedy generation stops at an EOS id of generation_config.json (else config.json)
@@ -33,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--no-cache", action="store_true", help="recompute the full sequence at every step")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    gen.add_argument("--fake-quant", choices=["w4a8"], help="MX quantize-dequantize weights and activations")
     return parser
 
 
@@ -59,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         if not ids:
             parser.error("the prompt is empty")
         eos = [] if args.ignore_eos else eos_token_ids(args.model)
-        model = load_model(args.model, dtype=getattr(torch, args.dtype))
+        if args.fake_quant:
+            from reference.fake_quant import load_fake_quant_model
+            model = load_fake_quant_model(args.model, getattr(torch, args.dtype))
+        else:
+            model = load_model(args.model, dtype=getattr(torch, args.dtype))
         new = greedy_generate(model, torch.tensor([ids]), args.max_new_tokens, use_cache=not args.no_cache,
                               eos_token_ids=eos)
     except (ValueError, OSError) as e:  # bad checkpoint / config / prompt, token id outside vocab, too long

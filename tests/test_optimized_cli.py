@@ -142,8 +142,21 @@ def test_preset_model_path_writes_config(tmp_path, monkeypatch):
     assert preset_dir("Qwen3-30B-A3B") == path
 
 
-def test_convert_is_not_implemented(capsys):
-    assert "not implemented yet" in run_error(["convert"], capsys)
+def test_convert_needs_quant_src_and_dst(capsys):
+    assert "--quant" in run_error(["convert", "a", "b"], capsys)
+
+
+def test_convert_w4a8_then_generate_and_refuse_reconversion(tmp_path, capsys):
+    dst = tmp_path / "w4a8"
+    assert cli_main(["convert", "--quant", "w4a8", str(checkpoint("tiny")), str(dst)]) == 0
+    out, err = capsys.readouterr()
+    assert "117 tensors" in out and "convert w4a8" in err and "100%" in err   # summary line, progress bar
+    assert "already quantized" in run_error(["convert", "--quant", "w4a8", str(dst), str(tmp_path / "x")], capsys)
+    assert cli_main(["generate", "--config", SINGLE, "--model-path", str(dst), "--dtype", "bfloat16",
+                     "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert "generated ids:" in capsys.readouterr().out
+    err = run_error(["generate", "--config", SINGLE, "--model-path", str(dst), "--dtype", "float32"], capsys)
+    assert "W4A8 checkpoints run with bfloat16 or float16 activations" in err
 
 
 # ---------------------------------------------------------------------------------------------- bench

@@ -12,6 +12,7 @@ from torch import nn
 from ..config import head_dim_of
 from ..forward_metadata import ForwardMetadata
 from .linear import QKVParallelLinear, RowParallelLinear
+from .quantization import linear_method, quant_scheme
 from .norm import RMSNorm
 
 # sparse_mode 3 reads this 2048x2048 template (True = masked) whatever the sequence length.
@@ -28,11 +29,13 @@ class Qwen3MoeAttention(nn.Module):
         super().__init__()
         self.tp = tp
         self.head_dim = head_dim = head_dim_of(config)
+        scheme = quant_scheme(config)     # the linears' quant method, from the checkpoint's quantization_config
         self.merged_qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                                 config.num_key_value_heads, tp, dtype)
+                                                 config.num_key_value_heads, tp, dtype, linear_method(scheme))
         self.num_heads = self.merged_qkv_proj.q_heads          # per rank
         self.num_kv_heads = self.merged_qkv_proj.kv_heads      # per rank
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, dtype,
+                                        linear_method(scheme))
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.softmax_scale = head_dim ** -0.5

@@ -1,7 +1,9 @@
 """Tensor-parallel linear layers (vLLM-style names), each loading only its shard of a checkpoint tensor.
 
 Weights keep the checkpoint's `[out_features, in_features]` orientation. `tp` is any object with
-`group`, `size` and `rank` (a `comm.GroupInfo`); size 1 means no communication.
+`group`, `size` and `rank` (a `comm.GroupInfo`); size 1 means no communication. Each layer owns a quant
+method (`quantization.py`: unquantized by default, MXFP8 for W4A8 checkpoints) that creates its parameters,
+loads its slices and applies the matmul.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from .quantization import UnquantizedLinearMethod
 
 
 def _split(total: int, parts: int, what: str) -> int:
@@ -36,61 +39,65 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """Output features split across `tp`; rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
-    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype, gather_output: bool = False):
+    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype, gather_output: bool = False,
+                 quant_method=None):
         super().__init__()
         self.tp, self.gather_output = tp, gather_output
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = _split(out_features, tp.size, "out_features")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, self.out_per_rank, in_features, dtype)
 
     def load(self, source, name: str) -> None:
         start = self.tp.rank * self.out_per_rank
         rows = slice(start, start + self.out_per_rank)
-        self.weight.copy_(source.read(name, (self.out_features, self.in_features), (rows,)))
+        self.quant_method.load(self, source, name, (self.out_features, self.in_features), (rows,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x)
         return comm.all_gather(y, self.tp.group, dim=-1) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """Input features split across `tp`; partial products are summed with all_reduce over `tp`."""
 
-    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype, quant_method=None):
         super().__init__()
         self.tp = tp
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = _split(in_features, tp.size, "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, out_features, self.in_per_rank, dtype)
 
     def load(self, source, name: str) -> None:
         start = self.tp.rank * self.in_per_rank
         cols = slice(start, start + self.in_per_rank)
-        self.weight.copy_(source.read(name, (self.out_features, self.in_features), (slice(None), cols)))
+        self.quant_method.load(self, source, name, (self.out_features, self.in_features), (slice(None), cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(F.linear(x, self.weight), self.tp.group)
+        return comm.all_reduce(self.quant_method.apply(self, x), self.tp.group)
 
 
 class MergedColumnParallelLinear(nn.Module):
     """Several column-parallel weights of equal input size stacked into one matmul (dense gate|up)."""
 
-    def __init__(self, in_features: int, out_features: list[int], tp, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: list[int], tp, dtype: torch.dtype, quant_method=None):
         super().__init__()
         self.tp, self.in_features, self.out_features = tp, in_features, list(out_features)
         self.out_per_rank = [_split(n, tp.size, "out_features") for n in out_features]
-        self.weight = nn.Parameter(torch.empty(sum(self.out_per_rank), in_features, dtype=dtype),
-                                   requires_grad=False)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, sum(self.out_per_rank), in_features, dtype)
 
     def load(self, source, names: list[str]) -> None:
         offset = 0
         for name, total, per_rank in zip(names, self.out_features, self.out_per_rank):
             rows = slice(self.tp.rank * per_rank, (self.tp.rank + 1) * per_rank)
-            self.weight[offset:offset + per_rank].copy_(source.read(name, (total, self.in_features), (rows,)))
+            self.quant_method.load(self, source, name, (total, self.in_features), (rows,),
+                                   slice(offset, offset + per_rank))
             offset += per_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.quant_method.apply(self, x)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -118,14 +125,15 @@ class QKVParallelLinear(nn.Module):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, quant_method=None):
         super().__init__()
         self.tp, self.hidden_size, self.head_dim = tp, hidden_size, head_dim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.q_heads = _split(num_heads, tp.size, "num_attention_heads")
         self.kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
         rows = (self.q_heads + 2 * self.kv_heads) * head_dim
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, rows, hidden_size, dtype)
 
     @property
     def output_sizes(self) -> list[int]:
@@ -137,11 +145,11 @@ class QKVParallelLinear(nn.Module):
         kv0 = first_kv_head(self.num_kv_heads, self.tp.size, self.tp.rank) * d
         q_rows, kv_rows = slice(q0, q0 + self.q_heads * d), slice(kv0, kv0 + self.kv_heads * d)
         q_size, kv_size = self.output_sizes[:2]
-        self.weight[:q_size].copy_(source.read(q_name, (self.num_heads * d, self.hidden_size), (q_rows,)))
-        self.weight[q_size:q_size + kv_size].copy_(
-            source.read(k_name, (self.num_kv_heads * d, self.hidden_size), (kv_rows,)))
-        self.weight[q_size + kv_size:].copy_(
-            source.read(v_name, (self.num_kv_heads * d, self.hidden_size), (kv_rows,)))
+        load = self.quant_method.load
+        load(self, source, q_name, (self.num_heads * d, self.hidden_size), (q_rows,), slice(0, q_size))
+        load(self, source, k_name, (self.num_kv_heads * d, self.hidden_size), (kv_rows,),
+             slice(q_size, q_size + kv_size))
+        load(self, source, v_name, (self.num_kv_heads * d, self.hidden_size), (kv_rows,), slice(q_size + kv_size, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.quant_method.apply(self, x)

@@ -11,59 +11,40 @@ from torch import nn
 
 from .. import comm
 from .linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _split
-
-
-def _transposed_empty(groups: int, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized [groups, k, n] tensor whose storage is [groups, n, k]."""
-    return torch.empty(groups, n, k, dtype=dtype).transpose(1, 2)
+from .quantization import linear_method, moe_method, quant_scheme
 
 
 class FusedMoEGMM(nn.Module):
-    """This rank's experts merged for grouped matmul: w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H]."""
+    """This rank's experts merged for grouped matmul; the quant method owns the weights (unquantized:
+    w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H]; W4A8: MXFP4 w13_weight / w2_weight with scales)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, moe_tp, moe_ep,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, quant_method=None):
         super().__init__()
         self.moe_tp, self.moe_ep = moe_tp, moe_ep
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.local_experts = _split(num_experts, moe_ep.size, "num_experts")
         self.first_expert = moe_ep.rank * self.local_experts
         self.inter_per_rank = _split(intermediate_size, moe_tp.size, "moe_intermediate_size")
-        # Logical [L, K, N] as grouped matmul reads them, stored as transposed views of [L, N, K] (the
-        # checkpoint's row orientation), as the recipe does: each expert's GEMM then streams weight rows.
-        self.w13 = nn.Parameter(_transposed_empty(self.local_experts, hidden_size, 2 * self.inter_per_rank, dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(_transposed_empty(self.local_experts, self.inter_per_rank, hidden_size, dtype),
-                               requires_grad=False)
+        self.quant_method = quant_method or moe_method(None)
+        self.quant_method.create_weights(self, self.local_experts, hidden_size, self.inter_per_rank, dtype)
 
     def load(self, source, prefix: str) -> None:
         """Per-expert checkpoint tensors `{prefix}.E.{gate,up,down}_proj.weight`, this rank's slices only."""
-        inter, hidden, i_r = self.intermediate_size, self.hidden_size, self.inter_per_rank
+        i_r = self.inter_per_rank
         cols = slice(self.moe_tp.rank * i_r, (self.moe_tp.rank + 1) * i_r)
         for local in range(self.local_experts):
-            name = f"{prefix}.{self.first_expert + local}"
-            gate = source.read(f"{name}.gate_proj.weight", (inter, hidden), (cols,))   # [I_r, H]
-            up = source.read(f"{name}.up_proj.weight", (inter, hidden), (cols,))       # [I_r, H]
-            down = source.read(f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r]
-            self.w13[local, :, :i_r].copy_(gate.t())
-            self.w13[local, :, i_r:].copy_(up.t())
-            self.w2[local].copy_(down.t())
+            self.quant_method.load_expert(self, source, f"{prefix}.{self.first_expert + local}", local, cols)
         # The other EP ranks' experts are theirs to read: deliberately unused here, not unexpected.
-        mine = range(self.first_expert, self.first_expert + self.local_experts)
-        source.used.update(f"{prefix}.{e}.{w}_proj.weight" for e in range(self.num_experts) if e not in mine
-                           for w in ("gate", "up", "down"))
         local_range = range(self.first_expert, self.first_expert + self.local_experts)
         for expert in set(range(self.num_experts)) - set(local_range):   # other EP ranks load these
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                source.skip(f"{prefix}.{expert}.{proj}.weight")
+                for tensor in self.quant_method.tensors:
+                    source.skip(f"{prefix}.{expert}.{proj}.{tensor}")
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [M, H] rows grouped by local expert, counts [L]; rows past the counts are padding."""
-        h = torch.ops.npu.npu_grouped_matmul([x], [self.w13], group_list=tokens_per_expert, group_type=0,
-                                             group_list_type=1, split_item=3)[0]      # [M, 2*I_r]
-        h = torch.ops.npu.npu_swiglu(h)                                                # [M, I_r]
-        return torch.ops.npu.npu_grouped_matmul([h], [self.w2], group_list=tokens_per_expert, group_type=0,
-                                                group_list_type=1, split_item=3)[0]   # [M, H]
+        return self.quant_method.apply(self, x, tokens_per_expert)
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -75,7 +56,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         # The router runs in float32 (as the NPU recipe does), whatever the activation dtype.
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, torch.float32)
         self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                   moe_tp, moe_ep, dtype)
+                                   moe_tp, moe_ep, dtype, moe_method(quant_scheme(config)))
 
     def load(self, source, prefix: str) -> None:
         self.gate.load(source, f"{prefix}.gate.weight")
@@ -114,9 +95,10 @@ class Qwen3MoeMLP(nn.Module):
 
     def __init__(self, config, moe_tp, dtype: torch.dtype):
         super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], moe_tp, dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, moe_tp, dtype)
+        inter, scheme = config.intermediate_size, quant_scheme(config)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], moe_tp, dtype,
+                                                       linear_method(scheme))
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, moe_tp, dtype, linear_method(scheme))
 
     def load(self, source, prefix: str) -> None:
         self.gate_up_proj.load(source, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])

@@ -1,0 +1,171 @@
+"""The W4A8 optimized model, sharded over real gloo ranks, computes what the fake-quantized reference computes.
+
+Checkpoint: the tiny fixtures converted by `python -m optimized convert --quant w4a8` (cached). Oracle:
+`reference.fake_quant.load_fake_quant_model`: the plain reference with MX quantize-dequantize at the W4A8
+points, written independently of the portable MX operators. Layouts at world 1, 2, 4: attention TP up to 4
+(KV heads replicated at 4), expert parallel up to 4, vocab-parallel embedding / lm_head (MoE TP stays 1:
+tiny's moe_intermediate_size 32 is one MX block, which MoE TP cannot split).
+
+- MXFP8 linears: every rank's merged QKV output equals the reference's q/k/v projections of the same input
+  bitwise; the row-parallel o_proj partial products sum (in fp32) to the reference o_proj within op.bfloat16.
+- MoE block (W4A8 grouped matmul, fused SwiGLU + MXFP8): vs the fake-quant reference replaying its expert ids,
+  within `layer.w4a8.bfloat16`; and at least 10x closer to it than to the BF16 reference (so it quantizes
+  at the oracle's points, with the oracle's rules).
+- Whole model, bf16 (tiny at world 1, tiny-dense with MXFP8 dense MLPs at 2, tiny-nonorm at 4): prefill and
+  decode logits vs the fake-quant reference replaying the optimized routing, within `model.w4a8.bfloat16`
+  (flips only on near-ties, `router_tie.model.w4a8`); and the cost of quantization itself against the BF16
+  reference (its own routing): logits cosine, rel_l2 and top-1 agreement, and greedy-token agreement over 3
+  prompts, bounded by `quant_cost.w4a8`.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from equivalence.compare import (assert_close, cosine, describe, rel_l2, tolerance, token_agreement,
+                                 top1_agreement)
+from equivalence.dist import get_pool
+from equivalence.parallel_support import RoutingStats, routing_check, same_on_all_ranks
+from equivalence.strategies import describe_layout, hidden_states, layout
+from equivalence.test_e2e_parallel import _draw_forced, _logits_task, _model_logits, _reference_logits
+from fixtures.checkpoints import checkpoint, w4a8_checkpoint
+from fixtures.tiny import tiny_config
+from optimized.comm import ParallelState
+from reference.checkpoint import load_model as load_reference
+from reference.fake_quant import load_fake_quant_model, quantize_activation
+from reference.generate import greedy_generate
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = tiny_config("tiny")
+H = CONFIG.hidden_size
+LAYOUTS = {1: layout(1),
+           2: layout(2, attn_tp_size=2, embed_tp_size=2, lmhead_tp_size=2),
+           4: layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4)}
+
+
+@functools.lru_cache(maxsize=None)
+def fake_quant_reference(name: str):
+    return load_fake_quant_model(checkpoint(name), torch.bfloat16, router_dtype="float32")
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_reference(name: str):
+    return load_reference(checkpoint(name), torch.bfloat16, router_dtype="float32")
+
+
+def _moe_task(rank, world, path, lay, layer_idx, x):
+    from equivalence.parallel_support import rank_model
+    mlp = rank_model(path, lay, torch.bfloat16).layers[layer_idx].mlp
+    return {"out": mlp(x), "ids": mlp.route(x)[1]}
+
+
+# ------------------------------------------------------------------------------------------- MXFP8 linears
+
+@pytest.mark.parametrize("attn_tp", [1, 2, 4])
+def test_mxfp8_attention_linears_equal_fake_quant_reference(attn_tp):
+    from optimized.build import load_model
+    ref = fake_quant_reference("tiny").model.layers[1].self_attn
+    g = torch.Generator().manual_seed(attn_tp)
+    x = torch.randn(9, H, generator=g).bfloat16()
+    o_in = torch.randn(9, CONFIG.num_attention_heads * CONFIG.head_dim, generator=g).bfloat16()
+    partial_sum = torch.zeros(9, H, dtype=torch.float64)
+    lay = layout(attn_tp, attn_tp_size=attn_tp)
+    with torch.no_grad():
+        q, k, v = ref.q_proj(x), ref.k_proj(x), ref.v_proj(x)
+        want_o = torch.nn.functional.linear(quantize_activation(o_in).dequantize(torch.float64),
+                                            ref.o_proj.weight.double())
+        for rank in range(attn_tp):
+            state = ParallelState.build(rank=rank, create_groups=False, **lay)
+            attn = load_model(w4a8_checkpoint("tiny"), parallel=state, dtype=torch.bfloat16).layers[1].self_attn
+            proj = attn.merged_qkv_proj
+            d, qh, kvh = CONFIG.head_dim, proj.q_heads, proj.kv_heads
+            kv0 = (rank * CONFIG.num_key_value_heads // attn_tp) * d if CONFIG.num_key_value_heads >= attn_tp \
+                else (rank * qh // (CONFIG.num_attention_heads // CONFIG.num_key_value_heads)) * d
+            kv = slice(kv0, kv0 + kvh * d)
+            want = torch.cat([q[:, rank * qh * d:(rank + 1) * qh * d], k[:, kv], v[:, kv]], -1)
+            got = proj(x)
+            assert torch.equal(got, want), f"attn_tp {attn_tp} rank {rank}: merged QKV {describe(got, want)}"
+            cols = slice(rank * qh * d, (rank + 1) * qh * d)
+            partial_sum += attn.o_proj.quant_method.apply(attn.o_proj, o_in[:, cols]).double()
+    assert_close(partial_sum, want_o, "op.bfloat16", f"attn_tp {attn_tp}: o_proj partial sums vs the reference")
+
+
+# ----------------------------------------------------------------------------------------------- MoE block
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_w4a8_moe_block_equals_fake_quant_reference(world):
+    lay = layout(world)                                     # expert parallel over all ranks
+    path = str(w4a8_checkpoint("tiny"))
+    near_tie = tolerance("router_tie.bfloat16").rtol
+    for kind, seed, layer_idx in {1: [("random", 1, 0), ("identical", 2, 1), ("large", 3, 1)],
+                                  2: [("random", 4, 1), ("two_distinct", 5, 0)], 4: [("large", 6, 0)]}[world]:
+        x = hidden_states(kind, seed, 37, H, torch.bfloat16)
+        got = same_on_all_ranks(get_pool(world).run(_moe_task, path, lay, layer_idx, x, timeout=120), "w4a8 moe")
+        block = fake_quant_reference("tiny").model.layers[layer_idx].mlp
+        plain = bf16_reference("tiny").model.layers[layer_idx].mlp
+        with torch.no_grad():
+            stats = routing_check(block.route(x)[2], block.top_k, got["ids"], near_tie)
+            want = block(x, expert_ids=got["ids"].long())
+            unquantized = plain(x, expert_ids=got["ids"].long())
+        what = (f"{describe_layout(lay)} {kind} layer {layer_idx}: {stats}; "
+                f"vs fake-quant {describe(got['out'], want)}; "
+                f"vs bf16 reference rel_l2 {rel_l2(got['out'], unquantized):.3e}")
+        print(what)
+        assert stats.clear_flips == 0, what
+        assert_close(got["out"], want, "layer.w4a8.bfloat16", what)
+        assert rel_l2(got["out"], want) * 10 < rel_l2(got["out"], unquantized), what
+
+
+# ----------------------------------------------------------------------------------------------- whole model
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_w4a8_logits_match_fake_quant_reference_and_quantization_cost_is_bounded(world):
+    lay, name = LAYOUTS[world], {1: "tiny", 2: "tiny-dense", 4: "tiny-nonorm"}[world]
+    path = str(w4a8_checkpoint(name))
+    g = torch.Generator().manual_seed(world)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (17, 31, 5)[:world % 3 + 1]]
+    forced = _draw_forced(world, len(prompts), 2)
+    got = same_on_all_ranks(get_pool(world).run(_logits_task, path, lay, "bfloat16", prompts, forced, timeout=180),
+                            "w4a8 logits")
+    stats: list[RoutingStats] = []
+    near_tie = tolerance("router_tie.model.w4a8").rtol
+    replayed = _reference_logits(fake_quant_reference(name), prompts, forced, got["routes"], near_tie, stats)
+    plain = _reference_logits(bf16_reference(name), prompts, forced)
+    mine = _model_logits(got, prompts, forced)
+    a, r, b = (torch.cat([torch.cat(x) for x in xs]) for xs in (mine, replayed, plain))
+    total = sum(stats, RoutingStats())
+    cost = tolerance("quant_cost.w4a8")
+    report = (f"{describe_layout(lay)} {name} W4A8: {total}; vs fake-quant reference (replayed): {describe(a, r)} "
+              f"top-1 {top1_agreement(a, r):.4f}; vs BF16 reference: cosine {cosine(a, b):.5f} rel_l2 "
+              f"{rel_l2(a, b):.3e} top-1 {top1_agreement(a, b):.4f}")
+    print(report)
+    assert total.clear_flips == 0, report
+    for i, ((gp, gd), (wp, wd)) in enumerate(zip(mine, replayed)):
+        assert_close(gp, wp, "model.w4a8.bfloat16", f"{report}; request {i} prefill logits")
+        assert_close(gd, wd, "model.w4a8.bfloat16", f"{report}; request {i} decode logits")
+    assert cosine(a, b) >= cost.min_cosine and top1_agreement(a, b) >= cost.min_top1, report
+    assert rel_l2(a, b) <= cost.max_rel_l2, report
+
+
+def _generate_task(rank, world, path, lay, prompts, n):
+    from equivalence.parallel_support import rank_model, runner_of
+    return runner_of(rank_model(path, lay, torch.bfloat16)).generate(prompts, n).tokens
+
+
+def test_w4a8_greedy_generation_agreement_with_bf16_and_fake_quant_references():
+    """16 greedy tokens for 3 prompts at world 2: agreement with the fake-quant reference's and the BF16
+    reference's own greedy runs (position by position) is reported and bounded by `quant_cost.w4a8`."""
+    lay, n = LAYOUTS[2], 16
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (k,), generator=g).tolist() for k in (6, 16, 23)]
+    tokens = torch.tensor(same_on_all_ranks(get_pool(2).run(_generate_task, str(w4a8_checkpoint("tiny")), lay,
+                                                             prompts, n, timeout=180), "w4a8 generation"))
+    fq = torch.stack([greedy_generate(fake_quant_reference("tiny"), torch.tensor([p]), n)[0] for p in prompts])
+    bf = torch.stack([greedy_generate(bf16_reference("tiny"), torch.tensor([p]), n)[0] for p in prompts])
+    report = (f"W4A8 greedy agreement: with the fake-quant reference {token_agreement(tokens, fq):.4f}, with the "
+              f"BF16 reference {token_agreement(tokens, bf):.4f} (fake-quant vs BF16 {token_agreement(fq, bf):.4f})")
+    print(report)
+    assert token_agreement(tokens, bf) >= tolerance("quant_cost.w4a8").min_greedy, report

@@ -1,0 +1,221 @@
+"""A converted W4A8 checkpoint loads sharded exactly as the slices of its unsharded load.
+
+For world sizes 1, 2, 4 (attention TP up to 4, expert parallel, vocab-parallel embedding / lm_head), every
+rank's parameters are built in this process (`ParallelState.build(rank=r, create_groups=False)`: loading
+needs no collective) from the single-file and the sharded checkpoint, and compared bitwise with the layout
+definitions applied to the world-1 model: merged QKV rows by heads (KV heads replicated when attention TP
+exceeds them), o_proj a K-slice of whole 32-blocks (FP8 columns and their scale bytes, the scale padded to
+an even block count with a zero byte), experts by expert range. The per-rank bytes read equal the bytes of
+its slices. Whole-byte FP4 slicing under MoE TP and the layout / dtype / config errors are checked on
+synthetic sources and copies of the tiny checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from equivalence.compare import assert_bitwise_equal, rel_l2
+from equivalence.strategies import describe_layout, layout
+from fixtures.checkpoints import w4a8_checkpoint
+from fixtures.tiny import tiny_config
+from optimized.build import load_model
+from optimized.comm import ParallelState
+from optimized.layers.moe import FusedMoEGMM
+from optimized.layers.quantization import QuantConfigError, W4A8MxFp4MoEGMMMethod
+from optimized.loader import CheckpointError, StateDictSource
+from optimized.quantize import MXFP4, mx_quantize_weight
+
+CONFIG = tiny_config("tiny")
+LAYOUTS = [layout(1), layout(2, attn_tp_size=2, embed_tp_size=2), layout(2, lmhead_tp_size=2),
+           layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4), layout(4, attn_tp_size=2)]
+
+
+def rank_params(path, lay: dict, rank: int):
+    state = ParallelState.build(rank=rank, create_groups=False, **lay)
+    model = load_model(path, parallel=state, dtype=torch.bfloat16)
+    return dict(model.named_parameters()), model.weight_source.bytes_read
+
+
+def expected(full: dict, lay: dict, rank: int) -> dict:
+    """Rank `rank`'s parameters by the layout definitions, from the world-1 parameters `full`."""
+    a_tp, e_tp, v_tp, l_tp = lay["attn_tp_size"], lay["moe_ep_size"], lay["embed_tp_size"], lay["lmhead_tp_size"]
+    a, e = rank % a_tp, rank // lay["moe_tp_size"]
+    nq, nkv, d, H = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim, CONFIG.hidden_size
+    qh = nq // a_tp
+    kv = range(a * nkv // a_tp, (a + 1) * nkv // a_tp) if nkv >= a_tp else [a * qh // (nq // nkv)]
+    rows = [h * d + i for h in range(a * qh, (a + 1) * qh) for i in range(d)]
+    rows += [nq * d + h * d + i for h in kv for i in range(d)]
+    rows += [(nq + nkv) * d + h * d + i for h in kv for i in range(d)]
+    cols = slice(a * qh * d, (a + 1) * qh * d)
+    blocks = slice(cols.start // 32, cols.stop // 32)
+
+    def chunk(t, parts, i):
+        n = t.shape[0] // parts
+        return t[i * n:(i + 1) * n]
+
+    out = {}
+    for name, t in full.items():
+        if name == "embed_tokens.weight":
+            out[name] = chunk(t, v_tp, rank % v_tp)
+        elif name == "lm_head.weight":
+            out[name] = chunk(t, l_tp, rank % l_tp)
+        elif "merged_qkv_proj" in name:
+            out[name] = t[rows]
+        elif name.endswith("o_proj.weight"):
+            out[name] = t[:, cols]
+        elif name.endswith("o_proj.weight_scale"):
+            s = t[:, blocks]
+            out[name] = torch.cat([s, torch.zeros(s.shape[0], s.shape[1] % 2, dtype=torch.uint8)], 1)
+        elif ".experts." in name:
+            out[name] = chunk(t, e_tp, e)
+        else:
+            out[name] = t
+    return out
+
+
+def checkpoint_bytes(name: str, params: dict) -> int:
+    """Bytes a parameter was read from: 4 per value of the fp32 fixture's kept tensors, 1 per FP8 / packed FP4
+    byte, and for scales one byte per 32-block of the rank's K (not the zero byte padding to an even count)."""
+    p = params[name]
+    if name.endswith("_scale"):
+        weight = params[name.removesuffix("_scale")]
+        k = weight.shape[-1] * (2 if weight.dtype == torch.uint8 else 1)
+        return p[..., 0].numel() * -(-k // 32)
+    return p.numel() * (1 if p.dtype in (torch.uint8, torch.float8_e4m3fn) else 4)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_w4a8_sharded_load_equals_slices_of_unsharded(sharded):
+    path = w4a8_checkpoint("tiny", sharded=sharded)
+    full, _ = rank_params(path, layout(1), 0)
+    assert full["layers.0.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+    assert full["layers.1.mlp.experts.w2_weight"].dtype == torch.uint8
+    for lay in LAYOUTS:
+        for rank in range(lay["world_size"]):
+            got, bytes_read = rank_params(path, lay, rank)
+            want = expected(full, lay, rank)
+            what = f"{describe_layout(lay)} rank {rank}"
+            assert sorted(got) == sorted(want), what
+            for name in want:
+                assert_bitwise_equal(got[name], want[name], f"{what}: {name}")
+            want_bytes = sum(checkpoint_bytes(name, got) for name in got)
+            assert bytes_read == want_bytes, f"{what}: read {bytes_read} bytes, its slices are {want_bytes}"
+
+
+def test_fp4_down_proj_is_sliced_on_whole_bytes_under_moe_tp():
+    """MoE TP splits down_proj's K (= moe_intermediate): rank 1 of 2 gets packed bytes [I/4, I/2) and scale
+    bytes [I/64, I/32) of every row (I = 128), gate/up their rows; other experts are skipped."""
+    H, inter, experts = 64, 128, 2
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for e in range(experts):
+        for proj, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+            q, s = mx_quantize_weight(torch.randn(shape, generator=g).bfloat16(), MXFP4)
+            state[f"m.{e}.{proj}.weight"], state[f"m.{e}.{proj}.weight_scale"] = q, s
+    tp, ep = SimpleNamespace(size=2, rank=1, group=None), SimpleNamespace(size=2, rank=1, group=None)
+    layer = FusedMoEGMM(experts, H, inter, tp, ep, torch.bfloat16, W4A8MxFp4MoEGMMMethod())
+    source = StateDictSource(state)
+    layer.load(source, "m")
+    source.check_all_used()
+    assert_bitwise_equal(layer.w2_weight[0], state["m.1.down_proj.weight"][:, 32:64], "w2 packed bytes")
+    assert_bitwise_equal(layer.w2_weight_scale[0], state["m.1.down_proj.weight_scale"][:, 2:4], "w2 scales")
+    assert_bitwise_equal(layer.w13_weight[0], torch.cat([state["m.1.gate_proj.weight"][64:],
+                                                         state["m.1.up_proj.weight"][64:]]), "w13 rows")
+
+
+def test_k_slice_off_the_block_grid_is_an_error_naming_the_tensor():
+    """tiny's moe_intermediate_size 32 split over MoE TP 2 gives 16-element K-slices of down_proj."""
+    state = {}
+    for proj, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+        state[f"m.0.{proj}.weight"], state[f"m.0.{proj}.weight_scale"] = mx_quantize_weight(torch.randn(shape), MXFP4)
+    layer = FusedMoEGMM(1, 64, 32, SimpleNamespace(size=2, rank=1, group=None),
+                        SimpleNamespace(size=1, rank=0, group=None), torch.bfloat16, W4A8MxFp4MoEGMMMethod())
+    with pytest.raises(CheckpointError, match=r"'m\.0\.down_proj\.weight'.*K-slice \[16, 32\) of K=32 .*32-element"):
+        layer.load(StateDictSource(state), "m")
+
+
+@pytest.fixture
+def w4a8_copy(tmp_path):
+    for item in w4a8_checkpoint("tiny").iterdir():
+        shutil.copy(item, tmp_path / item.name)
+    return tmp_path
+
+
+def test_bf16_tensor_in_w4a8_checkpoint_is_named(w4a8_copy):
+    tensors = load_file(w4a8_copy / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.k_proj.weight"].float()
+    save_file(tensors, w4a8_copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has dtype torch\.float32 "
+                                              r"but the model is built for MXFP8"):
+        load_model(w4a8_copy)
+
+
+def test_quantized_checkpoint_without_quantization_config_is_named(w4a8_copy):
+    config = json.loads((w4a8_copy / "config.json").read_text())
+    del config["quantization_config"]
+    (w4a8_copy / "config.json").write_text(json.dumps(config))
+    # (the message may also come from the loader's check of config.json's declared dtype: both name the tensor)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' has dtype "
+                                              r"torch\.float8_e4m3fn"):
+        load_model(w4a8_copy)
+
+
+def test_unsupported_quantization_config_names_the_key(w4a8_copy):
+    config = json.loads((w4a8_copy / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    (w4a8_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantConfigError, match=r"quantization_config\.config_groups \(weight bits per target\)="
+                                               r"\{'Linear': 4, 'MoEGMM': 4\} is not supported"):
+        load_model(w4a8_copy)
+
+
+def test_w4a8_checkpoint_in_float32_is_an_error():
+    with pytest.raises(QuantConfigError, match="W4A8 checkpoints run with bfloat16 or float16 activations"):
+        load_model(w4a8_checkpoint("tiny"), dtype=torch.float32)
+
+
+def test_random_weights_for_a_w4a8_config_is_an_error():
+    with pytest.raises(QuantConfigError, match="has a quantization_config: random weights"):
+        load_model(w4a8_checkpoint("tiny"), random_weights=True)
+
+
+def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
+    """MoE TP 2 on synthetic W4A8 experts (I = 128: 64 per rank, two MX blocks): each rank's gate/up rows and
+    SwiGLU are its slice of the unsharded ones (bitwise), and the down-projection partial products of the two
+    K-slices sum to the unsharded output (the all-reduce, here in fp32) within op.bfloat16."""
+    H, inter, experts = 64, 128, 2
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for e in range(experts):
+        for proj, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+            q, s = mx_quantize_weight(torch.randn(shape, generator=g).bfloat16(), MXFP4)
+            state[f"m.{e}.{proj}.weight"], state[f"m.{e}.{proj}.weight_scale"] = q, s
+    x = torch.randn(11, H, generator=g).bfloat16()
+    counts = torch.tensor([7, 4])
+
+    def layer(tp_size, tp_rank):
+        tp, ep = SimpleNamespace(size=tp_size, rank=tp_rank, group=None), SimpleNamespace(size=1, rank=0, group=None)
+        moe = FusedMoEGMM(experts, H, inter, tp, ep, torch.bfloat16, W4A8MxFp4MoEGMMMethod())
+        moe.load(StateDictSource(state), "m")
+        return moe
+
+    full = layer(1, 0)
+    want = full(x, counts)
+    parts = []
+    for rank in range(2):
+        part = layer(2, rank)
+        assert_bitwise_equal(part.w13_weight, torch.cat([full.w13_weight[:, rank * 64:(rank + 1) * 64],
+                                                         full.w13_weight[:, 128 + rank * 64:128 + (rank + 1) * 64]], 1))
+        parts.append(part(x, counts).double())
+    # Each partial and the unsharded output are fp32 sums rounded once to bf16 (<= 1/2 ulp each, ulp <= eps*|v|);
+    # partials cancel, so the bound is on their magnitudes, not on the (smaller) result's.
+    eps = torch.finfo(torch.bfloat16).eps
+    err = (parts[0] + parts[1] - want.double()).abs()
+    bound = eps * (parts[0].abs() + parts[1].abs() + want.double().abs())
+    assert (err <= bound).all(), f"MoE TP partial sums vs unsharded: worst excess {(err - bound).max():.3e}"
+    assert rel_l2(parts[0] + parts[1], want) < 1e-2

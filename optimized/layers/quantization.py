@@ -1,0 +1,264 @@
+"""Quant methods (vLLM-style): each linear / grouped-matmul layer owns one, chosen once at build time.
+
+A method creates the layer's parameters, loads this rank's slices of the checkpoint into them, and applies
+the layer. `quant_scheme(hf_config)` reads the checkpoint's `quantization_config` (spec mx_quant.md §8.3):
+absent -> unquantized; the compressed-tensors W4A8 config -> "w4a8", where attention (and dense-MLP)
+linears use `MxFp8LinearMethod` and the routed experts `W4A8MxFp4MoEGMMMethod` (the recipe's names).
+
+W4A8 parameters keep the checkpoint layouts (§7): MXFP8 `weight [N, K]` float8_e4m3fn, MXFP4 expert
+weights uint8 `[N, K/2]` (two E2M1 codes per byte, packed along K), `weight_scale [N, nb]` one E8M0 byte
+per 32-block of K, with nb padded to even by a zero byte so the pair layout `[N, nb/2, 2]` (§2.2) is a view.
+A rank's K-slice (row-parallel o_proj, down_proj under MoE TP) must start and end on a 32-block boundary:
+packed bytes and scale bytes are then sliced whole, straight from the checkpoint with `get_slice`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..loader import CheckpointError
+
+W4A8 = "w4a8"
+BLOCK = 32
+FLOAT8_E4M3FN = 24        # torch ScalarType code (== torch_npu 292)
+FLOAT4_E2M1 = 296         # torch_npu.float4_e2m1fn_x2: uint8 holding two codes
+FLOAT8_E8M0 = 293         # torch_npu.float8_e8m0fnu: scale bytes
+_OUTPUT_DTYPE = {torch.bfloat16: 15, torch.float16: 5, torch.float32: 6}
+
+
+class QuantConfigError(ValueError):
+    """A quantization_config this model cannot run (the message names the key)."""
+
+
+def quant_scheme(hf_config) -> str | None:
+    """None (unquantized) or "w4a8", from config.json's `quantization_config`; anything else is an error."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+
+    def need(ok: bool, key: str, value) -> None:
+        if not ok:
+            raise QuantConfigError(f"config.json quantization_config.{key}={value!r} is not supported; this model "
+                                   "runs BF16 checkpoints and the W4A8 MX checkpoints of `python -m optimized convert "
+                                   "--quant w4a8`")
+
+    need(qc.get("quant_method") == "compressed-tensors", "quant_method", qc.get("quant_method"))
+    need(list(qc.get("weight_block_size") or []) == [1, BLOCK], "weight_block_size", qc.get("weight_block_size"))
+    bits = {}
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, a = group.get("weights") or {}, group.get("input_activations") or {}
+        need(w.get("type") == "float", f"config_groups.{name}.weights.type", w.get("type"))
+        need(a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True,
+             f"config_groups.{name}.input_activations", a)
+        for target in group.get("targets") or []:
+            bits[target] = w.get("num_bits")
+    need(bits == {"Linear": 8, "MoEGMM": 4}, "config_groups (weight bits per target)", bits)
+    kv = qc.get("kv_cache_scheme")
+    need(kv is None, "kv_cache_scheme", kv)
+    return W4A8
+
+
+def _expect_dtype(source, name: str, tensor: torch.Tensor, dtype: torch.dtype, scheme: str) -> None:
+    if tensor.dtype != dtype:
+        raise CheckpointError(f"{source.label}: tensor {name!r} has dtype {tensor.dtype} but the model is built for "
+                              f"{scheme} (from config.json's quantization_config), which stores it as {dtype}")
+
+
+def _expect_float(source, name: str, tensor: torch.Tensor) -> None:
+    if not tensor.dtype.is_floating_point or tensor.dtype.itemsize == 1:
+        raise CheckpointError(f"{source.label}: tensor {name!r} has dtype {tensor.dtype}: a quantized checkpoint "
+                              "tensor, but config.json has no quantization_config (the model is built unquantized)")
+
+
+def _check_activation_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise QuantConfigError(f"W4A8 checkpoints run with bfloat16 or float16 activations (the fused SwiGLU + MX "
+                         f"quantization takes no float32); got dtype {dtype}")
+
+
+def even_blocks(k: int) -> int:
+    nb = -(-k // BLOCK)
+    return nb + nb % 2
+
+
+def block_slice(cols: slice, k: int, name: str, per: int = BLOCK) -> slice:
+    """The checkpoint columns `cols` of K as whole units of `per` (32: scale bytes, 2: packed FP4 bytes)."""
+    start, stop, _ = cols.indices(k)
+    if start % BLOCK or (stop % BLOCK and stop != k):
+        raise CheckpointError(f"tensor {name!r}: this rank's K-slice [{start}, {stop}) of K={k} does not fall on "
+                              f"{BLOCK}-element MX block boundaries; choose a parallel layout whose K per rank is a "
+                              f"multiple of {BLOCK}")
+    return slice(start // per, -(-stop // per))
+
+
+def scale_name(name: str) -> str:
+    return name.removesuffix("weight") + "weight_scale"
+
+
+def output_dtype_code(dtype: torch.dtype) -> int:
+    return _OUTPUT_DTYPE[dtype]
+
+
+def mx_quant(x: torch.Tensor):
+    """MXFP8 E4M3 activations as the recipe quantizes them (scale_alg 0, rint): fp8 [M, K], scale [M, K/64, 2]."""
+    return torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=FLOAT8_E4M3FN)
+
+
+def pair_view(scale: torch.Tensor) -> torch.Tensor:
+    """reshape_mx_scale: per-block bytes [..., nb] (nb even) -> [..., nb/2, 2]."""
+    return scale.view(*scale.shape[:-1], scale.shape[-1] // 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------- linears
+
+class UnquantizedLinearMethod:
+    """weight [N, K] in the activation dtype; y = x W^T."""
+
+    def create_weights(self, layer: nn.Module, out_rows: int, in_features: int, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_rows, in_features, dtype=dtype), requires_grad=False)
+
+    def load(self, layer, source, name: str, full_shape: tuple, index: tuple = (), rows: slice = slice(None)) -> None:
+        """Copy `name[index]` (checked to have `full_shape`) into the layer's weight rows `rows`."""
+        t = source.read(name, full_shape, index)
+        _expect_float(source, name, t)
+        layer.weight[rows].copy_(t)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight)
+
+
+class MxFp8LinearMethod:
+    """MXFP8 W8A8: weight [N, K] float8_e4m3fn + weight_scale [N, nb]; x quantized per call (npu_dynamic_mx_quant),
+    then npu_quant_matmul (fp32 accumulation, output in the activation dtype)."""
+
+    def create_weights(self, layer: nn.Module, out_rows: int, in_features: int, dtype: torch.dtype) -> None:
+        _check_activation_dtype(dtype)
+        layer.weight = nn.Parameter(torch.empty(out_rows, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.zeros(out_rows, even_blocks(in_features), dtype=torch.uint8),
+                                          requires_grad=False)
+        layer.output_dtype = dtype
+
+    def load(self, layer, source, name: str, full_shape: tuple, index: tuple = (), rows: slice = slice(None)) -> None:
+        n, k = full_shape
+        w = source.read(name, full_shape, index)
+        _expect_dtype(source, name, w, torch.float8_e4m3fn, "MXFP8")
+        layer.weight[rows].copy_(w)
+        s_index = index
+        if len(index) == 2:                     # a K-slice (row-parallel): whole scale bytes of its blocks
+            s_index = (index[0], block_slice(index[1], k, name))
+        s = source.read(scale_name(name), (n, -(-k // BLOCK)), s_index)
+        _expect_dtype(source, scale_name(name), s, torch.uint8, "MXFP8")
+        layer.weight_scale[rows, :s.shape[1]].copy_(s)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        n = layer.weight.shape[0]
+        x2 = x.reshape(-1, x.shape[-1])                                           # [M, K]
+        xq, xs = mx_quant(x2)                                                      # [M, K] fp8, [M, K/64, 2]
+        y = torch.ops.npu.npu_quant_matmul(
+            xq, layer.weight.t(), pair_view(layer.weight_scale).transpose(0, 1), pertoken_scale=xs,
+            output_dtype=output_dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
+            pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])            # [M, N]
+        return y.view(*x.shape[:-1], n)
+
+
+def linear_method(scheme: str | None):
+    return MxFp8LinearMethod() if scheme == W4A8 else UnquantizedLinearMethod()
+
+
+# ------------------------------------------------------------------------------------ grouped matmul (MoE)
+
+def _transposed_empty(groups: int, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized [groups, k, n] tensor whose storage is [groups, n, k]."""
+    return torch.empty(groups, n, k, dtype=dtype).transpose(1, 2)
+
+
+class UnquantizedFusedMoEMethod:
+    """w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H] in the activation dtype, stored as transposed views of the
+    checkpoint's [N, K] rows (as the recipe does: each expert's GEMM then streams weight rows)."""
+
+    tensors = ("weight",)
+
+    def create_weights(self, layer, experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        layer.w13 = nn.Parameter(_transposed_empty(experts, hidden, 2 * inter, dtype), requires_grad=False)
+        layer.w2 = nn.Parameter(_transposed_empty(experts, inter, hidden, dtype), requires_grad=False)
+
+    def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:
+        inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
+        gate = source.read(f"{name}.gate_proj.weight", (inter, hidden), (cols,))   # [I_r, H]
+        up = source.read(f"{name}.up_proj.weight", (inter, hidden), (cols,))       # [I_r, H]
+        down = source.read(f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r]
+        for proj, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            _expect_float(source, f"{name}.{proj}.weight", t)
+        layer.w13[local, :, :i_r].copy_(gate.t())
+        layer.w13[local, :, i_r:].copy_(up.t())
+        layer.w2[local].copy_(down.t())
+
+    def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.npu.npu_grouped_matmul([x], [layer.w13], group_list=tokens_per_expert, group_type=0,
+                                             group_list_type=1, split_item=3)[0]      # [M, 2*I_r]
+        h = torch.ops.npu.npu_swiglu(h)                                                # [M, I_r]
+        return torch.ops.npu.npu_grouped_matmul([h], [layer.w2], group_list=tokens_per_expert, group_type=0,
+                                                group_list_type=1, split_item=3)[0]   # [M, H]
+
+
+class W4A8MxFp4MoEGMMMethod:
+    """MXFP4 expert weights x MXFP8 activations (§6.6 W4A8 row): w13_weight [L, 2*I_r, H/2] (gate rows, then up
+    rows), w2_weight [L, H, I_r/2], uint8 packed along K, with per-block scales [L, N, nb]. The grouped matmul
+    reads them as the transposed views [L, K/2, N] and [L, K/64, N, 2]; the SwiGLU output is quantized by
+    npu_swiglu_mx_quant."""
+
+    tensors = ("weight", "weight_scale")
+
+    def create_weights(self, layer, experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        def param(*shape, zeros=False):
+            make = torch.zeros if zeros else torch.empty
+            return nn.Parameter(make(*shape, dtype=torch.uint8), requires_grad=False)
+        _check_activation_dtype(dtype)
+        if hidden % 2 or inter % 2:
+            raise ValueError(f"MXFP4 packs two values per byte along K: hidden_size={hidden} and the per-rank "
+                             f"moe_intermediate_size={inter} must be even")
+        layer.w13_weight = param(experts, 2 * inter, hidden // 2)
+        layer.w13_weight_scale = param(experts, 2 * inter, even_blocks(hidden), zeros=True)
+        layer.w2_weight = param(experts, hidden, inter // 2)
+        layer.w2_weight_scale = param(experts, hidden, even_blocks(inter), zeros=True)
+        layer.output_dtype = dtype
+
+    def _read(self, source, name: str, shape: tuple, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        n, k = shape
+        packed = index if len(index) < 2 else (index[0], block_slice(index[1], k, name, per=2))
+        scales = index if len(index) < 2 else (index[0], block_slice(index[1], k, name))
+        w = source.read(name, (n, k // 2), packed)
+        _expect_dtype(source, name, w, torch.uint8, "W4A8 (MXFP4 experts)")
+        s = source.read(scale_name(name), (n, -(-k // BLOCK)), scales)
+        _expect_dtype(source, scale_name(name), s, torch.uint8, "W4A8 (MXFP4 experts)")
+        return w, s
+
+    def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:
+        inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
+        for offset, proj in ((0, "gate_proj"), (i_r, "up_proj")):
+            w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))     # [I_r, H/2], [I_r, nb]
+            layer.w13_weight[local, offset:offset + i_r].copy_(w)
+            layer.w13_weight_scale[local, offset:offset + i_r, :s.shape[1]].copy_(s)
+        w, s = self._read(source, f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r/2]
+        layer.w2_weight[local].copy_(w)
+        layer.w2_weight_scale[local, :, :s.shape[1]].copy_(s)
+
+    def _gmm(self, layer, x, x_scale, weight, weight_scale, tokens_per_expert):
+        return torch.ops.npu.npu_grouped_matmul(
+            [x], [weight.transpose(1, 2)], antiquant_scale=[pair_view(weight_scale).transpose(1, 2)],
+            per_token_scale=[x_scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
+            split_item=3, output_dtype=output_dtype_code(layer.output_dtype), weight_dtype=FLOAT4_E2M1,
+            per_token_scale_dtype=FLOAT8_E8M0)[0]
+
+    def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        xq, xs = mx_quant(x)                                                               # [M, H] fp8
+        h = self._gmm(layer, xq, xs, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
+        hq, hs = torch.ops.npu.npu_swiglu_mx_quant(h, group_index=tokens_per_expert, activate_left=True,
+                                                   dst_type=FLOAT8_E4M3FN)                  # [M, I_r] fp8
+        return self._gmm(layer, hq, hs, layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]
+
+
+def moe_method(scheme: str | None):
+    return W4A8MxFp4MoEGMMMethod() if scheme == W4A8 else UnquantizedFusedMoEMethod()

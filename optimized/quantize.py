@@ -1,0 +1,300 @@
+"""Offline BF16 -> W4A8 checkpoint conversion (spec mx_quant.md §8), streamed tensor by tensor.
+
+    python -m optimized convert --quant w4a8 SRC DST
+
+W4A8 (the recipe's `w4a8c16`): routed experts' gate/up/down weights MXFP4 E2M1 (uint8, two codes per byte
+packed along K, low nibble first), attention q/k/v/o (and dense-MLP) weights MXFP8 E4M3, each with a
+`<name>_scale` uint8 tensor of one E8M0 byte per 32-block of K, shape [N, ceil(K/32)]. Norms, the router,
+embeddings and lm_head are copied unchanged. config.json gets the compressed-tensors `quantization_config`
+of §8.3 (with `kv_cache_scheme: null`: the KV cache stays 16-bit); other files are copied; an index is
+rewritten with the same shard file names.
+
+Streaming: every output shard's header is computed from the source's tensor metadata before any data is
+read, then each tensor is read (through `get_slice`), quantized and appended in row chunks, so memory holds
+a few MB of one tensor at a time, never a whole tensor, shard or model.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+QUANT_TYPES = ("w4a8",)
+BLOCK = 32
+KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
+QUANT_CHUNK_VALUES = 1 << 20  # quantized tensors are converted in row chunks of about this many values
+
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_KEPT = re.compile(r"^(model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm|mlp\.gate)"
+                   r"\.weight|model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)$")
+_SAFETENSORS_DTYPE = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+
+
+class ConversionError(ValueError):
+    """The source cannot be converted (the message names the file, tensor or config key)."""
+
+
+# --------------------------------------------------------------------------------------------- quantizer
+
+@dataclass(frozen=True)
+class _Format:
+    emax: int
+    max: float
+
+
+MXFP8 = _Format(emax=8, max=448.0)
+MXFP4 = _Format(emax=2, max=6.0)
+# E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: code c is the number of midpoints at or below |v| (ties away).
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _shared_exponent(amax: torch.Tensor, fmt: _Format) -> torch.Tensor:
+    """§8.2: floor(log2 amax), +1 when amax's mantissa exceeds 1.75, minus emax; at least -127 (0 -> -127)."""
+    mantissa, exponent = torch.frexp(amax)               # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    e = exponent - 1 + (mantissa > 0.875).to(exponent.dtype)
+    shared = (e - fmt.emax).clamp_min(-127)
+    return torch.where(amax > 0, shared, torch.full_like(shared, -127))
+
+
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2^n as fp32 for integer n in [-126, 127], built from the exponent bits (exact on every platform)."""
+    return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _round_e4m3_half_away(a: torch.Tensor) -> torch.Tensor:
+    """fp32 a (|a| < 512) -> nearest E4M3 value, ties away from zero, saturated at 448 (exact in fp32)."""
+    magnitude = a.abs()
+    _, exponent = torch.frexp(magnitude)
+    p = (exponent - 1).clamp_min(-6)                    # binade; subnormal spacing 2^-9 below 2^-6
+    units = torch.floor(magnitude * _pow2(3 - p) + 0.5)
+    return torch.copysign((units * _pow2(p - 3)).clamp_max(MXFP8.max), a)
+
+
+def mx_quantize_weight(w: torch.Tensor, fmt: _Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (elements, scale uint8 [..., N, ceil(K/32)]); elements: MXFP8 float8_e4m3fn [..., N, K],
+    MXFP4 uint8 [..., N, K/2]."""
+    k = w.shape[-1]
+    x = F.pad(w.float(), (0, -k % BLOCK)).unflatten(-1, (-1, BLOCK))    # [..., nb, 32]
+    shared = _shared_exponent(x.abs().amax(-1), fmt)                    # [..., nb]
+    a = x * _pow2(-shared)[..., None]                                   # exact: power-of-two scaling
+    scale = (shared + 127).to(torch.uint8)
+    if fmt is MXFP8:
+        return _round_e4m3_half_away(a).flatten(-2)[..., :k].to(torch.float8_e4m3fn), scale
+    magnitude = a.abs()
+    codes = sum((magnitude >= t).to(torch.uint8) for t in _FP4_MIDPOINTS)   # midpoints <= |a|: ties away
+    codes = (codes | (torch.signbit(a).to(torch.uint8) << 3)).flatten(-2)[..., :k]
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
+
+
+def quant_format(name: str) -> _Format | None:
+    """The W4A8 format of checkpoint tensor `name` (None: copied unchanged); unknown tensors are an error."""
+    if _EXPERT.match(name):
+        return MXFP4
+    if _FP8_LINEAR.match(name):
+        return MXFP8
+    if _KEPT.match(name):
+        return None
+    raise ConversionError(f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the W4A8 converter knows "
+                          "(per-expert names expected, e.g. model.layers.0.mlp.experts.0.gate_proj.weight)")
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name.removesuffix("weight") + "weight_scale"
+
+
+# ------------------------------------------------------------------------------------------- config.json
+
+def quantization_config(num_hidden_layers: int) -> dict:
+    """The compressed-tensors `quantization_config` of a W4A8 checkpoint (§8.3, key order as written)."""
+    def args(bits: int, dynamic: bool) -> dict:
+        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
+                "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
+
+    def group(weight_bits: int, target: str) -> dict:
+        return {"input_activations": args(8, True), "activation_use_clip": False, "output_activations": None,
+                "targets": [target], "weights": args(weight_bits, False)}
+
+    ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
+              for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
+                        "self_attn.q_norm")]
+    return {"config_groups": {"group_0": group(8, "Linear"), "group_1": group(4, "MoEGMM")},
+            "format": "float-quantized", "global_compression_ratio": "null",
+            "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
+            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "weight_block_size": [1, 32]}
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+@dataclass
+class _Entry:
+    """One output tensor: where its bytes come from (`source` name, quantized part or kept) and its header."""
+    name: str
+    source: str
+    part: str            # "weight" | "scale" (quantized) | "kept"
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+_ITEMSIZE = {"F8_E4M3": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+
+
+def _plan_file(handle, file: str, fmt_of) -> list[_Entry]:
+    entries = []
+    for name in handle.keys():
+        meta = handle.get_slice(name)
+        dtype, shape = meta.get_dtype(), list(meta.get_shape())
+        if dtype not in ("BF16", "F16", "F32"):
+            raise ConversionError(f"{file}: tensor {name!r} has dtype {dtype}: the source looks already quantized "
+                                  "(a BF16/FP16/FP32 checkpoint is expected)")
+        fmt = fmt_of(name)
+        if fmt is None:
+            entries.append(_Entry(name, name, "kept", dtype, shape, _ITEMSIZE[dtype] * _numel(shape)))
+            continue
+        if len(shape) != 2:
+            raise ConversionError(f"{file}: tensor {name!r} has shape {shape}; a 2-D [N, K] weight is expected")
+        n, k = shape
+        if fmt is MXFP4 and k % 2:
+            raise ConversionError(f"{file}: tensor {name!r} has K={k} (shape {shape}); MXFP4 packs two values per "
+                                  "byte along K, so K must be even")
+        w_shape = [n, k] if fmt is MXFP8 else [n, k // 2]
+        s_shape = [n, -(-k // BLOCK)]
+        entries.append(_Entry(name, name, "weight", "F8_E4M3" if fmt is MXFP8 else "U8", w_shape, _numel(w_shape)))
+        entries.append(_Entry(scale_name(name), name, "scale", "U8", s_shape, _numel(s_shape)))
+    return entries
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _header(entries: list[_Entry]) -> bytes:
+    """A safetensors header (JSON, offsets in entry order), space-padded to 8 bytes like the library's."""
+    meta, offset = {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        meta[e.name] = {"dtype": e.dtype, "shape": e.shape, "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _raw(t: torch.Tensor):
+    """The tensor's bytes as a buffer (no copy for a contiguous tensor)."""
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+class _Stats:
+    def __init__(self):
+        self.tensors_in = self.bytes_in = self.bytes_out = 0
+
+
+def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, progress) -> None:
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    with open(out_path, "wb") as out:
+        out.write(_header(entries))
+        for e in entries:
+            if e.part == "kept":
+                meta = handle.get_slice(e.source)
+                rows = e.shape[0] if e.shape else 1
+                step = max(1, KEPT_CHUNK_BYTES // max(1, e.nbytes // max(rows, 1)))
+                if not e.shape:
+                    out.write(_raw(handle.get_tensor(e.source)))
+                else:
+                    for start in range(0, rows, step):
+                        out.write(_raw(meta[start:start + step]))
+                stats.tensors_in += 1
+                stats.bytes_in += e.nbytes
+                progress.update(1)
+            elif e.part == "weight":
+                # Row chunks: quantization is per row, so the chunks' bytes concatenate to the whole tensor's,
+                # and the fp32 temporaries stay a few MB whatever the tensor's size.
+                meta, fmt = handle.get_slice(e.source), MXFP8 if e.dtype == "F8_E4M3" else MXFP4
+                rows, k = meta.get_shape()
+                step = max(1, QUANT_CHUNK_VALUES // k)
+                scales = []
+                for start in range(0, rows, step):
+                    w = meta[start:start + step]
+                    q, s = mx_quantize_weight(w, fmt)
+                    out.write(_raw(q))
+                    scales.append(s)
+                    stats.bytes_in += w.numel() * w.element_size()
+                stats.tensors_in += 1
+                quantized[e.source] = torch.cat(scales)        # its scale follows right after
+                progress.update(1)
+            else:
+                out.write(_raw(quantized.pop(e.source)))
+            stats.bytes_out += e.nbytes
+
+
+@dataclass
+class ConversionReport:
+    tensors: int
+    bytes_in: int
+    bytes_out: int
+    files: list[str]
+
+
+def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True) -> ConversionReport:
+    """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a W4A8 checkpoint at `dst`."""
+    from tqdm import tqdm
+
+    src, dst = Path(src), Path(dst)
+    if quant not in QUANT_TYPES:
+        raise ConversionError(f"--quant {quant!r} is not supported; supported: {', '.join(QUANT_TYPES)}")
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"{src} has no config.json")
+    config = json.loads(config_path.read_text())
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ConversionError(f"{config_path} already has a quantization_config (quant_method {method!r}): the "
+                              "source is already quantized; convert the BF16 checkpoint instead")
+    if config.get("model_type") != "qwen3_moe":
+        raise ConversionError(f"{config_path} has model_type={config.get('model_type')!r}; expected 'qwen3_moe'")
+    if (src / INDEX_FILE).is_file():
+        weight_map = json.loads((src / INDEX_FILE).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (src / SINGLE_FILE).is_file():
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise ConversionError(f"{src} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    if dst.resolve() == src.resolve():
+        raise ConversionError(f"destination {dst} is the source directory")
+    if dst.exists() and any(dst.iterdir()):
+        raise ConversionError(f"destination {dst} exists and is not empty")
+
+    # Plan every file first: a bad tensor anywhere fails before anything is written.
+    handles = {file: safe_open(src / file, framework="pt") for file in files}
+    plans = {file: _plan_file(handles[file], file, quant_format) for file in files}
+    dst.mkdir(parents=True, exist_ok=True)
+    stats = _Stats()
+    total = sum(1 for entries in plans.values() for e in entries if e.part != "scale")
+    with tqdm(total=total, unit="tensor", desc=f"convert {quant}", disable=not progress) as bar:
+        for file in files:
+            bar.set_postfix_str(file)
+            _write_file(handles.pop(file), plans[file], dst / file, stats, bar)   # pop: unmap it when done
+
+    for item in src.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name not in ("config.json", INDEX_FILE):
+            shutil.copy2(item, dst / item.name)
+    if weight_map is not None:
+        out_map = {e.name: file for file in files for e in plans[file]}
+        (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": out_map}, indent=2))
+    config["quantization_config"] = quantization_config(config["num_hidden_layers"])
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return ConversionReport(stats.tensors_in, stats.bytes_in, stats.bytes_out, files)

@@ -1,0 +1,170 @@
+"""MX fake quantization for the reference model: quantize, then dequantize, at the W4A8 points.
+
+A plain restatement of the MX rules (spec mx_quant.md), in float64 so every step is exact, used as the
+tight oracle of the quantized optimized model. Nothing here comes from `optimized/`.
+
+MX block: 32 consecutive values along the last axis share one power-of-two scale 2^(byte - 127).
+Two scale rules, two element tie rules:
+- weights, as the offline converter writes them (§8.2): scale exponent = floor(log2 amax), +1 if the
+  mantissa of amax exceeds 1.75, minus the element format's emax; elements rounded half away from zero;
+- activations, as the model quantizes them at run time (§3.1, scale_alg 0, E4M3): scale exponent =
+  floor(log2 amax) - 8; elements rounded half to even, saturated at 448; a block whose scale byte would be
+  0 (amax below 2^-118) is written as zeros.
+
+W4A8 (§9): attention q/k/v/o weights MXFP8 E4M3, expert gate/up/down weights MXFP4 E2M1, and the inputs of
+those linears (the normed hidden state, the attention output, the expert input, the SwiGLU product) MXFP8.
+The SwiGLU product is formed in fp32 and rounded once, as the fused SwiGLU + quantization does.
+Norms, router, embeddings and lm_head stay unquantized. Dense MLP layers (none in released Qwen3-MoE) are
+MXFP8 like attention.
+
+    from reference.fake_quant import fake_quantize, load_fake_quant_model
+    fake_quantize(model)        # in place; the model then computes what a W4A8 checkpoint computes
+    model = load_fake_quant_model(path, torch.bfloat16)   # quantizes the checkpoint's own values, then casts
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    name: str
+    emax: int        # exponent of the largest binade (448 = 1.75 * 2^8, 6 = 1.5 * 2^2)
+    mantissa_bits: int
+    min_exponent: int  # exponent of the smallest normal binade; below it the grid spacing stays fixed
+    max: float
+
+
+E4M3 = ElementFormat("float8_e4m3fn", emax=8, mantissa_bits=3, min_exponent=-6, max=448.0)
+E2M1 = ElementFormat("float4_e2m1", emax=2, mantissa_bits=1, min_exponent=0, max=6.0)
+
+
+def _floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2 |a|) for a != 0, exactly (frexp: a = m * 2^e with 0.5 <= |m| < 1)."""
+    mantissa, exponent = torch.frexp(a)
+    return exponent.double() - 1
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> float64 [..., ceil(K/32), 32], the tail padded with zeros (they never change a block's amax)."""
+    k = x.shape[-1]
+    padded = F.pad(x.double(), (0, -k % BLOCK))
+    return padded.unflatten(-1, (-1, BLOCK))
+
+
+def round_to_grid(a: torch.Tensor, fmt: ElementFormat, ties: str) -> torch.Tensor:
+    """Round float64 `a` to the nearest value of `fmt` (ties "even" or "away" from zero), saturating at fmt.max."""
+    magnitude = a.abs()
+    exponent = torch.where(magnitude > 0, _floor_log2(magnitude), torch.zeros_like(a)).clamp_min(fmt.min_exponent)
+    step = torch.exp2(exponent - fmt.mantissa_bits)           # grid spacing of a's binade
+    units = magnitude / step                                  # exact: division by a power of two
+    units = torch.round(units) if ties == "even" else torch.floor(units + 0.5)
+    return torch.copysign((units * step).clamp_max(fmt.max), a)  # the sign survives a rounding to zero
+
+
+@dataclass
+class MXTensor:
+    """Elements on the format's grid (float64, unscaled) and one scale byte per 32-block: value = q * 2^(s-127)."""
+
+    elements: torch.Tensor  # [..., K] float64
+    scale: torch.Tensor     # [..., ceil(K/32)] uint8 (255 = NaN block)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        k = self.elements.shape[-1]
+        factor = torch.exp2(self.scale.double() - 127)
+        factor = torch.where(self.scale == 255, torch.nan, factor)
+        blocks = _blocks(self.elements) * factor[..., None]
+        return blocks.flatten(-2)[..., :k].to(dtype)
+
+
+def quantize_weight(w: torch.Tensor, fmt: ElementFormat) -> MXTensor:
+    """The converter's rule (§8.2) along the last axis: scale 2^ceil-ish(amax), ties away from zero."""
+    x = _blocks(w)                                                        # [..., nb, 32]
+    amax = x.abs().amax(-1)                                               # [..., nb]
+    e = _floor_log2(amax)
+    mantissa = amax / torch.exp2(e)                                       # in [1, 2)
+    e = torch.where(mantissa > 1.75, e + 1, e)
+    shared = (e - fmt.emax).clamp_min(-127)
+    shared = torch.where(amax > 0, shared, torch.full_like(shared, -127))  # zero block: byte 0
+    q = round_to_grid(x / torch.exp2(shared)[..., None], fmt, ties="away")
+    return MXTensor(q.flatten(-2)[..., :w.shape[-1]], (shared + 127).to(torch.uint8))
+
+
+def quantize_activation(x: torch.Tensor) -> MXTensor:
+    """Run-time MXFP8 E4M3 quantization (§3.1 scale_alg 0, round half to even, §4.4 non-finite blocks)."""
+    b = _blocks(x)
+    amax = b.abs().amax(-1)
+    finite = torch.isfinite(b).all(-1)
+    exponent = torch.where(amax > 0, _floor_log2(torch.where(finite, amax, 1.0)), torch.full_like(amax, -1000.0))
+    byte = (exponent + 127 - E4M3.emax).clamp(0, 254)             # fp32-exponent of amax minus emax, >= 0
+    byte = torch.where(finite, byte, torch.full_like(byte, 255))
+    flush = (byte == 0) | (byte == 255)                           # tiny blocks -> signed zeros; NaN blocks -> 0
+    scaled = torch.where(finite[..., None], b, 0.0) / torch.exp2(byte - 127)[..., None]
+    q = round_to_grid(scaled, E4M3, ties="even")
+    q = torch.where(flush[..., None], q * 0.0, q)
+    return MXTensor(q.flatten(-2)[..., :x.shape[-1]], byte.to(torch.uint8))
+
+
+def fake_quant_weight(w: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    return quantize_weight(w, fmt).dequantize(w.dtype)
+
+
+def fake_quant_activation(x: torch.Tensor) -> torch.Tensor:
+    return quantize_activation(x).dequantize(x.dtype)
+
+
+class FakeQuantLinear(nn.Module):
+    """y = MXFP8(x) @ MX(W)^T, both operands quantize-dequantized (exact in bf16 and fp32)."""
+
+    def __init__(self, linear: nn.Linear, fmt: ElementFormat):
+        super().__init__()
+        self.fmt = fmt
+        self.weight = nn.Parameter(fake_quant_weight(linear.weight.detach(), fmt), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(fake_quant_activation(x), self.weight)
+
+
+class FakeQuantMLP(nn.Module):
+    """SwiGLU with quantized linears; the product silu(gate) * up is formed in fp32 and rounded once to the
+    activation dtype before down_proj quantizes it (the W4A8 path's fused SwiGLU + MX quantization, §6.4)."""
+
+    def __init__(self, mlp: nn.Module, fmt: ElementFormat):
+        super().__init__()
+        self.gate_proj = FakeQuantLinear(mlp.gate_proj, fmt)
+        self.up_proj = FakeQuantLinear(mlp.up_proj, fmt)
+        self.down_proj = FakeQuantLinear(mlp.down_proj, fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
+        return self.down_proj(product.to(x.dtype))
+
+
+def fake_quantize(model: nn.Module, scheme: str = "w4a8") -> nn.Module:
+    """Replace the reference model's quantized linears by FakeQuantLinear, in place (W4A8 placement, §8.1/§9)."""
+    if scheme != "w4a8":
+        raise ValueError(f"fake-quant scheme {scheme!r} is not supported; supported: 'w4a8'")
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(attn, name, FakeQuantLinear(getattr(attn, name), E4M3))
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = nn.ModuleList(FakeQuantMLP(expert, E2M1) for expert in layer.mlp.experts)
+        else:
+            layer.mlp = FakeQuantMLP(layer.mlp, E4M3)
+    return model
+
+
+def load_fake_quant_model(path, dtype: torch.dtype = torch.bfloat16, router_dtype: str = "activation") -> nn.Module:
+    """The reference model of checkpoint `path`, fake-quantized from the checkpoint's stored values (as the
+    converter quantizes them, whatever their dtype), then cast to `dtype` (dequantized MX values are exact in
+    bf16 and fp32)."""
+    from reference.checkpoint import load_model
+
+    return fake_quantize(load_model(path, torch.float32, router_dtype)).to(dtype)
