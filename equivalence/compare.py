@@ -137,9 +137,11 @@ TOLERANCES: dict[str, Tolerance] = {
             "BF16 (unquantized) reference is >= 28x farther (rel_l2 0.15-0.21)",
     ),
     "model.w4a8.bfloat16": Tolerance(
-        atol=0.4, rtol=2e-2, max_rel_l2=0.12,
+        atol=0.5, rtol=2e-2, max_rel_l2=0.15,
         why="optimized W4A8 model (1-4 ranks) vs the fake-quant reference replaying its routing, logits of the 3 "
-            "tiny fixtures, 27 runs of 1-4 prompts + 3 decode steps: max rel_l2 9.5e-2 per request, max_abs 0.32. "
+            "tiny fixtures, 27 runs of 1-4 prompts + 3 decode steps: max rel_l2 9.5e-2 per request, max_abs 0.32; "
+            "with tiny-dense at 4 layers (3 dense MLPs in MXFP8, one more quantized layer), 12 more runs at "
+            "world 1/2: max rel_l2 0.118, max_abs 0.417. "
             "Not tighter because the unquantized bf16 paths differ (fused add_rms_norm, fp32-internal attention: "
             "model.parallel.bfloat16, 2.4e-2) and every such 1-ulp bf16 difference is re-rounded onto the E4M3 grid "
             "(3 mantissa bits) at 4 quantization points per layer, ~4x amplification; the quantized linears and "

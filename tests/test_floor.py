@@ -134,10 +134,10 @@ def test_one_rank_decode_bytes_are_the_bench_formula():
 
 
 def test_decode_collectives_follow_the_layout():
-    c = tiny_config("tiny-dense")       # 3 layers: dense, sparse, dense
+    c = tiny_config("tiny-dense")       # 4 layers: dense (step), dense (mlp_only_layers), dense (step), sparse
     assert F.decode_collectives(c, F.Layout()) == 0
     # per sparse layer attn + moe_tp + moe_ep, per dense layer attn + moe_tp, + embedding + lm_head
-    assert F.decode_collectives(c, F.Layout(2, 2, 2, 2, 4)) == 1 * 3 + 2 * 2 + 1 + 1
+    assert F.decode_collectives(c, F.Layout(2, 2, 2, 2, 4)) == 1 * 3 + 3 * 2 + 1 + 1
 
 
 def test_unknown_precision_is_a_clear_error():
