@@ -174,6 +174,6 @@ def format_report(r: dict) -> str:
                   "the routing's slot counts) vs formula under uniform routing"]
     for name, v in lay.items():
         for i, m in enumerate(v["moe_rank0"]):
-            lines.append(f"  {name:<14} MoE layer {i}: measured {m['measured']:>12,d} B   formula {m['formula']:>12,d} B"
-                         f"   uniform {m['uniform']:>12,d} B")
+            lines.append(f"  {name:<14} MoE layer {i}: measured {m['measured']:>12,d} B   formula "
+                         f"{m['formula']:>12,d} B   uniform {m['uniform']:>12,d} B")
     return "\n".join(lines)

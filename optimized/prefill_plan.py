@@ -77,13 +77,13 @@ def ep_comm_volumes(hf_config, parallel: ParallelConfig, num_tokens: int, act_by
 def describe(hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: int) -> str:
     """One line for the start of a run: the prefill path, the MoE EP scheme and both schemes' volumes."""
     if not parallel.sp_prefill:
-        return (f"prefill: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); "
+        return (f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); "
                 f"prefill_opt {parallel.prefill_opt}")
     k, ep = hf_config.num_experts_per_tok, parallel.moe_ep_size
     scheme = choose_ep_scheme(parallel, k)
     why = (f"auto: top_k {k} {'>=' if k >= ep else '<'} moe_ep_size {ep}" if parallel.moe_ep_scheme == "auto"
            else "moe_ep_scheme")
     vol = ep_comm_volumes(hf_config, parallel, num_tokens, act_bytes)
-    return (f"prefill: sequence parallel over {parallel.attn_tp_size} ranks (Attention SP+TP), MoE EP scheme "
+    return (f"prefill path: sequence parallel over {parallel.attn_tp_size} ranks (Attention SP+TP), MoE EP scheme "
             f"{scheme} ({why}); per MoE layer and rank for {num_tokens} tokens: allgather "
             f"{vol['allgather'].total} B, alltoall ~{vol['alltoall'].total} B (uniform routing)")

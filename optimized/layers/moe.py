@@ -157,7 +157,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
         gathered = comm.all_to_all_single(expanded_x, ep, output_split_sizes=recv, input_split_sizes=send)
         permuted, _, permute_token_idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
-            gathered, tokens_per_expert_group.view(ranks, local))                  # (source rank, expert) -> expert-major
+            gathered, tokens_per_expert_group.view(ranks, local))                  # -> (expert, source rank) order
         expert_out = self.experts(permuted, expert_tokens)
         expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
         combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
