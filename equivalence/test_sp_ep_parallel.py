@@ -3,7 +3,8 @@ ReduceScatter, double-routing AlltoAll) over real gloo ranks equal the reference
 path from the KV cache the SP prefill wrote.
 
 Layouts (`strategies.sp_layout`): attention TP = MoE EP = world (2, 4, 8; top_k 4 of the tiny models is
-above, equal to and below the EP degree), prefill_opt on, each EP scheme.
+above, equal to and below the EP degree), prefill_opt on, each EP scheme; in the whole-model fp32 tests
+embedding and lm_head either vocab-parallel over all ranks or replicated (drawn).
 
 - EP schemes at block level: `moe_infer_ag` and `moe_infer_double_routing` on drawn adversarial routings
   (`strategies.expert_routing`: every token on one expert set, one EP rank receiving nothing, one rank
@@ -268,9 +269,8 @@ def test_sp_attention_writes_the_tp_cache_and_sp_layer_equals_reference(world, s
 
 @pytest.mark.parametrize("world, scheme, n", cases({2: 3, 4: 2, 8: 2}))
 def test_sp_prefill_then_tp_decode_logits_equal_reference_fp32(world, scheme, n):
-    lay = sp_layout(world, scheme)
-
-    def check(name, lengths, steps, seed):
+    def check(name, lengths, steps, vocab_tp, seed):
+        lay = sp_layout(world, scheme, embed_tp_size=vocab_tp, lmhead_tp_size=vocab_tp)
         path = str(checkpoint(name))
         prompts = _prompts(lengths, seed)
         forced = _draw_forced(seed, len(prompts), steps)
@@ -283,14 +283,13 @@ def test_sp_prefill_then_tp_decode_logits_equal_reference_fp32(world, scheme, n)
             assert_close(gd, wd, "model.float32", f"{what}: TP decode logits from the SP-written cache ({steps} steps)")
 
     run_property(check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world), steps=st.integers(1, 3),
-                 seed=seeds)
+                 vocab_tp=st.sampled_from([world, 1]), seed=seeds)
 
 
 @pytest.mark.parametrize("world, scheme, n", cases({2: 2, 4: 2, 8: 1}))
 def test_sp_greedy_generation_identical_to_reference_fp32(world, scheme, n):
-    lay = sp_layout(world, scheme)
-
-    def check(name, lengths, seed):
+    def check(name, lengths, vocab_tp, seed):
+        lay = sp_layout(world, scheme, embed_tp_size=vocab_tp, lmhead_tp_size=vocab_tp)
         path = str(checkpoint(name))
         prompts = _prompts(lengths, seed)
         got = same_on_all_ranks(get_pool(world).run(_sp_generate_task, path, lay, prompts, GEN_TOKENS,
@@ -300,7 +299,8 @@ def test_sp_greedy_generation_identical_to_reference_fp32(world, scheme, n):
             w = greedy_generate(ref, torch.tensor([p]), GEN_TOKENS)[0].tolist()
             assert g == w, f"{describe_layout(lay)} {name} request {b} (len {len(p)}): optimized {g} != reference {w}"
 
-    run_property(check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world), seed=seeds)
+    run_property(check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world),
+                 vocab_tp=st.sampled_from([world, 1]), seed=seeds)
 
 
 @pytest.mark.parametrize("world, scheme, n", cases({2: 2, 4: 2, 8: 1}))
