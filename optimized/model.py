@@ -7,9 +7,9 @@ stream is carried between layers by `npu_add_rms_norm`.
 Decode (and prefill without `prefill_opt`): every rank runs every token. Prefill with `prefill_opt`
 (sequence parallel, chosen once at build time): rank r of the attention TP group runs packed tokens
 [r*n, (r+1)*n), n = ceil(T / P), through embedding, norms and MoE (EP scheme from
-`prefill_plan.choose_ep_scheme`), attention gathering the whole sequence; the hidden states are gathered
-before the final norm's output reaches lm_head. The padding of the last slice is created and stripped in
-`sp_prefill_layers` alone, and attention drops it before anything reaches the KV cache.
+`prefill_plan.choose_ep_scheme`), attention gathering the whole sequence; the final-normed hidden states
+are gathered for lm_head. The padding of the last slice is created and stripped in `sp_prefill_layers`
+alone, and attention drops it before anything reaches the KV cache.
 """
 from __future__ import annotations
 
