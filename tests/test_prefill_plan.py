@@ -97,3 +97,15 @@ def test_qwen3_30b_volumes_ratio_is_ep_over_top_k():
     line = describe(QWEN3_30B, par, 4096, 2)
     assert "MoE EP scheme allgather (auto: top_k 8 >= moe_ep_size 4)" in line
     assert "tensor parallel" in describe(QWEN3_30B, _par(), 16, 2)
+
+
+def test_sp_example_config_fits_the_tiny_model_and_picks_allgather():
+    from pathlib import Path
+
+    from fixtures.tiny import tiny_config
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "tiny_sp4_ep4.yaml"
+    cfg = InferenceConfig.from_yaml(path).validate_for_model(tiny_config("tiny"))
+    par = cfg.parallel_config
+    assert par.sp_prefill and par.prefill_opt is True
+    assert choose_ep_scheme(par, tiny_config("tiny").num_experts_per_tok) == "allgather"   # top_k 4 >= ep 4
