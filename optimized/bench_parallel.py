@@ -39,7 +39,7 @@ def _moe_counted(block, log: list, act_bytes: int):
     from . import comm
     from .prefill_plan import allgather_volume, alltoall_volume
 
-    scheme_fn = block.moe_infer_ep
+    scheme_fn = getattr(block, block.moe_infer_ep)
     ep, local = block.moe_ep, block.experts.local_experts
 
     def counted(hidden, topk_idx, topk_weight):
@@ -59,7 +59,7 @@ def _moe_counted(block, log: list, act_bytes: int):
             uniform = alltoall_volume(n, h, k, ep.size, block.num_experts, act_bytes)
         log.append({"measured": counter.total, "formula": exact.total, "uniform": uniform.total})
         return out
-    block.moe_infer_ep = counted
+    setattr(block, block.moe_infer_ep, counted)   # shadows the method on this instance
 
 
 def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:

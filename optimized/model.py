@@ -90,8 +90,6 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, groups.lmhead_tp, dtype)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
         self.register_buffer("atten_mask", causal_mask_template(), persistent=False)
-        # How a prefill runs the layers (sequence parallel or every rank on every token), fixed here.
-        self.prefill_layers = self.sp_prefill_layers if self.ep_scheme else self.run_layers
 
     def load_weights(self, source) -> None:
         with torch.no_grad():
@@ -114,7 +112,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         if meta.num_tokens and int(meta.positions.max()) >= max_pos:
             raise ValueError(f"position {int(meta.positions.max())} exceeds max_position_embeddings={max_pos}")
         cos, sin = self.rotary(meta.positions)
-        run = self.prefill_layers if meta.is_prefill else self.run_layers
+        # A prefill runs sequence parallel when the layout chose it at build time (self.ep_scheme).
+        run = self.sp_prefill_layers if meta.is_prefill and self.ep_scheme else self.run_layers
         hidden = run(input_ids, cos, sin, meta, kv_caches)                    # [T, H], final-normed
         if logits_indices is not None:
             hidden = hidden[logits_indices]

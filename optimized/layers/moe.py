@@ -85,9 +85,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, torch.float32)
         self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                    moe_tp, moe_ep, dtype)
-        # The sequence-parallel prefill's way to reach the experts (None: no SP prefill in this layout).
-        self.moe_infer_ep = {None: None, "allgather": self.moe_infer_ag,
-                             "alltoall": self.moe_infer_double_routing}[ep_scheme]
+        # The sequence-parallel prefill's way to reach the experts, by method name (None: no SP prefill in this
+        # layout); a name, not a bound method, so the block holds no reference cycle to itself.
+        self.moe_infer_ep = {None: None, "allgather": "moe_infer_ag", "alltoall": "moe_infer_double_routing"}[ep_scheme]
 
     def load(self, source, prefix: str) -> None:
         self.gate.load(source, f"{prefix}.gate.weight")
@@ -123,7 +123,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def forward_ep(self, hidden: torch.Tensor) -> torch.Tensor:
         """Sequence-parallel prefill: this EP rank's own tokens [n, H] -> their MoE output [n, H]."""
         topk_weight, topk_idx = self.route(hidden)
-        return self.moe_infer_ep(hidden, topk_idx, topk_weight)
+        return getattr(self, self.moe_infer_ep)(hidden, topk_idx, topk_weight)
 
     def moe_infer_ag(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """AllGather / ReduceScatter EP: every rank holds n tokens (the same n on every rank)."""
