@@ -3,7 +3,8 @@
 # (torchrun, gloo on CPU), in float32, where the two must agree token for token. The prompt is encoded and
 # the output decoded by the fixture's own tokenizer (tokenizer.json, as a released checkpoint ships it).
 # Prints both, their text, and MATCH; exits non-zero on a mismatch.
-# Usage: bash ci/demo.sh [NPROC]   (NPROC 2: tiny_tp2.yaml, 4: tiny_tp2_ep2.yaml)
+# Usage: bash ci/demo.sh [NPROC]   (NPROC 2: tiny_tp2.yaml, 4: tiny_sp4_ep4.yaml,
+# the sequence-parallel prefill with MoE expert parallel, then tensor-parallel decode)
 set -euo pipefail
 source "$(dirname "$0")/setup.sh"   # sets $PY, cds to the repository root
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # `fixtures` lives at the repository root
@@ -12,7 +13,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 NPROC="${1:-2}"
 case "$NPROC" in
     2) CONFIG=fixtures/configs/tiny_tp2.yaml ;;
-    4) CONFIG=fixtures/configs/tiny_tp2_ep2.yaml ;;
+    4) CONFIG=fixtures/configs/tiny_sp4_ep4.yaml ;;
     *) echo "usage: bash ci/demo.sh [2|4]" >&2; exit 2 ;;
 esac
 PROMPT="The capital of France is"

@@ -73,7 +73,9 @@ TOLERANCES: dict[str, Tolerance] = {
         why="optimized bf16 model (fused add_rms_norm carrying the residual, fp32-internal attention, grouped "
             "matmul) on 1-8 ranks vs the bf16 reference replaying its expert ids, logits of 2-3 layer tiny "
             "fixtures, ~60 draws: max_abs 7.8e-2, rel_l2 2.4e-2 (the reference with its own routing: same range, "
-            "top-1 agreement >= 0.975); bound ~1.6x measured; logic errors (wrong head/shard) give rel_l2 > 0.3",
+            "top-1 agreement >= 0.975); bound ~1.6x measured; logic errors (wrong head/shard) give rel_l2 > 0.3. "
+            "SP prefill + TP decode, both EP schemes, 2/4/8 ranks, 6 batches x 3 fixtures per layout: max_abs "
+            "8.2e-2, rel_l2 1.44e-2; routing flips 3.9-4.2% of token routings, all near-ties (worst margin 1.8e-2)",
     ),
     "router_tie.model.bfloat16": Tolerance(
         atol=0.0, rtol=6e-2,

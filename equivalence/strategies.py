@@ -50,11 +50,22 @@ def allowed_sizes(world_size: int, config) -> dict[str, list[int]]:
 
 
 def layout(world_size: int, attn_tp_size: int = 1, moe_tp_size: int | None = None, embed_tp_size: int = 1,
-           lmhead_tp_size: int = 1) -> dict[str, int]:
-    """Keyword sizes for `ParallelState.build` (moe_tp defaults to 1, i.e. pure expert parallelism)."""
+           lmhead_tp_size: int = 1, prefill_opt: bool = False, moe_ep_scheme: str = "auto") -> dict:
+    """Keyword sizes for `ParallelState.build` (moe_tp defaults to 1, i.e. pure expert parallelism).
+
+    The tensor-parallel prefill unless `prefill_opt` (the sequence-parallel prefill, needs attn_tp_size ==
+    world_size and moe_tp_size 1; see `sp_layout`), so a layout names the path it proves.
+    """
     moe_tp_size = 1 if moe_tp_size is None else moe_tp_size
     return dict(world_size=world_size, attn_tp_size=attn_tp_size, moe_tp_size=moe_tp_size,
-                moe_ep_size=world_size // moe_tp_size, embed_tp_size=embed_tp_size, lmhead_tp_size=lmhead_tp_size)
+                moe_ep_size=world_size // moe_tp_size, embed_tp_size=embed_tp_size, lmhead_tp_size=lmhead_tp_size,
+                prefill_opt=prefill_opt, moe_ep_scheme=moe_ep_scheme)
+
+
+def sp_layout(world_size: int, moe_ep_scheme: str, embed_tp_size: int = 1, lmhead_tp_size: int = 1) -> dict:
+    """The sequence-parallel prefill layout: attention TP = MoE EP = world, with the given EP scheme."""
+    return layout(world_size, attn_tp_size=world_size, moe_tp_size=1, embed_tp_size=embed_tp_size,
+                  lmhead_tp_size=lmhead_tp_size, prefill_opt=True, moe_ep_scheme=moe_ep_scheme)
 
 
 @st.composite
@@ -76,9 +87,10 @@ def corner_layouts(world_size: int, config) -> list[dict[str, int]]:
     return out
 
 
-def describe_layout(lay: dict[str, int]) -> str:
+def describe_layout(lay: dict) -> str:
+    sp = f" SP prefill, EP {lay['moe_ep_scheme']}" if lay.get("prefill_opt") else ""
     return (f"W={lay['world_size']} attn_tp={lay['attn_tp_size']} moe_tp={lay['moe_tp_size']} "
-            f"moe_ep={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}")
+            f"moe_ep={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}{sp}")
 
 
 def prompt_length(max_len: int = 40):
@@ -161,3 +173,38 @@ def _dense_layers(rule: str):
         return st.integers(2, 4).flatmap(lambda n: st.tuples(st.just(n), st.just(1), st.lists(
             st.integers(0, n - 1), min_size=1, max_size=n - 1, unique=True).map(sorted)))
     return st.tuples(st.integers(2, 4), st.just(1), st.just([]))
+
+
+# ------------------------------------------------------------------------------ adversarial expert routings
+
+ROUTING_KINDS = ("random", "one_expert_set", "rank_gets_nothing", "one_rank_overloaded")
+routing_kinds = st.sampled_from(ROUTING_KINDS)
+
+
+def expert_routing(kind: str, seed: int, tokens: int, num_experts: int, top_k: int, ep: int):
+    """Expert ids [tokens, top_k] int32 (distinct per token) and positive fp32 weights [tokens, top_k].
+
+    "random": uniform; "one_expert_set": every token to the same top_k experts (all other experts, and
+    every EP rank without one of them, get nothing); "rank_gets_nothing": no token picks an expert of one
+    drawn EP rank (rank e holds experts [e*L, (e+1)*L)); "one_rank_overloaded": every token picks the
+    experts starting at one drawn rank's first expert (that rank, and its next ranks when L < top_k, get
+    every slot; the rest nothing).
+    """
+    g = torch.Generator().manual_seed(seed)
+    local = num_experts // ep
+    if kind == "random":
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    elif kind == "one_expert_set":
+        ids = torch.randperm(num_experts, generator=g)[:top_k].expand(tokens, top_k)
+    elif kind == "rank_gets_nothing":
+        idle = int(torch.randint(0, ep, (1,), generator=g))
+        allowed = torch.tensor([e for e in range(num_experts) if e // local != idle])
+        ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:top_k]] for _ in range(tokens)])
+    elif kind == "one_rank_overloaded":
+        start = int(torch.randint(0, ep, (1,), generator=g)) * local
+        base = (start + torch.arange(top_k)) % num_experts
+        ids = torch.stack([base[torch.randperm(top_k, generator=g)] for _ in range(tokens)])
+    else:
+        raise ValueError(f"unknown routing kind {kind!r}; kinds: {ROUTING_KINDS}")
+    weights = torch.rand(tokens, top_k, generator=g) + 0.05
+    return ids.to(torch.int32).contiguous(), (weights / weights.sum(-1, keepdim=True)).float()

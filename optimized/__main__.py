@@ -292,6 +292,9 @@ def generate(args) -> int:
             check_ranks_agree(run_fingerprint(cfg.to_dict(), model_dir, prompts, sampling=repr(sampling), eos=eos,
                                               chat=args.chat))
             state = ParallelState.build(p)
+            if env.rank == 0:  # the prefill path and MoE EP scheme this layout runs, before anything else
+                from .prefill_plan import describe
+                print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize), flush=True)
             device = platform.device(env.local_rank)
             try:
                 model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,

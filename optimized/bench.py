@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--skip-hf", action="store_true", help="do not build HF transformers' model")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="> 1: prefill over this many processes, tensor-parallel vs sequence-parallel with each MoE "
+                        "EP scheme (optimized/bench_parallel.py; --decode-steps and --skip-hf do not apply)")
 
 
 def progress(msg: str) -> None:
@@ -249,6 +252,15 @@ def run(args) -> int:
         json_path = Path(args.json)
         if not json_path.parent.is_dir():
             raise UsageError(f"--json: directory {str(json_path.parent)!r} does not exist")
+    if args.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
+    if args.world_size > 1:
+        from . import bench_parallel
+        report = bench_parallel.run(args)
+        print(bench_parallel.format_report(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
 
     from . import ModelRunner, model_from_source
     from .loader import StateDictSource

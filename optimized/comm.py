@@ -36,6 +36,7 @@ Backend findings (torch 2.13, gloo on CPU; checked by equivalence/test_dist_harn
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import platform
-from .config import PARALLEL_SIZES, ParallelConfig
+from .config import PARALLEL_OPTIONS, PARALLEL_SIZES, ParallelConfig
 
 KINDS = ("attn_tp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
 
@@ -225,7 +226,7 @@ class ParallelState:
 
     @classmethod
     def build(cls, parallel: ParallelConfig | None = None, rank: int | None = None, *,
-              create_groups: bool | None = None, **sizes: int) -> "ParallelState":
+              create_groups: bool | None = None, **sizes) -> "ParallelState":
         """Groups for `parallel` (or keyword sizes: world_size=, attn_tp_size=, ...).
 
         rank / world_size default to torch.distributed's when initialized, else 0 / 1. `create_groups`
@@ -238,9 +239,10 @@ class ParallelState:
         if parallel is None:
             if "world_size" not in sizes:
                 sizes["world_size"] = dist.get_world_size() if initialized else 1
-            unknown = set(sizes) - {"world_size", *PARALLEL_SIZES}
+            unknown = set(sizes) - {"world_size", *PARALLEL_SIZES, *PARALLEL_OPTIONS}
             if unknown:
-                raise TypeError(f"unknown parallel sizes {sorted(unknown)}; allowed: world_size, {', '.join(PARALLEL_SIZES)}")
+                raise TypeError(f"unknown parallel sizes {sorted(unknown)}; allowed: world_size, "
+                                f"{', '.join(PARALLEL_SIZES + PARALLEL_OPTIONS)}")
             parallel = ParallelConfig(**sizes)
         elif sizes:
             raise TypeError("pass either a ParallelConfig or keyword sizes, not both")
@@ -298,6 +300,54 @@ _ONE_BYTE_FLOATS = tuple(getattr(torch, n) for n in (
     if hasattr(torch, n))
 
 
+class CommCounter:
+    """Bytes that leave this rank, per collective, while `count_bytes()` is active.
+
+    Counted as if every collective were direct point-to-point (what the data needs, whatever algorithm the
+    backend picks): all_gather (n-1) * this rank's shard; reduce_scatter (n-1) * one output chunk;
+    all_to_all_single the rows sent to the other ranks; all_reduce 2 * (n-1) * size // n (reduce-scatter +
+    all-gather); broadcast (n-1) * size on the source. Collectives without communication count nothing.
+    """
+
+    def __init__(self):
+        self.bytes: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes[op] = self.bytes.get(op, 0) + int(nbytes)
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def __repr__(self) -> str:
+        return f"CommCounter(total={self.total}, bytes={self.bytes}, calls={self.calls})"
+
+
+_COUNTERS: list[CommCounter] = []
+
+
+@contextlib.contextmanager
+def count_bytes():
+    """`with comm.count_bytes() as counter:` counts the bytes this rank's collectives send (see CommCounter)."""
+    counter = CommCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _count(op: str, nbytes: int) -> None:
+    for counter in _COUNTERS:
+        counter.add(op, nbytes)
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
 def _pg(group) -> "dist.ProcessGroup | None":
     """ProcessGroup from a ProcessGroup / GroupInfo / None; None when no communication is needed."""
     if isinstance(group, GroupInfo):
@@ -329,9 +379,11 @@ def all_reduce(x: torch.Tensor, group, *, upcast: bool = False) -> torch.Tensor:
     _check_reducible(x, "all_reduce")
     if upcast and x.dtype in (torch.bfloat16, torch.float16):
         buf = x.float()
+        _count("all_reduce", 2 * (pg.size() - 1) * _nbytes(buf) // pg.size())
         dist.all_reduce(buf, group=pg)
         return buf.to(x.dtype)
     buf = x if x.is_contiguous() else x.contiguous()
+    _count("all_reduce", 2 * (pg.size() - 1) * _nbytes(buf) // pg.size())
     dist.all_reduce(buf, group=pg)
     return buf
 
@@ -359,6 +411,7 @@ def all_gather(x: torch.Tensor, group, dim: int = 0, *, sizes: list[int] | None 
             src = torch.cat([src, src.new_zeros((pad, *src.shape[1:]))])
     src = _wire(src.contiguous())
     out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+    _count("all_gather", (n - 1) * _nbytes(src))
     _all_gather_single(out, src, group=pg)
     if x.dtype in _ONE_BYTE_FLOATS:
         out = out.view(x.dtype)
@@ -381,6 +434,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, *, upcast: bool = False
     cast = upcast and x.dtype in (torch.bfloat16, torch.float16)
     src = (src.float() if cast else src).contiguous()
     out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+    _count("reduce_scatter", (n - 1) * _nbytes(out))
     _reduce_scatter_single(out, src, group=pg)
     if cast:
         out = out.to(x.dtype)
@@ -394,6 +448,7 @@ def exchange_split_sizes(input_split_sizes: list[int], group) -> list[int]:
         return list(input_split_sizes)
     send = torch.tensor(input_split_sizes, dtype=torch.int64)
     recv = torch.empty_like(send)
+    _count("all_to_all", (pg.size() - 1) * send.element_size())
     dist.all_to_all_single(recv, send, group=pg)
     return recv.tolist()
 
@@ -425,6 +480,9 @@ def all_to_all_single(x: torch.Tensor, group, output_split_sizes: list[int] | No
     src = _wire(x.contiguous())
     rows = sum(output_split_sizes) if output_split_sizes is not None else src.shape[0]
     out = src.new_empty((rows, *src.shape[1:]))
+    row = src[0].numel() * src.element_size() if src.shape[0] else 0
+    sent = (list(input_split_sizes) if input_split_sizes is not None else [src.shape[0] // n] * n)
+    _count("all_to_all", (sum(sent) - sent[dist.get_rank(pg)]) * row)
     dist.all_to_all_single(out, src, output_split_sizes, input_split_sizes, group=pg)
     return out.view(x.dtype) if x.dtype in _ONE_BYTE_FLOATS else out
 
@@ -435,5 +493,7 @@ def broadcast(x: torch.Tensor, group, src_group_rank: int = 0) -> torch.Tensor:
     if pg is None:
         return x
     buf = x if x.is_contiguous() else x.contiguous()
+    if dist.get_rank(pg) == src_group_rank:
+        _count("broadcast", (pg.size() - 1) * _nbytes(buf))
     dist.broadcast(_wire(buf), group=pg, group_src=src_group_rank)
     return buf

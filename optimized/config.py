@@ -23,6 +23,10 @@ parallel_config:     # how to shard it (every *_size divides world_size)
   lmhead_tp_size: 1             # vocab-parallel lm_head (contiguous ranks)
   collective_timeout_s: 120     # a collective waiting longer fails, naming this key (env override:
                                 # QWEN3_MOE_COLLECTIVE_TIMEOUT_S); torch's default would wait 30 minutes
+  prefill_opt: null             # sequence-parallel prefill (Attention SP+TP, MoE EP); null: on when
+                                # attn_tp_size == moe_ep_size == world_size > 1 (needs moe_tp_size 1)
+  moe_ep_scheme: auto           # MoE EP of the SP prefill: auto | allgather | alltoall (double routing);
+                                # auto: allgather when top_k >= moe_ep_size (optimized/prefill_plan.py)
 scheduler_config:    # how to schedule it
   batch_size: 1
   max_new_tokens: 32
@@ -185,6 +189,8 @@ class DataConfig:
 
 
 PARALLEL_SIZES = ("attn_tp_size", "moe_tp_size", "moe_ep_size", "embed_tp_size", "lmhead_tp_size")
+PARALLEL_OPTIONS = ("prefill_opt", "moe_ep_scheme")
+MOE_EP_SCHEMES = ("auto", "allgather", "alltoall")
 
 
 @dataclass
@@ -196,12 +202,22 @@ class ParallelConfig:
     embed_tp_size: int = 1
     lmhead_tp_size: int = 1
     collective_timeout_s: float = 120.0
+    prefill_opt: bool | None = None
+    moe_ep_scheme: str = "auto"
+
+    @property
+    def sp_prefill(self) -> bool:
+        """Whether prefill runs sequence parallel (prefill_opt, or its default when null)."""
+        if self.prefill_opt is not None:
+            return self.prefill_opt
+        return self.world_size > 1 and self.attn_tp_size == self.moe_ep_size == self.world_size
 
     def _check(self, c: _Checker) -> None:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             c.fail("collective_timeout_s", f"must be a positive number of seconds, got {_describe(t)}")
         ok = {k: c.positive_int(self, k) for k in ("world_size",) + PARALLEL_SIZES}
+        self._check_prefill_opt(c, ok)
         if not ok["world_size"]:
             return
         w = self.world_size
@@ -211,6 +227,25 @@ class ParallelConfig:
         if ok["moe_tp_size"] and ok["moe_ep_size"] and self.moe_tp_size * self.moe_ep_size != w:
             c.fail("moe_ep_size", f"moe_tp_size * moe_ep_size must equal world_size "
                                   f"({self.moe_tp_size} * {self.moe_ep_size} != {w})")
+
+    def _check_prefill_opt(self, c: _Checker, ok: dict[str, bool]) -> None:
+        """The recipe's rules for the sequence-parallel prefill and its MoE EP scheme."""
+        if self.prefill_opt is not None and not c.boolean(self, "prefill_opt"):
+            return
+        if not c.choice(self, "moe_ep_scheme", MOE_EP_SCHEMES) or not all(ok.values()):
+            return
+        if self.prefill_opt:
+            if self.attn_tp_size != self.moe_ep_size:
+                c.fail("prefill_opt", f"the sequence-parallel prefill needs attn_tp_size == moe_ep_size "
+                                      f"({self.attn_tp_size} != {self.moe_ep_size})")
+            elif self.moe_tp_size != 1:
+                c.fail("prefill_opt", f"the sequence-parallel prefill needs moe_tp_size == 1 (got "
+                                      f"{self.moe_tp_size}): its MoE is expert parallel over the attention TP ranks")
+        if self.moe_ep_scheme != "auto" and not self.sp_prefill:
+            c.fail("moe_ep_scheme", f"{self.moe_ep_scheme!r} selects the MoE path of the sequence-parallel prefill, "
+                                    f"which is off (prefill_opt: {self.prefill_opt}, attn_tp_size "
+                                    f"{self.attn_tp_size}, moe_ep_size {self.moe_ep_size}, world_size "
+                                    f"{self.world_size}); use auto or enable prefill_opt")
 
     def validate(self) -> "ParallelConfig":
         errors: list[tuple[str, str]] = []

@@ -1,20 +1,30 @@
 """The optimized Qwen3MoeForCausalLM: one decoder layer's data flow fits on one screen.
 
-Tokens are packed (TND: all requests of a step concatenated). Every rank runs every token; the weights
-are sharded over the process groups of `comm.ParallelState` (attention TP, MoE TP x EP, embedding TP,
-lm_head TP). The residual stream is carried between layers by `npu_add_rms_norm`.
+Tokens are packed (TND: all requests of a step concatenated). The weights are sharded over the process
+groups of `comm.ParallelState` (attention TP, MoE TP x EP, embedding TP, lm_head TP). The residual
+stream is carried between layers by `npu_add_rms_norm`.
+
+Decode (and prefill without `prefill_opt`): every rank runs every token. Prefill with `prefill_opt`
+(sequence parallel, chosen once at build time): rank r of the attention TP group runs packed tokens
+[r*n, (r+1)*n), n = ceil(T / P), through embedding, norms and MoE (EP scheme from
+`prefill_plan.choose_ep_scheme`), attention gathering the whole sequence; the final-normed hidden states
+are gathered for lm_head. The padding of the last slice is created and stripped in `sp_prefill_layers`
+alone, and attention drops it before anything reaches the KV cache.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from . import comm
 from .config import head_dim_of, is_sparse_layer
 from .forward_metadata import ForwardMetadata
 from .layers.attention import Qwen3MoeAttention, causal_mask_template
 from .layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from .layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 from .layers.norm import RMSNorm
+from .prefill_plan import choose_ep_scheme
 
 UNSUPPORTED = {
     "use_sliding_window": lambda c: bool(getattr(c, "use_sliding_window", False)),
@@ -33,15 +43,21 @@ def check_supported(config) -> None:
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype):
+    def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype, ep_scheme: str | None = None):
         super().__init__()
+        sp = ep_scheme is not None      # sequence-parallel prefill
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Qwen3MoeAttention(config, groups.attn_tp, dtype)
+        self.self_attn = Qwen3MoeAttention(config, groups.attn_tp, dtype, sequence_parallel=sp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if is_sparse_layer(config, layer_idx):
-            self.mlp = Qwen3MoeSparseMoeBlock(config, groups.moe_tp, groups.moe_ep, dtype)
+        sparse = is_sparse_layer(config, layer_idx)
+        if sparse:
+            self.mlp = Qwen3MoeSparseMoeBlock(config, groups.moe_tp, groups.moe_ep, dtype, ep_scheme)
         else:
             self.mlp = Qwen3MoeMLP(config, groups.moe_tp, dtype)
+        # (attention, mlp) of a prefill step and of a decode step; decode always takes the TP path.
+        self.steps = {True: (self.self_attn.forward_sp if sp else self.self_attn,
+                             self.mlp.forward_ep if sp and sparse else self.mlp),
+                      False: (self.self_attn, self.mlp)}
 
     def load(self, source, prefix: str) -> None:
         self.input_layernorm.load(source, f"{prefix}.input_layernorm.weight")
@@ -50,13 +66,14 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.mlp.load(source, f"{prefix}.mlp")
 
     def forward(self, hidden, residual, cos, sin, meta: ForwardMetadata, kv_cache, atten_mask):
+        attn, mlp = self.steps[meta.is_prefill]
         if residual is None:            # first layer: nothing to add yet
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, meta, kv_cache, atten_mask)
+        hidden = attn(hidden, cos, sin, meta, kv_cache, atten_mask)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return mlp(hidden), residual
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -64,8 +81,10 @@ class Qwen3MoeForCausalLM(nn.Module):
         super().__init__()
         check_supported(config)
         self.config, self.groups, self.dtype = config, groups, dtype
+        self.ep_scheme = (choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
+                          if groups.parallel.sp_prefill else None)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups.embed_tp, dtype)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, dtype)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, dtype, self.ep_scheme)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, groups.lmhead_tp, dtype)
@@ -93,13 +112,33 @@ class Qwen3MoeForCausalLM(nn.Module):
         if meta.num_tokens and int(meta.positions.max()) >= max_pos:
             raise ValueError(f"position {int(meta.positions.max())} exceeds max_position_embeddings={max_pos}")
         cos, sin = self.rotary(meta.positions)
-        hidden, residual = self.embed_tokens(input_ids), None                  # [T, H]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, self.atten_mask)
-        hidden, _ = self.norm(hidden, residual)
+        # A prefill runs sequence parallel when the layout chose it at build time (self.ep_scheme).
+        run = self.sp_prefill_layers if meta.is_prefill and self.ep_scheme else self.run_layers
+        hidden = run(input_ids, cos, sin, meta, kv_caches)                    # [T, H], final-normed
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(hidden)
+
+    def run_layers(self, input_ids, cos, sin, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
+        """Every rank runs every token: ids [T] -> final-normed hidden states [T, H]."""
+        hidden, residual = self.embed_tokens(input_ids), None                  # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, self.atten_mask)
+        return self.norm(hidden, residual)[0]
+
+    def sp_prefill_layers(self, input_ids, cos, sin, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
+        """Sequence-parallel prefill: this rank runs its n = ceil(T / P) tokens; ids [T] -> hidden [T, H]."""
+        sp, tokens = self.groups.attn_tp, input_ids.shape[0]
+        n = -(-tokens // sp.size)
+        ids = F.pad(input_ids, (0, n * sp.size - tokens))                     # [P*n], padded with id 0
+        mine = slice(sp.rank * n, (sp.rank + 1) * n)
+        # A vocab-parallel lookup sums over its group, so every rank of that group looks up the same ids.
+        hidden = self.embed_tokens(ids[mine]) if self.groups.embed_tp.size == 1 else self.embed_tokens(ids)[mine]
+        residual = None                                                        # [n, H] from here on
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, self.atten_mask)
+        hidden, _ = self.norm(hidden, residual)
+        return comm.all_gather(hidden, sp.group)[:tokens]                     # padding rows stripped
 
 
 def rope_cos_sin_cache(config) -> torch.Tensor:

@@ -83,7 +83,8 @@ def test_generate_under_torchrun_two_ranks_equals_reference():
     lines = out.stdout.splitlines()
     assert f"generated ids: {ids_line(reference_tokens(prompt, 6))}" in lines
     assert sum(line.startswith("generated ids:") for line in lines) == 1, "only rank 0 prints"
-    assert "world_size 2" in lines[0]
+    assert any(line.startswith("model: ") and "world_size 2" in line for line in lines)
+    assert any(line.startswith("prefill path: tensor parallel") for line in lines)   # tiny_tp2: no SP prefill
 
 
 # --------------------------------------------------------------------------------------------- errors

@@ -3,15 +3,23 @@
 merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rotary_pos_emb (TND)
 -> npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache)
 -> o_proj (row-parallel, all_reduce). New K/V go to the paged cache with npu_scatter_nd_update_.
+
+Sequence-parallel prefill (`forward_sp`, the recipe's Attention SP+TP): each rank holds its own slice of
+the packed tokens; the slices are all-gathered before merged_qkv_proj, attention runs over the whole
+sequence with the rank's heads (writing the same KV cache entries as the TP path, which decode reads),
+and an all_to_all returns each rank its own tokens with every rank's heads for a replicated o_proj.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
+from .. import comm
 from ..config import head_dim_of
 from ..forward_metadata import ForwardMetadata
-from .linear import QKVParallelLinear, RowParallelLinear
+from .linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from .quantization import linear_method, quant_scheme
 from .norm import RMSNorm
 
@@ -25,7 +33,7 @@ def causal_mask_template(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 class Qwen3MoeAttention(nn.Module):
-    def __init__(self, config, tp, dtype: torch.dtype):
+    def __init__(self, config, tp, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.tp = tp
         self.head_dim = head_dim = head_dim_of(config)
@@ -39,22 +47,23 @@ class Qwen3MoeAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.softmax_scale = head_dim ** -0.5
+        # SP prefill: o_proj on this rank's tokens with all heads, full weight on every rank (decode keeps o_proj).
+        self.o_proj_replicated = (ReplicatedLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                                   dtype) if sequence_parallel else None)
 
     def load(self, source, prefix: str) -> None:
         self.merged_qkv_proj.load(source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight",
                                   f"{prefix}.v_proj.weight")
         self.o_proj.load(source, f"{prefix}.o_proj.weight")
+        if self.o_proj_replicated is not None:
+            self.o_proj_replicated.load(source, f"{prefix}.o_proj.weight")
         self.q_norm.load(source, f"{prefix}.q_norm.weight")
         self.k_norm.load(source, f"{prefix}.k_norm.weight")
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], atten_mask: torch.Tensor) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.merged_qkv_proj(hidden).split(self.merged_qkv_proj.output_sizes, dim=-1)
-        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))        # [T, Nq, D]
-        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))     # [T, Nkv, D]
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)                  # [T, Nkv, D]
-        q, k = torch.ops.npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="TND")
+        q, k, v = self.qkv(hidden, cos, sin)
         if meta.is_prefill:
             out = self.attention_prefill(q, k, v, meta, atten_mask)
             self.kv_cache_update(k, v, meta, kv_cache)
@@ -62,6 +71,32 @@ class Qwen3MoeAttention(nn.Module):
             self.kv_cache_update(k, v, meta, kv_cache)
             out = self.attention_decode(q, meta, kv_cache, atten_mask)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def forward_sp(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardMetadata,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], atten_mask: torch.Tensor) -> torch.Tensor:
+        """SP prefill: this rank's n packed tokens [n, H] (rank r: [r*n, (r+1)*n), the tail padded) -> [n, H].
+
+        cos / sin and `meta` describe the T real tokens of the whole sequence.
+        """
+        ranks, n, tokens = self.tp.size, hidden.shape[0], meta.num_tokens
+        full = comm.all_gather(hidden, self.tp.group)[:tokens]              # [T, H]: padding dropped here
+        q, k, v = self.qkv(full, cos, sin)
+        out = self.attention_prefill(q, k, v, meta, atten_mask)             # [T, Nq_r, D] this rank's heads
+        self.kv_cache_update(k, v, meta, kv_cache)
+        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, ranks * n - tokens))  # [P*n, Nq_r*D]
+        out = comm.all_to_all_single(out, self.tp.group)                    # block r: own tokens, rank r's heads
+        out = out.view(ranks, n, -1).transpose(0, 1).reshape(n, -1)         # [n, Nq*D], heads in rank order
+        return self.o_proj_replicated(out)
+
+    def qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """merged_qkv_proj, q/k RMSNorm per head, RoPE: q [T, Nq, D], k and v [T, Nkv, D] (this rank's heads)."""
+        tokens = hidden.shape[0]
+        q, k, v = self.merged_qkv_proj(hidden).split(self.merged_qkv_proj.output_sizes, dim=-1)
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))        # [T, Nq, D]
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))     # [T, Nkv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)                  # [T, Nkv, D]
+        q, k = torch.ops.npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="TND")
+        return q, k, v
 
     def attention_prefill(self, q, k, v, meta: ForwardMetadata, atten_mask):
         # No prefix caching: a prompt attends only to itself, so q and kv lengths are the same prefix sums.

@@ -1,8 +1,17 @@
 """Qwen3-MoE sparse block on the fused operators: router, routing, grouped-matmul experts, combine.
 
 Parallelism: experts split across the MoE EP group (rank e holds experts [e*L, (e+1)*L)) and each
-expert's intermediate dimension split across the MoE TP group. Every rank sees the same tokens, routes
-them to its local experts only (`active_expert_range`), and the partial sums are all-reduced.
+expert's intermediate dimension split across the MoE TP group. Three ways to bring tokens to experts,
+named as in the recipe:
+- `moe_infer_tp`: every rank sees the same tokens, routes them to its local experts only
+  (`active_expert_range`), and the partial sums are all-reduced (decode, and prefill without SP);
+- `moe_infer_ag` (sequence-parallel prefill): each EP rank holds its own tokens; hidden states, expert ids
+  and weights are all-gathered, each rank computes its experts' share of every token, and
+  `reduce_scatter` returns each rank the sums for its own tokens;
+- `moe_infer_double_routing` (sequence-parallel prefill): each rank routes its own tokens over all
+  experts, sends every expert slot to the rank holding the expert (all_to_all with uneven splits),
+  re-routes them into local-expert order, and sends the results back to be combined.
+The SP prefill's scheme is picked once, at build time (`ep_scheme`, see optimized/prefill_plan.py).
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ class FusedMoEGMM(nn.Module):
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype):
+    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype, ep_scheme: str | None = None):
         super().__init__()
         self.moe_tp, self.moe_ep = moe_tp, moe_ep
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
@@ -57,6 +66,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, torch.float32)
         self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                    moe_tp, moe_ep, dtype, moe_method(quant_scheme(config)))
+        # The sequence-parallel prefill's way to reach the experts, by method name (None: no SP prefill in this
+        # layout); a name, not a bound method, so the block holds no reference cycle to itself.
+        self.moe_infer_ep = {None: None, "allgather": "moe_infer_ag", "alltoall": "moe_infer_double_routing"}[ep_scheme]
 
     def load(self, source, prefix: str) -> None:
         self.gate.load(source, f"{prefix}.gate.weight")
@@ -88,6 +100,51 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=None, drop_pad_mode=2)
         # Partial sums over this rank's intermediate slice (TP) and its experts (EP).
         return comm.all_reduce(comm.all_reduce(out, self.moe_tp.group), self.moe_ep.group)
+
+    def forward_ep(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Sequence-parallel prefill: this EP rank's own tokens [n, H] -> their MoE output [n, H]."""
+        topk_weight, topk_idx = self.route(hidden)
+        return getattr(self, self.moe_infer_ep)(hidden, topk_idx, topk_weight)
+
+    def moe_infer_ag(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """AllGather / ReduceScatter EP: every rank holds n tokens (the same n on every rank)."""
+        ep = self.moe_ep.group
+        hidden_all = comm.all_gather(hidden, ep)                                  # [P*n, H]
+        idx_all, weight_all = comm.all_gather(topk_idx, ep), comm.all_gather(topk_weight, ep)   # [P*n, K]
+        first = self.experts.first_expert
+        expanded_x, expanded_row_idx, tokens_per_expert, _ = torch.ops.npu.npu_moe_init_routing_v2(
+            hidden_all, expert_idx=idx_all, active_num=hidden_all.shape[0] * self.top_k,
+            expert_num=self.num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+            active_expert_range=[first, first + self.experts.local_experts], quant_mode=-1)
+        expert_out = self.experts(expanded_x, tokens_per_expert)
+        # Slots of other ranks' experts carry -1: this rank's partial sum of every token.
+        out = torch.ops.npu.npu_moe_finalize_routing(
+            expert_out, skip1=None, skip2=None, bias=None, scales=weight_all.to(expert_out.dtype),
+            expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=idx_all, drop_pad_mode=2)
+        return comm.reduce_scatter(out, ep)                                        # [n, H]: own tokens, summed
+
+    def moe_infer_double_routing(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                                 topk_weight: torch.Tensor) -> torch.Tensor:
+        """AlltoAll EP: route own tokens over all experts, dispatch slots to the experts' ranks, combine."""
+        ep, ranks, local = self.moe_ep.group, self.moe_ep.size, self.experts.local_experts
+        tokens = hidden.shape[0]
+        expanded_x, expanded_row_idx, tokens_per_expert, _ = torch.ops.npu.npu_moe_init_routing_v2(
+            hidden, expert_idx=topk_idx, scale=None, active_num=tokens * self.top_k, expert_num=self.num_experts,
+            expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, self.num_experts],
+            quant_mode=-1)                                                         # rows sorted by expert id
+        # Counts [P*L]: how many slots each source rank sends to each of this rank's local experts.
+        tokens_per_expert_group = comm.all_to_all_single(tokens_per_expert, ep)
+        send = tokens_per_expert.view(ranks, local).sum(1).tolist()               # split sizes to the host
+        recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
+        gathered = comm.all_to_all_single(expanded_x, ep, output_split_sizes=recv, input_split_sizes=send)
+        permuted, _, permute_token_idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
+            gathered, tokens_per_expert_group.view(ranks, local))                  # -> (expert, source rank) order
+        expert_out = self.experts(permuted, expert_tokens)
+        expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
+        combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
+        return torch.ops.npu.npu_moe_finalize_routing(
+            combined, skip1=None, skip2=None, bias=None, scales=topk_weight.to(combined.dtype),
+            expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=None, drop_pad_mode=2)
 
 
 class Qwen3MoeMLP(nn.Module):
