@@ -88,7 +88,8 @@ def _recording_routes(model, log: dict):
 
 @torch.no_grad()
 def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
-    """Prefill logits [T, V] of the packed prompts, then teacher-forced decode logits [steps][B, V]."""
+    """Prefill logits [T, V] of the packed prompts, then teacher-forced decode logits [steps][B, V], and the
+    expert ids every MoE layer picked for every token (the replay of the routing-flip-aware comparison)."""
     model = rank_model(path, lay, dtype_of(dtype_name))
     runner = runner_of(model)
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
@@ -101,7 +102,13 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
             meta = runner.decode_metadata(lengths, table)
             out[f"decode{step}"] = model(torch.tensor(tokens), meta, cache.layers)
             lengths = [n + 1 for n in lengths]
-    out["routes"] = {i: torch.cat(r) for i, r in routes.items()}  # rows: prefill tokens, then decode steps
+    if model.ep_scheme is None:
+        out["routes"] = {i: torch.cat(r) for i, r in routes.items()}  # rows: prefill tokens, then decode steps
+    else:  # the SP prefill routed this rank's own tokens: gather them (padding stripped), then the decode rows
+        from optimized import comm
+        total, sp = sum(len(p) for p in prompts), model.groups.attn_tp.group
+        out["routes"] = {i: torch.cat([comm.all_gather(r[0], sp)[:total]] + r[1:]) for i, r in routes.items()}
+    out["ep_scheme"] = model.ep_scheme
     return out
 
 

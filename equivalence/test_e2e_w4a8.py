@@ -28,7 +28,7 @@ from equivalence.compare import (assert_close, cosine, describe, rel_l2, toleran
                                  top1_agreement)
 from equivalence.dist import get_pool
 from equivalence.parallel_support import RoutingStats, routing_check, same_on_all_ranks
-from equivalence.strategies import describe_layout, hidden_states, layout
+from equivalence.strategies import describe_layout, hidden_states, layout, sp_layout
 from equivalence.test_e2e_parallel import _draw_forced, _logits_task, _model_logits, _reference_logits
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
@@ -44,6 +44,9 @@ H = CONFIG.hidden_size
 LAYOUTS = {1: layout(1),
            2: layout(2, attn_tp_size=2, embed_tp_size=2, lmhead_tp_size=2),
            4: layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4)}
+# The W4A8 model under the sequence-parallel prefill (MXFP8 replicated o_proj, experts by EP token exchange).
+SP_LAYOUTS = {"sp2-alltoall": (2, sp_layout(2, "alltoall", embed_tp_size=2, lmhead_tp_size=2), "tiny-nonorm"),
+              "sp4-allgather": (4, sp_layout(4, "allgather"), "tiny")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,9 +124,12 @@ def test_w4a8_moe_block_equals_fake_quant_reference(world):
 
 # ----------------------------------------------------------------------------------------------- whole model
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_w4a8_logits_match_fake_quant_reference_and_quantization_cost_is_bounded(world):
-    lay, name = LAYOUTS[world], {1: "tiny", 2: "tiny-dense", 4: "tiny-nonorm"}[world]
+@pytest.mark.parametrize("case", [1, 2, 4, *SP_LAYOUTS])
+def test_w4a8_logits_match_fake_quant_reference_and_quantization_cost_is_bounded(case):
+    if case in SP_LAYOUTS:
+        world, lay, name = SP_LAYOUTS[case]
+    else:
+        world, lay, name = case, LAYOUTS[case], {1: "tiny", 2: "tiny-dense", 4: "tiny-nonorm"}[case]
     path = str(w4a8_checkpoint(name))
     g = torch.Generator().manual_seed(world)
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (17, 31, 5)[:world % 3 + 1]]

@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 
 from equivalence.compare import assert_bitwise_equal, assert_close, max_abs, rel_l2, tolerance, top1_agreement
 from equivalence.dist import get_pool
-from equivalence.parallel_support import (RoutingStats, dtype_of, paged_cache, rank_model, reference_model,
+from equivalence.parallel_support import (RoutingStats, paged_cache, rank_model, reference_model,
                                           run_property, runner_of, same_on_all_ranks)
 from equivalence.strategies import (describe_layout, expert_routing, hidden_states, prompt_length, routing_kinds,
                                     seeds, sp_layout)
-from equivalence.test_e2e_parallel import (GEN_TOKENS, _draw_forced, _model_logits, _recording_routes,
+from equivalence.test_e2e_parallel import (GEN_TOKENS, _draw_forced, _logits_task, _model_logits,
                                            _reference_logits)
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
@@ -126,31 +126,6 @@ def _sp_attention_task(rank, world, path, lay, layer_idx, lengths, x, residual):
     mlp_out, new_residual = layer(_mine(x, sp.rank, sp.size), _mine(residual, sp.rank, sp.size), cos, sin, meta,
                                   cache.layers[0], model.atten_mask)
     out["layer"] = [comm.all_gather(t, sp.group)[:x.shape[0]] for t in (mlp_out, new_residual)]
-    return out
-
-
-@torch.no_grad()
-def _sp_logits_task(rank, world, path, lay, dtype_name, prompts, forced):
-    """Prefill logits [T, V] (SP), then teacher-forced TP decode logits; routes gathered to all tokens."""
-    from optimized import comm
-
-    model = rank_model(path, lay, dtype_of(dtype_name))
-    assert model.ep_scheme == lay["moe_ep_scheme"], (model.ep_scheme, lay)
-    runner = runner_of(model)
-    cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
-    routes: dict = {}
-    with _recording_routes(model, routes):
-        ids, meta, _ = runner.prefill_inputs(prompts, table)
-        out = {"prefill": model(ids, meta, cache.layers)}
-        lengths = [len(p) for p in prompts]
-        for step, tokens in enumerate(forced):
-            meta = runner.decode_metadata(lengths, table)
-            out[f"decode{step}"] = model(torch.tensor(tokens), meta, cache.layers)
-            lengths = [n + 1 for n in lengths]
-    total = sum(len(p) for p in prompts)
-    sp = model.groups.attn_tp.group
-    # The SP prefill routed this rank's own tokens: gather them (padding stripped), then the decode rows.
-    out["routes"] = {i: torch.cat([comm.all_gather(r[0], sp)[:total]] + r[1:]) for i, r in routes.items()}
     return out
 
 
@@ -274,8 +249,9 @@ def test_sp_prefill_then_tp_decode_logits_equal_reference_fp32(world, scheme, n)
         path = str(checkpoint(name))
         prompts = _prompts(lengths, seed)
         forced = _draw_forced(seed, len(prompts), steps)
-        got = same_on_all_ranks(get_pool(world).run(_sp_logits_task, path, lay, "float32", prompts, forced,
+        got = same_on_all_ranks(get_pool(world).run(_logits_task, path, lay, "float32", prompts, forced,
                                                     timeout=120), "SP logits")
+        assert got["ep_scheme"] == lay["moe_ep_scheme"], (got["ep_scheme"], lay)
         want = _reference_logits(reference_model(name), prompts, forced)
         for b, ((gp, gd), (wp, wd)) in enumerate(zip(_model_logits(got, prompts, forced), want)):
             what = f"{describe_layout(lay)} {name} lengths={lengths} request {b}"
@@ -313,8 +289,9 @@ def test_sp_logits_bf16_within_tolerance_routing_flip_aware(world, scheme, n):
         ref = reference_model(name, "bfloat16")
         prompts = _prompts(lengths, seed)
         forced = _draw_forced(seed, len(prompts), steps)
-        got = same_on_all_ranks(get_pool(world).run(_sp_logits_task, path, lay, "bfloat16", prompts, forced,
+        got = same_on_all_ranks(get_pool(world).run(_logits_task, path, lay, "bfloat16", prompts, forced,
                                                     timeout=120), "SP bf16 logits")
+        assert got["ep_scheme"] == lay["moe_ep_scheme"], (got["ep_scheme"], lay)
         stats: list[RoutingStats] = []
         replayed = _reference_logits(ref, prompts, forced, got["routes"], near_tie, stats)
         own = _reference_logits(ref, prompts, forced)

@@ -49,7 +49,7 @@ class Qwen3MoeAttention(nn.Module):
         self.softmax_scale = head_dim ** -0.5
         # SP prefill: o_proj on this rank's tokens with all heads, full weight on every rank (decode keeps o_proj).
         self.o_proj_replicated = (ReplicatedLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                                   dtype) if sequence_parallel else None)
+                                                   dtype, linear_method(scheme)) if sequence_parallel else None)
 
     def load(self, source, prefix: str) -> None:
         self.merged_qkv_proj.load(source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight",

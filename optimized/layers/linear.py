@@ -22,18 +22,19 @@ def _split(total: int, parts: int, what: str) -> int:
 
 
 class ReplicatedLinear(nn.Module):
-    """Every rank holds the whole weight (the MoE router gate; float32 parameters there)."""
+    """Every rank holds the whole weight (the MoE router gate, float32 there; the SP prefill's o_proj)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, quant_method=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, out_features, in_features, dtype)
 
     def load(self, source, name: str) -> None:
-        self.weight.copy_(source.read(name, (self.out_features, self.in_features)))
+        self.quant_method.load(self, source, name, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.quant_method.apply(self, x)
 
 
 class ColumnParallelLinear(nn.Module):
