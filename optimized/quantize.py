@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
+
+from .ops import mx_format as mxf
+from .ops.mx_format import mx_quantize_weight
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,57 +48,11 @@ class ConversionError(ValueError):
 
 # --------------------------------------------------------------------------------------------- quantizer
 
-@dataclass(frozen=True)
-class _Format:
-    emax: int
-    max: float
+# The converter's quantizer (§8.2) is the MX family's `mx_quantize_weight`; the two formats it writes:
+MXFP8, MXFP4 = mxf.E4M3, mxf.E2M1
 
 
-MXFP8 = _Format(emax=8, max=448.0)
-MXFP4 = _Format(emax=2, max=6.0)
-# E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: code c is the number of midpoints at or below |v| (ties away).
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
-def _shared_exponent(amax: torch.Tensor, fmt: _Format) -> torch.Tensor:
-    """§8.2: floor(log2 amax), +1 when amax's mantissa exceeds 1.75, minus emax; at least -127 (0 -> -127)."""
-    mantissa, exponent = torch.frexp(amax)               # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
-    e = exponent - 1 + (mantissa > 0.875).to(exponent.dtype)
-    shared = (e - fmt.emax).clamp_min(-127)
-    return torch.where(amax > 0, shared, torch.full_like(shared, -127))
-
-
-def _pow2(n: torch.Tensor) -> torch.Tensor:
-    """2^n as fp32 for integer n in [-126, 127], built from the exponent bits (exact on every platform)."""
-    return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
-def _round_e4m3_half_away(a: torch.Tensor) -> torch.Tensor:
-    """fp32 a (|a| < 512) -> nearest E4M3 value, ties away from zero, saturated at 448 (exact in fp32)."""
-    magnitude = a.abs()
-    _, exponent = torch.frexp(magnitude)
-    p = (exponent - 1).clamp_min(-6)                    # binade; subnormal spacing 2^-9 below 2^-6
-    units = torch.floor(magnitude * _pow2(3 - p) + 0.5)
-    return torch.copysign((units * _pow2(p - 3)).clamp_max(MXFP8.max), a)
-
-
-def mx_quantize_weight(w: torch.Tensor, fmt: _Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N, K] -> (elements, scale uint8 [..., N, ceil(K/32)]); elements: MXFP8 float8_e4m3fn [..., N, K],
-    MXFP4 uint8 [..., N, K/2]."""
-    k = w.shape[-1]
-    x = F.pad(w.float(), (0, -k % BLOCK)).unflatten(-1, (-1, BLOCK))    # [..., nb, 32]
-    shared = _shared_exponent(x.abs().amax(-1), fmt)                    # [..., nb]
-    a = x * _pow2(-shared)[..., None]                                   # exact: power-of-two scaling
-    scale = (shared + 127).to(torch.uint8)
-    if fmt is MXFP8:
-        return _round_e4m3_half_away(a).flatten(-2)[..., :k].to(torch.float8_e4m3fn), scale
-    magnitude = a.abs()
-    codes = sum((magnitude >= t).to(torch.uint8) for t in _FP4_MIDPOINTS)   # midpoints <= |a|: ties away
-    codes = (codes | (torch.signbit(a).to(torch.uint8) << 3)).flatten(-2)[..., :k]
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
-
-
-def quant_format(name: str) -> _Format | None:
+def quant_format(name: str) -> mxf.MxFormat | None:
     """The W4A8 format of checkpoint tensor `name` (None: copied unchanged); unknown tensors are an error."""
     if _EXPERT.match(name):
         return MXFP4

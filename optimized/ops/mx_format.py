@@ -327,22 +327,22 @@ def mx_quantize_weight(w: torch.Tensor, fmt: MxFormat):
     if fmt.packed and k % 2:
         raise ValueError(f"mx_quantize_weight: FP4 needs an even last dim; got shape {tuple(w.shape)}")
     nb = math.ceil(k / BLOCK_SIZE)
-    xf = torch.nn.functional.pad(w.float(), (0, nb * BLOCK_SIZE - k)).unflatten(-1, (nb, BLOCK_SIZE))
-    amax = xf.abs().amax(-1)
-    bits = amax.view(torch.int32)
-    field, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    bump = ((field > 0) & (mant > 0x600000)).to(torch.int32)  # mantissa 1.m > 1.75; subnormal amax -> byte 0
-    byte = torch.where(field > 0, (field + bump - fmt.emax).clamp_min(0), 0)
-    # a = x / 2^shared, round half away from zero on the grid of a's binade. fp32 is exact here: |a| < 2^(emax+2),
-    # and an a that underflows to an fp32 subnormal lies far below half the smallest grid step (rounds to 0).
-    a = xf * pow2(127 - byte).unsqueeze(-1)
-    mb, pmin = (3, -6) if fmt is E4M3 else (1, 0)
-    p = (torch.frexp(a).exponent - 1).clamp_min(pmin)
-    step = pow2(p - mb)
-    q = torch.sign(a) * torch.floor(a.abs() / step + 0.5) * step
-    q = torch.where(a == 0, a, q).clamp(-fmt.maxval, fmt.maxval)  # keeps -0.0
+    x = torch.nn.functional.pad(w.float(), (0, nb * BLOCK_SIZE - k)).unflatten(-1, (nb, BLOCK_SIZE))
+    mantissa, exponent = torch.frexp(x.abs().amax(-1))           # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    shared = (exponent - 1 + (mantissa > 0.875).to(exponent.dtype) - fmt.emax).clamp_min(-127)
+    shared = torch.where(mantissa > 0, shared, torch.full_like(shared, -127))   # an all-zero block: byte 0
+    a = x * pow2(-shared).unsqueeze(-1)                          # exact: power-of-two scaling
+    byte = (shared + 127).to(torch.uint8)
     if fmt is E4M3:
-        data = q.to(torch.float8_e4m3fn).flatten(-2)[..., :k]
+        magnitude = a.abs()
+        p = (torch.frexp(magnitude).exponent - 1).clamp_min(-6)  # binade; subnormal spacing 2^-9 below 2^-6
+        units = torch.floor(magnitude * pow2(3 - p) + 0.5)       # half away from zero on the element grid
+        q = torch.copysign((units * pow2(p - 3)).clamp_max(fmt.maxval), a)
+        data = q.flatten(-2)[..., :k].to(torch.float8_e4m3fn)
     else:
-        data = pack_fp4(encode_fp4(q, "rint").flatten(-2)[..., :k])  # q is on the grid: exact
-    return data.contiguous(), byte.to(torch.uint8).contiguous()
+        # E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: the code is the number of midpoints at or below |a|
+        # (ties away from zero), saturating at 6 (code 7); the sign is bit 3.
+        codes = sum((a.abs() >= t).to(torch.uint8) for t in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
+        codes = (codes | (torch.signbit(a).to(torch.uint8) << 3)).flatten(-2)[..., :k]
+        data = pack_fp4(codes)
+    return data.contiguous(), byte.contiguous()
