@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from equivalence.compare import assert_bitwise_equal, assert_close, max_abs, rel_l2, tolerance, top1_agreement
+from equivalence.compare import assert_bitwise_equal, assert_close
 from equivalence.dist import get_pool
-from equivalence.parallel_support import (RoutingStats, paged_cache, rank_model, reference_model,
+from equivalence.parallel_support import (paged_cache, rank_model, reference_model,
                                           run_property, runner_of, same_on_all_ranks)
 from equivalence.strategies import (describe_layout, expert_routing, hidden_states, prompt_length, routing_kinds,
                                     seeds, sp_layout)
 from equivalence.test_e2e_parallel import (GEN_TOKENS, _draw_forced, _logits_task, _model_logits,
-                                           _reference_logits)
+                                           _reference_logits, assert_bf16_logits_match_replayed_reference)
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from reference.generate import greedy_generate
@@ -282,30 +282,14 @@ def test_sp_greedy_generation_identical_to_reference_fp32(world, scheme, n):
 @pytest.mark.parametrize("world, scheme, n", cases({2: 2, 4: 2, 8: 1}))
 def test_sp_logits_bf16_within_tolerance_routing_flip_aware(world, scheme, n):
     lay = sp_layout(world, scheme)
-    near_tie = tolerance("router_tie.model.bfloat16").rtol
-
     def check(name, lengths, steps, seed):
-        path = str(checkpoint(name))
-        ref = reference_model(name, "bfloat16")
         prompts = _prompts(lengths, seed)
         forced = _draw_forced(seed, len(prompts), steps)
-        got = same_on_all_ranks(get_pool(world).run(_logits_task, path, lay, "bfloat16", prompts, forced,
-                                                    timeout=120), "SP bf16 logits")
+        got = same_on_all_ranks(get_pool(world).run(_logits_task, str(checkpoint(name)), lay, "bfloat16", prompts,
+                                                    forced, timeout=120), "SP bf16 logits")
         assert got["ep_scheme"] == lay["moe_ep_scheme"], (got["ep_scheme"], lay)
-        stats: list[RoutingStats] = []
-        replayed = _reference_logits(ref, prompts, forced, got["routes"], near_tie, stats)
-        own = _reference_logits(ref, prompts, forced)
-        total = sum(stats, RoutingStats())
-        mine = _model_logits(got, prompts, forced)
-        a, r, o = (torch.cat([torch.cat(x) for x in xs]) for xs in (mine, replayed, own))
-        report = (f"{describe_layout(lay)} {name} lengths={lengths} bf16: {total}; replayed: max_abs "
-                  f"{max_abs(a, r):.2e} rel_l2 {rel_l2(a, r):.2e}, top-1 {top1_agreement(a, r):.4f}; reference's own "
-                  f"routing: top-1 {top1_agreement(a, o):.4f}, max_abs {max_abs(a, o):.2e}, rel_l2 {rel_l2(a, o):.2e}")
-        print(report)
-        assert total.clear_flips == 0, report
-        for b, ((gp, gd), (wp, wd)) in enumerate(zip(mine, replayed)):
-            assert_close(gp, wp, "model.parallel.bfloat16", f"{report}; request {b} SP prefill logits")
-            assert_close(gd, wd, "model.parallel.bfloat16", f"{report}; request {b} TP decode logits")
+        assert_bf16_logits_match_replayed_reference(got, name, prompts, forced,
+                                                    f"{describe_layout(lay)} {name} lengths={lengths}")
 
     run_property(check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world), steps=st.integers(1, 2),
                  seed=seeds)
