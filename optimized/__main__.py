@@ -21,8 +21,13 @@ generate
   Under torchrun every rank loads only its own shards; rank 0 prints, per request, `prompt ids:`,
   `generated ids:` and `text:` (the lines `python -m reference generate` prints; with several requests
   each line starts with `[i] `), then the prefill time and the decode time per token.
-  exe_mode: graph is rejected for now ("not implemented yet"): graph mode (torchair on NPU, inductor
-  elsewhere) with its compile cache is a later step; run with exe_mode: eager.
+  model_config.exe_mode: eager, or ge_graph / acl_graph: decode steps run as one compiled graph per
+  batch bucket (optimized/graph.py; torchair on NPU, torch.compile inductor elsewhere), prefill stays
+  eager. A batch that is not a power of two is padded to the next one, and the output says so. With
+  enable_cache_compile: true the compiled graphs are cached under ./compile_cache/<CASE_NAME> (env
+  CASE_NAME; default derived from the config: model-dtype-layout-exe_mode), one entry per rank and bucket.
+  In graph mode the decode time excludes the first step (which compiles or loads the graph; its time is
+  printed separately).
 
 Errors a user can fix (bad config, bad prompt, world size mismatch, missing checkpoint) print one line
 `python -m optimized: error: ...` on stderr and exit with status 2.
@@ -188,9 +193,14 @@ def generate(args) -> int:
     if s.block_size < 1 or s.block_size % 16:
         raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of 16 "
                          f"(the paged attention kernel's block granularity)")
-    if m.exe_mode == "graph":
-        raise UsageError("model_config.exe_mode: graph is not implemented yet (torchair / inductor graph mode comes "
-                         "later); use exe_mode: eager")
+    compile_cache = None
+    if m.enable_cache_compile:
+        from .compile_cache import CompileCache, case_dir, default_case_name
+        case = os.environ.get("CASE_NAME") or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)
+        try:
+            compile_cache = CompileCache(case_dir(case))
+        except ValueError as e:
+            raise UsageError(f"environment variable {e}") from None
 
     # World size: checked against the launcher before any process group exists.
     env_world = os.environ.get("WORLD_SIZE")
@@ -239,9 +249,12 @@ def generate(args) -> int:
                                seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
         except CheckpointError as e:
             raise UsageError(f"checkpoint {model_dir}: {e}") from None
-        result = ModelRunner(model, s.block_size, device).generate(prompts, s.max_new_tokens)
+        runner = ModelRunner(model, s.block_size, device, exe_mode=m.exe_mode, compile_cache=compile_cache)
+        result = runner.generate(prompts, s.max_new_tokens)
         if env.rank == 0:
             _print_result(cfg, model_dir, prompts, result, env.world_size)
+            if m.exe_mode != "eager":
+                _print_graph(runner.decode_forward, result, compile_cache)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -265,6 +278,18 @@ def _print_result(cfg, model_dir, prompts, result, world_size: int) -> None:
     print(f"prefill: {1000 * result.prefill_seconds:.2f} ms ({n_tokens} tokens in {len(prompts)} request(s))")
     steps = len(result.decode_seconds)
     print(f"decode: {result.decode_ms_per_token:.2f} ms/token ({steps} step(s), batch {len(prompts)})")
+    sys.stdout.flush()
+
+
+def _print_graph(decoder, result, compile_cache) -> None:
+    for line in decoder.describe():
+        print(line)
+    if compile_cache is not None:
+        print(f"compile cache: {compile_cache.root}")
+    steady = result.decode_seconds[1:]
+    if steady:
+        print(f"decode (graph, steps after the first): {1000 * sum(steady) / len(steady):.2f} ms/token "
+              f"({len(steady)} step(s))")
     sys.stdout.flush()
 
 

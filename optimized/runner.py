@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import graph
 from .forward_metadata import ForwardMetadata
 from .kv_cache import PagedKVCache, block_table, slot_mapping
 
@@ -48,8 +49,11 @@ class GenerationResult:
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int = 128, device: torch.device | str = "cpu"):
+    def __init__(self, model, block_size: int = 128, device: torch.device | str = "cpu", *,
+                 exe_mode: str = "eager", compile_cache=None):
         self.model, self.block_size, self.device = model, block_size, torch.device(device)
+        # Decode steps: the model (eager) or its compiled decode graph (ge_graph / acl_graph, optimized/graph.py).
+        self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
         config = model.config
         attn = model.layers[0].self_attn
         self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -80,7 +84,7 @@ class ModelRunner:
                 break
             start = time.perf_counter()
             meta = self.decode_metadata(lengths, table)
-            next_ids = self.model(next_ids, meta, cache.layers).argmax(-1)
+            next_ids = self.decode_forward(next_ids, meta, cache.layers).argmax(-1)
             synchronize(self.device)
             result.decode_seconds.append(time.perf_counter() - start)
             lengths = [n + 1 for n in lengths]
