@@ -45,11 +45,18 @@ GRAPH_MODES = ("ge_graph", "acl_graph")
 DYNAMO_SETTINGS = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)
 
 
-def batch_bucket(batch: int) -> int:
-    """The captured batch size a batch of `batch` requests is padded to: the next power of two."""
+def batch_bucket(batch: int, buckets: tuple[int, ...] | None = None) -> int:
+    """The captured batch size a batch of `batch` requests is padded to: the smallest of `buckets` that
+    holds it, or (buckets None) the next power of two."""
     if batch < 1:
         raise ValueError(f"batch size {batch} must be at least 1")
-    return 1 << (batch - 1).bit_length()
+    if buckets is None:
+        return 1 << (batch - 1).bit_length()
+    fits = [b for b in buckets if b >= batch]
+    if not fits:
+        raise ValueError(f"batch size {batch} exceeds the largest captured batch bucket {max(buckets)} "
+                         f"(buckets {sorted(buckets)})")
+    return min(fits)
 
 
 class DecodeStep(nn.Module):
@@ -79,21 +86,27 @@ class Startup:
 class GraphDecoder:
     """Drop-in for the model's decode call: (input_ids [B], decode meta, kv_caches) -> logits [B, V]."""
 
-    def __init__(self, model, exe_mode: str = "ge_graph", cache: CompileCache | None = None, *, compiler=None):
+    def __init__(self, model, exe_mode: str = "ge_graph", cache: CompileCache | None = None, *,
+                 buckets: tuple[int, ...] | None = None, compiler=None):
+        """buckets: the captured batch sizes (default: powers of two, each captured on first use).
+        compiler: `compile(step) -> callable`, default `platform.graph_compiler(exe_mode)`."""
         if exe_mode not in GRAPH_MODES:
             raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: {', '.join(GRAPH_MODES)}")
-        self.model, self.exe_mode, self.cache = model, exe_mode, cache
+        if buckets is not None and (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)):
+            raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
+        self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
         self.max_positions = model.config.max_position_embeddings
         self.steps: dict[int, object] = {}          # block_size -> compiled DecodeStep (buckets share it)
         self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
         self.padding: dict[int, int] = {}           # batch -> bucket, for every batch that was padded
 
+    @torch.no_grad()  # always: grad mode is part of what a compiled graph is guarded on
     def __call__(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
         if meta.is_prefill:
             raise ValueError("GraphDecoder runs decode steps only (prefill stays eager)")
         batch = input_ids.shape[0]
-        bucket = batch_bucket(batch)
+        bucket = batch_bucket(batch, self.buckets)
         if bucket != batch:
             self.padding[batch] = bucket
         kv_lens = list(meta.actual_seq_lengths_kv)
