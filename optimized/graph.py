@@ -12,7 +12,9 @@ tensors and one host int list, so nothing inside it syncs with the host:
   with dynamic=True): a new step with longer contexts runs the same graph;
 - the KV cache tensors keep a symbolic block count (the pool size), every other dim static.
 Collectives trace through `comm` (functional collectives while compiling), the paged-cache write
-`npu_scatter_nd_update_` through its functionalization.
+`npu_scatter_nd_update_` through its functionalization. Cost of that on CPU: the functional op
+copies the layer's whole cache and the graph copies it back (inductor does not re-inplace this custom op
+in the model's graph), i.e. two cache copies per layer per step, proportional to the KV pool size.
 
 Padding: a padded slot decodes token 0 at position 0 with KV length 1, writing its K/V to slot 0 of the
 null block 0 (never handed to a request) and reading only that slot; its logits are dropped. So padding
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from . import platform
-from .compile_cache import CompileCache, cache_key
+from .compile_cache import CompileCache, cache_key, key_hash
 from .forward_metadata import ForwardMetadata
 from .kv_cache import NULL_BLOCK
 
@@ -96,6 +98,8 @@ class GraphDecoder:
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
+        # On NPU torchair's cache_compile owns the cache (one directory per key, all buckets inside it).
+        self.torchair_cache = cache is not None and compiler is None and platform.backend_name() == "npu"
         self.max_positions = model.config.max_position_embeddings
         self.steps: dict[int, object] = {}          # block_size -> compiled DecodeStep (buckets share it)
         self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
@@ -120,11 +124,18 @@ class GraphDecoder:
                     torch._dynamo.mark_static(t, dim)
         step = self.steps.get(meta.block_size)
         if step is None:
-            step = self.steps[meta.block_size] = self.compiler(DecodeStep(self.model, meta.block_size))
+            step = self.steps[meta.block_size] = self._compile(meta.block_size)
         if bucket not in self.startup:
             return self._first_call(step, bucket, meta.block_size, inputs, caches)[:batch]
         with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
             return step(*inputs, caches)[:batch]
+
+    def _compile(self, block_size: int):
+        if self.torchair_cache:  # pragma: no cover - needs torchair: it caches per input shape in this directory
+            key = cache_key(self.model, batch_bucket=0, block_size=block_size, exe_mode=self.exe_mode)
+            compiler = platform.graph_compiler(self.exe_mode, cache_dir=self.cache.root / key_hash(key))
+            return compiler(DecodeStep(self.model, block_size))
+        return self.compiler(DecodeStep(self.model, block_size))
 
     def pad_inputs(self, input_ids, meta: ForwardMetadata, kv_lens: list[int], bucket: int):
         """input_ids, positions, slot_mapping [bucket], block_table [bucket, W], kv_lens (bucket ints)."""
@@ -147,12 +158,14 @@ class GraphDecoder:
 
     def _first_call(self, step, bucket: int, block_size: int, inputs, caches) -> torch.Tensor:
         entry = None
-        if self.cache is not None:
+        if self.cache is not None and not self.torchair_cache:
             entry = self.cache.entry(cache_key(self.model, batch_bucket=bucket, block_size=block_size,
                                                exe_mode=self.exe_mode))
         start = time.perf_counter()
         with entry.inductor_cache() if entry is not None else contextlib.nullcontext():
             source = "loaded" if entry is not None and entry.load() else "compiled"
+            if self.torchair_cache:  # pragma: no cover - torchair decides whether its cache held the graph
+                source = "torchair cache_compile"
             with _fresh_artifacts(), torch._dynamo.config.patch(**DYNAMO_SETTINGS):
                 out = step(*inputs, caches)
                 if entry is not None and source == "compiled":
