@@ -278,3 +278,19 @@ def test_batch_buckets():
     assert batch_bucket(3, (2, 8)) == 8
     with pytest.raises(ValueError, match="exceeds the largest captured batch bucket 8"):
         batch_bucket(9, (8,))
+
+
+def test_exe_mode_choice_and_errors(tmp_path):
+    from optimized import platform
+    from optimized.graph import decode_forward
+
+    model = tiny_model(torch.float32)
+    assert decode_forward(model, "eager") is model
+    assert isinstance(decode_forward(model, "acl_graph"), GraphDecoder)
+    with pytest.raises(ValueError, match="needs a graph exe_mode"):
+        decode_forward(model, "eager", CompileCache(tmp_path))
+    with pytest.raises(ValueError, match="graph modes: ge_graph, acl_graph"):
+        GraphDecoder(model, "graph")
+    with pytest.raises(ValueError, match="graph modes: ge_graph, acl_graph"):
+        platform.graph_compiler("eager")
+    assert "inductor" in platform.graph_backend_description("acl_graph")
