@@ -32,9 +32,10 @@ NEW_TOKENS = 4
 
 def _case(world, compiler, thorough_only=False, **sizes):
     lay = layout(world, **sizes)
+    compiler = "inductor" if THOROUGH else compiler
     name = f"w{world}-a{lay['attn_tp_size']}t{lay['moe_tp_size']}e{lay['moe_ep_size']}-{compiler}"
     marks = [pytest.mark.skipif(not THOROUGH, reason="thorough profile only")] if thorough_only else []
-    return pytest.param(world, lay, "inductor" if THOROUGH else compiler, id=name, marks=marks)
+    return pytest.param(world, lay, compiler, id=name, marks=marks)
 
 
 CASES = [
