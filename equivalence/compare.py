@@ -77,6 +77,13 @@ TOLERANCES: dict[str, Tolerance] = {
             "SP prefill + TP decode, both EP schemes, 2/4/8 ranks, 6 batches x 3 fixtures per layout: max_abs "
             "8.2e-2, rel_l2 1.44e-2; routing flips 3.9-4.2% of token routings, all near-ties (worst margin 1.8e-2)",
     ),
+    "graph.bfloat16": Tolerance(
+        atol=1.6e-2, rtol=1e-2, max_rel_l2=4e-3,
+        why="bf16 decode logits, compiled decode graph (inductor, CPU) vs eager on the same cache state, tiny "
+            "fixture: measured bitwise equal (max_abs 0; the fused ops are extern kernels, the fused glue kept "
+            "eager's roundings); bound = the model.bfloat16 one-ulp-of-a-logit bound, for a backend that fuses "
+            "elementwise glue with fewer roundings; a wrong slot, length or padding leak gives rel_l2 > 1e-1",
+    ),
     "router_tie.model.bfloat16": Tolerance(
         atol=0.0, rtol=6e-2,
         why="whole bf16 model: router inputs of later layers already differ by ~2e-2 rel (model.parallel.bfloat16), "

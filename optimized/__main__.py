@@ -33,8 +33,13 @@ generate
   `generated ids:`, `finish:` (eos | length) and, with a tokenizer, `text:` and `completion:` (the lines
   `python -m reference generate` prints; with several requests each line starts with `[i] `), then the
   prefill time and the decode time per token.
-  exe_mode: graph is rejected for now ("not implemented yet"): graph mode (torchair on NPU, inductor
-  elsewhere) with its compile cache is a later step; run with exe_mode: eager.
+  model_config.exe_mode: eager, or ge_graph / acl_graph: decode steps run as one compiled graph per
+  batch bucket (optimized/graph.py; torchair on NPU, torch.compile inductor elsewhere), prefill stays
+  eager. A batch that is not a power of two is padded to the next one, and the output says so. With
+  enable_cache_compile: true the compiled graphs are cached under ./compile_cache/<CASE_NAME> (env
+  CASE_NAME; default derived from the config: model-dtype-layout-exe_mode), one entry per rank and bucket.
+  In graph mode the decode time excludes the first step (which compiles or loads the graph; its time is
+  printed separately).
 
 convert
   Offline conversion of a BF16 Qwen3-MoE checkpoint directory SRC into a W4A8 checkpoint DST (MXFP4 experts,
@@ -53,7 +58,7 @@ import os
 import sys
 from pathlib import Path
 
-from reference.tokenizer import PromptError, decode, encode, eos_token_ids, load_tokenizer, parse_prompt_ids
+from reference.tokenizer import decode, encode, eos_token_ids, load_tokenizer, parse_prompt_ids
 
 from .bench import UsageError
 from .runner import BLOCK_GRANULARITY, check_prompts
@@ -228,9 +233,14 @@ def generate(args) -> int:
     if s.block_size < 1 or s.block_size % BLOCK_GRANULARITY:
         raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
                          f"(the paged attention kernel's block granularity)")
-    if m.exe_mode == "graph":
-        raise UsageError("model_config.exe_mode: graph is not implemented yet (torchair / inductor graph mode comes "
-                         "later); use exe_mode: eager")
+    compile_cache = None
+    if m.enable_cache_compile:
+        from .compile_cache import CompileCache, case_dir, default_case_name
+        case = os.environ.get("CASE_NAME") or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)
+        try:
+            compile_cache = CompileCache(case_dir(case))
+        except ValueError as e:
+            raise UsageError(f"environment variable {e}") from None
 
     # World size: checked against the launcher before any process group exists.
     env_world = os.environ.get("WORLD_SIZE")
@@ -302,11 +312,14 @@ def generate(args) -> int:
             except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint when it does not
                 raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
-            result = ModelRunner(model, s.block_size, device).generate(
+            runner = ModelRunner(model, s.block_size, device, exe_mode=m.exe_mode, compile_cache=compile_cache)
+            result = runner.generate(
                 prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos, prompt_logits_positions=positions,
                 return_logits=bool(args.save_logits))
         if env.rank == 0:
             _print_result(cfg, model_dir, prompts, result, env.world_size, tokenizer)
+            if m.exe_mode != "eager":
+                _print_graph(runner.decode_forward, result, compile_cache)
             if args.save_logits:
                 import torch
                 torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
@@ -339,6 +352,18 @@ def _print_result(cfg, model_dir, prompts, result, world_size: int, tokenizer) -
     print(f"prefill: {1000 * result.prefill_seconds:.2f} ms ({n_tokens} tokens in {len(prompts)} request(s))")
     steps = len(result.decode_seconds)
     print(f"decode: {result.decode_ms_per_token:.2f} ms/token ({steps} step(s), batch {len(prompts)})")
+    sys.stdout.flush()
+
+
+def _print_graph(decoder, result, compile_cache) -> None:
+    for line in decoder.describe():
+        print(line)
+    if compile_cache is not None:
+        print(f"compile cache: {compile_cache.root}")
+    steady = result.decode_seconds[1:]
+    if steady:
+        print(f"decode (graph, steps after the first): {1000 * sum(steady) / len(steady):.2f} ms/token "
+              f"({len(steady)} step(s))")
     sys.stdout.flush()
 
 

@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=128, help="optimized model's KV block size (multiple of 16)")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--skip-hf", action="store_true", help="do not build HF transformers' model")
+    p.add_argument("--exe-mode", choices=["eager", "ge_graph", "acl_graph"], default="eager",
+                   help="also time the optimized model's decode as a compiled graph (ge_graph / acl_graph), "
+                        "with its cold vs cached start-up (default eager: no graph)")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--world-size", type=int, default=1,
                    help="> 1: prefill over this many processes, tensor-parallel vs sequence-parallel with each MoE "
@@ -302,6 +305,10 @@ def run(args) -> int:
     runner = ModelRunner(opt, args.block_size)
     progress(f"  done in {time.perf_counter() - t0:.1f} s")
     models = {"reference": (run_reference, ref), "optimized": (run_optimized, runner)}
+    startup = None
+    if args.exe_mode != "eager":
+        graph_runner, startup = graph_startup(opt, args, config)
+        models["graph"] = (run_optimized, graph_runner)
     if not args.skip_hf:
         t0 = time.perf_counter()
         progress("building HF transformers' model (experts stacked, other tensors shared) ...")
@@ -365,6 +372,8 @@ def run(args) -> int:
                   "full_model_bytes_per_decode_step": full_bytes["total"],
                   "full_model_floor_ms_per_token": 1000 * full_bytes["total"] / bandwidth},
     }
+    if startup is not None:
+        report["graph"] = graph_report(report, startup, args.exe_mode)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -390,7 +399,8 @@ def _mb(n: float) -> str:
 
 def format_report(r: dict) -> str:
     s, res, fl = r["setup"], r["results"], r["floor"]
-    labels = {"reference": "reference", "optimized": "optimized", "hf": "HF transformers"}
+    labels = {"reference": "reference", "optimized": "optimized", "hf": "HF transformers",
+              "graph": f"optimized {r.get('graph', {}).get('exe_mode', 'graph')}"}
     lines = [
         f"{s['preset']} shapes, {s['layers']} of {s['full_layers']} layers, {s['dtype']}, batch {s['batch']}, "
         f"prompt {s['prompt_len']}, {s['decode_steps']} decode steps; warm-up {s['warmup']}, repeats "
@@ -428,7 +438,67 @@ def format_report(r: dict) -> str:
         f"  floor: {fl['floor_ms_per_token']:.2f} ms/token; optimized decode / floor = "
         f"{fl['optimized_over_floor']:.2f}x",
     ]
+    if "graph" in r:
+        lines += format_graph(r["graph"])
     if s["full_layers"] != s["layers"]:
         lines.append(f"  full model ({s['full_layers']} layers): {_mb(fl['full_model_bytes_per_decode_step'])} "
                      f"per decode step, floor {fl['full_model_floor_ms_per_token']:.1f} ms/token at this bandwidth")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ graph mode
+
+def graph_startup(model, args, config):
+    """A runner whose decode is the compiled graph, and its start-up: the first decode call compiling
+    from nothing (a fresh compile cache, hence a fresh inductor cache directory), then, after a dynamo
+    reset, loading what that compile cached. Both in this process (imports are already paid)."""
+    import tempfile
+
+    from .compile_cache import CompileCache
+    from .graph import GraphDecoder, batch_bucket
+    from .runner import ModelRunner
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len), generator=gen).tolist()
+    cache = CompileCache(Path(tempfile.mkdtemp(prefix="bench_compile_cache_")))
+    times = {}
+    for phase in ("cold", "cached"):
+        torch._dynamo.reset()
+        runner = ModelRunner(model, args.block_size)
+        runner.decode_forward = GraphDecoder(model, args.exe_mode, cache)
+        progress(f"graph start-up, {phase}: first decode call ({'compiling' if phase == 'cold' else 'from cache'}) ...")
+        runner.generate(ids, 2)
+        times[phase] = runner.decode_forward.startup[batch_bucket(args.batch)]
+        progress(f"  {times[phase].source} in {times[phase].seconds:.1f} s")
+    return runner, {"cold": times["cold"], "cached": times["cached"], "cache_dir": str(cache.root),
+                    "decoder": runner.decode_forward}
+
+
+def graph_report(report: dict, startup: dict, exe_mode: str) -> dict:
+    res, floor_ms = report["results"], report["floor"]["floor_ms_per_token"]
+    g = res["graph"]["decode_ms_per_token"]
+    out = {"exe_mode": exe_mode, "lines": startup["decoder"].describe(),
+           "startup_s": {"cold": startup["cold"].seconds, "cached": startup["cached"].seconds,
+                         "cold_source": startup["cold"].source, "cached_source": startup["cached"].source},
+           "cold_over_cached": startup["cold"].seconds / startup["cached"].seconds,
+           "graph_over_floor": g["median"] / floor_ms}
+    for m in ("optimized", "hf", "reference"):
+        if m in res:
+            d = res[m]["decode_ms_per_token"]
+            out[f"{m}_over_graph"] = {"decode": d["median"] / g["median"], "decode_best": d["min"] / g["min"]}
+    return out
+
+
+def format_graph(g: dict) -> list[str]:
+    lines = ["", f"graph mode ({g['exe_mode']}): decode as one compiled graph, prefill eager"]
+    lines += [f"  {line.strip()}" for line in g["lines"]]
+    names = {"optimized": "eager optimized", "hf": "HF transformers", "reference": "reference"}
+    for m, label in names.items():
+        v = g.get(f"{m}_over_graph")
+        if v:
+            lines.append(f"  {label} / graph decode: {v['decode']:.2f}x (best {v['decode_best']:.2f}x)")
+    st = g["startup_s"]
+    lines += [f"  graph decode / floor = {g['graph_over_floor']:.2f}x",
+              f"  start-up (first decode call): cold {st['cold']:.1f} s ({st['cold_source']}), cached "
+              f"{st['cached']:.1f} s ({st['cached_source']}): {g['cold_over_cached']:.1f}x faster from the cache"]
+    return lines

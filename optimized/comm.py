@@ -33,6 +33,10 @@ Backend findings (torch 2.13, gloo on CPU; checked by equivalence/test_dist_harn
   (there is no meaningful fp8 sum on the wire; dequantize first).
 - Uneven all_gather: gloo has no uneven list all_gather, so `all_gather(..., sizes=[...])` pads every
   shard to the largest size, gathers once and trims.
+
+Graph mode: while torch.compile traces (`torch.compiler.is_compiling()`), `all_reduce` and `all_gather`
+use `torch.distributed._functional_collectives` (the traceable, out-of-place form of the same collective on
+the same group), so a decode step with TP / EP collectives captures as one graph; eager calls are unchanged.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from . import platform
 from .config import PARALLEL_OPTIONS, PARALLEL_SIZES, ParallelConfig
@@ -377,6 +382,10 @@ def all_reduce(x: torch.Tensor, group, *, upcast: bool = False) -> torch.Tensor:
     if pg is None:
         return x
     _check_reducible(x, "all_reduce")
+    if torch.compiler.is_compiling():  # graph mode: the traceable functional form, the same sum
+        wide = upcast and x.dtype in (torch.bfloat16, torch.float16)
+        out = funcol.all_reduce(x.float() if wide else x, "sum", pg)
+        return out.to(x.dtype) if wide else out
     if upcast and x.dtype in (torch.bfloat16, torch.float16):
         buf = x.float()
         _count("all_reduce", 2 * (pg.size() - 1) * _nbytes(buf) // pg.size())
@@ -410,9 +419,12 @@ def all_gather(x: torch.Tensor, group, dim: int = 0, *, sizes: list[int] | None 
         if pad:
             src = torch.cat([src, src.new_zeros((pad, *src.shape[1:]))])
     src = _wire(src.contiguous())
-    out = src.new_empty((n * src.shape[0], *src.shape[1:]))
     _count("all_gather", (n - 1) * _nbytes(src))
-    _all_gather_single(out, src, group=pg)
+    if torch.compiler.is_compiling():  # graph mode: the traceable functional form
+        out = funcol.all_gather_tensor(src, 0, pg)
+    else:
+        out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+        _all_gather_single(out, src, group=pg)
     if x.dtype in _ONE_BYTE_FLOATS:
         out = out.view(x.dtype)
     if sizes is not None and max(sizes) != min(sizes):

@@ -3,10 +3,10 @@
 ```yaml
 model_config:        # what to run
   model_path: fixture:tiny      # see "model_path" below
-  exe_mode: eager               # eager | graph (torchair on NPU, inductor elsewhere)
+  exe_mode: eager               # eager | ge_graph | acl_graph: decode as one compiled graph (optimized/graph.py)
   dtype: bfloat16               # bfloat16 | float32
   with_ckpt: true               # false: random weights of the real shapes (benchmarks without a checkpoint)
-  enable_cache_compile: false   # graph mode: reuse the compiled graph cache between runs
+  enable_cache_compile: false   # graph modes: cache compiled decode graphs under compile_cache/<CASE_NAME>
   num_hidden_layers: null       # optional override: build only the first N decoder layers
   tokenizer_mode: default       # default: prompts encoded as they are | chat: through the chat template
 data_config:         # what to feed it
@@ -60,7 +60,7 @@ from typing import Any
 
 import yaml
 
-EXE_MODES = ("eager", "graph")
+EXE_MODES = ("eager", "ge_graph", "acl_graph")   # the recipe's names
 DTYPES = ("bfloat16", "float32")
 DATASETS = ("prompts", "random")
 TOKENIZER_MODES = ("default", "chat")
@@ -166,7 +166,8 @@ class ModelConfig:
         c.positive_int(self, "num_hidden_layers", optional=True)
         c.choice(self, "tokenizer_mode", TOKENIZER_MODES)
         if self.enable_cache_compile is True and self.exe_mode == "eager":
-            c.fail("enable_cache_compile", "needs exe_mode: graph (there is no compiled graph to cache in eager mode)")
+            c.fail("enable_cache_compile", "needs exe_mode: ge_graph or acl_graph (there is no compiled graph to cache "
+                                          "in eager mode)")
         if isinstance(self.model_path, str) and self.scheme[0] == "preset" and self.with_ckpt is True:
             c.fail("with_ckpt", "must be false with a 'preset:' model_path (presets have a config.json, no weights)")
 

@@ -47,3 +47,47 @@ def dist_backend() -> str:
     """Collective backend for torch.distributed: hccl on NPU, nccl on CUDA, gloo on CPU."""
     return {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}[backend_name()]
 
+
+
+def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
+    """How this backend compiles a decode step: a function `compile(module) -> callable`.
+
+    The step is an nn.Module whose forward takes tensors and host int lists; it is compiled whole
+    (fullgraph) with dynamic=True, so the host ints (KV lengths) are graph inputs while every tensor the
+    caller marks static keeps a static shape, as the recipe compiles its decode.
+    - NPU: torchair. `ge_graph` is its GE graph backend with frozen parameters; `acl_graph` is the
+      same backend in "reduce-overhead" mode (captured ACL graphs). `cache_dir` wraps the step in
+      `torchair.inference.cache_compile` (GE cache included). torchair is imported only here.
+    - CUDA: inductor; `acl_graph` uses mode "reduce-overhead" (CUDA graphs).
+    - CPU: inductor for both names (the same capture rules, C++ kernels instead of a device graph).
+    """
+    import torch
+
+    if exe_mode not in ("ge_graph", "acl_graph"):
+        raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: ge_graph, acl_graph")
+    if backend_name() == "npu":  # pragma: no cover - needs torch_npu and torchair
+        import torchair
+        from torchair.configs.compiler_config import CompilerConfig
+
+        config = CompilerConfig()
+        config.experimental_config.frozen_parameter = True
+        config.experimental_config.tiling_schedule_optimize = True
+        if exe_mode == "acl_graph":
+            config.mode = "reduce-overhead"
+        if cache_dir is not None:
+            return lambda step: torchair.inference.cache_compile(step.forward, cache_dir=str(cache_dir), config=config,
+                                                                 dynamic=True, fullgraph=True, ge_cache=True)
+        backend = torchair.get_npu_backend(compiler_config=config)
+        return lambda step: torch.compile(step, backend=backend, dynamic=True, fullgraph=True)
+    mode = "reduce-overhead" if exe_mode == "acl_graph" and backend_name() == "cuda" else None
+    return lambda step: torch.compile(step, backend="inductor", mode=mode, dynamic=True, fullgraph=True)
+
+
+def graph_backend_description(exe_mode: str) -> str:
+    """One line for the user: what `exe_mode` compiles with on this host."""
+    name = backend_name()
+    if name == "npu":
+        return f"{exe_mode}: torchair ({'ACL graph' if exe_mode == 'acl_graph' else 'GE graph'})"
+    if name == "cuda":
+        return f"{exe_mode}: torch.compile inductor{' + CUDA graphs' if exe_mode == 'acl_graph' else ''}"
+    return f"{exe_mode}: torch.compile inductor (C++ kernels on CPU; no device graph here)"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import graph
 from .forward_metadata import ForwardMetadata
 from .kv_cache import PagedKVCache, block_table, slot_mapping
 from .sampling import GREEDY, Sampler, SamplingParams
@@ -73,9 +74,12 @@ def _eos_set(eos_token_id) -> frozenset[int]:
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int = 128, device: torch.device | str = "cpu"):
+    def __init__(self, model, block_size: int = 128, device: torch.device | str = "cpu", *,
+                 exe_mode: str = "eager", compile_cache=None):
         self.model, self.block_size, self.device = model, check_block_size(block_size), torch.device(device)
         self.clock = time.perf_counter   # phase timer; the latency harness may swap it (e.g. thread CPU time)
+        # Decode steps: the model (eager) or its compiled decode graph (ge_graph / acl_graph, optimized/graph.py).
+        self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
         config = model.config
         attn = model.layers[0].self_attn
         self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -152,8 +156,9 @@ class ModelRunner:
         return result
 
     def decode_step(self, ids: torch.Tensor, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
-        """One decode step: ids [B] (one token per running request) -> logits [B, V]."""
-        return self.model(ids, meta, kv_caches)
+        """One decode step: ids [B] (one token per running request) -> logits [B, V]; in graph mode the
+        compiled step (a batch shrunk by finished requests runs in its own, smaller captured bucket)."""
+        return self.decode_forward(ids, meta, kv_caches)
 
     def _check_positions(self, prompts, positions):
         if positions is None:

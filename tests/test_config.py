@@ -97,7 +97,7 @@ def test_yaml_syntax_error_names_the_file(tmp_path):
     ({"model_config": {"model_path": ""}}, "model_config.model_path", ["non-empty string"]),
     ({"model_config": {"model_path": 3}}, "model_config.model_path", ["non-empty string"]),
     ({"model_config": {"model_path": "fixture:"}}, "model_config.model_path", ["followed by a name"]),
-    ({"model_config": {"exe_mode": "jit"}}, "model_config.exe_mode", ["one of eager, graph", "'jit'"]),
+    ({"model_config": {"exe_mode": "jit"}}, "model_config.exe_mode", ["one of eager, ge_graph, acl_graph", "'jit'"]),
     ({"model_config": {"dtype": "float16"}}, "model_config.dtype", ["one of bfloat16, float32"]),
     ({"model_config": {"tokenizer_mode": "raw"}}, "model_config.tokenizer_mode", ["one of default, chat", "'raw'"]),
     ({"parallel_config": {"collective_timeout_s": 0}}, "parallel_config.collective_timeout_s",
@@ -105,7 +105,7 @@ def test_yaml_syntax_error_names_the_file(tmp_path):
     ({"model_config": {"with_ckpt": 1}}, "model_config.with_ckpt", ["must be a boolean"]),
     ({"model_config": {"with_ckpt": "yes"}}, "model_config.with_ckpt", ["must be a boolean"]),
     ({"model_config": {"enable_cache_compile": None}}, "model_config.enable_cache_compile", ["must be a boolean"]),
-    ({"model_config": {"enable_cache_compile": True}}, "model_config.enable_cache_compile", ["needs exe_mode: graph"]),
+    ({"model_config": {"enable_cache_compile": True}}, "model_config.enable_cache_compile", ["needs exe_mode: ge_graph or acl_graph"]),
     ({"model_config": {"num_hidden_layers": 0}}, "model_config.num_hidden_layers", ["positive integer or null"]),
     ({"model_config": {"model_path": "preset:qwen3_30b_a3b"}}, "model_config.with_ckpt", ["must be false", "preset"]),
     # data_config

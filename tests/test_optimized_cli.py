@@ -129,7 +129,16 @@ def test_bad_config_contents_and_graph_mode(tmp_path, capsys):
     assert "model_config.dtype" in err and "model_config.bogus: unknown key" in err
     graph = tmp_path / "graph.yaml"
     graph.write_text("model_config:\n  model_path: fixture:tiny\n  exe_mode: graph\n")
-    assert "exe_mode: graph is not implemented yet" in run_error(["generate", "--config", str(graph)], capsys)
+    err = run_error(["generate", "--config", str(graph)], capsys)
+    assert "model_config.exe_mode: must be one of eager, ge_graph, acl_graph; got 'graph'" in err
+
+
+def test_graph_config_with_a_bad_case_name_is_a_usage_error(monkeypatch, capsys):
+    """The graph-mode example config is accepted; CASE_NAME must be a plain directory name."""
+    monkeypatch.setenv("CASE_NAME", "../elsewhere")
+    graph = str(CONFIGS / "tiny_tp2_ep2_graph.yaml")
+    err = run_error(["generate", "--config", graph], capsys)
+    assert "CASE_NAME '../elsewhere' must be a plain directory name" in err
 
 
 def test_preset_model_path_writes_config(tmp_path, monkeypatch):

@@ -1,0 +1,296 @@
+"""Graph mode (exe_mode ge_graph / acl_graph) decodes what eager mode decodes; the compile cache is safe.
+
+Single process (world 1), the tiny fixture cut to one decoder layer. Compiles are slow on a small CPU, so
+the fp32 graph is compiled once per run: the first xdist worker compiles it into a compile cache shared by
+the workers and records that fresh compile; other workers load it (`fp32` fixture).
+- fp32, inductor: drawn batches of 1-8 requests (mixed prompt lengths crossing the 16-token blocks) are
+  all padded to one captured bucket of 8; greedy tokens identical to eager, token for token; one graph, no
+  graph break, no recompile over all draws and steps (dynamo counters);
+- fp32 logits of one decode step: graph vs eager within `model.float32`, and the padding slots wrote only
+  the null KV block (every request block equals eager's);
+- compile cache: the first decoder compiles and saves an entry; another one (a fresh backend object, so
+  nothing in memory to reuse) loads a copy of it (inductor FX-graph and AOTAutograd cache hits, no miss)
+  and decodes the same tokens: cached == fresh == eager;
+- bf16, inductor: greedy tokens and teacher-forced logits vs eager within `graph.bfloat16`; the same
+  compile cache directory holds the fp32 entry, and the bf16 decoder compiles (a changed dtype recompiles);
+- every key component (config, layout, rank, dtype, bucket, block size, torch / torch_npu version) maps
+  to another entry, which does not load, while the original still does;
+- a truncated artefact, garbage with a matching checksum, and a garbled key.json are each discarded with
+  a CompileCacheWarning and the run proceeds with a fresh compile (cheap `aot_eager` backend: the cache
+  logic does not depend on the backend) and eager's tokens;
+- torch._dynamo.explain: the decode step is one graph with zero graph breaks.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from filelock import FileLock
+from torch._dynamo.utils import counters
+
+from equivalence.compare import assert_close, describe, tolerance
+from equivalence.parallel_support import paged_cache, run_property
+from equivalence.strategies import BLOCK_SIZE, prompt_batches
+from fixtures.checkpoints import checkpoint
+from fixtures.tiny import tiny_config
+from optimized.build import load_model
+from optimized.compile_cache import ARTIFACT_FILE, KEY_FILE, CompileCache, CompileCacheWarning, cache_key, key_hash
+from optimized.graph import DecodeStep, GraphDecoder, batch_bucket
+from optimized.runner import ModelRunner
+
+VOCAB = tiny_config("tiny").vocab_size
+BUCKET = 8          # every drawn batch (1-8 requests) is padded to this one captured size
+NEW_TOKENS = 4
+PROMPTS = [[5, 6, 7], list(range(1, 18)), list(range(40, 71))]   # 3, 17, 31 tokens: bucket 8 pads 5 slots
+
+
+def tiny_model(dtype: torch.dtype):
+    return load_model(checkpoint("tiny"), dtype=dtype, num_hidden_layers=1)
+
+
+def eager_tokens(model, prompts, n=NEW_TOKENS):
+    return ModelRunner(model, BLOCK_SIZE).generate(prompts, n).tokens
+
+
+def graph_runner(model, cache=None, compiler=None):
+    runner = ModelRunner(model, BLOCK_SIZE)
+    runner.decode_forward = GraphDecoder(model, "ge_graph", cache, buckets=(BUCKET,), compiler=compiler)
+    return runner
+
+
+def inductor_counts() -> dict:
+    return {"fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values())}
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in before}
+
+
+def fresh_backend(compile_fx_backend: str):
+    """A new backend object for `compile_fx_backend`: dynamo keeps compiled graphs per backend object, so a
+    decoder with a fresh one really traces and compiles (or loads) instead of reusing a graph in memory."""
+    backend = torch._dynamo.lookup_backend(compile_fx_backend)
+
+    def compiler(step):
+        return torch.compile(step, backend=lambda gm, example_inputs: backend(gm, example_inputs), dynamic=True,
+                             fullgraph=True)
+    return compiler
+
+
+def _shared_dir(tmp_path_factory):
+    """A directory every xdist worker of this run sees (the parent of the workers' base temps)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+def copy_of_entry(fp32, root) -> CompileCache:
+    """A cache at `root` holding a copy of the pristine fp32 entry."""
+    cache = CompileCache(root)
+    src = next(fp32["cache"].root.iterdir())
+    shutil.copytree(src, cache.root / src.name)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """The fp32 model and a live graph runner. The first worker here compiles fresh into a compile cache
+    shared by the run's xdist workers (under a file lock) and records what that fresh compile did; a worker
+    coming later loads the entry instead of compiling the same graph again."""
+    model = tiny_model(torch.float32)
+    shared = _shared_dir(tmp_path_factory) / "graph_fp32"
+    shared.mkdir(exist_ok=True)
+    cache, record = CompileCache(shared / "case"), shared / "fresh.json"
+    with FileLock(str(shared / "lock")):
+        before = inductor_counts()
+        runner = graph_runner(model, cache)
+        tokens = runner.generate(PROMPTS, NEW_TOKENS).tokens
+        decoder = runner.decode_forward
+        if not record.exists():
+            record.write_text(json.dumps({"source": decoder.startup[BUCKET].source, "tokens": tokens,
+                                          "counts": delta(before, inductor_counts()),
+                                          "padding": {str(b): p for b, p in decoder.padding.items()}}))
+    return {"model": model, "cache": cache, "runner": runner, "tokens": tokens,
+            "fresh": json.loads(record.read_text())}
+
+
+def test_graph_decode_tokens_identical_to_eager_fp32_and_entry_saved(fp32):
+    fresh = fp32["fresh"]
+    assert fresh["tokens"] == eager_tokens(fp32["model"], PROMPTS) == fp32["tokens"]
+    assert fresh["source"] == "compiled" and fresh["padding"] == {"3": BUCKET}
+    assert fresh["counts"]["graphs"] == 1 and fresh["counts"]["breaks"] == 0, fresh["counts"]
+    assert fresh["counts"]["fx_miss"] == 1, fresh["counts"]
+    entries = list(fp32["cache"].root.iterdir())
+    assert len(entries) == 1 and (entries[0] / ARTIFACT_FILE).stat().st_size > 0
+    saved = json.loads((entries[0] / KEY_FILE).read_text())["key"]
+    assert saved["batch_bucket"] == BUCKET and saved["dtype"] == "float32" and saved["rank"] == 0
+
+
+def test_graph_logits_and_cache_writes_equal_eager_fp32(fp32):
+    """One decode step (3 requests padded to 8) on two identically prefilled caches: logits within
+    model.float32, and every block of a request holds what eager wrote: the 5 padding slots wrote only
+    the null block 0."""
+    model, decoder = fp32["model"], fp32["runner"].decode_forward
+    runner = ModelRunner(model, BLOCK_SIZE)
+    outs, caches = [], []
+    for forward in (model, decoder):
+        cache, table = paged_cache(model, [len(p) + 2 for p in PROMPTS])
+        ids, meta, last = runner.prefill_inputs(PROMPTS, table)
+        nxt = model(ids, meta, cache.layers, logits_indices=last).argmax(-1)
+        outs.append(forward(nxt, runner.decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
+        caches.append(cache)
+    assert_close(outs[1], outs[0], "model.float32", "graph vs eager decode logits")
+    for layer, (eager_kv, graph_kv) in enumerate(zip(caches[0].layers, caches[1].layers)):
+        for name, e, g in zip("kv", eager_kv, graph_kv):
+            assert_close(g[1:], e[1:], "model.float32", f"layer {layer} {name} cache, request blocks")
+    assert decoder.padding[3] == BUCKET
+
+
+def test_property_drawn_batches_graph_equals_eager_fp32(fp32):
+    """1-8 requests of mixed lengths crossing block boundaries, all in the one captured bucket: identical
+    greedy tokens; the whole property runs on the one graph (no recompile, no graph break)."""
+    model, runner = fp32["model"], fp32["runner"]
+    before = inductor_counts()
+
+    def check(prompts):
+        got = runner.generate(prompts, NEW_TOKENS).tokens
+        assert got == eager_tokens(model, prompts), f"batch of {len(prompts)}, lengths {[len(p) for p in prompts]}"
+
+    run_property(check, 4, prompts=prompt_batches(VOCAB, 1, BUCKET, 40))
+    assert delta(before, inductor_counts())["graphs"] == 0, "a drawn batch recompiled the decode graph"
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_cached_graph_equals_fresh_and_eager(fp32, tmp_path):
+    """A new decoder (a fresh backend object: no graph in memory to reuse) on a copy of the entry loads it
+    (inductor's cache directory is the entry's own): cache hits, no miss, the fresh compile's tokens."""
+    before = inductor_counts()
+    runner = graph_runner(fp32["model"], copy_of_entry(fp32, tmp_path / "case"), compiler=fresh_backend("inductor"))
+    tokens = runner.generate(PROMPTS, NEW_TOKENS).tokens
+    counts = delta(before, inductor_counts())
+    assert runner.decode_forward.startup[BUCKET].source == "loaded"
+    assert counts["graphs"] == 1 and counts["fx_hit"] >= 1 and counts["aot_hit"] >= 1 and counts["fx_miss"] == 0, counts
+    assert tokens == fp32["fresh"]["tokens"]
+
+
+def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path):
+    model = tiny_model(torch.bfloat16)
+    cache = copy_of_entry(fp32, tmp_path / "case")
+    runner = graph_runner(model, cache)
+    before = inductor_counts()
+    got = runner.generate(PROMPTS, NEW_TOKENS).tokens
+    assert runner.decode_forward.startup[BUCKET].source == "compiled"      # the fp32 entry is not reused
+    assert delta(before, inductor_counts())["fx_miss"] == 1
+    assert len(list(cache.root.iterdir())) == 2
+    want = eager_tokens(model, PROMPTS)
+    # Teacher-forced: both decode the eager greedy tokens; logits at every step within graph.bfloat16.
+    eager_runner = ModelRunner(model, BLOCK_SIZE)
+    per_step = []
+    for forward in (model, runner.decode_forward):
+        cache, table = paged_cache(model, [len(p) + NEW_TOKENS for p in PROMPTS])
+        ids, meta, last = eager_runner.prefill_inputs(PROMPTS, table)
+        model(ids, meta, cache.layers, logits_indices=last)
+        lengths, logits = [len(p) for p in PROMPTS], []
+        for step in range(NEW_TOKENS - 1):
+            nxt = torch.tensor([w[step] for w in want])
+            logits.append(forward(nxt, eager_runner.decode_metadata(lengths, table), cache.layers))
+            lengths = [n + 1 for n in lengths]
+        per_step.append(torch.stack(logits))
+    print(f"bf16 graph vs eager decode logits: {describe(per_step[1], per_step[0])}; tokens "
+          f"{'identical' if got == want else f'{got} vs {want}'}")
+    assert_close(per_step[1], per_step[0], "graph.bfloat16", "bf16 graph vs eager decode logits")
+
+
+KEY_CHANGES = {
+    "model_config": lambda k: k["model_config"].update(num_hidden_layers=2),
+    "parallel_layout": lambda k: k["parallel_layout"].update(world_size=2, moe_ep_size=2),
+    "rank": lambda k: k.update(rank=1),
+    "dtype": lambda k: k.update(dtype="bfloat16"),
+    "batch_bucket": lambda k: k.update(batch_bucket=16),
+    "block_size": lambda k: k.update(block_size=32),
+    "torch": lambda k: k.update(torch=k["torch"] + ".other"),
+    "torch_npu": lambda k: k.update(torch_npu="2.8.0"),
+}
+
+
+@pytest.mark.parametrize("component", sorted(KEY_CHANGES))
+def test_changed_key_component_never_loads_the_stale_entry(fp32, tmp_path, component):
+    cache = _broken_entry(fp32, tmp_path, "intact")
+    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph")
+    changed = copy.deepcopy(key)
+    KEY_CHANGES[component](changed)
+    assert key_hash(changed) != key_hash(key)
+    assert not cache.entry(changed).load()
+    with cache.entry(key).inductor_cache():
+        assert cache.entry(key).load()
+
+
+def _broken_entry(fp32, tmp_path, how: str) -> CompileCache:
+    """A cache holding a copy of the fp32 entry, intact or broken in one way."""
+    cache = copy_of_entry(fp32, tmp_path / "case")
+    dst = next(cache.root.iterdir())
+    art, manifest = dst / ARTIFACT_FILE, json.loads((dst / KEY_FILE).read_text())
+    if how == "truncated":
+        art.write_bytes(art.read_bytes()[: art.stat().st_size // 3])
+    elif how == "garbage":   # passes the checksum: torch itself must reject it
+        import hashlib
+        junk = b"\x00not a cache artefact" * 50
+        art.write_bytes(junk)
+        manifest.update(bytes=len(junk), sha256=hashlib.sha256(junk).hexdigest())
+        (dst / KEY_FILE).write_text(json.dumps(manifest))
+    elif how == "garbled_key":
+        (dst / KEY_FILE).write_text("{not json")
+    return cache
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "garbled_key"])
+def test_broken_cache_entry_is_discarded_and_compiled_fresh(fp32, tmp_path, how):
+    cache = _broken_entry(fp32, tmp_path, how)
+    runner = graph_runner(fp32["model"], cache, compiler=fresh_backend("aot_eager"))
+    before = inductor_counts()
+    with pytest.warns(CompileCacheWarning, match="unusable"):
+        tokens = runner.generate(PROMPTS, NEW_TOKENS).tokens
+    assert runner.decode_forward.startup[BUCKET].source == "compiled"
+    assert delta(before, inductor_counts())["graphs"] == 1          # really traced and compiled again
+    assert tokens == fp32["tokens"]
+    assert not any((e / ARTIFACT_FILE).exists() and (e / ARTIFACT_FILE).stat().st_size == 0
+                   for e in cache.root.iterdir())
+
+
+def test_explain_one_graph_zero_breaks(fp32):
+    model = fp32["model"]
+    runner = ModelRunner(model, BLOCK_SIZE)
+    cache, table = paged_cache(model, [len(p) + 2 for p in PROMPTS])
+    meta = runner.decode_metadata([len(p) for p in PROMPTS], table)
+    decoder = GraphDecoder(model, "ge_graph", buckets=(BUCKET,))
+    inputs = decoder.pad_inputs(torch.tensor([1, 2, 3]), meta, list(meta.actual_seq_lengths_kv), BUCKET)
+    explained = torch._dynamo.explain(DecodeStep(model, BLOCK_SIZE))(*inputs, cache.layers)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_batch_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert batch_bucket(3, (2, 8)) == 8
+    with pytest.raises(ValueError, match="exceeds the largest captured batch bucket 8"):
+        batch_bucket(9, (8,))
+
+
+def test_exe_mode_choice_and_errors(tmp_path):
+    from optimized import platform
+    from optimized.graph import decode_forward
+
+    model = tiny_model(torch.float32)
+    assert decode_forward(model, "eager") is model
+    assert isinstance(decode_forward(model, "acl_graph"), GraphDecoder)
+    with pytest.raises(ValueError, match="needs a graph exe_mode"):
+        decode_forward(model, "eager", CompileCache(tmp_path))
+    with pytest.raises(ValueError, match="graph modes: ge_graph, acl_graph"):
+        GraphDecoder(model, "graph")
+    with pytest.raises(ValueError, match="graph modes: ge_graph, acl_graph"):
+        platform.graph_compiler("eager")
+    assert "inductor" in platform.graph_backend_description("acl_graph")

@@ -1,0 +1,94 @@
+"""Graph-mode decode over real gloo ranks: one graph, zero graph breaks, eager's greedy tokens (fp32).
+
+Each case builds the one-layer tiny model for a TP x EP layout on every rank, generates greedily in eager
+mode, then with a GraphDecoder (batch of 3 padded to the captured bucket 4), and asserts on every rank:
+tokens identical to eager; dynamo captured exactly one graph with no graph break and no recompile over
+the steps; `torch._dynamo.explain` of the decode step reports one graph and zero breaks. Collectives
+trace as functional collectives.
+
+Compiler: inductor (the CPU backend graph mode uses) where marked, `aot_eager` elsewhere (the same dynamo
+capture and AOTAutograd functionalization, without C++ code generation: several ranks compiling C++ at
+once on two cores is what the ci profile cannot afford). The `thorough` profile runs every case with
+inductor and adds TP-only and EP-only layouts. World 1 is covered by test_graph.py (inductor).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from equivalence.dist import get_pool
+from equivalence.parallel_support import paged_cache, same_on_all_ranks
+from equivalence.strategies import BLOCK_SIZE, describe_layout, layout
+from fixtures.checkpoints import checkpoint
+
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("graph_parallel")]
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+PROMPTS = [[5, 6, 7], list(range(1, 18)), list(range(40, 71))]   # 3, 17, 31 tokens: crosses 16-token blocks
+NEW_TOKENS = 4
+
+
+def _case(world, compiler, thorough_only=False, **sizes):
+    lay = layout(world, **sizes)
+    compiler = "inductor" if THOROUGH else compiler
+    name = f"w{world}-a{lay['attn_tp_size']}t{lay['moe_tp_size']}e{lay['moe_ep_size']}-{compiler}"
+    marks = [pytest.mark.skipif(not THOROUGH, reason="thorough profile only")] if thorough_only else []
+    return pytest.param(world, lay, compiler, id=name, marks=marks)
+
+
+CASES = [
+    _case(2, "inductor", attn_tp_size=2, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2),      # TP x EP
+    _case(4, "aot_eager", attn_tp_size=2, moe_tp_size=2, embed_tp_size=2, lmhead_tp_size=4),     # TP x EP
+    _case(2, "inductor", True, attn_tp_size=2, moe_tp_size=2, embed_tp_size=1, lmhead_tp_size=2),  # TP only
+    _case(4, "inductor", True, attn_tp_size=4, moe_tp_size=1, embed_tp_size=4, lmhead_tp_size=4),  # EP 4
+]
+
+
+@torch.no_grad()
+def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
+    from torch._dynamo.utils import counters
+
+    from optimized.build import load_model
+    from optimized.comm import ParallelState
+    from optimized.graph import DecodeStep, GraphDecoder
+    from optimized.runner import ModelRunner
+
+    model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.float32, num_hidden_layers=1)
+    runner = ModelRunner(model, BLOCK_SIZE)
+    eager = runner.generate(prompts, n).tokens
+    torch._dynamo.reset()
+    compile_fn = None
+    if compiler == "aot_eager":
+        def compile_fn(step):
+            return torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+    runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=compile_fn)
+    graphs = counters["stats"]["unique_graphs"]
+    graph = runner.generate(prompts, n).tokens
+    captured = {"graphs": counters["stats"]["unique_graphs"] - graphs,
+                "breaks": sum(counters["graph_break"].values()),
+                "padding": dict(runner.decode_forward.padding)}
+    cache, table = paged_cache(model, [len(p) + 2 for p in prompts])
+    meta = runner.decode_metadata([len(p) for p in prompts], table)
+    decoder = runner.decode_forward
+    inputs = decoder.pad_inputs(torch.zeros(len(prompts), dtype=torch.long), meta,
+                                list(meta.actual_seq_lengths_kv), 4)
+    explained = torch._dynamo.explain(DecodeStep(model, BLOCK_SIZE))(*inputs, cache.layers)
+    captured["explain"] = (explained.graph_count, explained.graph_break_count, [str(r) for r in explained.break_reasons])
+    return {"eager": eager, "graph": graph, "captured": captured}
+
+
+@pytest.mark.parametrize("world, lay, compiler", CASES)
+def test_graph_decode_one_graph_equals_eager_fp32(world, lay, compiler):
+    results = get_pool(world).run(_graph_vs_eager_task, str(checkpoint("tiny")), lay, compiler, PROMPTS, NEW_TOKENS,
+                                  timeout=600)
+    got = same_on_all_ranks([r["graph"] for r in results], "graph tokens")
+    what = f"{describe_layout(lay)} ({compiler})"
+    for rank, r in enumerate(results):
+        assert r["graph"] == r["eager"], f"{what} rank {rank}: graph {r['graph']} != eager {r['eager']}"
+        c = r["captured"]
+        assert c["graphs"] == 1 and c["breaks"] == 0, f"{what} rank {rank}: {c}"
+        assert c["explain"][:2] == (1, 0), f"{what} rank {rank}: explain {c['explain']}"
+        assert c["padding"] == {3: 4}, f"{what} rank {rank}: {c['padding']}"
+    assert len(got) == len(PROMPTS)

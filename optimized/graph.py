@@ -1,0 +1,207 @@
+"""Graph mode: the decode step compiled to one static graph per batch bucket (exe_mode ge_graph / acl_graph).
+
+`decode_forward(model, exe_mode, ...)` is what `ModelRunner` calls for each decode step: the model itself
+in eager mode, a `GraphDecoder` otherwise. Prefill stays eager, as in the recipe.
+
+What is compiled (`DecodeStep`): one decode forward, whole (fullgraph: a graph break is an error), from
+tensors and one host int list, so nothing inside it syncs with the host:
+- input_ids, positions, slot_mapping [Bp] and block_table [Bp, W] have static shapes: the batch B is
+  padded to its bucket Bp (the next power of two, as serving engines capture a few batch sizes) and the
+  block table to W = ceil(max_position_embeddings / block_size) columns;
+- the per-request KV lengths are a host list of ints, graph inputs (symbolic ints, as torchair takes them
+  with dynamic=True): a new step with longer contexts runs the same graph;
+- the KV cache tensors keep a symbolic block count (the pool size), every other dim static.
+Collectives trace through `comm` (functional collectives while compiling), the paged-cache write
+`npu_scatter_nd_update_` through its functionalization. Cost of that on CPU: the functional op
+copies the layer's whole cache and the graph copies it back (inductor does not re-inplace this custom op
+in the model's graph), i.e. two cache copies per layer per step, proportional to the KV pool size.
+
+Padding: a padded slot decodes token 0 at position 0 with KV length 1, writing its K/V to slot 0 of the
+null block 0 (never handed to a request) and reading only that slot; its logits are dropped. So padding
+never touches a real request's cache. `GraphDecoder.padding` records every batch -> bucket it padded.
+
+Compiling: `platform.graph_compiler(exe_mode)` (torchair on NPU, inductor elsewhere), under dynamo settings
+that keep the capture static: Python floats of the model (eps, scale) specialize as constants (otherwise
+dynamo traces them as symbols and restarts), and the recompile limit is raised and made an error, so a
+run never falls back to eager silently. With a `CompileCache` each bucket's first call loads the cached
+artefacts of its key, or compiles and saves them (`compile_cache.py`); `GraphDecoder.startup` records
+per bucket whether it was loaded or compiled and how long the first call took.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import platform
+from .compile_cache import CompileCache, cache_key, key_hash
+from .forward_metadata import ForwardMetadata
+from .kv_cache import NULL_BLOCK
+
+GRAPH_MODES = ("ge_graph", "acl_graph")
+# Dynamo settings while a graph step runs (and compiles): see the module docstring.
+DYNAMO_SETTINGS = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)
+
+
+def batch_bucket(batch: int, buckets: tuple[int, ...] | None = None) -> int:
+    """The captured batch size a batch of `batch` requests is padded to: the smallest of `buckets` that
+    holds it, or (buckets None) the next power of two."""
+    if batch < 1:
+        raise ValueError(f"batch size {batch} must be at least 1")
+    if buckets is None:
+        return 1 << (batch - 1).bit_length()
+    fits = [b for b in buckets if b >= batch]
+    if not fits:
+        raise ValueError(f"batch size {batch} exceeds the largest captured batch bucket {max(buckets)} "
+                         f"(buckets {sorted(buckets)})")
+    return min(fits)
+
+
+class DecodeStep(nn.Module):
+    """One decode forward from static-shape tensors and the host list of KV lengths: what gets compiled."""
+
+    def __init__(self, model, block_size: int):
+        super().__init__()
+        self.model, self.block_size = model, block_size
+
+    def forward(self, input_ids, positions, slot_mapping, block_table, kv_lens: list[int], kv_caches):
+        batch = input_ids.shape[0]
+        meta = ForwardMetadata(is_prefill=False, positions=positions,
+                               actual_seq_lengths_cu_q=list(range(1, batch + 1)), actual_seq_lengths_kv=kv_lens,
+                               slot_mapping=slot_mapping, block_table=block_table, block_size=self.block_size)
+        return self.model(input_ids, meta, kv_caches)
+
+
+@dataclass
+class Startup:
+    """How a bucket's graph came to be: 'compiled' or 'loaded' (from the compile cache), and the time of
+    its first call (compile or cache load, plus one decode step)."""
+
+    source: str
+    seconds: float
+
+
+class GraphDecoder:
+    """Drop-in for the model's decode call: (input_ids [B], decode meta, kv_caches) -> logits [B, V]."""
+
+    def __init__(self, model, exe_mode: str = "ge_graph", cache: CompileCache | None = None, *,
+                 buckets: tuple[int, ...] | None = None, compiler=None):
+        """buckets: the captured batch sizes (default: powers of two, each captured on first use).
+        compiler: `compile(step) -> callable`, default `platform.graph_compiler(exe_mode)`."""
+        if exe_mode not in GRAPH_MODES:
+            raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: {', '.join(GRAPH_MODES)}")
+        if buckets is not None and (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)):
+            raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
+        self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
+        self.compiler = compiler or platform.graph_compiler(exe_mode)
+        # On NPU torchair's cache_compile owns the cache (one directory per key, all buckets inside it).
+        self.torchair_cache = cache is not None and compiler is None and platform.backend_name() == "npu"
+        self.max_positions = model.config.max_position_embeddings
+        self.steps: dict[int, object] = {}          # block_size -> compiled DecodeStep (buckets share it)
+        self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
+        self.padding: dict[int, int] = {}           # batch -> bucket, for every batch that was padded
+
+    @torch.no_grad()  # always: grad mode is part of what a compiled graph is guarded on
+    def __call__(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
+        if meta.is_prefill:
+            raise ValueError("GraphDecoder runs decode steps only (prefill stays eager)")
+        batch = input_ids.shape[0]
+        bucket = batch_bucket(batch, self.buckets)
+        if bucket != batch:
+            self.padding[batch] = bucket
+        kv_lens = list(meta.actual_seq_lengths_kv)
+        if max(kv_lens) > self.max_positions:  # host-side check: the graph cannot raise
+            raise ValueError(f"position {max(kv_lens) - 1} exceeds max_position_embeddings={self.max_positions}")
+        inputs = self.pad_inputs(input_ids, meta, kv_lens, bucket)
+        caches = list(kv_caches)
+        for k_cache, v_cache in caches:
+            for t in (k_cache, v_cache):
+                for dim in range(1, t.dim()):  # the block count stays symbolic: the pool size may change
+                    torch._dynamo.mark_static(t, dim)
+        step = self.steps.get(meta.block_size)
+        if step is None:
+            step = self.steps[meta.block_size] = self._compile(meta.block_size)
+        if bucket not in self.startup:
+            return self._first_call(step, bucket, meta.block_size, inputs, caches)[:batch]
+        with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+            return step(*inputs, caches)[:batch]
+
+    def _compile(self, block_size: int):
+        if self.torchair_cache:  # pragma: no cover - needs torchair: it caches per input shape in this directory
+            key = cache_key(self.model, batch_bucket=0, block_size=block_size, exe_mode=self.exe_mode)
+            compiler = platform.graph_compiler(self.exe_mode, cache_dir=self.cache.root / key_hash(key))
+            return compiler(DecodeStep(self.model, block_size))
+        return self.compiler(DecodeStep(self.model, block_size))
+
+    def pad_inputs(self, input_ids, meta: ForwardMetadata, kv_lens: list[int], bucket: int):
+        """input_ids, positions, slot_mapping [bucket], block_table [bucket, W], kv_lens (bucket ints)."""
+        batch, block_size = input_ids.shape[0], meta.block_size
+        width = math.ceil(self.max_positions / block_size)
+        table = meta.block_table
+        if table.shape[1] > width:
+            raise ValueError(f"block_table has {table.shape[1]} columns; at most {width} "
+                             f"(max_position_embeddings {self.max_positions} / block_size {block_size})")
+        pad = bucket - batch
+        padded_table = table.new_full((bucket, width), NULL_BLOCK)
+        padded_table[:batch, :table.shape[1]] = table
+        ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+        positions = torch.cat([meta.positions, meta.positions.new_zeros(pad)])
+        slots = torch.cat([meta.slot_mapping, meta.slot_mapping.new_full((pad,), NULL_BLOCK * block_size)])
+        tensors = (ids, positions, slots, padded_table)
+        for t in tensors:
+            torch._dynamo.mark_static(t)
+        return (*tensors, kv_lens + [1] * pad)
+
+    def _first_call(self, step, bucket: int, block_size: int, inputs, caches) -> torch.Tensor:
+        entry = None
+        if self.cache is not None and not self.torchair_cache:
+            entry = self.cache.entry(cache_key(self.model, batch_bucket=bucket, block_size=block_size,
+                                               exe_mode=self.exe_mode))
+        start = time.perf_counter()
+        with entry.inductor_cache() if entry is not None else contextlib.nullcontext():
+            source = "loaded" if entry is not None and entry.load() else "compiled"
+            if self.torchair_cache:  # pragma: no cover - torchair decides whether its cache held the graph
+                source = "torchair cache_compile"
+            with _fresh_artifacts(), torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+                out = step(*inputs, caches)
+                if entry is not None and source == "compiled":
+                    entry.save(torch.compiler.save_cache_artifacts())
+        self.startup[bucket] = Startup(source, time.perf_counter() - start)
+        return out
+
+    def describe(self) -> list[str]:
+        """Lines for the user: backend, how each bucket's graph was obtained, and any batch padding."""
+        lines = [f"graph mode {platform.graph_backend_description(self.exe_mode)}; decode captured per batch "
+                 f"bucket {sorted(self.startup)}"]
+        for bucket, s in sorted(self.startup.items()):
+            lines.append(f"  bucket {bucket}: {s.source}{' from the compile cache' if s.source == 'loaded' else ''}"
+                         f" in {s.seconds:.1f} s (first call)")
+        for batch, bucket in sorted(self.padding.items()):
+            lines.append(f"  batch {batch} padded to the captured bucket {bucket} ({bucket - batch} padding slot(s) "
+                         f"write only the null KV block; their logits are dropped)")
+        return lines
+
+
+@contextlib.contextmanager
+def _fresh_artifacts():
+    """Record only this compile's cache artefacts (so one entry holds one bucket's graph)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+        manager = CacheArtifactManager.with_fresh_cache()
+    except (ImportError, AttributeError):  # older torch: save whatever was recorded
+        manager = contextlib.nullcontext()
+    with manager:
+        yield
+
+
+def decode_forward(model, exe_mode: str = "eager", cache: CompileCache | None = None):
+    """What a runner calls for decode steps: the model itself (eager) or a GraphDecoder."""
+    if exe_mode == "eager":
+        if cache is not None:
+            raise ValueError("a compile cache needs a graph exe_mode (ge_graph or acl_graph)")
+        return model
+    return GraphDecoder(model, exe_mode, cache)
