@@ -67,6 +67,9 @@ def test_npu_budget(name, phase, record_property, shared_dir, request):
     if reason:
         _skip(record_property, budget, phase, reason)
     checkpoint = request.config.getoption("latency_checkpoint") or os.environ.get(CHECKPOINT_ENV)
+    if budget.precision == "w4a8" and not checkpoint:
+        _skip(record_property, budget, phase, f"needs a W4A8 checkpoint (--latency-checkpoint DIR or ${CHECKPOINT_ENV}"
+                                              f", from `python -m optimized convert --quant w4a8`)")
     raw = _measure_absolute(budget, shared_dir, checkpoint)
     floor = budget_floor(budget, phase)
     report = phase_report(budget, phase, raw["samples_s"][phase], floor["floor_s"])

@@ -175,6 +175,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", required=True, metavar="PATH", help="rank 0 writes the raw samples here")
 
 
+def check_applied(budget: Budget, model) -> None:
+    """The built model runs what the budget names (precision, prefill path), or a UsageError saying what differs;
+    exe_mode is applied by the runner."""
+    from .layers.quantization import quant_scheme
+    from .bench import UsageError
+
+    quantized = quant_scheme(model.config) == "w4a8"
+    if quantized != (budget.precision == "w4a8"):
+        raise UsageError(f"budget {budget.name} is {budget.precision} but the model is "
+                         f"{'W4A8' if quantized else 'not quantized'}: pass a matching checkpoint")
+    sp = model.ep_scheme is not None
+    if sp != budget.sp_prefill:
+        raise UsageError(f"budget {budget.name} {'needs' if budget.sp_prefill else 'does not use'} the sequence-"
+                         f"parallel prefill, but its config {budget.config} builds the "
+                         f"{'SP' if sp else 'TP'} prefill (parallel_config.prefill_opt)")
+
+
 def run(args) -> int:
     """`python -m optimized latency`: measure one absolute budget on this rank (the optimized runner's
     phase timings, device-synced); each sample becomes the slowest rank's, and rank 0 writes them."""
@@ -192,29 +209,27 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     if budget.kind != "absolute":
         raise UsageError(f"--budget {budget.name} is a relative budget: it runs in-process under pytest -m latency")
-    # What this run applies today: eager BF16/FP32 on the TP path. A budget asking for more fails here
-    # (never measures something else under its name) until the feature exists and is applied below.
-    asks = [what for what, applies in ((f"exe_mode {budget.exe_mode}", budget.exe_mode == "eager"),
-                                       (f"precision {budget.precision}", budget.precision in ("bf16", "fp32")),
-                                       ("SP prefill", not budget.sp_prefill)) if not applies]
-    if asks:
-        missing = missing_features({f for names in budget.needs.values() for f in names})
-        raise UsageError(f"budget {budget.name} runs {', '.join(asks)}: " + (
-            f"not built yet: {'; '.join(missing)}" if missing else
-            "built, but not applied by `python -m optimized latency` yet (optimized/budget_run.py run)"))
+    missing = missing_features({f for names in budget.needs.values() for f in names})
+    if missing:   # never measure something else under the budget's name
+        raise UsageError(f"budget {budget.name}: not built yet: {'; '.join(missing)}")
+    model_path = args.model_path or os.environ.get(CHECKPOINT_ENV)
+    if budget.precision == "w4a8" and not model_path:
+        raise UsageError(f"budget {budget.name} runs W4A8: pass a converted checkpoint with --model-path (or "
+                         f"${CHECKPOINT_ENV}; `python -m optimized convert --quant w4a8 SRC DST`): random weights "
+                         f"are {budget.dtype}")
     cfg = budget.inference_config()
     dtype = DTYPES[budget.dtype]
     env = init_distributed()
     try:
         state = ParallelState.build(cfg.parallel_config)
         dev = device(env.local_rank)
-        model_path = args.model_path or os.environ.get(CHECKPOINT_ENV)
         if model_path:
             model = load_model(model_path, parallel=state, dtype=dtype, device=dev)
         else:
             model = model_from_source(budget.hf_config(), PooledRandomWeights(budget.seed), parallel=state,
                                       dtype=dtype, device=dev)
-        runner = ModelRunner(model, cfg.scheduler_config.block_size, dev)
+        check_applied(budget, model)
+        runner = ModelRunner(model, cfg.scheduler_config.block_size, dev, exe_mode=budget.exe_mode)
         prompts = random_prompts(budget, model.config.vocab_size)
         samples = interleave({"optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
                              warmup=budget.warmup, repeats=budget.repeats)["optimized"]

@@ -240,11 +240,30 @@ def test_cli_latency_errors(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli_main(["latency", "--budget", "nope", "--json", str(tmp_path / "x.json")])
     assert e.value.code == 2 and "no budget named 'nope'" in capsys.readouterr().err
+    # a budget whose feature is missing never measures something else under its name
+    monkeypatch.setitem(B.FEATURES, "graph_mode", ("graph mode", lambda: False))
     with pytest.raises(SystemExit):
         cli_main(["latency", "--budget", "a3_235b_bf16_decode", "--json", str(tmp_path / "x.json")])
     assert "not built yet: graph mode" in capsys.readouterr().err
-    # once the feature exists, the run still refuses to measure eager under a graph-mode budget's name
+    # W4A8 is measured on a converted checkpoint only, never on BF16 random weights
     monkeypatch.setitem(B.FEATURES, "graph_mode", ("graph mode", lambda: True))
+    monkeypatch.delenv(B.CHECKPOINT_ENV, raising=False)
     with pytest.raises(SystemExit):
-        cli_main(["latency", "--budget", "a3_235b_bf16_decode", "--json", str(tmp_path / "x.json")])
-    assert "runs exe_mode ge_graph: built, but not applied" in capsys.readouterr().err
+        cli_main(["latency", "--budget", "atlas950pr_235b_w4a8", "--json", str(tmp_path / "x.json")])
+    assert "runs W4A8: pass a converted checkpoint" in capsys.readouterr().err
+
+
+def test_latency_run_refuses_a_model_that_does_not_run_what_the_budget_names():
+    from types import SimpleNamespace
+
+    from fixtures.tiny import tiny_config
+    from optimized.bench import UsageError
+
+    budgets = B.load_budgets()
+    a3, pr = budgets["a3_235b_bf16_decode"], budgets["atlas950pr_235b_w4a8"]
+    bf16_tp = SimpleNamespace(config=tiny_config("tiny"), ep_scheme=None)
+    R.check_applied(a3, bf16_tp)                                     # bf16, TP prefill: what a3 names
+    with pytest.raises(UsageError, match="is w4a8 but the model is not quantized"):
+        R.check_applied(pr, bf16_tp)
+    with pytest.raises(UsageError, match="does not use the sequence-parallel prefill"):
+        R.check_applied(a3, SimpleNamespace(config=tiny_config("tiny"), ep_scheme="allgather"))
