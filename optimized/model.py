@@ -9,7 +9,8 @@ Decode (and prefill without `prefill_opt`): every rank runs every token. Prefill
 [r*n, (r+1)*n), n = ceil(T / P), through embedding, norms and MoE (EP scheme from
 `prefill_plan.choose_ep_scheme`), attention gathering the whole sequence; the final-normed hidden states
 are gathered for lm_head. The padding of the last slice is created and stripped in `sp_prefill_layers`
-alone, and attention drops it before anything reaches the KV cache.
+alone, and attention drops it before anything reaches the KV cache. A W4A8 checkpoint's SP prefill step
+moves MXFP8 instead of bf16 (`layers/mx_prefill.py`, also chosen at build time).
 """
 from __future__ import annotations
 
