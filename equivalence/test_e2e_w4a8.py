@@ -11,7 +11,9 @@ tiny's moe_intermediate_size 32 is one MX block, which MoE TP cannot split).
 - MoE block (W4A8 grouped matmul, fused SwiGLU + MXFP8): vs the fake-quant reference replaying its expert ids,
   within `layer.w4a8.bfloat16`; and at least 10x closer to it than to the BF16 reference (so it quantizes
   at the oracle's points, with the oracle's rules).
-- Whole model, bf16 (tiny at world 1, tiny-dense with MXFP8 dense MLPs at 2, tiny-nonorm at 4): prefill and
+- Whole model, bf16 (tiny at world 1, tiny-dense with MXFP8 dense MLPs at 2, tiny-nonorm at 4; and the
+  sequence-parallel prefill at world 2 and 4 with both MoE EP schemes, which for W4A8 moves MXFP8 on the wire,
+  optimized/layers/mx_prefill.py): prefill and
   decode logits vs the fake-quant reference replaying the optimized routing, within `model.w4a8.bfloat16`
   (flips only on near-ties, `router_tie.model.w4a8`); and the cost of quantization itself against the BF16
   reference (its own routing): logits cosine, rel_l2 and top-1 agreement, and greedy-token agreement over 3
@@ -46,6 +48,8 @@ LAYOUTS = {1: layout(1),
            4: layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4)}
 # The W4A8 model under the sequence-parallel prefill (MXFP8 replicated o_proj, experts by EP token exchange).
 SP_LAYOUTS = {"sp2-alltoall": (2, sp_layout(2, "alltoall", embed_tp_size=2, lmhead_tp_size=2), "tiny-nonorm"),
+              "sp2-allgather": (2, sp_layout(2, "allgather"), "tiny-dense"),
+              "sp4-alltoall": (4, sp_layout(4, "alltoall", embed_tp_size=4, lmhead_tp_size=4), "tiny"),
               "sp4-allgather": (4, sp_layout(4, "allgather"), "tiny")}
 
 

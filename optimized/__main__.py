@@ -303,8 +303,10 @@ def generate(args) -> int:
                                               chat=args.chat))
             state = ParallelState.build(p)
             if env.rank == 0:  # the prefill path and MoE EP scheme this layout runs, before anything else
+                from .layers.mx_prefill import uses_mx_prefill
                 from .prefill_plan import describe
-                print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize), flush=True)
+                print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize,
+                               mx=uses_mx_prefill(hf_config, p)), flush=True)
             device = platform.device(env.local_rank)
             try:
                 model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,

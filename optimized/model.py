@@ -9,7 +9,8 @@ Decode (and prefill without `prefill_opt`): every rank runs every token. Prefill
 [r*n, (r+1)*n), n = ceil(T / P), through embedding, norms and MoE (EP scheme from
 `prefill_plan.choose_ep_scheme`), attention gathering the whole sequence; the final-normed hidden states
 are gathered for lm_head. The padding of the last slice is created and stripped in `sp_prefill_layers`
-alone, and attention drops it before anything reaches the KV cache.
+alone, and attention drops it before anything reaches the KV cache. A W4A8 checkpoint's SP prefill step
+moves MXFP8 instead of bf16 (`layers/mx_prefill.py`, also chosen at build time).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .forward_metadata import ForwardMetadata
 from .layers.attention import Qwen3MoeAttention, causal_mask_template
 from .layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from .layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
+from .layers.mx_prefill import MxSpPrefillStep, uses_mx_prefill
 from .layers.norm import RMSNorm
 from .prefill_plan import choose_ep_scheme
 
@@ -43,7 +45,8 @@ def check_supported(config) -> None:
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype, ep_scheme: str | None = None):
+    def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype, ep_scheme: str | None = None,
+                 mx_prefill: bool = False):
         super().__init__()
         sp = ep_scheme is not None      # sequence-parallel prefill
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -58,6 +61,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.steps = {True: (self.self_attn.forward_sp if sp else self.self_attn,
                              self.mlp.forward_ep if sp and sparse else self.mlp),
                       False: (self.self_attn, self.mlp)}
+        # W4A8 under the SP prefill: the prefill step moves MXFP8 instead (optimized/layers/mx_prefill.py).
+        self.mx_prefill = MxSpPrefillStep(sparse, ep_scheme) if mx_prefill else None
 
     def load(self, source, prefix: str) -> None:
         self.input_layernorm.load(source, f"{prefix}.input_layernorm.weight")
@@ -66,6 +71,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.mlp.load(source, f"{prefix}.mlp")
 
     def forward(self, hidden, residual, cos, sin, meta: ForwardMetadata, kv_cache, atten_mask):
+        if meta.is_prefill and self.mx_prefill is not None:
+            return self.mx_prefill(self, hidden, residual, cos, sin, meta, kv_cache, atten_mask)
         attn, mlp = self.steps[meta.is_prefill]
         if residual is None:            # first layer: nothing to add yet
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -83,8 +90,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.config, self.groups, self.dtype = config, groups, dtype
         self.ep_scheme = (choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
                           if groups.parallel.sp_prefill else None)
+        self.mx_prefill = uses_mx_prefill(config, groups.parallel)     # W4A8 + SP prefill: MXFP8 on the wire
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups.embed_tp, dtype)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, dtype, self.ep_scheme)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, dtype, self.ep_scheme, self.mx_prefill)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, groups.lmhead_tp, dtype)

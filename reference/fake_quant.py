@@ -14,6 +14,9 @@ Two scale rules, two element tie rules:
 W4A8 (§9): attention q/k/v/o weights MXFP8 E4M3, expert gate/up/down weights MXFP4 E2M1, and the inputs of
 those linears (the normed hidden state, the attention output, the expert input, the SwiGLU product) MXFP8.
 The SwiGLU product is formed in fp32 and rounded once, as the fused SwiGLU + quantization does.
+The sequence-parallel prefill's MXFP8 communication (optimized/layers/mx_prefill.py) quantizes the
+same tensors (the normed hidden state before the QKV gather, the attention output before the all_to_all, the
+expert input before the EP exchange), so it needs no further point here.
 Norms, router, embeddings and lm_head stay unquantized. Dense MLP layers (none in released Qwen3-MoE) are
 MXFP8 like attention.
 

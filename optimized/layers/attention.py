@@ -90,8 +90,12 @@ class Qwen3MoeAttention(nn.Module):
 
     def qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """merged_qkv_proj, q/k RMSNorm per head, RoPE: q [T, Nq, D], k and v [T, Nkv, D] (this rank's heads)."""
-        tokens = hidden.shape[0]
-        q, k, v = self.merged_qkv_proj(hidden).split(self.merged_qkv_proj.output_sizes, dim=-1)
+        return self.heads(self.merged_qkv_proj(hidden), cos, sin)
+
+    def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """merged_qkv_proj's output [T, (Nq + 2 Nkv) D] -> q/k RMSNorm per head and RoPE, as `qkv`."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.merged_qkv_proj.output_sizes, dim=-1)
         q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))        # [T, Nq, D]
         k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))     # [T, Nkv, D]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)                  # [T, Nkv, D]

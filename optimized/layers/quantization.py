@@ -155,12 +155,16 @@ class MxFp8LinearMethod:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         n = layer.weight.shape[0]
         x2 = x.reshape(-1, x.shape[-1])                                           # [M, K]
-        xq, xs = mx_quant(x2)                                                      # [M, K] fp8, [M, K/64, 2]
-        y = torch.ops.npu.npu_quant_matmul(
+        y = self.apply_quantized(layer, *mx_quant(x2))                            # [M, K] fp8, [M, K/64, 2]
+        return y.view(*x.shape[:-1], n)
+
+    def apply_quantized(self, layer, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+        """The linear on an activation already MXFP8-quantized (the recipe's `dynamic_scale`): xq [M, K]
+        float8_e4m3fn, xs [M, ceil(K/64), 2] uint8 -> [M, N]."""
+        return torch.ops.npu.npu_quant_matmul(
             xq, layer.weight.t(), pair_view(layer.weight_scale).transpose(0, 1), pertoken_scale=xs,
             output_dtype=output_dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
-            pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])            # [M, N]
-        return y.view(*x.shape[:-1], n)
+            pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])
 
 
 def linear_method(scheme: str | None):
@@ -253,7 +257,11 @@ class W4A8MxFp4MoEGMMMethod:
             per_token_scale_dtype=FLOAT8_E8M0)[0]
 
     def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        xq, xs = mx_quant(x)                                                               # [M, H] fp8
+        return self.apply_quantized(layer, *mx_quant(x), tokens_per_expert)                # [M, H] fp8
+
+    def apply_quantized(self, layer, xq: torch.Tensor, xs: torch.Tensor, tokens_per_expert: torch.Tensor):
+        """The experts on rows already MXFP8-quantized (the recipe's `pertoken_scale`): xq [M, H] float8_e4m3fn,
+        xs [M, ceil(H/64), 2] uint8 -> [M, H]."""
         h = self._gmm(layer, xq, xs, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
         hq, hs = torch.ops.npu.npu_swiglu_mx_quant(h, group_index=tokens_per_expert, activate_left=True,
                                                    dst_type=FLOAT8_E4M3FN)                  # [M, I_r] fp8

@@ -1,0 +1,154 @@
+"""The W4A8 sequence-parallel prefill with MXFP8 on the wire (optimized/layers/mx_prefill.py) computes what the
+bf16-wire SP prefill computes, and moves (1 + 1/32) / 2 of its activation bytes.
+
+Quantizing on the owning rank before a row gather / exchange is the quantization the MXFP8 linear or the W4A8
+grouped matmul would do after it (per row, per 32-block), so over real gloo ranks (world 2 and 4, both MoE EP
+schemes, drawn prompt lengths with padding, the tiny W4A8 checkpoints including MXFP8 dense MLPs):
+
+- attention: the MXFP8-wire step on MXFP8(h) == `forward_sp(h)` bitwise (QKV from gathered fp8 + scales,
+  the attention output quantized before the all_to_all), and the KV cache it writes is bitwise the same;
+- MoE: the MXFP8-wire EP scheme == `forward_ep` bitwise on the same bf16 expert input;
+- input norm: the fused `npu_(add_)rms_norm_dynamic_mx_quant` == `npu_(add_)rms_norm` then MX quant bitwise
+  under the Ascend 950 rounding (the SoC that runs W4A8; NPU_GOLDEN_SOC=950); the residual bitwise;
+- the whole decoder layer, MXFP8 wire vs bf16 wire, within `layer.w4a8.bfloat16`: the one remaining
+  difference is arithmetic, the router reading the post-attention norm's unrounded fp32 output;
+- bytes (comm.count_bytes): the activation all_gathers and all_to_alls move exactly (1 + 1/32) / 2 of the bf16
+  wire's bytes (H and every rank's attention width are multiples of 64 / 32 here), and every collective's bytes
+  equal the `optimized.prefill_plan` formulas (MoE: with the slot counts of the actual routing).
+
+Whole-model logits of this path vs the fake-quant reference: the `sp2-alltoall` / `sp4-allgather` cases of
+equivalence/test_e2e_w4a8.py (the SP layouts build this path for a W4A8 checkpoint).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from equivalence.compare import assert_bitwise_equal, assert_close, describe
+from equivalence.dist import get_pool
+from equivalence.parallel_support import paged_cache, rank_model, run_property, runner_of
+from equivalence.strategies import describe_layout, hidden_states, seeds, sp_layout
+from equivalence.test_sp_ep_parallel import _mine, _slots, sp_prompt_lengths
+from fixtures.checkpoints import w4a8_checkpoint
+from fixtures.tiny import tiny_config
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = tiny_config("tiny")
+H, E, K = CONFIG.hidden_size, CONFIG.num_experts, CONFIG.num_experts_per_tok
+WIRE_RATIO = (1 + 1 / 32) / 2
+
+
+@torch.no_grad()
+def _wire_task(rank, world, path, lay, layer_idx, lengths, x, residual):
+    from optimized import comm
+    from optimized.layers import mx_prefill
+    from optimized.layers.quantization import mx_quant
+
+    soc = os.environ.get("NPU_GOLDEN_SOC")
+    os.environ["NPU_GOLDEN_SOC"] = "950"
+    try:
+        model = rank_model(path, lay, torch.bfloat16)
+        layer, runner, sp = model.layers[layer_idx], runner_of(model), model.groups.attn_tp
+        step, total = layer.mx_prefill, x.shape[0]
+        assert step is not None, "a W4A8 checkpoint under the SP prefill must build the MXFP8-wire step"
+        xm = _mine(x, sp.rank, sp.size)
+        rm = None if residual is None else _mine(residual, sp.rank, sp.size)
+        h = layer.input_layernorm(xm) if rm is None else layer.input_layernorm(xm, rm)[0]   # bf16 normed input
+        out, caches = {}, {}
+
+        def gather(t):
+            return comm.all_gather(t, sp.group)[:total]
+
+        for wire in ("bf16", "mx"):
+            cache, table = paged_cache(model, lengths, num_layers=1)
+            _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
+            cos, sin = model.rotary(meta.positions)
+            args = (cos, sin, meta, cache.layers[0], model.atten_mask)
+            with comm.count_bytes() as attn_bytes:
+                a = (layer.self_attn.forward_sp(h, *args) if wire == "bf16"
+                     else mx_prefill.attention(layer.self_attn, *mx_quant(h), *args))
+            out[f"attn_{wire}"], out[f"attn_bytes_{wire}"] = gather(a), dict(attn_bytes.bytes)
+            caches[wire] = cache.layers[0]
+            if step.sparse:
+                with comm.count_bytes() as moe_bytes:
+                    m = layer.mlp.forward_ep(h) if wire == "bf16" else step.moe(layer.mlp, h.float(), h)
+                out[f"moe_{wire}"], out[f"moe_bytes_{wire}"] = gather(m), dict(moe_bytes.bytes)
+            # The whole layer on each wire (the bf16 wire: the same layer with the MXFP8 step switched off).
+            cache, table = paged_cache(model, lengths, num_layers=1)
+            _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
+            layer.mx_prefill = step if wire == "mx" else None
+            try:
+                y, res = layer(xm, rm, cos, sin, meta, cache.layers[0], model.atten_mask)
+            finally:
+                layer.mx_prefill = step
+            out[f"layer_{wire}"] = [gather(y), gather(res)]
+        out["caches"] = caches
+        xq, xs, res = mx_prefill.input_norm(layer.input_layernorm, xm, rm)
+        want_q, want_s = mx_quant(h)
+        out["norm"] = [gather(t.view(torch.uint8)) for t in (xq, want_q, xs, want_s)]
+        out["ids"] = comm.all_gather(layer.mlp.route(h)[1], sp.group) if step.sparse else None   # padding kept
+        out["n"] = xm.shape[0]
+        return out
+    finally:
+        if soc is None:
+            os.environ.pop("NPU_GOLDEN_SOC", None)
+        else:
+            os.environ["NPU_GOLDEN_SOC"] = soc
+
+
+def _check_bytes(got, world, rank, n, attn_width, scheme, what):
+    from optimized.prefill_plan import allgather_volume, alltoall_volume, attention_volume
+
+    for wire, mx in (("bf16", False), ("mx", True)):
+        want = attention_volume(n, H, attn_width, world, 2, mx).parts
+        assert got[f"attn_bytes_{wire}"] == want, f"{what}: attention {wire} wire sent {got[f'attn_bytes_{wire}']}, " \
+                                                  f"formula {want}"
+    for op in ("all_gather", "all_to_all"):
+        mx, bf = got["attn_bytes_mx"][op], got["attn_bytes_bf16"][op]
+        assert mx == bf * WIRE_RATIO, f"{what}: attention {op} MXFP8 {mx} B vs bf16 {bf} B, ratio {mx / bf}"
+    if got["ids"] is None:
+        return
+    slots_out, slots_in = _slots(got["ids"], world, rank)
+    for wire, mx in (("bf16", False), ("mx", True)):
+        want = (allgather_volume(n, H, K, world, 2, mx) if scheme == "allgather"
+                else alltoall_volume(n, H, K, world, E, 2, slots_out, slots_in, mx)).parts
+        assert got[f"moe_bytes_{wire}"] == want, f"{what}: MoE {scheme} {wire} wire sent " \
+                                                 f"{got[f'moe_bytes_{wire}']}, formula {want}"
+
+
+@pytest.mark.parametrize("world, scheme", [(2, "allgather"), (2, "alltoall"), (4, "allgather"), (4, "alltoall")])
+def test_mxfp8_wire_sp_layer_equals_bf16_wire_and_moves_fewer_bytes(world, scheme):
+    def check(name, lengths, layer_idx, first, seed):
+        path = str(w4a8_checkpoint(name))
+        config = tiny_config(name)
+        layer_idx %= config.num_hidden_layers
+        lay = sp_layout(world, scheme)
+        total = sum(lengths)
+        x = hidden_states("random", seed, total, H, torch.bfloat16)
+        residual = None if first else hidden_states("random", seed + 1, total, H, torch.bfloat16)
+        results = get_pool(world).run(_wire_task, path, lay, layer_idx, lengths, x, residual, timeout=120)
+        what = f"{describe_layout(lay)} {name} lengths={lengths} layer {layer_idx} first={first}"
+        width = config.num_attention_heads // world * config.head_dim
+        for rank, got in enumerate(results):
+            (k_bf, v_bf), (k_mx, v_mx) = got["caches"].values()
+            assert_bitwise_equal(k_mx, k_bf, f"{what}: rank {rank} K cache, MXFP8 wire vs bf16 wire")
+            assert_bitwise_equal(v_mx, v_bf, f"{what}: rank {rank} V cache, MXFP8 wire vs bf16 wire")
+            _check_bytes(got, world, rank, got["n"], width, scheme, f"{what} rank {rank}")
+        got = results[0]
+        assert_bitwise_equal(got["attn_mx"], got["attn_bf16"], f"{what}: SP attention, MXFP8 wire vs bf16 wire")
+        if got["ids"] is not None:
+            assert_bitwise_equal(got["moe_mx"], got["moe_bf16"], f"{what}: MoE {scheme}, MXFP8 wire vs bf16 wire")
+        fused_q, want_q, fused_s, want_s = got["norm"]
+        assert_bitwise_equal(fused_q, want_q, f"{what}: fused norm + MX quant data vs norm then quant")
+        assert_bitwise_equal(fused_s, want_s, f"{what}: fused norm + MX quant scales vs norm then quant")
+        (y_mx, res_mx), (y_bf, res_bf) = got["layer_mx"], got["layer_bf16"]
+        assert_bitwise_equal(res_mx, res_bf, f"{what}: residual, MXFP8 wire vs bf16 wire")
+        print(f"{what}: layer output MXFP8 wire vs bf16 wire {describe(y_mx, y_bf)}")
+        assert_close(y_mx, y_bf, "layer.w4a8.bfloat16", f"{what}: layer output, MXFP8 wire vs bf16 wire")
+
+    run_property(check, 4, name=st.sampled_from(["tiny", "tiny-dense"]), lengths=sp_prompt_lengths(world),
+                 layer_idx=st.integers(0, 3), first=st.booleans(), seed=seeds)
