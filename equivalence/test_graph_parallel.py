@@ -33,7 +33,8 @@ NEW_TOKENS = 4
 def _case(world, compiler, thorough_only=False, **sizes):
     lay = layout(world, **sizes)
     compiler = "inductor" if THOROUGH else compiler
-    name = f"w{world}-a{lay['attn_tp_size']}t{lay['moe_tp_size']}e{lay['moe_ep_size']}-{compiler}"
+    sp = f"-sp-{lay['moe_ep_scheme']}" if lay.get("prefill_opt") else ""
+    name = f"w{world}-a{lay['attn_tp_size']}t{lay['moe_tp_size']}e{lay['moe_ep_size']}{sp}-{compiler}"
     marks = [pytest.mark.skipif(not THOROUGH, reason="thorough profile only")] if thorough_only else []
     return pytest.param(world, lay, compiler, id=name, marks=marks)
 
@@ -41,6 +42,9 @@ def _case(world, compiler, thorough_only=False, **sizes):
 CASES = [
     _case(2, "inductor", attn_tp_size=2, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2),      # TP x EP
     _case(4, "aot_eager", attn_tp_size=2, moe_tp_size=2, embed_tp_size=2, lmhead_tp_size=4),     # TP x EP
+    # SP prefill (EP by AlltoAll) writes the cache the compiled TP decode reads
+    _case(2, "aot_eager", attn_tp_size=2, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2, prefill_opt=True,
+          moe_ep_scheme="alltoall"),
     _case(2, "inductor", True, attn_tp_size=2, moe_tp_size=2, embed_tp_size=1, lmhead_tp_size=2),  # TP only
     _case(4, "inductor", True, attn_tp_size=4, moe_tp_size=1, embed_tp_size=4, lmhead_tp_size=4),  # EP 4
 ]
@@ -68,7 +72,7 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     graph = runner.generate(prompts, n).tokens
     captured = {"graphs": counters["stats"]["unique_graphs"] - graphs,
                 "breaks": sum(counters["graph_break"].values()),
-                "padding": dict(runner.decode_forward.padding)}
+                "padding": dict(runner.decode_forward.padding), "ep_scheme": model.ep_scheme}
     cache, table = paged_cache(model, [len(p) + 2 for p in prompts])
     meta = runner.decode_metadata([len(p) for p in prompts], table)
     decoder = runner.decode_forward
@@ -91,4 +95,5 @@ def test_graph_decode_one_graph_equals_eager_fp32(world, lay, compiler):
         assert c["graphs"] == 1 and c["breaks"] == 0, f"{what} rank {rank}: {c}"
         assert c["explain"][:2] == (1, 0), f"{what} rank {rank}: explain {c['explain']}"
         assert c["padding"] == {3: 4}, f"{what} rank {rank}: {c['padding']}"
+        assert c["ep_scheme"] == (lay["moe_ep_scheme"] if lay.get("prefill_opt") else None), f"{what}: {c}"
     assert len(got) == len(PROMPTS)
