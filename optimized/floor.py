@@ -189,6 +189,19 @@ def experts_hit(config, tokens: int) -> float:
 
 # ------------------------------------------------------------------------------------------- decode
 
+def _weights_read(s, p, lay: "Layout", o_heads: int, experts_per_rank: float, tokens: int) -> dict[str, float]:
+    """Bytes of the weights one rank reads in one forward (each once), by part; `o_heads`: the query heads
+    whose o_proj columns the rank holds, `experts_per_rank`: the local experts the tokens hit."""
+    attn_proj = s.H * s.q_heads * s.D + 2 * s.H * s.kv_heads * s.D + o_heads * s.D * s.H
+    return {
+        "attention": s.layers * (attn_proj * p.attn_weight + (2 * s.D + 2 * s.H) * p.other_weight),
+        "router": s.sparse * s.E * s.H * p.other_weight,
+        "experts": s.sparse * experts_per_rank * 3 * s.H * (s.I / lay.moe_tp) * p.expert_weight,
+        "dense_mlp": s.dense * 3 * s.H * (s.dense_I / lay.moe_tp) * p.attn_weight,
+        "lm_head_norm_embedding": (s.V / lay.lmhead_tp * s.H + s.H + tokens * s.H) * p.other_weight,
+    }
+
+
 def decode_bytes(config, precision="bf16", batch: int = 1, context: float = 0, num_layers: int | None = None,
                  layout: Layout | None = None, hit: float | None = None) -> dict:
     """Bytes one decode step must read on one rank, by part (see the module docstring).
@@ -199,15 +212,8 @@ def decode_bytes(config, precision="bf16", batch: int = 1, context: float = 0, n
     s = _shape(config, lay, num_layers)
     hit = experts_hit(config, batch) if hit is None else hit
     active = hit / lay.moe_ep                                          # per rank, spread evenly
-    attn_proj = s.H * s.q_heads * s.D + 2 * s.H * s.kv_heads * s.D + s.q_heads * s.D * s.H
-    out = {
-        "attention": s.layers * (attn_proj * p.attn_weight + (2 * s.D + 2 * s.H) * p.other_weight),
-        "router": s.sparse * s.E * s.H * p.other_weight,
-        "experts": s.sparse * active * 3 * s.H * (s.I / lay.moe_tp) * p.expert_weight,
-        "dense_mlp": s.dense * 3 * s.H * (s.dense_I / lay.moe_tp) * p.attn_weight,
-        "lm_head_norm_embedding": (s.V / lay.lmhead_tp * s.H + s.H + batch * s.H) * p.other_weight,
-        "kv_cache": s.layers * 2 * s.kv_heads * s.D * context * batch * p.kv_cache,
-    }
+    out = _weights_read(s, p, lay, s.q_heads, active, batch)
+    out["kv_cache"] = s.layers * 2 * s.kv_heads * s.D * context * batch * p.kv_cache
     out["total"] = sum(out.values())
     out["active_experts_per_layer"] = active
     return out
@@ -269,17 +275,10 @@ def prefill_bytes(config, precision, prompt_lens: list[int], layout: Layout | No
     s = _shape(config, lay, num_layers)
     S = sum(prompt_lens)
     o_heads = s.all_q_heads if sp else s.q_heads             # SP prefill: o_proj replicated
-    attn_proj = s.H * s.q_heads * s.D + 2 * s.H * s.kv_heads * s.D + o_heads * s.D * s.H
     local_experts = s.E / lay.moe_ep
     hit = local_experts * (1 - (1 - s.k / s.E) ** S)
-    out = {
-        "attention": s.layers * (attn_proj * p.attn_weight + (2 * s.D + 2 * s.H) * p.other_weight),
-        "router": s.sparse * s.E * s.H * p.other_weight,
-        "experts": s.sparse * hit * 3 * s.H * (s.I / lay.moe_tp) * p.expert_weight,
-        "dense_mlp": s.dense * 3 * s.H * (s.dense_I / lay.moe_tp) * p.attn_weight,
-        "lm_head_norm_embedding": (s.V / lay.lmhead_tp * s.H + s.H + S * s.H) * p.other_weight,
-        "kv_cache_write": s.layers * 2 * s.kv_heads * s.D * S * p.kv_cache,
-    }
+    out = _weights_read(s, p, lay, o_heads, hit, S)
+    out["kv_cache_write"] = s.layers * 2 * s.kv_heads * s.D * S * p.kv_cache
     out["total"] = sum(out.values())
     return out
 
