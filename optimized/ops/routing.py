@@ -1,5 +1,5 @@
 """MoE routing family: gating top-k softmax, init_routing (v1, v2), compute_expert_tokens, finalize_routing,
-re_routing. Contract: /work/shared/spec/npu_ops_moe.md §2-§7.
+re_routing. Contract: spec npu_ops_moe.md §2-§7.
 
 Every op has, together: its schema name, the metadata checks (shared by the eager and the fake kernel), the data
 checks (eager only: they read values), the kernel and the fake kernel. Row movement is bit-exact: payloads are
