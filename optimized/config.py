@@ -60,6 +60,8 @@ from typing import Any
 
 import yaml
 
+from .dist_guard import DEFAULT_COLLECTIVE_TIMEOUT_S
+
 EXE_MODES = ("eager", "ge_graph", "acl_graph")   # the recipe's names
 DTYPES = ("bfloat16", "float32")
 DATASETS = ("prompts", "random")
@@ -202,7 +204,7 @@ class ParallelConfig:
     moe_ep_size: int = 1
     embed_tp_size: int = 1
     lmhead_tp_size: int = 1
-    collective_timeout_s: float = 120.0
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     prefill_opt: bool | None = None
     moe_ep_scheme: str = "auto"
 

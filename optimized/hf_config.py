@@ -51,15 +51,11 @@ def check_config_dict(raw: dict, file: Path) -> None:
 
 
 def check_supported(config, file) -> None:
-    from .model import UNSUPPORTED
-    for key, unsupported in UNSUPPORTED.items():
-        if unsupported(config):
-            head, _, field = key.partition(".")
-            value = getattr(config, head, None)
-            if field:  # e.g. rope_parameters.rope_type
-                value = (value or {}).get(field)
-            raise ModelConfigError(f"{file}: {key}={value!r} is not supported by the optimized model (the "
-                                   f"released Qwen3-MoE checkpoints do not use it); use a checkpoint without it")
+    from .model import unsupported_feature
+    found = unsupported_feature(config)
+    if found:
+        raise ModelConfigError(f"{file}: {found[0]}={found[1]!r} is not supported by the optimized model (the "
+                               f"released Qwen3-MoE checkpoints do not use it); use a checkpoint without it")
 
 
 def load_hf_config(path) -> Qwen3MoeConfig:

@@ -37,11 +37,20 @@ UNSUPPORTED = {
 }
 
 
-def check_supported(config) -> None:
+def unsupported_feature(config) -> tuple[str, object] | None:
+    """(key, value) of the first config feature the optimized model does not implement, or None."""
     for key, unsupported in UNSUPPORTED.items():
         if unsupported(config):
-            value = getattr(config, key.split(".")[0], None)
-            raise NotImplementedError(f"config {key}={value!r} is not supported by the optimized model")
+            head, _, field = key.partition(".")
+            value = getattr(config, head, None)
+            return key, (value or {}).get(field) if field else value   # e.g. rope_parameters.rope_type
+    return None
+
+
+def check_supported(config) -> None:
+    found = unsupported_feature(config)
+    if found:
+        raise NotImplementedError(f"config {found[0]}={found[1]!r} is not supported by the optimized model")
 
 
 class Qwen3MoeDecoderLayer(nn.Module):

@@ -2,7 +2,7 @@
 
 One prefill step packs all prompts (TND), then each decode step feeds one token per request that is
 still running: a request stops at one of its EOS ids (or after max_new_tokens) and from then on costs no
-decode work. Every decode step goes through `decode_step`, the one place a compiled step plugs in.
+decode work. Every decode step goes through `decode_forward`, the one place a compiled step plugs in.
 Timings are measured per phase with a device sync, so they are honest on asynchronous devices too.
 """
 from __future__ import annotations
@@ -78,7 +78,9 @@ class ModelRunner:
                  exe_mode: str = "eager", compile_cache=None):
         self.model, self.block_size, self.device = model, check_block_size(block_size), torch.device(device)
         self.clock = time.perf_counter   # phase timer; the latency harness may swap it (e.g. thread CPU time)
-        # Decode steps: the model (eager) or its compiled decode graph (ge_graph / acl_graph, optimized/graph.py).
+        # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
+        # compiled decode graph (ge_graph / acl_graph, optimized/graph.py; a batch shrunk by finished requests
+        # runs in its own, smaller captured bucket).
         self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
         config = model.config
         attn = model.layers[0].self_attn
@@ -101,7 +103,9 @@ class ModelRunner:
         sampling = sampling or GREEDY
         eos = _eos_set(eos_token_id)
         positions = self._check_positions(prompts, prompt_logits_positions)
-        sampler = Sampler(sampling, len(prompts), seed=None if sampling.greedy else shared_seed(self.device))
+        # Only unseeded sampling needs a random seed (one collective when sharded); greedy and seeded need none.
+        unseeded = not sampling.greedy and sampling.seed is None
+        sampler = Sampler(sampling, len(prompts), seed=shared_seed(self.device) if unseeded else None)
         budget = [len(p) + max_new_tokens for p in prompts]
         num_blocks = 1 + sum(-(-n // self.block_size) for n in budget)
         cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
@@ -145,7 +149,7 @@ class ModelRunner:
                 active = [active[row] for row in still]
             start = self.clock()
             meta = self.decode_metadata([lengths[r] for r in active], active_table)
-            logits = self.decode_step(next_ids, meta, cache.layers)
+            logits = self.decode_forward(next_ids, meta, cache.layers)
             next_ids = sampler(logits, active)
             synchronize(self.device)
             result.decode_seconds.append(self.clock() - start)
@@ -154,11 +158,6 @@ class ModelRunner:
         if return_logits:
             result.logits = [torch.stack(rows) for rows in result.logits]
         return result
-
-    def decode_step(self, ids: torch.Tensor, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
-        """One decode step: ids [B] (one token per running request) -> logits [B, V]; in graph mode the
-        compiled step (a batch shrunk by finished requests runs in its own, smaller captured bucket)."""
-        return self.decode_forward(ids, meta, kv_caches)
 
     def _check_positions(self, prompts, positions):
         if positions is None:

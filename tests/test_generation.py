@@ -30,17 +30,17 @@ def test_eos_ends_each_request_and_frees_its_decode_work(runner, greedy):
     eos = greedy[0][2]
     assert all(eos not in t for t in greedy[1:]) and eos not in greedy[0][:2], "pick another prompt batch"
     decode_batches = []
-    forward = runner.decode_step
+    forward = runner.decode_forward
 
     def counting(ids, meta, kv_caches):
         decode_batches.append(ids.numel())
         return forward(ids, meta, kv_caches)
 
-    runner.decode_step = counting
+    runner.decode_forward = counting
     try:
         result = runner.generate(PROMPTS, 8, eos_token_id=[eos, 100000])
     finally:
-        del runner.decode_step
+        runner.decode_forward = forward
     assert result.tokens == [greedy[0][:3], *greedy[1:]]
     assert result.finish_reasons == ["eos", "length", "length"]
     # steps 1 and 2 decode all three requests; from step 3 on request 0 no longer takes part
