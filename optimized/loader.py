@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import (INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError,  # noqa: F401
-                               FusedExpertView, declared_dtype, expand_fused_experts, open_file, weight_files)
+from .checkpoint_files import (SAFETENSORS_DTYPES, CheckpointError, FusedExpertView, declared_dtype,
+                               expand_fused_experts, open_file, weight_files)
 
 
 class _NamedSource:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .tokenizer import PromptError, decode, encode, eos_token_ids, load_tokenizer, parse_prompt_ids
+from .tokenizer import decode, encode, eos_token_ids, load_tokenizer, parse_prompt_ids
 
 
 class _Parser(argparse.ArgumentParser):

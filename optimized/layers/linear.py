@@ -8,7 +8,6 @@ loads its slices and applies the matmul.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
