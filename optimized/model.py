@@ -71,7 +71,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
                              self.mlp.forward_ep if sp and sparse else self.mlp),
                       False: (self.self_attn, self.mlp)}
         # W4A8 under the SP prefill: the prefill step moves MXFP8 instead (optimized/layers/mx_prefill.py).
-        self.mx_prefill = MxSpPrefillStep(sparse, ep_scheme) if mx_prefill else None
+        self.mx_prefill = MxSpPrefillStep(sparse) if mx_prefill else None
 
     def load(self, source, prefix: str) -> None:
         self.input_layernorm.load(source, f"{prefix}.input_layernorm.weight")

@@ -32,6 +32,12 @@ def causal_mask_template(device: torch.device | str = "cpu") -> torch.Tensor:
     return ~torch.tril(torch.ones(size, size, dtype=torch.bool, device=device))
 
 
+def own_tokens_all_heads(exchanged: torch.Tensor, ranks: int, n: int) -> torch.Tensor:
+    """The SP all_to_all's output [P*n, W] (block r: this rank's n tokens, rank r's heads) -> [n, P*W], every
+    token's columns in rank (head) order."""
+    return exchanged.view(ranks, n, -1).transpose(0, 1).reshape(n, -1)
+
+
 class Qwen3MoeAttention(nn.Module):
     def __init__(self, config, tp, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
@@ -85,8 +91,7 @@ class Qwen3MoeAttention(nn.Module):
         self.kv_cache_update(k, v, meta, kv_cache)
         out = F.pad(out.reshape(tokens, -1), (0, 0, 0, ranks * n - tokens))  # [P*n, Nq_r*D]
         out = comm.all_to_all_single(out, self.tp.group)                    # block r: own tokens, rank r's heads
-        out = out.view(ranks, n, -1).transpose(0, 1).reshape(n, -1)         # [n, Nq*D], heads in rank order
-        return self.o_proj_replicated(out)
+        return self.o_proj_replicated(own_tokens_all_heads(out, ranks, n))   # [n, Nq*D]
 
     def qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """merged_qkv_proj, q/k RMSNorm per head, RoPE: q [T, Nq, D], k and v [T, Nkv, D] (this rank's heads)."""

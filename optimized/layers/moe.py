@@ -51,8 +51,12 @@ class FusedMoEGMM(nn.Module):
                 for tensor in self.quant_method.tensors:
                     source.skip(f"{prefix}.{expert}.{proj}.{tensor}")
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x: [M, H] rows grouped by local expert, counts [L]; rows past the counts are padding."""
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [M, H] rows grouped by local expert, counts [L]; rows past the counts are padding. With
+        `x_scale` x is already MXFP8 (its MX scales [M, H/64, 2]) and goes to the W4A8 matmul as it is."""
+        if x_scale is not None:
+            return self.quant_method.apply_quantized(self, x, x_scale, tokens_per_expert)
         return self.quant_method.apply(self, x, tokens_per_expert)
 
 
@@ -104,32 +108,41 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def forward_ep(self, hidden: torch.Tensor) -> torch.Tensor:
         """Sequence-parallel prefill: this EP rank's own tokens [n, H] -> their MoE output [n, H]."""
         topk_weight, topk_idx = self.route(hidden)
-        return getattr(self, self.moe_infer_ep)(hidden, topk_idx, topk_weight)
+        return self.infer_ep(hidden, topk_idx, topk_weight)
 
-    def moe_infer_ag(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    def infer_ep(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                 x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The SP prefill's EP scheme chosen at build time. `x_scale`: `hidden` is MXFP8 with these MX scales
+        (the W4A8 prefill moves its expert input quantized; the scale rows travel with their data rows)."""
+        return getattr(self, self.moe_infer_ep)(hidden, topk_idx, topk_weight, x_scale)
+
+    def moe_infer_ag(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                     x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """AllGather / ReduceScatter EP: every rank holds n tokens (the same n on every rank)."""
         ep = self.moe_ep.group
         hidden_all = comm.all_gather(hidden, ep)                                  # [P*n, H]
+        scale_all = None if x_scale is None else comm.all_gather(x_scale, ep)     # [P*n, H/64, 2]
         idx_all, weight_all = comm.all_gather(topk_idx, ep), comm.all_gather(topk_weight, ep)   # [P*n, K]
         first = self.experts.first_expert
-        expanded_x, expanded_row_idx, tokens_per_expert, _ = torch.ops.npu.npu_moe_init_routing_v2(
-            hidden_all, expert_idx=idx_all, active_num=hidden_all.shape[0] * self.top_k,
+        # With MX row scales (an fp8 x), init_routing moves each scale row with its data row (quant_mode -1).
+        expanded_x, expanded_row_idx, tokens_per_expert, expanded_scale = torch.ops.npu.npu_moe_init_routing_v2(
+            hidden_all, expert_idx=idx_all, scale=scale_all, active_num=hidden_all.shape[0] * self.top_k,
             expert_num=self.num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=True,
             active_expert_range=[first, first + self.experts.local_experts], quant_mode=-1)
-        expert_out = self.experts(expanded_x, tokens_per_expert)
+        expert_out = self.experts(expanded_x, tokens_per_expert, None if x_scale is None else expanded_scale)
         # Slots of other ranks' experts carry -1: this rank's partial sum of every token.
         out = torch.ops.npu.npu_moe_finalize_routing(
             expert_out, skip1=None, skip2=None, bias=None, scales=weight_all.to(expert_out.dtype),
             expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=idx_all, drop_pad_mode=2)
         return comm.reduce_scatter(out, ep)                                        # [n, H]: own tokens, summed
 
-    def moe_infer_double_routing(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
-                                 topk_weight: torch.Tensor) -> torch.Tensor:
+    def moe_infer_double_routing(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                                 x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """AlltoAll EP: route own tokens over all experts, dispatch slots to the experts' ranks, combine."""
         ep, ranks, local = self.moe_ep.group, self.moe_ep.size, self.experts.local_experts
         tokens = hidden.shape[0]
-        expanded_x, expanded_row_idx, tokens_per_expert, _ = torch.ops.npu.npu_moe_init_routing_v2(
-            hidden, expert_idx=topk_idx, scale=None, active_num=tokens * self.top_k, expert_num=self.num_experts,
+        expanded_x, expanded_row_idx, tokens_per_expert, expanded_scale = torch.ops.npu.npu_moe_init_routing_v2(
+            hidden, expert_idx=topk_idx, scale=x_scale, active_num=tokens * self.top_k, expert_num=self.num_experts,
             expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, self.num_experts],
             quant_mode=-1)                                                         # rows sorted by expert id
         # Counts [P*L]: how many slots each source rank sends to each of this rank's local experts.
@@ -137,9 +150,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         send = tokens_per_expert.view(ranks, local).sum(1).tolist()               # split sizes to the host
         recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
         gathered = comm.all_to_all_single(expanded_x, ep, output_split_sizes=recv, input_split_sizes=send)
-        permuted, _, permute_token_idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
-            gathered, tokens_per_expert_group.view(ranks, local))                  # -> (expert, source rank) order
-        expert_out = self.experts(permuted, expert_tokens)
+        gathered_scale = (None if x_scale is None else
+                          comm.all_to_all_single(expanded_scale, ep, output_split_sizes=recv, input_split_sizes=send))
+        permuted, permuted_scale, permute_token_idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
+            gathered, tokens_per_expert_group.view(ranks, local), per_token_scales=gathered_scale)
+        expert_out = self.experts(permuted, expert_tokens, None if x_scale is None else permuted_scale)
         expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
         combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
         return torch.ops.npu.npu_moe_finalize_routing(

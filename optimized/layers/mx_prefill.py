@@ -10,9 +10,10 @@ E4M3 data (as uint8) plus the E8M0 scale bytes: (1 + 1/32) bytes per element ins
 - attention output: quantized once, all_to_all of data and scales, reordered to [own tokens, all heads]
   for the replicated o_proj;
 - post-attention norm: `npu_add_rms_norm_cast` -> fp32 router input, bf16 expert input;
-- MoE: the expert input is quantized before the EP exchange (allgather: all_gather of data + scales,
-  `moe_infer_ag_w4a8mx`; alltoall: the scale rows travel through init_routing / all_to_all / re_routing
-  with their data rows) and the W4A8 grouped matmul consumes them.
+- MoE: the expert input is quantized before the EP exchange and the block's own EP scheme moves it with its
+  scales (`moe_infer_ag` / `moe_infer_double_routing` with `x_scale`: the recipe's moe_infer_ag_w4a8mx; the
+  scale rows travel through init_routing / all_to_all / re_routing with their data rows) into the W4A8
+  grouped matmul.
 
 Every MX quantization here is per row and per 32-block along the last axis, so quantizing before a row
 gather / exchange gives the same bytes as quantizing after it; the attention output's blocks stay inside
@@ -30,7 +31,9 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..config import head_dim_of
-from .quantization import BLOCK, FLOAT8_E4M3FN, W4A8, mx_quant, pair_view, quant_scheme
+from ..ops import mx_format as mxf
+from .attention import own_tokens_all_heads
+from .quantization import BLOCK, FLOAT8_E4M3FN, W4A8, mx_quant, quant_scheme
 
 
 def uses_mx_prefill(config, parallel) -> bool:
@@ -49,9 +52,8 @@ def uses_mx_prefill(config, parallel) -> bool:
 class MxSpPrefillStep:
     """One decoder layer's SP prefill with MXFP8 communication; `sparse`: the layer's MLP is the MoE block."""
 
-    def __init__(self, sparse: bool, ep_scheme: str):
+    def __init__(self, sparse: bool):
         self.sparse = sparse
-        self.moe = {"allgather": moe_ag_mx, "alltoall": moe_double_routing_mx}[ep_scheme]
 
     def __call__(self, layer, hidden, residual, cos, sin, meta, kv_cache, atten_mask):
         xq, xs, residual = input_norm(layer.input_layernorm, hidden, residual)
@@ -61,6 +63,13 @@ class MxSpPrefillStep:
                                                                                 norm.eps)
         out = self.moe(layer.mlp, router_in, expert_in) if self.sparse else layer.mlp(expert_in)
         return out, residual
+
+    @staticmethod
+    def moe(mlp, router_in: torch.Tensor, expert_in: torch.Tensor) -> torch.Tensor:
+        """The block's EP scheme with the expert input quantized before the exchange: own tokens -> [n, H]."""
+        topk_weight, topk_idx = mlp.route(router_in)
+        xq, xs = mx_quant(expert_in)                  # travels as MXFP8 data + scales
+        return mlp.infer_ep(xq, topk_idx, topk_weight, x_scale=xs)
 
 
 def input_norm(norm, hidden: torch.Tensor, residual: torch.Tensor | None):
@@ -87,54 +96,8 @@ def attention(attn, xq: torch.Tensor, xs: torch.Tensor, cos, sin, meta, kv_cache
     oq, os_ = mx_quant(out)
     # Only the real scale bytes travel (the pair layout pads an odd block count with a zero byte).
     oq = comm.all_to_all_single(oq, group)                                   # block r: own tokens, rank r's heads
-    os_ = comm.all_to_all_single(os_.view(ranks * n, -1)[:, :blocks].contiguous(), group)
-    oq = oq.view(ranks, n, -1).transpose(0, 1).reshape(n, -1)               # [n, Nq*D], heads in rank order
-    os_ = os_.view(ranks, n, blocks).transpose(0, 1).reshape(n, ranks * blocks)
-    os_ = pair_view(F.pad(os_, (0, (ranks * blocks) % 2)))                   # [n, Nq*D/64, 2]
+    os_ = comm.all_to_all_single(mxf.unpair_scales(os_, blocks).contiguous(), group)
+    oq = own_tokens_all_heads(oq, ranks, n)                                  # [n, Nq*D], heads in rank order
+    os_ = mxf.pair_scales(own_tokens_all_heads(os_, ranks, n))              # [n, Nq*D/64, 2]
     o_proj = attn.o_proj_replicated
     return o_proj.quant_method.apply_quantized(o_proj, oq, os_)
-
-
-def moe_ag_mx(mlp, router_in: torch.Tensor, expert_in: torch.Tensor) -> torch.Tensor:
-    """`moe_infer_ag` with the tokens gathered in MXFP8 (the recipe's moe_infer_ag_w4a8mx): own tokens -> [n, H]."""
-    topk_weight, topk_idx = mlp.route(router_in)
-    ep, experts = mlp.moe_ep.group, mlp.experts
-    xq, xs = mx_quant(expert_in)
-    xq_all, xs_all = comm.all_gather(xq, ep), comm.all_gather(xs, ep)                        # [P*n, H], scales
-    idx_all, weight_all = comm.all_gather(topk_idx, ep), comm.all_gather(topk_weight, ep)   # [P*n, K]
-    first = experts.first_expert
-    # An fp8 x with MX row scales: init_routing moves each scale row with its data row (quant_mode -1).
-    expanded_x, expanded_row_idx, tokens_per_expert, expanded_scale = torch.ops.npu.npu_moe_init_routing_v2(
-        xq_all, expert_idx=idx_all, scale=xs_all, active_num=xq_all.shape[0] * mlp.top_k,
-        expert_num=mlp.num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=True,
-        active_expert_range=[first, first + experts.local_experts], quant_mode=-1)
-    expert_out = experts.quant_method.apply_quantized(experts, expanded_x, expanded_scale, tokens_per_expert)
-    out = torch.ops.npu.npu_moe_finalize_routing(
-        expert_out, skip1=None, skip2=None, bias=None, scales=weight_all.to(expert_out.dtype),
-        expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=idx_all, drop_pad_mode=2)
-    return comm.reduce_scatter(out, ep)                                                      # [n, H]
-
-
-def moe_double_routing_mx(mlp, router_in: torch.Tensor, expert_in: torch.Tensor) -> torch.Tensor:
-    """`moe_infer_double_routing` with the expert slots sent in MXFP8: own tokens -> [n, H]."""
-    topk_weight, topk_idx = mlp.route(router_in)
-    ep, ranks, experts = mlp.moe_ep.group, mlp.moe_ep.size, mlp.experts
-    local, tokens = experts.local_experts, expert_in.shape[0]
-    xq, xs = mx_quant(expert_in)
-    expanded_x, expanded_row_idx, tokens_per_expert, expanded_scale = torch.ops.npu.npu_moe_init_routing_v2(
-        xq, expert_idx=topk_idx, scale=xs, active_num=tokens * mlp.top_k, expert_num=mlp.num_experts,
-        expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, mlp.num_experts],
-        quant_mode=-1)                                                               # rows sorted by expert id
-    tokens_per_expert_group = comm.all_to_all_single(tokens_per_expert, ep)         # [P*L]
-    send = tokens_per_expert.view(ranks, local).sum(1).tolist()
-    recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
-    gathered = comm.all_to_all_single(expanded_x, ep, output_split_sizes=recv, input_split_sizes=send)
-    gathered_scale = comm.all_to_all_single(expanded_scale, ep, output_split_sizes=recv, input_split_sizes=send)
-    permuted, permuted_scale, permute_token_idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
-        gathered, tokens_per_expert_group.view(ranks, local), per_token_scales=gathered_scale)
-    expert_out = experts.quant_method.apply_quantized(experts, permuted, permuted_scale, expert_tokens)
-    expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))        # back to arrival order
-    combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
-    return torch.ops.npu.npu_moe_finalize_routing(
-        combined, skip1=None, skip2=None, bias=None, scales=topk_weight.to(combined.dtype),
-        expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=None, drop_pad_mode=2)
