@@ -31,7 +31,7 @@ from .ops.mx_format import mx_quantize_weight
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 QUANT_TYPES = ("w4a8",)
-BLOCK = 32
+BLOCK = mxf.BLOCK_SIZE
 KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
 QUANT_CHUNK_VALUES = 1 << 20  # quantized tensors are converted in row chunks of about this many values
 
@@ -39,7 +39,6 @@ _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_pr
 _FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 _KEPT = re.compile(r"^(model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm|mlp\.gate)"
                    r"\.weight|model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)$")
-_SAFETENSORS_DTYPE = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
 
 
 class ConversionError(ValueError):
@@ -65,6 +64,7 @@ def quant_format(name: str) -> mxf.MxFormat | None:
 
 
 def scale_name(weight_name: str) -> str:
+    """The checkpoint name of an MX weight's per-block scale bytes (`...weight` -> `...weight_scale`)."""
     return weight_name.removesuffix("weight") + "weight_scale"
 
 

@@ -50,7 +50,7 @@ E2M1 = ElementFormat("float4_e2m1", emax=2, mantissa_bits=1, min_exponent=0, max
 
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
     """floor(log2 |a|) for a != 0, exactly (frexp: a = m * 2^e with 0.5 <= |m| < 1)."""
-    mantissa, exponent = torch.frexp(a)
+    _, exponent = torch.frexp(a)
     return exponent.double() - 1
 
 
@@ -127,7 +127,6 @@ class FakeQuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, fmt: ElementFormat):
         super().__init__()
-        self.fmt = fmt
         self.weight = nn.Parameter(fake_quant_weight(linear.weight.detach(), fmt), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,13 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loader import CheckpointError
+from ..ops import mx_format as mxf
+from ..quantize import scale_name
 
 W4A8 = "w4a8"
-BLOCK = 32
+BLOCK = mxf.BLOCK_SIZE
 FLOAT8_E4M3FN = 24        # torch ScalarType code (== torch_npu 292)
-FLOAT4_E2M1 = 296         # torch_npu.float4_e2m1fn_x2: uint8 holding two codes
-FLOAT8_E8M0 = 293         # torch_npu.float8_e8m0fnu: scale bytes
-_OUTPUT_DTYPE = {torch.bfloat16: 15, torch.float16: 5, torch.float32: 6}
+FLOAT4_E2M1 = mxf.float4_e2m1fn_x2   # uint8 holding two codes
+FLOAT8_E8M0 = mxf.float8_e8m0fnu     # scale bytes
 
 
 class QuantConfigError(ValueError):
@@ -93,22 +94,9 @@ def block_slice(cols: slice, k: int, name: str, per: int = BLOCK) -> slice:
     return slice(start // per, -(-stop // per))
 
 
-def scale_name(name: str) -> str:
-    return name.removesuffix("weight") + "weight_scale"
-
-
-def output_dtype_code(dtype: torch.dtype) -> int:
-    return _OUTPUT_DTYPE[dtype]
-
-
 def mx_quant(x: torch.Tensor):
     """MXFP8 E4M3 activations as the recipe quantizes them (scale_alg 0, rint): fp8 [M, K], scale [M, K/64, 2]."""
     return torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=FLOAT8_E4M3FN)
-
-
-def pair_view(scale: torch.Tensor) -> torch.Tensor:
-    """reshape_mx_scale: per-block bytes [..., nb] (nb even) -> [..., nb/2, 2]."""
-    return scale.view(*scale.shape[:-1], scale.shape[-1] // 2, 2)
 
 
 # ---------------------------------------------------------------------------------------------- linears
@@ -162,8 +150,8 @@ class MxFp8LinearMethod:
         """The linear on an activation already MXFP8-quantized (the recipe's `dynamic_scale`): xq [M, K]
         float8_e4m3fn, xs [M, ceil(K/64), 2] uint8 -> [M, N]."""
         return torch.ops.npu.npu_quant_matmul(
-            xq, layer.weight.t(), pair_view(layer.weight_scale).transpose(0, 1), pertoken_scale=xs,
-            output_dtype=output_dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
+            xq, layer.weight.t(), mxf.pair_scales(layer.weight_scale).transpose(0, 1), pertoken_scale=xs,
+            output_dtype=mxf.dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
             pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])
 
 
@@ -251,9 +239,9 @@ class W4A8MxFp4MoEGMMMethod:
 
     def _gmm(self, layer, x, x_scale, weight, weight_scale, tokens_per_expert):
         return torch.ops.npu.npu_grouped_matmul(
-            [x], [weight.transpose(1, 2)], antiquant_scale=[pair_view(weight_scale).transpose(1, 2)],
+            [x], [weight.transpose(1, 2)], antiquant_scale=[mxf.pair_scales(weight_scale).transpose(1, 2)],
             per_token_scale=[x_scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
-            split_item=3, output_dtype=output_dtype_code(layer.output_dtype), weight_dtype=FLOAT4_E2M1,
+            split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype), weight_dtype=FLOAT4_E2M1,
             per_token_scale_dtype=FLOAT8_E8M0)[0]
 
     def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

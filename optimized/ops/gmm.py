@@ -324,7 +324,7 @@ def _mx_grouped_matmul(x, weight, bias, group_list, split_item, group_type, grou
     a, w = x[0], weight[0]
     m = a.shape[0]
     check(not ends or ends[-1] <= m, OP, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={m}")
-    xd = mxf.decode_elements(a, fx) * mxf.expand_scales(xs, k)
+    xd = mxf.dequantize(a, xs, fx)                            # [M, K] fp32
     y = torch.zeros(m, n, dtype=out_dtype, device=a.device)  # rows past the last group stay 0
     for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
         if end > start:  # an empty expert's weight is never decoded

@@ -409,7 +409,7 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
                      scale_dtype=None, group_sizes=None, y_scale=None) -> torch.Tensor:
     f1, f2, k, _, out_dtype = _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_dtype,
                                             x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
-    a = mxf.decode_elements(x1, f1) * mxf.expand_scales(pertoken_scale, k)
+    a = mxf.dequantize(x1, pertoken_scale, f1)                                 # [M, K] fp32
     b = mxf.dequantize_weight(x2, scale, f2, k)
     y = a @ b
     if bias is not None:

@@ -340,9 +340,5 @@ def mx_quantize_weight(w: torch.Tensor, fmt: MxFormat):
         q = torch.copysign((units * pow2(p - 3)).clamp_max(fmt.maxval), a)
         data = q.flatten(-2)[..., :k].to(torch.float8_e4m3fn)
     else:
-        # E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: the code is the number of midpoints at or below |a|
-        # (ties away from zero), saturating at 6 (code 7); the sign is bit 3.
-        codes = sum((a.abs() >= t).to(torch.uint8) for t in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0))
-        codes = (codes | (torch.signbit(a).to(torch.uint8) << 3)).flatten(-2)[..., :k]
-        data = pack_fp4(codes)
+        data = pack_fp4(encode_fp4(a, "round").flatten(-2)[..., :k])   # ties away from zero, saturating at 6
     return data.contiguous(), byte.contiguous()
