@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .config import EXE_MODES
+
 
 class UsageError(Exception):
     """A problem the user can fix: `python -m optimized` prints it as one line and exits with status 2."""
@@ -57,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=128, help="optimized model's KV block size (multiple of 16)")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--skip-hf", action="store_true", help="do not build HF transformers' model")
-    p.add_argument("--exe-mode", choices=["eager", "ge_graph", "acl_graph"], default="eager",
+    p.add_argument("--exe-mode", choices=EXE_MODES, default="eager",
                    help="also time the optimized model's decode as a compiled graph (ge_graph / acl_graph), "
                         "with its cold vs cached start-up (default eager: no graph)")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
@@ -454,7 +456,7 @@ def graph_startup(model, args, config):
     import tempfile
 
     from .compile_cache import CompileCache
-    from .graph import GraphDecoder, batch_bucket
+    from .graph import batch_bucket
     from .runner import ModelRunner
 
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -463,8 +465,7 @@ def graph_startup(model, args, config):
     times = {}
     for phase in ("cold", "cached"):
         torch._dynamo.reset()
-        runner = ModelRunner(model, args.block_size)
-        runner.decode_forward = GraphDecoder(model, args.exe_mode, cache)
+        runner = ModelRunner(model, args.block_size, exe_mode=args.exe_mode, compile_cache=cache)
         progress(f"graph start-up, {phase}: first decode call ({'compiling' if phase == 'cold' else 'from cache'}) ...")
         runner.generate(ids, 2)
         times[phase] = runner.decode_forward.startup[batch_bucket(args.batch)]

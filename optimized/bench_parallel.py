@@ -42,7 +42,7 @@ def _moe_counted(block, log: list, act_bytes: int):
     scheme_fn = getattr(block, block.moe_infer_ep)
     ep, local = block.moe_ep, block.experts.local_experts
 
-    def counted(hidden, topk_idx, topk_weight):
+    def counted(hidden, topk_idx, topk_weight, x_scale=None):   # bf16 only: the bench's weights are BF16
         n, h, k = hidden.shape[0], hidden.shape[1], topk_idx.shape[1]
         ids = comm.all_gather(topk_idx, ep.group)                              # outside the counter
         owner_expert = ids.long() // local
@@ -51,7 +51,7 @@ def _moe_counted(block, log: list, act_bytes: int):
         slots_out = int((remote & (owner_token == ep.rank)).sum())
         slots_in = int((remote & (owner_expert == ep.rank)).sum())
         with comm.count_bytes() as counter:
-            out = scheme_fn(hidden, topk_idx, topk_weight)
+            out = scheme_fn(hidden, topk_idx, topk_weight, x_scale)
         if scheme_fn.__name__ == "moe_infer_ag":
             exact = uniform = allgather_volume(n, h, k, ep.size, act_bytes)
         else:

@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
+from .bench import DTYPES
 from .latency import CLOCKS, summarize
 
 PHASES = ("prefill", "decode")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 KINDS = ("absolute", "relative")
 DEFAULT_BUDGETS = Path(__file__).resolve().parents[1] / "fixtures" / "budgets.yaml"
 CHECKPOINT_ENV = "QWEN3_MOE_LATENCY_CHECKPOINT"

@@ -117,10 +117,6 @@ class CacheEntry:
     path: Path
     key: dict
 
-    @property
-    def exists(self) -> bool:
-        return (self.path / KEY_FILE).is_file()
-
     @contextlib.contextmanager
     def inductor_cache(self):
         """Inductor's cache directory is this entry's `inductor/` inside the block."""

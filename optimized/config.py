@@ -63,6 +63,7 @@ import yaml
 from .dist_guard import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 EXE_MODES = ("eager", "ge_graph", "acl_graph")   # the recipe's names
+GRAPH_MODES = EXE_MODES[1:]                       # decode as one compiled graph
 DTYPES = ("bfloat16", "float32")
 DATASETS = ("prompts", "random")
 TOKENIZER_MODES = ("default", "chat")

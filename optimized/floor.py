@@ -38,7 +38,6 @@ class Hardware:
     """One device (one rank): what bounds a kernel from below."""
 
     name: str
-    soc_pattern: str                  # fnmatch pattern of torch.npu.get_device_name() ("" off-NPU)
     hbm_bandwidth: float              # bytes/s per device
     peak_flops: dict                  # FLOP/s per device by compute precision: bf16, mxfp8, ...
     link_bandwidth: float             # bytes/s one device can send to its peers
@@ -50,7 +49,6 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     "atlas_a3": Hardware(
         name="Atlas A3 (Ascend 910C, per die)",
-        soc_pattern="Ascend910_93*",
         hbm_bandwidth=1.6 * TB,
         peak_flops={"bf16": 400 * TB},
         link_bandwidth=392 * GB,
@@ -67,7 +65,6 @@ HARDWARE: dict[str, Hardware] = {
         )),
     "atlas_950pr": Hardware(
         name="Atlas 950 PR (Ascend 950PR, per card)",
-        soc_pattern="Ascend950*",
         hbm_bandwidth=1.6 * TB,
         peak_flops={"mxfp8": 1000 * TB, "mxfp4": 2000 * TB, "bf16": 1000 * TB},
         link_bandwidth=2000 * GB,
@@ -84,7 +81,7 @@ HARDWARE: dict[str, Hardware] = {
 
 def cpu_hardware(copy_bandwidth: float, peak_flops: float = 400e9) -> Hardware:
     """This CPU: copy bandwidth measured in the same run (read + write bytes / time of a large copy)."""
-    return Hardware(name="CPU (measured copy bandwidth)", soc_pattern="", hbm_bandwidth=copy_bandwidth,
+    return Hardware(name="CPU (measured copy bandwidth)", hbm_bandwidth=copy_bandwidth,
                     peak_flops={"bf16": peak_flops, "fp32": peak_flops}, link_bandwidth=float("inf"),
                     collective_latency=0.0,
                     sources=("bandwidth measured now; ~400 GFLOP/s bf16 matmul measured on 2 threads",))
@@ -275,8 +272,7 @@ def prefill_bytes(config, precision, prompt_lens: list[int], layout: Layout | No
     s = _shape(config, lay, num_layers)
     S = sum(prompt_lens)
     o_heads = s.all_q_heads if sp else s.q_heads             # SP prefill: o_proj replicated
-    local_experts = s.E / lay.moe_ep
-    hit = local_experts * (1 - (1 - s.k / s.E) ** S)
+    hit = experts_hit(config, S) / lay.moe_ep                # local experts the prompt hits, spread evenly
     out = _weights_read(s, p, lay, o_heads, hit, S)
     out["kv_cache_write"] = s.layers * 2 * s.kv_heads * s.D * S * p.kv_cache
     out["total"] = sum(out.values())

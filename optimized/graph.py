@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +40,10 @@ from torch import nn
 
 from . import platform
 from .compile_cache import CompileCache, cache_key, key_hash
+from .config import GRAPH_MODES
 from .forward_metadata import ForwardMetadata
 from .kv_cache import NULL_BLOCK
 
-GRAPH_MODES = ("ge_graph", "acl_graph")
 # Dynamo settings while a graph step runs (and compiles): see the module docstring.
 DYNAMO_SETTINGS = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)
 
@@ -104,6 +105,7 @@ class GraphDecoder:
         self.steps: dict[int, object] = {}          # block_size -> compiled DecodeStep (buckets share it)
         self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
         self.padding: dict[int, int] = {}           # batch -> bucket, for every batch that was padded
+        self._marked = None                         # the KV cache whose shapes were last marked static
 
     @torch.no_grad()  # always: grad mode is part of what a compiled graph is guarded on
     def __call__(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
@@ -118,10 +120,12 @@ class GraphDecoder:
             raise ValueError(f"position {max(kv_lens) - 1} exceeds max_position_embeddings={self.max_positions}")
         inputs = self.pad_inputs(input_ids, meta, kv_lens, bucket)
         caches = list(kv_caches)
-        for k_cache, v_cache in caches:
-            for t in (k_cache, v_cache):
-                for dim in range(1, t.dim()):  # the block count stays symbolic: the pool size may change
-                    torch._dynamo.mark_static(t, dim)
+        if self._marked is None or self._marked() is not caches[0][0]:   # a new cache: mark it once
+            for k_cache, v_cache in caches:
+                for t in (k_cache, v_cache):
+                    for dim in range(1, t.dim()):  # the block count stays symbolic: the pool size may change
+                        torch._dynamo.mark_static(t, dim)
+            self._marked = weakref.ref(caches[0][0])   # a weak reference: the cache is freed after its run
         step = self.steps.get(meta.block_size)
         if step is None:
             step = self.steps[meta.block_size] = self._compile(meta.block_size)

@@ -63,8 +63,10 @@ def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
     """
     import torch
 
-    if exe_mode not in ("ge_graph", "acl_graph"):
-        raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: ge_graph, acl_graph")
+    from .config import GRAPH_MODES
+
+    if exe_mode not in GRAPH_MODES:
+        raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: {', '.join(GRAPH_MODES)}")
     if backend_name() == "npu":  # pragma: no cover - needs torch_npu and torchair
         import torchair
         from torchair.configs.compiler_config import CompilerConfig
