@@ -23,6 +23,8 @@ class Tolerance:
     min_cosine: float | None = None
     min_top1: float | None = None
     min_greedy: float | None = None
+    # how many times closer to its oracle than to the unquantized reference a quantized result must be
+    min_separation: float | None = None
 
 
 TOLERANCES: dict[str, Tolerance] = {
@@ -138,12 +140,12 @@ TOLERANCES: dict[str, Tolerance] = {
     ),
     # --- W4A8 (MXFP4 experts, MXFP8 attention; equivalence/test_e2e_w4a8.py) ---
     "layer.w4a8.bfloat16": Tolerance(
-        atol=0.0625, rtol=2e-2, max_rel_l2=1.5e-2,
+        atol=0.0625, rtol=2e-2, max_rel_l2=1.5e-2, min_separation=10,
         why="optimized W4A8 MoE block (MXFP8 x MXFP4 grouped matmuls, fused SwiGLU + MXFP8) on 1-4 ranks vs the "
             "fake-quant reference replaying its expert ids, 24 draws: each expert's output is bitwise equal (same "
             "quantized operands, fp32 accumulation, one rounding); the rest is the bf16 weighting and summation as "
             "in layer.bfloat16: max rel_l2 6.7e-3, max_abs 0.094 on randn*4 inputs, at most 0.032 beyond 2% rel; the "
-            "BF16 (unquantized) reference is >= 28x farther (rel_l2 0.15-0.21)",
+            "BF16 (unquantized) reference is >= 28x farther (rel_l2 0.15-0.21); required: 10x",
     ),
     "model.w4a8.bfloat16": Tolerance(
         atol=0.5, rtol=2e-2, max_rel_l2=0.15,
@@ -161,6 +163,13 @@ TOLERANCES: dict[str, Tolerance] = {
         why="W4A8 model: router inputs differ by ~5e-2 rel from the fake-quant reference's (model.w4a8.bfloat16), "
             "so tokens flip on wider margins than in bf16; measured 8.6% of 2356 token routings flipped, worst "
             "flipped relative margin 0.157",
+    ),
+    "moe_tp_partials.w4a8": Tolerance(
+        atol=0.0, rtol=0.0, max_rel_l2=5e-3,
+        why="W4A8 experts under MoE TP 2 (synthetic, I = 128): the two ranks' down-projection partials, each "
+            "rounded once to bf16, summed in fp32, vs the unsharded output rounded once; every element is "
+            "also held to the derived bound eps_bf16 * (|p0| + |p1| + |y|) in the test. Partials cancel, so the "
+            "result's own relative error is larger than 1 ulp: measured rel_l2 <= 2.6e-3 over seeds 1-29",
     ),
     "quant_cost.w4a8": Tolerance(
         atol=0.0, rtol=0.0, max_rel_l2=0.16, min_cosine=0.985, min_top1=0.55, min_greedy=0.2,

@@ -32,7 +32,7 @@ from equivalence.parallel_support import (paged_cache, rank_model, reference_mod
                                           run_property, runner_of, same_on_all_ranks)
 from equivalence.strategies import (describe_layout, expert_routing, hidden_states, prompt_length, routing_kinds,
                                     seeds, sp_layout)
-from equivalence.test_e2e_parallel import (GEN_TOKENS, _draw_forced, _logits_task, _model_logits,
+from equivalence.test_e2e_parallel import (GEN_TOKENS, _draw_forced, _generate_task, _logits_task, _model_logits,
                                            _reference_logits, assert_bf16_logits_match_replayed_reference)
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
@@ -127,12 +127,6 @@ def _sp_attention_task(rank, world, path, lay, layer_idx, lengths, x, residual):
                                   cache.layers[0], model.atten_mask)
     out["layer"] = [comm.all_gather(t, sp.group)[:x.shape[0]] for t in (mlp_out, new_residual)]
     return out
-
-
-@torch.no_grad()
-def _sp_generate_task(rank, world, path, lay, prompts, n):
-    model = rank_model(path, lay, torch.float32)
-    return runner_of(model).generate(prompts, n).tokens
 
 
 # ----------------------------------------------------------------------------------------------- oracles
@@ -268,7 +262,7 @@ def test_sp_greedy_generation_identical_to_reference_fp32(world, scheme, n):
         lay = sp_layout(world, scheme, embed_tp_size=vocab_tp, lmhead_tp_size=vocab_tp)
         path = str(checkpoint(name))
         prompts = _prompts(lengths, seed)
-        got = same_on_all_ranks(get_pool(world).run(_sp_generate_task, path, lay, prompts, GEN_TOKENS,
+        got = same_on_all_ranks(get_pool(world).run(_generate_task, path, lay, "float32", prompts, GEN_TOKENS,
                                                     timeout=120), "SP generation")
         ref = reference_model(name)
         for b, (g, p) in enumerate(zip(got, prompts)):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from equivalence.compare import assert_bitwise_equal, rel_l2
+from equivalence.compare import assert_bitwise_equal, rel_l2, tolerance
 from equivalence.strategies import describe_layout, layout
 from fixtures.checkpoints import w4a8_checkpoint
 from fixtures.tiny import tiny_config
@@ -187,7 +187,8 @@ def test_random_weights_for_a_w4a8_config_is_an_error():
 def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
     """MoE TP 2 on synthetic W4A8 experts (I = 128: 64 per rank, two MX blocks): each rank's gate/up rows and
     SwiGLU are its slice of the unsharded ones (bitwise), and the down-projection partial products of the two
-    K-slices sum to the unsharded output (the all-reduce, here in fp32) within op.bfloat16."""
+    K-slices sum to the unsharded output (the all-reduce, here in fp32) within the bound of their three bf16
+    roundings, element by element, and within `moe_tp_partials.w4a8` overall."""
     H, inter, experts = 64, 128, 2
     g = torch.Generator().manual_seed(1)
     state = {}
@@ -218,4 +219,4 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
     err = (parts[0] + parts[1] - want.double()).abs()
     bound = eps * (parts[0].abs() + parts[1].abs() + want.double().abs())
     assert (err <= bound).all(), f"MoE TP partial sums vs unsharded: worst excess {(err - bound).max():.3e}"
-    assert rel_l2(parts[0] + parts[1], want) < 1e-2
+    assert rel_l2(parts[0] + parts[1], want) <= tolerance("moe_tp_partials.w4a8").max_rel_l2
