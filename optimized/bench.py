@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -193,35 +192,13 @@ def run_hf(model, ids: torch.Tensor, steps: int):
     return prefill, decode, torch.cat(tokens, 1).tolist()
 
 
-def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Bytes moved per second (read + write) by a large tensor copy, median of `repeats`."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
-
-
 def stats(samples: list[float]) -> dict:
+    from .latency import percentile
+
     ms = sorted(1000 * s for s in samples)
     if not ms:
         return {"median": float("nan"), "p90": float("nan"), "min": float("nan"), "samples": []}
-    p90 = ms[min(len(ms) - 1, math.ceil(0.9 * len(ms)) - 1)]  # nearest-rank
-    return {"median": statistics.median(ms), "p90": p90, "min": ms[0], "samples": ms}
-
-
-# ---------------------------------------------------------------------------------------------- floor
-
-def decode_bytes(config, dtype: torch.dtype, batch: int, context: float, num_layers: int | None = None) -> dict:
-    """Bytes one decode step must read (see the module docstring), by part: `optimized.floor` on one rank."""
-    from .floor import decode_bytes as floor_decode_bytes
-    return floor_decode_bytes(config, dtype, batch, context, num_layers)
+    return {"median": statistics.median(ms), "p90": percentile(ms, 90), "min": ms[0], "samples": ms}
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -340,10 +317,9 @@ def run(args) -> int:
                      f"({time.perf_counter() - t0:.1f} s)")
 
     progress("measuring copy bandwidth ...")
-    bandwidth = copy_bandwidth()
+    from .latency import copy_bandwidth
+    bandwidth = copy_bandwidth(nbytes=512 * 2**20, repeats=5)   # the CPU tensors need no device sync
     context = args.prompt_len + (args.decode_steps + 1) / 2
-    floor_bytes = decode_bytes(config, dtype, args.batch, context)
-    full_bytes = decode_bytes(config, dtype, args.batch, context, num_layers=full_layers)
 
     results = {m: {"prefill_ms": stats(s["prefill"]), "decode_ms_per_token": stats(s["decode"])}
                for m, s in samples.items()}
@@ -356,7 +332,10 @@ def run(args) -> int:
             for stat, suffix in (("median", ""), ("min", "_best"))
             for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"))}
     from .floor import cpu_hardware, decode_floor
-    floor_ms = 1000 * decode_floor(config, cpu_hardware(bandwidth), dtype, args.batch, context)["floor_s"]
+    hardware = cpu_hardware(bandwidth)
+    floor = decode_floor(config, hardware, dtype, args.batch, context)
+    full = decode_floor(config, hardware, dtype, args.batch, context, num_layers=full_layers)
+    floor_ms = 1000 * floor["floor_s"]
     report = {
         "setup": {"preset": name, "layers": args.layers, "full_layers": full_layers, "dtype": args.dtype,
                   "batch": args.batch, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
@@ -367,11 +346,11 @@ def run(args) -> int:
         "results": results,
         "ratios": ratios,
         "tokens": {m: _agreement(tokens["reference"], t) for m, t in tokens.items() if m != "reference"},
-        "floor": {"copy_bandwidth_gb_s": bandwidth / GB, "bytes_per_decode_step": floor_bytes,
+        "floor": {"copy_bandwidth_gb_s": bandwidth / GB, "bytes_per_decode_step": floor["bytes"],
                   "floor_ms_per_token": floor_ms,
                   "optimized_over_floor": results["optimized"]["decode_ms_per_token"]["median"] / floor_ms,
-                  "full_model_bytes_per_decode_step": full_bytes["total"],
-                  "full_model_floor_ms_per_token": 1000 * full_bytes["total"] / bandwidth},
+                  "full_model_bytes_per_decode_step": full["bytes"]["total"],
+                  "full_model_floor_ms_per_token": 1000 * full["floor_s"]},
     }
     if startup is not None:
         report["graph"] = graph_report(report, startup, args.exe_mode)

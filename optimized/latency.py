@@ -81,11 +81,13 @@ def interleave(workloads: dict[str, Callable[[], dict[str, list[float]]]], *, wa
 
 # ------------------------------------------------------------------------------------- hardware now
 
-def copy_bandwidth(clock: Callable[[], float] = time.perf_counter, nbytes: int = 128 * 2**20) -> float:
-    """Bytes moved per second (read + write) by a large tensor copy on this CPU, median of 3, timed by `clock`."""
+def copy_bandwidth(clock: Callable[[], float] = time.perf_counter, nbytes: int = 128 * 2**20,
+                   repeats: int = 3) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy on this CPU, median of `repeats` after one
+    warm-up copy, timed by `clock`."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes / statistics.median(measure(lambda: dst.copy_(src), warmup=1, repeats=3, clock=clock))
+    return 2 * nbytes / statistics.median(measure(lambda: dst.copy_(src), warmup=1, repeats=repeats, clock=clock))
 
 
 def collective_latency(group=None, repeats: int = 50) -> float:

@@ -126,11 +126,10 @@ def test_one_rank_decode_bytes_are_the_bench_formula():
                    + 2 * 4 * 3 * 64 * 32
                    + 512 * 64 + 64 + 64
                    + 2 * 2 * 2 * 16 * 10)
-    from optimized.bench import decode_bytes
-    b = decode_bytes(c, torch.float32, 1, 10)
+    b = F.decode_bytes(c, torch.float32, 1, 10)
     assert b["total"] == by_hand and b["active_experts_per_layer"] == 4
     # batch 3 hits 16 * (1 - (12/16)^3) = 9.25 experts per layer in expectation
-    assert decode_bytes(c, torch.bfloat16, 3, 10)["active_experts_per_layer"] == pytest.approx(9.25)
+    assert F.decode_bytes(c, torch.bfloat16, 3, 10)["active_experts_per_layer"] == pytest.approx(9.25)
 
 
 def test_decode_collectives_follow_the_layout():
