@@ -21,11 +21,12 @@ import torch
 from .budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, BudgetError, load_budgets, \
     missing_features, phase_report, this_host
 from .latency import CLOCKS, collective_latency, copy_bandwidth, interleave
+from .loader import RandomWeights
 
 
 # ----------------------------------------------------------------------------------------- model building
 
-class PooledRandomWeights:
+class PooledRandomWeights(RandomWeights):
     """A weight source of the real shapes filled cheaply: tensor `name` is the stretch of one seeded
     N(0, std) pool repeated end to end that starts at an offset seeded by the name, so building a 30B-shaped
     layer costs copies, not a billion random draws. A slice reads the same values as the whole tensor at
@@ -33,9 +34,8 @@ class PooledRandomWeights:
     read real bytes); norm weights are 1. Routing stays real: router weights and inputs are random."""
 
     def __init__(self, seed: int = 0, std: float = 0.02, pool: int = (1 << 22) + 1):
-        gen = torch.Generator().manual_seed(seed)
-        self.pool = torch.randn(pool, generator=gen) * std
-        self.seed, self.used, self.bytes_read = seed, set(), 0
+        super().__init__(seed, std)
+        self.pool = torch.randn(pool, generator=torch.Generator().manual_seed(seed)) * std
 
     def _stretch(self, start: int, n: int) -> torch.Tensor:
         """Elements [start, start + n) of the pool repeated end to end (a new tensor)."""
@@ -47,12 +47,7 @@ class PooledRandomWeights:
             filled += take
         return out
 
-    def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
-        from .loader import _sliced_shape
-        shape = tuple(expected_shape)
-        self.used.add(name)
-        if name.endswith("norm.weight"):
-            return torch.ones(_sliced_shape(shape, index))
+    def _values(self, name: str, shape: tuple[int, ...], index: tuple) -> torch.Tensor:
         start = zlib.crc32(f"{self.seed}:{name}".encode()) % self.pool.numel()
         rows = index[0] if index else slice(None)
         first, stop, step = rows.indices(shape[0])
@@ -61,12 +56,6 @@ class PooledRandomWeights:
         row = math.prod(shape[1:])
         t = self._stretch(start + first * row, (stop - first) * row).view(stop - first, *shape[1:])
         return t[(slice(None),) + tuple(index[1:])].clone() if len(index) > 1 else t
-
-    def skip(self, name: str) -> None:
-        pass
-
-    def check_all_used(self) -> None:
-        pass
 
 
 def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_size: int = 128):

@@ -112,13 +112,16 @@ class RandomWeights:
         self.bytes_read = 0
 
     def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
-        shape = _sliced_shape(tuple(expected_shape), index)
         self.used.add(name)
         if name.endswith("norm.weight"):
-            return torch.ones(shape)
+            return torch.ones(_sliced_shape(tuple(expected_shape), index))
+        return self._values(name, tuple(expected_shape), index)
+
+    def _values(self, name: str, shape: tuple[int, ...], index: tuple) -> torch.Tensor:
+        """The values of `name[index]` (`shape`: the whole tensor's)."""
         # crc32, not hash(): str hashes change between processes, and every rank must draw the same values
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}:{index!r}".encode()))
-        return torch.randn(shape, generator=generator) * self.std
+        return torch.randn(_sliced_shape(shape, index), generator=generator) * self.std
 
     def skip(self, name: str) -> None:
         pass
