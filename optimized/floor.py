@@ -293,12 +293,17 @@ def prefill_comm_bytes(config, precision, prompt_lens: list[int], layout: Layout
     out: dict[str, float] = {}
     if sp:
         # SP+TP attention: all-gather of the hidden states before QKV, all-to-all of the attention output
-        # back to each rank's tokens; MoE EP by AllGather: hidden states + top-k ids (int32) and weights
-        # (fp32) gathered, expert output reduce-scattered.
-        out["attention_all_gather"] = s.layers * (A - 1) / A * S * s.H * p.wire
-        out["attention_all_to_all"] = s.layers * (A - 1) / A * S * s.q_heads * s.D * p.wire
-        out["moe_all_gather"] = s.sparse * (EP - 1) / EP * S * (s.H * p.wire + s.k * (4 + 4))
-        out["moe_reduce_scatter"] = s.sparse * (EP - 1) / EP * S * s.H * p.reduce_wire
+        # back to each rank's tokens; MoE EP by AllGather: hidden states + top-k ids and weights gathered,
+        # expert output reduce-scattered. The volumes are prefill_plan's (what the collectives send), for
+        # S / A unpadded tokens per rank; W4A8 moves MXFP8 on the gathers.
+        from .prefill_plan import allgather_volume, attention_volume
+        mx = p.name == "w4a8"                        # MXFP8 gathers; the reductions stay 16-bit
+        attention = attention_volume(S / A, s.H, s.q_heads * s.D, A, p.reduce_wire, mx).parts
+        moe = allgather_volume(S / EP, s.H, s.k, EP, p.reduce_wire, mx).parts
+        out["attention_all_gather"] = s.layers * attention["all_gather"]
+        out["attention_all_to_all"] = s.layers * attention["all_to_all"]
+        out["moe_all_gather"] = s.sparse * moe["all_gather"]
+        out["moe_reduce_scatter"] = s.sparse * moe["reduce_scatter"]
         out["moe_tp_all_reduce"] = s.sparse * ring_all_reduce(S / A * s.H, T)
     else:
         out["attention_all_reduce"] = s.layers * ring_all_reduce(S * s.H, A)
