@@ -113,26 +113,30 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
 
 
 
-def assert_bf16_logits_match_replayed_reference(got: dict, name: str, prompts, forced, what: str) -> None:
-    """bf16 logits of `_logits_task` vs the bf16 reference replaying the optimized expert ids: no clear routing
-    flip (every flip a near-tie), prefill and decode logits within `model.parallel.bfloat16`; agreement with
-    the reference's own routing is reported."""
-    ref = reference_model(name, "bfloat16")
+def assert_bf16_logits_match_replayed_reference(got: dict, name: str, prompts, forced, what: str, *,
+                                                replayed_ref=None, own_ref=None, tol: str = "model.parallel.bfloat16",
+                                                near_tie: str = "router_tie.model.bfloat16"):
+    """bf16 logits of `_logits_task` vs a reference replaying the optimized expert ids (`replayed_ref`, default
+    the bf16 reference of `name`): no clear routing flip (every flip a near-tie by `near_tie`), prefill and
+    decode logits within `tol`; agreement with `own_ref` (default the same reference) on its own routing is
+    reported. Returns (optimized logits, `own_ref`'s logits, the report), every request's rows concatenated."""
+    own_ref = own_ref if own_ref is not None else reference_model(name, "bfloat16")
+    replayed_ref = replayed_ref if replayed_ref is not None else own_ref
     stats: list[RoutingStats] = []
-    replayed = _reference_logits(ref, prompts, forced, got["routes"], tolerance("router_tie.model.bfloat16").rtol,
-                                 stats)
-    own = _reference_logits(ref, prompts, forced)
+    replayed = _reference_logits(replayed_ref, prompts, forced, got["routes"], tolerance(near_tie).rtol, stats)
+    own = _reference_logits(own_ref, prompts, forced)
     total = sum(stats, RoutingStats())
     mine = _model_logits(got, prompts, forced)
     a, r, o = (torch.cat([torch.cat(x) for x in xs]) for xs in (mine, replayed, own))
     report = (f"{what} bf16: {total}; replayed: max_abs {max_abs(a, r):.2e} rel_l2 {rel_l2(a, r):.2e}, top-1 "
-              f"{top1_agreement(a, r):.4f}; reference's own routing: top-1 {top1_agreement(a, o):.4f}, max_abs "
+              f"{top1_agreement(a, r):.4f}; own routing: top-1 {top1_agreement(a, o):.4f}, max_abs "
               f"{max_abs(a, o):.2e}, rel_l2 {rel_l2(a, o):.2e}")
     print(report)
     assert total.clear_flips == 0, report
     for b, ((gp, gd), (wp, wd)) in enumerate(zip(mine, replayed)):
-        assert_close(gp, wp, "model.parallel.bfloat16", f"{report}; request {b} prefill logits")
-        assert_close(gd, wd, "model.parallel.bfloat16", f"{report}; request {b} decode logits")
+        assert_close(gp, wp, tol, f"{report}; request {b} prefill logits")
+        assert_close(gd, wd, tol, f"{report}; request {b} decode logits")
+    return a, o, report
 
 
 @torch.no_grad()
