@@ -112,7 +112,7 @@ def main() -> None:
                                  f"main(['convert', '--quant', 'w4a8', {str(src)!r}, {str(dst)!r}, '--no-progress'])")
         seconds = time.perf_counter() - start
         out = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-    baseline, _ = _peak_memory("import tqdm, optimized.quantize, optimized.__main__")
+    baseline, _ = _peak_memory("import tqdm, optimized.model_loader.quantize, optimized.__main__")
     mib = 2 ** 20
     print(f"{args.preset}, {args.layers} layer(s): source {total / mib:.0f} MiB BF16 (largest tensor "
           f"{largest / mib:.0f} MiB) -> {out / mib:.0f} MiB W4A8 in {seconds:.1f} s, one thread "

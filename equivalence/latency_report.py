@@ -24,7 +24,7 @@ def pytest_sessionfinish(session):
     path = session.config.getoption("latency_report", None)
     if not path or hasattr(session.config, "workerinput"):   # xdist workers report to the controller
         return
-    from optimized.budgets import this_host
+    from optimized.benchmarks.budgets import this_host
     host = this_host()
     report = {"host": {"backend": host.backend, "soc": host.soc, "devices": host.devices,
                        "machine": platform.machine(), "torch": torch.__version__},

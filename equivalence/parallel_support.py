@@ -33,8 +33,8 @@ _MODEL_CACHE_SIZE = 4
 def rank_model(path: str, layout: dict, dtype: torch.dtype):
     """This rank's optimized model (cached per checkpoint, layout and dtype)."""
     import optimized  # noqa: F401  (registers torch.ops.npu.*)
-    from optimized.build import load_model
-    from optimized.comm import ParallelState
+    from optimized.model_loader.build import load_model
+    from optimized.distributed import ParallelState
 
     key = (str(path), tuple(sorted(layout.items())), dtype)
     if key in _MODEL_CACHE:
@@ -49,7 +49,7 @@ def rank_model(path: str, layout: dict, dtype: torch.dtype):
 
 
 def runner_of(model):
-    from optimized.runner import ModelRunner
+    from optimized.executor.model_runner import ModelRunner
     return ModelRunner(model, BLOCK_SIZE)
 
 
@@ -59,7 +59,7 @@ def paged_cache(model, budgets: list[int], num_layers: int | None = None):
     Blocks are handed out interleaved across requests (request 0 gets blocks 1, 1+B, ...), so a request's
     blocks are not contiguous and every lookup goes through the block table.
     """
-    from optimized.kv_cache import PagedKVCache, block_table
+    from optimized.executor.kv_cache import PagedKVCache, block_table
 
     attn = model.layers[0].self_attn
     needs = [-(-n // BLOCK_SIZE) for n in budgets]

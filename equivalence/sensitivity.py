@@ -73,8 +73,8 @@ class Trio:
     @functools.cached_property
     def opt(self) -> torch.nn.Module:
         import optimized  # noqa: F401  (registers torch.ops.npu.*)
-        from optimized.build import model_from_source
-        from optimized.loader import StateDictSource
+        from optimized.model_loader.build import model_from_source
+        from optimized.model_loader.loader import StateDictSource
 
         return model_from_source(self.config, StateDictSource(self.state), dtype=torch.float32)
 

@@ -115,14 +115,14 @@ def assert_far_apart(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
 
 def assert_both_loaders_reject(config, state, what: str) -> None:
     """Weights laid out for another value of the field do not load into a model built for `config`."""
-    import optimized.loader
+    import optimized.model_loader.loader
     import reference.checkpoint
-    from optimized.build import model_from_source
+    from optimized.model_loader.build import model_from_source
 
     with pytest.raises(reference.checkpoint.CheckpointError):
         reference.checkpoint.model_from_state_dict(config, state)
-    with pytest.raises(optimized.loader.CheckpointError):
-        model_from_source(config, optimized.loader.StateDictSource(state, label=what), dtype=torch.float32)
+    with pytest.raises(optimized.model_loader.loader.CheckpointError):
+        model_from_source(config, optimized.model_loader.loader.StateDictSource(state, label=what), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.field)
@@ -179,7 +179,7 @@ def test_max_position_embeddings_is_the_position_limit(limit):
     of positions 0..limit-1 compute transformers' logits (the optimized RoPE cache covers them), position
     `limit` is an error naming the key. 40 and 300 lie on both sides of the fixtures' 256 and below the
     default 32768, so a cache or a check sized by any one constant fails one of them."""
-    from optimized.runner import ModelRunner
+    from optimized.executor.model_runner import ModelRunner
 
     t = Trio.build(config_of(max_position_embeddings=limit), SEED)
     prompts = prompts_for(t.config.vocab_size, [limit - 1, 5], SEED)
@@ -203,7 +203,7 @@ def test_max_position_embeddings_is_the_position_limit(limit):
 def test_vocab_size_bounds_token_ids(index):
     """Token id vocab_size - 1 is read, vocab_size is an error naming the key, in the reference and in the
     optimized runner (the vocab-parallel embedding would silently embed an out-of-shard id as zeros)."""
-    from optimized.runner import ModelRunner
+    from optimized.executor.model_runner import ModelRunner
 
     t = trio("vocab_size", index)
     vocab = t.config.vocab_size
@@ -236,9 +236,9 @@ def test_bf16_router_logits_are_fp32_logits_of_bf16_hidden_states():
     float32 and bitwise F.linear(hidden.float(), gate weight in float32) of its bf16 input, as the recipe
     routes (checked on the logits themselves, so no top-k flip can hide a change). On these inputs the bf16
     logits differ from the fp32 ones by far more than fp32 rounding, so a bf16 router fails here."""
-    from optimized.build import model_from_source
+    from optimized.model_loader.build import model_from_source
     from optimized.layers.moe import Qwen3MoeSparseMoeBlock
-    from optimized.loader import StateDictSource
+    from optimized.model_loader.loader import StateDictSource
 
     t = trio("hidden_size", 0)  # the "tiny" config
     model = model_from_source(t.config, StateDictSource(t.state), dtype=torch.bfloat16)
@@ -315,9 +315,9 @@ def test_drawn_config_optimized_equals_reference_float32(kwargs, seed, data):
 @torch.no_grad()
 def _drawn_logits_task(rank, world, kwargs, state, lay, prompts, forced):
     import optimized  # noqa: F401  (registers torch.ops.npu.*)
-    from optimized.build import model_from_source
-    from optimized.comm import ParallelState
-    from optimized.loader import StateDictSource
+    from optimized.model_loader.build import model_from_source
+    from optimized.distributed import ParallelState
+    from optimized.model_loader.loader import StateDictSource
 
     model = model_from_source(config_of(**kwargs), StateDictSource(state), parallel=ParallelState.build(**lay),
                               dtype=torch.float32)

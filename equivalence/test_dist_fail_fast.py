@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimized import comm
-from optimized.dist_guard import TIMEOUT_ENV, CollectiveTimeoutError, named_collective_errors
+from optimized import distributed as comm
+from optimized.distributed.guard import TIMEOUT_ENV, CollectiveTimeoutError, named_collective_errors
 
 pytestmark = pytest.mark.distributed
 
@@ -113,7 +113,7 @@ def test_ranks_with_different_configs_are_refused_at_start_up(tmp_path):
 def test_parallel_state_refuses_a_world_without_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError, match=r"world_size is 2 but torch.distributed is not initialized: call "
-                                           r"optimized.comm.init_distributed\(\) first"):
+                                           r"optimized.distributed.init_distributed\(\) first"):
         comm.ParallelState.build(world_size=2, attn_tp_size=2, moe_tp_size=2)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(RuntimeError, match=r"world_size is 1 but the environment says WORLD_SIZE=4"):

@@ -1,8 +1,8 @@
-"""The multi-rank harness and optimized.comm: groups and collectives equal their definitions on real gloo ranks.
+"""The multi-rank harness and optimized.distributed: groups and collectives equal their definitions on real gloo ranks.
 
 Worker functions are top-level (pickled by reference) and take `(rank, world_size, ...)`. Inputs are
 regenerated from a seed on both sides, so nothing large travels; expected values are computed here from
-an independent restatement of the group layouts, never from `optimized.comm.layout_ranks`.
+an independent restatement of the group layouts, never from `optimized.distributed.layout_ranks`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equivalence.dist import DistTaskError, DistTimeoutError, WorkerPool, get_pool
-from optimized import comm
+from optimized import distributed as comm
 from optimized.config import ConfigError, ParallelConfig
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +29,7 @@ ROWS, COLS = 8, 6  # ROWS divisible by every group size up to 8 (reduce_scatter)
 # ------------------------------------------------------------------------------------------ definitions
 
 def members(kind: str, rank: int, w: int, a: int, t: int, v: int, lm: int) -> list[int]:
-    """The group of `rank` for `kind`, restated from the design (independent of optimized.comm)."""
+    """The group of `rank` for `kind`, restated from the design (independent of optimized.distributed)."""
     if kind == "moe_ep":
         return [q for q in range(w) if q % t == rank % t]
     size = {"attn_tp": a, "moe_tp": t, "embed_tp": v, "lmhead_tp": lm}[kind]

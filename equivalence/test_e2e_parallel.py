@@ -105,7 +105,7 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
     if model.ep_scheme is None:
         out["routes"] = {i: torch.cat(r) for i, r in routes.items()}  # rows: prefill tokens, then decode steps
     else:  # the SP prefill routed this rank's own tokens: gather them (padding stripped), then the decode rows
-        from optimized import comm
+        from optimized import distributed as comm
         total, sp = sum(len(p) for p in prompts), model.groups.attn_tp.group
         out["routes"] = {i: torch.cat([comm.all_gather(r[0], sp)[:total]] + r[1:]) for i, r in routes.items()}
     out["ep_scheme"] = model.ep_scheme

@@ -35,7 +35,7 @@ from equivalence.test_e2e_parallel import (_draw_forced, _generate_task, _logits
                                            assert_bf16_logits_match_replayed_reference)
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
-from optimized.comm import ParallelState
+from optimized.distributed import ParallelState
 from reference.fake_quant import load_fake_quant_model, quantize_activation
 from reference.generate import greedy_generate
 
@@ -67,7 +67,7 @@ def bf16_reference(name: str):
 
 @pytest.mark.parametrize("attn_tp", [1, 2, 4])
 def test_mxfp8_attention_linears_equal_fake_quant_reference(attn_tp):
-    from optimized.build import load_model
+    from optimized.model_loader.build import load_model
     ref = fake_quant_reference("tiny").model.layers[1].self_attn
     g = torch.Generator().manual_seed(attn_tp)
     x = torch.randn(9, H, generator=g).bfloat16()

@@ -37,10 +37,10 @@ from equivalence.parallel_support import paged_cache, run_property
 from equivalence.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
-from optimized.build import load_model
-from optimized.compile_cache import ARTIFACT_FILE, KEY_FILE, CompileCache, CompileCacheWarning, cache_key, key_hash
-from optimized.graph import DecodeStep, GraphDecoder, batch_bucket
-from optimized.runner import ModelRunner
+from optimized.model_loader.build import load_model
+from optimized.executor.compile_cache import ARTIFACT_FILE, KEY_FILE, CompileCache, CompileCacheWarning, cache_key, key_hash
+from optimized.executor.graph import DecodeStep, GraphDecoder, batch_bucket
+from optimized.executor.model_runner import ModelRunner
 
 VOCAB = tiny_config("tiny").vocab_size
 BUCKET = 8          # every drawn batch (1-8 requests) is padded to this one captured size
@@ -282,7 +282,7 @@ def test_batch_buckets():
 
 def test_exe_mode_choice_and_errors(tmp_path):
     from optimized import platform
-    from optimized.graph import decode_forward
+    from optimized.executor.graph import decode_forward
 
     model = tiny_model(torch.float32)
     assert decode_forward(model, "eager") is model

@@ -54,10 +54,10 @@ CASES = [
 def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     from torch._dynamo.utils import counters
 
-    from optimized.build import load_model
-    from optimized.comm import ParallelState
-    from optimized.graph import DecodeStep, GraphDecoder
-    from optimized.runner import ModelRunner
+    from optimized.model_loader.build import load_model
+    from optimized.distributed import ParallelState
+    from optimized.executor.graph import DecodeStep, GraphDecoder
+    from optimized.executor.model_runner import ModelRunner
 
     model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.float32, num_hidden_layers=1)
     runner = ModelRunner(model, BLOCK_SIZE)

@@ -1,9 +1,9 @@
-"""`pytest -m latency`: the budgets of fixtures/budgets.yaml, measured.
+"""`pytest -m latency`: the budgets of optimized/benchmarks/budgets.yaml, measured.
 
 - NPU budgets (kind absolute): on matching hardware, `torchrun ... -m optimized latency` measures the budget
   (one process per rank, device sync, warm-up, repeats; once per budget and session, shared by its phases
   and by xdist workers through a lock file); p50 must not exceed the limit; the physical floor
-  (optimized.floor) is reported beside it, with the table's and the measured collective latency. Elsewhere,
+  (optimized.benchmarks.floor) is reported beside it, with the table's and the measured collective latency. Elsewhere,
   or while a feature the phase needs is missing, the test skips naming it.
 - CPU budgets (kind relative): optimized vs reference in this process, interleaved rounds; the optimized
   p50 may be at most max_ratio times the reference p50.
@@ -18,8 +18,8 @@ import subprocess
 
 import pytest
 
-from optimized.budget_run import launch_command, run_relative
-from optimized.budgets import CHECKPOINT_ENV, budget_floor, load_budgets, phase_report, this_host
+from optimized.benchmarks.budget_run import launch_command, run_relative
+from optimized.benchmarks.budgets import CHECKPOINT_ENV, budget_floor, load_budgets, phase_report, this_host
 
 pytestmark = pytest.mark.latency
 

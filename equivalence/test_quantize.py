@@ -2,7 +2,7 @@
 
 - The reference quantizers (`reference/fake_quant.py`, float64) reproduce the spec's worked examples
   (mx_quant.md §10.1 activation bytes, §10.3 converter rows, §10.5 special blocks).
-- The converter's quantizer (`optimized/quantize.py`, fp32 with exponent-bit powers of two and threshold
+- The converter's quantizer (`optimized/model_loader/quantize.py`, fp32 with exponent-bit powers of two and threshold
   codes) equals the reference's weight quantizer bitwise on drawn bf16 bit patterns (ties, subnormals, zero
   blocks, K not a multiple of 32), and the independent `equivalence/mx_oracle.convert_weight` on its
   adversarial finite blocks in bf16 and fp32.
@@ -25,7 +25,7 @@ from equivalence import mx_oracle
 from equivalence.compare import assert_bitwise_equal
 from equivalence.mx_oracle import mx_inputs
 from fixtures.checkpoints import checkpoint
-from optimized.quantize import MXFP4, MXFP8, ConversionError, convert_checkpoint, mx_quantize_weight
+from optimized.model_loader.quantize import MXFP4, MXFP8, ConversionError, convert_checkpoint, mx_quantize_weight
 from reference.checkpoint import read_state_dict
 from reference.fake_quant import E2M1, E4M3, quantize_activation, quantize_weight
 
@@ -219,7 +219,7 @@ def test_converter_refuses_quantized_source_and_nonempty_destination(tmp_path):
 
 def test_row_chunked_conversion_writes_the_same_bytes(tmp_path, monkeypatch):
     """Chunks of 3 rows (quantized) / 1 KB (kept) give byte-identical files to whole-tensor conversion."""
-    import optimized.quantize as quantize
+    import optimized.model_loader.quantize as quantize
     convert_checkpoint(checkpoint("tiny"), tmp_path / "whole", progress=False)
     monkeypatch.setattr(quantize, "QUANT_CHUNK_VALUES", 3 * 64)
     monkeypatch.setattr(quantize, "KEPT_CHUNK_BYTES", 1024)

@@ -8,7 +8,7 @@ import torch
 from equivalence.dist import get_pool
 from equivalence.parallel_support import rank_model, runner_of, same_on_all_ranks
 from fixtures.checkpoints import checkpoint
-from optimized.sampling import SamplingParams
+from optimized.executor.sampling import SamplingParams
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ embedding and lm_head either vocab-parallel over all ranks or replicated (drawn)
   (`strategies.expert_routing`: every token on one expert set, one EP rank receiving nothing, one rank
   overloaded, uniform; empty experts in all but the last) equal the textbook sum over the reference's
   experts and each other (fp32), and the bytes each rank's collectives send equal the formulas of
-  `optimized.prefill_plan` with the slot counts of the drawn routing;
+  `optimized.distributed.prefill_plan` with the slot counts of the drawn routing;
 - SP attention: the KV cache written by `forward_sp` is bitwise the TP path's (no padding row reaches it,
   nothing else is written) and the output equals the TP path's; the SP decoder layer equals the reference;
 - whole model, fp32: prefill logits over token counts that are not multiples of P (1 token, S < P,
@@ -84,7 +84,7 @@ def _mine(x: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _ep_schemes_task(rank, world, path, lay, layer_idx, x, ids, weights):
-    from optimized import comm
+    from optimized import distributed as comm
 
     model = rank_model(path, lay, torch.float32)
     mlp = model.layers[layer_idx].mlp
@@ -102,7 +102,7 @@ def _ep_schemes_task(rank, world, path, lay, layer_idx, x, ids, weights):
 @torch.no_grad()
 def _sp_attention_task(rank, world, path, lay, layer_idx, lengths, x, residual):
     """SP attention vs the TP path of the same rank (outputs and KV caches), and the SP decoder layer."""
-    from optimized import comm
+    from optimized import distributed as comm
 
     model = rank_model(path, lay, torch.float32)
     layer, runner, sp = model.layers[layer_idx], runner_of(model), model.groups.attn_tp
@@ -178,7 +178,7 @@ def test_ep_schemes_equal_reference_and_each_other_on_adversarial_routings(world
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_ep_scheme_bytes_moved_equal_the_formula(world):
-    from optimized.prefill_plan import allgather_volume, alltoall_volume
+    from optimized.distributed.prefill_plan import allgather_volume, alltoall_volume
 
     path = str(checkpoint("tiny"))
 

@@ -14,7 +14,7 @@ schemes, drawn prompt lengths with padding, the tiny W4A8 checkpoints including 
   difference is arithmetic, the router reading the post-attention norm's unrounded fp32 output;
 - bytes (comm.count_bytes): the activation all_gathers and all_to_alls move exactly (1 + 1/32) / 2 of the bf16
   wire's bytes (H and every rank's attention width are multiples of 64 / 32 here), and every collective's bytes
-  equal the `optimized.prefill_plan` formulas (MoE: with the slot counts of the actual routing).
+  equal the `optimized.distributed.prefill_plan` formulas (MoE: with the slot counts of the actual routing).
 
 Whole-model logits of this path vs the fake-quant reference: the `sp2-alltoall` / `sp4-allgather` cases of
 equivalence/test_e2e_w4a8.py (the SP layouts build this path for a W4A8 checkpoint).
@@ -44,7 +44,7 @@ WIRE_RATIO = (1 + 1 / 32) / 2
 
 @torch.no_grad()
 def _wire_task(rank, world, path, lay, layer_idx, lengths, x, residual):
-    from optimized import comm
+    from optimized import distributed as comm
     from optimized.layers import mx_prefill
     from optimized.layers.quantization import mx_quant
 
@@ -101,7 +101,7 @@ def _wire_task(rank, world, path, lay, layer_idx, lengths, x, residual):
 
 
 def _check_bytes(got, world, rank, n, attn_width, scheme, what):
-    from optimized.prefill_plan import allgather_volume, alltoall_volume, attention_volume
+    from optimized.distributed.prefill_plan import allgather_volume, alltoall_volume, attention_volume
 
     for wire, mx in (("bf16", False), ("mx", True)):
         want = attention_volume(n, H, attn_width, world, 2, mx).parts

@@ -23,12 +23,12 @@ from equivalence.compare import assert_bitwise_equal, rel_l2, tolerance
 from equivalence.strategies import describe_layout, layout
 from fixtures.checkpoints import w4a8_checkpoint
 from fixtures.tiny import tiny_config
-from optimized.build import load_model
-from optimized.comm import ParallelState
+from optimized.model_loader.build import load_model
+from optimized.distributed import ParallelState
 from optimized.layers.moe import FusedMoEGMM
 from optimized.layers.quantization import QuantConfigError, W4A8MxFp4MoEGMMMethod
-from optimized.loader import CheckpointError, StateDictSource
-from optimized.quantize import MXFP4, mx_quantize_weight
+from optimized.model_loader.loader import CheckpointError, StateDictSource
+from optimized.model_loader.quantize import MXFP4, mx_quantize_weight
 
 CONFIG = tiny_config("tiny")
 LAYOUTS = [layout(1), layout(2, attn_tp_size=2, embed_tp_size=2), layout(2, lmhead_tp_size=2),

@@ -3,7 +3,7 @@
 ```yaml
 model_config:        # what to run
   model_path: fixture:tiny      # see "model_path" below
-  exe_mode: eager               # eager | ge_graph | acl_graph: decode as one compiled graph (optimized/graph.py)
+  exe_mode: eager               # eager | ge_graph | acl_graph: decode as one compiled graph (optimized/executor/graph.py)
   dtype: bfloat16               # bfloat16 | float32
   with_ckpt: true               # false: random weights of the real shapes (benchmarks without a checkpoint)
   enable_cache_compile: false   # graph modes: cache compiled decode graphs under compile_cache/<CASE_NAME>
@@ -26,7 +26,7 @@ parallel_config:     # how to shard it (every *_size divides world_size)
   prefill_opt: null             # sequence-parallel prefill (Attention SP+TP, MoE EP); null: on when
                                 # attn_tp_size == moe_ep_size == world_size > 1 (needs moe_tp_size 1)
   moe_ep_scheme: auto           # MoE EP of the SP prefill: auto | allgather | alltoall (double routing);
-                                # auto: allgather when top_k >= moe_ep_size (optimized/prefill_plan.py)
+                                # auto: allgather when top_k >= moe_ep_size (optimized/distributed/prefill_plan.py)
 scheduler_config:    # how to schedule it
   batch_size: 1
   max_new_tokens: 32
@@ -60,7 +60,7 @@ from typing import Any
 
 import yaml
 
-from .dist_guard import DEFAULT_COLLECTIVE_TIMEOUT_S
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0   # parallel_config.collective_timeout_s (distributed/guard.py applies it)
 
 EXE_MODES = ("eager", "ge_graph", "acl_graph")   # the recipe's names
 GRAPH_MODES = EXE_MODES[1:]                       # decode as one compiled graph

@@ -18,15 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
-from .config import head_dim_of, is_sparse_layer
-from .forward_metadata import ForwardMetadata
-from .layers.attention import Qwen3MoeAttention, causal_mask_template
-from .layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from .layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
-from .layers.mx_prefill import MxSpPrefillStep, uses_mx_prefill
-from .layers.norm import RMSNorm
-from .prefill_plan import choose_ep_scheme
+from optimized.distributed import collectives as comm
+from optimized.config import head_dim_of, is_sparse_layer
+from optimized.forward_metadata import ForwardMetadata
+from optimized.layers.attention import Qwen3MoeAttention, causal_mask_template
+from optimized.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from optimized.layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
+from optimized.layers.mx_prefill import MxSpPrefillStep, uses_mx_prefill
+from optimized.layers.norm import RMSNorm
+from optimized.distributed.prefill_plan import choose_ep_scheme
 
 UNSUPPORTED = {
     "use_sliding_window": lambda c: bool(getattr(c, "use_sliding_window", False)),

@@ -63,7 +63,7 @@ def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
     """
     import torch
 
-    from .config import GRAPH_MODES
+    from optimized.config import GRAPH_MODES
 
     if exe_mode not in GRAPH_MODES:
         raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: {', '.join(GRAPH_MODES)}")

@@ -1,4 +1,4 @@
-"""optimized.floor: the physical floors of the two seed budgets, computed by hand here and by the module.
+"""optimized.benchmarks.floor: the physical floors of the two seed budgets, computed by hand here and by the module.
 
 Qwen3-235B-A22B: H=4096, 64 query / 4 KV heads of D=128, 128 experts, top-8, moe_intermediate I=1536,
 vocab V=151936, 94 layers, all MoE.
@@ -10,8 +10,8 @@ import torch
 
 from fixtures.presets import preset_config
 from fixtures.tiny import tiny_config
-from optimized import floor as F
-from optimized.budgets import budget_floor, load_budgets
+from optimized.benchmarks import floor as F
+from optimized.benchmarks.budgets import budget_floor, load_budgets
 
 Q235 = preset_config("Qwen3-235B-A22B")
 MX8, MX4 = 1 + 1 / 32, 0.5 + 1 / 32        # bytes per element incl. one E8M0 scale byte per 32

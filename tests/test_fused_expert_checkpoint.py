@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from equivalence.compare import assert_bitwise_equal
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
-from optimized.build import load_model
-from optimized.comm import ParallelState
+from optimized.model_loader.build import load_model
+from optimized.distributed import ParallelState
 
 
 @pytest.fixture(scope="module")

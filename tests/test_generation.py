@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from equivalence.compare import assert_close
 from fixtures.checkpoints import checkpoint
 from optimized import ModelRunner, load_model
-from optimized.sampling import SamplingParams, filtered_probs
+from optimized.executor.sampling import SamplingParams, filtered_probs
 from reference.checkpoint import load_model as load_reference
 
 PROMPTS = [[288, 337, 283, 352, 393], [7, 8, 9], [100, 200, 300, 400]]

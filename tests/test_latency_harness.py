@@ -1,4 +1,4 @@
-"""The latency harness (optimized.latency, .budgets, .budget_run): statistics, the timing loop under a
+"""The latency harness (optimized.benchmarks.latency, .budgets, .budget_run): statistics, the timing loop under a
 deterministic fake clock, the budget table and its skip rules, the pooled random weights, and
 `python -m optimized latency` on one CPU process."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from optimized import budget_run as R
-from optimized import budgets as B
-from optimized import latency as L
+from optimized.benchmarks import budget_run as R
+from optimized.benchmarks import budgets as B
+from optimized.benchmarks import latency as L
 from optimized.__main__ import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_interleave_runs_round_by_round_and_drops_warmup_rounds():
 def test_runner_phase_timer_is_the_injected_clock():
     from fixtures.tiny import tiny_config
     from optimized import ModelRunner, model_from_source
-    from optimized.budget_run import generation_samples
+    from optimized.benchmarks.budget_run import generation_samples
     runner = ModelRunner(model_from_source(tiny_config("tiny"), R.PooledRandomWeights(), dtype=torch.float32), 16)
     ticks = iter(range(100))
     runner.clock = lambda: float(next(ticks))       # every phase takes exactly one tick
@@ -257,7 +257,7 @@ def test_latency_run_refuses_a_model_that_does_not_run_what_the_budget_names():
     from types import SimpleNamespace
 
     from fixtures.tiny import tiny_config
-    from optimized.bench import UsageError
+    from optimized.errors import UsageError
 
     budgets = B.load_budgets()
     a3, pr = budgets["a3_235b_bf16_decode"], budgets["atlas950pr_235b_w4a8"]

@@ -7,9 +7,9 @@ import pytest
 from equivalence.strategies import layout, sp_layout
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from optimized.config import ParallelConfig
-from optimized.hf_config import load_hf_config
+from optimized.model_loader.hf_config import load_hf_config
 from optimized.layers.mx_prefill import uses_mx_prefill
-from optimized.prefill_plan import allgather_volume, attention_volume, mx_row_bytes
+from optimized.distributed.prefill_plan import allgather_volume, attention_volume, mx_row_bytes
 
 
 def test_chosen_for_w4a8_under_sp_prefill_only():

@@ -144,7 +144,7 @@ def test_graph_config_with_a_bad_case_name_is_a_usage_error(monkeypatch, capsys)
 def test_preset_model_path_writes_config(tmp_path, monkeypatch):
     from transformers import Qwen3MoeConfig
 
-    from optimized.__main__ import preset_dir
+    from optimized.model_loader.model_path import preset_dir
     monkeypatch.setenv("QWEN3_MOE_FIXTURE_CACHE", str(tmp_path / "fixtures"))
     path = preset_dir("qwen3_30b_a3b")
     config = Qwen3MoeConfig.from_pretrained(path)

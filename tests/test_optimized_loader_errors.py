@@ -6,10 +6,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures.checkpoints import checkpoint
-from optimized.build import load_model
-from optimized.comm import ParallelState
+from optimized.model_loader.build import load_model
+from optimized.distributed import ParallelState
 from optimized.config import ConfigError
-from optimized.loader import CheckpointError
+from optimized.model_loader.loader import CheckpointError
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from optimized.config import ConfigError, InferenceConfig, ParallelConfig
-from optimized.prefill_plan import (alltoall_volume, allgather_volume, choose_ep_scheme, describe,
+from optimized.distributed.prefill_plan import (alltoall_volume, allgather_volume, choose_ep_scheme, describe,
                                     ep_comm_volumes)
 
 # Qwen3-30B-A3B's MoE shapes (fixtures.presets restates the released config).

@@ -16,12 +16,12 @@ from torch import nn
 
 import torch.nn.functional as F
 
-from .. import comm
-from ..config import head_dim_of
-from ..forward_metadata import ForwardMetadata
-from .linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from .quantization import linear_method, quant_scheme
-from .norm import RMSNorm
+from optimized.distributed import collectives as comm
+from optimized.config import head_dim_of
+from optimized.forward_metadata import ForwardMetadata
+from optimized.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from optimized.layers.quantization import linear_method, quant_scheme
+from optimized.layers.norm import RMSNorm
 
 # sparse_mode 3 reads this 2048x2048 template (True = masked) whatever the sequence length.
 CAUSAL_MASK_TEMPLATE_SIZE = 2048

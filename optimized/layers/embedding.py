@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
-from .linear import ColumnParallelLinear, _split
+from optimized.distributed import collectives as comm
+from optimized.layers.linear import ColumnParallelLinear, _split
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm
-from .quantization import UnquantizedLinearMethod
+from optimized.distributed import collectives as comm
+from optimized.layers.quantization import UnquantizedLinearMethod
 
 
 def _split(total: int, parts: int, what: str) -> int:

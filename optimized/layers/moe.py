@@ -11,16 +11,16 @@ named as in the recipe:
 - `moe_infer_double_routing` (sequence-parallel prefill): each rank routes its own tokens over all
   experts, sends every expert slot to the rank holding the expert (all_to_all with uneven splits),
   re-routes them into local-expert order, and sends the results back to be combined.
-The SP prefill's scheme is picked once, at build time (`ep_scheme`, see optimized/prefill_plan.py).
+The SP prefill's scheme is picked once, at build time (`ep_scheme`, see optimized/distributed/prefill_plan.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .. import comm
-from .linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _split
-from .quantization import linear_method, moe_method, quant_scheme
+from optimized.distributed import collectives as comm
+from optimized.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _split
+from optimized.layers.quantization import linear_method, moe_method, quant_scheme
 
 
 class FusedMoEGMM(nn.Module):

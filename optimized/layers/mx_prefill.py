@@ -29,11 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import comm
-from ..config import head_dim_of
-from ..ops import mx_format as mxf
-from .attention import own_tokens_all_heads
-from .quantization import BLOCK, FLOAT8_E4M3FN, W4A8, mx_quant, quant_scheme
+from optimized.distributed import collectives as comm
+from optimized.config import head_dim_of
+from optimized.ops import mx_format as mxf
+from optimized.layers.attention import own_tokens_all_heads
+from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A8, mx_quant, quant_scheme
 
 
 def uses_mx_prefill(config, parallel) -> bool:

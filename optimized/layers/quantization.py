@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..loader import CheckpointError
-from ..ops import mx_format as mxf
-from ..quantize import scale_name
+from optimized.errors import CheckpointError
+from optimized.ops import mx_format as mxf
 
 W4A8 = "w4a8"
 BLOCK = mxf.BLOCK_SIZE
@@ -136,8 +135,8 @@ class MxFp8LinearMethod:
         s_index = index
         if len(index) == 2:                     # a K-slice (row-parallel): whole scale bytes of its blocks
             s_index = (index[0], block_slice(index[1], k, name))
-        s = source.read(scale_name(name), (n, -(-k // BLOCK)), s_index)
-        _expect_dtype(source, scale_name(name), s, torch.uint8, "MXFP8")
+        s = source.read(mxf.scale_name(name), (n, -(-k // BLOCK)), s_index)
+        _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "MXFP8")
         layer.weight_scale[rows, :s.shape[1]].copy_(s)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -223,8 +222,8 @@ class W4A8MxFp4MoEGMMMethod:
         scales = index if len(index) < 2 else (index[0], block_slice(index[1], k, name))
         w = source.read(name, (n, k // 2), packed)
         _expect_dtype(source, name, w, torch.uint8, "W4A8 (MXFP4 experts)")
-        s = source.read(scale_name(name), (n, -(-k // BLOCK)), scales)
-        _expect_dtype(source, scale_name(name), s, torch.uint8, "W4A8 (MXFP4 experts)")
+        s = source.read(mxf.scale_name(name), (n, -(-k // BLOCK)), scales)
+        _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "W4A8 (MXFP4 experts)")
         return w, s
 
     def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:

@@ -342,3 +342,8 @@ def mx_quantize_weight(w: torch.Tensor, fmt: MxFormat):
     else:
         data = pack_fp4(encode_fp4(a, "round").flatten(-2)[..., :k])   # ties away from zero, saturating at 6
     return data.contiguous(), byte.contiguous()
+
+
+def scale_name(weight_name: str) -> str:
+    """The checkpoint name of an MX weight's per-block scale bytes (`...weight` -> `...weight_scale`)."""
+    return weight_name.removesuffix("weight") + "weight_scale"

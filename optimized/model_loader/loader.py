@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import (SAFETENSORS_DTYPES, CheckpointError, FusedExpertView, declared_dtype,
+from optimized.model_loader.checkpoint_files import (SAFETENSORS_DTYPES, CheckpointError, FusedExpertView, declared_dtype,
                                expand_fused_experts, open_file, weight_files)
 
 

@@ -18,10 +18,10 @@ from typing import Callable
 
 import torch
 
-from .budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, BudgetError, load_budgets, \
+from optimized.benchmarks.budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, BudgetError, load_budgets, \
     missing_features, phase_report, this_host
-from .latency import CLOCKS, collective_latency, copy_bandwidth, interleave
-from .loader import RandomWeights
+from optimized.benchmarks.latency import CLOCKS, collective_latency, copy_bandwidth, interleave
+from optimized.model_loader.loader import RandomWeights
 
 
 # ----------------------------------------------------------------------------------------- model building
@@ -65,8 +65,8 @@ def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_siz
     weights are the same pooled values. One copy of the experts keeps a 30B-shaped layer cheap to build."""
     from reference.model import Qwen3MoeForCausalLM as Reference
 
-    from .build import model_from_source
-    from .runner import ModelRunner
+    from optimized.model_loader.build import model_from_source
+    from optimized.executor.model_runner import ModelRunner
 
     source = PooledRandomWeights(seed)
     opt = model_from_source(config, source, dtype=dtype)
@@ -136,7 +136,7 @@ def run_relative(budget: Budget) -> dict[str, dict]:
     reports = {phase: phase_report(budget, phase, samples["optimized"][phase],
                                    reference_seconds=samples["reference"][phase]) for phase in budget.phases}
     if "decode" in reports:   # for scale: the CPU memory floor at the bandwidth of a copy measured now
-        from .floor import cpu_hardware, decode_floor
+        from optimized.benchmarks.floor import cpu_hardware, decode_floor
         context = budget.prompt_len + (budget.decode_steps + 1) / 2
         bandwidth = copy_bandwidth(clock)
         floor_s = decode_floor(config, cpu_hardware(bandwidth), dtype, budget.batch, context)["floor_s"]
@@ -158,7 +158,7 @@ def launch_command(budget: Budget, json_path: str | os.PathLike, budgets_path: s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", required=True, help="budget name in the budgets file")
-    p.add_argument("--budgets", default=str(DEFAULT_BUDGETS), help="budgets YAML (default fixtures/budgets.yaml)")
+    p.add_argument("--budgets", default=str(DEFAULT_BUDGETS), help="budgets YAML (default optimized/benchmarks/budgets.yaml)")
     p.add_argument("--model-path", help=f"checkpoint directory (else ${CHECKPOINT_ENV}, else random weights "
                                         f"of the budget's model shapes)")
     p.add_argument("--json", required=True, metavar="PATH", help="rank 0 writes the raw samples here")
@@ -167,8 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_applied(budget: Budget, model) -> None:
     """The built model runs what the budget names (precision, prefill path), or a UsageError saying what differs;
     exe_mode is applied by the runner."""
-    from .layers.quantization import quant_scheme
-    from .bench import UsageError
+    from optimized.layers.quantization import quant_scheme
+    from optimized.errors import UsageError
 
     quantized = quant_scheme(model.config) == "w4a8"
     if quantized != (budget.precision == "w4a8"):
@@ -184,11 +184,11 @@ def check_applied(budget: Budget, model) -> None:
 def run(args) -> int:
     """`python -m optimized latency`: measure one absolute budget on this rank (the optimized runner's
     phase timings, device-synced); each sample becomes the slowest rank's, and rank 0 writes them."""
-    from .bench import UsageError
-    from .build import load_model, model_from_source
-    from .comm import ParallelState, init_distributed
-    from .platform import device
-    from .runner import ModelRunner
+    from optimized.errors import UsageError
+    from optimized.model_loader.build import load_model, model_from_source
+    from optimized.distributed import ParallelState, init_distributed
+    from optimized.platform import device
+    from optimized.executor.model_runner import ModelRunner
 
     try:
         budget = load_budgets(args.budgets)[args.budget]

@@ -51,7 +51,7 @@ def check_config_dict(raw: dict, file: Path) -> None:
 
 
 def check_supported(config, file) -> None:
-    from .model import unsupported_feature
+    from optimized.model import unsupported_feature
     found = unsupported_feature(config)
     if found:
         raise ModelConfigError(f"{file}: {found[0]}={found[1]!r} is not supported by the optimized model (the "

@@ -19,7 +19,7 @@ fully overlapped); a measured latency is reported beside it as "measured / floor
   reduce-scatter (P-1)/P, all-to-all (P-1)/P of its own part), for the project's TP path or for the
   recipe's SP+TP attention with MoE EP by AllGather (`sp=True`).
 
-Rank layouts follow `optimized.comm`: attention TP A (KV heads replicated when A > KV heads), MoE TP T x
+Rank layouts follow `optimized.distributed`: attention TP A (KV heads replicated when A > KV heads), MoE TP T x
 EP, embedding TP, lm_head TP. Precisions give bytes per element by weight kind (MX formats carry one E8M0
 scale byte per 32 elements). The same functions serve `python -m optimized bench` (this CPU, measured copy
 bandwidth, one rank) and the NPU latency budgets (`equivalence/test_latency.py`).
@@ -167,7 +167,7 @@ class _Shape:
 
 
 def _shape(config, layout: Layout, num_layers: int | None) -> _Shape:
-    from .config import dense_layers
+    from optimized.config import dense_layers
 
     layers = num_layers if num_layers is not None else config.num_hidden_layers
     dense = len(dense_layers(config, layers))
@@ -296,7 +296,7 @@ def prefill_comm_bytes(config, precision, prompt_lens: list[int], layout: Layout
         # back to each rank's tokens; MoE EP by AllGather: hidden states + top-k ids and weights gathered,
         # expert output reduce-scattered. The volumes are prefill_plan's (what the collectives send), for
         # S / A unpadded tokens per rank; W4A8 moves MXFP8 on the gathers.
-        from .prefill_plan import allgather_volume, attention_volume
+        from optimized.distributed.prefill_plan import allgather_volume, attention_volume
         mx = p.name == "w4a8"                        # MXFP8 gathers; the reductions stay 16-bit
         attention = attention_volume(S / A, s.H, s.q_heads * s.D, A, p.reduce_wire, mx).parts
         moe = allgather_volume(S / EP, s.H, s.k, EP, p.reduce_wire, mx).parts

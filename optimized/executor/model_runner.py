@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import graph
-from .forward_metadata import ForwardMetadata
-from .kv_cache import PagedKVCache, block_table, slot_mapping
-from .sampling import GREEDY, Sampler, SamplingParams
+from optimized.executor import graph
+from optimized.forward_metadata import ForwardMetadata
+from optimized.executor.kv_cache import PagedKVCache, block_table, slot_mapping
+from optimized.executor.sampling import GREEDY, Sampler, SamplingParams
 
 BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
 
@@ -79,7 +79,7 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, check_block_size(block_size), torch.device(device)
         self.clock = time.perf_counter   # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
-        # compiled decode graph (ge_graph / acl_graph, optimized/graph.py; a batch shrunk by finished requests
+        # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
         # runs in its own, smaller captured bucket).
         self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
         config = model.config

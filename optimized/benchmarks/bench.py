@@ -10,7 +10,7 @@ step. Median, p90 and best (minimum) are printed; the ratios are computed from t
 best samples of this one run (CPU numbers are only meaningful relative to each other: the machine is
 shared and has few cores, and background load shifts medians; the best samples are the robust estimate).
 
-Weights: `optimized.loader.RandomWeights(seed)` (N(0, 0.02), norm weights 1) at the preset's shapes, in
+Weights: `optimized.model_loader.loader.RandomWeights(seed)` (N(0, 0.02), norm weights 1) at the preset's shapes, in
 `--dtype`, loaded into the reference; the optimized model reads the reference's state_dict
 (`StateDictSource`), transformers gets the same tensors (the experts stacked into its fused
 `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`; every other tensor is shared, not copied).
@@ -20,7 +20,7 @@ the router and the experts the batch routes to (top_k for batch 1; E * (1 - (1 -
 batch B under uniform routing) or the dense MLP, plus the final norm, lm_head and B embedding rows, plus
 the KV cache read at the mean context. floor = those bytes / copy bandwidth, the bandwidth being
 measured in the same run as (bytes read + bytes written) / time of a large tensor copy. The arithmetic is
-`optimized.floor` (one rank), which the NPU latency budgets share.
+`optimized.benchmarks.floor` (one rank), which the NPU latency budgets share.
 """
 from __future__ import annotations
 
@@ -33,11 +33,10 @@ from pathlib import Path
 
 import torch
 
-from .config import EXE_MODES
-
-
-class UsageError(Exception):
-    """A problem the user can fix: `python -m optimized` prints it as one line and exits with status 2."""
+from optimized.config import EXE_MODES
+from optimized.errors import UsageError
+from optimized.model_loader.model_path import fixture_config
+from optimized.model_loader.presets import PRESETS, preset_config
 
 
 BENCH_PRESETS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B", "tiny": "tiny"}
@@ -64,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--world-size", type=int, default=1,
                    help="> 1: prefill over this many processes, tensor-parallel vs sequence-parallel with each MoE "
-                        "EP scheme (optimized/bench_parallel.py; --decode-steps and --skip-hf do not apply)")
+                        "EP scheme (optimized/benchmarks/bench_parallel.py; --decode-steps and --skip-hf do not apply)")
 
 
 def progress(msg: str) -> None:
@@ -72,24 +71,18 @@ def progress(msg: str) -> None:
 
 
 def synchronize() -> None:
-    from .runner import synchronize as sync
-    from .platform import device
+    from optimized.executor.model_runner import synchronize as sync
+    from optimized.platform import device
     sync(device())
 
 
 # ----------------------------------------------------------------------------------------------- models
 
 def bench_config(preset: str, layers: int):
-    try:
-        if preset == "tiny":
-            from fixtures.tiny import tiny_config
-            config = tiny_config("tiny")
-            config.num_hidden_layers = layers
-            return config
-        from fixtures.presets import preset_config
-    except ImportError:
-        raise UsageError("bench needs the repository's `fixtures` package (the model shapes), which is not "
-                         "importable here: run from the repository root (or add it to PYTHONPATH)") from None
+    if preset == "tiny":
+        config = fixture_config("tiny", "bench --preset tiny")
+        config.num_hidden_layers = layers
+        return config
     try:
         return preset_config(BENCH_PRESETS[preset], num_hidden_layers=layers)
     except ValueError as e:
@@ -99,9 +92,7 @@ def bench_config(preset: str, layers: int):
 def full_layer_count(preset: str) -> int:
     """Decoder layers of the released model (or of the tiny fixture)."""
     if preset == "tiny":
-        from fixtures.tiny import TINY_CONFIGS
-        return TINY_CONFIGS["tiny"]["num_hidden_layers"]
-    from fixtures.presets import PRESETS
+        return fixture_config("tiny", "bench --preset tiny").num_hidden_layers
     return PRESETS[BENCH_PRESETS[preset]]["num_hidden_layers"]
 
 
@@ -109,7 +100,7 @@ def reference_model(config, dtype: torch.dtype, seed: int):
     """The reference Qwen3MoeForCausalLM with `RandomWeights(seed)` values, built without a second copy."""
     from reference.model import Qwen3MoeForCausalLM
 
-    from .loader import RandomWeights
+    from optimized.model_loader.loader import RandomWeights
 
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config)
@@ -193,7 +184,7 @@ def run_hf(model, ids: torch.Tensor, steps: int):
 
 
 def stats(samples: list[float]) -> dict:
-    from .latency import percentile
+    from optimized.benchmarks.latency import percentile
 
     ms = sorted(1000 * s for s in samples)
     if not ms:
@@ -236,15 +227,16 @@ def run(args) -> int:
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     if args.world_size > 1:
-        from . import bench_parallel
+        from optimized.benchmarks import bench_parallel
         report = bench_parallel.run(args)
         print(bench_parallel.format_report(report))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         return 0
 
-    from . import ModelRunner, model_from_source
-    from .loader import StateDictSource
+    from optimized.executor.model_runner import ModelRunner
+    from optimized.model_loader.build import model_from_source
+    from optimized.model_loader.loader import StateDictSource
 
     dtype = DTYPES[args.dtype]
     config = bench_config(args.preset, args.layers)
@@ -317,7 +309,7 @@ def run(args) -> int:
                      f"({time.perf_counter() - t0:.1f} s)")
 
     progress("measuring copy bandwidth ...")
-    from .latency import copy_bandwidth
+    from optimized.benchmarks.latency import copy_bandwidth
     bandwidth = copy_bandwidth(nbytes=512 * 2**20, repeats=5)   # the CPU tensors need no device sync
     context = args.prompt_len + (args.decode_steps + 1) / 2
 
@@ -331,7 +323,7 @@ def run(args) -> int:
             f"{phase}{suffix}": results[m][key][stat] / results["optimized"][key][stat]
             for stat, suffix in (("median", ""), ("min", "_best"))
             for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"))}
-    from .floor import cpu_hardware, decode_floor
+    from optimized.benchmarks.floor import cpu_hardware, decode_floor
     hardware = cpu_hardware(bandwidth)
     floor = decode_floor(config, hardware, dtype, args.batch, context)
     full = decode_floor(config, hardware, dtype, args.batch, context, num_layers=full_layers)
@@ -362,7 +354,7 @@ def run(args) -> int:
 
 
 def _device():
-    from .platform import device
+    from optimized.platform import device
     return device()
 
 
@@ -434,9 +426,9 @@ def graph_startup(model, args, config):
     reset, loading what that compile cached. Both in this process (imports are already paid)."""
     import tempfile
 
-    from .compile_cache import CompileCache
-    from .graph import batch_bucket
-    from .runner import ModelRunner
+    from optimized.executor.compile_cache import CompileCache
+    from optimized.executor.graph import batch_bucket
+    from optimized.executor.model_runner import ModelRunner
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len), generator=gen).tolist()

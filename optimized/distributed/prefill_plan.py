@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import ParallelConfig
+from optimized.config import ParallelConfig
 
 INDEX_BYTES = 4      # int32 expert ids
 WEIGHT_BYTES = 4     # float32 routing weights

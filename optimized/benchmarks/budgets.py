@@ -1,9 +1,9 @@
-"""Latency budgets (fixtures/budgets.yaml): the table, the skip rules, the floors and the verdicts.
+"""Latency budgets (optimized/benchmarks/budgets.yaml): the table, the skip rules, the floors and the verdicts.
 
 Two kinds:
 - `absolute`: a seed latency target on named NPU hardware (SoC name pattern, device count), measured by
-  `python -m optimized latency` with one process per rank (torchrun; `optimized.budget_run`), beside the
-  physical floor of `optimized.floor`. A budget skips, with a reason, where the hardware does not match
+  `python -m optimized latency` with one process per rank (torchrun; `optimized.benchmarks.budget_run`), beside the
+  physical floor of `optimized.benchmarks.floor`. A budget skips, with a reason, where the hardware does not match
   or a feature it needs is not built yet (`FEATURES`): it never passes without being measured.
 - `relative`: optimized vs reference in the same process and run, on this CPU: the optimized p50 may
   be at most `max_ratio` times the reference p50, per phase.
@@ -19,12 +19,14 @@ from typing import Callable
 
 import torch
 
-from .bench import DTYPES
-from .latency import CLOCKS, summarize
+from optimized.benchmarks.bench import DTYPES
+from optimized.benchmarks.latency import CLOCKS, summarize
+from optimized.model_loader.model_path import fixture_config
+from optimized.model_loader.presets import preset_config
 
 PHASES = ("prefill", "decode")
 KINDS = ("absolute", "relative")
-DEFAULT_BUDGETS = Path(__file__).resolve().parents[1] / "fixtures" / "budgets.yaml"
+DEFAULT_BUDGETS = Path(__file__).with_name("budgets.yaml")   # package data
 CHECKPOINT_ENV = "QWEN3_MOE_LATENCY_CHECKPOINT"
 
 
@@ -40,7 +42,7 @@ class HardwareRule:
 
     soc: str
     devices: int
-    floor: str            # key of optimized.floor.HARDWARE
+    floor: str            # key of optimized.benchmarks.floor.HARDWARE
     name: str
 
 
@@ -57,7 +59,7 @@ class Host:
 
 
 def this_host() -> Host:
-    from .platform import backend_name
+    from optimized.platform import backend_name
     backend = backend_name()
     if backend == "npu":
         return Host("npu", torch.npu.get_device_name(0), torch.npu.device_count())
@@ -65,16 +67,16 @@ def this_host() -> Host:
 
 
 def _graph_mode_built() -> bool:
-    from .config import EXE_MODES
+    from optimized.config import EXE_MODES
     return "ge_graph" in EXE_MODES
 
 
 def _w4a8_built() -> bool:
-    return importlib.util.find_spec("optimized.quantize") is not None
+    return importlib.util.find_spec("optimized.model_loader.quantize") is not None
 
 
 def _sp_prefill_built() -> bool:
-    from .config import ParallelConfig
+    from optimized.config import ParallelConfig
     return "moe_ep_scheme" in ParallelConfig.__dataclass_fields__
 
 
@@ -83,7 +85,7 @@ def _sp_prefill_built() -> bool:
 FEATURES: dict[str, tuple[str, Callable[[], bool]]] = {
     "graph_mode": ("graph mode (model_config.exe_mode: ge_graph; optimized.config accepts eager only)",
                    _graph_mode_built),
-    "w4a8": ("W4A8 quantization (MXFP4 experts, MXFP8 attention; the optimized.quantize converter)", _w4a8_built),
+    "w4a8": ("W4A8 quantization (MXFP4 experts, MXFP8 attention; the optimized.model_loader.quantize converter)", _w4a8_built),
     "sp_prefill": ("Attention SP+TP prefill with MoE EP by AllGather (parallel_config.moe_ep_scheme)",
                    _sp_prefill_built),
 }
@@ -100,7 +102,7 @@ class Budget:
     description: str
     model: dict                              # preset / fixture, optional num_hidden_layers, vocab_size
     dtype: str = "bfloat16"
-    precision: str = "bf16"                  # optimized.floor.PRECISIONS key
+    precision: str = "bf16"                  # optimized.benchmarks.floor.PRECISIONS key
     batch: int = 1
     prompt_len: int = 128                    # prefill length; decode runs at this context and beyond
     decode_steps: int = 8
@@ -144,21 +146,19 @@ class Budget:
         return self.inference_config().parallel_config.world_size if self.config else 1
 
     def inference_config(self):
-        from .config import InferenceConfig
+        from optimized.config import InferenceConfig
         path = Path(self.config)
         if not path.is_absolute():
-            path = DEFAULT_BUDGETS.parents[1] / path
+            path = DEFAULT_BUDGETS.parent / path       # beside the budgets YAML (package data)
         return InferenceConfig.from_yaml(path)
 
     def hf_config(self):
         """The model's Qwen3MoeConfig: its preset or tiny fixture, with the budget's overrides."""
         spec = dict(self.model)
         if "preset" in spec:
-            from fixtures.presets import preset_config
             config = preset_config(spec.pop("preset"))
         else:
-            from fixtures.tiny import tiny_config
-            config = tiny_config(spec.pop("fixture"))
+            config = fixture_config(spec.pop("fixture"), f"budget {self.name!r}")
         for key, value in spec.items():
             setattr(config, key, value)
         return config
@@ -169,7 +169,7 @@ _ALLOWED = {f for f in Budget.__dataclass_fields__} - {"name"}
 
 
 def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
-    """Every budget of a budgets YAML (default fixtures/budgets.yaml), validated with clear errors."""
+    """Every budget of a budgets YAML (default optimized/benchmarks/budgets.yaml), validated with clear errors."""
     import yaml
     path = Path(path or DEFAULT_BUDGETS)
     raw = yaml.safe_load(path.read_text()) or {}
@@ -191,7 +191,7 @@ def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
             raise BudgetError(f"{where}.kind: must be one of {KINDS}, got {spec['kind']!r}")
         if spec.get("dtype", "bfloat16") not in DTYPES:
             raise BudgetError(f"{where}.dtype: must be one of {', '.join(DTYPES)}, got {spec['dtype']!r}")
-        from .floor import PRECISIONS
+        from optimized.benchmarks.floor import PRECISIONS
         if spec.get("precision", "bf16") not in PRECISIONS:
             raise BudgetError(f"{where}.precision: must be one of {', '.join(PRECISIONS)}, got {spec['precision']!r}")
         if spec.get("clock", "wall") not in CLOCKS:
@@ -222,7 +222,7 @@ def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
             hw = spec["hardware"]
             if set(hw) != {"soc", "devices", "floor", "name"}:
                 raise BudgetError(f"{where}.hardware: needs exactly soc, devices, floor, name; got {sorted(hw)}")
-            from .floor import HARDWARE
+            from optimized.benchmarks.floor import HARDWARE
             if hw["floor"] not in HARDWARE:
                 raise BudgetError(f"{where}.hardware.floor: unknown {hw['floor']!r}; known: {sorted(HARDWARE)}")
             spec["hardware"] = HardwareRule(**hw)
@@ -233,8 +233,8 @@ def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
 # ------------------------------------------------------------------------------------------------ floors
 
 def budget_floor(budget: Budget, phase: str, collective_latency: float | None = None) -> dict:
-    """The physical floor of one absolute budget phase (optimized.floor), in seconds with its parts."""
-    from . import floor
+    """The physical floor of one absolute budget phase (optimized.benchmarks.floor), in seconds with its parts."""
+    from optimized.benchmarks import floor
     config = budget.hf_config()
     layout = floor.Layout.of(budget.inference_config().parallel_config)
     hw = floor.HARDWARE[budget.hardware.floor]

@@ -20,9 +20,10 @@ import json
 import os
 from pathlib import Path
 
+from optimized.config import DEFAULT_COLLECTIVE_TIMEOUT_S
+
 TIMEOUT_ENV = "QWEN3_MOE_COLLECTIVE_TIMEOUT_S"
 TIMEOUT_KEY = "parallel_config.collective_timeout_s"
-DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 
 
 class CollectiveTimeoutError(RuntimeError):

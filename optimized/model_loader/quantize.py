@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .ops import mx_format as mxf
-from .ops.mx_format import mx_quantize_weight
+from optimized.ops import mx_format as mxf
+from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,11 +61,6 @@ def quant_format(name: str) -> mxf.MxFormat | None:
         return None
     raise ConversionError(f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the W4A8 converter knows "
                           "(per-expert names expected, e.g. model.layers.0.mlp.experts.0.gate_proj.weight)")
-
-
-def scale_name(weight_name: str) -> str:
-    """The checkpoint name of an MX weight's per-block scale bytes (`...weight` -> `...weight_scale`)."""
-    return weight_name.removesuffix("weight") + "weight_scale"
 
 
 # ------------------------------------------------------------------------------------------- config.json

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import platform
-from .compile_cache import CompileCache, cache_key, key_hash
-from .config import GRAPH_MODES
-from .forward_metadata import ForwardMetadata
-from .kv_cache import NULL_BLOCK
+from optimized import platform
+from optimized.executor.compile_cache import CompileCache, cache_key, key_hash
+from optimized.config import GRAPH_MODES
+from optimized.forward_metadata import ForwardMetadata
+from optimized.executor.kv_cache import NULL_BLOCK
 
 # Dynamo settings while a graph step runs (and compiles): see the module docstring.
 DYNAMO_SETTINGS = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)

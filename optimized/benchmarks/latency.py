@@ -4,7 +4,7 @@ hardware figures measured in the same run (copy bandwidth, collective latency).
 `measure` times a callable (warm-up calls discarded, a sync before the clock starts and before it stops);
 `interleave` runs several workloads round by round, so a change of background load hits all of them
 alike; `summarize` gives p50 / p90 / p99 (nearest rank), min, max and mean in milliseconds. The budgets
-that use it are in `optimized.budgets` (the table) and `optimized.budget_run` (the measurements).
+that use it are in `optimized.benchmarks.budgets` (the table) and `optimized.benchmarks.budget_run` (the measurements).
 """
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def collective_latency(group=None, repeats: int = 50) -> float:
     """Median seconds of a small (one hidden row) all-reduce over the world, synced per call."""
     import torch.distributed as dist
 
-    from .platform import device
-    from .runner import synchronize
+    from optimized.platform import device
+    from optimized.executor.model_runner import synchronize
     dev = device(int(os.environ.get("LOCAL_RANK", 0)))
     x = torch.ones(4096, dtype=torch.bfloat16, device=dev)
     return statistics.median(measure(lambda: dist.all_reduce(x, group=group), warmup=5, repeats=repeats,

@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 
 import torch
+
+from optimized.errors import CheckpointError  # noqa: F401  (raised here, named for the loader's callers)
 from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
@@ -32,8 +34,6 @@ SAFETENSORS_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model or cannot be read (the message names file / tensor)."""
 
 
 def open_file(file: Path):

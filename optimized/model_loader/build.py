@@ -5,11 +5,11 @@ import os
 
 import torch
 
-from .comm import ParallelState
-from .config import InferenceConfig
-from .hf_config import load_hf_config
-from .loader import CheckpointReader, RandomWeights
-from .model import Qwen3MoeForCausalLM
+from optimized.distributed import ParallelState
+from optimized.config import InferenceConfig
+from optimized.model_loader.hf_config import load_hf_config
+from optimized.model_loader.loader import CheckpointReader, RandomWeights
+from optimized.model import Qwen3MoeForCausalLM
 
 
 def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None = None,
@@ -28,7 +28,7 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
         config.num_hidden_layers = num_hidden_layers
     if random_weights:
         if getattr(config, "quantization_config", None):
-            from .layers.quantization import QuantConfigError
+            from optimized.layers.quantization import QuantConfigError
             raise QuantConfigError(f"{model_path}/config.json has a quantization_config: random weights are drawn in "
                                    "the activation dtype, so run a quantized model from its checkpoint (with_ckpt: true)")
         source = RandomWeights(seed)

@@ -26,7 +26,7 @@ LAYOUTS = ("tp", "sp-allgather", "sp-alltoall")
 
 
 def layout_config(name: str, world: int):
-    from .config import ParallelConfig
+    from optimized.config import ParallelConfig
 
     sp = name != "tp"
     return ParallelConfig(world_size=world, attn_tp_size=world, moe_tp_size=1, moe_ep_size=world,
@@ -36,8 +36,8 @@ def layout_config(name: str, world: int):
 
 def _moe_counted(block, log: list, act_bytes: int):
     """Wrap `block.moe_infer_ep` to count its bytes and the formula's, with this call's routing."""
-    from . import comm
-    from .prefill_plan import allgather_volume, alltoall_volume
+    from optimized.distributed import collectives as comm
+    from optimized.distributed.prefill_plan import allgather_volume, alltoall_volume
 
     scheme_fn = getattr(block, block.moe_infer_ep)
     ep, local = block.moe_ep, block.experts.local_experts
@@ -65,12 +65,14 @@ def _moe_counted(block, log: list, act_bytes: int):
 def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
     import torch.distributed as dist
 
-    from . import comm, platform
-    from .bench import DTYPES, bench_config
-    from .build import model_from_source
-    from .comm import ParallelState
-    from .loader import RandomWeights
-    from .runner import ModelRunner
+    from optimized import platform
+
+    from optimized.distributed import collectives as comm
+    from optimized.benchmarks.bench import DTYPES, bench_config
+    from optimized.model_loader.build import model_from_source
+    from optimized.distributed import ParallelState
+    from optimized.model_loader.loader import RandomWeights
+    from optimized.executor.model_runner import ModelRunner
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(platform.dist_backend(), init_method=f"file://{init_file}", rank=rank,
@@ -121,7 +123,8 @@ def run(args) -> dict:
     """Run the layouts over `args.world_size` processes; returns the report (printed by `format_report`)."""
     import multiprocessing as mp
 
-    from .bench import UsageError, bench_config, progress
+    from optimized.benchmarks.bench import bench_config, progress
+    from optimized.errors import UsageError
 
     world = args.world_size
     config = bench_config(args.preset, args.layers)

@@ -56,7 +56,7 @@ def torch_npu_version() -> str | None:
 
 def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str) -> dict:
     """Everything a compiled decode graph of `model` depends on (JSON-able)."""
-    from . import platform
+    from optimized import platform
 
     parallel = model.groups.parallel
     return {

@@ -1,0 +1,34 @@
+"""`python -m optimized convert`.
+
+convert
+  Offline conversion of a BF16 Qwen3-MoE checkpoint directory SRC into a W4A8 checkpoint DST (MXFP4 experts,
+  MXFP8 attention linears, the rest unchanged; see optimized/model_loader/quantize.py), streamed tensor by tensor with a
+  progress bar on stderr. A source that is already quantized, or a non-empty DST, is an error.
+"""
+from __future__ import annotations
+
+import time
+
+from optimized.errors import UsageError
+
+
+def add_parser(sub) -> None:
+    conv = sub.add_parser("convert", help="offline BF16 -> W4A8 checkpoint conversion (MXFP4 experts, MXFP8 attention)")
+    conv.add_argument("--quant", required=True, choices=["w4a8"], help="target scheme")
+    conv.add_argument("src", help="BF16 checkpoint directory (config.json + safetensors)")
+    conv.add_argument("dst", help="output directory (must not exist or be empty)")
+    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from optimized.model_loader.quantize import ConversionError, convert_checkpoint
+
+    start = time.perf_counter()
+    try:
+        report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress)
+    except ConversionError as e:
+        raise UsageError(str(e)) from None
+    print(f"converted {args.src} -> {args.dst} ({args.quant}): {report.tensors} tensors, "
+          f"{report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB in "
+          f"{time.perf_counter() - start:.1f} s")
+    return 0

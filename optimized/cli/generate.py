@@ -1,0 +1,255 @@
+"""`python -m optimized generate` (single process, or one process per rank under torchrun).
+
+generate
+  The YAML is an `optimized.config.InferenceConfig`; command-line options override it. Prompts: every
+  `--prompt TEXT` (encoded by the checkpoint's own tokenizer) or `--prompt-ids 1,2,3` is one request of
+  the batch; without either, the config's data_config decides (`prompts`: its prompts, cycled to
+  scheduler_config.batch_size requests; `random`: batch_size random prompts of input_max_len ids drawn
+  from data_config.seed). A prompt longer than data_config.input_max_len is an error, never truncated.
+  `--chat` (or model_config.tokenizer_mode: chat) sends each text prompt through the tokenizer's chat
+  template as a user message. Generation is greedy unless --temperature > 0 (then --top-k, --top-p,
+  --seed apply); a request stops at an EOS id of generation_config.json (else config.json) unless
+  --ignore-eos. --save-logits FILE writes (torch.save) the prompts, the tokens, the logits at every prompt
+  position and the logits each generated token was chosen from.
+  model_config.model_path: `fixture:NAME` (the tiny checkpoint built and cached by the repository's
+  `fixtures/` package: run from the repository root), `preset:NAME` (a released model's config.json,
+  e.g. preset:qwen3_30b_a3b, written to a cache directory; random weights, with_ckpt: false), or a
+  checkpoint directory. with_ckpt: false draws seeded random weights (data_config.seed).
+  Under torchrun every rank loads only its own shards, and before loading checks with one small
+  collective that every rank holds the same config, model and prompts; collectives that wait longer
+  than parallel_config.collective_timeout_s fail. Rank 0 prints, per request, `prompt ids:`,
+  `generated ids:`, `finish:` (eos | length) and, with a tokenizer, `text:` and `completion:` (the lines
+  `python -m reference generate` prints; with several requests each line starts with `[i] `), then the
+  prefill time and the decode time per token.
+  model_config.exe_mode: eager, or ge_graph / acl_graph: decode steps run as one compiled graph per
+  batch bucket (optimized/executor/graph.py; torchair on NPU, torch.compile inductor elsewhere), prefill stays
+  eager. A batch that is not a power of two is padded to the next one, and the output says so. With
+  enable_cache_compile: true the compiled graphs are cached under ./compile_cache/<CASE_NAME> (env
+  CASE_NAME; default derived from the config: model-dtype-layout-exe_mode), one entry per rank and bucket.
+  In graph mode the decode time excludes the first step (which compiles or loads the graph; its time is
+  printed separately).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+from optimized.cli.common import parse_prompt_ids
+from optimized.errors import UsageError
+from optimized.executor.model_runner import BLOCK_GRANULARITY, check_prompts
+from optimized.model_loader.model_path import resolve_model_path
+from optimized.model_loader.tokenizer import CheckpointTokenizer, encode_prompt, eos_token_ids
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="greedy generation from an inference config (single process or torchrun)")
+    gen.add_argument("--config", required=True, help="inference config YAML (see optimized/config.py)")
+    gen.add_argument("--model-path", help="overrides model_config.model_path (directory, fixture:NAME, preset:NAME)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a prompt, encoded by the checkpoint's tokenizer; repeat for a batch")
+    prompt.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS",
+                        help="comma-separated token ids, e.g. 1,2,3; repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, help="overrides scheduler_config.max_new_tokens")
+    gen.add_argument("--dtype", choices=["bfloat16", "float32"], help="overrides model_config.dtype")
+    gen.add_argument("--block-size", type=int, help="overrides scheduler_config.block_size (a multiple of 16)")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (tokenizer_mode: chat)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this mass")
+    gen.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    gen.add_argument("--save-logits", metavar="FILE", help="torch.save the prompt and generation logits (rank 0)")
+
+
+
+def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
+    data, batch = cfg.data_config, cfg.scheduler_config.batch_size
+    mode = "chat" if args.chat else cfg.model_config.tokenizer_mode
+    if args.chat and args.prompt_ids is not None:
+        raise UsageError("--chat applies the chat template to text prompts; it cannot be combined with --prompt-ids")
+    if args.prompt is not None:
+        prompts = [encode_prompt(tokenizer, p, mode, f"--prompt {i}") for i, p in enumerate(args.prompt)]
+    elif args.prompt_ids is not None:
+        prompts = list(args.prompt_ids)
+    elif data.dataset == "random":
+        import torch
+        gen = torch.Generator().manual_seed(data.seed)
+        prompts = torch.randint(0, vocab_size, (batch, data.input_max_len), generator=gen).tolist()
+    else:
+        prompts = [encode_prompt(tokenizer, data.prompts[i % len(data.prompts)], mode,
+                          f"data_config.prompts[{i % len(data.prompts)}]") for i in range(batch)]
+    for i, p in enumerate(prompts):
+        if len(p) > data.input_max_len:  # never truncated silently
+            raise UsageError(f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
+                             f"{data.input_max_len}; shorten it or raise input_max_len")
+    return prompts
+
+
+def run(args) -> int:
+    from optimized.config import ConfigError, InferenceConfig
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise UsageError(f"config file {args.config!r} not found")
+    try:
+        cfg = InferenceConfig.from_yaml(path)
+    except ConfigError as e:
+        raise UsageError(f"invalid inference config {path}: " + "; ".join(f"{k}: {m}" for k, m in e.errors)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read config file {args.config!r}: {getattr(e, 'strerror', None) or e}") from None
+    m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
+    if args.model_path is not None:
+        m.model_path = args.model_path
+        if m.scheme[0] == "preset":
+            m.with_ckpt = False
+    if args.dtype is not None:
+        m.dtype = args.dtype
+    if args.max_new_tokens is not None:
+        if args.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+        s.max_new_tokens = args.max_new_tokens
+    if args.block_size is not None:
+        s.block_size = args.block_size
+    if s.block_size < 1 or s.block_size % BLOCK_GRANULARITY:
+        raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
+                         f"(the paged attention kernel's block granularity)")
+    compile_cache = None
+    if m.enable_cache_compile:
+        from optimized.executor.compile_cache import CompileCache, case_dir, default_case_name
+        case = os.environ.get("CASE_NAME") or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)
+        try:
+            compile_cache = CompileCache(case_dir(case))
+        except ValueError as e:
+            raise UsageError(f"environment variable {e}") from None
+
+    # World size: checked against the launcher before any process group exists.
+    env_world = os.environ.get("WORLD_SIZE")
+    launched = int(env_world) if env_world and env_world.isdigit() else 1
+    if launched != p.world_size:
+        how = (f"launched with WORLD_SIZE={launched}" if env_world else "launched as a single process")
+        raise UsageError(f"parallel_config.world_size is {p.world_size} but this job was {how}; start it with "
+                         f"`torchrun --nproc-per-node {p.world_size} -m optimized generate ...`"
+                         if p.world_size > 1 else
+                         f"parallel_config.world_size is 1 but this job was {how}; run it as a single process")
+
+    scheme, name = m.scheme
+    model_dir = resolve_model_path(m.model_path, scheme, name)
+
+    from optimized.model_loader.hf_config import ModelConfigError, load_hf_config
+    from optimized.executor.sampling import SamplingParams
+
+    try:
+        hf_config = load_hf_config(model_dir)
+    except ModelConfigError as e:
+        raise UsageError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
+    try:
+        cfg.validate_for_model(hf_config)
+    except ConfigError as e:
+        raise UsageError(f"inference config {path} does not fit the model {m.model_path}: "
+                         + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        tokenizer = CheckpointTokenizer.load(model_dir)
+        prompts = build_prompts(args, cfg, hf_config.vocab_size, tokenizer)
+        # before loading the model: a bad prompt should not cost a checkpoint load
+        check_prompts(prompts, s.max_new_tokens, hf_config.vocab_size, hf_config.max_position_embeddings)
+        eos = [] if args.ignore_eos else eos_token_ids(model_dir)
+    except ValueError as e:  # PromptError, bad sampling options, prompt ids outside the vocabulary, ...
+        raise UsageError(str(e)) from None
+
+    from optimized import platform
+    from optimized.model_loader.build import load_model
+    from optimized.distributed import ParallelState, init_distributed
+    from optimized.distributed.guard import (CollectiveTimeoutError, RankMismatchError, check_ranks_agree, collective_timeout_s,
+                             named_collective_errors, run_fingerprint)
+    from optimized.layers.quantization import QuantConfigError
+    from optimized.model_loader.loader import CheckpointError
+    from optimized.executor.model_runner import ModelRunner
+
+    try:
+        timeout_s = collective_timeout_s(p.collective_timeout_s)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:  # a rank that never joins (it failed before) makes the rendezvous time out: named, exit 2
+        with named_collective_errors(timeout_s):
+            env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    except CollectiveTimeoutError as e:
+        raise UsageError(f"joining the job: {e}") from None
+    try:
+        with named_collective_errors(timeout_s):
+            check_ranks_agree(run_fingerprint(cfg.to_dict(), model_dir, prompts, sampling=repr(sampling), eos=eos,
+                                              chat=args.chat))
+            state = ParallelState.build(p)
+            if env.rank == 0:  # the prefill path and MoE EP scheme this layout runs, before anything else
+                from optimized.layers.mx_prefill import uses_mx_prefill
+                from optimized.distributed.prefill_plan import describe
+                print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize,
+                               mx=uses_mx_prefill(hf_config, p)), flush=True)
+            device = platform.device(env.local_rank)
+            try:
+                model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
+                                   seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
+            except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint when it does not
+                raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
+            positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
+            runner = ModelRunner(model, s.block_size, device, exe_mode=m.exe_mode, compile_cache=compile_cache)
+            result = runner.generate(
+                prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos, prompt_logits_positions=positions,
+                return_logits=bool(args.save_logits))
+        if env.rank == 0:
+            _print_result(cfg, model_dir, prompts, result, env.world_size, tokenizer)
+            if m.exe_mode != "eager":
+                _print_graph(runner.decode_forward, result, compile_cache)
+            if args.save_logits:
+                import torch
+                torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
+                            "logits": result.logits, "finish_reasons": result.finish_reasons}, args.save_logits)
+    except (CollectiveTimeoutError, RankMismatchError) as e:
+        raise UsageError(f"rank {env.rank}: {e}") from None
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _print_result(cfg, model_dir, prompts, result, world_size: int, tokenizer) -> None:
+    m, p = cfg.model_config, cfg.parallel_config
+    layout = ", ".join(f"{k} {getattr(p, k)}" for k in ("attn_tp_size", "moe_tp_size", "moe_ep_size",
+                                                         "embed_tp_size", "lmhead_tp_size"))
+    print(f"model: {m.model_path} ({model_dir}), {m.dtype}, {'checkpoint' if m.with_ckpt else 'random weights'}, "
+          f"world_size {world_size} ({layout}), exe_mode {m.exe_mode}")
+    many = len(prompts) > 1
+    for i, (prompt, new) in enumerate(zip(prompts, result.tokens)):
+        tag = f"[{i}] " if many else ""
+        print(f"{tag}prompt ids: {','.join(map(str, prompt))}")
+        print(f"{tag}generated ids: {','.join(map(str, new))}")
+        print(f"{tag}finish: {result.finish_reasons[i]}")
+        if tokenizer is not None:
+            print(f"{tag}text: {tokenizer.decode(prompt + new)!r}")
+            print(f"{tag}completion: {tokenizer.decode(new)!r}")
+    n_tokens = sum(len(q) for q in prompts)
+    print(f"prefill: {1000 * result.prefill_seconds:.2f} ms ({n_tokens} tokens in {len(prompts)} request(s))")
+    steps = len(result.decode_seconds)
+    print(f"decode: {result.decode_ms_per_token:.2f} ms/token ({steps} step(s), batch {len(prompts)})")
+    sys.stdout.flush()
+
+
+def _print_graph(decoder, result, compile_cache) -> None:
+    for line in decoder.describe():
+        print(line)
+    if compile_cache is not None:
+        print(f"compile cache: {compile_cache.root}")
+    steady = result.decode_seconds[1:]
+    if steady:
+        print(f"decode (graph, steps after the first): {1000 * sum(steady) / len(steady):.2f} ms/token "
+              f"({len(steady)} step(s))")
+    sys.stdout.flush()
+
+
+

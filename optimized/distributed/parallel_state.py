@@ -1,0 +1,271 @@
+"""Process groups: the rank layouts of a parallel config, the groups built from them, and joining the job.
+
+Group layouts for world size W (all sizes divide W; `moe_tp_size * moe_ep_size == W`):
+
+- `attn_tp`   (size A): contiguous ranks `[i*A, (i+1)*A)`; ranks with the same `rank // A` shard one
+  attention replica (the W/A replicas are attention data parallel).
+- `moe_tp`    (size T): contiguous ranks `[i*T, (i+1)*T)`; also shards the dense MLP layers.
+- `moe_ep`    (size E = W/T): strided, the ranks with the same `rank % T` (`[j, j+T, j+2T, ...]`);
+  each holds `num_experts / E` experts, split T ways by its moe_tp group.
+- `embed_tp`  (size V): contiguous ranks `[i*V, (i+1)*V)`.
+- `lmhead_tp` (size L): contiguous ranks `[i*L, (i+1)*L)`.
+
+`layout_ranks(...)` computes these lists without any process group (pure, testable);
+`ParallelState.build(...)` creates the `torch.distributed` groups. Every rank calls `new_group` for every
+group of every kind in the same order (a torch.distributed requirement), groups of size 1 are `None`, a
+group spanning the whole world is the default group, and identical rank lists share one group.
+
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from optimized import platform
+from optimized.config import PARALLEL_OPTIONS, PARALLEL_SIZES, ParallelConfig
+
+KINDS = ("attn_tp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
+
+# ------------------------------------------------------------------------------------------ environment
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise RuntimeError(f"environment variable {name} is not set; start multi-process runs with torchrun "
+                               f"(it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") -> None:
+    """Backend-specific environment, set before the process group exists.
+
+    On NPU (hccl): `HCCL_OP_EXPANSION_MODE` defaults to AIV (collectives expanded on the AI vector cores,
+    the recipe's low-latency setting) unless the environment already sets it; None leaves it alone.
+    """
+    if backend == "npu" and hccl_op_expansion_mode is not None:
+        os.environ.setdefault("HCCL_OP_EXPANSION_MODE", hccl_op_expansion_mode)
+
+
+def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV",
+                     timeout: datetime.timedelta | None = None) -> DistEnv:
+    """Join the job described by torchrun's env:// variables; a single process needs nothing.
+
+    WORLD_SIZE unset or 1: returns DistEnv(0, 1, 0) without initializing torch.distributed. Otherwise
+    initializes the default group with `platform.dist_backend()` (hccl / nccl / gloo) from RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and selects the local device. Idempotent.
+    timeout: how long a collective may wait; None: `dist_guard.collective_timeout()` (the environment
+    variable QWEN3_MOE_COLLECTIVE_TIMEOUT_S, else 120 s), never torch's 30-minute default.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return DistEnv(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", dist.get_rank()))
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size <= 1:
+        return DistEnv(0, 1, 0)
+    rank = _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise RuntimeError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
+                               f"start multi-process runs with torchrun")
+    backend = platform.backend_name()
+    apply_backend_env(backend, hccl_op_expansion_mode)
+    if backend == "npu":
+        torch.npu.set_device(local_rank)
+    elif backend == "cuda":
+        torch.cuda.set_device(local_rank)
+    from optimized.distributed.guard import collective_timeout
+    dist.init_process_group(platform.dist_backend(), init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timeout if timeout is not None else collective_timeout())
+    return DistEnv(rank, world_size, local_rank)
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+
+def _contiguous(world_size: int, size: int) -> list[list[int]]:
+    return [list(range(i * size, (i + 1) * size)) for i in range(world_size // size)]
+
+
+def _strided(world_size: int, stride: int) -> list[list[int]]:
+    return [list(range(j, world_size, stride)) for j in range(stride)]
+
+
+def layout_ranks(parallel: ParallelConfig) -> dict[str, list[list[int]]]:
+    """The rank lists of every group of every kind (validated layout; pure, no torch.distributed)."""
+    parallel.validate()
+    w = parallel.world_size
+    return {
+        "attn_tp": _contiguous(w, parallel.attn_tp_size),
+        "moe_tp": _contiguous(w, parallel.moe_tp_size),
+        "moe_ep": _strided(w, parallel.moe_tp_size),
+        "embed_tp": _contiguous(w, parallel.embed_tp_size),
+        "lmhead_tp": _contiguous(w, parallel.lmhead_tp_size),
+    }
+
+
+# --------------------------------------------------------------------------------------- group registry
+
+_GROUP_NAMES: dict[str, dist.ProcessGroup] = {}
+
+
+def register_group_name(name: str, group: "dist.ProcessGroup | None") -> str:
+    """Make `group` findable by `name` (ops such as the MC2 dispatch take a group name string)."""
+    _GROUP_NAMES[name] = group
+    return name
+
+
+def group_by_name(name: str) -> "dist.ProcessGroup | None":
+    try:
+        return _GROUP_NAMES[name]
+    except KeyError:
+        raise KeyError(f"no process group registered under {name!r}; registered: {sorted(_GROUP_NAMES)}") from None
+
+
+def comm_name(group: "dist.ProcessGroup | None", rank: int | None = None) -> str:
+    """The string an operator takes for `group`, registered so `group_by_name` resolves it.
+
+    On NPU this is the HCCL communicator name (what torch_npu's MC2 operators expect); elsewhere the
+    process group's own name ('' -> 'single' for no group).
+    """
+    if group is None:
+        return register_group_name("single", None)
+    if platform.backend_name() == "npu":  # pragma: no cover - needs torch_npu
+        r = dist.get_rank(group) if rank is None else rank
+        name = group._get_backend(torch.device("npu")).get_hccl_comm_name(r)
+    else:
+        name = group.group_name
+    return register_group_name(name, group)
+
+
+# ------------------------------------------------------------------------------------------ group state
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """This rank's view of one group: the group (None when size 1), its rank list, size, rank within."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    group: "dist.ProcessGroup | None"
+    size: int
+    rank: int
+
+
+_GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _new_group(ranks: tuple[int, ...], world_size: int) -> "dist.ProcessGroup | None":
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == world_size:
+        return dist.group.WORLD
+    if ranks not in _GROUP_CACHE:
+        # Collective: every rank of the default group calls this with the same lists in the same order.
+        _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
+    return _GROUP_CACHE[ranks]
+
+
+def destroy_groups() -> None:
+    """Destroy the cached subgroups (all ranks together); the default group stays."""
+    for pg in _GROUP_CACHE.values():
+        dist.destroy_process_group(pg)
+    _GROUP_CACHE.clear()
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    world_size: int
+    rank: int
+    parallel: ParallelConfig
+    attn_tp: GroupInfo
+    moe_tp: GroupInfo
+    moe_ep: GroupInfo
+    embed_tp: GroupInfo
+    lmhead_tp: GroupInfo
+
+    def __getitem__(self, kind: str) -> GroupInfo:
+        if kind not in KINDS:
+            raise KeyError(f"unknown group kind {kind!r}; kinds: {', '.join(KINDS)}")
+        return getattr(self, kind)
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig | None = None, rank: int | None = None, *,
+              create_groups: bool | None = None, **sizes) -> "ParallelState":
+        """Groups for `parallel` (or keyword sizes: world_size=, attn_tp_size=, ...).
+
+        rank / world_size default to torch.distributed's when initialized, else 0 / 1. `create_groups`
+        (default: torch.distributed is initialized) False gives the rank lists with every group None,
+        e.g. to inspect a layout in a single process. Otherwise a world size > 1 without an initialized
+        torch.distributed, or a WORLD_SIZE environment that disagrees with the config, is refused: such a
+        process would compute as rank 0 of 1 and print wrong tokens.
+        """
+        initialized = dist.is_available() and dist.is_initialized()
+        if parallel is None:
+            if "world_size" not in sizes:
+                sizes["world_size"] = dist.get_world_size() if initialized else 1
+            unknown = set(sizes) - {"world_size", *PARALLEL_SIZES, *PARALLEL_OPTIONS}
+            if unknown:
+                raise TypeError(f"unknown parallel sizes {sorted(unknown)}; allowed: world_size, "
+                                f"{', '.join(PARALLEL_SIZES + PARALLEL_OPTIONS)}")
+            parallel = ParallelConfig(**sizes)
+        elif sizes:
+            raise TypeError("pass either a ParallelConfig or keyword sizes, not both")
+        layouts = layout_ranks(parallel)
+        w = parallel.world_size
+        if create_groups is None:
+            _check_launch(w, initialized)
+            create_groups = initialized and w > 1
+        if create_groups:
+            if not initialized:
+                raise RuntimeError("create_groups=True needs an initialized torch.distributed (init_distributed())")
+            if dist.get_world_size() != w:
+                raise ValueError(f"parallel_config.world_size ({w}) != torch.distributed world size "
+                                 f"({dist.get_world_size()})")
+            rank = dist.get_rank() if rank is None else rank
+        rank = 0 if rank is None else rank
+        if not 0 <= rank < w:
+            raise ValueError(f"rank {rank} is outside world_size {w}")
+        infos = {}
+        for kind in KINDS:  # same order on every rank
+            mine = None
+            for ranks in layouts[kind]:
+                t = tuple(ranks)
+                pg = _new_group(t, w) if create_groups else None
+                if rank in t:
+                    mine = GroupInfo(kind, t, pg, len(t), t.index(rank))
+            infos[kind] = mine
+        return cls(world_size=w, rank=rank, parallel=parallel, **infos)
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        return cls.build(ParallelConfig(), 0, create_groups=False)
+
+
+def _check_launch(world_size: int, initialized: bool) -> None:
+    env = os.environ.get("WORLD_SIZE")
+    if env is not None and env.strip() != str(world_size):
+        raise RuntimeError(f"parallel_config.world_size is {world_size} but the environment says WORLD_SIZE={env}; "
+                           f"launch with `torchrun --nproc-per-node {world_size}` or fix parallel_config.world_size")
+    if world_size > 1 and not initialized:
+        raise RuntimeError(f"parallel_config.world_size is {world_size} but torch.distributed is not initialized: "
+                           f"call optimized.distributed.init_distributed() first, in every process started by torchrun "
+                           f"(or pass create_groups=False to inspect a layout without process groups)")
+
+
