@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ settings.register_profile("dev", max_examples=50, deadline=None, print_blob=True
 settings.register_profile("thorough", max_examples=1000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+# preset:NAME config.json files go to the repository's cache (beside the fixture checkpoints), not the user's home.
+os.environ.setdefault("QWEN3_MOE_PRESET_CACHE", str(Path(__file__).resolve().parent / ".cache" / "presets"))
 
 # Tiny models: one thread per test process avoids oversubscribing the cores under xdist.
 torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))

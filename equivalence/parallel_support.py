@@ -64,13 +64,13 @@ def paged_cache(model, budgets: list[int], num_layers: int | None = None):
     attn = model.layers[0].self_attn
     needs = [-(-n // BLOCK_SIZE) for n in budgets]
     cache = PagedKVCache(num_layers or len(model.layers), 1 + sum(needs), BLOCK_SIZE, attn.num_kv_heads,
-                         attn.head_dim, model.dtype)
+                         attn.head_dim, model.dtype, model.atten_mask.device)
     blocks: list[list[int]] = [[] for _ in budgets]
     for step in range(max(needs)):
         for r, need in enumerate(needs):
             if step < need:
                 blocks[r] += cache.allocate(1)
-    return cache, block_table(blocks)
+    return cache, block_table(blocks, model.atten_mask.device)
 
 
 def dtype_of(name: str) -> torch.dtype:

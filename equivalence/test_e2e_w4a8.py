@@ -13,7 +13,7 @@ tiny's moe_intermediate_size 32 is one MX block, which MoE TP cannot split).
   at the oracle's points, with the oracle's rules).
 - Whole model, bf16 (tiny at world 1, tiny-dense with MXFP8 dense MLPs at 2, tiny-nonorm at 4; and the
   sequence-parallel prefill at world 2 and 4 with both MoE EP schemes, which for W4A8 moves MXFP8 on the wire,
-  optimized/layers/mx_prefill.py): prefill and
+  `MxSequenceParallelStep`, optimized/phases.py): prefill and
   decode logits vs the fake-quant reference replaying the optimized routing, within `model.w4a8.bfloat16`
   (flips only on near-ties, `router_tie.model.w4a8`); and the cost of quantization itself against the BF16
   reference (its own routing): logits cosine, rel_l2 and top-1 agreement, and greedy-token agreement over 3

@@ -99,7 +99,7 @@ def _decoder_task(rank, world, path, lay, layer_idx, lengths, hidden, residual):
         cache, table = paged_cache(model, lengths, num_layers=1)
         _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
         cos, sin = model.rotary(meta.positions)
-        out[name] = layer(hidden, res, cos, sin, meta, cache.layers[0], model.atten_mask)
+        out[name] = layer(hidden, res, cos, sin, meta, cache.layers[0], model.atten_mask, model.prefill.step)
     return out
 
 

@@ -499,6 +499,13 @@ def test_swiglu_mx_quant_group_index_zeroes_rows_past_the_groups(case, data):
     assert (y[n:].view(torch.uint8) == 0).all() and (scale[n:] == 0).all(), "rows past the groups are zero"
 
 
+def test_swiglu_mx_quant_with_group_index_takes_zero_rows():
+    # An EP rank that receives no expert slots runs the W4A8 experts on [0, 2*I] rows with all-zero counts.
+    x = torch.zeros(0, 128, dtype=BF16)
+    y, scale = SWIGLU_Q(x, group_index=torch.zeros(2, dtype=torch.int64), activate_left=True, dst_type=E4M3)
+    assert y.shape == (0, 64) and scale.shape == (0, 1, 2)
+
+
 def test_swiglu_along_other_dims():
     x = (torch.randn(6, 4, 64) * 3).to(BF16)
     y, s = SWIGLU_Q(x, activate_dim=0, axis=-1, dst_type=E4M3, activate_left=True)

@@ -6,12 +6,12 @@ Layouts (`strategies.sp_layout`): attention TP = MoE EP = world (2, 4, 8; top_k 
 above, equal to and below the EP degree), prefill_opt on, each EP scheme; in the whole-model fp32 tests
 embedding and lm_head either vocab-parallel over all ranks or replicated (drawn).
 
-- EP schemes at block level: `moe_infer_ag` and `moe_infer_double_routing` on drawn adversarial routings
+- EP schemes at block level: the `moe_infer_ag` and `moe_infer_double_routing` exchanges on drawn adversarial routings
   (`strategies.expert_routing`: every token on one expert set, one EP rank receiving nothing, one rank
   overloaded, uniform; empty experts in all but the last) equal the textbook sum over the reference's
   experts and each other (fp32), and the bytes each rank's collectives send equal the formulas of
   `optimized.distributed.prefill_plan` with the slot counts of the drawn routing;
-- SP attention: the KV cache written by `forward_sp` is bitwise the TP path's (no padding row reaches it,
+- SP attention: the KV cache written by the SP step's attention is bitwise the TP path's (no padding row reaches it,
   nothing else is written) and the output equals the TP path's; the SP decoder layer equals the reference;
 - whole model, fp32: prefill logits over token counts that are not multiples of P (1 token, S < P,
   S = kP + 1, packed requests) then TP decode steps from the SP-written cache equal the reference; greedy
@@ -85,15 +85,17 @@ def _mine(x: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
 @torch.no_grad()
 def _ep_schemes_task(rank, world, path, lay, layer_idx, x, ids, weights):
     from optimized import distributed as comm
+    from optimized.layers.exchange import build_exchange
 
     model = rank_model(path, lay, torch.float32)
     mlp = model.layers[layer_idx].mlp
     ep = model.groups.moe_ep
     mine = [_mine(t, ep.rank, ep.size) for t in (x, ids, weights)]
     out = {}
-    for name, scheme in (("allgather", mlp.moe_infer_ag), ("alltoall", mlp.moe_infer_double_routing)):
+    for name in ("allgather", "alltoall"):
+        scheme = build_exchange(name, model.config, model.groups)
         with comm.count_bytes() as counter:
-            y = scheme(*mine)
+            y = scheme(mlp.experts, *mine)
         out[name] = comm.all_gather(y, ep.group)
         out[f"{name}_bytes"] = dict(counter.bytes)
     return out
@@ -113,8 +115,8 @@ def _sp_attention_task(rank, world, path, lay, layer_idx, lengths, x, residual):
         _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
         cos, sin = model.rotary(meta.positions)
         if path_name == "sp":
-            y = layer.self_attn.forward_sp(_mine(x, sp.rank, sp.size), cos, sin, meta, cache.layers[0],
-                                           model.atten_mask)
+            y = model.prefill.step.attention(layer.self_attn, _mine(x, sp.rank, sp.size), cos, sin, meta,
+                                             cache.layers[0], model.atten_mask)
             out["sp"] = comm.all_gather(y, sp.group)[:x.shape[0]]
         else:
             out["tp"] = layer.self_attn(x, cos, sin, meta, cache.layers[0], model.atten_mask)
@@ -124,7 +126,7 @@ def _sp_attention_task(rank, world, path, lay, layer_idx, lengths, x, residual):
     _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
     cos, sin = model.rotary(meta.positions)
     mlp_out, new_residual = layer(_mine(x, sp.rank, sp.size), _mine(residual, sp.rank, sp.size), cos, sin, meta,
-                                  cache.layers[0], model.atten_mask)
+                                  cache.layers[0], model.atten_mask, model.prefill.step)
     out["layer"] = [comm.all_gather(t, sp.group)[:x.shape[0]] for t in (mlp_out, new_residual)]
     return out
 

@@ -1,13 +1,13 @@
-"""The W4A8 sequence-parallel prefill with MXFP8 on the wire (optimized/layers/mx_prefill.py) computes what the
+"""The W4A8 sequence-parallel prefill with MXFP8 on the wire (`MxSequenceParallelStep`, optimized/phases.py) computes what the
 bf16-wire SP prefill computes, and moves (1 + 1/32) / 2 of its activation bytes.
 
 Quantizing on the owning rank before a row gather / exchange is the quantization the MXFP8 linear or the W4A8
 grouped matmul would do after it (per row, per 32-block), so over real gloo ranks (world 2 and 4, both MoE EP
 schemes, drawn prompt lengths with padding, the tiny W4A8 checkpoints including MXFP8 dense MLPs):
 
-- attention: the MXFP8-wire step on MXFP8(h) == `forward_sp(h)` bitwise (QKV from gathered fp8 + scales,
+- attention: the MXFP8-wire step on MXFP8(h) == the bf16 SP step on h bitwise (QKV from gathered fp8 + scales,
   the attention output quantized before the all_to_all), and the KV cache it writes is bitwise the same;
-- MoE: the MXFP8-wire EP scheme == `forward_ep` bitwise on the same bf16 expert input;
+- MoE: the EP exchange moving MXFP8 rows == the same exchange moving the bf16 expert input, bitwise;
 - input norm: the fused `npu_(add_)rms_norm_dynamic_mx_quant` == `npu_(add_)rms_norm` then MX quant bitwise
   under the Ascend 950 rounding (the SoC that runs W4A8; NPU_GOLDEN_SOC=950); the residual bitwise;
 - the whole decoder layer, MXFP8 wire vs bf16 wire, within `layer.w4a8.bfloat16`: the one remaining
@@ -45,16 +45,19 @@ WIRE_RATIO = (1 + 1 / 32) / 2
 @torch.no_grad()
 def _wire_task(rank, world, path, lay, layer_idx, lengths, x, residual):
     from optimized import distributed as comm
-    from optimized.layers import mx_prefill
     from optimized.layers.quantization import mx_quant
+    from optimized.phases import MxSequenceParallelStep, SequenceParallelStep
 
     soc = os.environ.get("NPU_GOLDEN_SOC")
     os.environ["NPU_GOLDEN_SOC"] = "950"
     try:
         model = rank_model(path, lay, torch.bfloat16)
         layer, runner, sp = model.layers[layer_idx], runner_of(model), model.groups.attn_tp
-        step, total = layer.mx_prefill, x.shape[0]
-        assert step is not None, "a W4A8 checkpoint under the SP prefill must build the MXFP8-wire step"
+        step, total = model.prefill.step, x.shape[0]
+        assert isinstance(step, MxSequenceParallelStep), \
+            "a W4A8 checkpoint under the SP prefill must build the MXFP8-wire step"
+        steps = {"bf16": SequenceParallelStep(step.exchange), "mx": step}      # the same exchange, two wires
+        sparse = layer.mlp.exchanges_tokens
         xm = _mine(x, sp.rank, sp.size)
         rm = None if residual is None else _mine(residual, sp.rank, sp.size)
         h = layer.input_layernorm(xm) if rm is None else layer.input_layernorm(xm, rm)[0]   # bf16 normed input
@@ -69,28 +72,23 @@ def _wire_task(rank, world, path, lay, layer_idx, lengths, x, residual):
             cos, sin = model.rotary(meta.positions)
             args = (cos, sin, meta, cache.layers[0], model.atten_mask)
             with comm.count_bytes() as attn_bytes:
-                a = (layer.self_attn.forward_sp(h, *args) if wire == "bf16"
-                     else mx_prefill.attention(layer.self_attn, *mx_quant(h), *args))
+                a = steps[wire].attention(layer.self_attn, h if wire == "bf16" else mx_quant(h), *args)
             out[f"attn_{wire}"], out[f"attn_bytes_{wire}"] = gather(a), dict(attn_bytes.bytes)
             caches[wire] = cache.layers[0]
-            if step.sparse:
+            if sparse:
                 with comm.count_bytes() as moe_bytes:
-                    m = layer.mlp.forward_ep(h) if wire == "bf16" else step.moe(layer.mlp, h.float(), h)
+                    m = steps[wire].mlp(layer.mlp, h.float(), h)
                 out[f"moe_{wire}"], out[f"moe_bytes_{wire}"] = gather(m), dict(moe_bytes.bytes)
-            # The whole layer on each wire (the bf16 wire: the same layer with the MXFP8 step switched off).
+            # The whole layer on each wire.
             cache, table = paged_cache(model, lengths, num_layers=1)
             _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
-            layer.mx_prefill = step if wire == "mx" else None
-            try:
-                y, res = layer(xm, rm, cos, sin, meta, cache.layers[0], model.atten_mask)
-            finally:
-                layer.mx_prefill = step
+            y, res = layer(xm, rm, cos, sin, meta, cache.layers[0], model.atten_mask, steps[wire])
             out[f"layer_{wire}"] = [gather(y), gather(res)]
         out["caches"] = caches
-        xq, xs, res = mx_prefill.input_norm(layer.input_layernorm, xm, rm)
+        (xq, xs), res = step.input_norm(layer.input_layernorm, xm, rm)
         want_q, want_s = mx_quant(h)
         out["norm"] = [gather(t.view(torch.uint8)) for t in (xq, want_q, xs, want_s)]
-        out["ids"] = comm.all_gather(layer.mlp.route(h)[1], sp.group) if step.sparse else None   # padding kept
+        out["ids"] = comm.all_gather(layer.mlp.route(h)[1], sp.group) if sparse else None   # padding kept
         out["n"] = xm.shape[0]
         return out
     finally:

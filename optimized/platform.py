@@ -93,3 +93,20 @@ def graph_backend_description(exe_mode: str) -> str:
     if name == "cuda":
         return f"{exe_mode}: torch.compile inductor{' + CUDA graphs' if exe_mode == 'acl_graph' else ''}"
     return f"{exe_mode}: torch.compile inductor (C++ kernels on CPU; no device graph here)"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing boundary); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
+def set_device(local_rank: int) -> None:
+    """Select this process's accelerator (before its process group exists, so hccl / nccl bind to it)."""
+    backend = backend_name()
+    if backend == "npu":
+        torch.npu.set_device(local_rank)
+    elif backend == "cuda":
+        torch.cuda.set_device(local_rank)

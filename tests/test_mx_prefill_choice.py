@@ -8,7 +8,7 @@ from equivalence.strategies import layout, sp_layout
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from optimized.config import ParallelConfig
 from optimized.model_loader.hf_config import load_hf_config
-from optimized.layers.mx_prefill import uses_mx_prefill
+from optimized.phases import uses_mx_prefill
 from optimized.distributed.prefill_plan import allgather_volume, attention_volume, mx_row_bytes
 
 

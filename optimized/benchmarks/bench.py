@@ -27,21 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from optimized import platform
+from optimized.benchmarks.latency import summarize
+from optimized.benchmarks.reference_timing import reference_model, reference_shapes, time_reference
 from optimized.config import EXE_MODES
 from optimized.errors import UsageError
-from optimized.model_loader.model_path import fixture_config
-from optimized.model_loader.presets import PRESETS, preset_config
+from optimized.benchmarks.common import BENCH_PRESETS, DTYPES, GB, bench_config, full_layer_count, progress
 
 
-BENCH_PRESETS = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_235b_a22b": "Qwen3-235B-A22B", "tiny": "tiny"}
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-GB = 1e9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,49 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "EP scheme (optimized/benchmarks/bench_parallel.py; --decode-steps and --skip-hf do not apply)")
 
 
-def progress(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
 def synchronize() -> None:
-    from optimized.executor.model_runner import synchronize as sync
-    from optimized.platform import device
-    sync(device())
+    platform.synchronize(platform.device())
 
 
 # ----------------------------------------------------------------------------------------------- models
-
-def bench_config(preset: str, layers: int):
-    if preset == "tiny":
-        config = fixture_config("tiny", "bench --preset tiny")
-        config.num_hidden_layers = layers
-        return config
-    try:
-        return preset_config(BENCH_PRESETS[preset], num_hidden_layers=layers)
-    except ValueError as e:
-        raise UsageError(f"--layers: {e}") from None
-
-
-def full_layer_count(preset: str) -> int:
-    """Decoder layers of the released model (or of the tiny fixture)."""
-    if preset == "tiny":
-        return fixture_config("tiny", "bench --preset tiny").num_hidden_layers
-    return PRESETS[BENCH_PRESETS[preset]]["num_hidden_layers"]
-
-
-def reference_model(config, dtype: torch.dtype, seed: int):
-    """The reference Qwen3MoeForCausalLM with `RandomWeights(seed)` values, built without a second copy."""
-    from reference.model import Qwen3MoeForCausalLM
-
-    from optimized.model_loader.loader import RandomWeights
-
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config)
-    source = RandomWeights(seed)
-    weights = {name: source.read(name, tuple(t.shape)).to(dtype) for name, t in model.state_dict().items()}
-    model.load_state_dict(weights, strict=True, assign=True)
-    return model.eval()
-
 
 def hf_model(config, reference, dtype: torch.dtype):
     """transformers' Qwen3MoeForCausalLM on the reference's tensors (experts stacked, the rest shared)."""
@@ -142,20 +102,8 @@ def hf_model(config, reference, dtype: torch.dtype):
 
 # --------------------------------------------------------------------------------------------- timing
 
-@torch.no_grad()
 def run_reference(model, ids: torch.Tensor, steps: int):
-    cache = model.new_cache()
-    start = time.perf_counter()
-    token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)       # [B, 1]
-    synchronize()
-    prefill, decode, tokens = time.perf_counter() - start, [], [token]
-    for _ in range(steps):
-        start = time.perf_counter()
-        token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
-        synchronize()
-        decode.append(time.perf_counter() - start)
-        tokens.append(token)
-    return prefill, decode, torch.cat(tokens, 1).tolist()
+    return time_reference(model, ids, steps, sync=synchronize)
 
 
 def run_optimized(runner, ids: torch.Tensor, steps: int):
@@ -181,15 +129,6 @@ def run_hf(model, ids: torch.Tensor, steps: int):
         decode.append(time.perf_counter() - start)
         tokens.append(token)
     return prefill, decode, torch.cat(tokens, 1).tolist()
-
-
-def stats(samples: list[float]) -> dict:
-    from optimized.benchmarks.latency import percentile
-
-    ms = sorted(1000 * s for s in samples)
-    if not ms:
-        return {"median": float("nan"), "p90": float("nan"), "min": float("nan"), "samples": []}
-    return {"median": statistics.median(ms), "p90": percentile(ms, 90), "min": ms[0], "samples": ms}
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -245,9 +184,7 @@ def run(args) -> int:
         raise UsageError(f"--prompt-len + --decode-steps exceed max_position_embeddings "
                          f"({config.max_position_embeddings})")
     size = torch.finfo(dtype).bits // 8
-    from reference.model import Qwen3MoeForCausalLM
-    with torch.device("meta"):
-        shapes = Qwen3MoeForCausalLM(config).state_dict()
+    shapes = reference_shapes(config)
     params = sum(t.numel() for t in shapes.values())
     expert_params = sum(t.numel() for n, t in shapes.items() if ".mlp.experts." in n)
     model_bytes, expert_bytes = params * size, expert_params * size
@@ -268,7 +205,8 @@ def run(args) -> int:
              f"({expert_bytes / GB:.2f} GB experts); {torch.get_num_threads()} threads")
     t0 = time.perf_counter()
     progress("building the reference model (random weights, seed %d) ..." % args.seed)
-    ref = reference_model(config, dtype, args.seed)
+    from optimized.model_loader.loader import RandomWeights
+    ref = reference_model(config, RandomWeights(args.seed).read, dtype)
     progress(f"  done in {time.perf_counter() - t0:.1f} s; building the optimized model from its state_dict ...")
     t0 = time.perf_counter()
     opt = model_from_source(config, StateDictSource(ref.state_dict(), label="reference state_dict"), dtype=dtype)
@@ -313,7 +251,7 @@ def run(args) -> int:
     bandwidth = copy_bandwidth(nbytes=512 * 2**20, repeats=5)   # the CPU tensors need no device sync
     context = args.prompt_len + (args.decode_steps + 1) / 2
 
-    results = {m: {"prefill_ms": stats(s["prefill"]), "decode_ms_per_token": stats(s["decode"])}
+    results = {m: {"prefill_ms": summarize(s["prefill"]), "decode_ms_per_token": summarize(s["decode"])}
                for m, s in samples.items()}
     ratios = {}
     for m in models:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import tempfile
 import time
 from datetime import timedelta
 
 import torch
+
+from optimized.benchmarks.latency import summarize
 
 LAYOUTS = ("tp", "sp-allgather", "sp-alltoall")
 
@@ -34,32 +35,31 @@ def layout_config(name: str, world: int):
                           moe_ep_scheme=name.split("-", 1)[1] if sp else "auto").validate()
 
 
-def _moe_counted(block, log: list, act_bytes: int):
-    """Wrap `block.moe_infer_ep` to count its bytes and the formula's, with this call's routing."""
+def _moe_counted(exchange, log: list, act_bytes: int):
+    """`exchange` (the SP prefill's MoE EP exchange) wrapped to count its bytes and the formula's, per call."""
     from optimized.distributed import collectives as comm
     from optimized.distributed.prefill_plan import allgather_volume, alltoall_volume
 
-    scheme_fn = getattr(block, block.moe_infer_ep)
-    ep, local = block.moe_ep, block.experts.local_experts
+    ep = exchange.moe_ep
 
-    def counted(hidden, topk_idx, topk_weight, x_scale=None):   # bf16 only: the bench's weights are BF16
-        n, h, k = hidden.shape[0], hidden.shape[1], topk_idx.shape[1]
+    def counted(experts, hidden, topk_idx, topk_weight):   # bf16 only: the bench's weights are BF16
+        n, h, k, local = hidden.shape[0], hidden.shape[1], topk_idx.shape[1], experts.local_experts
         ids = comm.all_gather(topk_idx, ep.group)                              # outside the counter
         owner_expert = ids.long() // local
-        owner_token = torch.arange(ids.shape[0])[:, None] // n
+        owner_token = torch.arange(ids.shape[0], device=ids.device)[:, None] // n
         remote = owner_expert != owner_token
         slots_out = int((remote & (owner_token == ep.rank)).sum())
         slots_in = int((remote & (owner_expert == ep.rank)).sum())
         with comm.count_bytes() as counter:
-            out = scheme_fn(hidden, topk_idx, topk_weight, x_scale)
-        if scheme_fn.__name__ == "moe_infer_ag":
+            out = exchange(experts, hidden, topk_idx, topk_weight)
+        if exchange.name == "allgather":
             exact = uniform = allgather_volume(n, h, k, ep.size, act_bytes)
         else:
-            exact = alltoall_volume(n, h, k, ep.size, block.num_experts, act_bytes, slots_out, slots_in)
-            uniform = alltoall_volume(n, h, k, ep.size, block.num_experts, act_bytes)
+            exact = alltoall_volume(n, h, k, ep.size, exchange.num_experts, act_bytes, slots_out, slots_in)
+            uniform = alltoall_volume(n, h, k, ep.size, exchange.num_experts, act_bytes)
         log.append({"measured": counter.total, "formula": exact.total, "uniform": uniform.total})
         return out
-    setattr(block, block.moe_infer_ep, counted)   # shadows the method on this instance
+    return counted
 
 
 def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
@@ -68,15 +68,16 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
     from optimized import platform
 
     from optimized.distributed import collectives as comm
-    from optimized.benchmarks.bench import DTYPES, bench_config
+    from optimized.benchmarks.common import DTYPES, bench_config
     from optimized.model_loader.build import model_from_source
-    from optimized.distributed import ParallelState
+    from optimized.distributed import ParallelState, init_distributed
     from optimized.model_loader.loader import RandomWeights
     from optimized.executor.model_runner import ModelRunner
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(platform.dist_backend(), init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=1800))
+    init_distributed(init_method=f"file://{init_file}", rank=rank, world_size=world,
+                     timeout=timedelta(seconds=1800))
+    device = platform.device(rank)
     try:
         dtype = DTYPES[args["dtype"]]
         config = bench_config(args["preset"], args["layers"])
@@ -86,26 +87,27 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
         for name in args["layouts"]:
             state = ParallelState.build(layout_config(name, world))
             t0 = time.perf_counter()
-            model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype)
-            runner = ModelRunner(model, args["block_size"])
+            model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype,
+                                      device=device)
+            runner = ModelRunner(model, args["block_size"], device)
             build_s = time.perf_counter() - t0
             times = []
             for r in range(args["warmup"] + args["repeats"]):
                 dist.barrier()
-                seconds = torch.tensor([runner.generate(prompts, 1).prefill_seconds])
+                seconds = torch.tensor([runner.generate(prompts, 1).prefill_seconds], device=device)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)                   # the slowest rank's prefill
                 if r >= args["warmup"]:
                     times.append(float(seconds))
             with comm.count_bytes() as counter:
                 runner.generate(prompts, 1)
-            step_bytes = torch.tensor([counter.total], dtype=torch.float64)
+            step_bytes = torch.tensor([counter.total], dtype=torch.float64, device=device)
             dist.all_reduce(step_bytes)
             moe_log: list = []
             if model.ep_scheme:   # one more prefill with each MoE layer's bytes counted
-                for layer in model.layers:
-                    if getattr(layer.mlp, "moe_infer_ep", None) is not None:
-                        _moe_counted(layer.mlp, moe_log, torch.finfo(dtype).bits // 8)
+                step = model.prefill.step
+                exchange, step.exchange = step.exchange, _moe_counted(step.exchange, moe_log, dtype.itemsize)
                 runner.generate(prompts, 1)
+                step.exchange = exchange
             report[name] = {"prefill_ms": [1000 * t for t in times], "build_s": build_s, "scheme": model.ep_scheme,
                             "bytes_per_rank": float(step_bytes) / world, "moe_rank0": moe_log}
             del runner, model
@@ -123,7 +125,7 @@ def run(args) -> dict:
     """Run the layouts over `args.world_size` processes; returns the report (printed by `format_report`)."""
     import multiprocessing as mp
 
-    from optimized.benchmarks.bench import bench_config, progress
+    from optimized.benchmarks.common import bench_config, progress
     from optimized.errors import UsageError
 
     world = args.world_size
@@ -157,10 +159,6 @@ def run(args) -> dict:
     return {"setup": {**params, "world_size": world, "tokens": args.batch * args.prompt_len}, "layouts": payload}
 
 
-def _stats(ms: list[float]) -> dict:
-    return {"median": statistics.median(ms), "min": min(ms)} if ms else {"median": math.nan, "min": math.nan}
-
-
 def format_report(r: dict) -> str:
     s, lay = r["setup"], r["layouts"]
     lines = [f"prefill over {s['world_size']} processes: {s['preset']} shapes, {s['layers']} layer(s), {s['dtype']}, "
@@ -168,9 +166,9 @@ def format_report(r: dict) -> str:
              f"repeats {s['repeats']}; time of the slowest rank", "",
              f"{'layout':<16}{'EP scheme':>12}{'median ms':>12}{'best ms':>10}{'vs tp (best)':>14}"
              f"{'sent/rank/prefill':>20}"]
-    tp_best = _stats(lay["tp"]["prefill_ms"])["min"] if "tp" in lay else math.nan
+    tp_best = summarize([m / 1000 for m in lay["tp"]["prefill_ms"]])["min"] if "tp" in lay else math.nan
     for name, v in lay.items():
-        st = _stats(v["prefill_ms"])
+        st = summarize([m / 1000 for m in v["prefill_ms"]])
         lines.append(f"{name:<16}{v['scheme'] or '-':>12}{st['median']:>12.2f}{st['min']:>10.2f}"
                      f"{tp_best / st['min']:>13.2f}x{v['bytes_per_rank'] / 1e6:>17.2f} MB")
     lines += ["", "MoE EP bytes per layer sent by rank 0: measured (comm.count_bytes) vs formula (prefill_plan, with "

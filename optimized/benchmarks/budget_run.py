@@ -20,6 +20,7 @@ import torch
 
 from optimized.benchmarks.budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, BudgetError, load_budgets, \
     missing_features, phase_report, this_host
+from optimized.benchmarks.reference_timing import reference_model, time_reference
 from optimized.benchmarks.latency import CLOCKS, collective_latency, copy_bandwidth, interleave
 from optimized.model_loader.loader import RandomWeights
 
@@ -63,29 +64,22 @@ def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_siz
     optimized model loads pooled random weights, the reference's experts are views of its expert storage
     (the recipe stores each expert's rows as the checkpoint does, so the views are contiguous) and its other
     weights are the same pooled values. One copy of the experts keeps a 30B-shaped layer cheap to build."""
-    from reference.model import Qwen3MoeForCausalLM as Reference
-
     from optimized.model_loader.build import model_from_source
     from optimized.executor.model_runner import ModelRunner
 
     source = PooledRandomWeights(seed)
     opt = model_from_source(config, source, dtype=dtype)
-    with torch.device("meta"):
-        ref = Reference(config)
-    weights = {}
-    for name, t in ref.state_dict().items():
-        if ".mlp.experts." in name:    # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
-            parts = name.split(".")
-            experts, e, proj = opt.layers[int(parts[2])].mlp.experts, int(parts[5]), parts[6]
-            i = experts.inter_per_rank
-            w = {"gate_proj": experts.w13[e, :, :i], "up_proj": experts.w13[e, :, i:],
-                 "down_proj": experts.w2[e]}[proj].t()
-            assert w.is_contiguous() and w.shape == t.shape, name
-            weights[name] = w
-        else:
-            weights[name] = source.read(name, tuple(t.shape)).to(dtype)
-    ref.load_state_dict(weights, strict=True, assign=True)
-    return ref.eval(), ModelRunner(opt, block_size)
+
+    def weights(name: str, shape: tuple) -> torch.Tensor:
+        if ".mlp.experts." not in name:
+            return source.read(name, shape)
+        parts = name.split(".")     # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+        experts, e, proj = opt.layers[int(parts[2])].mlp.experts, int(parts[5]), parts[6]
+        i = experts.inter_per_rank
+        w = {"gate_proj": experts.w13[e, :, :i], "up_proj": experts.w13[e, :, i:], "down_proj": experts.w2[e]}[proj].t()
+        assert w.is_contiguous() and tuple(w.shape) == shape, name
+        return w
+    return reference_model(config, weights, dtype), ModelRunner(opt, block_size)
 
 
 def random_prompts(budget: Budget, vocab_size: int) -> list[list[int]]:
@@ -99,19 +93,10 @@ def generation_samples(runner, prompts: list[list[int]], decode_steps: int) -> d
     return {"prefill": [result.prefill_seconds], "decode": list(result.decode_seconds)}
 
 
-@torch.no_grad()
 def reference_samples(model, prompts: list[list[int]], decode_steps: int,
                       clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """The same for the reference model (its own contiguous KV cache, CPU only), timed as the runner times."""
-    ids = torch.tensor(prompts)
-    cache = model.new_cache()
-    start = clock()
-    token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)
-    prefill, decode = clock() - start, []
-    for _ in range(decode_steps):
-        start = clock()
-        token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
-        decode.append(clock() - start)
+    prefill, decode, _ = time_reference(model, torch.tensor(prompts), decode_steps, clock)
     return {"prefill": [prefill], "decode": decode}
 
 

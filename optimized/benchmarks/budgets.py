@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from optimized.benchmarks.bench import DTYPES
+from optimized.benchmarks.common import DTYPES
 from optimized.benchmarks.latency import CLOCKS, summarize
 from optimized.model_loader.model_path import fixture_config
 from optimized.model_loader.presets import preset_config

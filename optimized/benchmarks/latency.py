@@ -34,10 +34,16 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def summarize(seconds: list[float]) -> dict:
-    """p50 / p90 / p99 / min / max / mean in milliseconds, and the sample count."""
-    ms = [1000 * s for s in seconds]
+    """Milliseconds: p50 / p90 / p99 (nearest rank), median, min / max / mean, the count and the sorted samples
+    (the one summary bench, the parallel bench and the budgets report); NaNs when there are no samples."""
+    ms = sorted(1000 * s for s in seconds)
+    if not ms:
+        nan = float("nan")
+        return {"p50": nan, "p90": nan, "p99": nan, "median": nan, "min": nan, "max": nan, "mean": nan, "n": 0,
+                "samples": []}
     return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99),
-            "min": min(ms), "max": max(ms), "mean": statistics.fmean(ms), "n": len(ms)}
+            "median": statistics.median(ms), "min": ms[0], "max": ms[-1], "mean": statistics.fmean(ms), "n": len(ms),
+            "samples": ms}
 
 
 def measure(fn: Callable[[], object], *, warmup: int, repeats: int, sync: Callable[[], None] = lambda: None,
@@ -95,7 +101,7 @@ def collective_latency(group=None, repeats: int = 50) -> float:
     import torch.distributed as dist
 
     from optimized.platform import device
-    from optimized.executor.model_runner import synchronize
+    from optimized.platform import synchronize
     dev = device(int(os.environ.get("LOCAL_RANK", 0)))
     x = torch.ones(4096, dtype=torch.bfloat16, device=dev)
     return statistics.median(measure(lambda: dist.all_reduce(x, group=group), warmup=5, repeats=repeats,

@@ -180,13 +180,14 @@ def run(args) -> int:
             env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
     except CollectiveTimeoutError as e:
         raise UsageError(f"joining the job: {e}") from None
+    state = None
     try:
         with named_collective_errors(timeout_s):
             check_ranks_agree(run_fingerprint(cfg.to_dict(), model_dir, prompts, sampling=repr(sampling), eos=eos,
                                               chat=args.chat))
             state = ParallelState.build(p)
             if env.rank == 0:  # the prefill path and MoE EP scheme this layout runs, before anything else
-                from optimized.layers.mx_prefill import uses_mx_prefill
+                from optimized.phases import uses_mx_prefill
                 from optimized.distributed.prefill_plan import describe
                 print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize,
                                mx=uses_mx_prefill(hf_config, p)), flush=True)
@@ -214,6 +215,8 @@ def run(args) -> int:
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
+            if state is not None:
+                state.close()               # the model's subgroups first, then the default group
             dist.destroy_process_group()
     return 0
 

@@ -63,35 +63,41 @@ def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") 
         os.environ.setdefault("HCCL_OP_EXPANSION_MODE", hccl_op_expansion_mode)
 
 
-def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV",
-                     timeout: datetime.timedelta | None = None) -> DistEnv:
-    """Join the job described by torchrun's env:// variables; a single process needs nothing.
+def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: datetime.timedelta | None = None,
+                     init_method: str | None = None, rank: int | None = None,
+                     world_size: int | None = None) -> DistEnv:
+    """Join the job: the one place a process group is initialized (CLI, library, parallel bench).
 
-    WORLD_SIZE unset or 1: returns DistEnv(0, 1, 0) without initializing torch.distributed. Otherwise
-    initializes the default group with `platform.dist_backend()` (hccl / nccl / gloo) from RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and selects the local device. Idempotent.
-    timeout: how long a collective may wait; None: `dist_guard.collective_timeout()` (the environment
-    variable QWEN3_MOE_COLLECTIVE_TIMEOUT_S, else 120 s), never torch's 30-minute default.
+    Default: torchrun's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); WORLD_SIZE unset
+    or 1 returns DistEnv(0, 1, 0) without initializing torch.distributed. With `init_method` (e.g. file://...,
+    processes started by the caller), `rank` and `world_size` are given and the local rank is the rank.
+    Either way: the backend's environment, the local device selected (`set_device`) before the group exists, the
+    default group with `platform.dist_backend()` (hccl / nccl / gloo). Idempotent.
+    timeout: how long a collective may wait; None: `guard.collective_timeout()` (the environment variable
+    QWEN3_MOE_COLLECTIVE_TIMEOUT_S, else 120 s), never torch's 30-minute default.
     """
     if dist.is_available() and dist.is_initialized():
         return DistEnv(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", dist.get_rank()))
-    world_size = _env_int("WORLD_SIZE", 1)
-    if world_size <= 1:
-        return DistEnv(0, 1, 0)
-    rank = _env_int("RANK")
-    local_rank = _env_int("LOCAL_RANK", rank)
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name):
-            raise RuntimeError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
-                               f"start multi-process runs with torchrun")
+    if init_method is None:
+        world_size = _env_int("WORLD_SIZE", 1)
+        if world_size <= 1:
+            return DistEnv(0, 1, 0)
+        rank = _env_int("RANK")
+        local_rank = _env_int("LOCAL_RANK", rank)
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name):
+                raise RuntimeError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
+                                   f"start multi-process runs with torchrun")
+        init_method = "env://"
+    elif rank is None or world_size is None:
+        raise ValueError(f"init_distributed(init_method={init_method!r}) needs rank and world_size")
+    else:
+        local_rank = rank
     backend = platform.backend_name()
     apply_backend_env(backend, hccl_op_expansion_mode)
-    if backend == "npu":
-        torch.npu.set_device(local_rank)
-    elif backend == "cuda":
-        torch.cuda.set_device(local_rank)
+    platform.set_device(local_rank)
     from optimized.distributed.guard import collective_timeout
-    dist.init_process_group(platform.dist_backend(), init_method="env://", rank=rank, world_size=world_size,
+    dist.init_process_group(platform.dist_backend(), init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timeout if timeout is not None else collective_timeout())
     return DistEnv(rank, world_size, local_rank)
 
@@ -199,6 +205,11 @@ class ParallelState:
     moe_ep: GroupInfo
     embed_tp: GroupInfo
     lmhead_tp: GroupInfo
+
+    def close(self) -> None:
+        """Destroy the process subgroups (every rank together; the default group stays): a run's explicit end,
+        before `destroy_process_group`, instead of relying on garbage collection order. Idempotent."""
+        destroy_groups()
 
     def __getitem__(self, kind: str) -> GroupInfo:
         if kind not in KINDS:

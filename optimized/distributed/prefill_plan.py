@@ -14,8 +14,8 @@ holding its top_k experts, in one of two ways (the recipe's rule in `choose_ep_s
 
 The ratio is P / top_k, hence the recipe's rule: allgather when top_k >= moe_ep_size.
 
-A W4A8 checkpoint sends the activations that go into a quantized matmul as MXFP8 (optimized/layers/
-mx_prefill.py): E4M3 bytes plus one E8M0 byte per 32-block, `mx_row_bytes(H)` per row instead of H * 2 (the
+A W4A8 checkpoint sends the activations that go into a quantized matmul as MXFP8 (optimized/
+phases.py): E4M3 bytes plus one E8M0 byte per 32-block, `mx_row_bytes(H)` per row instead of H * 2 (the
 gathered tokens, the dispatched expert slots, attention's QKV input and o_proj input); what comes back out
 of the experts (reduce_scatter, the combine all_to_all) stays bf16.
 """

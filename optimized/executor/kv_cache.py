@@ -15,7 +15,7 @@ NULL_BLOCK = 0
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
         if block_size < 1:
@@ -42,7 +42,7 @@ class PagedKVCache:
         self._free.extend(reversed(blocks))
 
 
-def block_table(requests_blocks: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+def block_table(requests_blocks: list[list[int]], device: torch.device | str) -> torch.Tensor:
     """[B, max_blocks] int32, each row padded with the null block."""
     width = max((len(blocks) for blocks in requests_blocks), default=0) or 1
     table = torch.full((len(requests_blocks), width), NULL_BLOCK, dtype=torch.int32)

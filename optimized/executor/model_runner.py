@@ -14,18 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from optimized.executor import graph
+from optimized.platform import synchronize
 from optimized.forward_metadata import ForwardMetadata
 from optimized.executor.kv_cache import PagedKVCache, block_table, slot_mapping
 from optimized.executor.sampling import GREEDY, Sampler, SamplingParams
 
 BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int, max_positions: int) -> None:
@@ -74,9 +68,14 @@ def _eos_set(eos_token_id) -> frozenset[int]:
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int = 128, device: torch.device | str = "cpu", *,
+    def __init__(self, model, block_size: int = 128, device: torch.device | str | None = None, *,
                  exe_mode: str = "eager", compile_cache=None):
-        self.model, self.block_size, self.device = model, check_block_size(block_size), torch.device(device)
+        # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
+        model_device = next(model.parameters()).device
+        if device is not None and torch.device(device) != model_device:
+            raise ValueError(f"ModelRunner device {device} differs from the model's device {model_device}; "
+                             f"build the model on the device it runs on (load_model(..., device=...))")
+        self.model, self.block_size, self.device = model, check_block_size(block_size), model_device
         self.clock = time.perf_counter   # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests

@@ -4,19 +4,13 @@ merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rot
 -> npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache)
 -> o_proj (row-parallel, all_reduce). New K/V go to the paged cache with npu_scatter_nd_update_.
 
-Sequence-parallel prefill (`forward_sp`, the recipe's Attention SP+TP): each rank holds its own slice of
-the packed tokens; the slices are all-gathered before merged_qkv_proj, attention runs over the whole
-sequence with the rank's heads (writing the same KV cache entries as the TP path, which decode reads),
-and an all_to_all returns each rank its own tokens with every rank's heads for a replicated o_proj.
+The sequence-parallel prefill's data movement around these pieces is the phase's (optimized/phases.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
-from optimized.distributed import collectives as comm
 from optimized.config import head_dim_of
 from optimized.forward_metadata import ForwardMetadata
 from optimized.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -27,19 +21,14 @@ from optimized.layers.norm import RMSNorm
 CAUSAL_MASK_TEMPLATE_SIZE = 2048
 
 
-def causal_mask_template(device: torch.device | str = "cpu") -> torch.Tensor:
+def causal_mask_template(device: torch.device | str | None = None) -> torch.Tensor:
+    """None: the default device (under `with torch.device(d)`, d), never a host tensor by default."""
     size = CAUSAL_MASK_TEMPLATE_SIZE
     return ~torch.tril(torch.ones(size, size, dtype=torch.bool, device=device))
 
 
-def own_tokens_all_heads(exchanged: torch.Tensor, ranks: int, n: int) -> torch.Tensor:
-    """The SP all_to_all's output [P*n, W] (block r: this rank's n tokens, rank r's heads) -> [n, P*W], every
-    token's columns in rank (head) order."""
-    return exchanged.view(ranks, n, -1).transpose(0, 1).reshape(n, -1)
-
-
 class Qwen3MoeAttention(nn.Module):
-    def __init__(self, config, tp, dtype: torch.dtype, sequence_parallel: bool = False):
+    def __init__(self, config, tp, dtype: torch.dtype, replicated_o_proj: bool = False):
         super().__init__()
         self.tp = tp
         self.head_dim = head_dim = head_dim_of(config)
@@ -53,9 +42,10 @@ class Qwen3MoeAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.softmax_scale = head_dim ** -0.5
-        # SP prefill: o_proj on this rank's tokens with all heads, full weight on every rank (decode keeps o_proj).
+        # A weight the SP prefill needs (phases.py asks for it): o_proj over this rank's tokens with every head,
+        # the full weight on every rank; decode keeps the row-parallel o_proj.
         self.o_proj_replicated = (ReplicatedLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                                   dtype, linear_method(scheme)) if sequence_parallel else None)
+                                                   dtype, linear_method(scheme)) if replicated_o_proj else None)
 
     def load(self, source, prefix: str) -> None:
         self.merged_qkv_proj.load(source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight",
@@ -78,27 +68,10 @@ class Qwen3MoeAttention(nn.Module):
             out = self.attention_decode(q, meta, kv_cache, atten_mask)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
-    def forward_sp(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardMetadata,
-                   kv_cache: tuple[torch.Tensor, torch.Tensor], atten_mask: torch.Tensor) -> torch.Tensor:
-        """SP prefill: this rank's n packed tokens [n, H] (rank r: [r*n, (r+1)*n), the tail padded) -> [n, H].
-
-        cos / sin and `meta` describe the T real tokens of the whole sequence.
-        """
-        ranks, n, tokens = self.tp.size, hidden.shape[0], meta.num_tokens
-        full = comm.all_gather(hidden, self.tp.group)[:tokens]              # [T, H]: padding dropped here
-        q, k, v = self.qkv(full, cos, sin)
-        out = self.attention_prefill(q, k, v, meta, atten_mask)             # [T, Nq_r, D] this rank's heads
-        self.kv_cache_update(k, v, meta, kv_cache)
-        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, ranks * n - tokens))  # [P*n, Nq_r*D]
-        out = comm.all_to_all_single(out, self.tp.group)                    # block r: own tokens, rank r's heads
-        return self.o_proj_replicated(own_tokens_all_heads(out, ranks, n))   # [n, Nq*D]
-
-    def qkv(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """merged_qkv_proj, q/k RMSNorm per head, RoPE: q [T, Nq, D], k and v [T, Nkv, D] (this rank's heads)."""
-        return self.heads(self.merged_qkv_proj(hidden), cos, sin)
-
-    def heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """merged_qkv_proj's output [T, (Nq + 2 Nkv) D] -> q/k RMSNorm per head and RoPE, as `qkv`."""
+    def qkv(self, hidden, cos: torch.Tensor, sin: torch.Tensor):
+        """merged_qkv_proj (hidden: a tensor or MxRows), q/k RMSNorm per head, RoPE: q [T, Nq, D], k and v
+        [T, Nkv, D] (this rank's heads)."""
+        qkv = self.merged_qkv_proj(hidden)
         tokens = qkv.shape[0]
         q, k, v = qkv.split(self.merged_qkv_proj.output_sizes, dim=-1)
         q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))        # [T, Nq, D]

@@ -13,6 +13,8 @@ packed bytes and scale bytes are then sliced whole, straight from the checkpoint
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,9 +95,33 @@ def block_slice(cols: slice, k: int, name: str, per: int = BLOCK) -> slice:
     return slice(start // per, -(-stop // per))
 
 
-def mx_quant(x: torch.Tensor):
+class MxRows(NamedTuple):
+    """MXFP8 activation rows: data [M, K] float8_e4m3fn and their MX scale pairs [M, ceil(K/64), 2] (uint8).
+
+    An activation payload is a tensor or MxRows; a linear or the experts take either (MxRows: already quantized,
+    the recipe's `dynamic_scale` / `pertoken_scale`). Rows move together: see `map_rows`."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def map_rows(x, fn):
+    """`fn` (a row-wise move: gather, all_to_all, slice) applied to a payload: to both parts of MxRows."""
+    return MxRows(fn(x.data), fn(x.scale)) if isinstance(x, MxRows) else fn(x)
+
+
+def num_rows(x) -> int:
+    return (x.data if isinstance(x, MxRows) else x).shape[0]
+
+
+def mx_quant(x: torch.Tensor) -> MxRows:
     """MXFP8 E4M3 activations as the recipe quantizes them (scale_alg 0, rint): fp8 [M, K], scale [M, K/64, 2]."""
-    return torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=FLOAT8_E4M3FN)
+    return MxRows(*torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=FLOAT8_E4M3FN))
+
+
+def _no_mx(x, what: str) -> None:
+    if isinstance(x, MxRows):
+        raise TypeError(f"{what} holds 16-bit weights and cannot take MXFP8 rows (a payload is quantized only for "
+                        f"MX layers: W4A8 checkpoints)")
 
 
 # ---------------------------------------------------------------------------------------------- linears
@@ -113,6 +139,7 @@ class UnquantizedLinearMethod:
         layer.weight[rows].copy_(t)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        _no_mx(x, "an unquantized linear")
         return F.linear(x, layer.weight)
 
 
@@ -139,17 +166,16 @@ class MxFp8LinearMethod:
         _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "MXFP8")
         layer.weight_scale[rows, :s.shape[1]].copy_(s)
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        n = layer.weight.shape[0]
+    def apply(self, layer, x) -> torch.Tensor:
+        """x: [..., K] in the activation dtype (quantized here), or MxRows [M, K] already quantized -> [..., N]."""
+        if isinstance(x, MxRows):
+            return self._matmul(layer, x)
         x2 = x.reshape(-1, x.shape[-1])                                           # [M, K]
-        y = self.apply_quantized(layer, *mx_quant(x2))                            # [M, K] fp8, [M, K/64, 2]
-        return y.view(*x.shape[:-1], n)
+        return self._matmul(layer, mx_quant(x2)).view(*x.shape[:-1], layer.weight.shape[0])
 
-    def apply_quantized(self, layer, xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-        """The linear on an activation already MXFP8-quantized (the recipe's `dynamic_scale`): xq [M, K]
-        float8_e4m3fn, xs [M, ceil(K/64), 2] uint8 -> [M, N]."""
+    def _matmul(self, layer, x: MxRows) -> torch.Tensor:
         return torch.ops.npu.npu_quant_matmul(
-            xq, layer.weight.t(), mxf.pair_scales(layer.weight_scale).transpose(0, 1), pertoken_scale=xs,
+            x.data, layer.weight.t(), mxf.pair_scales(layer.weight_scale).transpose(0, 1), pertoken_scale=x.scale,
             output_dtype=mxf.dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
             pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])
 
@@ -187,6 +213,7 @@ class UnquantizedFusedMoEMethod:
         layer.w2[local].copy_(down.t())
 
     def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        _no_mx(x, "the unquantized experts")
         h = torch.ops.npu.npu_grouped_matmul([x], [layer.w13], group_list=tokens_per_expert, group_type=0,
                                              group_list_type=1, split_item=3)[0]      # [M, 2*I_r]
         h = torch.ops.npu.npu_swiglu(h)                                                # [M, I_r]
@@ -243,12 +270,9 @@ class W4A8MxFp4MoEGMMMethod:
             split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype), weight_dtype=FLOAT4_E2M1,
             per_token_scale_dtype=FLOAT8_E8M0)[0]
 
-    def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return self.apply_quantized(layer, *mx_quant(x), tokens_per_expert)                # [M, H] fp8
-
-    def apply_quantized(self, layer, xq: torch.Tensor, xs: torch.Tensor, tokens_per_expert: torch.Tensor):
-        """The experts on rows already MXFP8-quantized (the recipe's `pertoken_scale`): xq [M, H] float8_e4m3fn,
-        xs [M, ceil(H/64), 2] uint8 -> [M, H]."""
+    def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: rows [M, H] in the activation dtype (quantized here) or MxRows already quantized -> [M, H]."""
+        xq, xs = x if isinstance(x, MxRows) else mx_quant(x)                                # [M, H] fp8
         h = self._gmm(layer, xq, xs, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
         hq, hs = torch.ops.npu.npu_swiglu_mx_quant(h, group_index=tokens_per_expert, activate_left=True,
                                                    dst_type=FLOAT8_E4M3FN)                  # [M, I_r] fp8

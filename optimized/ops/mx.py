@@ -325,8 +325,9 @@ def npu_swiglu_mx_quant(x: torch.Tensor, *, group_index: torch.Tensor | None = N
     if group_index is not None:
         rows = math.prod(x.shape[:-1])
         valid = _valid_rows(group_index, group_mode, rows)
-        y.view(torch.uint8).reshape(rows, -1)[valid:] = 0
-        scale.reshape(rows, -1)[valid:] = 0
+        # Rows past the groups are zeroed (shapes spelled out: reshape(0, -1) is ambiguous for a rank with no rows).
+        y.view(torch.uint8).reshape(rows, y.shape[-1])[valid:] = 0
+        scale.reshape(rows, scale.numel() // max(rows, 1))[valid:] = 0
     return y, scale
 
 

@@ -1,0 +1,114 @@
+"""The MoE token exchanges: how tokens reach the experts of their EP rank and come back, named as in the recipe.
+
+Every exchange is an object with one interface, `exchange(experts, x, topk_idx, topk_weight) -> [rows of x, H]`:
+`experts` is the layer's `FusedMoEGMM` (this rank's experts), `x` the expert input as a payload: a tensor, or
+MXFP8 `MxRows` (data + scales). Every step moves whole rows, so the payload's rows travel through routing,
+collectives and re-routing together (`map_rows`) and the quantized and bf16 paths are the same code. An exchange
+holds only sizes and process groups (no module), so a model keeps no reference cycle through it.
+
+- `MoeInferTP`: every rank sees the same tokens and routes them to its own experts only
+  (`active_expert_range`); the partial sums are all-reduced over MoE TP and EP (decode; prefill without SP).
+- `MoeInferAG` (SP prefill): each EP rank holds its own tokens; rows, expert ids and weights are all-gathered,
+  each rank computes its experts' share of every token, `reduce_scatter` returns each rank its tokens' sums.
+- `MoeInferDoubleRouting` (SP prefill): route own tokens over all experts, exchange per-expert counts,
+  `all_to_all_single` with uneven splits to the experts' ranks, `npu_moe_re_routing` into local-expert order,
+  grouped matmul, back in arrival order, all_to_all back, `npu_moe_finalize_routing`.
+"""
+from __future__ import annotations
+
+import torch
+
+from optimized.distributed import collectives as comm
+from optimized.layers.quantization import MxRows, map_rows
+
+
+def _rows_and_scale(x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (x.data, x.scale) if isinstance(x, MxRows) else (x, None)
+
+
+def _payload(data: torch.Tensor, scale: torch.Tensor | None):
+    return data if scale is None else MxRows(data, scale)
+
+
+class MoeExchange:
+    """Sizes and groups every exchange needs; subclasses implement `__call__`."""
+    name = ""
+
+    def __init__(self, num_experts: int, top_k: int, moe_tp, moe_ep):
+        self.num_experts, self.top_k, self.moe_tp, self.moe_ep = num_experts, top_k, moe_tp, moe_ep
+
+    def init_routing(self, x, topk_idx: torch.Tensor, expert_range: list[int]):
+        """npu_moe_init_routing_v2 over `expert_range`; an MX payload's scale rows move with their data rows."""
+        data, scale = _rows_and_scale(x)
+        expanded_x, expanded_row_idx, tokens_per_expert, expanded_scale = torch.ops.npu.npu_moe_init_routing_v2(
+            data, expert_idx=topk_idx, scale=scale, active_num=data.shape[0] * self.top_k,
+            expert_num=self.num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+            active_expert_range=expert_range, quant_mode=-1)
+        return _payload(expanded_x, None if scale is None else expanded_scale), expanded_row_idx, tokens_per_expert
+
+    @staticmethod
+    def local_range(experts) -> list[int]:
+        return [experts.first_expert, experts.first_expert + experts.local_experts]
+
+    @staticmethod
+    def finalize(expert_out, expanded_row_idx, topk_weight, export_for_source_row=None) -> torch.Tensor:
+        # Slots routed to experts of other EP ranks carry -1 and contribute nothing (drop_pad_mode 2).
+        return torch.ops.npu.npu_moe_finalize_routing(
+            expert_out, skip1=None, skip2=None, bias=None, scales=topk_weight.to(expert_out.dtype),
+            expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=export_for_source_row, drop_pad_mode=2)
+
+    def __call__(self, experts, x, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MoeInferTP(MoeExchange):
+    name = "tp"
+
+    def __call__(self, experts, x, topk_idx, topk_weight):
+        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x, topk_idx, self.local_range(experts))
+        out = self.finalize(experts(expanded_x, tokens_per_expert), expanded_row_idx, topk_weight)
+        # Partial sums over this rank's intermediate slice (TP) and its experts (EP).
+        return comm.all_reduce(comm.all_reduce(out, self.moe_tp.group), self.moe_ep.group)
+
+
+class MoeInferAG(MoeExchange):
+    name = "allgather"
+
+    def __call__(self, experts, x, topk_idx, topk_weight):
+        """Every rank holds n tokens (the same n on every rank) -> [n, H], its own tokens summed."""
+        ep = self.moe_ep.group
+        x_all = map_rows(x, lambda t: comm.all_gather(t, ep))                     # [P*n, H] (+ scales)
+        idx_all, weight_all = comm.all_gather(topk_idx, ep), comm.all_gather(topk_weight, ep)   # [P*n, K]
+        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x_all, idx_all, self.local_range(experts))
+        out = self.finalize(experts(expanded_x, tokens_per_expert), expanded_row_idx, weight_all, idx_all)
+        return comm.reduce_scatter(out, ep)                                        # this rank's partial sum of all
+
+
+class MoeInferDoubleRouting(MoeExchange):
+    name = "alltoall"
+
+    def __call__(self, experts, x, topk_idx, topk_weight):
+        """Own tokens [n, H] routed over all experts, slots sent to the experts' ranks and back -> [n, H]."""
+        ep, ranks, local = self.moe_ep.group, self.moe_ep.size, experts.local_experts
+        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x, topk_idx, [0, self.num_experts])
+        # Counts [P*L]: how many slots each source rank sends to each of this rank's local experts.
+        tokens_per_expert_group = comm.all_to_all_single(tokens_per_expert, ep)
+        send = tokens_per_expert.view(ranks, local).sum(1).tolist()               # split sizes to the host
+        recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
+        gathered = map_rows(expanded_x, lambda t: comm.all_to_all_single(t, ep, output_split_sizes=recv,
+                                                                          input_split_sizes=send))
+        data, scale = _rows_and_scale(gathered)
+        permuted, permuted_scale, permute_token_idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
+            data, tokens_per_expert_group.view(ranks, local), per_token_scales=scale)
+        expert_out = experts(_payload(permuted, None if scale is None else permuted_scale), expert_tokens)
+        expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
+        combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
+        return self.finalize(combined, expanded_row_idx, topk_weight)
+
+
+EXCHANGES = {cls.name: cls for cls in (MoeInferTP, MoeInferAG, MoeInferDoubleRouting)}
+
+
+def build_exchange(name: str, config, groups) -> MoeExchange:
+    """The exchange `name` ('tp', 'allgather', 'alltoall') for this model config and rank's groups."""
+    return EXCHANGES[name](config.num_experts, config.num_experts_per_tok, groups.moe_tp, groups.moe_ep)

@@ -1,0 +1,194 @@
+"""How a phase (prefill, decode) moves activations through the decoder layers: strategies chosen once at build time.
+
+A phase owns the layer loop (`run`); its step says, for each piece of the decoder layer (input norm, attention,
+post-attention norm, MLP), how the activations move between ranks. The decoder layer (model.py) calls the step
+and names no layout.
+
+- `TensorParallelPhase` + `TensorParallelStep`: every rank runs every token; attention TP with a row-parallel
+  o_proj, the MoE block's own `moe_infer_tp`. Decode always; prefill without `prefill_opt`.
+- `SequenceParallelPrefill` + `SequenceParallelStep` (the recipe's Attention SP+TP with MoE EP): rank r of the
+  attention TP group runs packed tokens [r*n, (r+1)*n), n = ceil(T / P) (the last slice padded; the padding is
+  created and stripped in `SequenceParallelPrefill.run` alone and never reaches the KV cache). Attention gathers
+  the whole sequence before merged_qkv_proj, runs the rank's heads, and an all_to_all hands each rank its own
+  tokens with every head for the replicated o_proj; the MoE reaches its experts through the EP exchange chosen by
+  `prefill_plan.choose_ep_scheme` (`moe_infer_ag` / `moe_infer_double_routing`, layers/exchange.py).
+- `MxSequenceParallelStep` (W4A8 checkpoints under the SP prefill, spec mx_quant.md §9.2, the recipe's
+  `prefill_opt` with `gmm_quant_mode` w4a8mxfloat4): the same data flow, but each activation is quantized once,
+  on the rank that owns the tokens, and moves as MXFP8 rows (E4M3 data + E8M0 scales: (1 + 1/32) bytes per
+  element instead of 2): the input norm fuses the MX quantization (`npu_(add_)rms_norm_dynamic_mx_quant`), the
+  attention output is quantized before its all_to_all, the post-attention norm is `npu_add_rms_norm_cast`
+  (fp32 router input, bf16 expert input) and the expert input is quantized before the EP exchange.
+  Every MX quantization is per row and per 32-block along the last axis, so quantizing before a row gather /
+  exchange gives the bytes quantizing after it would; the attention output's blocks stay inside one rank's heads
+  (each rank's width is a multiple of 32, checked by `uses_mx_prefill`). Only arithmetic differs from the bf16
+  step: the fused norms round once from the fp32 residual sum, and the router reads the norm's fp32 output.
+
+Phases and steps hold only exchanges (sizes and process groups), never a module: the model is passed to `run`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from optimized.config import head_dim_of
+from optimized.distributed import collectives as comm
+from optimized.distributed.prefill_plan import choose_ep_scheme
+from optimized.layers.exchange import build_exchange
+from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A8, MxRows, map_rows, mx_quant, num_rows, \
+    quant_scheme
+from optimized.ops import mx_format as mxf
+
+
+def own_tokens_all_heads(exchanged: torch.Tensor, ranks: int, n: int) -> torch.Tensor:
+    """The SP all_to_all's output [P*n, W] (block r: this rank's n tokens, rank r's heads) -> [n, P*W], every
+    token's columns in rank (head) order."""
+    return exchanged.view(ranks, n, -1).transpose(0, 1).reshape(n, -1)
+
+
+def heads_to_owners(out: torch.Tensor, group, ranks: int, n: int) -> torch.Tensor:
+    """[P*n, W] (every token, this rank's heads) -> [n, P*W] (own tokens, every rank's heads)."""
+    return own_tokens_all_heads(comm.all_to_all_single(out, group), ranks, n)
+
+
+class TensorParallelStep:
+    """Every rank holds every token: the layers' own tensor-parallel forward."""
+
+    exchange = None     # the MoE block's own moe_infer_tp
+
+    def input_norm(self, norm, hidden, residual):
+        """-> (normed input, residual); the first layer has no residual to add yet."""
+        if residual is None:
+            return norm(hidden), hidden
+        return norm(hidden, residual)
+
+    def attention(self, attn, hidden, cos, sin, meta, kv_cache, atten_mask):
+        return attn(hidden, cos, sin, meta, kv_cache, atten_mask)
+
+    def post_attention_norm(self, norm, hidden, residual):
+        """-> (router input, expert input, residual)."""
+        hidden, residual = norm(hidden, residual)
+        return hidden, hidden, residual
+
+    def mlp(self, mlp, router_in, expert_in):
+        return mlp(expert_in, self.exchange, router_in)
+
+
+class SequenceParallelStep(TensorParallelStep):
+    """This rank's n tokens: attention gathers the sequence, the MoE goes through the EP `exchange`."""
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+
+    def wire(self, x: torch.Tensor):
+        """What an activation travels as: bf16 as it is."""
+        return x
+
+    def attention(self, attn, x, cos, sin, meta, kv_cache, atten_mask):
+        """This rank's n packed tokens (rank r: [r*n, (r+1)*n), the tail padded) -> [n, H]; cos / sin and `meta`
+        describe the T real tokens of the whole sequence."""
+        group, ranks, n, tokens = attn.tp.group, attn.tp.size, num_rows(x), meta.num_tokens
+        full = map_rows(x, lambda t: comm.all_gather(t, group)[:tokens])          # [T, H]: padding dropped here
+        q, k, v = attn.qkv(full, cos, sin)
+        out = attn.attention_prefill(q, k, v, meta, atten_mask)                   # [T, Nq_r, D] this rank's heads
+        attn.kv_cache_update(k, v, meta, kv_cache)
+        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, ranks * n - tokens))      # [P*n, Nq_r*D]
+        return attn.o_proj_replicated(self.heads_to_owners(out, group, ranks, n))  # [n, H]
+
+    def heads_to_owners(self, out: torch.Tensor, group, ranks: int, n: int):
+        """`heads_to_owners` of the attention output as it travels (bf16: as it is)."""
+        return heads_to_owners(out, group, ranks, n)
+
+    def mlp(self, mlp, router_in, expert_in):
+        return mlp(self.wire(expert_in) if mlp.exchanges_tokens else expert_in, self.exchange, router_in)
+
+
+class MxSequenceParallelStep(SequenceParallelStep):
+    """The SP step with MXFP8 on the wire (W4A8 checkpoints)."""
+
+    def wire(self, x: torch.Tensor) -> MxRows:
+        return mx_quant(x)
+
+    def input_norm(self, norm, hidden, residual):
+        """-> (this rank's MXFP8 tokens, residual)."""
+        if residual is None:
+            xq, xs, _ = torch.ops.npu.npu_rms_norm_dynamic_mx_quant(hidden, norm.weight, epsilon=norm.eps,
+                                                                    dst_type=FLOAT8_E4M3FN)
+            return MxRows(xq, xs), hidden
+        xq, residual, xs, _ = torch.ops.npu.npu_add_rms_norm_dynamic_mx_quant(hidden, residual, norm.weight,
+                                                                              epsilon=norm.eps, dst_type=FLOAT8_E4M3FN)
+        return MxRows(xq, xs), residual
+
+    def heads_to_owners(self, out: torch.Tensor, group, ranks: int, n: int) -> MxRows:
+        blocks = out.shape[1] // BLOCK                                            # whole blocks (uses_mx_prefill)
+        q = self.wire(out)
+        # Only the real scale bytes travel (the pair layout pads an odd block count with a zero byte).
+        rows = map_rows(MxRows(q.data, mxf.unpair_scales(q.scale, blocks).contiguous()),
+                        lambda t: heads_to_owners(t, group, ranks, n))
+        return MxRows(rows.data, mxf.pair_scales(rows.scale))                    # [n, Nq*D], heads in rank order
+
+    def post_attention_norm(self, norm, hidden, residual):
+        router_in, expert_in, _, residual = torch.ops.npu.npu_add_rms_norm_cast(hidden, residual, norm.weight,
+                                                                                norm.eps)
+        return router_in, expert_in, residual
+
+
+class TensorParallelPhase:
+    """Every rank runs every token: ids [T] -> final-normed hidden states [T, H]."""
+
+    ep_scheme = None
+    replicated_o_proj = False
+
+    def __init__(self):
+        self.step = TensorParallelStep()
+
+    def run(self, model, input_ids, cos, sin, meta, kv_caches) -> torch.Tensor:
+        hidden, residual = model.embed_tokens(input_ids), None                    # [T, H]
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, self.step)
+        return model.norm(hidden, residual)[0]
+
+
+class SequenceParallelPrefill(TensorParallelPhase):
+    """This rank runs its n = ceil(T / P) tokens: ids [T] -> final-normed hidden states [T, H] (gathered)."""
+
+    replicated_o_proj = True
+
+    def __init__(self, ep_scheme: str, step: SequenceParallelStep):
+        self.ep_scheme, self.step = ep_scheme, step
+
+    def run(self, model, input_ids, cos, sin, meta, kv_caches) -> torch.Tensor:
+        sp, tokens = model.groups.attn_tp, input_ids.shape[0]
+        n = -(-tokens // sp.size)
+        ids = F.pad(input_ids, (0, n * sp.size - tokens))                        # [P*n], padded with id 0
+        mine = slice(sp.rank * n, (sp.rank + 1) * n)
+        # A vocab-parallel lookup sums over its group, so every rank of that group looks up the same ids.
+        hidden = model.embed_tokens(ids[mine]) if model.groups.embed_tp.size == 1 else model.embed_tokens(ids)[mine]
+        residual = None                                                           # [n, H] from here on
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, self.step)
+        hidden, _ = model.norm(hidden, residual)
+        return comm.all_gather(hidden, sp.group)[:tokens]                        # padding rows stripped
+
+
+def uses_mx_prefill(config, parallel) -> bool:
+    """True for a W4A8 checkpoint under the SP prefill; raises if the layout splits an MX block across ranks."""
+    if quant_scheme(config) != W4A8 or not parallel.sp_prefill:
+        return False
+    width = config.num_attention_heads // parallel.attn_tp_size * head_dim_of(config)
+    if width % BLOCK:
+        raise ValueError(f"the W4A8 sequence-parallel prefill quantizes each rank's attention output "
+                         f"(num_attention_heads / attn_tp_size * head_dim = {config.num_attention_heads} / "
+                         f"{parallel.attn_tp_size} * {head_dim_of(config)} = {width}) in {BLOCK}-element MX blocks: "
+                         f"it must be a multiple of {BLOCK}; choose another attn_tp_size or turn prefill_opt off")
+    return True
+
+
+def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPhase]:
+    """(prefill, decode) for this layout and checkpoint, chosen once."""
+    decode = TensorParallelPhase()
+    if not groups.parallel.sp_prefill:
+        return decode, decode
+    scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
+    exchange = build_exchange(scheme, config, groups)
+    step = MxSequenceParallelStep(exchange) if uses_mx_prefill(config, groups.parallel) else SequenceParallelStep(exchange)
+    return SequenceParallelPrefill(scheme, step), decode
