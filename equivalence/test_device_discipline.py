@@ -30,12 +30,12 @@ pytestmark = pytest.mark.equivalence
 
 FIXTURES = ("tiny", "tiny-nonorm", "tiny-dense")
 NEW_TOKENS = 3
-DEVICE = register()
+fake_npu = register   # npu:0, registered on first use (not at collection: the rename is for the process)
 
 
 def device_model(name: str):
     with on_fake_device():
-        return load_model(checkpoint(name), dtype=torch.float32, device=DEVICE)
+        return load_model(checkpoint(name), dtype=torch.float32, device=fake_npu())
 
 
 def generate(model, prompts):
@@ -46,16 +46,16 @@ def generate(model, prompts):
 @pytest.mark.parametrize("name", FIXTURES)
 def test_model_on_a_non_cpu_device_generates_what_the_cpu_model_generates(name):
     model, host_model = device_model(name), load_model(checkpoint(name), dtype=torch.float32, device="cpu")
-    placed = {n: t.device for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device != DEVICE}
-    assert not placed, f"{name}: built for {DEVICE}, these tensors are elsewhere: {placed}"
+    placed = {n: t.device for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device != fake_npu()}
+    assert not placed, f"{name}: built for {fake_npu()}, these tensors are elsewhere: {placed}"
     vocab = tiny_config(name).vocab_size
 
     def check(prompts):
         with on_fake_device():
             tokens, logits = generate(model, prompts)
         want_tokens, want_logits = generate(host_model, prompts)
-        assert tokens == want_tokens, f"{name} on {DEVICE}: tokens {tokens} != the CPU run's {want_tokens}"
-        assert torch.equal(logits, want_logits), f"{name} on {DEVICE}: logits differ from the CPU run's"
+        assert tokens == want_tokens, f"{name} on {fake_npu()}: tokens {tokens} != the CPU run's {want_tokens}"
+        assert torch.equal(logits, want_logits), f"{name} on {fake_npu()}: logits differ from the CPU run's"
 
     run_property(check, 3, prompts=prompt_batches(vocab, max_len=24))
 
@@ -67,8 +67,8 @@ def one_step(model, prompts, decode: bool):
     budgets = [len(p) + 1 for p in prompts]
     with on_fake_device() as mode:
         cache = PagedKVCache(model.config.num_hidden_layers, 1 + len(budgets) * 2, BLOCK_SIZE, attn.num_kv_heads,
-                             attn.head_dim, model.dtype, DEVICE)
-        table = block_table([cache.allocate(n) for n in budgets], DEVICE)
+                             attn.head_dim, model.dtype, fake_npu())
+        table = block_table([cache.allocate(n) for n in budgets], fake_npu())
         ids, meta, _ = runner.prefill_inputs(prompts, table)
         if decode:
             model(ids, meta, cache.layers)
@@ -82,7 +82,7 @@ def one_step(model, prompts, decode: bool):
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_a_forward_step_neither_reads_the_device_nor_copies_host_data_onto_it(decode):
     reads, transfers, logits = one_step(device_model("tiny"), [[1, 2, 3], list(range(4, 21))], decode)
-    assert isinstance(logits, DeviceTensor) and logits.device == DEVICE
+    assert isinstance(logits, DeviceTensor) and logits.device == fake_npu()
     assert not reads, f"the forward step read the device from the host {len(reads)} times: {reads}"
     assert not transfers, f"the forward step copied host data onto the device: {transfers}"
 
@@ -91,10 +91,10 @@ def test_a_position_past_the_model_is_refused_from_the_host_lists():
     model = device_model("tiny")
     limit = model.config.max_position_embeddings
     with on_fake_device() as mode:
-        cache = PagedKVCache(1, 2, BLOCK_SIZE, 1, model.layers[0].self_attn.head_dim, model.dtype, DEVICE)
-        meta = ModelRunner(model, BLOCK_SIZE).decode_metadata([limit], block_table([[1] * (limit // BLOCK_SIZE + 1)], DEVICE))
+        cache = PagedKVCache(1, 2, BLOCK_SIZE, 1, model.layers[0].self_attn.head_dim, model.dtype, fake_npu())
+        meta = ModelRunner(model, BLOCK_SIZE).decode_metadata([limit], block_table([[1] * (limit // BLOCK_SIZE + 1)], fake_npu()))
         with pytest.raises(ValueError, match=f"position {limit} exceeds max_position_embeddings={limit}"):
-            model(torch.tensor([0], device=DEVICE), meta, cache.layers)
+            model(torch.tensor([0], device=fake_npu()), meta, cache.layers)
     assert not mode.host_reads, f"the position check read the device: {mode.host_reads}"
 
 
@@ -141,13 +141,13 @@ def test_exchange_split_sizes_sends_its_counts_from_the_rows_device(monkeypatch)
 
     monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
     with on_fake_device():
-        got = collectives.exchange_split_sizes([3, 5], TwoRanks(), DEVICE)
-    assert got == [5, 3] and sent == [DEVICE], f"counts sent from {sent}, received {got}"
+        got = collectives.exchange_split_sizes([3, 5], TwoRanks(), fake_npu())
+    assert got == [5, 3] and sent == [fake_npu()], f"counts sent from {sent}, received {got}"
 
 
 def test_load_model_defaults_to_the_platform_device(monkeypatch):
-    monkeypatch.setattr(platform, "device", lambda local_rank=None: DEVICE)
+    monkeypatch.setattr(platform, "device", lambda local_rank=None: fake_npu())
     with on_fake_device():
         model = load_model(checkpoint("tiny"), dtype=torch.float32, num_hidden_layers=1)
-    assert model.lm_head.weight.device == DEVICE and model.atten_mask.device == DEVICE, \
-        f"load_model without device= built on {model.lm_head.weight.device}, platform.device() is {DEVICE}"
+    assert model.lm_head.weight.device == fake_npu() and model.atten_mask.device == fake_npu(), \
+        f"load_model without device= built on {model.lm_head.weight.device}, platform.device() is {fake_npu()}"
