@@ -15,6 +15,7 @@ example budget, capped by the active profile).
 from __future__ import annotations
 
 import functools
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,11 +25,30 @@ from hypothesis import given, settings
 from equivalence.compare import assert_bitwise_equal
 from equivalence.strategies import BLOCK_SIZE
 
+# Where the worker side builds the optimized model: the CPU unless QWEN3_MOE_TEST_DEVICE names another device
+# (ci/device_check.sh sets it to cuda: optimized on the GPU, the reference on the CPU, the same comparisons).
+TEST_DEVICE_ENV = "QWEN3_MOE_TEST_DEVICE"
+
 _MODEL_CACHE: OrderedDict = OrderedDict()
 _MODEL_CACHE_SIZE = 4
 
 
 # ------------------------------------------------------------------------------------------ worker side
+
+def test_device() -> torch.device:
+    """The optimized model's device in the model tests ($QWEN3_MOE_TEST_DEVICE, default the CPU)."""
+    name = os.environ.get(TEST_DEVICE_ENV, "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"{TEST_DEVICE_ENV}={name!r} is not a device ({e})") from None
+
+
+def on_host(tree):
+    """A worker's result with every tensor on the CPU (what the parent compares, and pipes can carry)."""
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
+
 
 def rank_model(path: str, layout: dict, dtype: torch.dtype):
     """This rank's optimized model (cached per checkpoint, layout and dtype)."""
@@ -41,7 +61,7 @@ def rank_model(path: str, layout: dict, dtype: torch.dtype):
         _MODEL_CACHE.move_to_end(key)
         return _MODEL_CACHE[key]
     state = ParallelState.build(**layout)
-    model = load_model(path, parallel=state, dtype=dtype)
+    model = load_model(path, parallel=state, dtype=dtype, device=test_device())
     _MODEL_CACHE[key] = model
     while len(_MODEL_CACHE) > _MODEL_CACHE_SIZE:
         _MODEL_CACHE.popitem(last=False)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from equivalence.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement, token_agreement
 from equivalence.dist import get_pool
-from equivalence.parallel_support import (RoutingStats, dtype_of, paged_cache, rank_model, reference_model,
+from equivalence.parallel_support import (RoutingStats, dtype_of, on_host, paged_cache, rank_model, reference_model,
                                           routing_check, run_property, runner_of, same_on_all_ranks)
 from equivalence.strategies import (corner_layouts, describe_layout, hidden_kinds, hidden_states, layouts,
                                     prompt_batches, seeds)
@@ -100,7 +100,7 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
         lengths = [len(p) for p in prompts]
         for step, tokens in enumerate(forced):
             meta = runner.decode_metadata(lengths, table)
-            out[f"decode{step}"] = model(torch.tensor(tokens), meta, cache.layers)
+            out[f"decode{step}"] = model(torch.tensor(tokens, device=table.device), meta, cache.layers)
             lengths = [n + 1 for n in lengths]
     if model.ep_scheme is None:
         out["routes"] = {i: torch.cat(r) for i, r in routes.items()}  # rows: prefill tokens, then decode steps
@@ -109,7 +109,7 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
         total, sp = sum(len(p) for p in prompts), model.groups.attn_tp.group
         out["routes"] = {i: torch.cat([comm.all_gather(r[0], sp)[:total]] + r[1:]) for i, r in routes.items()}
     out["ep_scheme"] = model.ep_scheme
-    return out
+    return on_host(out)
 
 
 
@@ -148,7 +148,8 @@ def _generate_task(rank, world, path, lay, dtype_name, prompts, n):
 @torch.no_grad()
 def _moe_bf16_task(rank, world, path, lay, layer_idx, x):
     mlp = rank_model(path, lay, torch.bfloat16).layers[layer_idx].mlp
-    return {"out": mlp(x), "ids": mlp.route(x)[1]}
+    x = x.to(next(mlp.parameters()).device)
+    return on_host({"out": mlp(x), "ids": mlp.route(x)[1]})
 
 
 # ----------------------------------------------------------------------------------------- reference side

@@ -17,5 +17,16 @@ class ForwardMetadata:
     block_size: int
 
     @property
+    def max_position(self) -> int:
+        """The largest position of the step, from the host lists (no device read): a prefill's longest prompt,
+        a decode's longest KV length, minus one. -1 for an empty step."""
+        if not self.actual_seq_lengths_kv:
+            return -1
+        if self.is_prefill:
+            cu = self.actual_seq_lengths_cu_q
+            return max(b - a for a, b in zip([0, *cu[:-1]], cu)) - 1
+        return max(self.actual_seq_lengths_kv) - 1
+
+    @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])

@@ -111,9 +111,10 @@ class Qwen3MoeForCausalLM(nn.Module):
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] packed -> logits [T, V] (or only at `logits_indices`)."""
         max_pos = self.config.max_position_embeddings
-        # A host-side check (a device sync): graph mode checks the positions before the compiled step.
-        if not torch.compiler.is_compiling() and meta.num_tokens and int(meta.positions.max()) >= max_pos:
-            raise ValueError(f"position {int(meta.positions.max())} exceeds max_position_embeddings={max_pos}")
+        # Checked on the host lists the step carries (no device read: eager launches never wait on the device);
+        # graph mode checks the same lists before its compiled step.
+        if not torch.compiler.is_compiling() and meta.max_position >= max_pos:
+            raise ValueError(f"position {meta.max_position} exceeds max_position_embeddings={max_pos}")
         cos, sin = self.rotary(meta.positions)
         phase = self.prefill if meta.is_prefill else self.decode
         hidden = phase.run(self, input_ids, cos, sin, meta, kv_caches)        # [T, H], final-normed

@@ -38,9 +38,14 @@ def backend_name() -> str:
     return "cpu"
 
 
-def device(local_rank: int = 0) -> torch.device:
+def device(local_rank: int | None = None) -> torch.device:
+    """The accelerator `local_rank` computes on; None: the one this process selected (`set_device`), else 0."""
     name = backend_name()
-    return torch.device(name, local_rank) if name != "cpu" else torch.device("cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = torch.cuda.current_device() if name == "cuda" else torch.npu.current_device()
+    return torch.device(name, local_rank)
 
 
 def dist_backend() -> str:

@@ -193,12 +193,15 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, *, upcast: bool = False
     return out.movedim(0, dim)
 
 
-def exchange_split_sizes(input_split_sizes: list[int], group) -> list[int]:
-    """What every peer sends this rank, given what this rank sends each peer (one small all_to_all)."""
+def exchange_split_sizes(input_split_sizes: list[int], group, device: torch.device) -> list[int]:
+    """What every peer sends this rank, given what this rank sends each peer (one small all_to_all).
+
+    device: the rows' device (hccl / nccl move device tensors only); the counts come back to the host, the
+    host list `all_to_all_single` takes."""
     pg = _pg(group)
     if pg is None:
         return list(input_split_sizes)
-    send = torch.tensor(input_split_sizes, dtype=torch.int64)
+    send = torch.tensor(input_split_sizes, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     _count("all_to_all", (pg.size() - 1) * send.element_size())
     dist.all_to_all_single(recv, send, group=pg)
@@ -228,7 +231,7 @@ def all_to_all_single(x: torch.Tensor, group, output_split_sizes: list[int] | No
     if input_split_sizes is None and x.shape[0] % n:
         raise ValueError(f"all_to_all_single: {x.shape[0]} rows cannot be split equally over {n} ranks")
     if input_split_sizes is not None and output_split_sizes is None:
-        output_split_sizes = exchange_split_sizes(input_split_sizes, pg)
+        output_split_sizes = exchange_split_sizes(input_split_sizes, pg, x.device)
     src = _wire(x.contiguous())
     rows = sum(output_split_sizes) if output_split_sizes is not None else src.shape[0]
     out = src.new_empty((rows, *src.shape[1:]))

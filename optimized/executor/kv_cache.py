@@ -45,10 +45,8 @@ class PagedKVCache:
 def block_table(requests_blocks: list[list[int]], device: torch.device | str) -> torch.Tensor:
     """[B, max_blocks] int32, each row padded with the null block."""
     width = max((len(blocks) for blocks in requests_blocks), default=0) or 1
-    table = torch.full((len(requests_blocks), width), NULL_BLOCK, dtype=torch.int32)
-    for row, blocks in enumerate(requests_blocks):
-        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    return table.to(device)
+    rows = [blocks + [NULL_BLOCK] * (width - len(blocks)) for blocks in requests_blocks]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(rows), width)   # [B, W], also for B 0
 
 
 def slot_mapping(table: torch.Tensor, request_of_token: torch.Tensor, positions: torch.Tensor,

@@ -171,17 +171,18 @@ class ModelRunner:
         return [list(pos) for pos in positions]
 
     def prefill_inputs(self, prompts: list[list[int]], table: torch.Tensor):
-        lengths = torch.tensor([len(p) for p in prompts])
+        """ids [T], the prefill metadata, the index of each prompt's last token [B]. The runner knows the
+        prompts on the host: the host lists (cumulative lengths) are computed here, once per step, and every
+        tensor is created on the model's device from them."""
+        cu = [sum(len(p) for p in prompts[:i + 1]) for i in range(len(prompts))]
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
-        request_of_token = torch.repeat_interleave(torch.arange(len(prompts)), lengths).to(self.device)
-        cu = torch.cumsum(lengths, 0)
-        positions = (torch.arange(int(cu[-1])) - torch.repeat_interleave(cu - lengths, lengths)).to(self.device)
+        request_of_token = torch.tensor([i for i, p in enumerate(prompts) for _ in p], device=self.device)
+        positions = torch.tensor([j for p in prompts for j in range(len(p))], device=self.device)
         meta = ForwardMetadata(
-            is_prefill=True, positions=positions, actual_seq_lengths_cu_q=cu.tolist(),
-            actual_seq_lengths_kv=cu.tolist(),
+            is_prefill=True, positions=positions, actual_seq_lengths_cu_q=cu, actual_seq_lengths_kv=list(cu),
             slot_mapping=slot_mapping(table, request_of_token, positions, self.block_size),
             block_table=table, block_size=self.block_size)
-        return ids, meta, (cu - 1).to(self.device)
+        return ids, meta, torch.tensor([n - 1 for n in cu], device=self.device)
 
     def decode_metadata(self, lengths: list[int], table: torch.Tensor) -> ForwardMetadata:
         """One new token per request at position `lengths[b]`; it attends to lengths[b] + 1 keys."""

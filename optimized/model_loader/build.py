@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from optimized import platform
 from optimized.distributed import ParallelState
 from optimized.config import InferenceConfig
 from optimized.model_loader.hf_config import load_hf_config
@@ -14,11 +15,12 @@ from optimized.model import Qwen3MoeForCausalLM
 
 def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None = None,
                dtype: torch.dtype = torch.bfloat16, random_weights: bool = False, seed: int = 0,
-               num_hidden_layers: int | None = None, device: torch.device | str = "cpu") -> Qwen3MoeForCausalLM:
+               num_hidden_layers: int | None = None, device: torch.device | str | None = None) -> Qwen3MoeForCausalLM:
     """Build the optimized Qwen3MoeForCausalLM for this rank and load this rank's weight shards.
 
     model_path: a directory with config.json (+ safetensors unless random_weights). parallel: the process
-    groups (default: a single process). num_hidden_layers: keep only the first N layers.
+    groups (default: a single process). num_hidden_layers: keep only the first N layers. device: where the
+    model lives, default this process's accelerator (`platform.device()`: the CPU only on a host without one).
     """
     config = load_hf_config(model_path)  # ModelConfigError for another model_type, missing counts, ...
     full_layers = config.num_hidden_layers
@@ -43,11 +45,11 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
 
 def model_from_source(config, source, *, parallel: ParallelState | None = None,
                       dtype: torch.dtype = torch.bfloat16,
-                      device: torch.device | str = "cpu") -> Qwen3MoeForCausalLM:
+                      device: torch.device | str | None = None) -> Qwen3MoeForCausalLM:
     """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...)."""
     parallel = parallel or ParallelState.single()
     InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
-    with torch.device(device):
+    with torch.device(platform.device() if device is None else device):
         model = Qwen3MoeForCausalLM(config, parallel, dtype)
     model.load_weights(source)
     model.weight_source = source

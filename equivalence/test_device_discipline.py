@@ -1,0 +1,153 @@
+"""The optimized model runs on a device that is not the CPU, proven on a host without an accelerator.
+
+The device is `npu:0` of `equivalence.fake_device` (a Python backend: real values on the host underneath,
+every operator call checked to take tensors of one device). Single process, each fixture:
+- built there (`load_model(..., device="npu")`), every parameter and buffer lands on npu:0; the runner's
+  prefill and greedy decode steps run with no operator ever seeing a host tensor, and give bitwise the
+  tokens and logits of the same run on the CPU (drawn prompt batches);
+- one forward step (prefill or decode) reads nothing back from the device and copies nothing onto it:
+  the step's host data (sequence lengths) are the host lists of ForwardMetadata, the position check too;
+- the detector works: the causal mask built on the host (as `causal_mask_template` once did by default),
+  or any host tensor reaching an operator of the forward, fails the step with DeviceMismatch;
+- the count tensor of `exchange_split_sizes` and the default device of `load_model` follow the device.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from equivalence.fake_device import DeviceMismatch, DeviceTensor, on_fake_device, register, to_host
+from equivalence.parallel_support import run_property
+from equivalence.strategies import BLOCK_SIZE, prompt_batches
+from fixtures.checkpoints import checkpoint
+from fixtures.tiny import tiny_config
+from optimized import platform
+from optimized.executor.kv_cache import PagedKVCache, block_table
+from optimized.executor.model_runner import ModelRunner
+from optimized.model_loader.build import load_model
+
+pytestmark = pytest.mark.equivalence
+
+FIXTURES = ("tiny", "tiny-nonorm", "tiny-dense")
+NEW_TOKENS = 3
+fake_npu = register   # npu:0, registered on first use (not at collection: the rename is for the process)
+
+
+def device_model(name: str):
+    with on_fake_device():
+        return load_model(checkpoint(name), dtype=torch.float32, device=fake_npu())
+
+
+def generate(model, prompts):
+    result = ModelRunner(model, BLOCK_SIZE).generate(prompts, NEW_TOKENS, return_logits=True)
+    return result.tokens, torch.cat(to_host(result.logits))
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_model_on_a_non_cpu_device_generates_what_the_cpu_model_generates(name):
+    model, host_model = device_model(name), load_model(checkpoint(name), dtype=torch.float32, device="cpu")
+    placed = {n: t.device for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device != fake_npu()}
+    assert not placed, f"{name}: built for {fake_npu()}, these tensors are elsewhere: {placed}"
+    vocab = tiny_config(name).vocab_size
+
+    def check(prompts):
+        with on_fake_device():
+            tokens, logits = generate(model, prompts)
+        want_tokens, want_logits = generate(host_model, prompts)
+        assert tokens == want_tokens, f"{name} on {fake_npu()}: tokens {tokens} != the CPU run's {want_tokens}"
+        assert torch.equal(logits, want_logits), f"{name} on {fake_npu()}: logits differ from the CPU run's"
+
+    run_property(check, 3, prompts=prompt_batches(vocab, max_len=24))
+
+
+def one_step(model, prompts, decode: bool):
+    """(mode, step) of one forward on the fake device: the runner's metadata, then the model call alone."""
+    runner = ModelRunner(model, BLOCK_SIZE)
+    attn = model.layers[0].self_attn
+    budgets = [len(p) + 1 for p in prompts]
+    with on_fake_device() as mode:
+        cache = PagedKVCache(model.config.num_hidden_layers, 1 + len(budgets) * 2, BLOCK_SIZE, attn.num_kv_heads,
+                             attn.head_dim, model.dtype, fake_npu())
+        table = block_table([cache.allocate(n) for n in budgets], fake_npu())
+        ids, meta, _ = runner.prefill_inputs(prompts, table)
+        if decode:
+            model(ids, meta, cache.layers)
+            ids = ids[:len(prompts)]
+            meta = runner.decode_metadata([len(p) for p in prompts], table)
+        reads, transfers = len(mode.host_reads), len(mode.transfers)
+        logits = model(ids, meta, cache.layers)
+    return mode.host_reads[reads:], mode.transfers[transfers:], logits
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_a_forward_step_neither_reads_the_device_nor_copies_host_data_onto_it(decode):
+    reads, transfers, logits = one_step(device_model("tiny"), [[1, 2, 3], list(range(4, 21))], decode)
+    assert isinstance(logits, DeviceTensor) and logits.device == fake_npu()
+    assert not reads, f"the forward step read the device from the host {len(reads)} times: {reads}"
+    assert not transfers, f"the forward step copied host data onto the device: {transfers}"
+
+
+def test_a_position_past_the_model_is_refused_from_the_host_lists():
+    model = device_model("tiny")
+    limit = model.config.max_position_embeddings
+    with on_fake_device() as mode:
+        cache = PagedKVCache(1, 2, BLOCK_SIZE, 1, model.layers[0].self_attn.head_dim, model.dtype, fake_npu())
+        meta = ModelRunner(model, BLOCK_SIZE).decode_metadata([limit], block_table([[1] * (limit // BLOCK_SIZE + 1)], fake_npu()))
+        with pytest.raises(ValueError, match=f"position {limit} exceeds max_position_embeddings={limit}"):
+            model(torch.tensor([0], device=fake_npu()), meta, cache.layers)
+    assert not mode.host_reads, f"the position check read the device: {mode.host_reads}"
+
+
+def host_causal_mask(device="cpu"):
+    """The causal mask as `causal_mask_template` built it before it followed the default device."""
+    from optimized.layers.attention import CAUSAL_MASK_TEMPLATE_SIZE as size
+    return ~torch.tril(torch.ones(size, size, dtype=torch.bool, device=device))
+
+
+def test_a_causal_mask_built_on_the_host_fails_the_first_attention_call(monkeypatch):
+    monkeypatch.setattr("optimized.model.causal_mask_template", host_causal_mask)
+    model = device_model("tiny")
+    assert model.atten_mask.device.type == "cpu"
+    with pytest.raises(DeviceMismatch, match=r"npu_fused_infer_attention_score_v2.*\['cpu', 'npu:0'\]"):
+        with on_fake_device():
+            ModelRunner(model, BLOCK_SIZE).generate([[1, 2, 3]], 1)
+
+
+def test_a_host_tensor_planted_in_the_forward_is_caught(monkeypatch):
+    """A host tensor entering the MoE block's input (any layer code would do) is caught at its first operator."""
+    from optimized.layers.moe import Qwen3MoeSparseMoeBlock
+    forward = Qwen3MoeSparseMoeBlock.forward
+    monkeypatch.setattr(Qwen3MoeSparseMoeBlock, "forward",
+                        lambda self, x, *a, **k: forward(self, x + torch.zeros(x.shape[-1], dtype=x.dtype), *a, **k))
+    model = device_model("tiny")
+    with pytest.raises(DeviceMismatch, match=r"aten\.add\.Tensor.*\['cpu', 'npu:0'\]"):
+        with on_fake_device():
+            ModelRunner(model, BLOCK_SIZE).generate([[1, 2, 3]], 1)
+
+
+def test_exchange_split_sizes_sends_its_counts_from_the_rows_device(monkeypatch):
+    import torch.distributed as dist
+    from optimized.distributed import collectives
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+    sent = []
+
+    def all_to_all_single(recv, send, group=None):
+        sent.append(send.device)
+        recv.copy_(send.flip(0))
+
+    monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
+    with on_fake_device():
+        got = collectives.exchange_split_sizes([3, 5], TwoRanks(), fake_npu())
+    assert got == [5, 3] and sent == [fake_npu()], f"counts sent from {sent}, received {got}"
+
+
+def test_load_model_defaults_to_the_platform_device(monkeypatch):
+    monkeypatch.setattr(platform, "device", lambda local_rank=None: fake_npu())
+    with on_fake_device():
+        model = load_model(checkpoint("tiny"), dtype=torch.float32, num_hidden_layers=1)
+    assert model.lm_head.weight.device == fake_npu() and model.atten_mask.device == fake_npu(), \
+        f"load_model without device= built on {model.lm_head.weight.device}, platform.device() is {fake_npu()}"
