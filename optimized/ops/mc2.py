@@ -17,6 +17,8 @@ Both kernels report the bytes they send to other ranks through `process_groups.r
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -31,8 +33,6 @@ _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # the NPU takes b
 _COMM_ALGS = ("", "fullmesh", "fullmesh_v2", "hierarchy")
 # The last element of a portable handle: combine refuses a handle this golden's dispatch did not write (§13.16).
 HANDLE_MAGIC = 0x4D433256
-COUNT_BYTES = 8      # the counts and BS travel as int64
-META_BYTES = 8       # each dispatched row carries (source token, k slot) as int32
 
 
 def capacity(bs: int, ep_world_size: int, local_experts: int, top_k: int, global_bs: int) -> int:
@@ -143,7 +143,7 @@ def _ep_group(op: str, group_ep: str, w: int, r: int) -> "dist.ProcessGroup | No
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
     """[n, H] of any dtype -> [n, H * itemsize] uint8, the same bits (what every backend moves)."""
-    return _as_bits(rows.contiguous()).view(torch.uint8).reshape(rows.shape[0], -1)
+    return _as_bits(rows.contiguous()).view(torch.uint8).reshape(rows.shape[0], math.prod(rows.shape[1:]) * rows.element_size())
 
 
 def _exchange_rows(op: str, payload: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.Tensor:
@@ -239,7 +239,7 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
         recv_counts = send_counts
     else:
         recv_counts = torch.empty_like(send_counts)
-        report_traffic(_DISPATCH, (w - 1) * (local + 1) * COUNT_BYTES)
+        report_traffic(_DISPATCH, (w - 1) * send_counts[0].numel() * send_counts.element_size())
         dist.all_to_all_single(recv_counts, send_counts, group=group)
     cnt, bs_of = recv_counts[:, :local], recv_counts[:, local]
     if global_bs == 0:
@@ -253,7 +253,7 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     payload = torch.cat([_as_bytes(sorted_x[:n_send]), _as_bytes(meta)], dim=1)
     row_bytes = h * x.element_size()
     recv = _exchange_rows(_DISPATCH, payload, group, send_cnt.view(w, local).sum(1).tolist(), cnt.sum(1).tolist())
-    recv_x = recv[:, :row_bytes].contiguous().view(_as_bits(x).dtype).view(x.dtype)
+    recv_x = recv[:, :row_bytes].contiguous().view(x.dtype)
     recv_meta = recv[:, row_bytes:].contiguous().view(torch.int32)
     # 4. regroup (s, e', t) -> (e', s, t)
     grouped, _, gather_idx, per_expert = moe_re_routing(recv_x, cnt)
@@ -380,7 +380,7 @@ def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_
     back, _, _, _ = moe_re_routing(expand_x[:n_recv], cnt)
     # 2. all_to_all_v back: each source rank gets its rows in the order it sent them
     returned = _exchange_rows(_COMBINE, _as_bytes(back), group, cnt.sum(0).tolist(), sent_to.tolist())
-    returned = returned.view(_as_bits(expand_x).dtype).view(expand_x.dtype).reshape(-1, h)
+    returned = returned.view(expand_x.dtype)
     # 3-5. slot (t, j) <- returned row; out[t] = sum_j scale * row in fp32 (ascending j), rounded once
     out = moe_finalize_routing(returned.float(), None, None, None, expert_scales, row_idx, None, drop_pad_mode=2)
     return out.to(expand_x.dtype)
