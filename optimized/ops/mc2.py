@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .process_groups import group_by_name, report_traffic
 from .registry import register
 from .routing import _as_bits, _zeros_like_rows, moe_finalize_routing, moe_init_routing_v2, moe_re_routing
-from .validation import check, check_dim, check_dtype, check_npu_limit, check_shape, unsupported
+from .validation import check, check_dim, check_dtype, check_npu_limit, check_rows_and_ids, check_shape, unsupported
 
 _DISPATCH = "npu_moe_distribute_dispatch_v2"
 _COMBINE = "npu_moe_distribute_combine_v2"
@@ -170,12 +170,7 @@ def _exchange_rows(op: str, payload: torch.Tensor, group, send: list[int], recv:
 def _dispatch_check(x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, scales, x_active_mask, expert_scales,
                     quant_mode, expert_token_nums_type, y_dtype, x_dtype, scales_dtype, **common):
     op = _DISPATCH
-    check_dim(op, "x", x, (2,))
-    check_dim(op, "expert_ids", expert_ids, (2,))
-    check_dtype(op, "x", x, _X_DTYPES)
-    check_dtype(op, "expert_ids", expert_ids, (torch.int32,))
-    check(x.shape[0] == expert_ids.shape[0], op,
-          f"x has {x.shape[0]} rows but expert_ids has {expert_ids.shape[0]}; they must match")
+    check_rows_and_ids(op, x, _X_DTYPES, expert_ids, "expert_ids")
     bs, k = expert_ids.shape
     local, a = _common_check(op, bs, k, x.shape[1], ep_world_size, ep_rank_id, moe_expert_num, **common)
     check(quant_mode in (0, 2), op, f"quant_mode={quant_mode}; allowed: 0 (none), 2 (dynamic int8)")
