@@ -5,7 +5,8 @@ post-attention norm, MLP), how the activations move between ranks. The decoder l
 and names no layout.
 
 - `TensorParallelPhase` + `TensorParallelStep`: every rank runs every token; attention TP with a row-parallel
-  o_proj, the MoE block's own `moe_infer_tp`. Decode always; prefill without `prefill_opt`.
+  o_proj, the MoE block's own `moe_infer_tp`, or in decode with moe_tp 1 and EP > 1 `moe_infer_dispatch_combine`
+  (MC2, `decode_plan.uses_mc2_decode`). Decode always; prefill without `prefill_opt`.
 - `SequenceParallelPrefill` + `SequenceParallelStep` (the recipe's Attention SP+TP with MoE EP): rank r of the
   attention TP group runs packed tokens [r*n, (r+1)*n), n = ceil(T / P) (the last slice padded; the padding is
   created and stripped in `SequenceParallelPrefill.run` alone and never reaches the KV cache). Attention gathers
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from optimized.config import head_dim_of
 from optimized.distributed import collectives as comm
+from optimized.distributed.decode_plan import uses_mc2_decode
 from optimized.distributed.prefill_plan import choose_ep_scheme
 from optimized.layers.exchange import build_exchange
 from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A8, MxRows, map_rows, mx_quant, num_rows, \
@@ -51,9 +53,11 @@ def heads_to_owners(out: torch.Tensor, group, ranks: int, n: int) -> torch.Tenso
 
 
 class TensorParallelStep:
-    """Every rank holds every token: the layers' own tensor-parallel forward."""
+    """Every rank holds every token: the layers' own tensor-parallel forward; the MoE goes through `exchange`
+    (None: the MoE block's own moe_infer_tp)."""
 
-    exchange = None     # the MoE block's own moe_infer_tp
+    def __init__(self, exchange=None):
+        self.exchange = exchange
 
     def input_norm(self, norm, hidden, residual):
         """-> (normed input, residual); the first layer has no residual to add yet."""
@@ -75,9 +79,6 @@ class TensorParallelStep:
 
 class SequenceParallelStep(TensorParallelStep):
     """This rank's n tokens: attention gathers the sequence, the MoE goes through the EP `exchange`."""
-
-    def __init__(self, exchange):
-        self.exchange = exchange
 
     def wire(self, x: torch.Tensor):
         """What an activation travels as: bf16 as it is."""
@@ -138,8 +139,8 @@ class TensorParallelPhase:
     ep_scheme = None
     replicated_o_proj = False
 
-    def __init__(self):
-        self.step = TensorParallelStep()
+    def __init__(self, step: TensorParallelStep | None = None):
+        self.step = step or TensorParallelStep()
 
     def run(self, model, input_ids, cos, sin, meta, kv_caches) -> torch.Tensor:
         hidden, residual = model.embed_tokens(input_ids), None                    # [T, H]
@@ -185,9 +186,11 @@ def uses_mx_prefill(config, parallel) -> bool:
 
 def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPhase]:
     """(prefill, decode) for this layout and checkpoint, chosen once."""
-    decode = TensorParallelPhase()
+    # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
+    mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
+    decode = TensorParallelPhase(TensorParallelStep(mc2))
     if not groups.parallel.sp_prefill:
-        return decode, decode
+        return TensorParallelPhase(), decode
     scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
     exchange = build_exchange(scheme, config, groups)
     step = MxSequenceParallelStep(exchange) if uses_mx_prefill(config, groups.parallel) else SequenceParallelStep(exchange)

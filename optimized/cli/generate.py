@@ -191,6 +191,8 @@ def run(args) -> int:
                 from optimized.distributed.prefill_plan import describe
                 print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize,
                                mx=uses_mx_prefill(hf_config, p)), flush=True)
+                from optimized.distributed import decode_plan
+                print(decode_plan.describe(hf_config, p, len(prompts), m.torch_dtype.itemsize), flush=True)
             device = platform.device(env.local_rank)
             try:
                 model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from optimized.distributed.parallel_state import GroupInfo
+from optimized.ops.process_groups import add_traffic_observer
 
 # ------------------------------------------------------------------------------------------ collectives
 
@@ -51,7 +52,8 @@ class CommCounter:
     Counted as if every collective were direct point-to-point (what the data needs, whatever algorithm the
     backend picks): all_gather (n-1) * this rank's shard; reduce_scatter (n-1) * one output chunk;
     all_to_all_single the rows sent to the other ranks; all_reduce 2 * (n-1) * size // n (reduce-scatter +
-    all-gather); broadcast (n-1) * size on the source. Collectives without communication count nothing.
+    all-gather); broadcast (n-1) * size on the source; the MC2 operators (optimized/ops/mc2.py) what their
+    all_to_alls send to other ranks. Collectives without communication count nothing.
     """
 
     def __init__(self):
@@ -87,6 +89,10 @@ def count_bytes():
 def _count(op: str, nbytes: int) -> None:
     for counter in _COUNTERS:
         counter.add(op, nbytes)
+
+
+# Collective operators (the portable MC2 dispatch / combine) report what they send through the ops-floor hook.
+add_traffic_observer(_count)
 
 
 def _nbytes(x: torch.Tensor) -> int:

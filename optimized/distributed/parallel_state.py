@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from optimized import platform
 from optimized.config import PARALLEL_OPTIONS, PARALLEL_SIZES, ParallelConfig
+# The name registry sits on the operators' floor (the MC2 kernels resolve `group_ep` there); filled from here.
+from optimized.ops.process_groups import group_by_name, register_group_name  # noqa: F401  (re-exported)
 
 KINDS = ("attn_tp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
 
@@ -127,22 +129,6 @@ def layout_ranks(parallel: ParallelConfig) -> dict[str, list[list[int]]]:
 
 
 # --------------------------------------------------------------------------------------- group registry
-
-_GROUP_NAMES: dict[str, dist.ProcessGroup] = {}
-
-
-def register_group_name(name: str, group: "dist.ProcessGroup | None") -> str:
-    """Make `group` findable by `name` (ops such as the MC2 dispatch take a group name string)."""
-    _GROUP_NAMES[name] = group
-    return name
-
-
-def group_by_name(name: str) -> "dist.ProcessGroup | None":
-    try:
-        return _GROUP_NAMES[name]
-    except KeyError:
-        raise KeyError(f"no process group registered under {name!r}; registered: {sorted(_GROUP_NAMES)}") from None
-
 
 def comm_name(group: "dist.ProcessGroup | None", rank: int | None = None) -> str:
     """The string an operator takes for `group`, registered so `group_by_name` resolves it.

@@ -13,12 +13,17 @@ holds only sizes and process groups (no module), so a model keeps no reference c
 - `MoeInferDoubleRouting` (SP prefill): route own tokens over all experts, exchange per-expert counts,
   `all_to_all_single` with uneven splits to the experts' ranks, `npu_moe_re_routing` into local-expert order,
   grouped matmul, back in arrival order, all_to_all back, `npu_moe_finalize_routing`.
+- `MoeInferDispatchCombine` (decode with moe_tp 1 and EP > 1, the recipe's MC2): `npu_moe_distribute_dispatch_v2`
+  sends each slot to its expert's rank, grouped matmul, `npu_moe_distribute_combine_v2` brings the rows back
+  weighted; decode holds every token on every rank, so each EP rank exchanges only its share and the results are
+  all-gathered.
 """
 from __future__ import annotations
 
 import torch
 
 from optimized.distributed import collectives as comm
+from optimized.distributed.parallel_state import comm_name
 from optimized.layers.quantization import MxRows, map_rows
 
 
@@ -106,9 +111,45 @@ class MoeInferDoubleRouting(MoeExchange):
         return self.finalize(combined, expanded_row_idx, topk_weight)
 
 
-EXCHANGES = {cls.name: cls for cls in (MoeInferTP, MoeInferAG, MoeInferDoubleRouting)}
+class MoeInferDispatchCombine(MoeExchange):
+    name = "dispatch_combine"
+
+    def __init__(self, num_experts: int, top_k: int, moe_tp, moe_ep):
+        super().__init__(num_experts, top_k, moe_tp, moe_ep)
+        self.group_name = comm_name(moe_ep.group)        # what the MC2 operators take (HCCL name on NPU)
+
+    def mc2_kwargs(self, x_active_mask) -> dict:
+        """The arguments dispatch and combine share, as the recipe passes them (no TP domain, no shared experts)."""
+        return dict(group_ep=self.group_name, ep_world_size=self.moe_ep.size, ep_rank_id=self.moe_ep.rank,
+                    moe_expert_num=self.num_experts, x_active_mask=x_active_mask, global_bs=0,
+                    group_tp=self.group_name, tp_world_size=1, tp_rank_id=0, expert_shard_type=0,
+                    shared_expert_num=0, shared_expert_rank_num=0)
+
+    def __call__(self, experts, x, topk_idx, topk_weight):
+        """Every rank's same B tokens [B, H]: EP rank r exchanges tokens [r*n, (r+1)*n), n = ceil(B / P) (past B:
+        repeats of the last token, masked out by x_active_mask, never sent) -> [B, H] gathered."""
+        if isinstance(x, MxRows):
+            raise TypeError("moe_infer_dispatch_combine moves bf16 / fp32 rows (quant_mode 0); got MXFP8 rows")
+        ep, tokens = self.moe_ep, x.shape[0]
+        n = -(-tokens // ep.size)
+        rows = torch.arange(ep.rank * n, (ep.rank + 1) * n, device=x.device)
+        mask = None if n * ep.size == tokens else rows < tokens                    # a True prefix
+        rows = rows.clamp(max=tokens - 1)
+        mine, ids, weights = x.index_select(0, rows), topk_idx.index_select(0, rows), topk_weight.index_select(0, rows)
+        kwargs = self.mc2_kwargs(mask)
+        expand_x, _, assist, tokens_per_expert, ep_recv_counts, tp_recv_counts = \
+            torch.ops.npu.npu_moe_distribute_dispatch_v2(mine, expert_ids=ids, scales=None, quant_mode=0,
+                                                         comm_alg="fullmesh_v2", **kwargs)[:6]
+        expert_out = experts(expand_x, tokens_per_expert)                          # rows past the counts: padding
+        out = torch.ops.npu.npu_moe_distribute_combine_v2(
+            expand_x=expert_out, expert_ids=ids, assist_info_for_combine=assist, ep_send_counts=ep_recv_counts,
+            tp_send_counts=tp_recv_counts, expert_scales=weights.float(), comm_quant_mode=0, **kwargs)
+        return comm.all_gather(out, ep.group)[:tokens]
+
+
+EXCHANGES = {cls.name: cls for cls in (MoeInferTP, MoeInferAG, MoeInferDoubleRouting, MoeInferDispatchCombine)}
 
 
 def build_exchange(name: str, config, groups) -> MoeExchange:
-    """The exchange `name` ('tp', 'allgather', 'alltoall') for this model config and rank's groups."""
+    """The exchange `name` ('tp', 'allgather', 'alltoall', 'dispatch_combine') for this model config and rank's groups."""
     return EXCHANGES[name](config.num_experts, config.num_experts_per_tok, groups.moe_tp, groups.moe_ep)

@@ -53,16 +53,6 @@ def register(qualname: str, kernel: Callable, fake: Callable) -> None:
     torch.library.register_fake(f"{NAMESPACE}::{qualname}", fake, lib=lib)
 
 
-def register_schema_only(qualname: str, arrives_in: str) -> None:
-    """Define a schema whose portable kernel is not written yet; calling it raises NotImplementedError."""
-
-    def not_yet(*args, **kwargs):
-        raise NotImplementedError(f"{qualname}: the portable kernel is not implemented yet ({arrives_in})")
-
-    register(qualname, not_yet, not_yet)
-    del PORTABLE_KERNELS[qualname]
-
-
 def portable_kernel(qualname: str) -> Callable:
     """The portable kernel of an operator, callable directly (bypassing the dispatcher)."""
     try:

@@ -16,6 +16,7 @@ from .validation import (
     check_dim,
     check_dtype,
     check_npu_limit,
+    check_rows_and_ids,
     check_shape,
     dtype_from_code,
     unsupported,
@@ -168,12 +169,7 @@ _FP4_CODES = (296, 297)
 def _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num, drop_pad_mode,
                 expert_tokens_num_type, quant_mode, active_expert_range, row_idx_type, x_dtype):
     """Metadata checks; returns (s, e, rows_out) with rows_out the dropless row count."""
-    check_dim(_V2, "x", x, (2,))
-    check_dim(_V2, "expert_idx", expert_idx, (2,))
-    check_dtype(_V2, "x", x, _V2_X_DTYPES)
-    check_dtype(_V2, "expert_idx", expert_idx, (torch.int32,))
-    check(x.shape[0] == expert_idx.shape[0], _V2,
-          f"x has {x.shape[0]} rows but expert_idx has {expert_idx.shape[0]}; they must match")
+    check_rows_and_ids(_V2, x, _V2_X_DTYPES, expert_idx, "expert_idx")
     check(quant_mode in _V2_QUANT_MODES, _V2, f"quant_mode={quant_mode}; allowed: {list(_V2_QUANT_MODES)}")
     if quant_mode != -1:
         unsupported(_V2, f"quant_mode={quant_mode} (only -1, no quantization, is implemented)")

@@ -84,5 +84,15 @@ def check_shape(op: str, arg: str, tensor: torch.Tensor, expected: tuple) -> Non
         fail(op, f"{arg} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")
 
 
+def check_rows_and_ids(op: str, x: torch.Tensor, x_dtypes: Iterable[torch.dtype], ids: torch.Tensor,
+                       ids_name: str) -> None:
+    """The routing operators' pair: 2-D rows `x` [N, H] and 2-D int32 expert ids [N, K] with as many rows."""
+    check_dim(op, "x", x, (2,))
+    check_dim(op, ids_name, ids, (2,))
+    check_dtype(op, "x", x, x_dtypes)
+    check_dtype(op, ids_name, ids, (torch.int32,))
+    check(x.shape[0] == ids.shape[0], op, f"x has {x.shape[0]} rows but {ids_name} has {ids.shape[0]}; they must match")
+
+
 def unsupported(op: str, feature: str) -> None:
     raise NotImplementedError(f"{op}: {feature} not supported by the portable kernel")

@@ -1,0 +1,84 @@
+"""The decode's MoE plan: when decode uses MC2 dispatch / combine, what it moves, and the HCCL buffer it needs.
+
+The recipe's rule (`uses_mc2_decode`): decode runs `moe_infer_dispatch_combine` (npu_moe_distribute_dispatch_v2 /
+combine_v2) whenever the experts are not tensor-split (moe_tp_size == 1) and spread over more than one rank
+(moe_ep_size > 1); otherwise the MoE block's own `moe_infer_tp` (expert range + all_reduce).
+
+Decode holds every token on every rank of the attention TP group, so the MC2 exchange hands each EP rank its
+n = ceil(B / P) of the B tokens (the tail masked with `x_active_mask`), dispatches, combines and all-gathers the
+results. Per rank and MoE layer (exactly what the portable kernels send, `mc2_volume`):
+
+- dispatch: the counts of its L local experts plus its BS, (P - 1) * (L + 1) * 8 bytes, and every slot routed to
+  another rank's expert as one row of H activations plus its (token, k slot), H * act_bytes + 8 bytes;
+- combine: every row it received from another rank goes back, H * act_bytes bytes;
+- all_gather: its n combined rows to the P - 1 others, (P - 1) * n * H * act_bytes.
+
+Under uniform routing a rank sends and receives n * top_k * (P - 1) / P slots.
+
+HCCL buffer (`mc2_buffer_mb`): on the NPU every MC2 peer writes into a window of HCCL_BUFFSIZE MB on the receiving
+rank, and the window must hold the worst case (every token of every rank routed to one rank's experts): the
+dispatch's A = n * P * min(L, top_k) rows of H activations plus their token information (top_k int32 per row),
+the combine's n * top_k rows coming back, each phase double-buffered, plus a fixed reserve for the
+notify / IPC area.
+"""
+from __future__ import annotations
+
+import math
+
+from optimized.config import ParallelConfig
+from optimized.distributed.prefill_plan import EpVolume
+
+DISPATCH = "npu_moe_distribute_dispatch_v2"
+COMBINE = "npu_moe_distribute_combine_v2"
+COUNT_BYTES = 8          # counts and BS travel as int64
+META_BYTES = 8           # each dispatched row carries (source token, k slot) as int32
+TOKEN_INFO_BYTES = 4     # per top-k slot, in the HCCL window's worst case
+RESERVE_MB = 2           # notify / IPC area of the HCCL window
+MB = 1 << 20
+
+
+def uses_mc2_decode(parallel: ParallelConfig) -> bool:
+    return parallel.moe_tp_size == 1 and parallel.moe_ep_size > 1
+
+
+def tokens_per_rank(batch: int, ep: int) -> int:
+    """n: the decode tokens each EP rank dispatches (the last ranks' tails masked)."""
+    return -(-batch // ep)
+
+
+def mc2_volume(tokens: int, hidden: int, top_k: int, ep: int, num_experts: int, act_bytes: int,
+               slots_out: float | None = None, slots_in: float | None = None) -> EpVolume:
+    """Bytes one rank sends in one MoE layer of an MC2 decode step of `tokens` (= n) tokens per rank.
+
+    slots_out / slots_in: slots this rank sends to / receives from other ranks (default: their expectation under
+    uniform routing, n * top_k * (P - 1) / P)."""
+    expected = tokens * top_k * (ep - 1) / ep
+    slots_out = expected if slots_out is None else slots_out
+    slots_in = expected if slots_in is None else slots_in
+    row = hidden * act_bytes
+    return EpVolume("mc2", {
+        DISPATCH: round((ep - 1) * (num_experts // ep + 1) * COUNT_BYTES + slots_out * (row + META_BYTES)),
+        COMBINE: round(slots_in * row),
+        "all_gather": (ep - 1) * tokens * row,
+    })
+
+
+def mc2_buffer_mb(batch: int, top_k: int, hidden: int, ep: int, num_experts: int, act_bytes: int = 2) -> int:
+    """HCCL_BUFFSIZE (MB) the MC2 decode needs for a decode batch of `batch` requests (see the module notes)."""
+    n = tokens_per_rank(batch, ep)
+    rows = n * ep * min(num_experts // ep, top_k)
+    dispatch = rows * (hidden * act_bytes + top_k * TOKEN_INFO_BYTES)
+    combine = n * top_k * hidden * act_bytes
+    return math.ceil(2 * (dispatch + combine) / MB) + RESERVE_MB
+
+
+def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) -> str:
+    """One line for the start of a run: the decode's MoE path and, for MC2, its HCCL buffer and volume."""
+    if not uses_mc2_decode(parallel):
+        return (f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
+                f"{parallel.moe_ep_size}: expert range + all_reduce)")
+    h, k, e, ep = hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts, parallel.moe_ep_size
+    vol = mc2_volume(tokens_per_rank(batch, ep), h, k, ep, e, act_bytes)
+    return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
+            f"{tokens_per_rank(batch, ep)} tokens per rank); HCCL buffer >= {mc2_buffer_mb(batch, k, h, ep, e, act_bytes)}"
+            f" MB (HCCL_BUFFSIZE); per MoE layer and rank ~{vol.total} B (uniform routing)")
