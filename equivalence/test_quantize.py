@@ -145,8 +145,11 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
-def spec_quantization_config(layers: int) -> dict:
-    """§8.3 for w4a8c16, restated; the KV cache stays 16-bit here, so kv_cache_scheme is null."""
+def spec_quantization_config(layers: int, kv_cache: str = "fp8") -> dict:
+    """§8.3 for w4a8c16, restated: the recipe writes the per-token FP8 kv_cache_scheme (strings "true");
+    `--kv-cache bf16` writes null instead."""
+    kv_scheme = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
+                 "symmetric": "true"}
     act = {"actorder": None, "block_structure": None, "dynamic": True, "group_size": 32, "num_bits": 8,
            "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
     group_0 = {"input_activations": act, "activation_use_clip": False, "output_activations": None,
@@ -159,8 +162,8 @@ def spec_quantization_config(layers: int) -> dict:
                    f"model.layers.{i}.self_attn.q_norm"]
     return {"config_groups": {"group_0": group_0, "group_1": group_1}, "format": "float-quantized",
             "global_compression_ratio": "null", "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "weight_block_size": [1, 32]}
+            "kv_cache_scheme": kv_scheme if kv_cache == "fp8" else None, "quant_method": "compressed-tensors",
+            "quantization_status": "compressed", "weight_block_size": [1, 32]}
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -194,6 +197,7 @@ def test_converted_tiny_checkpoint_round_trip(tmp_path, sharded):
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"] == spec_quantization_config(2)
     assert list(config["quantization_config"]) == list(spec_quantization_config(2))
+    assert list(config["quantization_config"]["kv_cache_scheme"]) == list(spec_quantization_config(2)["kv_cache_scheme"])
     if sharded:
         index = json.loads((dst / "model.safetensors.index.json").read_text())
         src_files = {p.name for p in src.glob("*.safetensors")}

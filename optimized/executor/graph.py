@@ -121,8 +121,8 @@ class GraphDecoder:
         inputs = self.pad_inputs(input_ids, meta, kv_lens, bucket)
         caches = list(kv_caches)
         if self._marked is None or self._marked() is not caches[0][0]:   # a new cache: mark it once
-            for k_cache, v_cache in caches:
-                for t in (k_cache, v_cache):
+            for layer_cache in caches:                 # (k, v) or, FP8, (k, v, k_scale, v_scale)
+                for t in layer_cache:
                     for dim in range(1, t.dim()):  # the block count stays symbolic: the pool size may change
                         torch._dynamo.mark_static(t, dim)
             self._marked = weakref.ref(caches[0][0])   # a weak reference: the cache is freed after its run
