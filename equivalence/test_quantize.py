@@ -230,3 +230,25 @@ def test_row_chunked_conversion_writes_the_same_bytes(tmp_path, monkeypatch):
     convert_checkpoint(checkpoint("tiny"), tmp_path / "chunked", progress=False)
     whole, chunked = (tmp_path / d / "model.safetensors" for d in ("whole", "chunked"))
     assert whole.read_bytes() == chunked.read_bytes()
+
+
+@pytest.mark.parametrize("kv_cache", ["fp8", "bf16"])
+def test_converter_kv_cache_choice_writes_the_recipes_scheme_or_none(tmp_path, kv_cache):
+    """`convert --kv-cache fp8` (the default) writes §8.3's kv_cache_scheme verbatim (values, the strings
+    "true", key order) and the model then runs the FP8 cache; `--kv-cache bf16` writes none (null) and a 16-bit
+    cache runs. The tensors are the same bytes either way."""
+    from optimized.cli.main import main as cli_main
+    from optimized.layers.quantization import kv_cache_dtype
+    from optimized.model_loader.hf_config import load_hf_config
+    dst = tmp_path / kv_cache
+    assert cli_main(["convert", "--quant", "w4a8", "--no-progress", "--kv-cache", kv_cache, str(checkpoint("tiny")),
+                     str(dst)]) == 0
+    written = json.loads((dst / "config.json").read_text())["quantization_config"]
+    want = spec_quantization_config(2, kv_cache)
+    assert json.dumps(written) == json.dumps(want)        # verbatim: values, types and key order
+    assert (written["kv_cache_scheme"] is None) == (kv_cache == "bf16")
+    runs = kv_cache_dtype(load_hf_config(dst), "auto", torch.bfloat16)
+    assert runs == (torch.float8_e4m3fn if kv_cache == "fp8" else torch.bfloat16)
+    default = tmp_path / "default"
+    convert_checkpoint(checkpoint("tiny"), default, progress=False)
+    assert (dst / "model.safetensors").read_bytes() == (default / "model.safetensors").read_bytes()

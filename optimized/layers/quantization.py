@@ -66,7 +66,7 @@ def quant_scheme(hf_config) -> str | None:
 
 FLOAT8 = "float8"   # the recipe's kv_cache_quant_mode: per-token FP8 E4M3 K/V, one fp32 scale per token
 # What the recipe's converter writes (spec mx_quant.md §8.3): FP8, one dynamic symmetric scale per token.
-_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
+KV_CACHE_SCHEME_FP8 = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
               "symmetric": "true"}
 
 
@@ -81,16 +81,16 @@ def kv_cache_scheme(qc: dict | None) -> str | None:
         return None
     if not isinstance(kv, dict):
         raise QuantConfigError(f"config.json quantization_config.kv_cache_scheme={kv!r} must be an object or null")
-    for key, want in _KV_SCHEME.items():
+    for key, want in KV_CACHE_SCHEME_FP8.items():
         got = kv.get(key)
         ok = _json_true(got) if want == "true" else (got == want and type(got) is type(want))
         if not ok:
             raise QuantConfigError(f"config.json quantization_config.kv_cache_scheme.{key}={got!r} is not supported; "
-                                   f"the KV cache runs the recipe's per-token FP8 scheme {_KV_SCHEME} or 16-bit")
-    extra = sorted(set(kv) - set(_KV_SCHEME))
+                                   f"the KV cache runs the recipe's per-token FP8 scheme {KV_CACHE_SCHEME_FP8} or 16-bit")
+    extra = sorted(set(kv) - set(KV_CACHE_SCHEME_FP8))
     if extra:
         raise QuantConfigError(f"config.json quantization_config.kv_cache_scheme.{extra[0]} is not a key of the "
-                               f"per-token FP8 scheme {_KV_SCHEME}")
+                               f"per-token FP8 scheme {KV_CACHE_SCHEME_FP8}")
     return FLOAT8
 
 

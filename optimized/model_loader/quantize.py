@@ -27,15 +27,13 @@ import torch
 from safetensors import safe_open
 
 from optimized.ops import mx_format as mxf
+from optimized.layers.quantization import KV_CACHE_SCHEME_FP8   # the recipe's kv_cache_scheme (§8.3)
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 QUANT_TYPES = ("w4a8",)
 KV_CACHE_CHOICES = ("fp8", "bf16")
-# kv_cache_scheme as the recipe's converter writes it (spec mx_quant.md §8.3: the strings "true", key order kept)
-KV_CACHE_SCHEME_FP8 = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
-                       "symmetric": "true"}
 BLOCK = mxf.BLOCK_SIZE
 KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
 QUANT_CHUNK_VALUES = 1 << 20  # quantized tensors are converted in row chunks of about this many values
@@ -86,7 +84,8 @@ def quantization_config(num_hidden_layers: int, kv_cache: str = "fp8") -> dict:
     return {"config_groups": {"group_0": group(8, "Linear"), "group_1": group(4, "MoEGMM")},
             "format": "float-quantized", "global_compression_ratio": "null",
             "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
+            "quant_method": "compressed-tensors", "quantization_status": "compressed",
             "weight_block_size": [1, 32]}
 
 
