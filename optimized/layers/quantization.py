@@ -94,6 +94,62 @@ def kv_cache_scheme(qc: dict | None) -> str | None:
     return FLOAT8
 
 
+def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8") -> dict:
+    """The compressed-tensors `quantization_config` the recipe's converter writes for w4a8c16 (§8.3, key order as
+    written); kv_cache "bf16": kv_cache_scheme null."""
+    def args(bits: int, dynamic: bool) -> dict:
+        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
+                "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
+
+    def group(weight_bits: int, target: str) -> dict:
+        return {"input_activations": args(8, True), "activation_use_clip": False, "output_activations": None,
+                "targets": [target], "weights": args(weight_bits, False)}
+
+    ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
+              for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
+                        "self_attn.q_norm")]
+    return {"config_groups": {"group_0": group(8, "Linear"), "group_1": group(4, "MoEGMM")},
+            "format": "float-quantized", "global_compression_ratio": "null",
+            "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
+            "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
+            "quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "weight_block_size": [1, 32]}
+
+
+def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
+    """`qc` is exactly what the recipe's converter writes for a model of `num_hidden_layers` layers (§8.3), with
+    or without kv_cache_scheme: a missing key, another key or another value is an error naming it."""
+    kv = kv_cache_scheme(qc)                                  # the KV scheme's own errors name its key
+    want = recipe_quantization_config(num_hidden_layers, "fp8" if kv else "bf16")
+    if "kv_cache_scheme" not in qc:
+        del want["kv_cache_scheme"]
+    _expect_same(qc, want, "quantization_config")
+
+
+def _expect_same(got, want, path: str) -> None:
+    def fail(what: str):
+        raise QuantConfigError(f"config.json {path}{what}; this model runs the quantization_config the recipe's "
+                               f"converter (and `python -m optimized convert --quant w4a8`) writes")
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            fail(f"={got!r} must be an object")
+        missing = [k for k in want if k not in got]
+        if missing:
+            fail(f".{missing[0]} is missing (the converter writes {want[missing[0]]!r})")
+        extra = [k for k in got if k not in want]
+        if extra:
+            fail(f".{extra[0]} is not a key the converter writes")
+        for key in want:
+            _expect_same(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list) and isinstance(got, list) and len(got) == len(want):
+        for i, (g, w) in enumerate(zip(got, want)):
+            _expect_same(g, w, f"{path}[{i}]")
+    elif isinstance(want, list) and isinstance(got, list):
+        fail(f" has {len(got)} entries; the converter writes {len(want)}")
+    elif got != want or type(got) is not type(want):
+        fail(f"={got!r} is not supported (the converter writes {want!r})")
+
+
 def kv_cache_dtype(hf_config, choice: str, dtype: torch.dtype) -> torch.dtype:
     """The KV cache dtype that runs: 'auto' follows the checkpoint's kv_cache_scheme (as the recipe's loader
     does), 'bfloat16' keeps the cache in the activation dtype `dtype`, 'float8' quantizes it per token."""

@@ -27,7 +27,8 @@ import torch
 from safetensors import safe_open
 
 from optimized.ops import mx_format as mxf
-from optimized.layers.quantization import KV_CACHE_SCHEME_FP8   # the recipe's kv_cache_scheme (§8.3)
+# config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
+from optimized.layers.quantization import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
 SINGLE_FILE = "model.safetensors"
@@ -67,27 +68,6 @@ def quant_format(name: str) -> mxf.MxFormat | None:
 
 
 # ------------------------------------------------------------------------------------------- config.json
-
-def quantization_config(num_hidden_layers: int, kv_cache: str = "fp8") -> dict:
-    """The compressed-tensors `quantization_config` of a W4A8 checkpoint (§8.3, key order as written)."""
-    def args(bits: int, dynamic: bool) -> dict:
-        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
-                "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
-
-    def group(weight_bits: int, target: str) -> dict:
-        return {"input_activations": args(8, True), "activation_use_clip": False, "output_activations": None,
-                "targets": [target], "weights": args(weight_bits, False)}
-
-    ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
-              for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
-                        "self_attn.q_norm")]
-    return {"config_groups": {"group_0": group(8, "Linear"), "group_1": group(4, "MoEGMM")},
-            "format": "float-quantized", "global_compression_ratio": "null",
-            "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
-            "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "weight_block_size": [1, 32]}
-
 
 # ----------------------------------------------------------------------------------------------- writing
 
