@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from equivalence.compare import assert_bitwise_equal, rel_l2, tolerance
 from equivalence.strategies import describe_layout, layout
-from fixtures.checkpoints import w4a8_checkpoint
+from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model
 from optimized.distributed import ParallelState
@@ -299,3 +299,36 @@ def test_recipe_config_without_kv_cache_scheme_runs_a_16_bit_cache(recipe_checkp
     del config["quantization_config"]["kv_cache_scheme"]
     (recipe_checkpoint / "config.json").write_text(json.dumps(config))
     assert ModelRunner(load_model(recipe_checkpoint, dtype=torch.bfloat16), 16).kv_cache_dtype == torch.bfloat16
+
+
+def test_recipe_dense_layer_with_16_bit_gate_proj_loads_as_it_is(tmp_path):
+    """The recipe's converter keeps a dense layer's gate_proj in 16 bits (`mlp.gate` matches `mlp.gate_proj`)
+    beside MXFP8 up/down: tiny-dense converted, its dense gate_proj weights put back as the source's tensors
+    without a weight_scale. Each projection loads in the checkpoint's format (gate_proj bitwise the source's,
+    up/down the MXFP8 bytes), and the model generates."""
+    from optimized.executor.model_runner import ModelRunner
+    from optimized.model import is_sparse_layer
+    src, converted = checkpoint("tiny-dense"), w4a8_checkpoint("tiny-dense", kv_cache="fp8")
+    for item in converted.iterdir():
+        shutil.copy(item, tmp_path / item.name)
+    tensors, source = load_file(tmp_path / "model.safetensors"), load_file(src / "model.safetensors")
+    config = tiny_config("tiny-dense")
+    dense = [i for i in range(config.num_hidden_layers) if not is_sparse_layer(config, i)]
+    assert dense
+    for i in dense:
+        name = f"model.layers.{i}.mlp.gate_proj.weight"
+        tensors[name] = source[name]
+        del tensors[name.replace(".weight", ".weight_scale")]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    for i in dense:
+        mlp = model.layers[i].mlp
+        assert mlp.gate_up_proj is None and not hasattr(mlp.gate_proj, "weight_scale")
+        assert_bitwise_equal(mlp.gate_proj.weight, source[f"model.layers.{i}.mlp.gate_proj.weight"].bfloat16(),
+                             f"layer {i} gate_proj")
+        assert_bitwise_equal(mlp.up_proj.weight, tensors[f"model.layers.{i}.mlp.up_proj.weight"], f"layer {i} up")
+        assert mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    runner = ModelRunner(model, 16)
+    assert runner.kv_cache_dtype == torch.float8_e4m3fn
+    tokens = runner.generate([[5, 6, 7, 8, 9]], 3).tokens
+    assert len(tokens[0]) == 3
