@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # W4A8 demo: convert the tiny fixture to W4A8 (MXFP4 experts, MXFP8 attention) with
 # `python -m optimized convert --quant w4a8`, then generate greedily with the fake-quantized plain reference
-# and with the optimized model over 2 ranks (torchrun, gloo) from the converted checkpoint, in bfloat16.
+# and with the optimized model over 2 ranks (torchrun, gloo) from the converted checkpoint, in bfloat16. The
+# converter writes the recipe's kv_cache_scheme, so both run the per-token FP8 KV cache (`kv cache:` line).
 # Prints both and their token agreement; exits non-zero if a step fails or the first generated token differs.
 # (Later tokens may differ: bf16 rounding differences are re-rounded onto the FP8 grid at every layer, see
 # equivalence/compare.py "model.w4a8.bfloat16".) Usage: bash ci/demo_w4a8.sh
@@ -23,9 +24,9 @@ echo "== converting: $PY -m optimized convert --quant w4a8 <tiny> $DST"
 "$PY" -m optimized convert --quant w4a8 "$MODEL" "$DST"
 
 echo
-echo "== reference, fake-quantized: $PY -m reference generate --model <tiny> --fake-quant w4a8 --dtype bfloat16"
-REF_OUT="$("$PY" -m reference generate --model "$MODEL" --fake-quant w4a8 --dtype bfloat16 --prompt "$PROMPT" \
-    --max-new-tokens "$NEW")"
+echo "== reference, fake-quantized: $PY -m reference generate --model <tiny> --fake-quant w4a8 --kv-cache fp8 --dtype bfloat16"
+REF_OUT="$("$PY" -m reference generate --model "$MODEL" --fake-quant w4a8 --kv-cache fp8 --dtype bfloat16 \
+    --prompt "$PROMPT" --max-new-tokens "$NEW")"
 echo "$REF_OUT"
 
 echo
@@ -33,6 +34,7 @@ echo "== optimized W4A8: torchrun --nproc-per-node 2 -m optimized generate --con
 OPT_OUT="$("$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
     -m optimized generate --config "$CONFIG" --model-path "$DST" --prompt "$PROMPT" --max-new-tokens "$NEW")"
 echo "$OPT_OUT"
+grep -q '^kv cache: float8_e4m3fn' <<<"$OPT_OUT" || { echo "MISMATCH: the optimized run does not report the FP8 KV cache"; exit 1; }
 
 ref_ids="$(grep '^generated ids:' <<<"$REF_OUT" | cut -d' ' -f3)"
 opt_ids="$(grep '^generated ids:' <<<"$OPT_OUT" | cut -d' ' -f3)"

@@ -158,6 +158,14 @@ TOLERANCES: dict[str, Tolerance] = {
             "(3 mantissa bits) at 4 quantization points per layer, ~4x amplification; the quantized linears and "
             "experts themselves are bitwise equal (test_e2e_w4a8 layer checks)",
     ),
+    "model.fp8_kv.bfloat16": Tolerance(
+        atol=0.0, rtol=0.0, min_separation=1.15,
+        why="optimized bf16 model with the per-token FP8 KV cache (1-4 ranks, TP and SP prefill), decode logits "
+            "of 2 requests x 4 steps on tiny: rel_l2 to the reference with the same fake-quantized cache "
+            "2.0e-2..3.1e-2, to the reference with a 16-bit cache 2.8e-2..4.3e-2 (ratios 1.23-1.43); the two "
+            "references are 2.5e-2..3.8e-2 apart, as large as the bf16 noise (model.parallel.bfloat16), which the "
+            "E4M3 grid re-rounds. A cache that silently stays 16-bit lands nearer the 16-bit reference (ratio < 1)",
+    ),
     "router_tie.model.w4a8": Tolerance(
         atol=0.0, rtol=0.2,
         why="W4A8 model: router inputs differ by ~5e-2 rel from the fake-quant reference's (model.w4a8.bfloat16), "

@@ -73,8 +73,9 @@ def runner_of(model):
     return ModelRunner(model, BLOCK_SIZE)
 
 
-def paged_cache(model, budgets: list[int], num_layers: int | None = None):
-    """A paged cache with room for requests of `budgets` tokens, and their block table.
+def paged_cache(model, budgets: list[int], num_layers: int | None = None, dtype: torch.dtype | None = None):
+    """A paged cache with room for requests of `budgets` tokens, and their block table (dtype: the cache's,
+    default the model's activation dtype; float8_e4m3fn: the per-token FP8 cache with its scale caches).
 
     Blocks are handed out interleaved across requests (request 0 gets blocks 1, 1+B, ...), so a request's
     blocks are not contiguous and every lookup goes through the block table.
@@ -84,7 +85,7 @@ def paged_cache(model, budgets: list[int], num_layers: int | None = None):
     attn = model.layers[0].self_attn
     needs = [-(-n // BLOCK_SIZE) for n in budgets]
     cache = PagedKVCache(num_layers or len(model.layers), 1 + sum(needs), BLOCK_SIZE, attn.num_kv_heads,
-                         attn.head_dim, model.dtype, model.atten_mask.device)
+                         attn.head_dim, dtype or model.dtype, model.atten_mask.device)
     blocks: list[list[int]] = [[] for _ in budgets]
     for step in range(max(needs)):
         for r, need in enumerate(needs):

@@ -13,8 +13,10 @@ the workers and records that fresh compile; other workers load it (`fp32` fixtur
   and decodes the same tokens: cached == fresh == eager;
 - bf16, inductor: greedy tokens and teacher-forced logits vs eager within `graph.bfloat16`; the same
   compile cache directory holds the fp32 entry, and the bf16 decoder compiles (a changed dtype recompiles);
-- every key component (config, layout, rank, dtype, bucket, block size, torch / torch_npu version) maps
-  to another entry, which does not load, while the original still does;
+- bf16 with the per-token FP8 KV cache: one compiled decode step's logits within `graph.bfloat16` of eager,
+  the FP8 and scale caches it writes bitwise eager's, greedy tokens identical;
+- every key component (config, layout, rank, dtype, bucket, block size, KV cache dtype, torch / torch_npu
+  version) maps to another entry, which does not load, while the original still does;
 - a truncated artefact, garbage with a matching checksum, and a garbled key.json are each discarded with
   a CompileCacheWarning and the run proceeds with a fresh compile (cheap `aot_eager` backend: the cache
   logic does not depend on the backend) and eager's tokens;
@@ -206,6 +208,37 @@ def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path)
     assert_close(per_step[1], per_step[0], "graph.bfloat16", "bf16 graph vs eager decode logits")
 
 
+
+def test_graph_decode_fp8_kv_cache_equals_eager():
+    """bf16 with the per-token FP8 KV cache (kv_cache_dtype float8): the compiled step quantizes at the cache
+    write and reads the scale caches as eager does. One teacher-forced decode step on two identically prefilled
+    FP8 caches: logits within graph.bfloat16 and every request block of the FP8 and scale caches bitwise equal;
+    greedy tokens identical, token for token. Its compile cache key names the KV dtype."""
+    model = tiny_model(torch.bfloat16)
+    eager = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype="float8")
+    graph = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype="float8")
+    decoder = graph.decode_forward = GraphDecoder(model, "ge_graph", buckets=(BUCKET,),
+                                                  compiler=fresh_backend("inductor"))
+    assert eager.kv_cache_dtype == torch.float8_e4m3fn
+    outs, caches = [], []
+    for forward in (model, decoder):
+        cache, table = paged_cache(model, [len(p) + 2 for p in PROMPTS], dtype=eager.kv_cache_dtype)
+        ids, meta, last = eager.prefill_inputs(PROMPTS, table)
+        nxt = model(ids, meta, cache.layers, logits_indices=last).argmax(-1)
+        outs.append(forward(nxt, eager.decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
+        caches.append(cache)
+    assert_close(outs[1], outs[0], "graph.bfloat16", "FP8 KV graph vs eager decode logits")
+    for layer, (eager_kv, graph_kv) in enumerate(zip(caches[0].layers, caches[1].layers)):
+        assert len(graph_kv) == 4 and graph_kv[0].dtype == torch.float8_e4m3fn
+        for name, e, g in zip(("k", "v", "k_scale", "v_scale"), eager_kv, graph_kv):
+            assert torch.equal(g[1:].view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g[1:],
+                               e[1:].view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e[1:]), \
+                f"layer {layer} {name} cache, request blocks"
+    assert graph.generate(PROMPTS, NEW_TOKENS).tokens == eager.generate(PROMPTS, NEW_TOKENS).tokens
+    keys = [cache_key(model, batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph", kv_cache_dtype=d)
+            for d in (torch.bfloat16, eager.kv_cache_dtype)]
+    assert key_hash(keys[0]) != key_hash(keys[1])
+
 KEY_CHANGES = {
     "model_config": lambda k: k["model_config"].update(num_hidden_layers=2),
     "parallel_layout": lambda k: k["parallel_layout"].update(world_size=2, moe_ep_size=2),
@@ -213,6 +246,7 @@ KEY_CHANGES = {
     "dtype": lambda k: k.update(dtype="bfloat16"),
     "batch_bucket": lambda k: k.update(batch_bucket=16),
     "block_size": lambda k: k.update(block_size=32),
+    "kv_cache_dtype": lambda k: k.update(kv_cache_dtype="float8_e4m3fn"),
     "torch": lambda k: k.update(torch=k["torch"] + ".other"),
     "torch_npu": lambda k: k.update(torch_npu="2.8.0"),
 }
@@ -221,7 +255,8 @@ KEY_CHANGES = {
 @pytest.mark.parametrize("component", sorted(KEY_CHANGES))
 def test_changed_key_component_never_loads_the_stale_entry(fp32, tmp_path, component):
     cache = _broken_entry(fp32, tmp_path, "intact")
-    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph")
+    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
+                    kv_cache_dtype=torch.float32)
     changed = copy.deepcopy(key)
     KEY_CHANGES[component](changed)
     assert key_hash(changed) != key_hash(key)

@@ -145,8 +145,11 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
-def spec_quantization_config(layers: int) -> dict:
-    """§8.3 for w4a8c16, restated; the KV cache stays 16-bit here, so kv_cache_scheme is null."""
+def spec_quantization_config(layers: int, kv_cache: str = "fp8") -> dict:
+    """§8.3 for w4a8c16, restated: the recipe writes the per-token FP8 kv_cache_scheme (strings "true");
+    `--kv-cache bf16` writes null instead."""
+    kv_scheme = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
+                 "symmetric": "true"}
     act = {"actorder": None, "block_structure": None, "dynamic": True, "group_size": 32, "num_bits": 8,
            "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
     group_0 = {"input_activations": act, "activation_use_clip": False, "output_activations": None,
@@ -159,8 +162,8 @@ def spec_quantization_config(layers: int) -> dict:
                    f"model.layers.{i}.self_attn.q_norm"]
     return {"config_groups": {"group_0": group_0, "group_1": group_1}, "format": "float-quantized",
             "global_compression_ratio": "null", "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "weight_block_size": [1, 32]}
+            "kv_cache_scheme": kv_scheme if kv_cache == "fp8" else None, "quant_method": "compressed-tensors",
+            "quantization_status": "compressed", "weight_block_size": [1, 32]}
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -194,6 +197,7 @@ def test_converted_tiny_checkpoint_round_trip(tmp_path, sharded):
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"] == spec_quantization_config(2)
     assert list(config["quantization_config"]) == list(spec_quantization_config(2))
+    assert list(config["quantization_config"]["kv_cache_scheme"]) == list(spec_quantization_config(2)["kv_cache_scheme"])
     if sharded:
         index = json.loads((dst / "model.safetensors.index.json").read_text())
         src_files = {p.name for p in src.glob("*.safetensors")}
@@ -226,3 +230,25 @@ def test_row_chunked_conversion_writes_the_same_bytes(tmp_path, monkeypatch):
     convert_checkpoint(checkpoint("tiny"), tmp_path / "chunked", progress=False)
     whole, chunked = (tmp_path / d / "model.safetensors" for d in ("whole", "chunked"))
     assert whole.read_bytes() == chunked.read_bytes()
+
+
+@pytest.mark.parametrize("kv_cache", ["fp8", "bf16"])
+def test_converter_kv_cache_choice_writes_the_recipes_scheme_or_none(tmp_path, kv_cache):
+    """`convert --kv-cache fp8` (the default) writes §8.3's kv_cache_scheme verbatim (values, the strings
+    "true", key order) and the model then runs the FP8 cache; `--kv-cache bf16` writes none (null) and a 16-bit
+    cache runs. The tensors are the same bytes either way."""
+    from optimized.cli.main import main as cli_main
+    from optimized.layers.quantization import kv_cache_dtype
+    from optimized.model_loader.hf_config import load_hf_config
+    dst = tmp_path / kv_cache
+    assert cli_main(["convert", "--quant", "w4a8", "--no-progress", "--kv-cache", kv_cache, str(checkpoint("tiny")),
+                     str(dst)]) == 0
+    written = json.loads((dst / "config.json").read_text())["quantization_config"]
+    want = spec_quantization_config(2, kv_cache)
+    assert json.dumps(written) == json.dumps(want)        # verbatim: values, types and key order
+    assert (written["kv_cache_scheme"] is None) == (kv_cache == "bf16")
+    runs = kv_cache_dtype(load_hf_config(dst), "auto", torch.bfloat16)
+    assert runs == (torch.float8_e4m3fn if kv_cache == "fp8" else torch.bfloat16)
+    default = tmp_path / "default"
+    convert_checkpoint(checkpoint("tiny"), default, progress=False)
+    assert (dst / "model.safetensors").read_bytes() == (default / "model.safetensors").read_bytes()

@@ -7,7 +7,10 @@ definitions applied to the world-1 model: merged QKV rows by heads (KV heads rep
 exceeds them), o_proj a K-slice of whole 32-blocks (FP8 columns and their scale bytes, the scale padded to
 an even block count with a zero byte), experts by expert range. The per-rank bytes read equal the bytes of
 its slices. Whole-byte FP4 slicing under MoE TP and the layout / dtype / config errors are checked on
-synthetic sources and copies of the tiny checkpoint.
+synthetic sources and copies of the tiny checkpoint. A copy with the recipe converter's config.json
+quantization_config as text (§8.3: per-token FP8 kv_cache_scheme, global_compression_ratio "null") loads and
+generates what the project's own conversion generates, with the FP8 cache; each deviation from it is one
+QuantConfigError naming the key.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from equivalence.compare import assert_bitwise_equal, rel_l2, tolerance
 from equivalence.strategies import describe_layout, layout
-from fixtures.checkpoints import w4a8_checkpoint
+from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model
 from optimized.distributed import ParallelState
@@ -220,3 +223,112 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
     bound = eps * (parts[0].abs() + parts[1].abs() + want.double().abs())
     assert (err <= bound).all(), f"MoE TP partial sums vs unsharded: worst excess {(err - bound).max():.3e}"
     assert rel_l2(parts[0] + parts[1], want) <= tolerance("moe_tp_partials.w4a8").max_rel_l2
+
+
+# The recipe converter's config.json quantization_config for w4a8c16 (spec mx_quant.md §8.3), as text, for the
+# 2-layer tiny model: group_1 is group_0 with weights.num_bits 4 and targets ["MoEGMM"].
+_ARGS = ('"actorder": null, "block_structure": null, "dynamic": %s, "group_size": 32, "num_bits": %d, '
+         '"observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": true, "type": "float"')
+_GROUP = ('{"input_activations": {%s}, "activation_use_clip": false, "output_activations": null, '
+          '"targets": ["%s"], "weights": {%s}}')
+RECIPE_QUANTIZATION_CONFIG = """{
+  "config_groups": {"group_0": %s, "group_1": %s},
+  "format": "float-quantized",
+  "global_compression_ratio": "null",
+  "ignore": ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+             "model.layers.0.mlp.gate", "model.layers.0.self_attn.k_norm", "model.layers.0.self_attn.q_norm",
+             "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
+             "model.layers.1.mlp.gate", "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.q_norm",
+             "lm_head", "model.embed_tokens", "model.norm"],
+  "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1,
+                      "dynamic": "true", "symmetric": "true"},
+  "quant_method": "compressed-tensors",
+  "quantization_status": "compressed",
+  "weight_block_size": [1, 32]
+}""" % (_GROUP % (_ARGS % ("true", 8), "Linear", _ARGS % ("false", 8)),
+        _GROUP % (_ARGS % ("true", 8), "MoEGMM", _ARGS % ("false", 4)))
+
+
+@pytest.fixture
+def recipe_checkpoint(w4a8_copy):
+    """The tiny W4A8 tensors with config.json's quantization_config as the recipe's converter writes it."""
+    config = json.loads((w4a8_copy / "config.json").read_text())
+    config["quantization_config"] = json.loads(RECIPE_QUANTIZATION_CONFIG)
+    (w4a8_copy / "config.json").write_text(json.dumps(config, indent=2))
+    return w4a8_copy
+
+
+def test_recipe_format_checkpoint_loads_and_generates_with_the_fp8_kv_cache(recipe_checkpoint):
+    """The recipe's config.json (kv_cache_scheme: per-token FP8, global_compression_ratio the string "null")
+    loads; the FP8 cache runs by default and generates what the project's own `--kv-cache fp8` conversion
+    generates; kv_cache_dtype bfloat16 overrides it to a 16-bit cache."""
+    from optimized.executor.model_runner import ModelRunner
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 37))]
+    model = load_model(recipe_checkpoint, dtype=torch.bfloat16)
+    runner = ModelRunner(model, 16)
+    assert runner.kv_cache_dtype == torch.float8_e4m3fn
+    ours = ModelRunner(load_model(w4a8_checkpoint("tiny", kv_cache="fp8"), dtype=torch.bfloat16), 16)
+    assert runner.generate(prompts, 4).tokens == ours.generate(prompts, 4).tokens
+    assert ModelRunner(model, 16, kv_cache_dtype="bfloat16").kv_cache_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q: q.update(global_compression_ratio=None),
+     r"quantization_config\.global_compression_ratio=None is not supported \(the converter writes 'null'\)"),
+    (lambda q: q.update(observer="minmax"), r"quantization_config\.observer is not a key the converter writes"),
+    (lambda q: q.pop("quantization_status"), r"quantization_config\.quantization_status is missing"),
+    (lambda q: q["ignore"].__setitem__(2, "model.layers.0.mlp.experts"),
+     r"quantization_config\.ignore\[2\]='model\.layers\.0\.mlp\.experts' is not supported"),
+    (lambda q: q["ignore"].pop(), r"quantization_config\.ignore has 12 entries; the converter writes 13"),
+    (lambda q: q["config_groups"]["group_1"]["input_activations"].update(group_size=16),
+     r"quantization_config\.config_groups\.group_1\.input_activations\.group_size=16 is not supported"),
+    (lambda q: q.update(format="pack-quantized"), r"quantization_config\.format='pack-quantized' is not supported"),
+], ids=["compression_ratio_json_null", "extra_key", "missing_key", "ignore_entry", "ignore_short", "group_size",
+        "format"])
+def test_recipe_config_deviation_is_an_error_naming_the_key(recipe_checkpoint, change, message):
+    config = json.loads((recipe_checkpoint / "config.json").read_text())
+    change(config["quantization_config"])
+    (recipe_checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantConfigError, match=message):
+        load_model(recipe_checkpoint, dtype=torch.bfloat16)
+
+
+def test_recipe_config_without_kv_cache_scheme_runs_a_16_bit_cache(recipe_checkpoint):
+    from optimized.executor.model_runner import ModelRunner
+    config = json.loads((recipe_checkpoint / "config.json").read_text())
+    del config["quantization_config"]["kv_cache_scheme"]
+    (recipe_checkpoint / "config.json").write_text(json.dumps(config))
+    assert ModelRunner(load_model(recipe_checkpoint, dtype=torch.bfloat16), 16).kv_cache_dtype == torch.bfloat16
+
+
+def test_recipe_dense_layer_with_16_bit_gate_proj_loads_as_it_is(tmp_path):
+    """The recipe's converter keeps a dense layer's gate_proj in 16 bits (`mlp.gate` matches `mlp.gate_proj`)
+    beside MXFP8 up/down: tiny-dense converted, its dense gate_proj weights put back as the source's tensors
+    without a weight_scale. Each projection loads in the checkpoint's format (gate_proj bitwise the source's,
+    up/down the MXFP8 bytes), and the model generates."""
+    from optimized.executor.model_runner import ModelRunner
+    from optimized.model import is_sparse_layer
+    src, converted = checkpoint("tiny-dense"), w4a8_checkpoint("tiny-dense", kv_cache="fp8")
+    for item in converted.iterdir():
+        shutil.copy(item, tmp_path / item.name)
+    tensors, source = load_file(tmp_path / "model.safetensors"), load_file(src / "model.safetensors")
+    config = tiny_config("tiny-dense")
+    dense = [i for i in range(config.num_hidden_layers) if not is_sparse_layer(config, i)]
+    assert dense
+    for i in dense:
+        name = f"model.layers.{i}.mlp.gate_proj.weight"
+        tensors[name] = source[name]
+        del tensors[name.replace(".weight", ".weight_scale")]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    for i in dense:
+        mlp = model.layers[i].mlp
+        assert mlp.gate_up_proj is None and not hasattr(mlp.gate_proj, "weight_scale")
+        assert_bitwise_equal(mlp.gate_proj.weight, source[f"model.layers.{i}.mlp.gate_proj.weight"].bfloat16(),
+                             f"layer {i} gate_proj")
+        assert_bitwise_equal(mlp.up_proj.weight, tensors[f"model.layers.{i}.mlp.up_proj.weight"], f"layer {i} up")
+        assert mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    runner = ModelRunner(model, 16)
+    assert runner.kv_cache_dtype == torch.float8_e4m3fn
+    tokens = runner.generate([[5, 6, 7, 8, 9]], 3).tokens
+    assert len(tokens[0]) == 3

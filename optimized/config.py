@@ -9,6 +9,7 @@ model_config:        # what to run
   enable_cache_compile: false   # graph modes: cache compiled decode graphs under compile_cache/<CASE_NAME>
   num_hidden_layers: null       # optional override: build only the first N decoder layers
   tokenizer_mode: default       # default: prompts encoded as they are | chat: through the chat template
+  kv_cache_dtype: auto          # auto: the checkpoint's kv_cache_scheme (per-token FP8 or 16-bit) | bfloat16 | float8
 data_config:         # what to feed it
   dataset: prompts              # prompts: the `prompts` list | random: random token ids (benchmarks)
   prompts: ["The capital of France is"]
@@ -67,6 +68,7 @@ GRAPH_MODES = EXE_MODES[1:]                       # decode as one compiled graph
 DTYPES = ("bfloat16", "float32")
 DATASETS = ("prompts", "random")
 TOKENIZER_MODES = ("default", "chat")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float8")   # float8: the recipe's per-token FP8 KV cache
 MODEL_PATH_SCHEMES = ("fixture", "preset")
 
 
@@ -141,6 +143,7 @@ class ModelConfig:
     enable_cache_compile: bool = False
     num_hidden_layers: int | None = None
     tokenizer_mode: str = "default"
+    kv_cache_dtype: str = "auto"
 
     @property
     def scheme(self) -> tuple[str | None, str]:
@@ -168,6 +171,7 @@ class ModelConfig:
         c.boolean(self, "enable_cache_compile")
         c.positive_int(self, "num_hidden_layers", optional=True)
         c.choice(self, "tokenizer_mode", TOKENIZER_MODES)
+        c.choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.enable_cache_compile is True and self.exe_mode == "eager":
             c.fail("enable_cache_compile", "needs exe_mode: ge_graph or acl_graph (there is no compiled graph to cache "
                                           "in eager mode)")

@@ -1,5 +1,5 @@
 """python -m reference generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens 16]
-[--dtype float32|bfloat16] [--no-cache] [--ignore-eos] [--fake-quant w4a8]
+[--dtype float32|bfloat16] [--no-cache] [--ignore-eos] [--fake-quant w4a8] [--kv-cache fp8|bf16]
 
 --fake-quant w4a8 runs the BF16 checkpoint quantize-dequantized where a W4A8 checkpoint is quantized
 (reference/fake_quant.py): the oracle of `python -m optimized generate` on the converted checkpoint.
@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true", help="recompute the full sequence at every step")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--fake-quant", choices=["w4a8"], help="MX quantize-dequantize weights and activations")
+    gen.add_argument("--kv-cache", choices=["fp8", "bf16"], default="bf16",
+                     help="fp8: quantize-dequantize the KV cache per token (FP8 E4M3, one scale per token)")
     return parser
 
 
@@ -68,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             model = load_fake_quant_model(args.model, getattr(torch, args.dtype))
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype))
+        if args.kv_cache == "fp8":
+            if args.no_cache:
+                parser.error("--kv-cache fp8 quantizes the KV cache; it cannot be combined with --no-cache")
+            from reference.fake_quant import fake_quantize_kv_cache
+            fake_quantize_kv_cache(model)
         new = greedy_generate(model, torch.tensor([ids]), args.max_new_tokens, use_cache=not args.no_cache,
                               eos_token_ids=eos)
     except (ValueError, OSError) as e:  # bad checkpoint / config / prompt, token id outside vocab, too long

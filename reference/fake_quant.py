@@ -23,6 +23,7 @@ MXFP8 like attention.
     from reference.fake_quant import fake_quantize, load_fake_quant_model
     fake_quantize(model)        # in place; the model then computes what a W4A8 checkpoint computes
     model = load_fake_quant_model(path, torch.bfloat16)   # quantizes the checkpoint's own values, then casts
+    fake_quantize_kv_cache(model)  # and the per-token FP8 KV cache (needs use_cache: what later steps read)
 """
 from __future__ import annotations
 
@@ -160,6 +161,60 @@ def fake_quantize(model: nn.Module, scheme: str = "w4a8") -> nn.Module:
             layer.mlp.experts = nn.ModuleList(FakeQuantMLP(expert, E2M1) for expert in layer.mlp.experts)
         else:
             layer.mlp = FakeQuantMLP(layer.mlp, E4M3)
+    return model
+
+
+# ------------------------------------------------------------------------------- per-token FP8 KV cache
+#
+# The recipe's FP8 KV cache (spec npu_ops_attention_norm.md §8, §5.7): each token's K (and V) row over the KV
+# heads one rank holds gets one fp32 scale, amax times the fp32 constant 1/448; elements are x / scale in fp32,
+# rounded half to even onto the E4M3 grid and saturated at 448; the value read back is element * scale.
+# A prompt attends to its own 16-bit K/V (prefill); every later step reads the cache: all of it quantized.
+
+KV_MAX = E4M3.max
+
+
+def fake_quant_kv(x: torch.Tensor, heads_per_scale: int) -> torch.Tensor:
+    """x [B, KV, S, D] -> quantize-dequantized per token, one scale per `heads_per_scale` consecutive KV heads."""
+    b, kv, s, d = x.shape
+    if kv % heads_per_scale:
+        raise ValueError(f"heads_per_scale={heads_per_scale} does not divide the {kv} KV heads")
+    rows = x.double().transpose(1, 2).reshape(b, s, kv // heads_per_scale, heads_per_scale * d)
+    f32 = lambda t: t.float().double()  # noqa: E731  (round to fp32, keep computing in fp64)
+    scale = f32(rows.abs().amax(-1, keepdim=True) * f32(torch.tensor(1.0 / KV_MAX)))
+    q = torch.where(scale > 0, f32(rows / torch.where(scale > 0, scale, 1.0)), torch.zeros_like(rows))
+    values = round_to_grid(q, E4M3, ties="even") * scale
+    return values.reshape(b, s, kv, d).transpose(1, 2).to(x.dtype)
+
+
+class FakeQuantKVLayerCache:
+    """A reference LayerCache whose stored K/V are per-token FP8 quantize-dequantized."""
+
+    def __init__(self, heads_per_scale: int):
+        from reference.model import LayerCache
+        self.inner, self.heads_per_scale = LayerCache(), heads_per_scale
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        prefill = self.inner.length == 0
+        ks, vs = self.inner.update(fake_quant_kv(k, self.heads_per_scale), fake_quant_kv(v, self.heads_per_scale))
+        return (k, v) if prefill else (ks, vs)
+
+
+def fake_quantize_kv_cache(model: nn.Module, heads_per_scale: int | None = None) -> nn.Module:
+    """Make `model.new_cache()` hand out the FP8 per-token cache, in place. heads_per_scale: the KV heads one
+    scale covers (default all: one rank; a TP-sharded model shares a scale over each rank's KV heads)."""
+    from reference.model import KVCache
+    heads = heads_per_scale or model.config.num_key_value_heads
+
+    def new_cache() -> KVCache:
+        cache = KVCache(model.config.num_hidden_layers)
+        cache.layers = [FakeQuantKVLayerCache(heads) for _ in cache.layers]
+        return cache
+    model.new_cache = new_cache
     return model
 
 

@@ -43,23 +43,25 @@ def test_a3_bf16_decode_floor_tp16_by_hand():
 
 def test_950pr_w4a8_decode_floor_tp4_ep4_by_hand():
     # Attention TP 4 (16 query heads, 1 KV head per rank) in MXFP8; MoE EP 4: the 8 routed experts of one
-    # token spread over 4 ranks at best, 2 per rank, MXFP4; router, norms, lm_head, KV cache in BF16.
+    # token spread over 4 ranks at best, 2 per rank, MXFP4; router, norms, lm_head in BF16; the per-token FP8 KV
+    # cache: 1 byte per element and one fp32 scale per token for K and for V (this rank's 1 KV head).
     attn_proj = 4096 * 16 * 128 + 2 * 4096 * 128 + 16 * 128 * 4096        # 17,825,792
     attention = 94 * (attn_proj * MX8 + 8448 * 2)                          # 94 * 18,399,744
     assert attention == 1_729_575_936
     router = 94 * 128 * 4096 * 2                                           # 98,566,144
     experts = 94 * (8 / 4) * 3 * 4096 * 1536 * MX4                         # 94 * 20,054,016 = 1,885,077,504
     lm_head = (151936 // 4 * 4096 + 4096 + 4096) * 2                       # 311,181,312
-    kv = 94 * 2 * 1 * 128 * 4096 * 2                                       # 197,132,288
+    kv = 94 * (2 * 1 * 128 * 1 + 2 * 4) * 4096                             # 101,646,336 (BF16: 197,132,288)
     total = attention + router + experts + lm_head + kv
-    assert total == 4_221_533_184
-    floor_s = total / 1.6e12 + (94 * 2 + 2) * 5e-6                          # 2.63845824 + 0.95 = 3.58845824 ms
+    assert total == 4_126_047_232
+    floor_s = total / 1.6e12 + (94 * 2 + 2) * 5e-6                          # 2.57877952 + 0.95 = 3.52877952 ms
 
     got = F.decode_floor(Q235, F.HARDWARE["atlas_950pr"], "w4a8", batch=1, context=4096,
                          layout=F.Layout(attn_tp=4, moe_tp=1, moe_ep=4, embed_tp=4, lmhead_tp=4))
     assert got["bytes"]["total"] == pytest.approx(total, rel=1e-12) and got["collectives"] == 190
     assert got["bytes"]["experts"] == pytest.approx(experts, rel=1e-12)
-    assert got["floor_s"] == pytest.approx(floor_s, rel=1e-12) and floor_s == pytest.approx(3.58845824e-3)
+    assert got["bytes"]["kv_cache"] == kv
+    assert got["floor_s"] == pytest.approx(floor_s, rel=1e-12) and floor_s == pytest.approx(3.52877952e-3)
 
 
 def test_950pr_w4a8_prefill_floor_sp_ep4_4k_by_hand():
@@ -83,8 +85,8 @@ def test_950pr_w4a8_prefill_floor_sp_ep4_4k_by_hand():
            + 94 * 128 * 4096 * 2
            + 94 * 32 * 3 * 4096 * 1536 * MX4
            + (151936 // 4 * 4096 + 4096 + S * 4096) * 2
-           + 94 * 2 * 128 * S * 2)
-    assert hbm == 34_970_754_048                                           # 21.857 ms at 1.6 TB/s
+           + 94 * (2 * 128 + 2 * 4) * S)                                   # FP8 K/V + fp32 scale per token
+    assert hbm == 34_875_268_096                                           # 21.797 ms at 1.6 TB/s
     # Bytes each rank sends: hidden all-gather before QKV (MXFP8) and all-to-all after attention (MXFP8),
     # MoE all-gather of hidden (MXFP8) + top-8 ids and weights (4 + 4 B), reduce-scatter of the expert output
     # (BF16), embedding all-reduce of own tokens (ring: 2 * 3/4), lm_head gather of the last logits.

@@ -76,3 +76,37 @@ def test_random_weights_are_repeatable_and_need_no_safetensors(tmp_path):
     c = load_model(tmp_path, random_weights=True, seed=4, dtype=torch.float32)
     assert torch.equal(a.layers[1].mlp.experts.w13, b.layers[1].mlp.experts.w13)
     assert not torch.equal(a.layers[1].mlp.experts.w13, c.layers[1].mlp.experts.w13)
+
+
+# ---------------------------------------------------------------------------------- kv_cache_scheme
+
+def _fp8_scheme() -> dict:
+    from optimized.model_loader.quantize import quantization_config
+    return quantization_config(2, kv_cache="fp8")["kv_cache_scheme"]
+
+
+@pytest.mark.parametrize("key, value", [("num_bits", 4), ("type", "int"), ("strategy", "tensor"), ("group_size", 128),
+                                        ("dynamic", "false"), ("symmetric", False), ("num_bits", "8")])
+def test_kv_cache_scheme_other_than_the_recipes_names_the_key(key, value):
+    from optimized.layers.quantization import QuantConfigError, kv_cache_scheme
+    scheme = _fp8_scheme()
+    scheme[key] = value
+    with pytest.raises(QuantConfigError) as e:
+        kv_cache_scheme({"kv_cache_scheme": scheme})
+    assert f"kv_cache_scheme.{key}={value!r} is not supported" in str(e.value)
+
+
+def test_kv_cache_scheme_extra_key_is_one_error_naming_it():
+    from optimized.layers.quantization import QuantConfigError, kv_cache_scheme
+    scheme = {**_fp8_scheme(), "observer": "minmax"}
+    with pytest.raises(QuantConfigError) as e:
+        kv_cache_scheme({"kv_cache_scheme": scheme})
+    assert "kv_cache_scheme.observer is not a key" in str(e.value) and str(e.value).count("kv_cache_scheme.") == 1
+
+
+def test_kv_cache_scheme_recipe_null_and_absent():
+    from optimized.layers.quantization import FLOAT8, QuantConfigError, kv_cache_scheme
+    assert kv_cache_scheme({"kv_cache_scheme": _fp8_scheme()}) == FLOAT8
+    assert kv_cache_scheme({"kv_cache_scheme": None}) is None and kv_cache_scheme({}) is None
+    with pytest.raises(QuantConfigError, match=r"kv_cache_scheme='fp8' must be an object or null"):
+        kv_cache_scheme({"kv_cache_scheme": "fp8"})

@@ -28,6 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from optimized.executor.kv_cache import bytes_per_token
+
 TB, GB = 1e12, 1e9
 
 
@@ -100,7 +104,7 @@ class Precision:
     attn_weight: float     # q/k/v/o projections (and dense MLP linears)
     expert_weight: float   # routed experts
     other_weight: float    # norms, router, embedding, lm_head
-    kv_cache: float
+    kv_cache: torch.dtype  # the KV cache that runs (float8_e4m3fn: 1 byte per element + fp32 scales per token)
     wire: float            # hidden states gathered / exchanged between ranks
     reduce_wire: float     # partial sums reduced between ranks
     matmul_peak: str       # key of Hardware.peak_flops for the linears
@@ -108,11 +112,14 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {
-    "bf16": Precision("bf16", 2, 2, 2, 2, 2, 2, "bf16", "bf16"),
-    "fp32": Precision("fp32", 4, 4, 4, 4, 4, 4, "fp32", "fp32"),
-    # W4A8 (spec mx_quant.md): MXFP4 experts, MXFP8 q/k/v/o, BF16 norms/router/embedding/lm_head and
-    # KV cache; MXFP8 on the wire for gathers, BF16 for reductions; linears at the MXFP8 rate.
-    "w4a8": Precision("w4a8", 1 + MX_SCALE, 0.5 + MX_SCALE, 2, 2, 1 + MX_SCALE, 2, "mxfp8", "bf16"),
+    "bf16": Precision("bf16", 2, 2, 2, torch.bfloat16, 2, 2, "bf16", "bf16"),
+    "fp32": Precision("fp32", 4, 4, 4, torch.float32, 4, 4, "fp32", "fp32"),
+    # W4A8 (spec mx_quant.md): MXFP4 experts, MXFP8 q/k/v/o, BF16 norms/router/embedding/lm_head; the
+    # per-token FP8 KV cache the converter's kv_cache_scheme selects (the recipe's C8: one byte per element and
+    # one fp32 scale per token for K and for V over the rank's KV heads, as PagedKVCache stores them); MXFP8 on
+    # the wire for gathers, BF16 for reductions; linears at the MXFP8 rate.
+    "w4a8": Precision("w4a8", 1 + MX_SCALE, 0.5 + MX_SCALE, 2, torch.float8_e4m3fn, 1 + MX_SCALE, 2, "mxfp8",
+                      "bf16"),
 }
 
 
@@ -210,7 +217,7 @@ def decode_bytes(config, precision="bf16", batch: int = 1, context: float = 0, n
     hit = experts_hit(config, batch) if hit is None else hit
     active = hit / lay.moe_ep                                          # per rank, spread evenly
     out = _weights_read(s, p, lay, s.q_heads, active, batch)
-    out["kv_cache"] = s.layers * 2 * s.kv_heads * s.D * context * batch * p.kv_cache
+    out["kv_cache"] = bytes_per_token(s.layers, s.kv_heads, s.D, p.kv_cache) * context * batch
     out["total"] = sum(out.values())
     out["active_experts_per_layer"] = active
     return out
@@ -274,7 +281,7 @@ def prefill_bytes(config, precision, prompt_lens: list[int], layout: Layout | No
     o_heads = s.all_q_heads if sp else s.q_heads             # SP prefill: o_proj replicated
     hit = experts_hit(config, S) / lay.moe_ep                # local experts the prompt hits, spread evenly
     out = _weights_read(s, p, lay, o_heads, hit, S)
-    out["kv_cache_write"] = s.layers * 2 * s.kv_heads * s.D * S * p.kv_cache
+    out["kv_cache_write"] = bytes_per_token(s.layers, s.kv_heads, s.D, p.kv_cache) * S
     out["total"] = sum(out.values())
     return out
 

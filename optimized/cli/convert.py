@@ -15,6 +15,8 @@ from optimized.errors import UsageError
 def add_parser(sub) -> None:
     conv = sub.add_parser("convert", help="offline BF16 -> W4A8 checkpoint conversion (MXFP4 experts, MXFP8 attention)")
     conv.add_argument("--quant", required=True, choices=["w4a8"], help="target scheme")
+    conv.add_argument("--kv-cache", choices=["fp8", "bf16"], default="fp8",
+                      help="fp8 (default, as the recipe writes it): the per-token FP8 KV cache; bf16: a 16-bit cache")
     conv.add_argument("src", help="BF16 checkpoint directory (config.json + safetensors)")
     conv.add_argument("dst", help="output directory (must not exist or be empty)")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -25,7 +27,8 @@ def run(args) -> int:
 
     start = time.perf_counter()
     try:
-        report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress)
+        report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress,
+                                    kv_cache=args.kv_cache)
     except ConversionError as e:
         raise UsageError(str(e)) from None
     print(f"converted {args.src} -> {args.dst} ({args.quant}): {report.tensors} tensors, "

@@ -200,7 +200,13 @@ def run(args) -> int:
             except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint when it does not
                 raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
-            runner = ModelRunner(model, s.block_size, device, exe_mode=m.exe_mode, compile_cache=compile_cache)
+            try:
+                runner = ModelRunner(model, s.block_size, device, exe_mode=m.exe_mode, compile_cache=compile_cache,
+                                     kv_cache_dtype=m.kv_cache_dtype)
+            except QuantConfigError as e:
+                raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
+            if env.rank == 0:
+                print(f"kv cache: {runner.describe_kv_cache(m.kv_cache_dtype)}", flush=True)
             result = runner.generate(
                 prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos, prompt_logits_positions=positions,
                 return_logits=bool(args.save_logits))

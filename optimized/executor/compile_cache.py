@@ -7,8 +7,8 @@ Layout (as the recipe: `compile_cache/$CASE_NAME` next to the run's working dire
     compile_cache/<CASE_NAME>/<key hash>/inductor/       inductor's cache while this graph compiles
 
 One entry per compiled graph. The key (`cache_key`) holds everything a compiled decode graph depends on:
-the model config, parallel layout and this rank, dtype, batch bucket, KV block size, exe_mode, backend,
-and the torch / torch_npu / Python versions; a changed key is another directory, so a stale artefact is
+the model config, parallel layout and this rank, dtype, batch bucket, KV block size, KV cache dtype, exe_mode,
+backend, and the torch / torch_npu / Python versions; a changed key is another directory, so a stale artefact is
 never loaded. On CPU / CUDA an entry is inductor's cache (FX graph + AOTAutograd entries, the compiled
 kernels) as `torch.compiler.save_cache_artifacts` serializes it; loading it hot-loads inductor's cache, so
 the next compile skips code generation (dynamo still traces the step). The artefacts hold generated
@@ -54,8 +54,9 @@ def torch_npu_version() -> str | None:
         return None
 
 
-def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str) -> dict:
-    """Everything a compiled decode graph of `model` depends on (JSON-able)."""
+def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_cache_dtype: torch.dtype) -> dict:
+    """Everything a compiled decode graph of `model` depends on (JSON-able). kv_cache_dtype: the cache the graph
+    reads and writes (a float8_e4m3fn cache adds the quantizing write and the scale caches to the graph)."""
     from optimized import platform
 
     parallel = model.groups.parallel
@@ -66,6 +67,7 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str) -> di
         "dtype": str(model.dtype).removeprefix("torch."),
         "batch_bucket": batch_bucket,
         "block_size": block_size,
+        "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
         "exe_mode": exe_mode,
         "backend": platform.backend_name(),
         "torch": torch.__version__,

@@ -102,7 +102,7 @@ class GraphDecoder:
         # On NPU torchair's cache_compile owns the cache (one directory per key, all buckets inside it).
         self.torchair_cache = cache is not None and compiler is None and platform.backend_name() == "npu"
         self.max_positions = model.config.max_position_embeddings
-        self.steps: dict[int, object] = {}          # block_size -> compiled DecodeStep (buckets share it)
+        self.steps: dict[tuple, object] = {}        # (block_size, KV dtype) -> compiled DecodeStep (buckets share it)
         self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
         self.padding: dict[int, int] = {}           # batch -> bucket, for every batch that was padded
         self._marked = None                         # the KV cache whose shapes were last marked static
@@ -121,22 +121,24 @@ class GraphDecoder:
         inputs = self.pad_inputs(input_ids, meta, kv_lens, bucket)
         caches = list(kv_caches)
         if self._marked is None or self._marked() is not caches[0][0]:   # a new cache: mark it once
-            for k_cache, v_cache in caches:
-                for t in (k_cache, v_cache):
+            for layer_cache in caches:                 # (k, v) or, FP8, (k, v, k_scale, v_scale)
+                for t in layer_cache:
                     for dim in range(1, t.dim()):  # the block count stays symbolic: the pool size may change
                         torch._dynamo.mark_static(t, dim)
             self._marked = weakref.ref(caches[0][0])   # a weak reference: the cache is freed after its run
-        step = self.steps.get(meta.block_size)
+        kv_dtype = caches[0][0].dtype
+        step = self.steps.get((meta.block_size, kv_dtype))
         if step is None:
-            step = self.steps[meta.block_size] = self._compile(meta.block_size)
+            step = self.steps[meta.block_size, kv_dtype] = self._compile(meta.block_size, kv_dtype)
         if bucket not in self.startup:
-            return self._first_call(step, bucket, meta.block_size, inputs, caches)[:batch]
+            return self._first_call(step, bucket, meta.block_size, kv_dtype, inputs, caches)[:batch]
         with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
             return step(*inputs, caches)[:batch]
 
-    def _compile(self, block_size: int):
+    def _compile(self, block_size: int, kv_dtype: torch.dtype):
         if self.torchair_cache:  # pragma: no cover - needs torchair: it caches per input shape in this directory
-            key = cache_key(self.model, batch_bucket=0, block_size=block_size, exe_mode=self.exe_mode)
+            key = cache_key(self.model, batch_bucket=0, block_size=block_size, exe_mode=self.exe_mode,
+                            kv_cache_dtype=kv_dtype)
             compiler = platform.graph_compiler(self.exe_mode, cache_dir=self.cache.root / key_hash(key))
             return compiler(DecodeStep(self.model, block_size))
         return self.compiler(DecodeStep(self.model, block_size))
@@ -160,11 +162,11 @@ class GraphDecoder:
             torch._dynamo.mark_static(t)
         return (*tensors, kv_lens + [1] * pad)
 
-    def _first_call(self, step, bucket: int, block_size: int, inputs, caches) -> torch.Tensor:
+    def _first_call(self, step, bucket: int, block_size: int, kv_dtype: torch.dtype, inputs, caches) -> torch.Tensor:
         entry = None
         if self.cache is not None and not self.torchair_cache:
             entry = self.cache.entry(cache_key(self.model, batch_bucket=bucket, block_size=block_size,
-                                               exe_mode=self.exe_mode))
+                                               exe_mode=self.exe_mode, kv_cache_dtype=kv_dtype))
         start = time.perf_counter()
         with entry.inductor_cache() if entry is not None else contextlib.nullcontext():
             source = "loaded" if entry is not None and entry.load() else "compiled"

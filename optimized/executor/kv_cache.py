@@ -1,7 +1,9 @@
 """Paged KV cache: a pool of fixed-size blocks per layer, block tables and slot mappings per request.
 
 Cache tensors are [num_blocks, block_size, kv_heads, head_dim] ("BnBsND"); attention reads them as
-BnBsH. Block 0 is the null block: padding entries of block tables point at it and it is never handed
+BnBsH. A float8_e4m3fn cache (the recipe's per-token FP8 KV cache) adds one float32 scale cache per K and V,
+[num_blocks, block_size]: one de-quantization scale per token, written through the same slot mapping, so
+a layer's cache is (k, v) or (k, v, k_scale, v_scale). Block 0 is the null block: padding entries of block tables point at it and it is never handed
 out, so a stray write to it cannot corrupt a request.
 """
 from __future__ import annotations
@@ -11,6 +13,16 @@ import math
 import torch
 
 NULL_BLOCK = 0
+QUANTIZED_DTYPES = (torch.float8_e4m3fn,)
+SCALE_BYTES = 4   # one float32 de-quantization scale per token, for K and for V
+
+
+def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Cache bytes one token occupies on one rank: K and V of every layer, plus their scales when quantized."""
+    per_layer = 2 * kv_heads * head_dim * dtype.itemsize
+    if dtype in QUANTIZED_DTYPES:
+        per_layer += 2 * SCALE_BYTES
+    return num_layers * per_layer
 
 
 class PagedKVCache:
@@ -20,11 +32,21 @@ class PagedKVCache:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be positive")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(num_layers)]
+
+        def layer():
+            kv = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            if dtype not in QUANTIZED_DTYPES:
+                return kv
+            scales = [torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device) for _ in range(2)]
+            return kv + tuple(scales)
+        self.layers = [layer() for _ in range(num_layers)]
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))   # pop() hands out 1, 2, 3, ...
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
 
     @property
     def free_blocks(self) -> int:

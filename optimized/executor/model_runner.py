@@ -16,8 +16,9 @@ import torch
 from optimized.executor import graph
 from optimized.platform import synchronize
 from optimized.forward_metadata import ForwardMetadata
-from optimized.executor.kv_cache import PagedKVCache, block_table, slot_mapping
+from optimized.executor.kv_cache import QUANTIZED_DTYPES, PagedKVCache, block_table, slot_mapping
 from optimized.executor.sampling import GREEDY, Sampler, SamplingParams
+from optimized.layers.quantization import kv_cache_dtype as resolve_kv_cache_dtype
 
 BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
 
@@ -69,7 +70,7 @@ def _eos_set(eos_token_id) -> frozenset[int]:
 
 class ModelRunner:
     def __init__(self, model, block_size: int = 128, device: torch.device | str | None = None, *,
-                 exe_mode: str = "eager", compile_cache=None):
+                 exe_mode: str = "eager", compile_cache=None, kv_cache_dtype: str = "auto"):
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -86,6 +87,14 @@ class ModelRunner:
         self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_layers, self.max_positions = config.num_hidden_layers, config.max_position_embeddings
         self.vocab_size = config.vocab_size
+        # 'auto': the checkpoint's quantization_config.kv_cache_scheme decides (per-token FP8 or 16-bit).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, kv_cache_dtype, model.dtype)
+
+    def describe_kv_cache(self, choice: str = "auto") -> str:
+        """The start-up line's KV cache: its dtype and where that came from."""
+        origin = "the checkpoint's kv_cache_scheme" if choice == "auto" else f"kv_cache_dtype: {choice}"
+        kind = ("per-token FP8, fp32 scale caches" if self.kv_cache_dtype in QUANTIZED_DTYPES else "16-bit")
+        return f"{str(self.kv_cache_dtype).replace('torch.', '')} ({kind}; from {origin})"
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, sampling: SamplingParams | None = None,
@@ -108,7 +117,7 @@ class ModelRunner:
         budget = [len(p) + max_new_tokens for p in prompts]
         num_blocks = 1 + sum(-(-n // self.block_size) for n in budget)
         cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
-                             self.model.dtype, self.device)
+                             self.kv_cache_dtype, self.device)
         table = block_table([cache.allocate(n) for n in budget], self.device)
         lengths = [len(p) for p in prompts]
         result = GenerationResult(tokens=[[] for _ in prompts], finish_reasons=["length"] * len(prompts),

@@ -4,6 +4,12 @@ merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rot
 -> npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache)
 -> o_proj (row-parallel, all_reduce). New K/V go to the paged cache with npu_scatter_nd_update_.
 
+A layer's cache is (k, v), or (k, v, k_scale, v_scale) for the per-token FP8 cache (the recipe's
+kv_cache_quant_mode "float8"): K and V are quantized per token over this rank's KV heads by npu_dynamic_quant
+at the cache write, their fp32 scales scattered into the scale caches through the same slot mapping, and
+decode reads them with key/value_quant_mode 4 (sparse_mode 0, no mask). Prefill attends to its own 16-bit
+K/V, as the recipe does; only what later steps read passes through the cache.
+
 The sequence-parallel prefill's data movement around these pieces is the phase's (optimized/phases.py).
 """
 from __future__ import annotations
@@ -19,6 +25,8 @@ from optimized.layers.norm import RMSNorm
 
 # sparse_mode 3 reads this 2048x2048 template (True = masked) whatever the sequence length.
 CAUSAL_MASK_TEMPLATE_SIZE = 2048
+FLOAT8_E4M3FN = 24     # torch ScalarType code of the FP8 KV cache (npu_dynamic_quant dst_type)
+PER_TOKEN_PAGED = 4    # FIA key/value_quant_mode: one fp32 scale per token, stored per page
 
 
 def causal_mask_template(device: torch.device | str | None = None) -> torch.Tensor:
@@ -88,17 +96,34 @@ class Qwen3MoeAttention(nn.Module):
             actual_seq_qlen=meta.actual_seq_lengths_cu_q, actual_seq_kvlen=meta.actual_seq_lengths_cu_q)[0]
 
     def attention_decode(self, q, meta: ForwardMetadata, kv_cache, atten_mask):
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *scales = kv_cache
         num_blocks, block_size = k_cache.shape[:2]
+        quant = {}
+        if scales:                                                             # FP8: sparse 0, no mask (§5.12)
+            k_scale, v_scale = scales                                          # [blocks, block_size] fp32
+            quant = dict(dequant_scale_key=k_scale, dequant_scale_value=v_scale, key_quant_mode=PER_TOKEN_PAGED,
+                         value_quant_mode=PER_TOKEN_PAGED)
         return torch.ops.npu.npu_fused_infer_attention_score_v2(
             q, k_cache.view(num_blocks, block_size, -1), v_cache.view(num_blocks, block_size, -1),
             num_query_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            softmax_scale=self.softmax_scale, input_layout="TND", sparse_mode=3, atten_mask=atten_mask,
-            actual_seq_qlen=meta.actual_seq_lengths_cu_q, actual_seq_kvlen=meta.actual_seq_lengths_kv,
-            block_table=meta.block_table, block_size=meta.block_size)[0]
+            softmax_scale=self.softmax_scale, input_layout="TND", sparse_mode=0 if scales else 3,
+            atten_mask=None if scales else atten_mask, actual_seq_qlen=meta.actual_seq_lengths_cu_q,
+            actual_seq_kvlen=meta.actual_seq_lengths_kv, block_table=meta.block_table, block_size=meta.block_size,
+            **quant)[0]
 
     def kv_cache_update(self, k, v, meta: ForwardMetadata, kv_cache) -> None:
-        k_cache, v_cache = kv_cache                                            # [blocks, block_size, Nkv, D]
+        k_cache, v_cache, *scales = kv_cache                                   # [blocks, block_size, Nkv, D]
+        tokens = k.shape[0]
         slots = meta.slot_mapping.view(-1, 1)
+        if scales:
+            k_scale, v_scale = scales                                          # [blocks, block_size] fp32
+            k, ks = torch.ops.npu.npu_dynamic_quant(k.reshape(tokens, -1), dst_type=FLOAT8_E4M3FN,
+                                                    quant_mode="pertoken")     # [T, Nkv*D] fp8, [T] fp32
+            v, vs = torch.ops.npu.npu_dynamic_quant(v.reshape(tokens, -1), dst_type=FLOAT8_E4M3FN,
+                                                    quant_mode="pertoken")
+            k = k.view(tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(tokens, self.num_kv_heads, self.head_dim)
+            torch.ops.npu.npu_scatter_nd_update_(k_scale.view(-1, 1, 1), slots, ks.view(tokens, 1, 1))
+            torch.ops.npu.npu_scatter_nd_update_(v_scale.view(-1, 1, 1), slots, vs.view(tokens, 1, 1))
         torch.ops.npu.npu_scatter_nd_update_(k_cache.view(-1, self.num_kv_heads, self.head_dim), slots, k)
         torch.ops.npu.npu_scatter_nd_update_(v_cache.view(-1, self.num_kv_heads, self.head_dim), slots, v)

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from optimized.layers.exchange import MoeInferTP
-from optimized.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _split
-from optimized.layers.quantization import linear_method, moe_method, quant_scheme
+from optimized.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
+                                     RowParallelLinear, _split)
+from optimized.layers.quantization import W4A8, MxFp8LinearMethod, linear_method, moe_method, quant_scheme
+from optimized.ops.mx_format import scale_name
 
 
 class FusedMoEGMM(nn.Module):
@@ -83,21 +85,52 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeMLP(nn.Module):
-    """Dense SwiGLU MLP (mlp_only_layers / decoder_sparse_step), tensor-parallel over the MoE TP group."""
+    """Dense SwiGLU MLP (mlp_only_layers / decoder_sparse_step), tensor-parallel over the MoE TP group.
+
+    W4A8: each projection's format is the checkpoint's (a weight with its `weight_scale` partner is MXFP8, one
+    without is 16-bit): the recipe's converter keeps a dense gate_proj 16-bit (its ignore pattern `mlp.gate` is a
+    substring of `mlp.gate_proj`) beside MXFP8 up/down, and such a layer loads as it is, gate and up then as two
+    column-parallel linears instead of the merged gate_up_proj."""
 
     exchanges_tokens = False
 
     def __init__(self, config, moe_tp, dtype: torch.dtype):
         super().__init__()
         inter, scheme = config.intermediate_size, quant_scheme(config)
+        self.hidden_size, self.inter, self.moe_tp, self.dtype = config.hidden_size, inter, moe_tp, dtype
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], moe_tp, dtype,
                                                        linear_method(scheme))
+        self.gate_proj = self.up_proj = None
         self.down_proj = RowParallelLinear(inter, config.hidden_size, moe_tp, dtype, linear_method(scheme))
 
     def load(self, source, prefix: str) -> None:
-        self.gate_up_proj.load(source, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"])
-        self.down_proj.load(source, f"{prefix}.down_proj.weight")
+        gate, up, down = (f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down"))
+        if isinstance(self.gate_up_proj.quant_method, MxFp8LinearMethod):
+            mx = {name: source.has(scale_name(name)) for name in (gate, up, down)}
+            device = self.down_proj.weight.device
+            with torch.device(device):                 # rebuilt on the model's device, never a default one
+                if mx[gate] != mx[up]:
+                    self.gate_proj, self.up_proj = (
+                        ColumnParallelLinear(self.hidden_size, self.inter, self.moe_tp, self.dtype,
+                                             quant_method=linear_method(W4A8 if mx[n] else None)) for n in (gate, up))
+                    self.gate_up_proj = None
+                elif not mx[gate]:
+                    self.gate_up_proj = MergedColumnParallelLinear(self.hidden_size, [self.inter, self.inter],
+                                                                   self.moe_tp, self.dtype, linear_method(None))
+                if not mx[down]:
+                    self.down_proj = RowParallelLinear(self.inter, self.hidden_size, self.moe_tp, self.dtype,
+                                                       linear_method(None))
+        if self.gate_up_proj is not None:
+            self.gate_up_proj.load(source, [gate, up])
+        else:
+            self.gate_proj.load(source, gate)
+            self.up_proj.load(source, up)
+        self.down_proj.load(source, down)
 
     def forward(self, hidden: torch.Tensor, exchange=None, router_in=None) -> torch.Tensor:
         """A dense layer exchanges no tokens: `exchange` and `router_in` (the MoE block's interface) are unused."""
-        return self.down_proj(torch.ops.npu.npu_swiglu(self.gate_up_proj(hidden)))
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(hidden)                                      # [T, 2*I_r]
+        else:
+            gate_up = torch.cat([self.gate_proj(hidden), self.up_proj(hidden)], dim=-1)
+        return self.down_proj(torch.ops.npu.npu_swiglu(gate_up))

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optimized.config import KV_CACHE_DTYPES
 from optimized.errors import CheckpointError
 from optimized.ops import mx_format as mxf
 
@@ -57,9 +58,112 @@ def quant_scheme(hf_config) -> str | None:
         for target in group.get("targets") or []:
             bits[target] = w.get("num_bits")
     need(bits == {"Linear": 8, "MoEGMM": 4}, "config_groups (weight bits per target)", bits)
-    kv = qc.get("kv_cache_scheme")
-    need(kv is None, "kv_cache_scheme", kv)
+    kv_cache_scheme(qc)
     return W4A8
+
+
+# ------------------------------------------------------------------------------------------- KV cache
+
+FLOAT8 = "float8"   # the recipe's kv_cache_quant_mode: per-token FP8 E4M3 K/V, one fp32 scale per token
+# What the recipe's converter writes (spec mx_quant.md §8.3): FP8, one dynamic symmetric scale per token.
+KV_CACHE_SCHEME_FP8 = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
+              "symmetric": "true"}
+
+
+def _json_true(value) -> bool:
+    return value is True or value == "true"      # the converter writes the strings "true"
+
+
+def kv_cache_scheme(qc: dict | None) -> str | None:
+    """FLOAT8 or None from `quantization_config.kv_cache_scheme` (absent / null: a 16-bit cache)."""
+    kv = (qc or {}).get("kv_cache_scheme")
+    if kv is None:
+        return None
+    if not isinstance(kv, dict):
+        raise QuantConfigError(f"config.json quantization_config.kv_cache_scheme={kv!r} must be an object or null")
+    for key, want in KV_CACHE_SCHEME_FP8.items():
+        got = kv.get(key)
+        ok = _json_true(got) if want == "true" else (got == want and type(got) is type(want))
+        if not ok:
+            raise QuantConfigError(f"config.json quantization_config.kv_cache_scheme.{key}={got!r} is not supported; "
+                                   f"the KV cache runs the recipe's per-token FP8 scheme {KV_CACHE_SCHEME_FP8} or 16-bit")
+    extra = sorted(set(kv) - set(KV_CACHE_SCHEME_FP8))
+    if extra:
+        raise QuantConfigError(f"config.json quantization_config.kv_cache_scheme.{extra[0]} is not a key of the "
+                               f"per-token FP8 scheme {KV_CACHE_SCHEME_FP8}")
+    return FLOAT8
+
+
+def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8") -> dict:
+    """The compressed-tensors `quantization_config` the recipe's converter writes for w4a8c16 (§8.3, key order as
+    written); kv_cache "bf16": kv_cache_scheme null."""
+    def args(bits: int, dynamic: bool) -> dict:
+        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
+                "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
+
+    def group(weight_bits: int, target: str) -> dict:
+        return {"input_activations": args(8, True), "activation_use_clip": False, "output_activations": None,
+                "targets": [target], "weights": args(weight_bits, False)}
+
+    ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
+              for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
+                        "self_attn.q_norm")]
+    return {"config_groups": {"group_0": group(8, "Linear"), "group_1": group(4, "MoEGMM")},
+            "format": "float-quantized", "global_compression_ratio": "null",
+            "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
+            "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
+            "quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "weight_block_size": [1, 32]}
+
+
+def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
+    """`qc` is exactly what the recipe's converter writes for a model of `num_hidden_layers` layers (§8.3), with
+    or without kv_cache_scheme: a missing key, another key or another value is an error naming it."""
+    kv = kv_cache_scheme(qc)                                  # the KV scheme's own errors name its key
+    want = recipe_quantization_config(num_hidden_layers, "fp8" if kv else "bf16")
+    if "kv_cache_scheme" not in qc:
+        del want["kv_cache_scheme"]
+    _expect_same(qc, want, "quantization_config")
+
+
+def _expect_same(got, want, path: str) -> None:
+    def fail(what: str):
+        raise QuantConfigError(f"config.json {path}{what}; this model runs the quantization_config the recipe's "
+                               f"converter (and `python -m optimized convert --quant w4a8`) writes")
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            fail(f"={got!r} must be an object")
+        missing = [k for k in want if k not in got]
+        if missing:
+            fail(f".{missing[0]} is missing (the converter writes {want[missing[0]]!r})")
+        extra = [k for k in got if k not in want]
+        if extra:
+            fail(f".{extra[0]} is not a key the converter writes")
+        for key in want:
+            _expect_same(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list) and isinstance(got, list) and len(got) == len(want):
+        for i, (g, w) in enumerate(zip(got, want)):
+            _expect_same(g, w, f"{path}[{i}]")
+    elif isinstance(want, list) and isinstance(got, list):
+        fail(f" has {len(got)} entries; the converter writes {len(want)}")
+    elif got != want or type(got) is not type(want):
+        fail(f"={got!r} is not supported (the converter writes {want!r})")
+
+
+def kv_cache_dtype(hf_config, choice: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache dtype that runs: 'auto' follows the checkpoint's kv_cache_scheme (as the recipe's loader
+    does), 'bfloat16' keeps the cache in the activation dtype `dtype`, 'float8' quantizes it per token."""
+    if choice not in KV_CACHE_DTYPES:
+        raise QuantConfigError(f"kv_cache_dtype={choice!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    qc = getattr(hf_config, "quantization_config", None)
+    qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+    wanted = kv_cache_scheme(qc) if choice == "auto" else choice
+    if wanted != FLOAT8:
+        return dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise QuantConfigError(f"kv_cache_dtype float8 quantizes bfloat16 or float16 K/V (npu_dynamic_quant takes no "
+                               f"{dtype}); run dtype bfloat16 or set model_config.kv_cache_dtype: bfloat16")
+    return torch.float8_e4m3fn
 
 
 def _expect_dtype(source, name: str, tensor: torch.Tensor, dtype: torch.dtype, scheme: str) -> None:

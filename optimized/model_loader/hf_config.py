@@ -4,7 +4,8 @@ transformers fills absent keys with the 30B model's defaults and reads any model
 Qwen3MoeConfig without complaint, so a llama config or a config missing `num_attention_heads` would
 load and compute garbage. `load_hf_config` refuses those with a ModelConfigError naming the key and the
 fix: another model_type, a missing or non-positive size / head / expert count, and the features the
-optimized model does not implement (`model.UNSUPPORTED`).
+optimized model does not implement (`model.UNSUPPORTED`). A `quantization_config` must be exactly what the
+recipe's converter writes (QuantConfigError naming the key otherwise).
 """
 from __future__ import annotations
 
@@ -79,4 +80,8 @@ def load_hf_config(path) -> Qwen3MoeConfig:
     check_config_dict(raw, file)
     config = Qwen3MoeConfig.from_pretrained(path)
     check_supported(config, file)
+    if raw.get("quantization_config"):
+        from optimized.layers.quantization import check_recipe_quantization_config, quant_scheme
+        quant_scheme(config)                     # the scheme's own errors first (bits, block size, method)
+        check_recipe_quantization_config(raw["quantization_config"], raw["num_hidden_layers"])
     return config

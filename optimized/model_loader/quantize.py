@@ -6,8 +6,9 @@ W4A8 (the recipe's `w4a8c16`): routed experts' gate/up/down weights MXFP4 E2M1 (
 packed along K, low nibble first), attention q/k/v/o (and dense-MLP) weights MXFP8 E4M3, each with a
 `<name>_scale` uint8 tensor of one E8M0 byte per 32-block of K, shape [N, ceil(K/32)]. Norms, the router,
 embeddings and lm_head are copied unchanged. config.json gets the compressed-tensors `quantization_config`
-of §8.3 (with `kv_cache_scheme: null`: the KV cache stays 16-bit); other files are copied; an index is
-rewritten with the same shard file names.
+of §8.3; other files are copied; an index is rewritten with the same shard file names. `kv_cache="fp8"` (the
+default, as the recipe's converter writes it for qwen3_moe) adds its per-token FP8 `kv_cache_scheme`, which
+makes the model run an FP8 KV cache; `kv_cache="bf16"` writes `kv_cache_scheme: null` (a 16-bit cache).
 
 Streaming: every output shard's header is computed from the source's tensor metadata before any data is
 read, then each tensor is read (through `get_slice`), quantized and appended in row chunks, so memory holds
@@ -26,11 +27,14 @@ import torch
 from safetensors import safe_open
 
 from optimized.ops import mx_format as mxf
+# config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
+from optimized.layers.quantization import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 QUANT_TYPES = ("w4a8",)
+KV_CACHE_CHOICES = ("fp8", "bf16")
 BLOCK = mxf.BLOCK_SIZE
 KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
 QUANT_CHUNK_VALUES = 1 << 20  # quantized tensors are converted in row chunks of about this many values
@@ -64,26 +68,6 @@ def quant_format(name: str) -> mxf.MxFormat | None:
 
 
 # ------------------------------------------------------------------------------------------- config.json
-
-def quantization_config(num_hidden_layers: int) -> dict:
-    """The compressed-tensors `quantization_config` of a W4A8 checkpoint (§8.3, key order as written)."""
-    def args(bits: int, dynamic: bool) -> dict:
-        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
-                "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
-
-    def group(weight_bits: int, target: str) -> dict:
-        return {"input_activations": args(8, True), "activation_use_clip": False, "output_activations": None,
-                "targets": [target], "weights": args(weight_bits, False)}
-
-    ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
-              for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
-                        "self_attn.q_norm")]
-    return {"config_groups": {"group_0": group(8, "Linear"), "group_1": group(4, "MoEGMM")},
-            "format": "float-quantized", "global_compression_ratio": "null",
-            "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "weight_block_size": [1, 32]}
-
 
 # ----------------------------------------------------------------------------------------------- writing
 
@@ -200,13 +184,16 @@ class ConversionReport:
     files: list[str]
 
 
-def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True) -> ConversionReport:
-    """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a W4A8 checkpoint at `dst`."""
+def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str = "fp8") -> ConversionReport:
+    """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a W4A8 checkpoint at `dst`
+    (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none)."""
     from tqdm import tqdm
 
     src, dst = Path(src), Path(dst)
     if quant not in QUANT_TYPES:
         raise ConversionError(f"--quant {quant!r} is not supported; supported: {', '.join(QUANT_TYPES)}")
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise ConversionError(f"--kv-cache {kv_cache!r} is not supported; supported: {', '.join(KV_CACHE_CHOICES)}")
     config_path = src / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{src} has no config.json")
@@ -246,6 +233,6 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True) -> 
     if weight_map is not None:
         out_map = {e.name: file for file in files for e in plans[file]}
         (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": out_map}, indent=2))
-    config["quantization_config"] = quantization_config(config["num_hidden_layers"])
+    config["quantization_config"] = quantization_config(config["num_hidden_layers"], kv_cache)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return ConversionReport(stats.tensors_in, stats.bytes_in, stats.bytes_out, files)
