@@ -48,3 +48,15 @@ def test_signature_names_positional_and_keyword_arguments_alike():
     assert call == signature(torch.ops.npu.npu_rms_norm.default, (x, gamma), {"epsilon": 1e-6})
     assert call["args"]["self"] == {"dtype": "float32", "shape": [3, 8], "stride": [8, 1]}
     assert call["args"]["epsilon"] == 1e-6
+
+
+@pytest.mark.parametrize("config", CONFIGURATIONS, ids=lambda c: c.name)
+def test_build_time_operator_check_requires_exactly_the_recorded_operators(config):
+    from fixtures.tiny import tiny_config
+    from optimized.config import is_sparse_layer
+    from optimized.ops.required import required_operators
+
+    hf = tiny_config(config.fixture)
+    dense = not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers))
+    recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
+    assert required_operators(w4a8=config.w4a8, dense_mlp=dense, sp_ep_scheme=config.scheme) == recorded
