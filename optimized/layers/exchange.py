@@ -41,9 +41,8 @@ def re_routing(x, counts: torch.Tensor):
     if scale is None:
         permuted, _, idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(data, counts)
         return permuted, idx, expert_tokens
-    rows = data.shape[0]
     permuted, permuted_scale, idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
-        data.view(torch.bfloat16), counts, per_token_scales=scale.reshape(rows, -1))
+        data.view(torch.bfloat16), counts, per_token_scales=scale.flatten(1))
     return MxRows(permuted.view(data.dtype), permuted_scale.view(scale.shape)), idx, expert_tokens
 
 
