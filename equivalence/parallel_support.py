@@ -30,18 +30,18 @@ _MODEL_CACHE_SIZE = 4
 
 # ------------------------------------------------------------------------------------------ worker side
 
-def rank_model(path: str, layout: dict, dtype: torch.dtype):
-    """This rank's optimized model (cached per checkpoint, layout and dtype)."""
+def rank_model(path: str, layout: dict, dtype: torch.dtype, device: str = "cpu"):
+    """This rank's optimized model (cached per checkpoint, layout, dtype and device)."""
     import optimized  # noqa: F401  (registers torch.ops.npu.*)
     from optimized.model_loader.build import load_model
     from optimized.distributed import ParallelState
 
-    key = (str(path), tuple(sorted(layout.items())), dtype)
+    key = (str(path), tuple(sorted(layout.items())), dtype, device)
     if key in _MODEL_CACHE:
         _MODEL_CACHE.move_to_end(key)
         return _MODEL_CACHE[key]
     state = ParallelState.build(**layout)
-    model = load_model(path, parallel=state, dtype=dtype)
+    model = load_model(path, parallel=state, dtype=dtype, device=device)
     _MODEL_CACHE[key] = model
     while len(_MODEL_CACHE) > _MODEL_CACHE_SIZE:
         _MODEL_CACHE.popitem(last=False)

@@ -87,10 +87,10 @@ def _recording_routes(model, log: dict):
 
 
 @torch.no_grad()
-def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
+def _logits_task(rank, world, path, lay, dtype_name, prompts, forced, device="cpu"):
     """Prefill logits [T, V] of the packed prompts, then teacher-forced decode logits [steps][B, V], and the
     expert ids every MoE layer picked for every token (the replay of the routing-flip-aware comparison)."""
-    model = rank_model(path, lay, dtype_of(dtype_name))
+    model = rank_model(path, lay, dtype_of(dtype_name), device)
     runner = runner_of(model)
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
     routes: dict = {}
@@ -100,7 +100,7 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
         lengths = [len(p) for p in prompts]
         for step, tokens in enumerate(forced):
             meta = runner.decode_metadata(lengths, table)
-            out[f"decode{step}"] = model(torch.tensor(tokens), meta, cache.layers)
+            out[f"decode{step}"] = model(torch.tensor(tokens, device=table.device), meta, cache.layers)
             lengths = [n + 1 for n in lengths]
     if model.ep_scheme is None:
         out["routes"] = {i: torch.cat(r) for i, r in routes.items()}  # rows: prefill tokens, then decode steps
