@@ -1,4 +1,20 @@
+"""Equivalence-suite setup: the `equivalence` marker, and the NPU route caps enforced on every model-level test.
+
+Model-level tests (every module here but the per-operator `test_ops_*`, which choose their own strictness) run
+the portable kernels with QWEN3_MOE_STRICT_NPU_LIMITS=route: a model call that a real kernel rejects by its
+dtypes, modes or layouts fails the test, at any fixture size and in the fp32 proofs too (the dims and fp32 caps
+stay off: the tiny fixtures' head dims and the fp32 exact path are deliberate). The worker pool forks from the
+test that first needs it, so its ranks inherit the setting (pools serve model-level tests only).
+"""
 import pytest
+
+from optimized.ops.validation import STRICT_ENV
+
+MODEL_LEVEL_STRICTNESS = "route"
+
+
+def is_model_level(item) -> bool:
+    return not item.module.__name__.rpartition(".")[2].startswith("test_ops_")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -6,3 +22,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/equivalence/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.equivalence)
+
+
+@pytest.fixture(autouse=True)
+def npu_route_caps(request, monkeypatch):
+    if is_model_level(request.node):
+        monkeypatch.setenv(STRICT_ENV, MODEL_LEVEL_STRICTNESS)

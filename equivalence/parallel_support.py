@@ -50,18 +50,19 @@ def on_host(tree):
     return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
 
 
-def rank_model(path: str, layout: dict, dtype: torch.dtype):
-    """This rank's optimized model (cached per checkpoint, layout and dtype)."""
+def rank_model(path: str, layout: dict, dtype: torch.dtype, device: str | None = None):
+    """This rank's optimized model (cached per checkpoint, layout, dtype and device; default `test_device()`)."""
+    device = str(device or test_device())
     import optimized  # noqa: F401  (registers torch.ops.npu.*)
     from optimized.model_loader.build import load_model
     from optimized.distributed import ParallelState
 
-    key = (str(path), tuple(sorted(layout.items())), dtype)
+    key = (str(path), tuple(sorted(layout.items())), dtype, device)
     if key in _MODEL_CACHE:
         _MODEL_CACHE.move_to_end(key)
         return _MODEL_CACHE[key]
     state = ParallelState.build(**layout)
-    model = load_model(path, parallel=state, dtype=dtype, device=test_device())
+    model = load_model(path, parallel=state, dtype=dtype, device=device)
     _MODEL_CACHE[key] = model
     while len(_MODEL_CACHE) > _MODEL_CACHE_SIZE:
         _MODEL_CACHE.popitem(last=False)

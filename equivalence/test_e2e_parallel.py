@@ -87,10 +87,10 @@ def _recording_routes(model, log: dict):
 
 
 @torch.no_grad()
-def _logits_task(rank, world, path, lay, dtype_name, prompts, forced):
+def _logits_task(rank, world, path, lay, dtype_name, prompts, forced, device=None):
     """Prefill logits [T, V] of the packed prompts, then teacher-forced decode logits [steps][B, V], and the
     expert ids every MoE layer picked for every token (the replay of the routing-flip-aware comparison)."""
-    model = rank_model(path, lay, dtype_of(dtype_name))
+    model = rank_model(path, lay, dtype_of(dtype_name), device)
     runner = runner_of(model)
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
     routes: dict = {}

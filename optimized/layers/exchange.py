@@ -35,6 +35,22 @@ def _payload(data: torch.Tensor, scale: torch.Tensor | None):
     return data if scale is None else MxRows(data, scale)
 
 
+def re_routing(x, counts: torch.Tensor):
+    """npu_moe_re_routing of a payload into local-expert order -> (payload, permute_token_idx, expert_tokens).
+
+    The kernel takes 16-bit or int8 tokens, never float8, so MXFP8 rows travel as the recipe moves them (spec
+    npu_ops_moe.md §1, path C): the fp8 data as a bf16 view ([A, H/2], each bf16 a pair of fp8 bytes) and the
+    scale bytes as per_token_scales ([A, H/32] uint8), both viewed back after; a bit-exact move either way.
+    """
+    data, scale = _rows_and_scale(x)
+    if scale is None:
+        permuted, _, idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(data, counts)
+        return permuted, idx, expert_tokens
+    permuted, permuted_scale, idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
+        data.view(torch.bfloat16), counts, per_token_scales=scale.flatten(1))
+    return MxRows(permuted.view(data.dtype), permuted_scale.view(scale.shape)), idx, expert_tokens
+
+
 class MoeExchange:
     """Sizes and groups every exchange needs; subclasses implement `__call__`."""
     name = ""
@@ -102,10 +118,8 @@ class MoeInferDoubleRouting(MoeExchange):
         recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
         gathered = map_rows(expanded_x, lambda t: comm.all_to_all_single(t, ep, output_split_sizes=recv,
                                                                           input_split_sizes=send))
-        data, scale = _rows_and_scale(gathered)
-        permuted, permuted_scale, permute_token_idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
-            data, tokens_per_expert_group.view(ranks, local), per_token_scales=scale)
-        expert_out = experts(_payload(permuted, None if scale is None else permuted_scale), expert_tokens)
+        permuted, permute_token_idx, expert_tokens = re_routing(gathered, tokens_per_expert_group.view(ranks, local))
+        expert_out = experts(permuted, expert_tokens)
         expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
         combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
         return self.finalize(combined, expanded_row_idx, topk_weight)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from .registry import register
-from .validation import check, check_dim, check_dtype, check_npu_limit, dtype_from_code, fail, unsupported
+from .validation import (DIMS, FP32, check, check_dim, check_dtype, check_npu_limit, dtype_from_code, fail,
+                         unsupported)
 
 OP_V2 = "npu_fused_infer_attention_score_v2"
 OP_V1 = "npu_fused_infer_attention_score"
@@ -89,7 +90,7 @@ def _plan(n: _Names, query, key, value, *, atten_mask, block_table, num_query_he
         unsupported(op, f"quantized query (dtype {query.dtype})")
     check_dtype(op, "query", query, _FLOAT_QUERY)
     check_npu_limit(query.dtype in (torch.float16, torch.bfloat16), op,
-                    f"query dtype must be float16/bfloat16; got {query.dtype}")
+                    f"query dtype must be float16/bfloat16; got {query.dtype}", FP32)
     # --- heads (§5.5)
     nq = num_query_heads
     nkv = num_key_value_heads if num_key_value_heads != 0 else nq
@@ -98,7 +99,7 @@ def _plan(n: _Names, query, key, value, *, atten_mask, block_table, num_query_he
     check(nq % nkv == 0, op, f"{n('num_query_heads')}={nq} must be divisible by "
                              f"{n('num_key_value_heads')}={nkv}")
     check_npu_limit(nq // nkv <= 64 and nq <= 256 and nkv <= 256, op,
-                    f"num_query_heads/num_key_value_heads <= 64, both <= 256; got {nq}/{nkv}")
+                    f"num_query_heads/num_key_value_heads <= 64, both <= 256; got {nq}/{nkv}", DIMS)
     if layout == "BSH":
         check(query.shape[2] % nq == 0, op,
               f"query hidden size {query.shape[2]} must be divisible by {n('num_query_heads')}={nq}")
@@ -167,10 +168,11 @@ def _plan(n: _Names, query, key, value, *, atten_mask, block_table, num_query_he
                       f"key batch {key.shape[0]} != query batch {query.shape[0]}")
             dv = value.shape[-1]
     check_npu_limit(d <= 512 and d % 16 == 0 and dv <= 512 and dv % 16 == 0, op,
-                    f"head dims must be multiples of 16 and <= 512; got D={d}, Dv={dv}")
+                    f"head dims must be multiples of 16 and <= 512; got D={d}, Dv={dv}", DIMS)
     if layout == "TND":
         check_npu_limit((d, dv) in ((128, 128), (192, 128), (192, 192)) or (nq == nkv and d == dv == 64), op,
-                        f"TND supports D = Dv = 128, D = 192 with Dv in (128, 192), or 64 for MHA; got D={d}, Dv={dv}")
+                        f"TND supports D = Dv = 128, D = 192 with Dv in (128, 192), or 64 for MHA; got D={d}, Dv={dv}",
+                        DIMS)
     # --- de-quantization (§5.7)
     quantized = False
     for which, tensor, mode, scale in (("key", key, key_quant_mode, dequant_scale_key),

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from .registry import register
-from .validation import check, check_dtype, check_npu_limit, fail, soc_variant, strict_npu_limits, unsupported
+from .validation import (DIMS, check, check_dtype, check_npu_limit, fail, soc_variant, strict_npu_limits,
+                         unsupported)
 
 OP = "npu_apply_rotary_pos_emb"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,7 +60,7 @@ def _validate(query, key, cos, sin, layout, rotary_mode) -> None:
         ok = cos.shape[axis] == query.shape[axis] or (axis == b_axis and cos.shape[axis] == 1)
         check(ok, OP, f"cos/sin dim {axis} is {cos.shape[axis]}; expected query's {query.shape[axis]} (layout {name})")
     if strict_npu_limits() and soc_variant() == "a2a3":  # Atlas A2/A3 kernel caps: strict mode only
-        check_npu_limit(d in (64, 128), OP, f"head dim D must be 64 or 128 on Atlas A2/A3; got {d}")
+        check_npu_limit(d in (64, 128), OP, f"head dim D must be 64 or 128 on Atlas A2/A3; got {d}", DIMS)
         check_npu_limit(rotary_mode == "half", OP, f"rotary_mode must be 'half' on Atlas A2/A3; got {rotary_mode!r}")
         check_npu_limit(name in ("BSND", "TND"), OP, f"layout must be BSND or TND on Atlas A2/A3; got {layout!r}")
         check_npu_limit(query.numel() > 0 and key.numel() > 0, OP, "empty query/key not supported on Atlas A2/A3")

@@ -12,6 +12,8 @@ import torch
 
 from .registry import register
 from .validation import (
+    DIMS,
+    FP32,
     check,
     check_dim,
     check_dtype,
@@ -457,9 +459,11 @@ def _rr_check(tokens, counts, per_token_scales, expert_token_num_type, idx_type,
         check(per_token_scales.dim() >= 1 and per_token_scales.shape[0] == tokens.shape[0], _RR,
               f"per_token_scales has shape {tuple(per_token_scales.shape)}; expected [A={tokens.shape[0]}, ...]")
     # The NPU kernel takes f16/bf16/int8 (and 1-byte storage via tokens_dtype); the movement here is dtype-agnostic.
-    check_npu_limit(tokens.dtype in (torch.float16, torch.bfloat16, torch.int8, torch.uint8), _RR,
+    check_npu_limit(tokens.dtype in (torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.float32), _RR,
                     f"tokens has dtype {tokens.dtype}; allowed: float16, bfloat16, int8")
-    check_npu_limit(0 < tokens.shape[1] < 16384, _RR, f"H={tokens.shape[1]} must satisfy 0 < H < 16384")
+    check_npu_limit(tokens.dtype != torch.float32, _RR, "tokens has dtype torch.float32; allowed: float16, bfloat16, "
+                    "int8", FP32)
+    check_npu_limit(0 < tokens.shape[1] < 16384, _RR, f"H={tokens.shape[1]} must satisfy 0 < H < 16384", DIMS)
 
 
 def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1, idx_type=0,

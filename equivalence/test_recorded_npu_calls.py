@@ -1,0 +1,62 @@
+"""The optimized model makes only the `torch.ops.npu` calls that equivalence/spec/recorded_npu_calls.json lists.
+
+The NPU replay tests (equivalence/test_npu_replay.py) prove exactly the listed calls on torch_npu, so a call the
+file lacks is a call no NPU test has seen: re-recording the single-process configurations (fp32, bf16, W4A8)
+must give a subset of the file. The multi-rank configurations are recorded by the regeneration command only.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from equivalence.record_npu_calls import (CONFIGURATIONS, REGENERATE, SINGLE_PROCESS, NpuCallRecorder, call_key,
+                                          load_recording, record, signature)
+
+
+@pytest.mark.parametrize("config", SINGLE_PROCESS, ids=lambda c: c.name)
+def test_model_makes_only_recorded_npu_calls(config):
+    listed = load_recording()
+    calls, _ = record(config)
+    assert calls, f"{config.name}: no torch.ops.npu call was recorded (is the recorder seeing the model?)"
+    missing = [call for key, call in calls.items() if key not in listed]
+    assert not missing, (f"{config.name}: {len(missing)} torch.ops.npu call(s) not in the recording (no NPU test "
+                         f"replays them); regenerate with `{REGENERATE}` and review the diff:\n"
+                         + "\n".join(call_key(c) for c in missing[:5]))
+    mine = [c for c in listed.values() if config.name in c["configurations"]]
+    assert {call_key(c) for c in mine} == set(calls), f"{config.name}: the recording is stale; run `{REGENERATE}`"
+
+
+def test_recording_lists_every_configuration_and_the_sp_exchanges():
+    listed = load_recording().values()
+    seen = {name for call in listed for name in call["configurations"]}
+    assert seen == {c.name for c in CONFIGURATIONS}
+    re_routing = [c["args"] for c in listed if c["op"] == "npu_moe_re_routing"]
+    assert re_routing and all(a["tokens"]["dtype"] in ("bfloat16", "float16", "int8") for a in re_routing), \
+        "the double-routing exchange must hand npu_moe_re_routing only dtypes the NPU kernel takes"
+
+
+def test_signature_names_positional_and_keyword_arguments_alike():
+    x, gamma = torch.ones(3, 8), torch.ones(8)
+    with NpuCallRecorder() as by_position:
+        torch.ops.npu.npu_rms_norm(x, gamma, 1e-6)
+    with NpuCallRecorder() as by_keyword:
+        torch.ops.npu.npu_rms_norm(x, gamma=gamma, epsilon=1e-6)
+    with NpuCallRecorder() as by_default:
+        torch.ops.npu.npu_rms_norm(x, gamma)
+    assert list(by_position.calls) == list(by_keyword.calls) == list(by_default.calls)
+    (call,) = by_position.calls.values()
+    assert call == signature(torch.ops.npu.npu_rms_norm.default, (x, gamma), {"epsilon": 1e-6})
+    assert call["args"]["self"] == {"dtype": "float32", "shape": [3, 8], "stride": [8, 1]}
+    assert call["args"]["epsilon"] == 1e-6
+
+
+@pytest.mark.parametrize("config", CONFIGURATIONS, ids=lambda c: c.name)
+def test_build_time_operator_check_requires_exactly_the_recorded_operators(config):
+    from fixtures.tiny import tiny_config
+    from optimized.config import is_sparse_layer
+    from optimized.ops.required import required_operators
+
+    hf = tiny_config(config.fixture)
+    dense = not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers))
+    recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
+    assert required_operators(w4a8=config.w4a8, dense_mlp=dense, sp_ep_scheme=config.scheme) == recorded
