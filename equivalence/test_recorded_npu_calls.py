@@ -53,10 +53,13 @@ def test_signature_names_positional_and_keyword_arguments_alike():
 @pytest.mark.parametrize("config", CONFIGURATIONS, ids=lambda c: c.name)
 def test_build_time_operator_check_requires_exactly_the_recorded_operators(config):
     from fixtures.tiny import tiny_config
-    from optimized.config import is_sparse_layer
+    from optimized.config import ParallelConfig, is_sparse_layer
+    from optimized.distributed.decode_plan import uses_mc2_decode
     from optimized.ops.required import required_operators
 
     hf = tiny_config(config.fixture)
     dense = not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers))
     recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
-    assert required_operators(w4a8=config.w4a8, dense_mlp=dense, sp_ep_scheme=config.scheme) == recorded
+    mc2 = uses_mc2_decode(ParallelConfig(**config.layout()))
+    assert required_operators(w4a8=config.w4a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
+                              mc2_decode=mc2) == recorded

@@ -19,6 +19,7 @@ from optimized.forward_metadata import ForwardMetadata
 from optimized.executor.kv_cache import QUANTIZED_DTYPES, PagedKVCache, block_table, slot_mapping
 from optimized.executor.sampling import GREEDY, Sampler, SamplingParams
 from optimized.layers.quantization import kv_cache_dtype as resolve_kv_cache_dtype
+from optimized.ops.required import FP8_KV_CACHE, check_operators
 
 BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
 
@@ -89,6 +90,8 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         # 'auto': the checkpoint's quantization_config.kv_cache_scheme decides (per-token FP8 or 16-bit).
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, kv_cache_dtype, model.dtype)
+        if self.kv_cache_dtype in QUANTIZED_DTYPES:     # an old torch_npu without it fails here, not mid-step
+            check_operators(FP8_KV_CACHE)
 
     def describe_kv_cache(self, choice: str = "auto") -> str:
         """The start-up line's KV cache: its dtype and where that came from."""

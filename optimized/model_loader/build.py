@@ -54,7 +54,7 @@ def model_from_source(config, source, *, parallel: ParallelState | None = None,
     with torch.device(platform.device() if device is None else device):
         model = Qwen3MoeForCausalLM(config, parallel, dtype)
     check_operators(required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
-        w4a8=quant_scheme(config) is not None, sp_ep_scheme=model.ep_scheme,
+        w4a8=quant_scheme(config) is not None, sp_ep_scheme=model.ep_scheme, mc2_decode=model.decode.step.exchange is not None,
         dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))))
     model.load_weights(source)
     model.weight_source = source

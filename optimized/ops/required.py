@@ -26,16 +26,21 @@ MXFP8 = frozenset({"npu_dynamic_mx_quant", "npu_quant_matmul", "npu_swiglu_mx_qu
 MX_SP_PREFILL = frozenset({"npu_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_dynamic_mx_quant",
                            "npu_add_rms_norm_cast"})                                      # MXFP8 on the SP wire
 DOUBLE_ROUTING = frozenset({"npu_moe_re_routing"})
+MC2_DECODE = frozenset({"npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"})   # EP decode
+FP8_KV_CACHE = frozenset({"npu_dynamic_quant"})     # per-token K/V quantization (checked by the runner)
 
 
 class MissingNpuOperatorError(RuntimeError):
     """torch_npu lacks operators this model calls, or has them under other schemas (the message lists them)."""
 
 
-def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None) -> frozenset[str]:
-    """The operators a model calls: W4A8 or not, with a dense (non-MoE) MLP layer or not, and its SP prefill's
-    EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall')."""
+def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
+                       mc2_decode: bool = False) -> frozenset[str]:
+    """The operators a model calls: W4A8 or not, with a dense (non-MoE) MLP layer or not, its SP prefill's
+    EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall') and whether decode runs MC2."""
     ops = set(COMMON)
+    if mc2_decode:
+        ops |= MC2_DECODE
     if w4a8:
         ops |= MXFP8
         if sp_ep_scheme is not None:
