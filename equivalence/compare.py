@@ -152,7 +152,10 @@ TOLERANCES: dict[str, Tolerance] = {
             "fake-quant reference replaying its expert ids, 24 draws: each expert's output is bitwise equal (same "
             "quantized operands, fp32 accumulation, one rounding); the rest is the bf16 weighting and summation as "
             "in layer.bfloat16: max rel_l2 6.7e-3, max_abs 0.094 on randn*4 inputs, at most 0.032 beyond 2% rel; the "
-            "BF16 (unquantized) reference is >= 28x farther (rel_l2 0.15-0.21); required: 10x",
+            "BF16 (unquantized) reference is >= 28x farther (rel_l2 0.15-0.21); required: 10x. Also the SP "
+            "decoder layer, MXFP8 wire vs bf16 wire replaying its routing (test_sp_mx_wire, 16 CI draws): rel_l2 "
+            "2.3e-3..3.2e-3, max_abs 3.9e-3 (0 on dense layers); the unquantized layer is 80-207x farther "
+            "(rel_l2 0.25-0.48), so 10x holds there too",
     ),
     "model.w4a8.bfloat16": Tolerance(
         atol=0.5, rtol=2e-2, max_rel_l2=0.15, min_separation=1.25, min_greedy=0.5,
