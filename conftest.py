@@ -45,9 +45,20 @@ def pytest_addoption(parser):
                           "random weights of the budget's shapes)")
 
 
+def latency_selected(config) -> bool:
+    """Whether this run asked for the latency budgets (`-m latency`, alone or in an expression)."""
+    return "latency" in (config.getoption("markexpr", "") or "")
+
+
 def pytest_collection_modifyitems(config, items):
-    # `latency` tests decide for themselves: the CPU relative budgets run anywhere with a CPU backend, each
-    # NPU budget skips naming the hardware or the feature it needs (equivalence/test_latency.py).
+    # The default run asserts no timing: `latency` tests are collected only when `-m` names the marker.
+    # Selected, they decide for themselves: the CPU relative budgets run anywhere with a CPU backend, each
+    # NPU budget skips naming the hardware it needs (equivalence/test_latency.py).
+    if not latency_selected(config):
+        timed = [item for item in items if item.get_closest_marker("latency")]
+        if timed:
+            config.hook.pytest_deselected(items=timed)
+            items[:] = [item for item in items if not item.get_closest_marker("latency")]
     skip_npu = pytest.mark.skip(reason=f"needs an Ascend NPU with torch_npu; this host's backend is {BACKEND}")
     for item in items:
         if BACKEND != "npu":

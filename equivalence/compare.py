@@ -79,12 +79,19 @@ TOLERANCES: dict[str, Tolerance] = {
             "SP prefill + TP decode, both EP schemes, 2/4/8 ranks, 6 batches x 3 fixtures per layout: max_abs "
             "8.2e-2, rel_l2 1.44e-2; routing flips 3.9-4.2% of token routings, all near-ties (worst margin 1.8e-2)",
     ),
-    "graph.bfloat16": Tolerance(
+    # graph vs eager bf16 decode logits: on a CPU bitwise (inductor's C++ kernels, CPU tensors: measured max_abs 0,
+    # the fused ops are extern kernels and the fused glue keeps eager's roundings); these only where the compiler
+    # may fuse elementwise glue with fewer roundings (no measurement here: the model.bfloat16 one-ulp bound)
+    "graph.bfloat16.cuda": Tolerance(
         atol=1.6e-2, rtol=1e-2, max_rel_l2=4e-3,
-        why="bf16 decode logits, compiled decode graph (inductor, CPU) vs eager on the same cache state, tiny "
-            "fixture: measured bitwise equal (max_abs 0; the fused ops are extern kernels, the fused glue kept "
-            "eager's roundings); bound = the model.bfloat16 one-ulp-of-a-logit bound, for a backend that fuses "
-            "elementwise glue with fewer roundings; a wrong slot, length or padding leak gives rel_l2 > 1e-1",
+        why="inductor on CUDA (Triton kernels fuse the bf16 glue, keeping fp32 between ops): at most one bf16 "
+            "rounding per logit moves, ~1 ulp (|x| < 4: 2^-6); a wrong slot, length or padding leak gives "
+            "rel_l2 > 1e-1",
+    ),
+    "graph.bfloat16.npu": Tolerance(
+        atol=1.6e-2, rtol=1e-2, max_rel_l2=4e-3,
+        why="torchair GE graph on an NPU (the graph compiler may fuse and reorder the bf16 glue): the same one-ulp-"
+            "of-a-logit bound as graph.bfloat16.cuda; a wrong slot, length or padding leak gives rel_l2 > 1e-1",
     ),
     "router_tie.model.bfloat16": Tolerance(
         atol=0.0, rtol=6e-2,
@@ -145,10 +152,13 @@ TOLERANCES: dict[str, Tolerance] = {
             "fake-quant reference replaying its expert ids, 24 draws: each expert's output is bitwise equal (same "
             "quantized operands, fp32 accumulation, one rounding); the rest is the bf16 weighting and summation as "
             "in layer.bfloat16: max rel_l2 6.7e-3, max_abs 0.094 on randn*4 inputs, at most 0.032 beyond 2% rel; the "
-            "BF16 (unquantized) reference is >= 28x farther (rel_l2 0.15-0.21); required: 10x",
+            "BF16 (unquantized) reference is >= 28x farther (rel_l2 0.15-0.21); required: 10x. Also the SP "
+            "decoder layer, MXFP8 wire vs bf16 wire replaying its routing (test_sp_mx_wire, 16 CI draws): rel_l2 "
+            "2.3e-3..3.2e-3, max_abs 3.9e-3 (0 on dense layers); the unquantized layer is 80-207x farther "
+            "(rel_l2 0.25-0.48), so 10x holds there too",
     ),
     "model.w4a8.bfloat16": Tolerance(
-        atol=0.5, rtol=2e-2, max_rel_l2=0.15,
+        atol=0.5, rtol=2e-2, max_rel_l2=0.15, min_separation=1.25, min_greedy=0.5,
         why="optimized W4A8 model (1-4 ranks) vs the fake-quant reference replaying its routing, logits of the 3 "
             "tiny fixtures, 27 runs of 1-4 prompts + 3 decode steps: max rel_l2 9.5e-2 per request, max_abs 0.32; "
             "with tiny-dense at 4 layers (3 dense MLPs in MXFP8, one more quantized layer), 12 more runs at "
@@ -156,7 +166,15 @@ TOLERANCES: dict[str, Tolerance] = {
             "Not tighter because the unquantized bf16 paths differ (fused add_rms_norm, fp32-internal attention: "
             "model.parallel.bfloat16, 2.4e-2) and every such 1-ulp bf16 difference is re-rounded onto the E4M3 grid "
             "(3 mantissa bits) at 4 quantization points per layer, ~4x amplification; the quantized linears and "
-            "experts themselves are bitwise equal (test_e2e_w4a8 layer checks)",
+            "experts themselves are bitwise equal (test_e2e_w4a8 layer checks). "
+            "min_separation: the BF16 reference replaying the same routing is 1.47-2.19x farther (7 CI cases: rel_l2 "
+            "6.8e-2..1.38e-1 vs 3.9e-2..9.2e-2), so 1.25 is required; a model that skipped quantization sits at "
+            "model.parallel.bfloat16 distance (<= 4e-2) from it, i.e. <= ~0.5x. Routing flips are excused per token by "
+            "the margin its router input difference can overturn (parallel_support.input_tie_margins, fp32 slack "
+            "router_tie.float32): 0 unexcused in the 7 cases, flips 3.9-20% of tokens, worst flipped margin 9.6e-2. "
+            "min_greedy: 16 greedy tokens x 3 prompts at world 2 agree 0.646 with the fake-quant reference's own "
+            "greedy run (leading runs 7, 7, 16 tokens) and only 0.25 with the BF16 reference's (as fake-quant vs "
+            "BF16 does); required 0.5 with the oracle and more than with BF16",
     ),
     "model.fp8_kv.bfloat16": Tolerance(
         atol=0.0, rtol=0.0, min_separation=1.15,
@@ -166,12 +184,6 @@ TOLERANCES: dict[str, Tolerance] = {
             "references are 2.5e-2..3.8e-2 apart, as large as the bf16 noise (model.parallel.bfloat16), which the "
             "E4M3 grid re-rounds. A cache that silently stays 16-bit lands nearer the 16-bit reference (ratio < 1)",
     ),
-    "router_tie.model.w4a8": Tolerance(
-        atol=0.0, rtol=0.2,
-        why="W4A8 model: router inputs differ by ~5e-2 rel from the fake-quant reference's (model.w4a8.bfloat16), "
-            "so tokens flip on wider margins than in bf16; measured 8.6% of 2356 token routings flipped, worst "
-            "flipped relative margin 0.157",
-    ),
     "moe_tp_partials.w4a8": Tolerance(
         atol=0.0, rtol=0.0, max_rel_l2=5e-3,
         why="W4A8 experts under MoE TP 2 (synthetic, I = 128): the two ranks' down-projection partials, each "
@@ -180,11 +192,12 @@ TOLERANCES: dict[str, Tolerance] = {
             "result's own relative error is larger than 1 ulp: measured rel_l2 <= 2.6e-3 over seeds 1-29",
     ),
     "quant_cost.w4a8": Tolerance(
-        atol=0.0, rtol=0.0, max_rel_l2=0.16, min_cosine=0.985, min_top1=0.55, min_greedy=0.2,
-        why="cost of W4A8 itself: optimized W4A8 logits vs the BF16 reference (own routing), 27 runs on the tiny "
+        atol=0.0, rtol=0.0, max_rel_l2=0.16, min_cosine=0.985, min_top1=0.55,
+        why="cost of W4A8 itself (how far it may move a model, not whether it is quantized: model.w4a8.bfloat16 "
+            "separates that): optimized W4A8 logits vs the BF16 reference (own routing), 27 runs on the tiny "
             "fixtures (weights N(0, 0.1^2), near-flat logits): cosine >= 0.9913, rel_l2 <= 0.132, top-1 agreement "
-            ">= 0.65 (0.65-0.92); greedy: 16 tokens x 3 prompts agree position by position 0.25 with the BF16 "
-            "reference (the fake-quant reference's own greedy run agrees 0.25 too: early divergence on flat logits)",
+            ">= 0.65 (0.65-0.92); greedy agreement with BF16 is not bounded: on flat logits it is 0.25 for the "
+            "fake-quant reference too, so it tells nothing",
     ),
 }
 

@@ -9,7 +9,8 @@ and keeps the last few in a small cache, so the hypothesis examples of one layou
 Parent side: `reference_model(name, dtype)` (the independent oracle, cached), `same_on_all_ranks` (every
 rank processes the same tokens, so every rank must return bitwise the same activations), `routing_check`
 (routing-flip-aware comparison: which tokens picked other experts than the reference, and whether each
-such token was a near-tie for the reference), `run_property` (a hypothesis property run with a per-call
+such token was a near-tie for the reference; `input_tie_margins` derives each token's near-tie bound from
+how far the optimized router's input is from the reference's), `run_property` (a hypothesis property run with a per-call
 example budget, capped by the active profile).
 """
 from __future__ import annotations
@@ -155,11 +156,27 @@ class RoutingStats:
                 f"{self.clear_flips} not near-ties, worst flipped relative margin {self.worst_margin:.2e}")
 
 
-def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor, near_tie: float) -> RoutingStats:
+def input_tie_margins(router_weight: torch.Tensor, reference_in: torch.Tensor, optimized_in: torch.Tensor,
+                      slack: float) -> torch.Tensor:
+    """Per token [T]: the largest relative top-k margin a router input difference can overturn.
+
+    The router logits of the two inputs differ by d = W (x_ref - x_opt) [T, E]. Expert b can displace a
+    from the top-k only if the reference gap l_a - l_b is at most d_a - d_b <= max(d) - min(d) = s, so the
+    reference margin (p_k - p_(k+1)) / p_k = 1 - exp(-(l_k - l_(k+1))) of a token that flips is at most
+    1 - exp(-s); `slack` adds the fp32 router's own rounding (`router_tie.float32`).
+    """
+    d = (reference_in.double() - optimized_in.double()) @ router_weight.double().t()          # [T, E]
+    spread = d.max(-1).values - d.min(-1).values
+    return (1 - torch.exp(-spread)).float() + slack
+
+
+def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor,
+                  near_tie: float | torch.Tensor) -> RoutingStats:
     """Compare the optimized expert ids [T, K] with the reference router's probabilities [T, E].
 
     The reference's relative top-k margin of a token is (p_k - p_(k+1)) / p_k over its sorted
-    probabilities; a token may pick another expert set only if that margin is below `near_tie`.
+    probabilities; a token may pick another expert set only if that margin is below `near_tie` (one bound,
+    or one per token [T], e.g. `input_tie_margins`).
     """
     ordered = probs.float().sort(dim=-1, descending=True, stable=True)
     own = ordered.indices[:, :top_k].sort(-1).values
@@ -171,8 +188,9 @@ def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor, 
     else:
         margin = torch.zeros(probs.shape[0])
     flipped_margins = margin[flipped]
+    bound = near_tie[flipped] if isinstance(near_tie, torch.Tensor) else near_tie
     return RoutingStats(tokens=int(probs.shape[0]), flips=int(flipped.sum()),
-                        clear_flips=int((flipped_margins >= near_tie).sum()),
+                        clear_flips=int((flipped_margins >= bound).sum()),
                         worst_margin=float(flipped_margins.max()) if flipped_margins.numel() else 0.0)
 
 

@@ -11,7 +11,8 @@ the workers and records that fresh compile; other workers load it (`fp32` fixtur
 - compile cache: the first decoder compiles and saves an entry; another one (a fresh backend object, so
   nothing in memory to reuse) loads a copy of it (inductor FX-graph and AOTAutograd cache hits, no miss)
   and decodes the same tokens: cached == fresh == eager;
-- bf16, inductor: greedy tokens and teacher-forced logits vs eager within `graph.bfloat16`; the same
+- bf16, inductor: greedy tokens and teacher-forced logits vs eager, bitwise on a CPU (within
+  `graph.bfloat16.<device>` where the compiler may fuse with fewer roundings: CUDA, NPU); the same
   compile cache directory holds the fp32 entry, and the bf16 decoder compiles (a changed dtype recompiles);
 - bf16 with the per-token FP8 KV cache: one compiled decode step's logits within `graph.bfloat16` of eager,
   the FP8 and scale caches it writes bitwise eager's, greedy tokens identical;
@@ -34,7 +35,7 @@ import torch
 from filelock import FileLock
 from torch._dynamo.utils import counters
 
-from equivalence.compare import assert_close, describe, tolerance
+from equivalence.compare import assert_bitwise_equal, assert_close, describe
 from equivalence.parallel_support import paged_cache, run_property
 from equivalence.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
@@ -190,7 +191,7 @@ def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path)
     assert delta(before, inductor_counts())["fx_miss"] == 1
     assert len(list(cache.root.iterdir())) == 2
     want = eager_tokens(model, PROMPTS)
-    # Teacher-forced: both decode the eager greedy tokens; logits at every step within graph.bfloat16.
+    # Teacher-forced: both decode the eager greedy tokens; logits at every step bitwise on a CPU.
     eager_runner = ModelRunner(model, BLOCK_SIZE)
     per_step = []
     for forward in (model, runner.decode_forward):
@@ -205,7 +206,11 @@ def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path)
         per_step.append(torch.stack(logits))
     print(f"bf16 graph vs eager decode logits: {describe(per_step[1], per_step[0])}; tokens "
           f"{'identical' if got == want else f'{got} vs {want}'}")
-    assert_close(per_step[1], per_step[0], "graph.bfloat16", "bf16 graph vs eager decode logits")
+    device = per_step[0].device.type
+    if device == "cpu":
+        assert_bitwise_equal(per_step[1], per_step[0], "bf16 graph vs eager decode logits (CPU)")
+    else:
+        assert_close(per_step[1], per_step[0], f"graph.bfloat16.{device}", "bf16 graph vs eager decode logits")
 
 
 

@@ -3,19 +3,19 @@
 Two kinds:
 - `absolute`: a seed latency target on named NPU hardware (SoC name pattern, device count), measured by
   `python -m optimized latency` with one process per rank (torchrun; `optimized.benchmarks.budget_run`), beside the
-  physical floor of `optimized.benchmarks.floor`. A budget skips, with a reason, where the hardware does not match
-  or a feature it needs is not built yet (`FEATURES`): it never passes without being measured.
+  physical floor of `optimized.benchmarks.floor`. A budget skips, with a reason, where the hardware does not match;
+  on matching hardware a budget that names a `checkpoint` kind fails when none is given (`missing_checkpoint`).
 - `relative`: optimized vs reference in the same process and run, on this CPU: the optimized p50 may
-  be at most `max_ratio` times the reference p50, per phase.
+  be at most `max_ratio` times the reference p50, per phase (a limit wide enough for a loaded machine).
+Either kind fails a broken measurement (`broken_measurement`): a p50 below the phase's physical floor (a lost
+device sync, an asynchronous replay timed as launched) or fewer samples than the budget's rounds produce.
 """
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -66,35 +66,6 @@ def this_host() -> Host:
     return Host(backend, "", torch.cuda.device_count() if backend == "cuda" else 0)
 
 
-def _graph_mode_built() -> bool:
-    from optimized.config import EXE_MODES
-    return "ge_graph" in EXE_MODES
-
-
-def _w4a8_built() -> bool:
-    return importlib.util.find_spec("optimized.model_loader.quantize") is not None
-
-
-def _sp_prefill_built() -> bool:
-    from optimized.config import ParallelConfig
-    return "moe_ep_scheme" in ParallelConfig.__dataclass_fields__
-
-
-# Features a budget may need, each with the probe that says whether this tree has it. A probe checks the
-# entry point the feature is reached through (as named in the issue that builds it).
-FEATURES: dict[str, tuple[str, Callable[[], bool]]] = {
-    "graph_mode": ("graph mode (model_config.exe_mode: ge_graph; optimized.config accepts eager only)",
-                   _graph_mode_built),
-    "w4a8": ("W4A8 quantization (MXFP4 experts, MXFP8 attention; the optimized.model_loader.quantize converter)", _w4a8_built),
-    "sp_prefill": ("Attention SP+TP prefill with MoE EP by AllGather (parallel_config.moe_ep_scheme)",
-                   _sp_prefill_built),
-}
-
-
-def missing_features(names) -> list[str]:
-    return [FEATURES[n][0] for n in names if not FEATURES[n][1]()]
-
-
 @dataclass(frozen=True)
 class Budget:
     name: str
@@ -109,12 +80,12 @@ class Budget:
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
-    routing: str = "real"
+    routing: str = "skewed"                  # random weights: hot experts (budget_run.SKEWED_ROUTER)
+    checkpoint: str | None = None            # absolute: kind of checkpoint it must measure (e.g. w4a8)
     limits_ms: dict = field(default_factory=dict)      # absolute: phase -> ms (p50 must not exceed)
     max_ratio: dict = field(default_factory=dict)      # relative: phase -> optimized p50 / reference p50
     why: str = ""                                      # relative: what justifies the ratios
     clock: str = "wall"                                # relative: wall | thread_cpu (see CLOCKS)
-    needs: dict = field(default_factory=dict)          # phase -> feature names (absolute)
     hardware: HardwareRule | None = None
     config: str | None = None                # absolute: inference config YAML (layout), repo-relative
     exe_mode: str = "eager"
@@ -136,10 +107,20 @@ class Budget:
             if host.backend != "npu" or not fnmatch.fnmatch(host.soc, hw.soc) or host.devices < hw.devices:
                 reasons.append(f"needs {hw.name}: {hw.devices} NPU devices with SoC name matching {hw.soc!r} "
                                f"(torch_npu); this host: {host.describe()}")
-        missing = missing_features(self.needs.get(phase, []))
-        if missing:
-            reasons.append("not built yet: " + "; ".join(missing))
         return " | ".join(reasons) or None
+
+    def missing_checkpoint(self, given: str | None) -> str | None:
+        """Why this budget cannot be measured without a checkpoint (random weights are not its kind), or None."""
+        if self.checkpoint is None or given:
+            return None
+        return (f"budget {self.name} measures a {self.checkpoint} checkpoint: pass one with --latency-checkpoint "
+                f"DIR (pytest), --model-path DIR (python -m optimized latency) or ${CHECKPOINT_ENV}"
+                + (" (`python -m optimized convert --quant w4a8 SRC DST` makes one)" if self.checkpoint == "w4a8"
+                   else ""))
+
+    def expected_samples(self, phase: str) -> int:
+        """Samples one measurement yields: one prefill per timed round, `decode_steps` decodes per round."""
+        return self.repeats * (self.decode_steps if phase == "decode" else 1)
 
     @property
     def world_size(self) -> int:
@@ -196,9 +177,9 @@ def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
             raise BudgetError(f"{where}.precision: must be one of {', '.join(PRECISIONS)}, got {spec['precision']!r}")
         if spec.get("clock", "wall") not in CLOCKS:
             raise BudgetError(f"{where}.clock: must be one of {', '.join(CLOCKS)}, got {spec['clock']!r}")
-        if spec.get("routing", "real") != "real":
-            raise BudgetError(f"{where}.routing: must be 'real' (the router decides; balanced routing is never "
-                              f"forced), got {spec['routing']!r}")
+        if spec.get("routing", "skewed") != "skewed":
+            raise BudgetError(f"{where}.routing: must be 'skewed' (random weights route to hot experts; uniform "
+                              f"routing is the best case of expert parallelism), got {spec['routing']!r}")
         key, other = ("limits_ms", "max_ratio") if spec["kind"] == "absolute" else ("max_ratio", "limits_ms")
         limits = spec.get(key)
         if other in spec:
@@ -212,9 +193,9 @@ def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
                 raise BudgetError(f"{where}.{counter}: must be a positive integer, got {spec[counter]!r}")
         if not isinstance(spec.get("warmup", 1), int) or spec.get("warmup", 1) < 0:
             raise BudgetError(f"{where}.warmup: must be a non-negative integer, got {spec['warmup']!r}")
-        for feature in (f for names in spec.get("needs", {}).values() for f in names):
-            if feature not in FEATURES:
-                raise BudgetError(f"{where}.needs: unknown feature {feature!r}; known: {sorted(FEATURES)}")
+        if spec.get("checkpoint") not in (None, "w4a8", "bf16"):
+            raise BudgetError(f"{where}.checkpoint: must be w4a8 or bf16 (the kind it must measure), got "
+                              f"{spec['checkpoint']!r}")
         if spec["kind"] == "absolute":
             for k in ("hardware", "config"):
                 if k not in spec:
@@ -246,25 +227,43 @@ def budget_floor(budget: Budget, phase: str, collective_latency: float | None = 
                               collective_latency=collective_latency)
 
 
+def broken_measurement(budget: Budget, phase: str, stats: dict, floor_ms: float | None, who: str = "") -> str | None:
+    """Why these samples cannot be a measurement of the phase, or None: fewer samples than the budget's rounds
+    produce, or a p50 below the physical floor (work that was not waited for: a lost sync, an async replay)."""
+    label = f"{who} " if who else ""
+    want = budget.expected_samples(phase)
+    if stats["n"] < want:
+        return (f"broken measurement: {label}{phase} has {stats['n']} samples, the budget's {budget.repeats} rounds "
+                f"make {want}")
+    if floor_ms is not None and stats["p50"] < floor_ms:
+        return (f"broken measurement: {label}{phase} p50 {stats['p50']:.3f} ms is below the physical floor "
+                f"{floor_ms:.3f} ms (the timed work was not waited for: a lost device sync or an asynchronous replay)")
+    return None
+
+
 def phase_report(budget: Budget, phase: str, seconds: list[float], floor_s: float | None = None,
                  reference_seconds: list[float] | None = None) -> dict:
-    """Statistics, limit and verdict of one budget phase (what the JSON report records)."""
+    """Statistics, limit and verdict of one budget phase (what the JSON report records). A broken measurement
+    (`broken_measurement`) fails whatever the limit says; `floor_s` bounds the optimized and reference p50."""
     stats = summarize(seconds)
+    floor_ms = None if floor_s is None else 1000 * floor_s
     report = {"budget": budget.name, "phase": phase, "kind": budget.kind, "description": budget.description,
               "ms": stats}
+    if floor_ms is not None:
+        report["floor_ms"] = floor_ms
+        report["p50_over_floor"] = stats["p50"] / floor_ms
+    broken = [broken_measurement(budget, phase, stats, floor_ms, "optimized" if reference_seconds else "")]
     if budget.kind == "absolute":
         report["limit_ms"] = budget.limits_ms[phase]
-        report["passed"] = stats["p50"] <= budget.limits_ms[phase]
-        if floor_s is not None:
-            report["floor_ms"] = 1000 * floor_s
-            report["p50_over_floor"] = stats["p50"] / (1000 * floor_s)
+        within = stats["p50"] <= budget.limits_ms[phase]
     else:
         ref = summarize(reference_seconds)
+        broken.append(broken_measurement(budget, phase, ref, floor_ms, "reference"))
         report["reference_ms"] = ref
         report["ratio_p50"] = stats["p50"] / ref["p50"]
         report["max_ratio"] = budget.max_ratio[phase]
-        report["passed"] = report["ratio_p50"] <= budget.max_ratio[phase]
+        within = report["ratio_p50"] <= budget.max_ratio[phase]
         report["why"], report["clock"] = budget.why, budget.clock
+    report["broken"] = "; ".join(b for b in broken if b) or None
+    report["passed"] = within and report["broken"] is None
     return report
-
-

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .process_groups import group_by_name, report_traffic
 from .registry import register
 from .routing import _as_bits, _zeros_like_rows, moe_finalize_routing, moe_init_routing_v2, moe_re_routing
-from .validation import check, check_dim, check_dtype, check_npu_limit, check_rows_and_ids, check_shape, unsupported
+from .validation import DIMS, FP32, check, check_dim, check_dtype, check_npu_limit, check_rows_and_ids, check_shape, unsupported
 
 _DISPATCH = "npu_moe_distribute_dispatch_v2"
 _COMBINE = "npu_moe_distribute_combine_v2"
@@ -95,15 +95,16 @@ def _common_check(op, bs, k, h, w, r, e, *, tp_world_size, tp_rank_id, expert_sh
     else:
         check(bs >= 1, op, "x has 0 rows; with global_bs=0 every rank needs BS >= 1 (pass global_bs to send none)")
     local = e // w
-    # NPU limits (Atlas A3). W = 1 is allowed although the NPU needs W >= 2: Qwen3 on one device runs with W = 1.
-    check_npu_limit(w <= 768, op, f"ep_world_size={w} must be <= 768")
-    check_npu_limit(e <= 1024, op, f"moe_expert_num={e} must be <= 1024")
+    # NPU limits (Atlas A3) on sizes (DIMS: the tiny test models are below H 1024). W = 1 is allowed although the
+    # NPU needs W >= 2: Qwen3 on one device runs with W = 1.
+    check_npu_limit(w <= 768, op, f"ep_world_size={w} must be <= 768", kind=DIMS)
+    check_npu_limit(e <= 1024, op, f"moe_expert_num={e} must be <= 1024", kind=DIMS)
     k_max = 12 if comm_alg == "fullmesh_v2" else 16
-    check_npu_limit(k <= k_max, op, f"K={k} must be <= {k_max} (comm_alg={comm_alg!r})")
+    check_npu_limit(k <= k_max, op, f"K={k} must be <= {k_max} (comm_alg={comm_alg!r})", kind=DIMS)
     bs_max = 256 if comm_alg in ("fullmesh_v2", "hierarchy") else 512
-    check_npu_limit(bs <= bs_max, op, f"BS={bs} must be <= {bs_max} (comm_alg={comm_alg!r})")
-    check_npu_limit(1024 <= h <= 8192, op, f"H={h} must satisfy 1024 <= H <= 8192")
-    check_npu_limit(local * w <= 2048, op, f"L * W = {local * w} must be <= 2048")
+    check_npu_limit(bs <= bs_max, op, f"BS={bs} must be <= {bs_max} (comm_alg={comm_alg!r})", kind=DIMS)
+    check_npu_limit(1024 <= h <= 8192, op, f"H={h} must satisfy 1024 <= H <= 8192", kind=DIMS)
+    check_npu_limit(local * w <= 2048, op, f"L * W = {local * w} must be <= 2048", kind=DIMS)
     return local, capacity(bs, w, local, k, global_bs)
 
 
@@ -185,7 +186,8 @@ def _dispatch_check(x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, sc
         if value is not None:
             unsupported(op, f"{name}={value} (storage reinterpretation)")
     _mask_check(op, x_active_mask, bs, k)
-    check_npu_limit(x.dtype in (torch.float16, torch.bfloat16), op, f"x has dtype {x.dtype}; allowed: bf16, f16")
+    check_npu_limit(x.dtype in (torch.float16, torch.bfloat16), op, f"x has dtype {x.dtype}; allowed: bf16, f16",
+                    kind=FP32)
     return bs, k, local, a
 
 
@@ -332,7 +334,7 @@ def _combine_check(expand_x, expert_ids, handle, ep_send_counts, expert_scales, 
             unsupported(op, f"{name} (shared / special experts, A2 scales)")
     _mask_check(op, x_active_mask, bs, k)
     check_npu_limit(expand_x.dtype in (torch.float16, torch.bfloat16), op,
-                    f"expand_x has dtype {expand_x.dtype}; allowed: bf16, f16")
+                    f"expand_x has dtype {expand_x.dtype}; allowed: bf16, f16", kind=FP32)
     return bs, k, local, a
 
 
