@@ -118,9 +118,12 @@ class MoeInferDoubleRouting(MoeExchange):
         recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
         gathered = map_rows(expanded_x, lambda t: comm.all_to_all_single(t, ep, output_split_sizes=recv,
                                                                           input_split_sizes=send))
-        permuted, permute_token_idx, expert_tokens = re_routing(gathered, tokens_per_expert_group.view(ranks, local))
-        expert_out = experts(permuted, expert_tokens)
-        expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
+        if sum(recv):
+            permuted, permute_token_idx, expert_tokens = re_routing(gathered, tokens_per_expert_group.view(ranks, local))
+            expert_out = experts(permuted, expert_tokens)
+            expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
+        else:   # no slot for this rank's experts: skip them (the NPU kernels take no empty input, e.g. npu_swiglu)
+            expert_out = topk_weight.new_zeros(0, experts.hidden_size, dtype=experts.activation_dtype)
         combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
         return self.finalize(combined, expanded_row_idx, topk_weight)
 

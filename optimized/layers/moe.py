@@ -26,6 +26,7 @@ class FusedMoEGMM(nn.Module):
         super().__init__()
         self.moe_tp, self.moe_ep = moe_tp, moe_ep
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation_dtype = dtype
         self.local_experts = _split(num_experts, moe_ep.size, "num_experts")
         self.first_expert = moe_ep.rank * self.local_experts
         self.inter_per_rank = _split(intermediate_size, moe_tp.size, "moe_intermediate_size")
