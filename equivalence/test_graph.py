@@ -317,6 +317,30 @@ def test_explain_one_graph_zero_breaks(fp32):
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
 
 
+def test_torchair_cache_compiles_one_entry_and_directory_per_bucket(fp32, tmp_path, monkeypatch):
+    """torchair's cache_compile keeps one graph per directory and replays it without shape guards: each batch
+    bucket gets its own compiled step and directory (simulated: the compiler records its cache_dir and runs eager)."""
+    from optimized import platform
+
+    model = fp32["model"]
+    dirs = []
+
+    def torchair_like(exe_mode, cache_dir=None):
+        dirs.append(cache_dir)
+        return lambda step: step            # the DecodeStep itself, eager
+    decoder = GraphDecoder(model, "ge_graph", CompileCache(tmp_path / "case"), buckets=(1, 2, 4))
+    decoder.torchair_cache = True           # what an NPU host with a compile cache sets
+    monkeypatch.setattr(platform, "graph_compiler", torchair_like)
+    runner = ModelRunner(model, BLOCK_SIZE)
+    for batch in (1, 2, 3, 2):              # buckets 1, 2, 4, and 2 again
+        prompts = PROMPTS[:batch] if batch <= len(PROMPTS) else PROMPTS
+        cache, table = paged_cache(model, [len(p) + 2 for p in prompts])
+        meta = runner.decode_metadata([len(p) for p in prompts], table)
+        decoder(torch.arange(1, len(prompts) + 1), meta, cache.layers)
+    assert sorted(bucket for _, _, bucket in decoder.steps) == [1, 2, 4], decoder.steps.keys()
+    assert len(dirs) == 3 and len(set(dirs)) == 3, dirs       # the repeated bucket 2 reused its step
+
+
 def test_batch_buckets():
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert batch_bucket(3, (2, 8)) == 8

@@ -99,10 +99,13 @@ class GraphDecoder:
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
-        # On NPU torchair's cache_compile owns the cache (one directory per key, all buckets inside it).
+        # On NPU torchair's cache_compile owns the cache: one directory and one compiled step per batch bucket (its
+        # saver treats a second input shape as a recompile, and a loaded cache replays without shape guards).
         self.torchair_cache = cache is not None and compiler is None and platform.backend_name() == "npu"
         self.max_positions = model.config.max_position_embeddings
-        self.steps: dict[tuple, object] = {}        # (block_size, KV dtype) -> compiled DecodeStep (buckets share it)
+        # (block_size, KV dtype, bucket) -> compiled DecodeStep; inductor's buckets share one (bucket None): dynamo
+        # guards and recompiles per shape, while each torchair bucket has its own cache_compile directory.
+        self.steps: dict[tuple, object] = {}
         self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
         self.padding: dict[int, int] = {}           # batch -> bucket, for every batch that was padded
         self._marked = None                         # the KV cache whose shapes were last marked static
@@ -127,17 +130,18 @@ class GraphDecoder:
                         torch._dynamo.mark_static(t, dim)
             self._marked = weakref.ref(caches[0][0])   # a weak reference: the cache is freed after its run
         kv_dtype = caches[0][0].dtype
-        step = self.steps.get((meta.block_size, kv_dtype))
+        step_key = (meta.block_size, kv_dtype, bucket if self.torchair_cache else None)
+        step = self.steps.get(step_key)
         if step is None:
-            step = self.steps[meta.block_size, kv_dtype] = self._compile(meta.block_size, kv_dtype)
+            step = self.steps[step_key] = self._compile(meta.block_size, kv_dtype, bucket)
         if bucket not in self.startup:
             return self._first_call(step, bucket, meta.block_size, kv_dtype, inputs, caches)[:batch]
         with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
             return step(*inputs, caches)[:batch]
 
-    def _compile(self, block_size: int, kv_dtype: torch.dtype):
-        if self.torchair_cache:  # pragma: no cover - needs torchair: it caches per input shape in this directory
-            key = cache_key(self.model, batch_bucket=0, block_size=block_size, exe_mode=self.exe_mode,
+    def _compile(self, block_size: int, kv_dtype: torch.dtype, bucket: int):
+        if self.torchair_cache:  # one cache_compile directory per bucket (its key names the bucket)
+            key = cache_key(self.model, batch_bucket=bucket, block_size=block_size, exe_mode=self.exe_mode,
                             kv_cache_dtype=kv_dtype)
             compiler = platform.graph_compiler(self.exe_mode, cache_dir=self.cache.root / key_hash(key))
             return compiler(DecodeStep(self.model, block_size))
