@@ -25,7 +25,7 @@ from equivalence.dist import get_pool
 from equivalence.parallel_support import (RoutingStats, paged_cache, rank_model, reference_model, runner_of,
                                          same_on_all_ranks)
 from equivalence.strategies import describe_layout, layout, sp_layout
-from equivalence.test_e2e_parallel import _draw_forced, _recording_routes, _rows, replayed_routing
+from equivalence.test_e2e_parallel import _draw_forced, _rows, replayed_routing, teacher_forced_run
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
 from reference.fake_quant import fake_quantize_kv_cache, load_fake_quant_model
@@ -45,24 +45,7 @@ def _fp8_logits_task(rank, world, path, lay, prompts, forced):
     runner = runner_of(model)
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts], dtype=torch.float8_e4m3fn)
     assert len(cache.layers[0]) == 4 and cache.layers[0][0].dtype == torch.float8_e4m3fn
-    routes, router_inputs = {}, {}
-    with _recording_routes(model, routes, router_inputs):
-        ids, meta, _ = runner.prefill_inputs(prompts, table)
-        out = {"prefill": model(ids, meta, cache.layers)}
-        lengths = [len(p) for p in prompts]
-        for step, tokens in enumerate(forced):
-            meta = runner.decode_metadata(lengths, table)
-            out[f"decode{step}"] = model(torch.tensor(tokens, device=table.device), meta, cache.layers)
-            lengths = [n + 1 for n in lengths]
-
-    def rows(per_layer):   # rows: prefill tokens, then decode steps
-        if model.ep_scheme is None:
-            return {i: torch.cat(r) for i, r in per_layer.items()}
-        # the SP prefill routed this rank's own tokens: gather them (padding stripped), then the decode rows
-        from optimized import distributed as comm
-        total, sp = sum(len(p) for p in prompts), model.groups.attn_tp.group
-        return {i: torch.cat([comm.all_gather(r[0], sp)[:total]] + r[1:]) for i, r in per_layer.items()}
-    out["routes"], out["router_inputs"] = rows(routes), rows(router_inputs)
+    out = teacher_forced_run(model, runner, prompts, forced, cache, table)
     out["kv_heads"] = model.layers[0].self_attn.num_kv_heads
     return out
 

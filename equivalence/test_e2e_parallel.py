@@ -88,13 +88,9 @@ def _recording_routes(model, log: dict, inputs: dict):
             del mlp.route
 
 
-@torch.no_grad()
-def _logits_task(rank, world, path, lay, dtype_name, prompts, forced, device=None):
-    """Prefill logits [T, V] of the packed prompts, then teacher-forced decode logits [steps][B, V], and the
-    expert ids every MoE layer picked for every token (the replay of the routing-flip-aware comparison)."""
-    model = rank_model(path, lay, dtype_of(dtype_name), device)
-    runner = runner_of(model)
-    cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
+def teacher_forced_run(model, runner, prompts, forced, cache, table) -> dict:
+    """Prefill logits, then one teacher-forced decode step per `forced` row, with each MoE layer's expert ids and
+    router inputs (rows: the prefill tokens, then the decode steps; SP prefill rows gathered, padding stripped)."""
     routes, router_inputs = {}, {}
     with _recording_routes(model, routes, router_inputs):
         ids, meta, _ = runner.prefill_inputs(prompts, table)
@@ -104,6 +100,7 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced, device=Non
             meta = runner.decode_metadata(lengths, table)
             out[f"decode{step}"] = model(torch.tensor(tokens, device=table.device), meta, cache.layers)
             lengths = [n + 1 for n in lengths]
+
     def rows(per_layer):   # rows: prefill tokens, then decode steps
         if model.ep_scheme is None:
             return {i: torch.cat(r) for i, r in per_layer.items()}
@@ -112,6 +109,17 @@ def _logits_task(rank, world, path, lay, dtype_name, prompts, forced, device=Non
         total, sp = sum(len(p) for p in prompts), model.groups.attn_tp.group
         return {i: torch.cat([comm.all_gather(r[0], sp)[:total]] + r[1:]) for i, r in per_layer.items()}
     out["routes"], out["router_inputs"] = rows(routes), rows(router_inputs)
+    return out
+
+
+@torch.no_grad()
+def _logits_task(rank, world, path, lay, dtype_name, prompts, forced, device=None):
+    """Prefill logits [T, V] of the packed prompts, then teacher-forced decode logits [steps][B, V], and the
+    expert ids every MoE layer picked for every token (the replay of the routing-flip-aware comparison)."""
+    model = rank_model(path, lay, dtype_of(dtype_name), device)
+    runner = runner_of(model)
+    cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
+    out = teacher_forced_run(model, runner, prompts, forced, cache, table)
     out["ep_scheme"] = model.ep_scheme
     return on_host(out)
 
