@@ -7,6 +7,7 @@ import pytest
 
 from optimized.config import ParallelConfig
 from optimized.distributed import decode_plan
+from optimized.errors import UsageError
 
 QWEN3_235B = SimpleNamespace(hidden_size=4096, num_experts=128, num_experts_per_tok=8)
 
@@ -35,3 +36,77 @@ def test_describe_names_the_decode_path_and_buffer():
     assert "moe_infer_dispatch_combine" in line and "HCCL buffer >= 4 MB" in line, line
     tp = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=4, moe_ep_size=1)
     assert "moe_infer_tp" in decode_plan.describe(QWEN3_235B, tp, 8, 2)
+
+
+# ------------------------------------------------------------------------------------ HCCL_BUFFSIZE
+
+def test_hccl_buffsize_is_not_set_off_hccl_or_without_mc2():
+    for backend in ("gloo", "nccl"):
+        assert decode_plan.hccl_buffsize_setting(backend, 500, {}) is None
+        # a too-small export matters to HCCL only: gloo / nccl never read it
+        assert decode_plan.hccl_buffsize_setting(backend, 500, {"HCCL_BUFFSIZE": "1"}) is None
+    assert decode_plan.hccl_buffsize_setting("hccl", None, {}) is None                  # no MC2 decode
+
+
+def test_hccl_buffsize_unset_is_exported_only_above_hccls_default():
+    assert decode_plan.hccl_buffsize_setting("hccl", 201, {}) == "201"
+    assert decode_plan.hccl_buffsize_setting("hccl", 5000, {}) == "5000"
+    # HCCL's own 200 MB window holds a smaller need; exporting the need would shrink every communicator's window
+    assert decode_plan.hccl_buffsize_setting("hccl", 200, {}) is None
+    assert decode_plan.hccl_buffsize_setting("hccl", 5, {}) is None
+
+
+def test_hccl_buffsize_exported_by_the_user_is_kept_when_large_enough():
+    assert decode_plan.hccl_buffsize_setting("hccl", 300, {"HCCL_BUFFSIZE": "300"}) is None
+    assert decode_plan.hccl_buffsize_setting("hccl", 300, {"HCCL_BUFFSIZE": "1024"}) is None
+    assert decode_plan.hccl_buffsize_setting("hccl", 5, {"HCCL_BUFFSIZE": "10"}) is None     # below 200, above the need
+
+
+@pytest.mark.parametrize("raw, needed", [("299", 300), ("4", 5), ("0", 5), ("-3", 5), ("big", 5), ("", 5)])
+def test_hccl_buffsize_exported_below_the_need_is_an_error_naming_it(raw, needed):
+    with pytest.raises(UsageError) as err:
+        decode_plan.hccl_buffsize_setting("hccl", needed, {"HCCL_BUFFSIZE": raw})
+    msg = str(err.value)
+    assert f"HCCL_BUFFSIZE={raw}" in msg or f"HCCL_BUFFSIZE={raw!r}" in msg, msg
+    assert str(needed) in msg, msg
+
+
+def test_apply_hccl_buffsize_exports_the_largest_mc2_need_of_the_layouts():
+    mc2 = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1, moe_ep_size=8)
+    tp = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=8, moe_ep_size=1)
+    # batch 2048 at EP 8: n = 256, A = 256 * 8 * min(16, 8) = 16384 rows of 4096 bf16 + 8 int32, combine 256 * 8
+    # rows: 2 * (16384 * 8224 + 2048 * 8192) B = 288.8 MiB -> 289 + 2
+    need = decode_plan.mc2_buffer_mb(2048, 8, 4096, 8, 128)
+    assert need == 291 > decode_plan.HCCL_DEFAULT_MB
+    env: dict[str, str] = {}
+    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, [tp, mc2], 2048, 2, backend="hccl", environ=env) == "291"
+    assert env == {"HCCL_BUFFSIZE": "291"}
+    env = {}
+    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, tp, 2048, 2, backend="hccl", environ=env) is None and env == {}
+    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, backend="gloo", environ=env) is None and env == {}
+    env = {"HCCL_BUFFSIZE": "1024"}
+    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, backend="hccl", environ=env) is None
+    assert env == {"HCCL_BUFFSIZE": "1024"}
+    with pytest.raises(UsageError, match="HCCL_BUFFSIZE=290 .* below the 291 MB"):
+        decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, backend="hccl", environ={"HCCL_BUFFSIZE": "290"})
+
+
+# ----------------------------------------------------------------------------------- decode volume
+
+def test_tp_decode_volume_is_the_two_all_reduces():
+    # B 8 tokens of H 4096 bf16 = 64 KiB; moe_tp 4: 2 * 3/4 of it; moe_ep 2: 2 * 1/2 of it
+    assert decode_plan.tp_volume(8, 4096, 4, 1, 2).parts == {"all_reduce": 2 * 3 * 65536 // 4}
+    assert decode_plan.tp_volume(8, 4096, 4, 2, 2).parts == {"all_reduce": 2 * 3 * 65536 // 4 + 65536}
+    tp = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=4, moe_ep_size=1)
+    assert decode_plan.decode_volume(tp, 8, 4096, 8, 128, 2) == decode_plan.tp_volume(8, 4096, 4, 1, 2)
+
+
+def test_mc2_decode_step_volume_for_a_qwen3_235b_layout():
+    # EP 16, batch 64: n = 4 tokens per rank, L = 8; uniform routing: 4 * 8 * 15/16 = 30 slots out and in
+    config = SimpleNamespace(**vars(QWEN3_235B), num_hidden_layers=94, mlp_only_layers=[], decoder_sparse_step=1)
+    ep = ParallelConfig(world_size=16, attn_tp_size=16, moe_tp_size=1, moe_ep_size=16)
+    layer = decode_plan.decode_volume(ep, 64, 4096, 8, 128, 2)
+    assert layer.parts == {decode_plan.DISPATCH: 15 * 9 * 8 + 30 * (8192 + 8), decode_plan.COMBINE: 30 * 8192,
+                           "all_gather": 15 * 4 * 8192}
+    step = decode_plan.step_volume(config, ep, 64, 2)
+    assert step.parts == {op: 94 * b for op, b in layer.parts.items()}

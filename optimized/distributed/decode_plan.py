@@ -13,19 +13,33 @@ results. Per rank and MoE layer (exactly what the portable kernels send, `mc2_vo
 - combine: every row it received from another rank goes back, H * act_bytes bytes;
 - all_gather: its n combined rows to the P - 1 others, (P - 1) * n * H * act_bytes.
 
-Under uniform routing a rank sends and receives n * top_k * (P - 1) / P slots.
+Under uniform routing a rank sends and receives n * top_k * (P - 1) / P slots. A decode step sends that per MoE
+layer (`decode_volume`, `step_volume`). The tensor-parallel decode (`moe_infer_tp`, experts split over MoE TP T
+and EP E) instead all-reduces every rank's [B, H] partial sums over MoE TP, then over MoE EP:
+2 * (T - 1) * B * H * act_bytes / T + 2 * (E - 1) * B * H * act_bytes / E bytes (`tp_volume`).
 
 HCCL buffer (`mc2_buffer_mb`): on the NPU every MC2 peer writes into a window of HCCL_BUFFSIZE MB on the receiving
 rank, and the window must hold the worst case (every token of every rank routed to one rank's experts): the
 dispatch's A = n * P * min(L, top_k) rows of H activations plus their token information (top_k int32 per row),
 the combine's n * top_k rows coming back, each phase double-buffered, plus a fixed reserve for the
 notify / IPC area.
+
+Setting it (`hccl_buffsize_setting`, `apply_hccl_buffsize`): HCCL reads HCCL_BUFFSIZE when it creates a
+communicator, so it is exported before the process group exists, and only for the hccl backend with an MC2 decode.
+A value the user exported is never lowered: at least the need, it is kept; below it, the run stops with an error
+naming the variable, its value and the need. Unset, it is exported only when the need exceeds HCCL's own default
+window (200 MB), which otherwise holds the exchange (the variable sizes every communicator of the process, so a
+smaller value would shrink the other groups' windows too).
 """
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping, MutableMapping
 
-from optimized.config import ParallelConfig
+from optimized import platform
+from optimized.config import ParallelConfig, is_sparse_layer
+from optimized.errors import UsageError
 from optimized.distributed.prefill_plan import EpVolume
 
 DISPATCH = "npu_moe_distribute_dispatch_v2"
@@ -35,6 +49,8 @@ META_BYTES = 8           # each dispatched row carries (source token, k slot) as
 TOKEN_INFO_BYTES = 4     # per top-k slot, in the HCCL window's worst case
 RESERVE_MB = 2           # notify / IPC area of the HCCL window
 MB = 1 << 20
+HCCL_BUFFSIZE = "HCCL_BUFFSIZE"
+HCCL_DEFAULT_MB = 200    # HCCL's window per communicator when HCCL_BUFFSIZE is unset
 
 
 def uses_mc2_decode(parallel: ParallelConfig) -> bool:
@@ -63,6 +79,38 @@ def mc2_volume(tokens: int, hidden: int, top_k: int, ep: int, num_experts: int, 
     })
 
 
+def tp_volume(tokens: int, hidden: int, moe_tp: int, moe_ep: int, act_bytes: int) -> EpVolume:
+    """Bytes one rank sends in one MoE layer of a tensor-parallel decode step (`moe_infer_tp`) of `tokens` (= B)
+    tokens: the [B, H] partial sums all-reduced over MoE TP, then over MoE EP (each counted as reduce-scatter +
+    all-gather, 2 * (P - 1) * size // P, as `comm.count_bytes` does)."""
+    size = tokens * hidden * act_bytes
+    return EpVolume("tp", {"all_reduce": sum(2 * (p - 1) * size // p for p in (moe_tp, moe_ep))})
+
+
+def decode_volume(parallel: ParallelConfig, batch: int, hidden: int, top_k: int, num_experts: int, act_bytes: int,
+                  slots_out: float | None = None, slots_in: float | None = None) -> EpVolume:
+    """Bytes one rank sends in one MoE layer of a decode step of `batch` requests, by collective, for the decode
+    path this layout runs (`mc2_volume` or `tp_volume`; the slot counts only matter for MC2)."""
+    if uses_mc2_decode(parallel):
+        ep = parallel.moe_ep_size
+        return mc2_volume(tokens_per_rank(batch, ep), hidden, top_k, ep, num_experts, act_bytes, slots_out, slots_in)
+    return tp_volume(batch, hidden, parallel.moe_tp_size, parallel.moe_ep_size, act_bytes)
+
+
+def moe_layer_count(hf_config, num_layers: int | None = None) -> int:
+    n = hf_config.num_hidden_layers if num_layers is None else num_layers
+    return sum(is_sparse_layer(hf_config, i) for i in range(n))
+
+
+def step_volume(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int,
+                num_layers: int | None = None) -> EpVolume:
+    """The MoE bytes one rank sends in one decode step (every MoE layer, uniform routing)."""
+    one = decode_volume(parallel, batch, hf_config.hidden_size, hf_config.num_experts_per_tok,
+                        hf_config.num_experts, act_bytes)
+    layers = moe_layer_count(hf_config, num_layers)
+    return EpVolume(one.scheme, {op: layers * b for op, b in one.parts.items()})
+
+
 def mc2_buffer_mb(batch: int, top_k: int, hidden: int, ep: int, num_experts: int, act_bytes: int = 2) -> int:
     """HCCL_BUFFSIZE (MB) the MC2 decode needs for a decode batch of `batch` requests (see the module notes)."""
     n = tokens_per_rank(batch, ep)
@@ -82,3 +130,47 @@ def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) ->
     return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
             f"{tokens_per_rank(batch, ep)} tokens per rank); HCCL buffer >= {mc2_buffer_mb(batch, k, h, ep, e, act_bytes)}"
             f" MB (HCCL_BUFFSIZE); per MoE layer and rank ~{vol.total} B (uniform routing)")
+
+
+def hccl_buffsize_setting(backend: str, needed_mb: int | None, environ: Mapping[str, str]) -> str | None:
+    """The HCCL_BUFFSIZE value to export before the process group exists, or None to leave the environment alone.
+
+    backend: the torch.distributed backend (`platform.dist_backend()`); needed_mb: the MC2 decode's need
+    (`mc2_buffer_mb`), None without an MC2 decode. Raises UsageError when the user exported a value below the need
+    (or one that is not a positive integer)."""
+    if backend != "hccl" or needed_mb is None:
+        return None
+    raw = environ.get(HCCL_BUFFSIZE)
+    if raw is not None:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise UsageError(f"{HCCL_BUFFSIZE}={raw!r} must be a positive integer (MB); the MC2 decode needs at "
+                             f"least {needed_mb}")
+        if value < needed_mb:
+            raise UsageError(f"{HCCL_BUFFSIZE}={raw} (MB) is below the {needed_mb} MB the MC2 decode's dispatch / "
+                             f"combine window needs; export {HCCL_BUFFSIZE}={needed_mb} or more, or unset it")
+        return None
+    return str(needed_mb) if needed_mb > HCCL_DEFAULT_MB else None
+
+
+def needed_buffer_mb(hf_config, parallels, batch: int, act_bytes: int) -> int | None:
+    """The largest HCCL buffer (MB) the MC2 decodes of these layouts need; None when none runs MC2."""
+    needs = [mc2_buffer_mb(batch, hf_config.num_experts_per_tok, hf_config.hidden_size, p.moe_ep_size,
+                           hf_config.num_experts, act_bytes) for p in parallels if uses_mc2_decode(p)]
+    return max(needs) if needs else None
+
+
+def apply_hccl_buffsize(hf_config, parallel: ParallelConfig | list[ParallelConfig], batch: int, act_bytes: int, *,
+                        backend: str | None = None, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Export HCCL_BUFFSIZE for the MC2 decode of `parallel` (one layout or several run by the same processes),
+    before `init_distributed()`; see `hccl_buffsize_setting`. Returns the value exported, or None."""
+    environ = os.environ if environ is None else environ
+    parallels = [parallel] if isinstance(parallel, ParallelConfig) else list(parallel)
+    value = hccl_buffsize_setting(backend or platform.dist_backend(),
+                                  needed_buffer_mb(hf_config, parallels, batch, act_bytes), environ)
+    if value is not None:
+        environ[HCCL_BUFFSIZE] = value
+    return value
