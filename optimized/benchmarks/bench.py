@@ -60,8 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with its cold vs cached start-up (default eager: no graph)")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--world-size", type=int, default=1,
-                   help="> 1: prefill over this many processes, tensor-parallel vs sequence-parallel with each MoE "
-                        "EP scheme (optimized/benchmarks/bench_parallel.py; --decode-steps and --skip-hf do not apply)")
+                   help="> 1: over this many processes, the prefill tensor-parallel vs sequence-parallel with each "
+                        "MoE EP scheme, and the decode tensor-parallel vs MC2 expert-parallel, with the bytes of "
+                        "each collective beside the formula (optimized/benchmarks/bench_parallel.py; --skip-hf and "
+                        "--exe-mode do not apply)")
+    p.add_argument("--formula-only", action="store_true",
+                   help="with --world-size > 1: print only the decode layouts' MoE bytes per rank and the MC2 "
+                        "HCCL buffer from the formula, at the preset's full depth; builds and runs nothing")
 
 
 def synchronize() -> None:
@@ -165,8 +170,13 @@ def run(args) -> int:
             raise UsageError(f"--json: directory {str(json_path.parent)!r} does not exist")
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
+    if args.formula_only and args.world_size < 2:
+        raise UsageError(f"--formula-only needs --world-size > 1; got {args.world_size}")
     if args.world_size > 1:
         from optimized.benchmarks import bench_parallel
+        if args.formula_only:
+            print("\n".join(bench_parallel.format_formula(bench_parallel.formula(args))).lstrip("\n"))
+            return 0
         report = bench_parallel.run(args)
         print(bench_parallel.format_report(report))
         if args.json:
