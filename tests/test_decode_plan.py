@@ -110,3 +110,12 @@ def test_mc2_decode_step_volume_for_a_qwen3_235b_layout():
                            "all_gather": 15 * 4 * 8192}
     step = decode_plan.step_volume(config, ep, 64, 2)
     assert step.parts == {op: 94 * b for op, b in layer.parts.items()}
+
+
+def test_apply_hccl_buffsize_asks_the_platform_for_the_backend(monkeypatch):
+    mc2 = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1, moe_ep_size=8)
+    env: dict[str, str] = {}
+    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, environ=env) is None and env == {}  # CPU: gloo
+    monkeypatch.setattr(decode_plan.platform, "dist_backend", lambda: "hccl")
+    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, environ=env) == "291"
+    assert env == {"HCCL_BUFFSIZE": "291"}

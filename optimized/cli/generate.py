@@ -175,6 +175,8 @@ def run(args) -> int:
         timeout_s = collective_timeout_s(p.collective_timeout_s)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    from optimized.distributed.decode_plan import apply_hccl_buffsize
+    apply_hccl_buffsize(hf_config, p, len(prompts), m.torch_dtype.itemsize)   # before any HCCL communicator exists
     try:  # a rank that never joins (it failed before) makes the rendezvous time out: named, exit 2
         with named_collective_errors(timeout_s):
             env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
