@@ -81,13 +81,14 @@ def test_bench_bad_world_size_is_a_usage_error(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_bench_formula_only_qwen3_235b_runs_nothing(capsys):
+def test_bench_formula_only_qwen3_235b_runs_nothing(tmp_path, capsys):
     from optimized.benchmarks.common import bench_config
     from optimized.config import ParallelConfig
     from optimized.distributed import decode_plan
 
+    out_json = tmp_path / "formula.json"
     assert cli_main(["bench", "--preset", "qwen3_235b_a22b", "--world-size", "16", "--batch", "64",
-                     "--formula-only"]) == 0
+                     "--formula-only", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     config = bench_config("qwen3_235b_a22b", 94)
     mc2 = ParallelConfig(world_size=16, attn_tp_size=16, moe_tp_size=1, moe_ep_size=16, embed_tp_size=16,
@@ -104,3 +105,5 @@ def test_bench_formula_only_qwen3_235b_runs_nothing(capsys):
     # tp: [64, 4096] bf16 all-reduced over 16 ranks, 2 * 15/16 of 512 KiB per layer
     assert f"tp     per layer: all_reduce {2 * 15 * 64 * 4096 * 2 // 16:,d} B" in out, out
     assert "prefill over" not in out and "decode over" not in out
+    saved = json.loads(out_json.read_text())["layouts"]["mc2"]
+    assert saved["per_layer"] == layer and saved["hccl_buffer_mb"] == 11

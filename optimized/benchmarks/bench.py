@@ -175,7 +175,10 @@ def run(args) -> int:
     if args.world_size > 1:
         from optimized.benchmarks import bench_parallel
         if args.formula_only:
-            print("\n".join(bench_parallel.format_formula(bench_parallel.formula(args))).lstrip("\n"))
+            f = bench_parallel.formula(args)
+            print("\n".join(bench_parallel.format_formula(f)).lstrip("\n"))
+            if args.json:
+                Path(args.json).write_text(json.dumps(f, indent=2) + "\n")
             return 0
         report = bench_parallel.run(args)
         print(bench_parallel.format_report(report))
