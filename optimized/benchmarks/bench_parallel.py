@@ -153,7 +153,7 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     for r in range(args["warmup"] + args["repeats"]):
         dist.barrier()
         steps = runner.generate(prompts, args["decode_steps"] + 1).decode_seconds
-        seconds = torch.tensor(steps, dtype=torch.float64, device=device)
+        seconds = torch.tensor(steps, dtype=torch.float32, device=device)       # float32: every backend reduces it
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)                          # the slowest rank's step
         if r >= args["warmup"]:
             times.extend(float(t) for t in seconds)
