@@ -110,10 +110,19 @@ class Qwen3MoeForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] packed -> logits [T, V] (or only at `logits_indices`)."""
-        max_pos = self.config.max_position_embeddings
-        # A host-side check (a device sync): graph mode checks the positions before the compiled step.
-        if not torch.compiler.is_compiling() and meta.num_tokens and int(meta.positions.max()) >= max_pos:
-            raise ValueError(f"position {int(meta.positions.max())} exceeds max_position_embeddings={max_pos}")
+        max_pos, vocab = self.config.max_position_embeddings, self.config.vocab_size
+        # Host-side checks, one device sync for both (positions, ids), the one this forward always had; skipped
+        # while compiling: graph mode checks the positions on the host before its step, and its ids are the runner's.
+        if not torch.compiler.is_compiling() and meta.num_tokens:
+            if input_ids.dtype not in (torch.int32, torch.int64):   # tensor metadata: no sync
+                raise TypeError(f"input_ids must hold integer token ids (int64 / int32), got dtype {input_ids.dtype}")
+            top, low, high = torch.stack([meta.positions.max().long(), input_ids.min().long(),
+                                          input_ids.max().long()]).tolist()
+            if top >= max_pos:
+                raise ValueError(f"position {top} exceeds max_position_embeddings={max_pos}")
+            if low < 0 or high >= vocab:
+                raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary "
+                                 f"[0, {vocab})")
         cos, sin = self.rotary(meta.positions)
         phase = self.prefill if meta.is_prefill else self.decode
         hidden = phase.run(self, input_ids, cos, sin, meta, kv_caches)        # [T, H], final-normed

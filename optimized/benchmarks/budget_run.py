@@ -191,6 +191,9 @@ def run(args) -> int:
         raise UsageError(f"budget {budget.name} runs W4A8: pass a converted checkpoint with --model-path (or "
                          f"${CHECKPOINT_ENV}; `python -m optimized convert --quant w4a8 SRC DST`): random weights "
                          f"are {budget.dtype}")
+    unfit = budget.hardware.mismatch(this_host())
+    if unfit:   # the pytest skip's reason, before any process group or model (a 235B model on a CPU ...)
+        raise UsageError(f"budget {budget.name} {unfit}")
     cfg = budget.inference_config()
     dtype = DTYPES[budget.dtype]
     env = init_distributed()

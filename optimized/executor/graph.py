@@ -23,9 +23,10 @@ never touches a real request's cache. `GraphDecoder.padding` records every batch
 Compiling: `platform.graph_compiler(exe_mode)` (torchair on NPU, inductor elsewhere), under dynamo settings
 that keep the capture static: Python floats of the model (eps, scale) specialize as constants (otherwise
 dynamo traces them as symbols and restarts), and the recompile limit is raised and made an error, so a
-run never falls back to eager silently. With a `CompileCache` each bucket's first call loads the cached
-artefacts of its key, or compiles and saves them (`compile_cache.py`); `GraphDecoder.startup` records
-per bucket whether it was loaded or compiled and how long the first call took.
+run never falls back to eager silently. Each bucket has its own compiled step and, with a `CompileCache`, its
+own cache entry: its first call loads the verified artefacts of its key, or compiles and saves them
+(`compile_cache.py`); `GraphDecoder.startup` records per bucket whether it was loaded or compiled and how long
+the first call took.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from optimized import platform
-from optimized.executor.compile_cache import CompileCache, cache_key, key_hash
+from optimized.executor.compile_cache import CompileCache, cache_key
 from optimized.config import GRAPH_MODES
 from optimized.forward_metadata import ForwardMetadata
 from optimized.executor.kv_cache import NULL_BLOCK
@@ -99,10 +100,12 @@ class GraphDecoder:
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
-        # On NPU torchair's cache_compile owns the cache (one directory per key, all buckets inside it).
+        # On NPU torchair's cache_compile writes the cache: one entry directory per key, i.e. per bucket.
         self.torchair_cache = cache is not None and compiler is None and platform.backend_name() == "npu"
         self.max_positions = model.config.max_position_embeddings
-        self.steps: dict[int, object] = {}          # block_size -> compiled DecodeStep (buckets share it)
+        # (block_size, bucket) -> its compiled DecodeStep: one static graph (and cache entry) per bucket, never
+        # one step shared by buckets (torchair's cache would replay the first bucket's static graph for the next)
+        self.steps: dict[tuple[int, int], object] = {}
         self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
         self.padding: dict[int, int] = {}           # batch -> bucket, for every batch that was padded
         self._marked = None                         # the KV cache whose shapes were last marked static
@@ -126,20 +129,11 @@ class GraphDecoder:
                     for dim in range(1, t.dim()):  # the block count stays symbolic: the pool size may change
                         torch._dynamo.mark_static(t, dim)
             self._marked = weakref.ref(caches[0][0])   # a weak reference: the cache is freed after its run
-        step = self.steps.get(meta.block_size)
+        step = self.steps.get((meta.block_size, bucket))
         if step is None:
-            step = self.steps[meta.block_size] = self._compile(meta.block_size)
-        if bucket not in self.startup:
-            return self._first_call(step, bucket, meta.block_size, inputs, caches)[:batch]
+            return self._first_call(bucket, meta.block_size, inputs, caches)[:batch]
         with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
             return step(*inputs, caches)[:batch]
-
-    def _compile(self, block_size: int):
-        if self.torchair_cache:  # pragma: no cover - needs torchair: it caches per input shape in this directory
-            key = cache_key(self.model, batch_bucket=0, block_size=block_size, exe_mode=self.exe_mode)
-            compiler = platform.graph_compiler(self.exe_mode, cache_dir=self.cache.root / key_hash(key))
-            return compiler(DecodeStep(self.model, block_size))
-        return self.compiler(DecodeStep(self.model, block_size))
 
     def pad_inputs(self, input_ids, meta: ForwardMetadata, kv_lens: list[int], bucket: int):
         """input_ids, positions, slot_mapping [bucket], block_table [bucket, W], kv_lens (bucket ints)."""
@@ -160,20 +154,28 @@ class GraphDecoder:
             torch._dynamo.mark_static(t)
         return (*tensors, kv_lens + [1] * pad)
 
-    def _first_call(self, step, bucket: int, block_size: int, inputs, caches) -> torch.Tensor:
+    def _first_call(self, bucket: int, block_size: int, inputs, caches) -> torch.Tensor:
+        """Compile this bucket's step, or load it from its verified cache entry, and run it once."""
         entry = None
-        if self.cache is not None and not self.torchair_cache:
+        if self.cache is not None:
             entry = self.cache.entry(cache_key(self.model, batch_bucket=bucket, block_size=block_size,
                                                exe_mode=self.exe_mode))
         start = time.perf_counter()
-        with entry.inductor_cache() if entry is not None else contextlib.nullcontext():
-            source = "loaded" if entry is not None and entry.load() else "compiled"
-            if self.torchair_cache:  # pragma: no cover - torchair decides whether its cache held the graph
-                source = "torchair cache_compile"
+        if self.torchair_cache:  # pragma: no cover - needs torchair; it decides whether its files held the graph
+            entry.verify()       # an entry this user did not write (or a broken one) is discarded before torchair reads it
+            compiler, source = platform.graph_compiler(self.exe_mode, cache_dir=entry.path), "torchair cache_compile"
+        else:
+            compiler, source = self.compiler, "compiled"
+        with entry.inductor_cache() if entry is not None and not self.torchair_cache else contextlib.nullcontext():
+            if entry is not None and not self.torchair_cache and entry.load():
+                source = "loaded"
+            step = self.steps[(block_size, bucket)] = compiler(DecodeStep(self.model, block_size))
             with _fresh_artifacts(), torch._dynamo.config.patch(**DYNAMO_SETTINGS):
                 out = step(*inputs, caches)
                 if entry is not None and source == "compiled":
                     entry.save(torch.compiler.save_cache_artifacts())
+                elif entry is not None:   # loaded or torchair's: sign what is there now (files it added included)
+                    entry.sign()
         self.startup[bucket] = Startup(source, time.perf_counter() - start)
         return out
 
