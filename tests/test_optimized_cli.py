@@ -245,14 +245,17 @@ def test_save_logits_to_a_read_only_directory(tmp_path, read_only, capsys):
     assert f"--save-logits: cannot write {str(target)!r}: Permission denied" in err
 
 
-def _graph_config(tmp_path: Path) -> str:
+def _graph_config(tmp_path: Path, monkeypatch) -> str:
+    """A graph-mode config with the compile cache on (its MAC key under tmp_path, never the user's ~/.config)."""
+    from optimized.executor.compile_cache import KEY_ENV
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "compile_cache.key"))
     config = tmp_path / "graph.yaml"
     config.write_text("model_config: {model_path: 'fixture:tiny', exe_mode: ge_graph, enable_cache_compile: true}\n")
     return str(config)
 
 
 def test_compile_cache_in_a_read_only_directory(tmp_path, read_only, capsys, monkeypatch):
-    config = _graph_config(tmp_path)
+    config = _graph_config(tmp_path, monkeypatch)
     monkeypatch.chdir(read_only(tmp_path / "ro"))
     err = run_error(["generate", "--config", config], capsys)
     assert f"cannot create the compile cache directory {tmp_path / 'ro' / 'compile_cache'} (Permission denied)" in err
@@ -260,7 +263,7 @@ def test_compile_cache_in_a_read_only_directory(tmp_path, read_only, capsys, mon
 
 
 def test_compile_cache_directory_open_to_others_is_refused(tmp_path, capsys, monkeypatch):
-    config = _graph_config(tmp_path)
+    config = _graph_config(tmp_path, monkeypatch)
     case = tmp_path / "compile_cache" / "shared_case"
     case.mkdir(parents=True)
     case.chmod(0o777)
