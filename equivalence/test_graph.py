@@ -18,9 +18,16 @@ the workers and records that fresh compile; other workers load it (`fp32` fixtur
   the FP8 and scale caches it writes bitwise eager's, greedy tokens identical;
 - every key component (config, layout, rank, dtype, bucket, block size, KV cache dtype, torch / torch_npu
   version) maps to another entry, which does not load, while the original still does;
-- a truncated artefact, garbage with a matching checksum, and a garbled key.json are each discarded with
-  a CompileCacheWarning and the run proceeds with a fresh compile (cheap `aot_eager` backend: the cache
-  logic does not depend on the backend) and eager's tokens;
+- a truncated artefact, a garbage inductor file, a garbled key.json, and (in a trusted cache) garbage with
+  matching checksums are each discarded with a CompileCacheWarning and the run proceeds with a fresh compile
+  (cheap `aot_eager` backend: the cache logic does not depend on the backend) and eager's tokens;
+- the cache is code: a pickle payload in the artefact, or a line prepended to an inductor source file, with
+  every checksum recomputed, is discarded (its MAC does not verify) before it runs; an entry signed under
+  another user's key loads only in a trusted cache; directories are owner-only and a cache directory, entry
+  or key open to others (or of another user) is refused with a CompileCacheError;
+- torchair (simulated: a fake compiler records the cache_compile directory, writes a file into it, runs eager):
+  one compiled step and one cache_compile directory per batch bucket, that directory the bucket's entry, signed
+  after its first call (torchair's files included) and verified before torchair reads it again;
 - torch._dynamo.explain: the decode step is one graph with zero graph breaks.
 """
 from __future__ import annotations
@@ -28,7 +35,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import shutil
+import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +51,8 @@ from equivalence.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model
-from optimized.executor.compile_cache import ARTIFACT_FILE, KEY_FILE, CompileCache, CompileCacheWarning, cache_key, key_hash
+from optimized.executor.compile_cache import (ARTIFACT_FILE, KEY_ENV, KEY_FILE, CompileCache, CompileCacheError,
+                                              CompileCacheWarning, cache_key, file_digests, key_hash, user_key)
 from optimized.executor.graph import DecodeStep, GraphDecoder, batch_bucket
 from optimized.executor.model_runner import ModelRunner
 
@@ -92,16 +103,25 @@ def _shared_dir(tmp_path_factory):
     return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
 
 
-def copy_of_entry(fp32, root) -> CompileCache:
+def copy_of_entry(fp32, root, trust: bool = False) -> CompileCache:
     """A cache at `root` holding a copy of the pristine fp32 entry."""
-    cache = CompileCache(root)
+    cache = CompileCache(root, trust=trust)
     src = next(fp32["cache"].root.iterdir())
     shutil.copytree(src, cache.root / src.name)
     return cache
 
 
+@pytest.fixture(scope="module", autouse=True)
+def mac_key(tmp_path_factory):
+    """The compile cache's per-user MAC key for this module: one file the run's xdist workers share (an entry
+    one worker writes verifies in another), never the user's ~/.config."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, str(_shared_dir(tmp_path_factory) / "compile_cache.key"))
+        yield
+
+
 @pytest.fixture(scope="module")
-def fp32(tmp_path_factory):
+def fp32(tmp_path_factory, mac_key):
     """The fp32 model and a live graph runner. The first worker here compiles fresh into a compile cache
     shared by the run's xdist workers (under a file lock) and records what that fresh compile did; a worker
     coming later loads the entry instead of compiling the same graph again."""
@@ -130,8 +150,15 @@ def test_graph_decode_tokens_identical_to_eager_fp32_and_entry_saved(fp32):
     assert fresh["counts"]["fx_miss"] == 1, fresh["counts"]
     entries = list(fp32["cache"].root.iterdir())
     assert len(entries) == 1 and (entries[0] / ARTIFACT_FILE).stat().st_size > 0
-    saved = json.loads((entries[0] / KEY_FILE).read_text())["key"]
+    manifest = json.loads((entries[0] / KEY_FILE).read_text())
+    saved = manifest["key"]
     assert saved["batch_bucket"] == BUCKET and saved["dtype"] == "float32" and saved["rank"] == 0
+    # authenticated: every file of the entry (inductor's sources and kernels too) is in the MAC'ed manifest
+    assert manifest["files"] == file_digests(entries[0]) and len(manifest["mac"]) == 64
+    assert ARTIFACT_FILE in manifest["files"] and any(f.startswith("inductor/") and f.endswith(".py")
+                                                      for f in manifest["files"])
+    for d in (fp32["cache"].root, entries[0], entries[0] / "inductor"):   # owner-only directories
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
 
 
 def test_graph_logits_and_cache_writes_equal_eager_fp32(fp32):
@@ -274,36 +301,116 @@ def test_changed_key_component_never_loads_the_stale_entry(fp32, tmp_path, compo
         assert cache.entry(key).load()
 
 
-def _broken_entry(fp32, tmp_path, how: str) -> CompileCache:
-    """A cache holding a copy of the fp32 entry, intact or broken in one way."""
-    cache = copy_of_entry(fp32, tmp_path / "case")
+def _inductor_source(entry: Path) -> Path:
+    return next(p for p in sorted((entry / "inductor").rglob("*.py")))
+
+
+def _rewrite_checksums(entry: Path) -> None:
+    """What anyone who can write the entry can also do: recompute key.json's checksums (not its MAC)."""
+    manifest = json.loads((entry / KEY_FILE).read_text())
+    manifest["files"] = file_digests(entry)
+    (entry / KEY_FILE).write_text(json.dumps(manifest))
+
+
+class _Payload:
+    """A pickle that makes a directory when unpickled: proof that the artefact's code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _broken_entry(fp32, tmp_path, how: str, trust: bool = False) -> CompileCache:
+    """A cache holding a copy of the fp32 entry, intact, broken or tampered with in one way."""
+    cache = copy_of_entry(fp32, tmp_path / "case", trust)
     dst = next(cache.root.iterdir())
-    art, manifest = dst / ARTIFACT_FILE, json.loads((dst / KEY_FILE).read_text())
+    art = dst / ARTIFACT_FILE
     if how == "truncated":
         art.write_bytes(art.read_bytes()[: art.stat().st_size // 3])
-    elif how == "garbage":   # passes the checksum: torch itself must reject it
-        import hashlib
-        junk = b"\x00not a cache artefact" * 50
-        art.write_bytes(junk)
-        manifest.update(bytes=len(junk), sha256=hashlib.sha256(junk).hexdigest())
-        (dst / KEY_FILE).write_text(json.dumps(manifest))
+    elif how == "garbage":   # checksums recomputed: the MAC refuses it, or (trusted) torch itself must
+        art.write_bytes(b"\x00not a cache artefact" * 50)
+        _rewrite_checksums(dst)
     elif how == "garbled_key":
         (dst / KEY_FILE).write_text("{not json")
+    elif how == "garbage_inductor_file":   # not UTF-8: inductor's own reading of it raised UnicodeDecodeError
+        _inductor_source(dst).write_bytes(b"\xff\xfe\x00garbage" * 20)
+    elif how == "pickle_payload":
+        art.write_bytes(pickle.dumps(_Payload(tmp_path / "payload_ran")))
+        _rewrite_checksums(dst)
+    elif how == "prepended_line":
+        source = _inductor_source(dst)
+        source.write_text(f"import os; os.mkdir({str(tmp_path / 'payload_ran')!r})\n" + source.read_text())
+        _rewrite_checksums(dst)
     return cache
 
 
-@pytest.mark.parametrize("how", ["truncated", "garbage", "garbled_key"])
-def test_broken_cache_entry_is_discarded_and_compiled_fresh(fp32, tmp_path, how):
-    cache = _broken_entry(fp32, tmp_path, how)
+def _recompiles_with_a_warning(fp32, cache, match: str):
     runner = graph_runner(fp32["model"], cache, compiler=fresh_backend("aot_eager"))
     before = inductor_counts()
-    with pytest.warns(CompileCacheWarning, match="unusable"):
+    with pytest.warns(CompileCacheWarning, match=match):
         tokens = runner.generate(PROMPTS, NEW_TOKENS).tokens
     assert runner.decode_forward.startup[BUCKET].source == "compiled"
     assert delta(before, inductor_counts())["graphs"] == 1          # really traced and compiled again
     assert tokens == fp32["tokens"]
     assert not any((e / ARTIFACT_FILE).exists() and (e / ARTIFACT_FILE).stat().st_size == 0
                    for e in cache.root.iterdir())
+
+
+@pytest.mark.parametrize("how, trust", [("truncated", False), ("garbage", True), ("garbled_key", False),
+                                        ("garbage_inductor_file", False)])
+def test_broken_cache_entry_is_discarded_and_compiled_fresh(fp32, tmp_path, how, trust):
+    _recompiles_with_a_warning(fp32, _broken_entry(fp32, tmp_path, how, trust), "unusable")
+
+
+@pytest.mark.parametrize("how", ["pickle_payload", "prepended_line", "garbage"])
+def test_tampered_entry_is_discarded_before_its_code_runs(fp32, tmp_path, how):
+    """Checksums recomputed, as anyone able to write the entry could: the MAC (this user's key) refuses it."""
+    _recompiles_with_a_warning(fp32, _broken_entry(fp32, tmp_path, how), "this user did not write it")
+    assert not (tmp_path / "payload_ran").exists()
+
+
+def test_entry_signed_under_another_key_loads_only_when_trusted(fp32, tmp_path, monkeypatch):
+    """A cache copied from another node (another user key): recompiled with a warning, unless trusted."""
+    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
+                    kv_cache_dtype=torch.float32)
+    cache = copy_of_entry(fp32, tmp_path / "copied")
+    with monkeypatch.context() as other_node:
+        other_node.setenv(KEY_ENV, str(tmp_path / "other_node.key"))
+        cache.entry(key).sign()
+    trusted = tmp_path / "trusted"
+    shutil.copytree(cache.root, trusted)
+    with pytest.warns(CompileCacheWarning, match="written under another key; loading it because the cache is trusted"):
+        assert CompileCache(trusted, trust=True).entry(key).verify()
+    with pytest.warns(CompileCacheWarning, match="this user did not write it .*trust_compile_cache: true"):
+        assert not cache.entry(key).verify()
+    assert not cache.entry(key).path.exists()      # discarded
+
+
+def test_cache_open_to_others_or_of_another_user_is_refused(tmp_path, monkeypatch):
+    """Owner-only directories on creation; a case directory, entry or key that others can write (or read, for
+    the key), or that another user owns, is a CompileCacheError naming it: never loaded, never discarded."""
+    cache = CompileCache(tmp_path / "compile_cache" / "case")
+    assert all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in (cache.root, cache.root.parent))
+    entry = cache.entry({"any": "key"})
+    entry.path.mkdir()
+    entry.path.chmod(0o777)
+    with pytest.raises(CompileCacheError, match=r"compile cache entry .* has mode drwxrwxrwx .*chmod go-w"):
+        entry.verify()
+    cache.root.chmod(0o775)
+    with pytest.raises(CompileCacheError, match=r"compile cache directory .* has mode drwxrwxr-x"):
+        CompileCache(cache.root)
+    cache.root.chmod(0o700)
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "keys" / "compile_cache.key"))   # not the module's shared key
+    assert len(user_key()) == 32 and stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+    (tmp_path / "keys" / "compile_cache.key").chmod(0o644)
+    with pytest.raises(CompileCacheError, match=r"compile cache key .* has mode -rw-r--r-- .*chmod 600"):
+        user_key()
+    uid = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    with pytest.raises(CompileCacheError, match=f"belongs to user id {uid}, not to this user"):
+        CompileCache(cache.root)
 
 
 def test_explain_one_graph_zero_breaks(fp32):
@@ -317,28 +424,46 @@ def test_explain_one_graph_zero_breaks(fp32):
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
 
 
-def test_torchair_cache_compiles_one_entry_and_directory_per_bucket(fp32, tmp_path, monkeypatch):
+def test_torchair_cache_one_step_and_one_signed_entry_per_bucket(fp32, tmp_path, monkeypatch):
     """torchair's cache_compile keeps one graph per directory and replays it without shape guards: each batch
-    bucket gets its own compiled step and directory (simulated: the compiler records its cache_dir and runs eager)."""
+    bucket gets its own compiled step and directory, the bucket's cache entry (simulated: the compiler records its
+    cache_dir, writes a file into it and runs eager). The entry is created owner-only before torchair writes,
+    signed after its first call (torchair's files included) and verified before torchair reads it again."""
     from optimized import platform
 
-    model = fp32["model"]
-    dirs = []
+    model, cache = fp32["model"], CompileCache(tmp_path / "case")
+    compiled = []
 
     def torchair_like(exe_mode, cache_dir=None):
-        dirs.append(cache_dir)
-        return lambda step: step            # the DecodeStep itself, eager
-    decoder = GraphDecoder(model, "ge_graph", CompileCache(tmp_path / "case"), buckets=(1, 2, 4))
-    decoder.torchair_cache = True           # what an NPU host with a compile cache sets
+        def compile_step(step):
+            compiled.append(Path(cache_dir))
+            assert stat.S_IMODE(Path(cache_dir).stat().st_mode) == 0o700, cache_dir
+            (Path(cache_dir) / "graph.om").write_bytes(b"a compiled graph")
+            return step                     # the DecodeStep itself, eager
+        return compile_step
+
     monkeypatch.setattr(platform, "graph_compiler", torchair_like)
-    runner = ModelRunner(model, BLOCK_SIZE)
-    for batch in (1, 2, 3, 2):              # buckets 1, 2, 4, and 2 again
-        prompts = PROMPTS[:batch] if batch <= len(PROMPTS) else PROMPTS
-        cache, table = paged_cache(model, [len(p) + 2 for p in prompts])
-        meta = runner.decode_metadata([len(p) for p in prompts], table)
-        decoder(torch.arange(1, len(prompts) + 1), meta, cache.layers)
-    assert sorted(bucket for _, _, bucket in decoder.steps) == [1, 2, 4], decoder.steps.keys()
-    assert len(dirs) == 3 and len(set(dirs)) == 3, dirs       # the repeated bucket 2 reused its step
+
+    def torchair_runner():
+        runner = ModelRunner(model, BLOCK_SIZE)
+        runner.decode_forward = GraphDecoder(model, "ge_graph", cache, buckets=(1, 2, 4))
+        runner.decode_forward.torchair_cache = True          # what an NPU host with a compile cache sets
+        return runner
+
+    runner = torchair_runner()
+    for prompts in (PROMPTS, PROMPTS[:1], PROMPTS[:2], PROMPTS[:2]):    # buckets 4, 1, 2, and 2 again
+        assert runner.generate(prompts, 2).tokens == eager_tokens(model, prompts, 2)
+    steps = runner.decode_forward.steps
+    assert sorted(bucket for _, _, bucket in steps) == [1, 2, 4], steps.keys()
+    assert len({id(step) for step in steps.values()}) == 3
+    assert len(compiled) == 3 and len(set(compiled)) == 3, compiled     # the repeated bucket 2 reused its step
+    manifests = {d: json.loads((d / KEY_FILE).read_text()) for d in compiled}
+    assert sorted(m["key"]["batch_bucket"] for m in manifests.values()) == [1, 2, 4]
+    assert all("graph.om" in m["files"] for m in manifests.values())      # torchair's files are signed too
+    bucket4 = compiled[0]
+    (bucket4 / "graph.om").write_bytes(b"replaced behind the cache's back")
+    with pytest.warns(CompileCacheWarning, match="differing from key.json's checksums"):
+        torchair_runner().generate(PROMPTS, 2)
 
 
 def test_batch_buckets():

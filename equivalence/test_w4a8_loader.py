@@ -162,9 +162,9 @@ def test_quantized_checkpoint_without_quantization_config_is_named(w4a8_copy):
     config = json.loads((w4a8_copy / "config.json").read_text())
     del config["quantization_config"]
     (w4a8_copy / "config.json").write_text(json.dumps(config))
-    # (the message may also come from the loader's check of config.json's declared dtype: both name the tensor)
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' has dtype "
-                                              r"torch\.float8_e4m3fn"):
+    # blamed on the missing key, not on the FP8 dtype its absence makes look wrong
+    with pytest.raises(CheckpointError, match=r"config\.json has no 'quantization_config', but the checkpoint holds "
+                                              r"quantized tensors \(\d+ MX scale tensors, e\.g\. model\.layers\."):
         load_model(w4a8_copy)
 
 

@@ -7,6 +7,8 @@ model_config:        # what to run
   dtype: bfloat16               # bfloat16 | float32
   with_ckpt: true               # false: random weights of the real shapes (benchmarks without a checkpoint)
   enable_cache_compile: false   # graph modes: cache compiled decode graphs under compile_cache/<CASE_NAME>
+  trust_compile_cache: false    # load cache entries this user did not write (copied from another node): a
+                                # compile cache is code; see optimized/executor/compile_cache.py
   num_hidden_layers: null       # optional override: build only the first N decoder layers
   tokenizer_mode: default       # default: prompts encoded as they are | chat: through the chat template
   kv_cache_dtype: auto          # auto: the checkpoint's kv_cache_scheme (per-token FP8 or 16-bit) | bfloat16 | float8
@@ -34,7 +36,8 @@ scheduler_config:    # how to schedule it
   block_size: 128               # paged KV cache block size (tokens per block)
 ```
 
-Every key is optional (the dataclass defaults above); unknown keys are rejected.
+Every key is optional (the dataclass defaults above); unknown keys are rejected, and so is a mapping that
+repeats a key (PyYAML would keep the last value silently): the error names the key and both lines.
 
 `model_path` convention:
 - a directory with an HF `config.json` (and safetensors when `with_ckpt` is true);
@@ -80,6 +83,37 @@ class ConfigError(ValueError):
         self.source = source
         head = f"invalid inference config{f' {source}' if source else ''}"
         super().__init__(head + ":\n" + "\n".join(f"  {key}: {msg}" for key, msg in self.errors))
+
+
+# ------------------------------------------------------------------------------------------------- YAML
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A YAML mapping that repeats a key."""
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping repeating a key (SafeLoader keeps the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":   # `<<: *base` may be overridden: not a repeat
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in first:
+                        raise DuplicateKeyError(f"duplicate key {key!r} on line {first[key]} and again on line "
+                                                f"{line} (one of them would be ignored); remove one")
+                    first[key] = line
+                except TypeError:   # an unhashable key: SafeLoader's own error follows
+                    continue
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str):
+    """`yaml.safe_load`, refusing duplicate keys (DuplicateKeyError, a yaml.YAMLError)."""
+    return yaml.load(text, Loader=StrictLoader)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -141,6 +175,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     with_ckpt: bool = True
     enable_cache_compile: bool = False
+    trust_compile_cache: bool = False
     num_hidden_layers: int | None = None
     tokenizer_mode: str = "default"
     kv_cache_dtype: str = "auto"
@@ -169,12 +204,15 @@ class ModelConfig:
         c.choice(self, "dtype", DTYPES)
         c.boolean(self, "with_ckpt")
         c.boolean(self, "enable_cache_compile")
+        c.boolean(self, "trust_compile_cache")
         c.positive_int(self, "num_hidden_layers", optional=True)
         c.choice(self, "tokenizer_mode", TOKENIZER_MODES)
         c.choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.enable_cache_compile is True and self.exe_mode == "eager":
             c.fail("enable_cache_compile", "needs exe_mode: ge_graph or acl_graph (there is no compiled graph to cache "
                                           "in eager mode)")
+        if self.trust_compile_cache is True and self.enable_cache_compile is not True:
+            c.fail("trust_compile_cache", "applies to the compile cache, which is off (enable_cache_compile: false)")
         if isinstance(self.model_path, str) and self.scheme[0] == "preset" and self.with_ckpt is True:
             c.fail("with_ckpt", "must be false with a 'preset:' model_path (presets have a config.json, no weights)")
 
@@ -331,7 +369,7 @@ class InferenceConfig:
     def from_yaml(cls, path: str | Path) -> "InferenceConfig":
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(path.read_text())
         except yaml.YAMLError as e:
             raise ConfigError([("<yaml>", f"not valid YAML: {e}")], str(path)) from e
         return cls.from_dict(data, source=str(path))

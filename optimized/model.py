@@ -110,11 +110,21 @@ class Qwen3MoeForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] packed -> logits [T, V] (or only at `logits_indices`)."""
-        max_pos = self.config.max_position_embeddings
-        # Checked on the host lists the step carries (no device read: eager launches never wait on the device);
-        # graph mode checks the same lists before its compiled step.
-        if not torch.compiler.is_compiling() and meta.max_position >= max_pos:
-            raise ValueError(f"position {meta.max_position} exceeds max_position_embeddings={max_pos}")
+        max_pos, vocab = self.config.max_position_embeddings, self.config.vocab_size
+        # Checked without reading the device (eager launches never wait on it): the positions on the host lists the
+        # step carries, the ids' dtype on the tensor's metadata, their values only where they already are host data
+        # (a model on the CPU); on an accelerator the runner checked the prompts and the sampler draws inside the
+        # vocabulary. Graph mode checks the same host lists before its compiled step.
+        if not torch.compiler.is_compiling():
+            if meta.max_position >= max_pos:
+                raise ValueError(f"position {meta.max_position} exceeds max_position_embeddings={max_pos}")
+            if input_ids.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"input_ids must hold integer token ids (int64 / int32), got dtype {input_ids.dtype}")
+            if input_ids.device.type == "cpu" and input_ids.numel():
+                low, high = (int(v) for v in torch.aminmax(input_ids))
+                if low < 0 or high >= vocab:
+                    raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary "
+                                     f"[0, {vocab})")
         cos, sin = self.rotary(meta.positions)
         phase = self.prefill if meta.is_prefill else self.decode
         hidden = phase.run(self, input_ids, cos, sin, meta, kv_caches)        # [T, H], final-normed

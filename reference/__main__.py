@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .tokenizer import decode, encode, eos_token_ids, load_tokenizer, parse_prompt_ids
 
@@ -57,19 +58,31 @@ def main(argv: list[str] | None = None) -> int:
     from reference.checkpoint import load_config, load_model
     from reference.generate import greedy_generate, trim_at_eos
 
-    try:
-        load_config(args.model)  # a bad model path fails before the tokenizer is looked for
+    reading = "config.json"   # the JSON file being read: json recurses once per level, so a file nested
+    try:                      # 100 000 levels deep is a RecursionError, named here
+        config = load_config(args.model)  # a bad model path fails before the tokenizer is looked for
+        quantized = getattr(config, "quantization_config", None)
+        if quantized:
+            parser.error(f"{args.model} is already quantized (its config.json has a quantization_config, "
+                         f"quant_method {(quantized if isinstance(quantized, dict) else {}).get('quant_method')!r}): "
+                         + ("--fake-quant w4a8 quantizes the BF16 checkpoint itself; point --model at the BF16 "
+                            "source it was converted from" if args.fake_quant else
+                            "the reference runs BF16 checkpoints; point --model at the BF16 source (with "
+                            "--fake-quant w4a8 for the quantized model's oracle)"))
         tokenizer = load_tokenizer(args.model)
         ids = args.prompt_ids if args.prompt is None else encode(tokenizer, args.prompt,
                                                                    "chat" if args.chat else "default")
         if not ids:
             parser.error("the prompt is empty")
+        reading = "generation_config.json"
         eos = [] if args.ignore_eos else eos_token_ids(args.model)
+        reading = None
         if args.fake_quant:
             from reference.fake_quant import load_fake_quant_model
             model = load_fake_quant_model(args.model, getattr(torch, args.dtype))
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype))
+        _check_finite(model, args.model, parser)
         if args.kv_cache == "fp8":
             if args.no_cache:
                 parser.error("--kv-cache fp8 quantizes the KV cache; it cannot be combined with --no-cache")
@@ -79,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
                               eos_token_ids=eos)
     except (ValueError, OSError) as e:  # bad checkpoint / config / prompt, token id outside vocab, too long
         parser.error(str(e))
+    except RecursionError:
+        if reading is None:
+            raise
+        parser.error(f"{Path(args.model) / reading} is nested too deeply to be a checkpoint's JSON (more than "
+                     f"{sys.getrecursionlimit()} levels); fix or re-download it")
     new = trim_at_eos(new[0].tolist(), eos)
     print("prompt ids:", ",".join(map(str, ids)))
     print("generated ids:", ",".join(map(str, new)))
@@ -87,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         print("text:", repr(decode(tokenizer, ids + new)))
         print("completion:", repr(decode(tokenizer, new)))
     return 0
+
+
+def _check_finite(model, path: str, parser) -> None:
+    """A NaN / inf weight makes every logit NaN and greedy decoding pick token 0 forever: name the tensor instead.
+    (aminmax propagates NaN and keeps +-inf: one pass, no temporary the size of the weight.)"""
+    import torch
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(torch.stack(t.aminmax())).all()):
+            parser.error(f"checkpoint {path}: tensor {name!r} holds {int((~torch.isfinite(t)).sum())} non-finite "
+                         f"value(s) (NaN or inf); the checkpoint is corrupt: re-download or re-convert it")
 
 
 if __name__ == "__main__":

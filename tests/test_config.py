@@ -82,6 +82,26 @@ def test_yaml_syntax_error_names_the_file(tmp_path):
     assert "bad.yaml" in str(e.value)
 
 
+@pytest.mark.parametrize("text, key, lines", [
+    ("scheduler_config:\n  max_new_tokens: 4\n  block_size: 16\n  max_new_tokens: 64\n", "max_new_tokens", (2, 4)),
+    ("model_config: {dtype: float32}\ndata_config: {}\nmodel_config: {dtype: bfloat16}\n", "model_config", (1, 3)),
+    ("parallel_config: {world_size: 2, world_size: 4}\n", "world_size", (1, 1)),
+])
+def test_yaml_duplicate_key_is_refused_naming_the_key_and_both_lines(tmp_path, text, key, lines):
+    """PyYAML keeps the last of repeated keys silently; the config refuses them."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"duplicate key {key!r} on line {lines[0]} and again on line {lines[1]}"):
+        InferenceConfig.from_yaml(path)
+
+
+def test_yaml_merge_key_may_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"   # `<<` then an explicit key: YAML's override, not a repeat
+    path.write_text("scheduler_config:\n  <<: {max_new_tokens: 4, batch_size: 2}\n  max_new_tokens: 8\n")
+    cfg = InferenceConfig.from_yaml(path)
+    assert (cfg.scheduler_config.max_new_tokens, cfg.scheduler_config.batch_size) == (8, 2)
+
+
 # ------------------------------------------------------------------------------------------ file rules
 
 @pytest.mark.parametrize("d, key, fragments", [
@@ -106,6 +126,9 @@ def test_yaml_syntax_error_names_the_file(tmp_path):
     ({"model_config": {"with_ckpt": "yes"}}, "model_config.with_ckpt", ["must be a boolean"]),
     ({"model_config": {"enable_cache_compile": None}}, "model_config.enable_cache_compile", ["must be a boolean"]),
     ({"model_config": {"enable_cache_compile": True}}, "model_config.enable_cache_compile", ["needs exe_mode: ge_graph or acl_graph"]),
+    ({"model_config": {"trust_compile_cache": "yes"}}, "model_config.trust_compile_cache", ["must be a boolean"]),
+    ({"model_config": {"trust_compile_cache": True}}, "model_config.trust_compile_cache",
+     ["applies to the compile cache, which is off"]),
     ({"model_config": {"num_hidden_layers": 0}}, "model_config.num_hidden_layers", ["positive integer or null"]),
     ({"model_config": {"model_path": "preset:qwen3_30b_a3b"}}, "model_config.with_ckpt", ["must be false", "preset"]),
     # data_config
@@ -256,3 +279,9 @@ def valid_layouts(draw):
 @given(valid_layouts())
 def test_valid_layouts_always_accepted(p):
     assert InferenceConfig.from_dict({"parallel_config": p}).parallel_config == ParallelConfig(**p)
+
+
+def test_trust_compile_cache_with_the_cache_on():
+    cfg = InferenceConfig.from_dict({"model_config": {"exe_mode": "ge_graph", "enable_cache_compile": True,
+                                                      "trust_compile_cache": True}})
+    assert cfg.model_config.trust_compile_cache is True

@@ -108,6 +108,25 @@ def test_world_size_mismatch_with_launcher(capsys, monkeypatch):
     assert "parallel_config.world_size is 2" in err and "WORLD_SIZE=4" in err
 
 
+def test_world_size_exported_without_torchrun(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")     # matches the config, but no RANK / MASTER_*: not a torchrun job
+    monkeypatch.delenv("RANK", raising=False)
+    err = run_error(["generate", "--config", TP2, "--prompt-ids", "1,2"], capsys)
+    assert "environment variable RANK is not set (WORLD_SIZE=2); start multi-process runs with torchrun" in err
+
+
+def test_config_path_that_is_a_directory(capsys):
+    err = run_error(["generate", "--config", str(CONFIGS)], capsys)
+    assert f"config file {str(CONFIGS)!r} is a directory" in err and "not found" not in err
+
+
+def test_config_with_a_duplicate_key_names_it_and_both_lines(tmp_path, capsys):
+    config = tmp_path / "dup.yaml"
+    config.write_text("scheduler_config:\n  max_new_tokens: 4\n  batch_size: 1\n  max_new_tokens: 8\n")
+    err = run_error(["generate", "--config", str(config)], capsys)
+    assert "duplicate key 'max_new_tokens' on line 2 and again on line 4" in err and str(config) in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", "1,600"], "token id 600 is outside the vocabulary [0, 512)"),
     (["--prompt-ids", "1,x"], "expected comma-separated integers"),
@@ -169,6 +188,91 @@ def test_convert_w4a8_then_generate_and_refuse_reconversion(tmp_path, capsys):
     assert "W4A8 checkpoints run with bfloat16 or float16 activations" in err
 
 
+# ------------------------------------------------------------------------------ read-only destinations
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """`read_only(path)`: a directory nothing can be written under. Mode 0o555, and where that does not stop this
+    process (root), creating or opening for writing anything under it raises PermissionError as the kernel would."""
+    import builtins
+    import errno
+    import io
+
+    made = []
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o555)
+        made.append(path)
+        if os.access(path, os.W_OK):                        # root: mode bits do not bind, simulate them
+            def denied(target) -> bool:
+                return isinstance(target, (str, os.PathLike)) and Path(os.path.abspath(target)).is_relative_to(path)
+
+            def refuse(target):
+                raise PermissionError(errno.EACCES, "Permission denied", str(target))
+
+            real_open, real_os_open, real_mkdir = builtins.open, os.open, os.mkdir
+
+            def fake_open(file, mode="r", *args, **kwargs):
+                return refuse(file) if denied(file) and set(mode) & set("wax+") else real_open(file, mode, *args,
+                                                                                              **kwargs)
+
+            def fake_os_open(file, flags, *args, **kwargs):
+                writes = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+                return refuse(file) if denied(file) and writes else real_os_open(file, flags, *args, **kwargs)
+
+            monkeypatch.setattr(builtins, "open", fake_open)
+            monkeypatch.setattr(io, "open", fake_open)
+            monkeypatch.setattr(os, "open", fake_os_open)
+            monkeypatch.setattr(os, "mkdir", lambda p, *a, **k: refuse(p) if denied(p) else real_mkdir(p, *a, **k))
+        return path
+
+    yield make
+    for path in made:
+        path.chmod(0o755)
+
+
+def test_convert_to_a_read_only_destination(tmp_path, read_only, capsys):
+    dst = read_only(tmp_path / "ro") / "w4a8"
+    err = run_error(["convert", "--quant", "w4a8", "--no-progress", str(checkpoint("tiny")), str(dst)], capsys)
+    assert f"cannot write the converted checkpoint to {dst}: Permission denied" in err
+
+
+def test_save_logits_to_a_read_only_directory(tmp_path, read_only, capsys):
+    target = read_only(tmp_path / "ro") / "logits.pt"
+    err = run_error(["generate", "--config", SINGLE, "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                     "--save-logits", str(target)], capsys)
+    assert f"--save-logits: cannot write {str(target)!r}: Permission denied" in err
+
+
+def _graph_config(tmp_path: Path, monkeypatch) -> str:
+    """A graph-mode config with the compile cache on (its MAC key under tmp_path, never the user's ~/.config)."""
+    from optimized.executor.compile_cache import KEY_ENV
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "compile_cache.key"))
+    config = tmp_path / "graph.yaml"
+    config.write_text("model_config: {model_path: 'fixture:tiny', exe_mode: ge_graph, enable_cache_compile: true}\n")
+    return str(config)
+
+
+def test_compile_cache_in_a_read_only_directory(tmp_path, read_only, capsys, monkeypatch):
+    config = _graph_config(tmp_path, monkeypatch)
+    monkeypatch.chdir(read_only(tmp_path / "ro"))
+    err = run_error(["generate", "--config", config], capsys)
+    assert f"cannot create the compile cache directory {tmp_path / 'ro' / 'compile_cache'} (Permission denied)" in err
+    assert "enable_cache_compile: false" in err
+
+
+def test_compile_cache_directory_open_to_others_is_refused(tmp_path, capsys, monkeypatch):
+    config = _graph_config(tmp_path, monkeypatch)
+    case = tmp_path / "compile_cache" / "shared_case"
+    case.mkdir(parents=True)
+    case.chmod(0o777)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CASE_NAME", "shared_case")
+    err = run_error(["generate", "--config", config], capsys)
+    assert f"the compile cache directory {case} has mode drwxrwxrwx (open to group or others)" in err
+
+
 # ---------------------------------------------------------------------------------------------- bench
 
 def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
@@ -217,3 +321,24 @@ def test_chat_sampling_eos_and_saved_logits(tmp_path, capsys):
     saved = torch.load(tmp_path / "logits0.pt")
     assert saved["tokens"] == [generated] and saved["prompts"] == [chat]
     assert saved["prompt_logits"][0].shape == (len(chat), 512) and saved["logits"][0].shape == (len(generated), 512)
+
+
+# -------------------------------------------------------------------------------------------- latency
+
+def test_latency_npu_budget_on_another_host_names_the_hardware(capsys):
+    from optimized.benchmarks.budgets import this_host
+    if this_host().backend == "npu":
+        pytest.skip("this host has NPUs: the budget's hardware rule decides, not this test")
+    err = run_error(["latency", "--budget", "a3_235b_bf16_decode", "--json", "unused.json"], capsys)
+    assert ("budget a3_235b_bf16_decode needs Atlas A3 (8 cards, 16 dies): 16 NPU devices with SoC name matching "
+            "'Ascend910_93*' (torch_npu); this host: backend") in err
+
+
+@pytest.mark.parametrize("text, message", [("budgets:\n  a: [\n", "while parsing a flow node"),
+                                           ("budgets:\n  a: {}\n  a: {}\n", "duplicate key 'a' on line 2 and again on "
+                                                                          "line 3")])
+def test_latency_budgets_file_that_is_not_valid_yaml(tmp_path, capsys, text, message):
+    budgets = tmp_path / "budgets.yaml"
+    budgets.write_text(text)
+    err = run_error(["latency", "--budget", "a", "--budgets", str(budgets), "--json", "unused.json"], capsys)
+    assert f"{budgets}: not valid YAML: {message}" in err

@@ -228,6 +228,9 @@ def run(args) -> int:
     missing = budget.missing_checkpoint(model_path)
     if missing:   # never measure random weights under the name of a checkpoint's budget
         raise UsageError(missing)
+    unfit = budget.hardware.mismatch(this_host())
+    if unfit:   # the pytest skip's reason, before any process group or model (a 235B model on a CPU ...)
+        raise UsageError(f"budget {budget.name} {unfit}")
     cfg = budget.inference_config()
     dtype = DTYPES[budget.dtype]
     env = init_distributed()

@@ -38,12 +38,21 @@ class BudgetError(ValueError):
 
 @dataclass(frozen=True)
 class HardwareRule:
-    """Where an absolute budget runs: an NPU whose SoC name matches `soc`, with >= `devices` devices."""
+    """Where an absolute budget runs: an NPU whose SoC name matches `soc`, with >= `devices` devices
+    (`soc: "*"`: any host, NPU or not; for test budgets)."""
 
     soc: str
     devices: int
     floor: str            # key of optimized.benchmarks.floor.HARDWARE
     name: str
+
+    def mismatch(self, host: "Host") -> str | None:
+        """Why `host` is not this hardware (the pytest skip's reason and the latency CLI's error), or None."""
+        if self.soc == "*" or (host.backend == "npu" and fnmatch.fnmatch(host.soc, self.soc)
+                               and host.devices >= self.devices):
+            return None
+        return (f"needs {self.name}: {self.devices} NPU devices with SoC name matching {self.soc!r} (torch_npu); "
+                f"this host: {host.describe()}")
 
 
 @dataclass(frozen=True)
@@ -102,11 +111,8 @@ class Budget:
             if host.backend != "cpu":
                 reasons.append(f"a CPU relative budget (optimized vs reference on the CPU); this host computes "
                                f"on {host.backend}")
-        else:
-            hw = self.hardware
-            if host.backend != "npu" or not fnmatch.fnmatch(host.soc, hw.soc) or host.devices < hw.devices:
-                reasons.append(f"needs {hw.name}: {hw.devices} NPU devices with SoC name matching {hw.soc!r} "
-                               f"(torch_npu); this host: {host.describe()}")
+        elif self.hardware.mismatch(host):
+            reasons.append(self.hardware.mismatch(host))
         return " | ".join(reasons) or None
 
     def missing_checkpoint(self, given: str | None) -> str | None:
@@ -152,9 +158,14 @@ _ALLOWED = {f for f in Budget.__dataclass_fields__} - {"name"}
 def load_budgets(path: str | os.PathLike | None = None) -> dict[str, Budget]:
     """Every budget of a budgets YAML (default optimized/benchmarks/budgets.yaml), validated with clear errors."""
     import yaml
+
+    from optimized.config import load_yaml
     path = Path(path or DEFAULT_BUDGETS)
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw.get("budgets"), dict):
+    try:
+        raw = load_yaml(path.read_text()) or {}
+    except yaml.YAMLError as e:   # a syntax error or a repeated key: one line naming the file and the place
+        raise BudgetError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("budgets"), dict):
         raise BudgetError(f"{path}: needs a top-level mapping 'budgets: {{NAME: {{...}}}}'")
     out = {}
     for name, spec in raw["budgets"].items():

@@ -23,13 +23,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from optimized.errors import CheckpointError
     from optimized.model_loader.quantize import ConversionError, convert_checkpoint
 
     start = time.perf_counter()
     try:
         report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress,
                                     kv_cache=args.kv_cache)
-    except ConversionError as e:
+    except (ConversionError, CheckpointError) as e:   # the message names the file, tensor or key
         raise UsageError(str(e)) from None
     print(f"converted {args.src} -> {args.dst} ({args.quant}): {report.tensors} tensors, "
           f"{report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB in "

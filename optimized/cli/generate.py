@@ -25,7 +25,11 @@ generate
   batch bucket (optimized/executor/graph.py; torchair on NPU, torch.compile inductor elsewhere), prefill stays
   eager. A batch that is not a power of two is padded to the next one, and the output says so. With
   enable_cache_compile: true the compiled graphs are cached under ./compile_cache/<CASE_NAME> (env
-  CASE_NAME; default derived from the config: model-dtype-layout-exe_mode), one entry per rank and bucket.
+  CASE_NAME; default derived from the config: model-dtype-layout-exe_mode), one entry per rank and bucket,
+  authenticated (optimized/executor/compile_cache.py: loading an entry runs its code; an entry this user did
+  not write is recompiled unless model_config.trust_compile_cache: true).
+  Every weight read is checked finite (a NaN / inf weight or an E8M0 scale byte 0xFF is named); --no-weight-check
+  skips that pass. Non-finite logits stop generation, naming the step and the request.
   In graph mode the decode time excludes the first step (which compiles or loads the graph; its time is
   printed separately).
 """
@@ -62,6 +66,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--save-logits", metavar="FILE", help="torch.save the prompt and generation logits (rank 0)")
+    gen.add_argument("--no-weight-check", action="store_true",
+                     help="skip the load-time check that every weight is finite (it reads each weight once more)")
 
 
 
@@ -92,6 +98,8 @@ def run(args) -> int:
     from optimized.config import ConfigError, InferenceConfig
 
     path = Path(args.config)
+    if path.is_dir():
+        raise UsageError(f"config file {args.config!r} is a directory; give the inference config YAML file in it")
     if not path.is_file():
         raise UsageError(f"config file {args.config!r} not found")
     try:
@@ -118,12 +126,16 @@ def run(args) -> int:
                          f"(the paged attention kernel's block granularity)")
     compile_cache = None
     if m.enable_cache_compile:
-        from optimized.executor.compile_cache import CompileCache, case_dir, default_case_name
+        from optimized.executor.compile_cache import CompileCache, CompileCacheError, case_dir, default_case_name
         case = os.environ.get("CASE_NAME") or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)
         try:
-            compile_cache = CompileCache(case_dir(case))
+            root = case_dir(case)
         except ValueError as e:
             raise UsageError(f"environment variable {e}") from None
+        try:  # created owner-only here, before anything is loaded: an unusable cache directory fails first
+            compile_cache = CompileCache(root, trust=m.trust_compile_cache)
+        except CompileCacheError as e:
+            raise UsageError(str(e)) from None
 
     # World size: checked against the launcher before any process group exists.
     env_world = os.environ.get("WORLD_SIZE")
@@ -169,7 +181,8 @@ def run(args) -> int:
                              named_collective_errors, run_fingerprint)
     from optimized.layers.quantization import QuantConfigError
     from optimized.model_loader.loader import CheckpointError
-    from optimized.executor.model_runner import ModelRunner
+    from optimized.executor.compile_cache import CompileCacheError
+    from optimized.executor.model_runner import ModelRunner, NonFiniteLogitsError
 
     try:
         timeout_s = collective_timeout_s(p.collective_timeout_s)
@@ -198,7 +211,8 @@ def run(args) -> int:
             device = platform.device(env.local_rank)
             try:
                 model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
-                                   seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device)
+                                   seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device,
+                                   check_weights=not args.no_weight_check)
             except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint when it does not
                 raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
@@ -218,10 +232,14 @@ def run(args) -> int:
                 _print_graph(runner.decode_forward, result, compile_cache)
             if args.save_logits:
                 import torch
-                torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
-                            "logits": result.logits, "finish_reasons": result.finish_reasons}, args.save_logits)
-    except (CollectiveTimeoutError, RankMismatchError) as e:
-        raise UsageError(f"rank {env.rank}: {e}") from None
+                try:
+                    with open(args.save_logits, "wb") as f:
+                        torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
+                                    "logits": result.logits, "finish_reasons": result.finish_reasons}, f)
+                except OSError as e:   # a read-only or missing directory, a full disk
+                    raise UsageError(f"--save-logits: cannot write {args.save_logits!r}: {e.strerror or e}") from None
+    except (CollectiveTimeoutError, RankMismatchError, NonFiniteLogitsError, CompileCacheError) as e:
+        raise UsageError(f"rank {env.rank}: {e}" if env.world_size > 1 else str(e)) from None
     finally:
         import torch.distributed as dist
         if dist.is_initialized():

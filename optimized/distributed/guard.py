@@ -5,7 +5,8 @@ rank holds the same config, model and prompts.
   QWEN3_MOE_COLLECTIVE_TIMEOUT_S, default 120 s (torch's own default, 30 minutes, is for training jobs
   whose collectives can legitimately wait that long). `init_distributed()` passes it to the process group.
   When it fires, `named_collective_errors()` turns the backend's "timed out" error into a
-  CollectiveTimeoutError that names the setting and the likely cause (a rank stopped or stuck).
+  CollectiveTimeoutError that names the setting and the likely cause (a rank stopped or stuck). Joining the
+  job's rendezvous store is bounded by the same setting (StoreTimeoutError, from `init_distributed`).
 - Agreement: `check_ranks_agree(fields)` all-gathers every rank's small `{key: value}` dict (one
   collective) and raises RankMismatchError naming the first key on which a rank differs from rank 0, with
   both values. `run_fingerprint(...)` builds that dict for a generate run: the whole inference config, the
@@ -28,6 +29,10 @@ TIMEOUT_KEY = "parallel_config.collective_timeout_s"
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete within the configured timeout (a peer rank stopped or is stuck)."""
+
+
+class StoreTimeoutError(CollectiveTimeoutError):
+    """The job's rendezvous store did not answer within the collective timeout (`init_distributed`)."""
 
 
 class RankMismatchError(RuntimeError):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from optimized import platform
 from optimized.config import PARALLEL_OPTIONS, PARALLEL_SIZES, ParallelConfig
+from optimized.errors import UsageError
 # The name registry sits on the operators' floor (the MC2 kernels resolve `group_ep` there); filled from here.
 from optimized.ops.process_groups import group_by_name, register_group_name  # noqa: F401  (re-exported)
 
@@ -42,17 +43,23 @@ class DistEnv:
     local_rank: int
 
 
+class LaunchError(UsageError, RuntimeError):
+    """A process started without what its multi-process run needs (torchrun's environment, a world size that
+    matches the config, a free MASTER_PORT): one line from the CLIs, a RuntimeError for library callers."""
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None:
         if default is None:
-            raise RuntimeError(f"environment variable {name} is not set; start multi-process runs with torchrun "
-                               f"(it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+            raise LaunchError(f"environment variable {name} is not set (WORLD_SIZE={os.environ.get('WORLD_SIZE')}); "
+                              f"start multi-process runs with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, "
+                              f"MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE for a single process")
         return default
     try:
         return int(raw)
     except ValueError:
-        raise RuntimeError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        raise LaunchError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
 def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") -> None:
@@ -88,8 +95,8 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
         local_rank = _env_int("LOCAL_RANK", rank)
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if not os.environ.get(name):
-                raise RuntimeError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
-                                   f"start multi-process runs with torchrun")
+                raise LaunchError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
+                                  f"start multi-process runs with torchrun")
         init_method = "env://"
     elif rank is None or world_size is None:
         raise ValueError(f"init_distributed(init_method={init_method!r}) needs rank and world_size")
@@ -99,9 +106,57 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
     apply_backend_env(backend, hccl_op_expansion_mode)
     platform.set_device(local_rank)
     from optimized.distributed.guard import collective_timeout
-    dist.init_process_group(platform.dist_backend(), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timeout if timeout is not None else collective_timeout())
+    timeout = timeout if timeout is not None else collective_timeout()
+    store = _join_store(init_method, rank, world_size, timeout)
+    dist.init_process_group(platform.dist_backend(), store=store, rank=rank, world_size=world_size, timeout=timeout)
     return DistEnv(rank, world_size, local_rank)
+
+
+def _join_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta):
+    """The job's rendezvous store (torch's own `rendezvous(init_method)`, as init_process_group would make it),
+    within `timeout`, else a StoreTimeoutError naming the store and the setting.
+
+    torch bounds only part of this wait: a client whose MASTER_PORT is held by a program that accepts the connection
+    but never answers (rank 0 failed to bind it) blocks forever. So the store is joined on a daemon thread (the
+    connection releases the GIL) and the wait is bounded here; a thread still blocked is abandoned at exit.
+    """
+    import threading
+
+    from torch.distributed.rendezvous import rendezvous
+
+    from optimized.distributed.guard import TIMEOUT_ENV, TIMEOUT_KEY, StoreTimeoutError, first_line
+
+    joined: dict = {}
+
+    def join() -> None:
+        try:
+            joined["store"] = next(rendezvous(init_method, rank, world_size, timeout=timeout))[0]
+        except Exception as e:  # noqa: BLE001 - handed to the waiting thread below
+            joined["error"] = e
+
+    thread = threading.Thread(target=join, name="rendezvous store", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds())
+    where = (f"MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+             if init_method == "env://" else init_method)
+    error = joined.get("error")
+    if error is not None and "EADDRINUSE" in str(error):
+        raise LaunchError(f"rank {rank} cannot start the job's rendezvous store at {where}: the port is already in "
+                          f"use by another program; choose a free MASTER_PORT (torchrun --master-port PORT, or "
+                          f"--standalone)") from None
+    if thread.is_alive() or (error is not None and "timed out" in str(error).lower()):
+        host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        why = ("the other ranks did not connect: were they started, with the same MASTER_ADDR and MASTER_PORT?"
+               if host else "rank 0 did not start it (check rank 0's output, e.g. MASTER_PORT already in use) or "
+                            "another program answers on that port")
+        raise StoreTimeoutError(f"rank {rank} could not join the job's rendezvous store at {where} within "
+                                f"{TIMEOUT_KEY}={timeout.total_seconds():g} s (environment override {TIMEOUT_ENV}): "
+                                f"{why}" + (f" ({first_line(error)})" if error is not None else "")) from None
+    if error is not None:
+        raise error
+    store = joined["store"]
+    store.set_timeout(timeout)
+    return store
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -258,11 +313,11 @@ class ParallelState:
 def _check_launch(world_size: int, initialized: bool) -> None:
     env = os.environ.get("WORLD_SIZE")
     if env is not None and env.strip() != str(world_size):
-        raise RuntimeError(f"parallel_config.world_size is {world_size} but the environment says WORLD_SIZE={env}; "
-                           f"launch with `torchrun --nproc-per-node {world_size}` or fix parallel_config.world_size")
+        raise LaunchError(f"parallel_config.world_size is {world_size} but the environment says WORLD_SIZE={env}; "
+                          f"launch with `torchrun --nproc-per-node {world_size}` or fix parallel_config.world_size")
     if world_size > 1 and not initialized:
-        raise RuntimeError(f"parallel_config.world_size is {world_size} but torch.distributed is not initialized: "
-                           f"call optimized.distributed.init_distributed() first, in every process started by torchrun "
-                           f"(or pass create_groups=False to inspect a layout without process groups)")
+        raise LaunchError(f"parallel_config.world_size is {world_size} but torch.distributed is not initialized: "
+                          f"call optimized.distributed.init_distributed() first, in every process started by torchrun "
+                          f"(or pass create_groups=False to inspect a layout without process groups)")
 
 

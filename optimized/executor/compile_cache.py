@@ -2,34 +2,50 @@
 
 Layout (as the recipe: `compile_cache/$CASE_NAME` next to the run's working directory):
 
-    compile_cache/<CASE_NAME>/<key hash>/key.json        the full key, the artefact's size and sha256
+    compile_cache/<CASE_NAME>/<key hash>/key.json        the full key, every file's sha256, the entry's MAC
     compile_cache/<CASE_NAME>/<key hash>/artifacts.bin   torch.compiler.save_cache_artifacts() bytes
     compile_cache/<CASE_NAME>/<key hash>/inductor/       inductor's cache while this graph compiles
 
-One entry per compiled graph. The key (`cache_key`) holds everything a compiled decode graph depends on:
-the model config, parallel layout and this rank, dtype, batch bucket, KV block size, KV cache dtype, exe_mode,
-backend, and the torch / torch_npu / Python versions; a changed key is another directory, so a stale artefact is
-never loaded. On CPU / CUDA an entry is inductor's cache (FX graph + AOTAutograd entries, the compiled
-kernels) as `torch.compiler.save_cache_artifacts` serializes it; loading it hot-loads inductor's cache, so
-the next compile skips code generation (dynamo still traces the step). The artefacts hold generated
-source, not the compiled C++ kernels, so each entry also keeps inductor's own cache directory (where the
-kernels' shared objects live): a restart on the same machine then skips the C++ compiler too, while the
-artefact file alone still spares code generation on another machine. On NPU
-torchair's `cache_compile` manages its own files under the same case directory (`platform.graph_compiler`).
+One entry (and one directory) per compiled graph, i.e. per rank and batch bucket. The key (`cache_key`) holds
+everything a compiled decode graph depends on: the model config, parallel layout and this rank, dtype, batch
+bucket, KV block size, KV cache dtype, exe_mode, backend, and the torch / torch_npu / Python versions; a changed
+key is another directory, so a stale artefact is never loaded. On CPU / CUDA an entry is inductor's cache (FX
+graph + AOTAutograd entries, the compiled kernels) as `torch.compiler.save_cache_artifacts` serializes it;
+loading it hot-loads inductor's cache, so the next compile skips code generation (dynamo still traces the step).
+The artefacts hold generated source, not the compiled C++ kernels, so each entry also keeps inductor's own cache
+directory (where the kernels' shared objects live): a restart on the same machine then skips the C++ compiler
+too, while the artefact file alone still spares code generation on another machine. On NPU torchair's
+`cache_compile` writes its files into the entry's directory, one per bucket (`platform.graph_compiler`).
 
-An entry that cannot be read (missing or garbled key.json, wrong key, artefact size or checksum differing
-from key.json, bytes torch cannot deserialize) is discarded with a `CompileCacheWarning` and the graph is
-compiled fresh, then saved again. Entries are written artefact first, key.json last, each through a
-temporary file and an atomic rename, so a crash mid-write leaves an entry that is discarded, not loaded.
+The cache is code: loading an entry unpickles its artefacts and imports its generated modules and shared
+objects. So:
+- directories are created owner-only (0o700), and a case directory or entry that is not owned by this user, or
+  is writable by group or others, is refused with a CompileCacheError (anyone who can write there could run
+  code in this process);
+- every entry is authenticated: key.json holds the sha256 of every file of the entry (inductor/ included) and
+  an HMAC-SHA256 of them under a per-user key kept outside the cache (`key_path()`: $QWEN3_MOE_COMPILE_CACHE_KEY,
+  else ~/.config/qwen3-moe-npu/compile_cache.key, created owner-only on first use). An entry this user did
+  not write (bad or missing MAC) is discarded with a CompileCacheWarning and compiled fresh, unless the cache
+  is opened with `trust=True` (model_config.trust_compile_cache: an entry copied from another node of the
+  cluster, written under another key, is then loaded; its checksums must still hold).
+
+An entry that cannot be read (missing or garbled key.json, another key, a file missing, added or differing
+from its checksum, a symbolic link inside it, bytes torch cannot deserialize) is discarded with a
+`CompileCacheWarning` and the graph is compiled fresh, then saved again. Entries are written artefact first,
+key.json last, each through a temporary file and an atomic rename, so a crash mid-write leaves an entry that is
+discarded, not loaded.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import sys
 import warnings
 from dataclasses import dataclass
@@ -39,11 +55,17 @@ import torch
 
 CACHE_ROOT = "compile_cache"
 KEY_FILE, ARTIFACT_FILE = "key.json", "artifacts.bin"
+KEY_ENV = "QWEN3_MOE_COMPILE_CACHE_KEY"          # where the per-user MAC key lives (tests: a tmp_path)
 _CASE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class CompileCacheWarning(UserWarning):
     """A compile-cache entry was unusable and is being replaced by a fresh compile."""
+
+
+class CompileCacheError(ValueError):
+    """The compile cache cannot be used safely (a directory or key of another user, or writable by others) or at
+    all (it cannot be created): the message names the path and the fix."""
 
 
 def torch_npu_version() -> str | None:
@@ -101,63 +123,184 @@ def case_dir(case_name: str, workdir: str | os.PathLike | None = None) -> Path:
     return Path(workdir or os.getcwd()) / CACHE_ROOT / check_case_name(case_name)
 
 
+# ------------------------------------------------------------------------------------- ownership, the key
+
+def private_dir(path: Path, what: str) -> Path:
+    """`path` as an owner-only directory: the missing parts created 0o700, the whole checked `check_private`."""
+    missing = []
+    for part in (path, *path.parents):
+        if part.exists():
+            break
+        missing.append(part)
+    for part in reversed(missing):
+        try:
+            os.mkdir(part, 0o700)
+        except FileExistsError:   # another rank made it meanwhile: checked below like any existing directory
+            pass
+        except OSError as e:
+            raise CompileCacheError(f"cannot create the {what} {part} ({e.strerror}): run from a writable directory "
+                                    f"or turn the compile cache off (enable_cache_compile: false)") from None
+    return check_private(path, what)
+
+
+def check_private(path: Path, what: str) -> Path:
+    """`path` (a directory or the key file) owned by this user and not writable by group or others, else a
+    CompileCacheError: whoever can write there can make this process run their code."""
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise CompileCacheError(f"the {what} {path} belongs to user id {st.st_uid}, not to this user ({os.geteuid()})"
+                                f": loading it would run another user's code; remove it or use another CASE_NAME")
+    loose = 0o077 if not stat.S_ISDIR(st.st_mode) else 0o022   # the key must not even be readable by others
+    if st.st_mode & loose:
+        raise CompileCacheError(f"the {what} {path} has mode {stat.filemode(st.st_mode)} (open to group or others): "
+                                f"whoever can {'read' if loose == 0o077 else 'write'} it can make this process run "
+                                f"their code; chmod {'600' if loose == 0o077 else 'go-w'} {path}")
+    return path
+
+
+def key_path() -> Path:
+    """The per-user MAC key: $QWEN3_MOE_COMPILE_CACHE_KEY, else ~/.config/qwen3-moe-npu/compile_cache.key."""
+    return Path(os.environ.get(KEY_ENV) or Path.home() / ".config" / "qwen3-moe-npu" / "compile_cache.key")
+
+
+def user_key(path: Path | None = None) -> bytes:
+    """The key entries are authenticated with: 32 random bytes, created owner-only on first use (atomically:
+    written to a private temporary file and linked into place, so concurrent ranks agree on one key)."""
+    path = path or key_path()
+    if not path.exists():
+        private_dir(path.parent, "compile cache key directory")
+        tmp = _private_temporary(path, secrets.token_bytes(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    check_private(path, "compile cache key")
+    key = path.read_bytes()
+    if len(key) < 32:
+        raise CompileCacheError(f"the compile cache key {path} holds {len(key)} bytes, fewer than 32: remove it (a "
+                                f"new key is made; entries written under the old one are then compiled again)")
+    return key
+
+
+def file_digests(path: Path) -> dict[str, str]:
+    """sha256 of every file under the entry `path` but its key.json, by relative path. A symbolic link inside an
+    entry (which this code never writes) is a ValueError: it could point anywhere."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in sorted(dirs + files):
+            full = Path(root, name)
+            rel = full.relative_to(path).as_posix()
+            if full.is_symlink():
+                raise ValueError(f"{rel} is a symbolic link")
+            if name in files and rel != KEY_FILE:
+                out[rel] = hashlib.sha256(full.read_bytes()).hexdigest()
+    return dict(sorted(out.items()))
+
+
+def entry_mac(secret: bytes, key: dict, files: dict[str, str]) -> str:
+    return hmac.new(secret, json.dumps({"key": key, "files": files}, sort_keys=True).encode(), "sha256").hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- entries
+
 @dataclass
 class CompileCache:
-    """The entries of one case directory."""
+    """The entries of one case directory, created owner-only (CompileCacheError when it cannot be created or is
+    not this user's alone). trust: load entries this user did not write (see the module docstring)."""
 
     root: Path
+    trust: bool = False
 
     def __post_init__(self):
-        self.root = Path(self.root)
+        self.root = private_dir(Path(self.root), "compile cache directory")
 
     def entry(self, key: dict) -> "CacheEntry":
-        return CacheEntry(self.root / key_hash(key), key)
+        return CacheEntry(self.root / key_hash(key), key, self.trust)
 
 
 @dataclass
 class CacheEntry:
     path: Path
     key: dict
+    trust: bool = False
 
     @contextlib.contextmanager
     def inductor_cache(self):
         """Inductor's cache directory is this entry's `inductor/` inside the block."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        (self.path / "inductor").mkdir(parents=True, exist_ok=True)
+        private_dir(self.path / "inductor", "compile cache entry")
         with temporary_cache_dir(str(self.path / "inductor")):
             yield
 
-    def load(self) -> bool:
-        """Hot-load the entry's artefacts into torch's compile caches. False when there is no usable entry
-        (an unusable one is discarded with a CompileCacheWarning)."""
-        if not (self.path / KEY_FILE).exists() and not (self.path / ARTIFACT_FILE).exists():
+    def verify(self) -> bool:
+        """Whether the entry exists and may be used: its key, every file's checksum, and its MAC under this user's
+        key (or trust). An unusable entry is discarded with a CompileCacheWarning. An entry directory of another
+        user, or writable by others, is a CompileCacheError."""
+        if not self.path.exists():
             return False
+        check_private(self.path, "compile cache entry")
+        secret = user_key()
         try:
+            files = file_digests(self.path)
+            if not files and not (self.path / KEY_FILE).exists():
+                return False          # an empty directory: nothing was ever written
             manifest = json.loads((self.path / KEY_FILE).read_text())
             if manifest.get("key") != self.key:
                 raise ValueError("its key.json holds another key")
+            written = manifest.get("files") or {}
+            if files != written:
+                changed = sorted(f for f in set(files) | set(written) if files.get(f) != written.get(f))
+                raise ValueError(f"{len(changed)} file(s) missing, added or differing from key.json's checksums "
+                                 f"(e.g. {changed[0]}): truncated, corrupt or modified")
+            mac = manifest.get("mac")
+            if not (isinstance(mac, str) and hmac.compare_digest(mac, entry_mac(secret, self.key, files))):
+                if not self.trust:
+                    raise ValueError(f"this user did not write it (its MAC does not verify under {key_path()}), and "
+                                     f"loading it would run its code; set model_config.trust_compile_cache: true to "
+                                     f"load entries copied from another node")
+                warnings.warn(f"compile cache entry {self.path} was written under another key; loading it because "
+                              f"the cache is trusted (trust_compile_cache)", CompileCacheWarning, stacklevel=3)
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError) as e:   # unreadable: drop it
+            self.discard(f"{type(e).__name__}: {e}")
+            return False
+        return True
+
+    def load(self) -> bool:
+        """Hot-load the entry's artefacts into torch's compile caches (inside `inductor_cache()`). False when
+        there is no usable entry (an unusable one is discarded with a CompileCacheWarning)."""
+        if not self.verify():
+            return False
+        try:
             data = (self.path / ARTIFACT_FILE).read_bytes()
-            if len(data) != manifest["bytes"] or hashlib.sha256(data).hexdigest() != manifest["sha256"]:
-                raise ValueError(f"{ARTIFACT_FILE} has {len(data)} bytes / a checksum that differ from key.json "
-                                 f"({manifest['bytes']} bytes): truncated or corrupt")
             if torch.compiler.load_cache_artifacts(data) is None:
                 raise ValueError("torch could not deserialize the artefacts")
-        except Exception as e:  # any unreadable entry: drop it and compile fresh
+        except Exception as e:  # any unreadable artefact: drop the entry and compile fresh
             self.discard(f"{type(e).__name__}: {e}")
             return False
         return True
 
     def save(self, artifacts) -> bool:
-        """Write `torch.compiler.save_cache_artifacts()`'s result (None: nothing to save). True if written."""
+        """Write `torch.compiler.save_cache_artifacts()`'s result (None: nothing to save), then sign the entry.
+        True if written."""
         if artifacts is None:
             return False
-        data = artifacts[0]
-        self.path.mkdir(parents=True, exist_ok=True)
-        manifest = {"key": self.key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        _atomic_write(self.path / ARTIFACT_FILE, data)
-        _atomic_write(self.path / KEY_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        self.create()
+        _atomic_write(self.path / ARTIFACT_FILE, artifacts[0])
+        self.sign()
         return True
+
+    def create(self) -> Path:
+        """The entry's directory, owner-only (where this code or torchair's cache_compile writes its files)."""
+        return private_dir(self.path, "compile cache entry")
+
+    def sign(self) -> None:
+        """key.json: the key, every file's checksum and their MAC under this user's key (written last)."""
+        files = file_digests(self.path)
+        manifest = {"key": self.key, "files": files, "mac": entry_mac(user_key(), self.key, files)}
+        _atomic_write(self.path / KEY_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
     def discard(self, why: str) -> None:
         warnings.warn(f"compile cache entry {self.path} is unusable ({why}); discarding it and compiling fresh",
@@ -165,7 +308,14 @@ class CacheEntry:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _private_temporary(path: Path, data: bytes) -> Path:
+    """`data` in an owner-only temporary file beside `path` (moved or linked into place by the caller)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return tmp
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    os.replace(_private_temporary(path, data), path)

@@ -23,9 +23,11 @@ never touches a real request's cache. `GraphDecoder.padding` records every batch
 Compiling: `platform.graph_compiler(exe_mode)` (torchair on NPU, inductor elsewhere), under dynamo settings
 that keep the capture static: Python floats of the model (eps, scale) specialize as constants (otherwise
 dynamo traces them as symbols and restarts), and the recompile limit is raised and made an error, so a
-run never falls back to eager silently. With a `CompileCache` each bucket's first call loads the cached
-artefacts of its key, or compiles and saves them (`compile_cache.py`); `GraphDecoder.startup` records
-per bucket whether it was loaded or compiled and how long the first call took.
+run never falls back to eager silently. With a `CompileCache` each bucket has its own cache entry: its first
+call loads the verified artefacts of its key, or compiles and saves them (`compile_cache.py`); on NPU each
+bucket also has its own compiled step, whose torchair cache_compile directory is the entry (verified before
+torchair reads it, signed after the first call). `GraphDecoder.startup` records per bucket whether it was
+loaded or compiled and how long the first call took.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import torch
 from torch import nn
 
 from optimized import platform
-from optimized.executor.compile_cache import CompileCache, cache_key, key_hash
+from optimized.executor.compile_cache import CompileCache, cache_key
 from optimized.config import GRAPH_MODES
 from optimized.forward_metadata import ForwardMetadata
 from optimized.executor.kv_cache import NULL_BLOCK
@@ -100,7 +102,8 @@ class GraphDecoder:
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
         # On NPU torchair's cache_compile owns the cache: one directory and one compiled step per batch bucket (its
-        # saver treats a second input shape as a recompile, and a loaded cache replays without shape guards).
+        # saver treats a second input shape as a recompile, and a loaded cache replays without shape guards); that
+        # directory is the bucket's cache entry, verified before torchair reads it and signed after its first call.
         self.torchair_cache = cache is not None and compiler is None and platform.backend_name() == "npu"
         self.max_positions = model.config.max_position_embeddings
         # (block_size, KV dtype, bucket) -> compiled DecodeStep; inductor's buckets share one (bucket None): dynamo
@@ -139,11 +142,16 @@ class GraphDecoder:
         with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
             return step(*inputs, caches)[:batch]
 
+    def _entry(self, block_size: int, kv_dtype: torch.dtype, bucket: int):
+        return self.cache.entry(cache_key(self.model, batch_bucket=bucket, block_size=block_size,
+                                          exe_mode=self.exe_mode, kv_cache_dtype=kv_dtype))
+
     def _compile(self, block_size: int, kv_dtype: torch.dtype, bucket: int):
-        if self.torchair_cache:  # one cache_compile directory per bucket (its key names the bucket)
-            key = cache_key(self.model, batch_bucket=bucket, block_size=block_size, exe_mode=self.exe_mode,
-                            kv_cache_dtype=kv_dtype)
-            compiler = platform.graph_compiler(self.exe_mode, cache_dir=self.cache.root / key_hash(key))
+        if self.torchair_cache:  # one cache_compile directory per bucket: the bucket's entry (its key names the bucket)
+            entry = self._entry(block_size, kv_dtype, bucket)
+            entry.verify()       # an entry this user did not write (or a broken one) is discarded before torchair reads it
+            entry.create()       # owner-only, before torchair writes into it
+            compiler = platform.graph_compiler(self.exe_mode, cache_dir=entry.path)
             return compiler(DecodeStep(self.model, block_size))
         return self.compiler(DecodeStep(self.model, block_size))
 
@@ -167,19 +175,21 @@ class GraphDecoder:
         return (*tensors, kv_lens + [1] * pad)
 
     def _first_call(self, step, bucket: int, block_size: int, kv_dtype: torch.dtype, inputs, caches) -> torch.Tensor:
-        entry = None
-        if self.cache is not None and not self.torchair_cache:
-            entry = self.cache.entry(cache_key(self.model, batch_bucket=bucket, block_size=block_size,
-                                               exe_mode=self.exe_mode, kv_cache_dtype=kv_dtype))
+        """Run this bucket's step once: loaded from its verified cache entry, or compiled and saved (inductor), or
+        torchair's (its cache_compile files in the entry); the entry is signed after the call."""
+        entry = None if self.cache is None else self._entry(block_size, kv_dtype, bucket)
+        inductor_entry = entry is not None and not self.torchair_cache
         start = time.perf_counter()
-        with entry.inductor_cache() if entry is not None else contextlib.nullcontext():
-            source = "loaded" if entry is not None and entry.load() else "compiled"
-            if self.torchair_cache:  # pragma: no cover - torchair decides whether its cache held the graph
+        with entry.inductor_cache() if inductor_entry else contextlib.nullcontext():
+            source = "loaded" if inductor_entry and entry.load() else "compiled"
+            if self.torchair_cache:  # torchair decides whether its cache held the graph
                 source = "torchair cache_compile"
             with _fresh_artifacts(), torch._dynamo.config.patch(**DYNAMO_SETTINGS):
                 out = step(*inputs, caches)
-                if entry is not None and source == "compiled":
+                if inductor_entry and source == "compiled":
                     entry.save(torch.compiler.save_cache_artifacts())
+                elif entry is not None:   # loaded or torchair's: sign what is there now (files it added included)
+                    entry.sign()
         self.startup[bucket] = Startup(source, time.perf_counter() - start)
         return out
 

@@ -7,6 +7,7 @@ Timings are measured per phase with a device sync, so they are honest on asynchr
 """
 from __future__ import annotations
 
+import numbers
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -24,13 +25,25 @@ from optimized.ops.required import FP8_KV_CACHE, check_operators
 BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """A step produced NaN / inf logits: generation stops (naming the step and request) instead of choosing
+    token 0 forever from a row of NaNs."""
+
+
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int, max_positions: int) -> None:
-    """ValueError naming the first prompt that cannot be generated from (empty, bad id, too long)."""
+    """ValueError naming the first prompt that cannot be generated from (not token ids, empty, bad id, too long)."""
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+        raise ValueError(f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]]; got {type(prompts).__name__} "
+                         f"{str(prompts)[:80]}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     for i, prompt in enumerate(prompts):
+        j = next((j for j, t in enumerate(prompt) if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if j is not None:
+            raise ValueError(f"prompts[{i}][{j}] = {prompt[j]!r} ({type(prompt[j]).__name__}) is not an integer "
+                             f"token id")
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -137,7 +150,7 @@ class ModelRunner:
             result.prompt_logits = list(kept.split([len(pos) for pos in positions]))
         logits = logits[len(wanted):]
         active, active_table = list(range(len(prompts))), table   # the running requests and their block rows
-        next_ids = sampler(logits, active)
+        next_ids = _choose(sampler, logits, active)
         synchronize(self.device)
         result.prefill_seconds = self.clock() - start
 
@@ -147,6 +160,13 @@ class ModelRunner:
                     result.logits[request].append(logits[row].float().cpu())
             still = []
             for row, (request, token) in enumerate(zip(active, next_ids.tolist())):
+                if token < 0:
+                    step = len(result.decode_seconds)
+                    raise NonFiniteLogitsError(
+                        f"{'the prefill' if step == 0 else f'decode step {step}'} produced non-finite logits (NaN or "
+                        f"inf) for request {request}, after {len(result.tokens[request])} generated token(s): "
+                        f"generation stopped; a weight is not finite (the load-time weight check names it) or the "
+                        f"activations overflowed")
                 result.tokens[request].append(token)
                 if token in eos:
                     result.finish_reasons[request] = "eos"
@@ -161,7 +181,7 @@ class ModelRunner:
             start = self.clock()
             meta = self.decode_metadata([lengths[r] for r in active], active_table)
             logits = self.decode_forward(next_ids, meta, cache.layers)
-            next_ids = sampler(logits, active)
+            next_ids = _choose(sampler, logits, active)
             synchronize(self.device)
             result.decode_seconds.append(self.clock() - start)
             for r in active:
@@ -205,6 +225,16 @@ class ModelRunner:
             actual_seq_lengths_kv=[n + 1 for n in lengths],
             slot_mapping=slot_mapping(table, torch.arange(batch, device=self.device), positions, self.block_size),
             block_table=table, block_size=self.block_size)
+
+
+def _choose(sampler: Sampler, logits: torch.Tensor, requests: list[int]) -> torch.Tensor:
+    """The sampled ids [B], -1 where a row of logits is not finite. The flag rides in the ids the loop reads
+    anyway (one `tolist()` per step): no extra device-to-host sync. Sampling gets finite rows (multinomial
+    would refuse a NaN row before the flag is read)."""
+    finite = torch.isfinite(logits).all(-1)                                      # [B]
+    if not sampler.params.greedy:
+        logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)
+    return torch.where(finite, sampler(logits, requests), -1)
 
 
 def shared_seed(device: torch.device) -> int:

@@ -17,12 +17,15 @@ from optimized.ops.required import check_operators, required_operators
 
 def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None = None,
                dtype: torch.dtype = torch.bfloat16, random_weights: bool = False, seed: int = 0,
-               num_hidden_layers: int | None = None, device: torch.device | str | None = None) -> Qwen3MoeForCausalLM:
+               num_hidden_layers: int | None = None, device: torch.device | str | None = None,
+               check_weights: bool = True) -> Qwen3MoeForCausalLM:
     """Build the optimized Qwen3MoeForCausalLM for this rank and load this rank's weight shards.
 
     model_path: a directory with config.json (+ safetensors unless random_weights). parallel: the process
     groups (default: a single process). num_hidden_layers: keep only the first N layers. device: where the
     model lives, default this process's accelerator (`platform.device()`: the CPU only on a host without one).
+    check_weights: every tensor read is checked finite (a CheckpointError names a NaN / inf weight or an E8M0
+    scale byte 0xFF).
     """
     config = load_hf_config(model_path)  # ModelConfigError for another model_type, missing counts, ...
     full_layers = config.num_hidden_layers
@@ -37,7 +40,7 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
                                    "the activation dtype, so run a quantized model from its checkpoint (with_ckpt: true)")
         source = RandomWeights(seed)
     else:
-        source = CheckpointReader(model_path)
+        source = CheckpointReader(model_path, check_weights)
         # Layers cut off by num_hidden_layers are deliberately unused, not unexpected.
         for name in source.names():
             if _layer_of(name) >= config.num_hidden_layers:

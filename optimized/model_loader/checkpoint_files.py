@@ -4,8 +4,11 @@
   single `model.safetensors`. Bad JSON, an index without `weight_map`, a shard the index lists but the
   directory lacks, and a truncated / empty / corrupt-header file each raise CheckpointError naming the file
   and the fix.
-- `declared_dtype(path)`: the dtype config.json declares (`dtype`, or the older `torch_dtype`); every tensor
-  read must have it (an int32 tensor in a float checkpoint is a corrupt file, not weights).
+- `declared_dtype(path, names)`: the dtype config.json declares (`dtype`, or the older `torch_dtype`); every tensor
+  read must have it (an int32 tensor in a float checkpoint is a corrupt file, not weights). A checkpoint holding
+  MX scale tensors (`*weight_scale`) whose config.json has no `quantization_config` lost that key: named as such.
+- `read_json(file, error, fix)`: a JSON file, or `error` naming it (unreadable, not UTF-8, invalid, or nested
+  too deeply: json recurses per level, so a file nested 100 000 levels raises RecursionError at once).
 - Fused experts: transformers v5 may write one tensor per layer for all experts,
   `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H] and `...experts.down_proj` [E, H, I]. `FusedExpertView`
   presents one expert's gate / up / down slice of it under the per-expert name, and reads only the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -36,6 +40,17 @@ SAFETENSORS_DTYPES = {
 
 
 
+def read_json(file: Path, error: type[Exception] = CheckpointError, fix: str = "re-download it"):
+    """The parsed JSON of `file`, or `error` naming the file and the fix."""
+    try:
+        return json.loads(file.read_text())
+    except RecursionError:
+        raise error(f"{file} is nested too deeply to be a checkpoint's JSON (more than {sys.getrecursionlimit()} "
+                    f"levels); {fix}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise error(f"{file} is not valid JSON ({getattr(e, 'strerror', None) or e}); {fix}") from None
+
+
 def open_file(file: Path):
     """safe_open with a named error for a missing, empty, truncated or corrupt file."""
     try:
@@ -52,10 +67,7 @@ def weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> the file holding it."""
     index = path / INDEX_FILE
     if index.exists():
-        try:
-            data = json.loads(index.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index} is not valid JSON ({e}); re-download it") from None
+        data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no 'weight_map' (tensor name -> shard file); re-download it, "
@@ -73,14 +85,23 @@ def weight_files(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-def declared_dtype(path: Path) -> torch.dtype | None:
-    """config.json's `dtype` / `torch_dtype`; None when absent or when the checkpoint is quantized."""
+def declared_dtype(path: Path, names=()) -> torch.dtype | None:
+    """config.json's `dtype` / `torch_dtype`; None when absent or when the checkpoint is quantized. `names`: the
+    checkpoint's tensor names, to tell a quantized checkpoint whose config.json lost `quantization_config`."""
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict):
         return None
     if config.get("quantization_config"):  # quantized tensors have their own dtypes
         return None
+    scales = sorted(n for n in names if n.endswith("weight_scale"))
+    if scales:   # only the converter writes them, always beside its quantization_config
+        raise CheckpointError(f"{path / 'config.json'} has no 'quantization_config', but the checkpoint holds "
+                              f"quantized tensors ({len(scales)} MX scale tensors, e.g. {scales[0]}): config.json lost "
+                              f"the key `python -m optimized convert` writes; restore it from the converted "
+                              f"checkpoint's config.json, or re-convert")
     name = config.get("dtype") or config.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) else None

@@ -9,10 +9,11 @@ recipe's converter writes (QuantConfigError naming the key otherwise).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers import Qwen3MoeConfig
+
+from optimized.model_loader.checkpoint_files import read_json
 
 REQUIRED_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
@@ -68,10 +69,7 @@ def load_hf_config(path) -> Qwen3MoeConfig:
     if not file.is_file():
         raise ModelConfigError(f"model path {str(path)!r} has no config.json; point it at a Hugging Face "
                                f"checkpoint directory")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelConfigError(f"{file} is not valid JSON ({e})") from None
+    raw = read_json(file, ModelConfigError, "fix it, or re-download the checkpoint's config.json")
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{file} must hold a JSON object")
     for name, stored in Qwen3MoeConfig.attribute_map.items():  # transformers v5 writes num_local_experts

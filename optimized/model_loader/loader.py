@@ -13,9 +13,41 @@ import zlib
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from optimized.model_loader.checkpoint_files import (SAFETENSORS_DTYPES, CheckpointError, FusedExpertView, declared_dtype,
-                               expand_fused_experts, open_file, weight_files)
+from optimized.model_loader.checkpoint_files import (INDEX_FILE, SAFETENSORS_DTYPES, CheckpointError, FusedExpertView,
+                                                     declared_dtype, expand_fused_experts, open_file, weight_files)
+
+
+def check_finite(tensor: torch.Tensor, name: str, label: str) -> None:
+    """CheckpointError naming tensor `name` when a value read is NaN or inf: 16/32-bit floats, FP8 NaN bytes, or an
+    MX scale byte 0xFF (E8M0 NaN, which the converter never writes). A NaN weight otherwise turns every logit into
+    NaN and greedy decoding into token 0 forever, exit 0. One reduction over the bytes just read (aminmax propagates
+    NaN and keeps +-inf; no temporary the size of the tensor); FP4 codes and other integers are always finite."""
+    if tensor.numel() == 0:
+        return
+    if tensor.dtype in _FP8_NAN_BITS:        # E4M3FN: S.1111.111 is NaN (no inf); E5M2: exponent 11111 is inf / NaN
+        bits = _FP8_NAN_BITS[tensor.dtype]
+        bad = (tensor.view(torch.uint8) & bits) == bits
+        what = "NaN / inf FP8 value(s)"
+    elif tensor.dtype.is_floating_point:
+        lo, hi = tensor.aminmax()
+        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            return
+        bad = ~torch.isfinite(tensor)
+        what = "non-finite value(s) (NaN or inf)"
+    elif tensor.dtype == torch.uint8 and name.endswith("weight_scale"):
+        bad = tensor == 0xFF
+        what = "E8M0 scale byte(s) 0xFF (NaN; `python -m optimized convert` never writes it)"
+    else:
+        return
+    count = int(bad.sum())
+    if count:
+        raise CheckpointError(f"{label}: tensor {name!r} holds {count} {what}; the checkpoint is corrupt: "
+                              f"re-download or re-convert it")
+
+
+_FP8_NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
 
 
 class _NamedSource:
@@ -27,9 +59,10 @@ class _NamedSource:
 
     label: str
 
-    def __init__(self):
+    def __init__(self, check_weights: bool = True):
         self.used: set[str] = set()
         self.bytes_read = 0
+        self.check_weights = check_weights
 
     def read(self, name: str, expected_shape: tuple[int, ...], index: tuple = ()) -> torch.Tensor:
         """Read `name[index]` after checking the full tensor has `expected_shape`."""
@@ -41,6 +74,8 @@ class _NamedSource:
             raise CheckpointError(f"{self.label}: tensor {name!r} has shape {shape}; the model expects "
                                   f"{tuple(expected_shape)}")
         tensor = full[index] if index else full[:]
+        if self.check_weights:
+            check_finite(tensor, name, self.label)
         self.used.add(name)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
@@ -63,14 +98,14 @@ class CheckpointReader(_NamedSource):
     tensor must have the dtype config.json declares. Broken files raise CheckpointError naming the file.
     """
 
-    def __init__(self, path: str | os.PathLike):
-        super().__init__()
+    def __init__(self, path: str | os.PathLike, check_weights: bool = True):
+        super().__init__(check_weights)
         self.path = Path(path)
         self.label = str(self.path)
         self._file_of = weight_files(self.path)
+        self.dtype = declared_dtype(self.path, self._file_of)
         self._handles: dict[Path, object] = {}
         self._fused = expand_fused_experts(self._file_of, lambda n: self._slice(n).get_shape())
-        self.dtype = declared_dtype(self.path)
 
     def names(self) -> set[str]:
         fused = {name for name, _, _ in self._fused.values()}
@@ -83,7 +118,12 @@ class CheckpointReader(_NamedSource):
         file = self._file_of[name]
         if file not in self._handles:
             self._handles[file] = open_file(file)
-        return self._handles[file].get_slice(name)
+        try:
+            return self._handles[file].get_slice(name)
+        except SafetensorError:   # the index maps `name` to a shard that does not hold it
+            raise CheckpointError(f"{self.path / INDEX_FILE} maps tensor {name!r} to {file.name}, which does not "
+                                  f"contain it; the index does not match the shards: re-download the checkpoint "
+                                  f"(or its index)") from None
 
     def _tensor(self, name: str):
         if name in self._fused:
@@ -144,8 +184,8 @@ class StateDictSource(_NamedSource):
     """Weights from an in-memory `{checkpoint name: tensor}` dict (e.g. a reference model's state_dict),
     with the same checks as a checkpoint: benchmarks and tests share one set of weights this way."""
 
-    def __init__(self, state_dict: dict[str, torch.Tensor], label: str = "state_dict"):
-        super().__init__()
+    def __init__(self, state_dict: dict[str, torch.Tensor], label: str = "state_dict", check_weights: bool = True):
+        super().__init__(check_weights)
         self.state_dict, self.label = state_dict, label
 
     def names(self) -> set[str]:

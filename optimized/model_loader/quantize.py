@@ -24,15 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from optimized.model_loader.checkpoint_files import INDEX_FILE, open_file, read_json, weight_files
 from optimized.ops import mx_format as mxf
 # config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
 from optimized.layers.quantization import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 QUANT_TYPES = ("w4a8",)
 KV_CACHE_CHOICES = ("fp8", "bf16")
 BLOCK = mxf.BLOCK_SIZE
@@ -187,8 +185,6 @@ class ConversionReport:
 def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str = "fp8") -> ConversionReport:
     """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a W4A8 checkpoint at `dst`
     (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none)."""
-    from tqdm import tqdm
-
     src, dst = Path(src), Path(dst)
     if quant not in QUANT_TYPES:
         raise ConversionError(f"--quant {quant!r} is not supported; supported: {', '.join(QUANT_TYPES)}")
@@ -197,28 +193,39 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
     config_path = src / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{src} has no config.json")
-    config = json.loads(config_path.read_text())
+    config = read_json(config_path, ConversionError, "fix it, or re-download the BF16 checkpoint")
+    if not isinstance(config, dict):
+        raise ConversionError(f"{config_path} must hold a JSON object")
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
         raise ConversionError(f"{config_path} already has a quantization_config (quant_method {method!r}): the "
                               "source is already quantized; convert the BF16 checkpoint instead")
     if config.get("model_type") != "qwen3_moe":
         raise ConversionError(f"{config_path} has model_type={config.get('model_type')!r}; expected 'qwen3_moe'")
-    if (src / INDEX_FILE).is_file():
-        weight_map = json.loads((src / INDEX_FILE).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (src / SINGLE_FILE).is_file():
-        weight_map, files = None, [SINGLE_FILE]
-    else:
-        raise ConversionError(f"{src} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    files = sorted({path.name for path in weight_files(src).values()})   # CheckpointError: no / a broken index
+    indexed = (src / INDEX_FILE).is_file()
     if dst.resolve() == src.resolve():
         raise ConversionError(f"destination {dst} is the source directory")
     if dst.exists() and any(dst.iterdir()):
         raise ConversionError(f"destination {dst} exists and is not empty")
 
     # Plan every file first: a bad tensor anywhere fails before anything is written.
-    handles = {file: safe_open(src / file, framework="pt") for file in files}
+    handles = {file: open_file(src / file) for file in files}
     plans = {file: _plan_file(handles[file], file, quant_format) for file in files}
+    try:
+        stats = _write(src, dst, quant, kv_cache, config, files, handles, plans, indexed, progress)
+    except OSError as e:   # a read-only or full destination: name it, never a traceback
+        where = Path(e.filename) if e.filename else dst
+        verb = "write the converted checkpoint to" if where.resolve().is_relative_to(dst.resolve()) else "read"
+        raise ConversionError(f"cannot {verb} {where}: {e.strerror or e}") from None
+    return ConversionReport(stats.tensors_in, stats.bytes_in, stats.bytes_out, files)
+
+
+def _write(src: Path, dst: Path, quant: str, kv_cache: str, config: dict, files, handles, plans, indexed: bool,
+           progress) -> _Stats:
+    """Every output file of the planned conversion (the streamed shards, the copies, the index, config.json)."""
+    from tqdm import tqdm
+
     dst.mkdir(parents=True, exist_ok=True)
     stats = _Stats()
     total = sum(1 for entries in plans.values() for e in entries if e.part != "scale")
@@ -230,9 +237,9 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name not in ("config.json", INDEX_FILE):
             shutil.copy2(item, dst / item.name)
-    if weight_map is not None:
+    if indexed:
         out_map = {e.name: file for file in files for e in plans[file]}
         (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": out_map}, indent=2))
     config["quantization_config"] = quantization_config(config["num_hidden_layers"], kv_cache)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return ConversionReport(stats.tensors_in, stats.bytes_in, stats.bytes_out, files)
+    return stats

@@ -8,8 +8,9 @@ Every problem a user can fix raises PromptError naming the prompt, the file or t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from optimized.model_loader.checkpoint_files import read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_MODES = ("default", "chat")
@@ -82,11 +83,7 @@ def eos_token_ids(model_dir) -> list[int]:
         path = Path(model_dir) / name
         if not path.is_file():
             continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError) as e:
-            raise PromptError(f"cannot read {path} ({type(e).__name__}: {str(e)[:200]}); fix or remove it, or pass "
-                              f"--ignore-eos") from None
+        data = read_json(path, PromptError, "fix or remove it, or pass --ignore-eos")
         eos = data.get("eos_token_id") if isinstance(data, dict) else None
         if eos is None:
             continue
