@@ -197,9 +197,25 @@ TOLERANCES: dict[str, Tolerance] = {
         atol=0.0, rtol=0.0, min_separation=1.15,
         why="optimized bf16 model with the per-token FP8 KV cache (1-4 ranks, TP and SP prefill), decode logits "
             "of 2 requests x 4 steps on tiny: rel_l2 to the reference with the same fake-quantized cache "
-            "2.0e-2..3.1e-2, to the reference with a 16-bit cache 2.8e-2..4.3e-2 (ratios 1.23-1.43); the two "
+            "2.0e-2..3.1e-2, to the reference with a 16-bit cache 2.7e-2..4.3e-2 (ratios 1.20-1.43, the SP prefill "
+            "at world 4 the lowest); the two "
             "references are 2.5e-2..3.8e-2 apart, as large as the bf16 noise (model.parallel.bfloat16), which the "
             "E4M3 grid re-rounds. A cache that silently stays 16-bit lands nearer the 16-bit reference (ratio < 1)",
+    ),
+    "model.fp8_kv.w4a8": Tolerance(
+        atol=0.0, rtol=0.0, min_separation=0.5,
+        why="optimized W4A8 model with the per-token FP8 KV cache (TP world 1/2/4, SP prefill world 2 alltoall / "
+            "4 allgather), decode logits of 2 requests x 4 steps on tiny: rel_l2 to the FP8-KV fake-quant oracle "
+            "(within model.w4a8.bfloat16) tp1 7.54e-2, tp2 5.96e-2, tp4 6.82e-2, sp2 6.20e-2, sp4 6.98e-2; to the "
+            "16-bit-KV oracle 8.05e-2, 5.21e-2, 6.24e-2, 5.35e-2, 6.33e-2: ratio 0.86-1.07, i.e. no separation, "
+            "because the oracles are only 5.0e-2..7.1e-2 apart while W4A8's own noise (the optimized run over a "
+            "16-bit cache vs the 16-bit-KV oracle) is 4.2e-2..9.1e-2: bf16 1-ulp differences re-rounded onto the "
+            "E4M3 grid at every MX point (model.w4a8.bfloat16) reach the same size as the KV cache's own E4M3 "
+            "rounding (fp16 activations, an fp32 oracle, sharper attention or K outliers did not change that). "
+            "Held instead: the FP8 cache's dequantized entries equal the oracle rule's bitwise (every layer, rank, "
+            "layout), and min_separation: the optimized decode logits over the FP8 cache are >= 0.5x the oracles' "
+            "distance away from the same model's 16-bit-cache run (measured 0.75-1.06x; a cache that stays "
+            "16-bit: 0)",
     ),
     "moe_tp_partials.w4a8": Tolerance(
         atol=0.0, rtol=0.0, max_rel_l2=5e-3,
