@@ -2,8 +2,8 @@
 
 A call is recorded as its operator and its arguments by schema name (defaults filled in): tensors as dtype, shape
 and stride, everything else by value; never the data. `CONFIGURATIONS` are the runs recorded: the tiny fixtures
-through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16 and W4A8, and the
-sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16 and W4A8). The deduplicated calls go to
+through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16, W4A8 and W8A8, and the
+sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8 and W8A8). The deduplicated calls go to
 `equivalence/spec/recorded_npu_calls.json`; regenerate it after a change to what the model calls with
 
     PYTHONPATH=. python -m equivalence.record_npu_calls
@@ -34,21 +34,24 @@ class Configuration:
     w4a8: bool
     dtype: str
     scheme: str | None = None   # None: the tensor-parallel layout; else the SP prefill with this EP scheme
+    w8a8: bool = False          # the W8A8 conversion (MXFP8 experts) instead of w4a8 / bf16
 
     def layout(self) -> dict:
         from equivalence.strategies import layout, sp_layout
         return layout(1) if self.scheme is None else sp_layout(self.world, self.scheme)
 
     def checkpoint(self) -> Path:
-        from fixtures.checkpoints import checkpoint, w4a8_checkpoint
-        return (w4a8_checkpoint if self.w4a8 else checkpoint)(self.fixture)
+        from fixtures.checkpoints import checkpoint, w4a8_checkpoint, w8a8_checkpoint
+        return (w8a8_checkpoint if self.w8a8 else w4a8_checkpoint if self.w4a8 else checkpoint)(self.fixture)
 
 
 CONFIGURATIONS = (
     Configuration("tp1-float32", 1, "tiny", False, "float32"),
     Configuration("tp1-bfloat16", 1, "tiny", False, "bfloat16"),
     Configuration("tp1-w4a8", 1, "tiny", True, "bfloat16"),
+    Configuration("tp1-w8a8", 1, "tiny", False, "bfloat16", w8a8=True),
     Configuration("sp2-alltoall-bfloat16", 2, "tiny", False, "bfloat16", "alltoall"),
+    Configuration("sp2-alltoall-w8a8", 2, "tiny", False, "bfloat16", "alltoall", w8a8=True),
     Configuration("sp2-alltoall-w4a8", 2, "tiny", True, "bfloat16", "alltoall"),
     Configuration("sp2-allgather-w4a8", 2, "tiny-dense", True, "bfloat16", "allgather"),
 )

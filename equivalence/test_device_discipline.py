@@ -9,7 +9,8 @@ every operator call checked to take tensors of one device). Single process, each
   the step's host data (sequence lengths) are the host lists of ForwardMetadata, the position check too;
 - the detector works: the causal mask built on the host (as `causal_mask_template` once did by default),
   or any host tensor reaching an operator of the forward, fails the step with DeviceMismatch;
-- the count tensor of `exchange_split_sizes` and the default device of `load_model` follow the device.
+- the count tensor of `exchange_split_sizes` and the default device of `load_model` follow the device;
+- the W4A8 and W8A8 conversions with the per-token FP8 KV cache run there too, bitwise the CPU run (bf16).
 """
 from __future__ import annotations
 
@@ -151,3 +152,25 @@ def test_load_model_defaults_to_the_platform_device(monkeypatch):
         model = load_model(checkpoint("tiny"), dtype=torch.float32, num_hidden_layers=1)
     assert model.lm_head.weight.device == fake_npu() and model.atten_mask.device == fake_npu(), \
         f"load_model without device= built on {model.lm_head.weight.device}, platform.device() is {fake_npu()}"
+
+
+@pytest.mark.parametrize("quant", ["w4a8", "w8a8"])
+def test_mx_checkpoint_with_the_fp8_kv_cache_on_a_non_cpu_device_generates_what_the_cpu_model_generates(quant):
+    """The MX quant methods (MXFP8 linears, W4A8 or W8A8 experts) and the per-token FP8 KV cache keep every
+    tensor on the model's device too: bf16 tokens and logits bitwise the CPU run's."""
+    from fixtures.checkpoints import quantized_checkpoint
+    path = quantized_checkpoint("tiny", quant, kv_cache="fp8")
+    with on_fake_device():
+        model = load_model(path, dtype=torch.bfloat16, device=fake_npu())
+    host_model = load_model(path, dtype=torch.bfloat16, device="cpu")
+    placed = {n: t.device for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device != fake_npu()}
+    assert not placed, f"{quant}: built for {fake_npu()}, these tensors are elsewhere: {placed}"
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 37))]
+    with on_fake_device():
+        runner = ModelRunner(model, BLOCK_SIZE)
+        assert runner.kv_cache_dtype == torch.float8_e4m3fn
+        result = runner.generate(prompts, NEW_TOKENS, return_logits=True)
+        tokens, logits = result.tokens, torch.cat(to_host(result.logits))
+    want_tokens, want_logits = generate(host_model, prompts)
+    assert tokens == want_tokens, f"{quant} on {fake_npu()}: tokens {tokens} != the CPU run's {want_tokens}"
+    assert torch.equal(logits, want_logits), f"{quant} on {fake_npu()}: logits differ from the CPU run's"

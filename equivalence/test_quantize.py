@@ -1,4 +1,4 @@
-"""W4A8 conversion and the reference MX fake quantization, bit for bit.
+"""W4A8 / W8A8 conversion and the reference MX fake quantization, bit for bit.
 
 - The reference quantizers (`reference/fake_quant.py`, float64) reproduce the spec's worked examples
   (mx_quant.md §10.1 activation bytes, §10.3 converter rows, §10.5 special blocks).
@@ -10,6 +10,8 @@
   (§8.1), kept tensors are byte-identical, quantized ones equal the reference quantizer's codes and scale
   bytes, config.json carries the §8.3 quantization_config (restated here), an already-quantized source and a
   non-empty destination are refused.
+- `--quant w8a8` (w8a8c16): the experts MXFP8 too, bit for bit `mx_oracle.convert_weight` (e4m3), §8.3's config
+  without group_1; an unknown `--quant` names the allowed values.
 """
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ from equivalence import mx_oracle
 from equivalence.compare import assert_bitwise_equal
 from equivalence.mx_oracle import mx_inputs
 from fixtures.checkpoints import checkpoint
+from fixtures.tiny import tiny_config
 from optimized.model_loader.quantize import MXFP4, MXFP8, ConversionError, convert_checkpoint, mx_quantize_weight
 from reference.checkpoint import read_state_dict
 from reference.fake_quant import E2M1, E4M3, quantize_activation, quantize_weight
 
+CONFIG = tiny_config("tiny")
 FP4_VALUES = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
 
 
@@ -145,9 +149,9 @@ def _tensors(path) -> dict[str, torch.Tensor]:
     return out
 
 
-def spec_quantization_config(layers: int, kv_cache: str = "fp8") -> dict:
+def spec_quantization_config(layers: int, kv_cache: str = "fp8", quant: str = "w4a8") -> dict:
     """§8.3 for w4a8c16, restated: the recipe writes the per-token FP8 kv_cache_scheme (strings "true");
-    `--kv-cache bf16` writes null instead."""
+    `--kv-cache bf16` writes null instead. w8a8c16: no group_1 (§8.3 note)."""
     kv_scheme = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
                  "symmetric": "true"}
     act = {"actorder": None, "block_structure": None, "dynamic": True, "group_size": 32, "num_bits": 8,
@@ -160,7 +164,8 @@ def spec_quantization_config(layers: int, kv_cache: str = "fp8") -> dict:
         ignore += [f"model.layers.{i}.input_layernorm", f"model.layers.{i}.post_attention_layernorm",
                    f"model.layers.{i}.mlp.gate", f"model.layers.{i}.self_attn.k_norm",
                    f"model.layers.{i}.self_attn.q_norm"]
-    return {"config_groups": {"group_0": group_0, "group_1": group_1}, "format": "float-quantized",
+    groups = {"group_0": group_0, "group_1": group_1} if quant == "w4a8" else {"group_0": group_0}
+    return {"config_groups": groups, "format": "float-quantized",
             "global_compression_ratio": "null", "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
             "kv_cache_scheme": kv_scheme if kv_cache == "fp8" else None, "quant_method": "compressed-tensors",
             "quantization_status": "compressed", "weight_block_size": [1, 32]}
@@ -252,3 +257,41 @@ def test_converter_kv_cache_choice_writes_the_recipes_scheme_or_none(tmp_path, k
     default = tmp_path / "default"
     convert_checkpoint(checkpoint("tiny"), default, progress=False)
     assert (dst / "model.safetensors").read_bytes() == (default / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_converted_w8a8_checkpoint_quantizes_every_linear_to_mxfp8(tmp_path, sharded):
+    """`--quant w8a8` (the recipe's w8a8c16, §8.1 "no 4-bit set"): the experts' gate/up/down are MXFP8 like
+    attention, float8_e4m3fn [N, K] + uint8 [N, ceil(K/32)], bit for bit the spec's quantizer (the independent
+    `mx_oracle.convert_weight`, e4m3); kept tensors byte-identical, attention bytes as in the W4A8 conversion;
+    config.json's quantization_config is §8.3's without group_1, verbatim."""
+    src = checkpoint("tiny", sharded=sharded)
+    convert_checkpoint(src, tmp_path / "w4a8", progress=False)
+    report = convert_checkpoint(src, tmp_path / "w8a8", "w8a8", progress=False)
+    source, out, w4a8 = read_state_dict(src), _tensors(tmp_path / "w8a8"), _tensors(tmp_path / "w4a8")
+    assert set(out) == set(w4a8)
+    experts = 0
+    for name, w in source.items():
+        if not name.endswith("_proj.weight"):
+            assert_bitwise_equal(out[name], w, f"kept tensor {name}")
+            continue
+        q, sc = out[name], out[name + "_scale"]
+        assert (q.dtype, tuple(q.shape), sc.dtype, tuple(sc.shape)) == (
+            torch.float8_e4m3fn, tuple(w.shape), torch.uint8, (w.shape[0], -(-w.shape[1] // 32))), name
+        want_q, want_s = mx_oracle.convert_weight(w, "e4m3")
+        assert_bitwise_equal(q.view(torch.uint8), torch.from_numpy(want_q), f"{name} elements")
+        assert_bitwise_equal(sc, torch.from_numpy(want_s), f"{name} scale")
+        if ".mlp.experts." in name:
+            experts += 1
+        else:
+            assert_bitwise_equal(q, w4a8[name], f"{name}: attention as in W4A8")
+    assert experts == CONFIG.num_hidden_layers * CONFIG.num_experts * 3
+    config = json.loads((tmp_path / "w8a8" / "config.json").read_text())["quantization_config"]
+    assert json.dumps(config) == json.dumps(spec_quantization_config(2, quant="w8a8"))
+    assert report.tensors == len(source) and report.bytes_out < report.bytes_in * 0.6
+
+
+def test_converter_rejects_an_unknown_quant_naming_the_allowed_values(tmp_path):
+    with pytest.raises(ConversionError, match=r"--quant 'w4a4' is not supported; supported: w4a8, w8a8"):
+        convert_checkpoint(checkpoint("tiny"), tmp_path / "x", "w4a4", progress=False)
+    assert not (tmp_path / "x").exists()

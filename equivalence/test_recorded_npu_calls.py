@@ -1,7 +1,7 @@
 """The optimized model makes only the `torch.ops.npu` calls that equivalence/spec/recorded_npu_calls.json lists.
 
 The NPU replay tests (equivalence/test_npu_replay.py) prove exactly the listed calls on torch_npu, so a call the
-file lacks is a call no NPU test has seen: re-recording the single-process configurations (fp32, bf16, W4A8)
+file lacks is a call no NPU test has seen: re-recording the single-process configurations (fp32, bf16, W4A8, W8A8)
 must give a subset of the file. The multi-rank configurations are recorded by the regeneration command only.
 """
 from __future__ import annotations
@@ -61,5 +61,5 @@ def test_build_time_operator_check_requires_exactly_the_recorded_operators(confi
     dense = not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers))
     recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
     mc2 = uses_mc2_decode(ParallelConfig(**config.layout()))
-    assert required_operators(w4a8=config.w4a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
+    assert required_operators(w4a8=config.w4a8, w8a8=config.w8a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
                               mc2_decode=mc2) == recorded

@@ -172,7 +172,9 @@ class SequenceParallelPrefill(TensorParallelPhase):
 
 
 def uses_mx_prefill(config, parallel) -> bool:
-    """True for a W4A8 checkpoint under the SP prefill; raises if the layout splits an MX block across ranks."""
+    """True for a W4A8 checkpoint under the SP prefill; raises if the layout splits an MX block across ranks.
+    (The recipe's `prefill_opt` takes gmm_quant_mode w4a8mxfloat4 only, spec mx_quant.md §9.2: a W8A8 checkpoint
+    runs the SP step with 16-bit activations on the wire, each MXFP8 linear / expert quantizing its own input.)"""
     if quant_scheme(config) != W4A8 or not parallel.sp_prefill:
         return False
     width = config.num_attention_heads // parallel.attn_tp_size * head_dim_of(config)

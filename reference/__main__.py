@@ -1,8 +1,8 @@
 """python -m reference generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--chat] [--max-new-tokens 16]
-[--dtype float32|bfloat16] [--no-cache] [--ignore-eos] [--fake-quant w4a8] [--kv-cache fp8|bf16]
+[--dtype float32|bfloat16] [--no-cache] [--ignore-eos] [--fake-quant w4a8|w8a8] [--kv-cache fp8|bf16]
 
---fake-quant w4a8 runs the BF16 checkpoint quantize-dequantized where a W4A8 checkpoint is quantized
-(reference/fake_quant.py): the oracle of `python -m optimized generate` on the converted checkpoint.
+--fake-quant w4a8 (w8a8) runs the BF16 checkpoint quantize-dequantized where a W4A8 (W8A8) checkpoint is
+quantized (reference/fake_quant.py): the oracle of `python -m optimized generate` on the converted checkpoint.
 
 Text prompts are encoded by the checkpoint's own tokenizer (`--chat`: through its chat template) and the
 output decoded with it; greedy generation stops at an EOS id of generation_config.json (else config.json)
@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--no-cache", action="store_true", help="recompute the full sequence at every step")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    gen.add_argument("--fake-quant", choices=["w4a8"], help="MX quantize-dequantize weights and activations")
+    gen.add_argument("--fake-quant", choices=["w4a8", "w8a8"],
+                     help="MX quantize-dequantize weights and activations as a W4A8 / W8A8 checkpoint does")
     gen.add_argument("--kv-cache", choices=["fp8", "bf16"], default="bf16",
                      help="fp8: quantize-dequantize the KV cache per token (FP8 E4M3, one scale per token)")
     return parser
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         reading = None
         if args.fake_quant:
             from reference.fake_quant import load_fake_quant_model
-            model = load_fake_quant_model(args.model, getattr(torch, args.dtype))
+            model = load_fake_quant_model(args.model, getattr(torch, args.dtype), scheme=args.fake_quant)
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype))
         _check_finite(model, args.model, parser)

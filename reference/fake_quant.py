@@ -14,6 +14,8 @@ Two scale rules, two element tie rules:
 W4A8 (§9): attention q/k/v/o weights MXFP8 E4M3, expert gate/up/down weights MXFP4 E2M1, and the inputs of
 those linears (the normed hidden state, the attention output, the expert input, the SwiGLU product) MXFP8.
 The SwiGLU product is formed in fp32 and rounded once, as the fused SwiGLU + quantization does.
+W8A8 (the converter's `w8a8c16`, §8.1): the same points, the expert weights MXFP8 E4M3 too; its SwiGLU
+(npu_swiglu, then the MX quantization) also rounds the fp32 product once to the activation dtype.
 The sequence-parallel prefill's MXFP8 communication (optimized/layers/mx_prefill.py) quantizes the
 same tensors (the normed hidden state before the QKV gather, the attention output before the all_to_all, the
 expert input before the EP exchange), so it needs no further point here.
@@ -21,7 +23,7 @@ Norms, router, embeddings and lm_head stay unquantized. Dense MLP layers (none i
 MXFP8 like attention.
 
     from reference.fake_quant import fake_quantize, load_fake_quant_model
-    fake_quantize(model)        # in place; the model then computes what a W4A8 checkpoint computes
+    fake_quantize(model)        # in place; the model then computes what a W4A8 checkpoint computes ("w8a8": W8A8)
     model = load_fake_quant_model(path, torch.bfloat16)   # quantizes the checkpoint's own values, then casts
     fake_quantize_kv_cache(model)  # and the per-token FP8 KV cache (needs use_cache: what later steps read)
 """
@@ -149,16 +151,20 @@ class FakeQuantMLP(nn.Module):
         return self.down_proj(product.to(x.dtype))
 
 
+SCHEMES = {"w4a8": E2M1, "w8a8": E4M3}   # scheme -> the expert weights' element format
+
+
 def fake_quantize(model: nn.Module, scheme: str = "w4a8") -> nn.Module:
-    """Replace the reference model's quantized linears by FakeQuantLinear, in place (W4A8 placement, §8.1/§9)."""
-    if scheme != "w4a8":
-        raise ValueError(f"fake-quant scheme {scheme!r} is not supported; supported: 'w4a8'")
+    """Replace the reference model's quantized linears by FakeQuantLinear, in place (W4A8 / W8A8 placement,
+    §8.1/§9)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"fake-quant scheme {scheme!r} is not supported; supported: {', '.join(SCHEMES)}")
     for layer in model.model.layers:
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(attn, name, FakeQuantLinear(getattr(attn, name), E4M3))
         if hasattr(layer.mlp, "experts"):
-            layer.mlp.experts = nn.ModuleList(FakeQuantMLP(expert, E2M1) for expert in layer.mlp.experts)
+            layer.mlp.experts = nn.ModuleList(FakeQuantMLP(expert, SCHEMES[scheme]) for expert in layer.mlp.experts)
         else:
             layer.mlp = FakeQuantMLP(layer.mlp, E4M3)
     return model
@@ -218,10 +224,11 @@ def fake_quantize_kv_cache(model: nn.Module, heads_per_scale: int | None = None)
     return model
 
 
-def load_fake_quant_model(path, dtype: torch.dtype = torch.bfloat16, router_dtype: str = "activation") -> nn.Module:
-    """The reference model of checkpoint `path`, fake-quantized from the checkpoint's stored values (as the
-    converter quantizes them, whatever their dtype), then cast to `dtype` (dequantized MX values are exact in
-    bf16 and fp32)."""
+def load_fake_quant_model(path, dtype: torch.dtype = torch.bfloat16, router_dtype: str = "activation",
+                          scheme: str = "w4a8") -> nn.Module:
+    """The reference model of checkpoint `path`, fake-quantized (`scheme` w4a8 | w8a8) from the checkpoint's
+    stored values (as the converter quantizes them, whatever their dtype), then cast to `dtype` (dequantized MX
+    values are exact in bf16 and fp32)."""
     from reference.checkpoint import load_model
 
-    return fake_quantize(load_model(path, torch.float32, router_dtype)).to(dtype)
+    return fake_quantize(load_model(path, torch.float32, router_dtype), scheme).to(dtype)

@@ -45,7 +45,7 @@ def test_model_build_rejects_an_operator_under_another_schema(monkeypatch):
 
 
 def test_a_bf16_model_does_not_require_the_mx_operators(monkeypatch):
-    _old_torch_npu(monkeypatch, {name: None for name in required.MXFP8 | required.MX_SP_PREFILL})
+    _old_torch_npu(monkeypatch, {name: None for name in required.MXFP8 | required.W4A8_EXPERTS | required.MX_SP_PREFILL})
     assert load_model(checkpoint("tiny"), dtype=torch.float32) is not None
 
 
@@ -63,7 +63,7 @@ def test_schema_mismatch_rules(change, why):
 
 
 def test_the_portable_kernels_provide_every_operator_of_every_configuration():
-    for w4a8 in (False, True):
+    for w4a8, w8a8 in ((False, False), (True, False), (False, True)):
         for dense in (False, True):
             for scheme in (None, "allgather", "alltoall"):
-                check_operators(required_operators(w4a8=w4a8, dense_mlp=dense, sp_ep_scheme=scheme))
+                check_operators(required_operators(w4a8=w4a8, w8a8=w8a8, dense_mlp=dense, sp_ep_scheme=scheme))

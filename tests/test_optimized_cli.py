@@ -185,7 +185,28 @@ def test_convert_w4a8_then_generate_and_refuse_reconversion(tmp_path, capsys):
                      "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
     assert "generated ids:" in capsys.readouterr().out
     err = run_error(["generate", "--config", SINGLE, "--model-path", str(dst), "--dtype", "float32"], capsys)
-    assert "W4A8 checkpoints run with bfloat16 or float16 activations" in err
+    assert "W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations" in err
+
+
+def test_convert_w8a8_then_generate(tmp_path, capsys):
+    """`convert --quant w8a8`: the same 117 tensors, the experts MXFP8 (float8_e4m3fn) like attention, and the
+    model generates from it."""
+    from safetensors import safe_open
+    dst = tmp_path / "w8a8"
+    assert cli_main(["convert", "--quant", "w8a8", "--no-progress", str(checkpoint("tiny")), str(dst)]) == 0
+    assert "117 tensors" in capsys.readouterr().out
+    with safe_open(dst / "model.safetensors", framework="pt") as f:
+        expert = f.get_slice("model.layers.0.mlp.experts.0.down_proj.weight")
+        assert expert.get_dtype() == "F8_E4M3"
+    assert cli_main(["generate", "--config", SINGLE, "--model-path", str(dst), "--dtype", "bfloat16",
+                     "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert "generated ids:" in capsys.readouterr().out
+
+
+def test_convert_bad_quant_names_the_allowed_values(tmp_path, capsys):
+    err = run_error(["convert", "--quant", "w4a4", str(checkpoint("tiny")), str(tmp_path / "x")], capsys)
+    assert "--quant" in err and "'w4a4'" in err and "w4a8" in err and "w8a8" in err, err
+    assert not (tmp_path / "x").exists()
 
 
 # ------------------------------------------------------------------------------ read-only destinations

@@ -48,8 +48,27 @@ def test_generate_from_ids_bfloat16_without_cache(capsys):
     assert f"text: {decode(load_tokenizer(path), [1, 2, 300] + expected)!r}" in lines
 
 
+@pytest.mark.parametrize("scheme", ["w4a8", "w8a8"])
+def test_generate_fake_quant_runs_the_schemes_quantize_dequantized_model(scheme, capsys):
+    """--fake-quant w4a8 | w8a8 (with --kv-cache fp8) prints what `load_fake_quant_model(scheme=...)` with the
+    FP8 cache generates; the two schemes differ only in the experts' weight format."""
+    from reference.fake_quant import fake_quantize_kv_cache, load_fake_quant_model
+    path = checkpoint("tiny")
+    assert cli_main(["generate", "--model", str(path), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "4",
+                     "--dtype", "bfloat16", "--ignore-eos", "--fake-quant", scheme, "--kv-cache", "fp8"]) == 0
+    model = fake_quantize_kv_cache(load_fake_quant_model(path, torch.bfloat16, scheme=scheme))
+    expected = greedy_generate(model, torch.tensor([[5, 6, 7, 8]]), 4)[0].tolist()
+    assert f"generated ids: {','.join(map(str, expected))}" in capsys.readouterr().out.splitlines()
+    experts = model.model.layers[0].mlp.experts[0].down_proj.weight.float()
+    plain = load_model(path, torch.float32).model.layers[0].mlp.experts[0].down_proj.weight
+    # MXFP8 keeps 3 mantissa bits, MXFP4 one: the W8A8 experts sit far closer to the BF16 weights
+    err = ((experts - plain).norm() / plain.norm()).item()
+    assert (err < 0.05) if scheme == "w8a8" else (err > 0.05), err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", "1,x"], "expected comma-separated integers"),
+    (["--prompt", "a", "--fake-quant", "w4a4"], "invalid choice: 'w4a4'"),
     (["--prompt-ids", "1,600"], "token id 600 is outside the vocabulary [0, 512)"),
     (["--prompt", "a", "--prompt-ids", "1"], "not allowed with argument"),
     (["--prompt", "a", "--dtype", "float16"], "invalid choice"),

@@ -2,8 +2,8 @@
 
 convert
   Offline conversion of a BF16 Qwen3-MoE checkpoint directory SRC into a W4A8 checkpoint DST (MXFP4 experts,
-  MXFP8 attention linears, the rest unchanged; see optimized/model_loader/quantize.py), streamed tensor by tensor with a
-  progress bar on stderr. A source that is already quantized, or a non-empty DST, is an error.
+  MXFP8 attention linears) or a W8A8 one (MXFP8 experts and attention linears), the rest unchanged (see
+  optimized/model_loader/quantize.py), streamed tensor by tensor with a progress bar on stderr. A source that is already quantized, or a non-empty DST, is an error.
 """
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ import time
 
 from optimized.errors import UsageError
 
+QUANT_TYPES = ["w4a8", "w8a8"]   # optimized.model_loader.quantize.QUANT_TYPES (not imported: usage errors stay instant)
+
 
 def add_parser(sub) -> None:
-    conv = sub.add_parser("convert", help="offline BF16 -> W4A8 checkpoint conversion (MXFP4 experts, MXFP8 attention)")
-    conv.add_argument("--quant", required=True, choices=["w4a8"], help="target scheme")
+    conv = sub.add_parser("convert", help="offline BF16 -> W4A8 (MXFP4 experts, MXFP8 attention) or W8A8 (MXFP8 "
+                                          "experts and attention) checkpoint conversion")
+    conv.add_argument("--quant", required=True, choices=QUANT_TYPES,
+                      help="target scheme: w4a8 (the recipe's w4a8c16) or w8a8 (w8a8c16)")
     conv.add_argument("--kv-cache", choices=["fp8", "bf16"], default="fp8",
                       help="fp8 (default, as the recipe writes it): the per-token FP8 KV cache; bf16: a 16-bit cache")
     conv.add_argument("src", help="BF16 checkpoint directory (config.json + safetensors)")

@@ -2,7 +2,7 @@
 
 Weights keep the checkpoint's `[out_features, in_features]` orientation. `tp` is any object with
 `group`, `size` and `rank` (a `comm.GroupInfo`); size 1 means no communication. Each layer owns a quant
-method (`quantization.py`: unquantized by default, MXFP8 for W4A8 checkpoints) that creates its parameters,
+method (`quantization.py`: unquantized by default, MXFP8 for W4A8 / W8A8 checkpoints) that creates its parameters,
 loads its slices and applies the matmul.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ from optimized.ops.mx_format import scale_name
 
 class FusedMoEGMM(nn.Module):
     """This rank's experts merged for grouped matmul; the quant method owns the weights (unquantized:
-    w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H]; W4A8: MXFP4 w13_weight / w2_weight with scales)."""
+    w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H]; W4A8: MXFP4, W8A8: MXFP8 w13_weight / w2_weight with scales)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, moe_tp, moe_ep,
                  dtype: torch.dtype, quant_method=None):

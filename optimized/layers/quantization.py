@@ -2,8 +2,10 @@
 
 A method creates the layer's parameters, loads this rank's slices of the checkpoint into them, and applies
 the layer. `quant_scheme(hf_config)` reads the checkpoint's `quantization_config` (spec mx_quant.md §8.3):
-absent -> unquantized; the compressed-tensors W4A8 config -> "w4a8", where attention (and dense-MLP)
-linears use `MxFp8LinearMethod` and the routed experts `W4A8MxFp4MoEGMMMethod` (the recipe's names).
+absent -> unquantized; the compressed-tensors W4A8 config (group_0 Linear 8-bit, group_1 MoEGMM 4-bit) -> "w4a8",
+where attention (and dense-MLP) linears use `MxFp8LinearMethod` and the routed experts `W4A8MxFp4MoEGMMMethod`;
+the W8A8 config (group_0 Linear 8-bit alone: the recipe's `w8a8c16`, whose experts fall to the Linear group) ->
+"w8a8", every linear `MxFp8LinearMethod` and the experts `MxFp8MoEGMMMethod` (the recipe's names).
 
 W4A8 parameters keep the checkpoint layouts (§7): MXFP8 `weight [N, K]` float8_e4m3fn, MXFP4 expert
 weights uint8 `[N, K/2]` (two E2M1 codes per byte, packed along K), `weight_scale [N, nb]` one E8M0 byte
@@ -24,6 +26,10 @@ from optimized.errors import CheckpointError
 from optimized.ops import mx_format as mxf
 
 W4A8 = "w4a8"
+W8A8 = "w8a8"
+MX_SCHEMES = (W4A8, W8A8)
+# weight bits per compressed-tensors target -> scheme (the recipe's converter writes exactly these groups)
+_BITS = {W4A8: {"Linear": 8, "MoEGMM": 4}, W8A8: {"Linear": 8}}
 BLOCK = mxf.BLOCK_SIZE
 FLOAT8_E4M3FN = 24        # torch ScalarType code (== torch_npu 292)
 FLOAT4_E2M1 = mxf.float4_e2m1fn_x2   # uint8 holding two codes
@@ -35,17 +41,21 @@ class QuantConfigError(ValueError):
 
 
 def quant_scheme(hf_config) -> str | None:
-    """None (unquantized) or "w4a8", from config.json's `quantization_config`; anything else is an error."""
+    """None (unquantized), "w4a8" or "w8a8", from config.json's `quantization_config`; anything else is an error."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
         return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return scheme_of(qc if isinstance(qc, dict) else qc.to_dict())
+
+
+def scheme_of(qc: dict) -> str:
+    """W4A8 or W8A8 for a compressed-tensors MX `quantization_config` dict; anything else is an error."""
 
     def need(ok: bool, key: str, value) -> None:
         if not ok:
             raise QuantConfigError(f"config.json quantization_config.{key}={value!r} is not supported; this model "
-                                   "runs BF16 checkpoints and the W4A8 MX checkpoints of `python -m optimized convert "
-                                   "--quant w4a8`")
+                                   "runs BF16 checkpoints and the W4A8 / W8A8 MX checkpoints of `python -m optimized "
+                                   "convert --quant w4a8|w8a8`")
 
     need(qc.get("quant_method") == "compressed-tensors", "quant_method", qc.get("quant_method"))
     need(list(qc.get("weight_block_size") or []) == [1, BLOCK], "weight_block_size", qc.get("weight_block_size"))
@@ -57,9 +67,11 @@ def quant_scheme(hf_config) -> str | None:
              f"config_groups.{name}.input_activations", a)
         for target in group.get("targets") or []:
             bits[target] = w.get("num_bits")
-    need(bits == {"Linear": 8, "MoEGMM": 4}, "config_groups (weight bits per target)", bits)
+    scheme = next((name for name, want in _BITS.items() if bits == want), None)
+    need(scheme is not None, "config_groups (weight bits per target; w4a8: {'Linear': 8, 'MoEGMM': 4}, w8a8: "
+                             "{'Linear': 8})", bits)
     kv_cache_scheme(qc)
-    return W4A8
+    return scheme
 
 
 # ------------------------------------------------------------------------------------------- KV cache
@@ -94,9 +106,12 @@ def kv_cache_scheme(qc: dict | None) -> str | None:
     return FLOAT8
 
 
-def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8") -> dict:
+def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8", scheme: str = W4A8) -> dict:
     """The compressed-tensors `quantization_config` the recipe's converter writes for w4a8c16 (§8.3, key order as
-    written); kv_cache "bf16": kv_cache_scheme null."""
+    written) or w8a8c16 (the same without group_1: the experts fall to group_0's 8-bit Linear scheme);
+    kv_cache "bf16": kv_cache_scheme null."""
+    if scheme not in MX_SCHEMES:
+        raise ValueError(f"quantization scheme {scheme!r} is not one of {', '.join(MX_SCHEMES)}")
     def args(bits: int, dynamic: bool) -> dict:
         return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
                 "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
@@ -108,7 +123,10 @@ def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8") ->
     ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
               for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
                         "self_attn.q_norm")]
-    return {"config_groups": {"group_0": group(8, "Linear"), "group_1": group(4, "MoEGMM")},
+    groups = {"group_0": group(8, "Linear")}
+    if scheme == W4A8:
+        groups["group_1"] = group(4, "MoEGMM")
+    return {"config_groups": groups,
             "format": "float-quantized", "global_compression_ratio": "null",
             "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
             "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
@@ -120,7 +138,7 @@ def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
     """`qc` is exactly what the recipe's converter writes for a model of `num_hidden_layers` layers (§8.3), with
     or without kv_cache_scheme: a missing key, another key or another value is an error naming it."""
     kv = kv_cache_scheme(qc)                                  # the KV scheme's own errors name its key
-    want = recipe_quantization_config(num_hidden_layers, "fp8" if kv else "bf16")
+    want = recipe_quantization_config(num_hidden_layers, "fp8" if kv else "bf16", scheme_of(qc))
     if "kv_cache_scheme" not in qc:
         del want["kv_cache_scheme"]
     _expect_same(qc, want, "quantization_config")
@@ -129,7 +147,7 @@ def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
 def _expect_same(got, want, path: str) -> None:
     def fail(what: str):
         raise QuantConfigError(f"config.json {path}{what}; this model runs the quantization_config the recipe's "
-                               f"converter (and `python -m optimized convert --quant w4a8`) writes")
+                               f"converter (and `python -m optimized convert --quant w4a8|w8a8`) writes")
     if isinstance(want, dict):
         if not isinstance(got, dict):
             fail(f"={got!r} must be an object")
@@ -180,8 +198,8 @@ def _expect_float(source, name: str, tensor: torch.Tensor) -> None:
 
 def _check_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
-        raise QuantConfigError(f"W4A8 checkpoints run with bfloat16 or float16 activations (the fused SwiGLU + MX "
-                         f"quantization takes no float32); got dtype {dtype}")
+        raise QuantConfigError(f"W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations (the MX matmuls "
+                               f"write no float32, the fused SwiGLU + MX quantization takes none); got dtype {dtype}")
 
 
 def even_blocks(k: int) -> int:
@@ -285,7 +303,7 @@ class MxFp8LinearMethod:
 
 
 def linear_method(scheme: str | None):
-    return MxFp8LinearMethod() if scheme == W4A8 else UnquantizedLinearMethod()
+    return MxFp8LinearMethod() if scheme in MX_SCHEMES else UnquantizedLinearMethod()
 
 
 # ------------------------------------------------------------------------------------ grouped matmul (MoE)
@@ -383,5 +401,62 @@ class W4A8MxFp4MoEGMMMethod:
         return self._gmm(layer, hq, hs, layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]
 
 
+class MxFp8MoEGMMMethod:
+    """MXFP8 W8A8 experts (§6.6 MXFP8 row, the recipe's `w8a8c16`): w13_weight [L, 2*I_r, H] (gate rows, then up
+    rows), w2_weight [L, H, I_r] float8_e4m3fn with per-block scales [L, N, nb]. The grouped matmul reads them as
+    the transposed views [L, K, N] and the weight scale in `scale` [L, K/64, N, 2] (scale_dtype E8M0); between
+    the two, npu_swiglu then npu_dynamic_mx_quant, as the recipe's MxFp8MoEGMMMethod does (no fused SwiGLU + MX
+    quantization for this mode)."""
+
+    tensors = ("weight", "weight_scale")
+
+    def create_weights(self, layer, experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        def param(*shape, dtype, zeros=False):
+            make = torch.zeros if zeros else torch.empty
+            return nn.Parameter(make(*shape, dtype=dtype), requires_grad=False)
+        _check_activation_dtype(dtype)
+        fp8, u8 = torch.float8_e4m3fn, torch.uint8
+        layer.w13_weight = param(experts, 2 * inter, hidden, dtype=fp8)
+        layer.w13_weight_scale = param(experts, 2 * inter, even_blocks(hidden), dtype=u8, zeros=True)
+        layer.w2_weight = param(experts, hidden, inter, dtype=fp8)
+        layer.w2_weight_scale = param(experts, hidden, even_blocks(inter), dtype=u8, zeros=True)
+        layer.output_dtype = dtype
+
+    def _read(self, source, name: str, shape: tuple, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        n, k = shape
+        scales = index if len(index) < 2 else (index[0], block_slice(index[1], k, name))
+        w = source.read(name, shape, index)
+        _expect_dtype(source, name, w, torch.float8_e4m3fn, "W8A8 (MXFP8 experts)")
+        s = source.read(mxf.scale_name(name), (n, -(-k // BLOCK)), scales)
+        _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "W8A8 (MXFP8 experts)")
+        return w, s
+
+    def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:
+        inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
+        for offset, proj in ((0, "gate_proj"), (i_r, "up_proj")):
+            w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))     # [I_r, H], [I_r, nb]
+            layer.w13_weight[local, offset:offset + i_r].copy_(w)
+            layer.w13_weight_scale[local, offset:offset + i_r, :s.shape[1]].copy_(s)
+        w, s = self._read(source, f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r]
+        layer.w2_weight[local].copy_(w)
+        layer.w2_weight_scale[local, :, :s.shape[1]].copy_(s)
+
+    def _gmm(self, layer, x: MxRows, weight, weight_scale, tokens_per_expert):
+        return torch.ops.npu.npu_grouped_matmul(
+            [x.data], [weight.transpose(1, 2)], scale=[mxf.pair_scales(weight_scale).transpose(1, 2)],
+            per_token_scale=[x.scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
+            split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
+            per_token_scale_dtype=FLOAT8_E8M0)[0]
+
+    def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: rows [M, H] in the activation dtype (quantized here) or MxRows already quantized -> [M, H]."""
+        xq = x if isinstance(x, MxRows) else mx_quant(x)                                     # [M, H] fp8
+        h = self._gmm(layer, xq, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
+        h = torch.ops.npu.npu_swiglu(h)                                                      # [M, I_r]
+        return self._gmm(layer, mx_quant(h), layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]
+
+
 def moe_method(scheme: str | None):
-    return W4A8MxFp4MoEGMMMethod() if scheme == W4A8 else UnquantizedFusedMoEMethod()
+    if scheme == W4A8:
+        return W4A8MxFp4MoEGMMMethod()
+    return MxFp8MoEGMMMethod() if scheme == W8A8 else UnquantizedFusedMoEMethod()

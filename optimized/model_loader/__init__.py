@@ -1,1 +1,1 @@
-"""Checkpoint reading: safetensors files and per-rank sources, the HF config, the W4A8 converter, model build."""
+"""Checkpoint reading: safetensors files and per-rank sources, the HF config, the W4A8 / W8A8 converter, model build."""

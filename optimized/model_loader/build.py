@@ -8,7 +8,7 @@ import torch
 from optimized import platform
 from optimized.distributed import ParallelState
 from optimized.config import InferenceConfig, is_sparse_layer
-from optimized.layers.quantization import quant_scheme
+from optimized.layers.quantization import W4A8, W8A8, quant_scheme
 from optimized.model_loader.hf_config import load_hf_config
 from optimized.model_loader.loader import CheckpointReader, RandomWeights
 from optimized.model import Qwen3MoeForCausalLM
@@ -57,7 +57,7 @@ def model_from_source(config, source, *, parallel: ParallelState | None = None,
     with torch.device(platform.device() if device is None else device):
         model = Qwen3MoeForCausalLM(config, parallel, dtype)
     check_operators(required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
-        w4a8=quant_scheme(config) is not None, sp_ep_scheme=model.ep_scheme, mc2_decode=model.decode.step.exchange is not None,
+        w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, sp_ep_scheme=model.ep_scheme, mc2_decode=model.decode.step.exchange is not None,
         dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))))
     model.load_weights(source)
     model.weight_source = source

@@ -1,12 +1,14 @@
-"""Offline BF16 -> W4A8 checkpoint conversion (spec mx_quant.md §8), streamed tensor by tensor.
+"""Offline BF16 -> W4A8 / W8A8 checkpoint conversion (spec mx_quant.md §8), streamed tensor by tensor.
 
-    python -m optimized convert --quant w4a8 SRC DST
+    python -m optimized convert --quant w4a8|w8a8 SRC DST
 
 W4A8 (the recipe's `w4a8c16`): routed experts' gate/up/down weights MXFP4 E2M1 (uint8, two codes per byte
 packed along K, low nibble first), attention q/k/v/o (and dense-MLP) weights MXFP8 E4M3, each with a
-`<name>_scale` uint8 tensor of one E8M0 byte per 32-block of K, shape [N, ceil(K/32)]. Norms, the router,
-embeddings and lm_head are copied unchanged. config.json gets the compressed-tensors `quantization_config`
-of §8.3; other files are copied; an index is rewritten with the same shard file names. `kv_cache="fp8"` (the
+`<name>_scale` uint8 tensor of one E8M0 byte per 32-block of K, shape [N, ceil(K/32)].
+W8A8 (the recipe's `w8a8c16`, §8.1 "no 4-bit set"): every one of those weights MXFP8 E4M3, the experts too
+(float8_e4m3fn [N, K] + the same scale tensor). Norms, the router, embeddings and lm_head are copied unchanged.
+config.json gets the compressed-tensors `quantization_config` of §8.3 (W8A8: group_0 alone, 8-bit `Linear`,
+which the recipe's loader also applies to the experts); other files are copied; an index is rewritten with the same shard file names. `kv_cache="fp8"` (the
 default, as the recipe's converter writes it for qwen3_moe) adds its per-token FP8 `kv_cache_scheme`, which
 makes the model run an FP8 KV cache; `kv_cache="bf16"` writes `kv_cache_scheme: null` (a 16-bit cache).
 
@@ -31,7 +33,7 @@ from optimized.ops import mx_format as mxf
 from optimized.layers.quantization import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
-QUANT_TYPES = ("w4a8",)
+QUANT_TYPES = ("w4a8", "w8a8")
 KV_CACHE_CHOICES = ("fp8", "bf16")
 BLOCK = mxf.BLOCK_SIZE
 KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
@@ -53,15 +55,16 @@ class ConversionError(ValueError):
 MXFP8, MXFP4 = mxf.E4M3, mxf.E2M1
 
 
-def quant_format(name: str) -> mxf.MxFormat | None:
-    """The W4A8 format of checkpoint tensor `name` (None: copied unchanged); unknown tensors are an error."""
+def quant_format(name: str, quant: str = "w4a8") -> mxf.MxFormat | None:
+    """The format of checkpoint tensor `name` under `quant` (None: copied unchanged); unknown tensors are an
+    error."""
     if _EXPERT.match(name):
-        return MXFP4
+        return MXFP4 if quant == "w4a8" else MXFP8
     if _FP8_LINEAR.match(name):
         return MXFP8
     if _KEPT.match(name):
         return None
-    raise ConversionError(f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the W4A8 converter knows "
+    raise ConversionError(f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the MX converter knows "
                           "(per-expert names expected, e.g. model.layers.0.mlp.experts.0.gate_proj.weight)")
 
 
@@ -183,8 +186,8 @@ class ConversionReport:
 
 
 def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str = "fp8") -> ConversionReport:
-    """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a W4A8 checkpoint at `dst`
-    (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none)."""
+    """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a `quant` (w4a8 | w8a8)
+    checkpoint at `dst` (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none)."""
     src, dst = Path(src), Path(dst)
     if quant not in QUANT_TYPES:
         raise ConversionError(f"--quant {quant!r} is not supported; supported: {', '.join(QUANT_TYPES)}")
@@ -211,7 +214,7 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
 
     # Plan every file first: a bad tensor anywhere fails before anything is written.
     handles = {file: open_file(src / file) for file in files}
-    plans = {file: _plan_file(handles[file], file, quant_format) for file in files}
+    plans = {file: _plan_file(handles[file], file, lambda name: quant_format(name, quant)) for file in files}
     try:
         stats = _write(src, dst, quant, kv_cache, config, files, handles, plans, indexed, progress)
     except OSError as e:   # a read-only or full destination: name it, never a traceback
@@ -240,6 +243,6 @@ def _write(src: Path, dst: Path, quant: str, kv_cache: str, config: dict, files,
     if indexed:
         out_map = {e.name: file for file in files for e in plans[file]}
         (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": out_map}, indent=2))
-    config["quantization_config"] = quantization_config(config["num_hidden_layers"], kv_cache)
+    config["quantization_config"] = quantization_config(config["num_hidden_layers"], kv_cache, quant)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return stats

@@ -22,7 +22,8 @@ COMMON = frozenset({
     "npu_scatter_nd_update_", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2",
     "npu_moe_finalize_routing", "npu_grouped_matmul",
 })
-MXFP8 = frozenset({"npu_dynamic_mx_quant", "npu_quant_matmul", "npu_swiglu_mx_quant"})   # W4A8 linears, experts
+MXFP8 = frozenset({"npu_dynamic_mx_quant", "npu_quant_matmul"})              # MXFP8 linears (W4A8 and W8A8)
+W4A8_EXPERTS = frozenset({"npu_swiglu_mx_quant"})                                # fused SwiGLU + MX quantization
 MX_SP_PREFILL = frozenset({"npu_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_dynamic_mx_quant",
                            "npu_add_rms_norm_cast"})                                      # MXFP8 on the SP wire
 DOUBLE_ROUTING = frozenset({"npu_moe_re_routing"})
@@ -35,17 +36,20 @@ class MissingNpuOperatorError(RuntimeError):
 
 
 def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
-                       mc2_decode: bool = False) -> frozenset[str]:
-    """The operators a model calls: W4A8 or not, with a dense (non-MoE) MLP layer or not, its SP prefill's
-    EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall') and whether decode runs MC2."""
+                       mc2_decode: bool = False, w8a8: bool = False) -> frozenset[str]:
+    """The operators a model calls: W4A8, W8A8 or unquantized, with a dense (non-MoE) MLP layer or not, its SP
+    prefill's EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall') and whether decode runs
+    MC2. (W8A8's SP prefill moves 16-bit activations: no MX norms.)"""
     ops = set(COMMON)
     if mc2_decode:
         ops |= MC2_DECODE
-    if w4a8:
+    if w4a8 or w8a8:
         ops |= MXFP8
+    if w4a8:
+        ops |= W4A8_EXPERTS
         if sp_ep_scheme is not None:
             ops |= MX_SP_PREFILL
-    if not w4a8 or dense_mlp:   # the bf16 experts and every dense MLP run npu_swiglu
+    if not w4a8 or dense_mlp:   # the bf16 and W8A8 experts and every dense MLP run npu_swiglu
         ops.add("npu_swiglu")
     if sp_ep_scheme == "alltoall":
         ops |= DOUBLE_ROUTING
