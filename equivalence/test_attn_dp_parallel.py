@@ -3,7 +3,8 @@ all-gather before merged_qkv_proj and reduce-scatter after o_proj inside each DP
 every rank, logits gathered once after lm_head) equals the reference, over real gloo ranks.
 
 Layouts: world 4 as attention TP 2 x DP 2 (EP 4), world 8 as TP 4 x DP 2 (KV heads replicated) and TP 2 x DP 4 (EP 8),
-and pure DP (TP 1 x DP 4, no gather at all) with a vocab-parallel lm_head. Every case runs the runner's `generate`:
+TP 2 x DP 2 with a vocab-parallel embedding inside each DP group and an lm_head vocab-parallel over all four ranks,
+and pure DP (TP 1 x DP 4, no gather at all) with a vocab-parallel lm_head spanning two DP groups. Every case runs the runner's `generate`:
 - fp32: batches of 1-5 requests (dividing the DP size and not: the batch is padded with dummy requests), a drawn EOS
   id (a token the reference generates for a drawn request at a drawn step) so requests finish at different steps and
   DP groups run uneven batches or keep-alive rows; the generated tokens are exactly the reference's greedy tokens

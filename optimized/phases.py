@@ -146,8 +146,10 @@ class MxSequenceParallelStep(SequenceParallelStep):
 class DataParallelStep(TensorParallelStep):
     """Attention DP: this rank's `rows` of its DP group's tokens; attention over the group, MoE over every rank."""
 
-    def __init__(self, exchange):
-        self.exchange = exchange
+    def __init__(self, exchange, masks_padding: bool):
+        # masks_padding: the exchange takes every row and masks the padding (MC2 `own_rows`); otherwise it is given
+        # the real rows only (double routing).
+        self.exchange, self.masks_padding = exchange, masks_padding
         self.active = 0          # real rows of this rank in the current step (set by DataParallelPhase.run)
 
     def attention(self, attn, x, cos, sin, meta, kv_cache, atten_mask):
@@ -168,7 +170,7 @@ class DataParallelStep(TensorParallelStep):
     def mlp(self, mlp, router_in, expert_in):
         if not mlp.exchanges_tokens:
             return mlp(expert_in)
-        if hasattr(self.exchange, "own_rows"):                                   # decode: MC2, padding masked
+        if self.masks_padding:                                                   # decode: MC2, padding masked
             return mlp(expert_in, self.exchange.own_rows(self.active), router_in)
         # prefill: double routing of the real rows (at least one, so no kernel sees an empty input)
         real = max(self.active, 1)
@@ -283,8 +285,8 @@ def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPha
         if quant_scheme(config) == W4A8:
             raise NotImplementedError("attention DP (parallel_config.attn_dp) with a W4A8 checkpoint is not "
                                       "implemented; use a 16-bit checkpoint or attn_dp: false")
-        prefill = DataParallelStep(build_exchange("alltoall", config, groups))
-        decode = DataParallelStep(build_exchange("dispatch_combine", config, groups))
+        prefill = DataParallelStep(build_exchange("alltoall", config, groups), masks_padding=False)
+        decode = DataParallelStep(build_exchange("dispatch_combine", config, groups), masks_padding=True)
         return DataParallelPhase(prefill), DataParallelPhase(decode)
     # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
     mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
