@@ -30,6 +30,11 @@ parallel_config:     # how to shard it (every *_size divides world_size)
                                 # attn_tp_size == moe_ep_size == world_size > 1 (needs moe_tp_size 1)
   moe_ep_scheme: auto           # MoE EP of the SP prefill: auto | allgather | alltoall (double routing);
                                 # auto: allgather when top_k >= moe_ep_size (optimized/distributed/prefill_plan.py)
+  attn_dp: false                # attention data parallel (the recipe's attn_tp_size < world_size layouts):
+                                # attn_dp_size = world_size / attn_tp_size groups of attn_tp_size ranks, each with
+                                # its share of the batch; needs moe_tp_size 1 (MoE EP over every rank), embed_tp_size
+                                # dividing attn_tp_size, exe_mode eager, batch_size a multiple of attn_dp_size;
+                                # false: every attention TP group runs the whole batch (replicated attention)
 scheduler_config:    # how to schedule it
   batch_size: 1
   max_new_tokens: 32
@@ -235,7 +240,7 @@ class DataConfig:
 
 
 PARALLEL_SIZES = ("attn_tp_size", "moe_tp_size", "moe_ep_size", "embed_tp_size", "lmhead_tp_size")
-PARALLEL_OPTIONS = ("prefill_opt", "moe_ep_scheme")
+PARALLEL_OPTIONS = ("prefill_opt", "moe_ep_scheme", "attn_dp")
 MOE_EP_SCHEMES = ("auto", "allgather", "alltoall")
 
 
@@ -250,6 +255,12 @@ class ParallelConfig:
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     prefill_opt: bool | None = None
     moe_ep_scheme: str = "auto"
+    attn_dp: bool = False
+
+    @property
+    def attn_dp_size(self) -> int:
+        """Attention data-parallel groups: world_size / attn_tp_size with attn_dp, else 1 (replicated attention)."""
+        return self.world_size // self.attn_tp_size if self.attn_dp is True else 1
 
     @property
     def sp_prefill(self) -> bool:
@@ -264,6 +275,7 @@ class ParallelConfig:
             c.fail("collective_timeout_s", f"must be a positive number of seconds, got {_describe(t)}")
         ok = {k: c.positive_int(self, k) for k in ("world_size",) + PARALLEL_SIZES}
         self._check_prefill_opt(c, ok)
+        self._check_attn_dp(c, ok)
         if not ok["world_size"]:
             return
         w = self.world_size
@@ -292,6 +304,25 @@ class ParallelConfig:
                                     f"which is off (prefill_opt: {self.prefill_opt}, attn_tp_size "
                                     f"{self.attn_tp_size}, moe_ep_size {self.moe_ep_size}, world_size "
                                     f"{self.world_size}); use auto or enable prefill_opt")
+
+    def _check_attn_dp(self, c: _Checker, ok: dict[str, bool]) -> None:
+        """The layouts attention data parallel runs in (the recipe's attn_tp x dp with MoE EP over every rank)."""
+        if not c.boolean(self, "attn_dp") or not self.attn_dp or not all(ok.values()):
+            return
+        w, a = self.world_size, self.attn_tp_size
+        if a >= w:
+            c.fail("attn_dp", f"needs attn_tp_size < world_size (attn_dp_size = world_size / attn_tp_size = "
+                              f"{w} / {a}); with attn_tp_size == world_size there is one attention group")
+        if self.moe_tp_size != 1:
+            c.fail("attn_dp", f"needs moe_tp_size 1 (got {self.moe_tp_size}): each rank holds its own tokens, so the "
+                              f"MoE is expert parallel over every rank (moe_ep_size == world_size)")
+        if a % self.embed_tp_size:
+            c.fail("attn_dp", f"needs embed_tp_size ({self.embed_tp_size}) to divide attn_tp_size ({a}): an embedding "
+                              f"group must look up the tokens of one attention DP group")
+        if self.prefill_opt:
+            c.fail("prefill_opt", "cannot be combined with attn_dp: the sequence-parallel prefill needs "
+                                  "attn_tp_size == world_size; under attention DP the prefill already splits each DP "
+                                  "group's tokens over its attention TP ranks")
 
     def validate(self) -> "ParallelConfig":
         errors: list[tuple[str, str]] = []
@@ -361,9 +392,23 @@ class InferenceConfig:
         cfg = cls(**sections)
         for name in SECTIONS:
             getattr(cfg, name)._check(_Checker(name, errors))
+        if not errors:
+            cfg._check_attn_dp_batch(errors)
         if errors:
             raise ConfigError(errors, source)
         return cfg
+
+    def _check_attn_dp_batch(self, errors: list[tuple[str, str]]) -> None:
+        """Rules across sections for attention DP: the batch splits evenly over the DP groups (the recipe's rule),
+        and decode runs eagerly (a compiled step would see each DP group's changing batch)."""
+        p, s, m = self.parallel_config, self.scheduler_config, self.model_config
+        dp = p.attn_dp_size
+        if dp > 1 and s.batch_size % dp:
+            errors.append(("scheduler_config.batch_size", f"({s.batch_size}) must be a multiple of attn_dp_size = "
+                                                          f"world_size / attn_tp_size = {dp} (parallel_config.attn_dp)"))
+        if dp > 1 and m.exe_mode != "eager":
+            errors.append(("model_config.exe_mode", f"must be eager with parallel_config.attn_dp (got {m.exe_mode!r}): "
+                                                    f"graph-mode decode under attention DP is not implemented"))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "InferenceConfig":

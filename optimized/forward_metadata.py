@@ -6,6 +6,34 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class DataParallelBatch:
+    """Host data of one attention-DP step, the same on every rank (the runner knows every DP group's requests).
+
+    DP group d runs `tokens[d]` packed tokens this step; each of its `tp_size` attention TP ranks holds `rows` of them
+    (rank i: tokens [i*rows, (i+1)*rows), past tokens[d] padding), `rows` the same on every rank of the job so every
+    collective and MC2 exchange sees equal shapes. `selected[d]`: the group's token indices whose logits the step
+    returns, ascending (None: every token, i.e. decode).
+    """
+    tokens: tuple[int, ...]
+    tp_size: int
+    selected: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def rows(self) -> int:
+        return max(1, max(-(-t // self.tp_size) for t in self.tokens))
+
+    def active(self, group: int, tp_rank: int) -> int:
+        """Real tokens among the rows of TP rank `tp_rank` of DP group `group`."""
+        return min(max(self.tokens[group] - tp_rank * self.rows, 0), self.rows)
+
+    def picked(self, group: int, tp_rank: int) -> list[int]:
+        """Offsets, within that rank's rows, of the tokens whose logits are wanted."""
+        n, start = self.rows, tp_rank * self.rows
+        wanted = range(self.tokens[group]) if self.selected is None else self.selected[group]
+        return [t - start for t in wanted if start <= t < start + n]
+
+
 @dataclass
 class ForwardMetadata:
     is_prefill: bool
@@ -15,6 +43,7 @@ class ForwardMetadata:
     slot_mapping: torch.Tensor                 # [T] int64, cache slot of each token: block * block_size + offset
     block_table: torch.Tensor                  # [B, max_blocks] int32, padded with the null block 0
     block_size: int
+    dp: DataParallelBatch | None = None        # attention DP: every DP group's sizes (the rest describes this group)
 
     @property
     def max_position(self) -> int:

@@ -24,6 +24,16 @@ and names no layout.
   (each rank's width is a multiple of 32, checked by `uses_mx_prefill`). Only arithmetic differs from the bf16
   step: the fused norms round once from the fp32 residual sum, and the router reads the norm's fp32 output.
 
+- `DataParallelPhase` + `DataParallelStep` (attention data parallel, `parallel_config.attn_dp`, the recipe's
+  attn_tp x dp layouts with MoE EP over every rank), prefill and decode alike as in the recipe: each DP group (an
+  attention TP group) runs only its own requests over its own paged KV cache, and each of its ranks holds `rows` of
+  the group's packed tokens (`ForwardMetadata.dp`, the same count on every rank of the job: the tail padded).
+  Embedding per DP group; attention all-gathers the group's tokens before merged_qkv_proj and reduce-scatters the
+  row-parallel o_proj's partial sums back to each rank's rows; the MoE reaches its experts over the whole EP group
+  with each rank's own rows (decode: MC2 with the padding masked out, `own_rows`; prefill: double routing, the
+  recipe's path B); the final hidden states go through lm_head on their own rank and the selected logits of every
+  DP group are gathered once over the job, so every rank samples the same tokens and stays in lockstep.
+
 Phases and steps hold only exchanges (sizes and process groups), never a module: the model is passed to `run`.
 """
 from __future__ import annotations
@@ -133,6 +143,41 @@ class MxSequenceParallelStep(SequenceParallelStep):
         return router_in, expert_in, residual
 
 
+class DataParallelStep(TensorParallelStep):
+    """Attention DP: this rank's `rows` of its DP group's tokens; attention over the group, MoE over every rank."""
+
+    def __init__(self, exchange, masks_padding: bool):
+        # masks_padding: the exchange takes every row and masks the padding (MC2 `own_rows`); otherwise it is given
+        # the real rows only (double routing).
+        self.exchange, self.masks_padding = exchange, masks_padding
+        self.active = 0          # real rows of this rank in the current step (set by DataParallelPhase.run)
+
+    def attention(self, attn, x, cos, sin, meta, kv_cache, atten_mask):
+        """This rank's rows [n, H] -> [n, H]; cos / sin and `meta` describe the DP group's T real tokens."""
+        tp, tokens = attn.tp, meta.num_tokens
+        full = comm.all_gather(x, tp.group)[:tokens]                              # [T, H]: the group's tokens
+        q, k, v = attn.qkv(full, cos, sin)
+        if meta.is_prefill:
+            out = attn.attention_prefill(q, k, v, meta, atten_mask)
+            attn.kv_cache_update(k, v, meta, kv_cache)
+        else:
+            attn.kv_cache_update(k, v, meta, kv_cache)
+            out = attn.attention_decode(q, meta, kv_cache, atten_mask)
+        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, tp.size * x.shape[0] - tokens))   # [P*n, Nq_r*D]
+        partial = attn.o_proj.quant_method.apply(attn.o_proj, out)                # row-parallel, not yet summed
+        return comm.reduce_scatter(partial, tp.group)                            # [n, H]: summed, own rows
+
+    def mlp(self, mlp, router_in, expert_in):
+        if not mlp.exchanges_tokens:
+            return mlp(expert_in)
+        if self.masks_padding:                                                   # decode: MC2, padding masked
+            return mlp(expert_in, self.exchange.own_rows(self.active), router_in)
+        # prefill: double routing of the real rows (at least one, so no kernel sees an empty input)
+        real = max(self.active, 1)
+        out = mlp(expert_in[:real], self.exchange, router_in[:real])
+        return F.pad(out, (0, 0, 0, expert_in.shape[0] - real))
+
+
 class TensorParallelPhase:
     """Every rank runs every token: ids [T] -> final-normed hidden states [T, H]."""
 
@@ -141,6 +186,12 @@ class TensorParallelPhase:
 
     def __init__(self, step: TensorParallelStep | None = None):
         self.step = step or TensorParallelStep()
+
+    def logits(self, model, hidden, logits_indices, meta) -> torch.Tensor:
+        """Final-normed hidden states [T, H] -> logits [T, V] (or at `logits_indices` only)."""
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        return model.lm_head(hidden)
 
     def run(self, model, input_ids, cos, sin, meta, kv_caches) -> torch.Tensor:
         hidden, residual = model.embed_tokens(input_ids), None                    # [T, H]
@@ -171,6 +222,48 @@ class SequenceParallelPrefill(TensorParallelPhase):
         return comm.all_gather(hidden, sp.group)[:tokens]                        # padding rows stripped
 
 
+class DataParallelPhase(TensorParallelPhase):
+    """Attention DP: ids [T] of this rank's DP group -> its rows [n, H]; `logits` returns every DP group's."""
+
+    def __init__(self, step: DataParallelStep):
+        self.step = step
+
+    def run(self, model, input_ids, cos, sin, meta, kv_caches) -> torch.Tensor:
+        tp, dp = model.groups.attn_tp, meta.dp
+        if dp is None:
+            raise ValueError("attention DP needs ForwardMetadata.dp (every DP group's sizes; ModelRunner sets it)")
+        n, tokens = dp.rows, input_ids.shape[0]
+        self.step.active = dp.active(model.groups.dp_rank, tp.rank)
+        ids = F.pad(input_ids, (0, n * tp.size - tokens))                         # [P*n], padded with id 0
+        mine = slice(tp.rank * n, (tp.rank + 1) * n)
+        # The embedding group lies inside the DP group (config rule): its ranks look up the same ids.
+        hidden = model.embed_tokens(ids[mine]) if model.groups.embed_tp.size == 1 else model.embed_tokens(ids)[mine]
+        residual = None
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, self.step)
+        return model.norm(hidden, residual)[0]                                    # [n, H] this rank's rows
+
+    def logits(self, model, hidden, logits_indices, meta) -> torch.Tensor:
+        """-> logits [sum_d |selected[d]|, V]: every DP group's selected tokens, group by group, ascending; computed
+        by lm_head on the rank that holds the token, then gathered once over the job."""
+        if logits_indices is not None:
+            raise ValueError("under attention DP the selected tokens come from ForwardMetadata.dp.selected")
+        dp, a, g = meta.dp, model.groups.attn_tp.size, model.groups
+        counts = [len(dp.picked(r // a, r % a)) for r in range(g.world_size)]      # host: every rank's share
+        picked = dp.picked(g.dp_rank, g.attn_tp.rank)
+        rows = hidden[torch.tensor(picked, dtype=torch.long, device=hidden.device)]   # [k, H]
+        lm = g.lmhead_tp
+        if lm.size > 1:   # a vocab-parallel lm_head computes the same rows on its whole group
+            first = g.rank - lm.rank
+            sizes = counts[first:first + lm.size]
+            logits = model.lm_head(comm.all_gather(rows, lm.group, sizes=sizes))
+            start = sum(sizes[:lm.rank])
+            logits = logits[start:start + len(picked)]
+        else:
+            logits = model.lm_head(rows)
+        return comm.all_gather(logits, g.world.group, sizes=counts)             # [sum k, V], rank order
+
+
 def uses_mx_prefill(config, parallel) -> bool:
     """True for a W4A8 checkpoint under the SP prefill; raises if the layout splits an MX block across ranks.
     (The recipe's `prefill_opt` takes gmm_quant_mode w4a8mxfloat4 only, spec mx_quant.md §9.2: a W8A8 checkpoint
@@ -188,6 +281,15 @@ def uses_mx_prefill(config, parallel) -> bool:
 
 def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPhase]:
     """(prefill, decode) for this layout and checkpoint, chosen once."""
+    if groups.parallel.attn_dp_size > 1:
+        # Attention DP runs the prefill data parallel too, as the recipe does (each DP group prefills its own
+        # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode.
+        if quant_scheme(config) == W4A8:
+            raise NotImplementedError("attention DP (parallel_config.attn_dp) with a W4A8 checkpoint is not "
+                                      "implemented; use a 16-bit checkpoint or attn_dp: false")
+        prefill = DataParallelStep(build_exchange("alltoall", config, groups), masks_padding=False)
+        decode = DataParallelStep(build_exchange("dispatch_combine", config, groups), masks_padding=True)
+        return DataParallelPhase(prefill), DataParallelPhase(decode)
     # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
     mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
     decode = TensorParallelPhase(TensorParallelStep(mc2))

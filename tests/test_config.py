@@ -285,3 +285,40 @@ def test_trust_compile_cache_with_the_cache_on():
     cfg = InferenceConfig.from_dict({"model_config": {"exe_mode": "ge_graph", "enable_cache_compile": True,
                                                       "trust_compile_cache": True}})
     assert cfg.model_config.trust_compile_cache is True
+
+
+# ------------------------------------------------------------------------------------ attention data parallel
+
+def _dp(**over) -> dict:
+    par = dict(world_size=4, attn_tp_size=2, moe_tp_size=1, moe_ep_size=4, attn_dp=True)
+    par.update(over.pop("parallel", {}))
+    return {"parallel_config": par, **over}
+
+
+def test_attn_dp_layout_is_valid_and_sizes_its_groups():
+    cfg = InferenceConfig.from_dict(_dp(scheduler_config={"batch_size": 4}))
+    assert cfg.parallel_config.attn_dp_size == 2
+    assert InferenceConfig.from_dict(_dp(parallel={"attn_dp": False})).parallel_config.attn_dp_size == 1
+    for name, dp in (("tiny_attn2dp2_ep4", 2), ("tiny_attn4dp2_ep8", 2)):
+        assert InferenceConfig.from_yaml(CONFIGS / f"{name}.yaml").parallel_config.attn_dp_size == dp
+
+
+@pytest.mark.parametrize("d, key, fragments", [
+    (_dp(parallel={"attn_dp": "yes"}), "parallel_config.attn_dp", ["must be a boolean"]),
+    (_dp(parallel={"attn_tp_size": 4}), "parallel_config.attn_dp", ["attn_tp_size < world_size", "4 / 4"]),
+    (_dp(parallel={"moe_tp_size": 2, "moe_ep_size": 2}), "parallel_config.attn_dp", ["moe_tp_size 1", "got 2"]),
+    (_dp(parallel={"embed_tp_size": 4}), "parallel_config.attn_dp",
+     ["embed_tp_size (4) to divide attn_tp_size (2)"]),
+    (_dp(parallel={"prefill_opt": True}), "parallel_config.prefill_opt", ["cannot be combined with attn_dp"]),
+    (_dp(scheduler_config={"batch_size": 3}), "scheduler_config.batch_size",
+     ["(3) must be a multiple of attn_dp_size", "= 2"]),
+    (_dp(parallel={"world_size": 8, "moe_ep_size": 8}, scheduler_config={"batch_size": 6}),
+     "scheduler_config.batch_size", ["(6) must be a multiple of attn_dp_size", "= 4"]),
+    (_dp(model_config={"exe_mode": "ge_graph"}), "model_config.exe_mode", ["must be eager with parallel_config.attn_dp"]),
+])
+def test_attn_dp_rule_error_names_key_and_rule(d, key, fragments):
+    _assert_names(_err(d), key, *fragments)
+
+
+def test_batch_rule_only_applies_with_attn_dp():
+    InferenceConfig.from_dict(_dp(parallel={"attn_dp": False}, scheduler_config={"batch_size": 3}))

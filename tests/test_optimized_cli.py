@@ -87,6 +87,26 @@ def test_generate_under_torchrun_two_ranks_equals_reference():
     assert any(line.startswith("prefill path: tensor parallel") for line in lines)   # tiny_tp2: no SP prefill
 
 
+def test_generate_attention_dp_under_torchrun_four_ranks_equals_reference():
+    """tiny_attn2dp2_ep4 (attention TP 2 x DP 2, MoE EP 4): three prompts (padded to 4 with a dummy request), each
+    request's greedy tokens are the reference's, printed once by rank 0."""
+    prompts = [encode(tokenizer(), t) for t in ("1, 2, 3,", "Once upon a time", "Hello")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    args = [a for p in prompts for a in ("--prompt-ids", ids_line(p))]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          "-m", "optimized", "generate", "--config", str(CONFIGS / "tiny_attn2dp2_ep4.yaml"), *args,
+                          "--max-new-tokens", "6"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    for i, p in enumerate(prompts):
+        assert f"[{i}] generated ids: {ids_line(reference_tokens(p, 6))}" in lines, out.stdout
+    assert sum(line.startswith("[0] generated ids:") for line in lines) == 1, "only rank 0 prints"
+    assert any(line.startswith("prefill path: attention data parallel (2 DP groups") for line in lines), out.stdout
+    assert any("under attention DP" in line for line in lines if line.startswith("decode MoE path:")), out.stdout
+
+
 # --------------------------------------------------------------------------------------------- errors
 
 def test_missing_config_is_one_line_without_traceback():

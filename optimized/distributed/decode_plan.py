@@ -126,6 +126,12 @@ def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) ->
         return (f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
                 f"{parallel.moe_ep_size}: expert range + all_reduce)")
     h, k, e, ep = hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts, parallel.moe_ep_size
+    if parallel.attn_dp_size > 1:   # each rank dispatches its own share of its DP group's batch, nothing gathered
+        n = tokens_per_rank(tokens_per_rank(batch, parallel.attn_dp_size), parallel.attn_tp_size)
+        return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
+                f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
+                f"{n} tokens per rank, its own); HCCL buffer >= {mc2_buffer_mb(n * ep, k, h, ep, e, act_bytes)} MB "
+                f"(HCCL_BUFFSIZE); logits gathered once after lm_head")
     vol = mc2_volume(tokens_per_rank(batch, ep), h, k, ep, e, act_bytes)
     return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
             f"{tokens_per_rank(batch, ep)} tokens per rank); HCCL buffer >= {mc2_buffer_mb(batch, k, h, ep, e, act_bytes)}"

@@ -10,6 +10,12 @@ Group layouts for world size W (all sizes divide W; `moe_tp_size * moe_ep_size =
 - `embed_tp`  (size V): contiguous ranks `[i*V, (i+1)*V)`.
 - `lmhead_tp` (size L): contiguous ranks `[i*L, (i+1)*L)`.
 
+With `attn_dp` (attention data parallel, the recipe's attn_tp x dp layouts) the W/A attention replicas hold different
+requests: DP rank d is the attention TP group `[d*A, (d+1)*A)` (its `attn_tp` group: the TP group within the DP
+group), and `ParallelState.attn_dp` is the strided group of the ranks with the same attention TP rank
+(`[j, j+A, j+2A, ...]`, its rank = the DP rank); the MoE EP group stays whole (moe_ep_size == W). `world` is the
+whole job (the DP logits gather).
+
 `layout_ranks(...)` computes these lists without any process group (pure, testable);
 `ParallelState.build(...)` creates the `torch.distributed` groups. Every rank calls `new_group` for every
 group of every kind in the same order (a torch.distributed requirement), groups of size 1 are `None`, a
@@ -246,6 +252,13 @@ class ParallelState:
     moe_ep: GroupInfo
     embed_tp: GroupInfo
     lmhead_tp: GroupInfo
+    attn_dp: GroupInfo | None = None      # set by `build`; size 1 without attention DP
+    world: GroupInfo | None = None        # every rank (the default group)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's attention DP group (0 without attention DP)."""
+        return self.attn_dp.rank if self.attn_dp is not None else 0
 
     def close(self) -> None:
         """Destroy the process subgroups (every rank together; the default group stays): a run's explicit end,
@@ -303,6 +316,15 @@ class ParallelState:
                 if rank in t:
                     mine = GroupInfo(kind, t, pg, len(t), t.index(rank))
             infos[kind] = mine
+        dp_ranks = _strided(w, parallel.attn_tp_size)[rank % parallel.attn_tp_size]
+        if parallel.attn_dp_size > 1:   # created only for attention DP (every rank builds the same lists in order)
+            groups = [_new_group(tuple(r), w) if create_groups else None for r in _strided(w, parallel.attn_tp_size)]
+            pg = groups[rank % parallel.attn_tp_size]
+            infos["attn_dp"] = GroupInfo("attn_dp", tuple(dp_ranks), pg, len(dp_ranks), dp_ranks.index(rank))
+        else:
+            infos["attn_dp"] = GroupInfo("attn_dp", (rank,), None, 1, 0)
+        world_pg = dist.group.WORLD if create_groups and w > 1 else None
+        infos["world"] = GroupInfo("world", tuple(range(w)), world_pg, w, rank)
         return cls(world_size=w, rank=rank, parallel=parallel, **infos)
 
     @classmethod

@@ -104,6 +104,10 @@ def ep_comm_volumes(hf_config, parallel: ParallelConfig, num_tokens: int, act_by
 
 def describe(hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: int, mx: bool = False) -> str:
     """One line for the start of a run: the prefill path, the MoE EP scheme and both schemes' volumes."""
+    if parallel.attn_dp_size > 1:
+        return (f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
+                f"{parallel.attn_tp_size}: each group prefills its own requests, all-gather before QKV, reduce-scatter "
+                f"after o_proj), MoE EP {parallel.moe_ep_size} by double routing (alltoall) of each rank's tokens")
     if not parallel.sp_prefill:
         return (f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); "
                 f"prefill_opt {parallel.prefill_opt}")

@@ -16,7 +16,7 @@ import torch
 
 from optimized.executor import graph
 from optimized.platform import synchronize
-from optimized.forward_metadata import ForwardMetadata
+from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
 from optimized.executor.kv_cache import QUANTIZED_DTYPES, PagedKVCache, block_table, slot_mapping
 from optimized.executor.sampling import GREEDY, Sampler, SamplingParams
 from optimized.layers.quantization import kv_cache_dtype as resolve_kv_cache_dtype
@@ -95,6 +95,11 @@ class ModelRunner:
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
         # runs in its own, smaller captured bucket).
+        groups = model.groups
+        self.dp_size, self.dp_rank, self.attn_tp_size = groups.parallel.attn_dp_size, groups.dp_rank, groups.attn_tp.size
+        if self.dp_size > 1 and exe_mode != "eager":
+            raise ValueError(f"exe_mode={exe_mode!r}: graph-mode decode under attention DP is not implemented; "
+                             f"use exe_mode 'eager' (or attn_dp false)")
         self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
         config = model.config
         attn = model.layers[0].self_attn
@@ -127,6 +132,8 @@ class ModelRunner:
         sampling = sampling or GREEDY
         eos = _eos_set(eos_token_id)
         positions = self._check_positions(prompts, prompt_logits_positions)
+        if self.dp_size > 1:
+            return self._generate_dp(prompts, max_new_tokens, sampling, eos, positions, return_logits)
         # Only unseeded sampling needs a random seed (one collective when sharded); greedy and seeded need none.
         unseeded = not sampling.greedy and sampling.seed is None
         sampler = Sampler(sampling, len(prompts), seed=shared_seed(self.device) if unseeded else None)
@@ -185,6 +192,95 @@ class ModelRunner:
             synchronize(self.device)
             result.decode_seconds.append(self.clock() - start)
             for r in active:
+                lengths[r] += 1
+        if return_logits:
+            result.logits = [torch.stack(rows) for rows in result.logits]
+        return result
+
+    def _generate_dp(self, prompts, max_new_tokens, sampling, eos, positions, return_logits) -> GenerationResult:
+        """`generate` under attention DP. DP group d runs requests [d*m, (d+1)*m), m = ceil(B / D) (the batch padded
+        with one-token dummy requests, whose results are dropped), with a paged KV cache of its own requests only.
+        Every rank knows every request (host lists) and samples every DP group's tokens from the gathered logits,
+        so all ranks take the same decisions: a group whose requests have all finished keeps stepping its first
+        request (results dropped) until every group is done, as the MoE exchanges need every rank in each step."""
+        batch, groups_n = len(prompts), self.dp_size
+        per = -(-batch // groups_n)
+        requests = prompts + [[0]] * (groups_n * per - batch)                    # dummies pad the batch
+        groups = [list(range(d * per, (d + 1) * per)) for d in range(groups_n)]
+        mine = groups[self.dp_rank]
+        unseeded = not sampling.greedy and sampling.seed is None
+        sampler = Sampler(sampling, len(requests), seed=shared_seed(self.device) if unseeded else None)
+        budget = [len(requests[r]) + max_new_tokens for r in mine]
+        cache = PagedKVCache(self.num_layers, 1 + sum(-(-n // self.block_size) for n in budget), self.block_size,
+                             self.kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
+        table = block_table([cache.allocate(n) for n in budget], self.device)   # row j: request mine[j]
+        lengths = [len(p) for p in requests]
+        result = GenerationResult(tokens=[[] for _ in prompts], finish_reasons=["length"] * batch,
+                                  logits=[[] for _ in prompts] if return_logits else None)
+
+        # Prefill: every group's last token of each request, plus the asked prompt positions of real requests.
+        offsets = {}
+        selected = []
+        for members in groups:
+            off, picks = 0, set()
+            for r in members:
+                offsets[r] = off
+                picks.add(off + lengths[r] - 1)
+                if positions is not None and r < batch:
+                    picks.update(off + j for j in positions[r])
+                off += lengths[r]
+            selected.append(sorted(picks))
+        row_of, k = {}, 0                                                          # (group, token) -> logits row
+        for d, picks in enumerate(selected):
+            for t in picks:
+                row_of[(d, t)] = k
+                k += 1
+        start = self.clock()
+        ids, meta, _ = self.prefill_inputs([requests[r] for r in mine], table)
+        meta.dp = DataParallelBatch(tuple(sum(lengths[r] for r in g) for g in groups), self.attn_tp_size,
+                                    tuple(map(tuple, selected)))
+        logits = self.model(ids, meta, cache.layers)
+        group_of = {r: d for d, g in enumerate(groups) for r in g}
+        if positions is not None:
+            host = logits.float().cpu()
+            result.prompt_logits = [host[[row_of[(group_of[r], offsets[r] + j)] for j in positions[r]]]
+                                    for r in range(batch)]
+        last = [row_of[(group_of[r], offsets[r] + lengths[r] - 1)] for r in range(len(requests))]
+        logits = logits[torch.tensor(last, device=logits.device)]                 # [R, V] in request order
+        order = list(range(len(requests)))
+        next_ids = sampler(logits, order)
+        synchronize(self.device)
+        result.prefill_seconds = self.clock() - start
+
+        running = set(range(batch))
+        next_token = {}
+        while True:
+            for row, (request, token) in enumerate(zip(order, next_ids.tolist())):
+                next_token[request] = token
+                if request not in running:                                        # a dummy or a keep-alive row
+                    continue
+                result.tokens[request].append(token)
+                if return_logits:
+                    result.logits[request].append(logits[row].float().cpu())
+                if token in eos:
+                    result.finish_reasons[request] = "eos"
+                    running.discard(request)
+                elif len(result.tokens[request]) >= max_new_tokens:
+                    running.discard(request)
+            if not running:
+                break
+            step = [[r for r in g if r in running] or g[:1] for g in groups]    # g[:1]: the group's keep-alive
+            rows = step[self.dp_rank]
+            start = self.clock()
+            meta = self.decode_metadata([lengths[r] for r in rows],
+                                        table[torch.tensor([mine.index(r) for r in rows], device=self.device)])
+            meta.dp = DataParallelBatch(tuple(len(g) for g in step), self.attn_tp_size)
+            logits = self.model(torch.tensor([next_token[r] for r in rows], device=self.device), meta, cache.layers)
+            order = [r for g in step for r in g]
+            next_ids = sampler(logits, order)
+            synchronize(self.device)
+            result.decode_seconds.append(self.clock() - start)
+            for r in order:
                 lengths[r] += 1
         if return_logits:
             result.logits = [torch.stack(rows) for rows in result.logits]

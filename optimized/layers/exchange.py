@@ -16,7 +16,7 @@ holds only sizes and process groups (no module), so a model keeps no reference c
 - `MoeInferDispatchCombine` (decode with moe_tp 1 and EP > 1, the recipe's MC2): `npu_moe_distribute_dispatch_v2`
   sends each slot to its expert's rank, grouped matmul, `npu_moe_distribute_combine_v2` brings the rows back
   weighted; decode holds every token on every rank, so each EP rank exchanges only its share and the results are
-  all-gathered.
+  all-gathered. Under attention DP each rank holds its own rows and exchanges them all (`own_rows`), no gather.
 """
 from __future__ import annotations
 
@@ -153,6 +153,22 @@ class MoeInferDispatchCombine(MoeExchange):
         mask = None if n * ep.size == tokens else rows < tokens                    # a True prefix
         rows = rows.clamp(max=tokens - 1)
         mine, ids, weights = x.index_select(0, rows), topk_idx.index_select(0, rows), topk_weight.index_select(0, rows)
+        return comm.all_gather(self.dispatch_combine(experts, mine, ids, weights, mask), ep.group)[:tokens]
+
+    def own_rows(self, active: int):
+        """The exchange under attention DP: every rank holds its own n rows (the same n on every rank), the first
+        `active` real and the rest padding, masked out by x_active_mask (never sent; they come back 0); no gather."""
+        def exchange(experts, x, topk_idx, topk_weight):
+            if isinstance(x, MxRows):
+                raise TypeError("moe_infer_dispatch_combine moves bf16 / fp32 rows (quant_mode 0); got MXFP8 rows")
+            n = x.shape[0]
+            mask = None if active == n else torch.arange(n, device=x.device) < active   # a True prefix
+            return self.dispatch_combine(experts, x, topk_idx, topk_weight, mask)
+        return exchange
+
+    def dispatch_combine(self, experts, mine, ids, weights, mask):
+        """npu_moe_distribute_dispatch_v2 of this rank's rows [n, H] (the rows `mask` leaves out stay home), grouped
+        matmul, npu_moe_distribute_combine_v2 -> [n, H]."""
         kwargs = self.mc2_kwargs(mask)
         expand_x, _, assist, tokens_per_expert, ep_recv_counts, tp_recv_counts = \
             torch.ops.npu.npu_moe_distribute_dispatch_v2(mine, expert_ids=ids, scales=None, quant_mode=0,
@@ -161,7 +177,7 @@ class MoeInferDispatchCombine(MoeExchange):
         out = torch.ops.npu.npu_moe_distribute_combine_v2(
             expand_x=expert_out, expert_ids=ids, assist_info_for_combine=assist, ep_send_counts=ep_recv_counts,
             tp_send_counts=tp_recv_counts, expert_scales=weights.float(), comm_quant_mode=0, **kwargs)
-        return comm.all_gather(out, ep.group)[:tokens]
+        return out
 
 
 EXCHANGES = {cls.name: cls for cls in (MoeInferTP, MoeInferAG, MoeInferDoubleRouting, MoeInferDispatchCombine)}

@@ -1,0 +1,258 @@
+"""Attention data parallel (`parallel_config.attn_dp`: the batch split over attn_dp_size = world / attn_tp DP groups,
+all-gather before merged_qkv_proj and reduce-scatter after o_proj inside each DP group, MoE expert parallel over
+every rank, logits gathered once after lm_head) equals the reference, over real gloo ranks.
+
+Layouts: world 4 as attention TP 2 x DP 2 (EP 4), world 8 as TP 4 x DP 2 (KV heads replicated) and TP 2 x DP 4 (EP 8),
+TP 2 x DP 2 with a vocab-parallel embedding inside each DP group and an lm_head vocab-parallel over all four ranks,
+and pure DP (TP 1 x DP 4, no gather at all) with a vocab-parallel lm_head spanning two DP groups. Every case runs the runner's `generate`:
+- fp32: batches of 1-5 requests (dividing the DP size and not: the batch is padded with dummy requests), a drawn EOS
+  id (a token the reference generates for a drawn request at a drawn step) so requests finish at different steps and
+  DP groups run uneven batches or keep-alive rows; the generated tokens are exactly the reference's greedy tokens
+  (16 unless EOS), the finish reasons match, and every returned logit (each prompt position, and each generated
+  token's) is within `model.float32` of the reference's;
+- every decode step of every MoE layer went through one MC2 dispatch / combine pair and the prefill through none
+  (the recipe: double routing in prefill, MC2 in decode);
+- bf16, routing-flip aware: the reference replays the expert ids every DP rank chose (gathered over the job; a flip
+  only on a near-tie, `router_tie.model.bfloat16`), prompt and generated logits within `model.parallel.bfloat16`,
+  every generated token the replayed reference's argmax or within that tolerance; top-1 agreement with the
+  reference's own routing and the flip rate reported;
+- the paged KV cache of each DP rank holds only its DP group's requests (and its dummy).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from equivalence.compare import assert_close, max_abs, tolerance, top1_agreement
+from equivalence.dist import get_pool
+from equivalence.parallel_support import RoutingStats, dtype_of, on_host, rank_model, reference_model, \
+    run_property, same_on_all_ranks
+from equivalence.test_e2e_parallel import replayed_routing
+from equivalence.strategies import BLOCK_SIZE, prompt_length
+from fixtures.checkpoints import checkpoint
+from fixtures.tiny import tiny_config
+from reference.generate import greedy_generate
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = tiny_config("tiny")
+GEN_TOKENS = 16
+DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
+
+
+def dp_layout(world: int, attn_tp: int, lmhead_tp: int = 1, embed_tp: int = 1) -> dict:
+    return dict(world_size=world, attn_tp_size=attn_tp, moe_tp_size=1, moe_ep_size=world, embed_tp_size=embed_tp,
+                lmhead_tp_size=lmhead_tp, prefill_opt=False, moe_ep_scheme="auto", attn_dp=True)
+
+
+CASES = [
+    pytest.param(4, dp_layout(4, 2), id="w4-tp2xdp2-ep4"),
+    pytest.param(4, dp_layout(4, 2, lmhead_tp=4, embed_tp=2), id="w4-tp2xdp2-ep4-embed2-lmhead4"),
+    pytest.param(4, dp_layout(4, 1, lmhead_tp=2), id="w4-tp1xdp4-ep4-lmhead2"),
+    pytest.param(8, dp_layout(8, 4), id="w8-tp4xdp2-ep8"),
+    pytest.param(8, dp_layout(8, 2), id="w8-tp2xdp4-ep8"),
+]
+
+
+def _describe(lay: dict) -> str:
+    return (f"W={lay['world_size']} attn_tp={lay['attn_tp_size']} x dp={lay['world_size'] // lay['attn_tp_size']} "
+            f"EP={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}")
+
+
+@torch.no_grad()
+def _generate_task(rank, world, path, lay, dtype_name, prompts, n, eos):
+    from optimized import distributed as comm
+    from optimized.executor.model_runner import ModelRunner
+
+    model = rank_model(path, lay, dtype_of(dtype_name))
+    runner = ModelRunner(model, BLOCK_SIZE)
+    with comm.count_bytes() as counter:
+        res = runner.generate(prompts, n, eos_token_id=eos, return_logits=True,
+                              prompt_logits_positions=[list(range(len(p))) for p in prompts])
+    return on_host({"tokens": res.tokens, "finish": res.finish_reasons, "logits": res.logits,
+                    "prompt_logits": res.prompt_logits, "decode_steps": len(res.decode_seconds),
+                    "mc2_calls": {op: counter.calls.get(op, 0) for op in (DISPATCH, COMBINE)},
+                    "kv_blocks": runner_cache_blocks(model, prompts, n, lay)})
+
+
+def runner_cache_blocks(model, prompts, n, lay) -> int:
+    """Blocks of the KV cache this rank's runner allocates (its DP group's requests only)."""
+    dp = lay["world_size"] // lay["attn_tp_size"]
+    per = -(-len(prompts) // dp)
+    mine = (prompts + [[0]] * (dp * per - len(prompts)))[model.groups.dp_rank * per:(model.groups.dp_rank + 1) * per]
+    return sum(-(-(len(p) + n) // BLOCK_SIZE) for p in mine)
+
+
+def _reference_run(ref, prompt, n, eos):
+    """(tokens up to and including the first EOS, logits [len(prompt) + len(tokens) - 1, V] of the whole run)."""
+    tokens = greedy_generate(ref, torch.tensor([prompt]), n)[0].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[:tokens.index(eos) + 1]
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + tokens[:-1]]))[0]
+    return tokens, logits
+
+
+# Batch sizes first in the order hypothesis tries them: not dividing the DP size, dividing it, fewer than DP groups.
+BATCHES = (5, 4, 3, 1, 2)
+
+
+@st.composite
+def dp_prompts(draw) -> list[list[int]]:
+    """A batch of BATCHES' sizes, prompt lengths biased to the 16-token block boundaries, seeded ids."""
+    lengths = [draw(prompt_length(40)) for _ in range(draw(st.sampled_from(BATCHES)))]
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    return [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@st.composite
+def _eos_choice(draw, batch: int):
+    """(request, step) whose reference token becomes the EOS id, or None (every request runs 16 tokens)."""
+    if draw(st.integers(0, 3)) == 3:
+        return None
+    return draw(st.integers(0, batch - 1)), draw(st.integers(0, GEN_TOKENS - 2))
+
+
+@pytest.mark.parametrize("world, lay", CASES)
+def test_attn_dp_generation_equals_reference_fp32(world, lay):
+    path = str(checkpoint("tiny"))
+    ref = reference_model("tiny")
+
+    def check(prompts, data):
+        pick = data.draw(_eos_choice(len(prompts)))
+        eos = None if pick is None else greedy_generate(ref, torch.tensor([prompts[pick[0]]]), GEN_TOKENS)[0][pick[1]]
+        eos = None if eos is None else int(eos)
+        got = same_on_all_ranks(
+            [{k: v for k, v in r.items() if k != "kv_blocks"} for r in
+             get_pool(world).run(_generate_task, path, lay, "float32", prompts, GEN_TOKENS, eos, timeout=180)],
+            "attn DP generation")
+        what = f"{_describe(lay)} batch {len(prompts)} eos {eos}"
+        for b, prompt in enumerate(prompts):
+            want, logits = _reference_run(ref, prompt, GEN_TOKENS, eos)
+            assert got["tokens"][b] == want, f"{what} request {b}: optimized {got['tokens'][b]} != reference {want}"
+            assert got["finish"][b] == ("eos" if eos is not None and want[-1] == eos else "length"), what
+            assert_close(got["prompt_logits"][b], logits[:len(prompt)], "model.float32", f"{what} request {b} prompt")
+            assert_close(got["logits"][b], logits[len(prompt) - 1:], "model.float32", f"{what} request {b} generated")
+        steps = got["decode_steps"]
+        assert steps == max(len(t) for t in got["tokens"]) - 1, f"{what}: {steps} decode steps"
+        want_calls = {DISPATCH: 2 * steps * CONFIG.num_hidden_layers, COMBINE: steps * CONFIG.num_hidden_layers}
+        assert got["mc2_calls"] == want_calls, f"{what}: MC2 calls {got['mc2_calls']} != {want_calls}"
+        print(f"{what}: tokens {[len(t) for t in got['tokens']]}, finish {got['finish']}, max_abs vs reference "
+              f"{max(max_abs(g, _reference_run(ref, p, GEN_TOKENS, eos)[1][len(p) - 1:]) for g, p in zip(got['logits'], prompts)):.2e}")
+
+    run_property(check, 4, prompts=dp_prompts(), data=st.data())
+
+
+def test_attn_dp_kv_cache_holds_only_the_dp_groups_requests():
+    lay = dp_layout(4, 2)
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]          # group 0: requests 0, 1; group 1: 2 and a dummy
+    out = get_pool(4).run(_generate_task, str(checkpoint("tiny")), lay, "float32", prompts, 4, None, timeout=180)
+    blocks = [r["kv_blocks"] for r in out]
+    per_group = [sum(-(-(len(p) + 4) // BLOCK_SIZE) for p in g) for g in (prompts[:2], [prompts[2], [0]])]
+    assert blocks == [per_group[0]] * 2 + [per_group[1]] * 2, blocks
+
+
+@torch.no_grad()
+def _generate_bf16_task(rank, world, path, lay, prompts, n):
+    """bf16 `generate`, with every sparse layer's expert ids per forward gathered over the job: the real rows of
+    every DP group, group by group in packed order (what the reference replays)."""
+    from optimized import distributed as comm
+    from optimized.executor.model_runner import ModelRunner
+
+    model = rank_model(path, lay, torch.bfloat16)
+    ids_log, steps = {}, []
+    blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "route")]
+    for i, mlp in blocks:
+        def recorded(hidden, _route=mlp.route, _i=i):
+            weights, ids = _route(hidden)
+            ids_log.setdefault(_i, []).append(ids.clone())
+            return weights, ids
+        mlp.route = recorded
+    phases = (model.prefill, model.decode)
+    for phase in phases:
+        def run(m, input_ids, cos, sin, meta, kv_caches, _run=phase.run):
+            steps.append(meta.dp)
+            return _run(m, input_ids, cos, sin, meta, kv_caches)
+        phase.run = run
+    try:
+        res = ModelRunner(model, BLOCK_SIZE).generate(prompts, n, return_logits=True,
+                                                      prompt_logits_positions=[list(range(len(p))) for p in prompts])
+    finally:
+        for _, mlp in blocks:
+            del mlp.route
+        for phase in phases:
+            del phase.run
+    a = model.groups.attn_tp.size
+    routes = {}
+    for i, per_forward in ids_log.items():
+        for ids, dp in zip(per_forward, steps):
+            sizes = comm.all_gather(torch.tensor([ids.shape[0]], device=ids.device), model.groups.world.group).tolist()
+            chunks = comm.all_gather(ids, model.groups.world.group, sizes=sizes).split(sizes)
+            real = [c[:dp.active(r // a, r % a)] for r, c in enumerate(chunks)]
+            routes.setdefault(i, []).append(torch.cat(real))
+    return on_host({"tokens": res.tokens, "logits": res.logits, "prompt_logits": res.prompt_logits, "routes": routes})
+
+
+def _request_routes(routes: dict, prompts, tokens, world: int, lay: dict) -> list[dict]:
+    """Per request, each sparse layer's expert ids [prompt + generated - 1, K]: its prefill rows, then one row per
+    decode step it ran in, found by the runner's schedule (groups of m = ceil(B / D) requests, dummies of one token,
+    a group without running requests stepping its first one)."""
+    batch, dp = len(prompts), world // lay["attn_tp_size"]
+    per = -(-batch // dp)
+    lengths = [len(p) for p in prompts] + [1] * (dp * per - batch)
+    groups = [list(range(d * per, (d + 1) * per)) for d in range(dp)]
+    prefill_row = {r: sum(lengths[:r]) for r in range(len(lengths))}     # groups are contiguous: packed order
+    out = [{i: [r[0][prefill_row[b]:prefill_row[b] + lengths[b]]] for i, r in routes.items()} for b in range(batch)]
+    for s in range(max(len(t) for t in tokens) - 1):
+        order = [r for g in groups for r in ([r for r in g if r < batch and s < len(tokens[r]) - 1] or g[:1])]
+        for row, b in enumerate(order):
+            if b < batch and s < len(tokens[b]) - 1:
+                for i, r in routes.items():
+                    out[b][i].append(r[1 + s][row:row + 1])
+    return [{i: torch.cat(rows) for i, rows in per.items()} for per in out]
+
+
+@pytest.mark.parametrize("world, lay", [CASES[0], CASES[3]])
+def test_attn_dp_bf16_within_tolerance_routing_flip_aware(world, lay):
+    """bf16 `generate` vs the bf16 reference replaying the optimized expert ids (a flip only on a near-tie,
+    `router_tie.model.bfloat16`): prompt and generated logits within `model.parallel.bfloat16`, every generated token
+    the replayed reference's argmax or within that tolerance of it; top-1 agreement with the reference's own routing
+    and the flip rate reported."""
+    path = str(checkpoint("tiny"))
+    ref = reference_model("tiny", "bfloat16")
+    tol = tolerance("model.parallel.bfloat16")
+    near_tie = tolerance("router_tie.model.bfloat16").rtol
+
+    def check(prompts):
+        got = same_on_all_ranks(get_pool(world).run(_generate_bf16_task, path, lay, prompts, GEN_TOKENS, timeout=180),
+                                "attn DP bf16 generation")
+        stats: list[RoutingStats] = []
+        mine, replayed, own = [], [], []
+        for b, (prompt, ids_of_layer) in enumerate(zip(prompts, _request_routes(got["routes"], prompts, got["tokens"],
+                                                                                 world, lay))):
+            tokens = got["tokens"][b]
+            seq = torch.tensor([prompt + tokens[:-1]])
+            with torch.no_grad(), replayed_routing(ref, ids_of_layer, near_tie, stats):
+                want = ref(seq)[0].float()
+            with torch.no_grad():
+                own.append(ref(seq)[0].float()[len(prompt) - 1:])
+            what = f"{_describe(lay)} bf16 request {b}"
+            assert_close(got["prompt_logits"][b], want[:len(prompt)], "model.parallel.bfloat16", f"{what} prompt")
+            assert_close(got["logits"][b], want[len(prompt) - 1:], "model.parallel.bfloat16", f"{what} generated")
+            at_choice = want[len(prompt) - 1:]
+            chosen = at_choice.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            best = at_choice.max(-1).values
+            slack = tol.atol + tol.rtol * best.abs()
+            bad = (best - chosen > slack).nonzero().flatten().tolist()
+            assert not bad, f"{what}: step(s) {bad} chose a token the replayed reference scores below its argmax"
+            mine.append(got["logits"][b].float())
+            replayed.append(at_choice)
+        total = sum(stats, RoutingStats())
+        a, r, o = torch.cat(mine), torch.cat(replayed), torch.cat(own)
+        report = (f"{_describe(lay)} bf16 batch {len(prompts)}: {total}; replayed max_abs {max_abs(a, r):.2e}, "
+                  f"top-1 {top1_agreement(a, r):.4f}; own routing top-1 {top1_agreement(a, o):.4f}")
+        print(report)
+        assert total.clear_flips == 0, report
+
+    run_property(check, 2, prompts=dp_prompts())
