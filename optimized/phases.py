@@ -284,9 +284,10 @@ def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPha
     if groups.parallel.attn_dp_size > 1:
         # Attention DP runs the prefill data parallel too, as the recipe does (each DP group prefills its own
         # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode.
-        if quant_scheme(config) == W4A8:
-            raise NotImplementedError("attention DP (parallel_config.attn_dp) with a W4A8 checkpoint is not "
-                                      "implemented; use a 16-bit checkpoint or attn_dp: false")
+        scheme = quant_scheme(config)
+        if scheme is not None:   # not proven under DP yet: refused rather than run unchecked
+            raise NotImplementedError(f"attention DP (parallel_config.attn_dp) with a {scheme.upper()} checkpoint is "
+                                      "not implemented; use a 16-bit checkpoint or attn_dp: false")
         prefill = DataParallelStep(build_exchange("alltoall", config, groups), masks_padding=False)
         decode = DataParallelStep(build_exchange("dispatch_combine", config, groups), masks_padding=True)
         return DataParallelPhase(prefill), DataParallelPhase(decode)
