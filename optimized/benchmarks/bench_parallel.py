@@ -21,8 +21,14 @@ prompts and reports the slowest rank's time per step. One more generation counts
 every collective of the step, and per MoE layer the bytes of each collective of the exchange beside
 `decode_plan.decode_volume` (with the routing's slot counts: equal to the byte, checked on every rank) and beside
 it under uniform routing. The formula alone, at the preset's full depth, comes with the report (and with
-`--formula-only`, which runs nothing). Another decode layout (attention data parallel) is one more `DecodeLayout`
-entry.
+`--formula-only`, which runs nothing).
+- `dp`: attention data parallel (attention TP N/2 x DP 2, embedding and lm_head TP 1, moe_tp 1, moe_ep N): MC2 on
+  each rank's own rows (padding masked), no all_gather after the combine; per layer an all_gather before
+  merged_qkv_proj and a reduce_scatter after o_proj inside the DP group; the logits gathered once over the job. Its
+  step is counted at the decode phase (the DP runner calls the model itself), the attention's collectives
+  separately, and the whole step is set beside `decode_plan.dp_step_volume` too. Offered at even N >= 4 (at N = 2
+  attention TP would be 1, nothing to compare on the attention side) with `--batch` a multiple of the 2 DP groups;
+  otherwise its report line says why it is skipped.
 """
 from __future__ import annotations
 
@@ -49,12 +55,26 @@ class DecodeLayout:
     name: str
     what: str
     sizes: Callable[[int], dict]
+    skip: Callable[[int, int], str | None] = lambda world, batch: None   # why it is not run, or None
 
     def config(self, world: int):
         from optimized.config import ParallelConfig
 
-        return ParallelConfig(world_size=world, embed_tp_size=world, lmhead_tp_size=world, prefill_opt=False,
-                              **self.sizes(world)).validate()
+        return ParallelConfig(world_size=world, **{"embed_tp_size": world, "lmhead_tp_size": world,
+                                                   **self.sizes(world)}, prefill_opt=False).validate()
+
+
+DP_GROUPS = 2
+
+
+def _dp_skip(world: int, batch: int) -> str | None:
+    if world < 2 * DP_GROUPS or world % DP_GROUPS:
+        return (f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}; "
+                f"at {world} attention TP would be {max(world // DP_GROUPS, 0)}, no attention collectives to compare)")
+    if batch % DP_GROUPS:
+        return (f"--batch {batch} is not a multiple of attn_dp_size {DP_GROUPS} (the attention DP rule "
+                f"scheduler_config.batch_size % attn_dp_size == 0)")
+    return None
 
 
 DECODE_LAYOUTS = (
@@ -62,6 +82,9 @@ DECODE_LAYOUTS = (
                  lambda w: dict(attn_tp_size=w, moe_tp_size=w, moe_ep_size=1)),
     DecodeLayout("mc2", "MC2 dispatch / combine over moe_ep, all_gather",
                  lambda w: dict(attn_tp_size=w, moe_tp_size=1, moe_ep_size=w)),
+    DecodeLayout("dp", "attention DP: MC2 on own rows, no all_gather",
+                 lambda w: dict(attn_tp_size=w // DP_GROUPS, moe_tp_size=1, moe_ep_size=w, embed_tp_size=1,
+                                lmhead_tp_size=1, attn_dp=True), _dp_skip),
 )
 DECODE_BY_NAME = {layout.name: layout for layout in DECODE_LAYOUTS}
 
@@ -126,6 +149,67 @@ def _decode_moe_counted(exchange, log: list, parallel, num_experts: int, act_byt
     return counted
 
 
+class _CountedOwnRows:
+    """The attention-DP decode's MC2 exchange (`own_rows`) wrapped to log, per call, each collective's bytes beside
+    the formula's (this routing's slot counts, the padding rows left out) and the formula's under uniform routing."""
+
+    def __init__(self, exchange, log: list, parallel, num_experts: int, act_bytes: int):
+        self.exchange, self.log, self.parallel = exchange, log, parallel
+        self.num_experts, self.act_bytes = num_experts, act_bytes
+
+    def own_rows(self, active: int):
+        import torch.distributed as dist
+
+        from optimized.distributed import collectives as comm
+        from optimized.distributed.decode_plan import decode_volume
+
+        inner, ep, parallel = self.exchange.own_rows(active), self.exchange.moe_ep, self.parallel
+
+        def counted(experts, hidden, topk_idx, topk_weight):
+            n, h, k = hidden.shape[0], hidden.shape[1], topk_idx.shape[1]
+            # Every rank's ids and real-row count, through torch.distributed itself so no byte counter sees them
+            # (the EP group is the whole job under attention DP, in rank order).
+            ids = topk_idx.new_empty((ep.size * n, k))
+            dist.all_gather_into_tensor(ids, topk_idx.contiguous(), group=ep.group)
+            mine = torch.tensor([active], dtype=torch.int64, device=hidden.device)
+            actives = mine.new_empty(ep.size)
+            dist.all_gather_into_tensor(actives, mine, group=ep.group)
+            owner = ids.view(ep.size, n, k).long() // experts.local_experts
+            source = torch.arange(ep.size, device=ids.device)[:, None, None]
+            real = (torch.arange(n, device=ids.device)[None, :] < actives[:, None])[:, :, None]
+            slots_out = int((real & (source == ep.rank) & (owner != ep.rank)).sum())
+            slots_in = int((real & (owner == ep.rank) & (source != ep.rank)).sum())
+            b = parallel.attn_dp_size * parallel.attn_tp_size * n       # a batch with these rows (every row real)
+            with comm.count_bytes() as counter:
+                out = inner(experts, hidden, topk_idx, topk_weight)
+            self.log.append({"measured": dict(counter.bytes),
+                             "formula": decode_volume(parallel, b, h, k, self.num_experts, self.act_bytes, slots_out,
+                                                      slots_in).parts,
+                             "uniform": decode_volume(parallel, b, h, k, self.num_experts, self.act_bytes).parts})
+            return out
+        return counted
+
+
+def _count_calls(fn, log: list):
+    """`fn` wrapped to log the bytes of each call's collectives (`comm.count_bytes`)."""
+    from optimized.distributed import collectives as comm
+
+    def counted(*a, **kw):
+        with comm.count_bytes() as counter:
+            out = fn(*a, **kw)
+        log.append(dict(counter.bytes))
+        return out
+    return counted
+
+
+def _add(parts: list[dict]) -> dict:
+    out: dict = {}
+    for p in parts:
+        for op, b in p.items():
+            out[op] = out.get(op, 0) + b
+    return out
+
+
 def _default_exchange(model):
     """The exchange a decode step without one uses: the MoE blocks' own `moe_infer_tp` (the same on every layer)."""
     return next(layer.mlp.moe_infer_tp for layer in model.layers if hasattr(layer.mlp, "moe_infer_tp"))
@@ -160,27 +244,44 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     # One decode step counted: the whole forward, and each MoE layer's exchange beside its formula.
     step, moe_log, step_log = model.decode.step, [], []
     exchange, forward = step.exchange, runner.decode_forward
-
-    def counted_forward(*a, **kw):
-        with comm.count_bytes() as counter:
-            out = forward(*a, **kw)
-        step_log.append(dict(counter.bytes))
-        return out
-
-    step.exchange = _decode_moe_counted(exchange or _default_exchange(model), moe_log, parallel,
-                                        config.num_experts, dtype.itemsize)
-    runner.decode_forward = counted_forward
+    dp = parallel.attn_dp_size > 1
+    if dp:
+        # The DP runner calls the model itself: the decode phase's layer loop and its logits are counted, and each
+        # layer's attention on its own.
+        phase, attn_log, logits_log = model.decode, [], []
+        phase.run, phase.logits = _count_calls(phase.run, step_log), _count_calls(phase.logits, logits_log)
+        step.attention = _count_calls(step.attention, attn_log)
+        step.exchange = _CountedOwnRows(exchange, moe_log, parallel, config.num_experts, dtype.itemsize)
+    else:
+        step.exchange = _decode_moe_counted(exchange or _default_exchange(model), moe_log, parallel,
+                                            config.num_experts, dtype.itemsize)
+        runner.decode_forward = _count_calls(forward, step_log)
     try:
         runner.generate(prompts, 2)                                              # one decode step
     finally:
         step.exchange, runner.decode_forward = exchange, forward
+        if dp:
+            del phase.run, phase.logits, step.attention                          # the class's methods again
+    mine = {"step": step_log[0], "moe": moe_log}
+    if dp:
+        from optimized.distributed.decode_plan import by_collective, dp_step_volume
+
+        mine["step"] = _add([step_log[0], logits_log[0]])
+        mine["parts"] = {"attention": _add(attn_log), "moe": _add([m["measured"] for m in moe_log]),
+                         "logits": logits_log[0]}
+        mine["step_formula"] = by_collective(dp_step_volume(config, parallel, len(prompts), dtype.itemsize,
+                                                            moe=_add([m["formula"] for m in moe_log])))
+        mine["attention_formula"] = dp_step_volume(config, parallel, len(prompts), dtype.itemsize)["attention"]
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"step": step_log[0], "moe": moe_log})
+    dist.all_gather_object(gathered, mine)
     exchange_name = type(exchange or _default_exchange(model)).__name__
     del runner, model
-    return {"decode_ms": [1000 * t for t in times], "build_s": build_s, "what": layout.what,
-            "exchange": exchange_name, "sizes": layout.sizes(world),
-            "step_bytes": [g["step"] for g in gathered], "moe": [g["moe"] for g in gathered]}
+    out = {"decode_ms": [1000 * t for t in times], "build_s": build_s, "what": layout.what,
+           "exchange": exchange_name, "sizes": layout.sizes(world),
+           "step_bytes": [g["step"] for g in gathered], "moe": [g["moe"] for g in gathered]}
+    if dp:
+        out.update({k: [g[k] for g in gathered] for k in ("parts", "step_formula", "attention_formula")})
+    return out
 
 
 def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
@@ -258,17 +359,23 @@ def run(args) -> dict:
         raise UsageError(f"--prompt-len + --decode-steps exceed max_position_embeddings "
                          f"({config.max_position_embeddings})")
     # Children inherit the environment: an MC2 decode on hccl gets its HCCL window before any group exists.
-    parallels = [layout_config(n, world) for n in PREFILL_LAYOUTS] + [d.config(world) for d in DECODE_LAYOUTS]
+    # A subset of the layouts (`args.prefill_layouts` / `args.decode_layouts`, names) is for library callers such as
+    # the tests; the command line runs them all.
+    prefill_layouts = list(getattr(args, "prefill_layouts", PREFILL_LAYOUTS))
+    wanted = [DECODE_BY_NAME[n] for n in getattr(args, "decode_layouts", DECODE_BY_NAME)]
+    skipped = {d.name: why for d in wanted if (why := d.skip(world, args.batch))}
+    decode_layouts = [d for d in wanted if d.name not in skipped]
+    parallels = [layout_config(n, world) for n in prefill_layouts] + [d.config(world) for d in decode_layouts]
     apply_hccl_buffsize(config, parallels, args.batch, DTYPES[args.dtype].itemsize)
     params = dict(preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed, batch=args.batch,
                   prompt_len=args.prompt_len, block_size=args.block_size, warmup=args.warmup, repeats=args.repeats,
-                  decode_steps=args.decode_steps, layouts=list(PREFILL_LAYOUTS),
-                  decode_layouts=[d.name for d in DECODE_LAYOUTS])
+                  decode_steps=args.decode_steps, layouts=prefill_layouts,
+                  decode_layouts=[d.name for d in decode_layouts])
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="bench_rdzv_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        progress(f"{world} processes, prefill layouts {', '.join(PREFILL_LAYOUTS)}, decode layouts "
+        progress(f"{world} processes, prefill layouts {', '.join(prefill_layouts) or 'none'}, decode layouts "
                  f"{', '.join(params['decode_layouts'])} ...")
         procs = [ctx.Process(target=_worker, args=(r, world, init_file, params, queue), daemon=True)
                  for r in range(world)]
@@ -282,7 +389,8 @@ def run(args) -> dict:
     if status != "ok":
         raise RuntimeError(f"multi-process bench failed: {payload}")
     return {"setup": {**params, "world_size": world, "tokens": args.batch * args.prompt_len},
-            "layouts": payload["prefill"], "decode": payload["decode"], "decode_formula": formula(args, config)}
+            "layouts": payload["prefill"], "decode": payload["decode"], "decode_skipped": skipped,
+            "decode_formula": formula(args, config)}
 
 
 def check_world(args):
@@ -312,18 +420,41 @@ def formula(args, config=None) -> dict:
     act, world, layers = DTYPES[args.dtype].itemsize, args.world_size, full_layer_count(args.preset)
     out = {"preset": args.preset, "world_size": world, "batch": args.batch, "dtype": args.dtype,
            "moe_layers": decode_plan.moe_layer_count(config, layers), "layouts": {}}
-    for layout in DECODE_LAYOUTS:
-        p = layout.config(world)
-        one = decode_plan.decode_volume(p, args.batch, config.hidden_size, config.num_experts_per_tok,
-                                        config.num_experts, act)
-        out["layouts"][layout.name] = {
-            "per_layer": one.parts, "per_step": decode_plan.step_volume(config, p, args.batch, act, layers).parts,
-            "hccl_buffer_mb": decode_plan.needed_buffer_mb(config, [p], args.batch, act)}
+    for layout in (d for d in DECODE_LAYOUTS if not d.sizes(world).get("attn_dp")):
+        out["layouts"][layout.name] = _formula_entry(config, layout.config(world), args.batch, act, layers)
+    # Attention DP: every split of the world into D >= 2 groups of attention TP world / D (the bench runs D = 2;
+    # the recipe's attn4tp8dp_32ep is D = 8 at world 32).
+    from optimized.config import ParallelConfig
+
+    out["dp"], out["dp_skipped"] = {}, {}
+    for d in (d for d in range(2, world + 1) if world % d == 0):
+        name = f"dp-tp{world // d}x{d}"
+        if args.batch % d:
+            out["dp_skipped"][name] = f"--batch {args.batch} is not a multiple of attn_dp_size {d}"
+            continue
+        p = ParallelConfig(world_size=world, attn_tp_size=world // d, moe_tp_size=1, moe_ep_size=world,
+                           embed_tp_size=1, lmhead_tp_size=1, attn_dp=True).validate()
+        entry = _formula_entry(config, p, args.batch, act, layers)
+        parts = decode_plan.dp_step_volume(config, p, args.batch, act, layers)
+        entry.update(rows=decode_plan.dp_rows(args.batch, p), step_parts=parts,
+                     step_total=sum(decode_plan.by_collective(parts).values()),
+                     attention_per_layer=decode_plan.attention_dp_volume(p, args.batch, config.hidden_size, act))
+        out["dp"][name] = entry
     return out
+
+
+def _formula_entry(config, p, batch: int, act: int, layers: int) -> dict:
+    from optimized.distributed import decode_plan
+
+    one = decode_plan.decode_volume(p, batch, config.hidden_size, config.num_experts_per_tok, config.num_experts, act)
+    return {"per_layer": one.parts, "per_step": decode_plan.step_volume(config, p, batch, act, layers).parts,
+            "hccl_buffer_mb": decode_plan.needed_buffer_mb(config, [p], batch, act)}
 
 
 def format_report(r: dict) -> str:
     s, lay = r["setup"], r["layouts"]
+    if not lay:                                        # a decode-only subset (library callers)
+        return "\n".join(format_decode(r)).lstrip("\n")
     lines = [f"prefill over {s['world_size']} processes: {s['preset']} shapes, {s['layers']} layer(s), {s['dtype']}, "
              f"batch {s['batch']} x {s['prompt_len']} tokens ({s['tokens']} packed); warm-up {s['warmup']}, "
              f"repeats {s['repeats']}; time of the slowest rank", "",
@@ -351,25 +482,38 @@ def _parts(parts: dict) -> str:
     return ", ".join(f"{op} {b:,d} B" for op, b in parts.items())
 
 
+def _sizes(sizes: dict, world: int) -> str:
+    if sizes.get("attn_dp"):
+        t = sizes["attn_tp_size"]
+        return (f"attn_tp {t} x dp {world // t}, moe_tp {sizes['moe_tp_size']}, moe_ep {sizes['moe_ep_size']}, "
+                f"lm 1")
+    return ", ".join(f"{k.replace('_size', '')} {n}" for k, n in sizes.items())
+
+
 def format_decode(r: dict) -> list[str]:
     s, dec = r["setup"], r["decode"]
     lines = ["", f"decode over {s['world_size']} processes: batch {s['batch']}, prompt {s['prompt_len']}, "
                  f"{s['decode_steps']} decode steps per round; warm-up {s['warmup']}, repeats {s['repeats']}; time "
                  f"per step of the slowest rank", "",
-             f"{'layout':<8}{'sizes':<32}{'median ms':>10}{'best ms':>10}{'vs tp (best)':>14}"
+             f"{'layout':<8}{'sizes':<40}{'median ms':>10}{'best ms':>10}{'vs tp (best)':>14}"
              f"{'MoE sent/rank/step':>20}{'all sent/rank/step':>20}   decode MoE path"]
     best = {name: summarize([m / 1000 for m in v["decode_ms"]])["min"] for name, v in dec.items()}
     for name, v in dec.items():
         st = summarize([m / 1000 for m in v["decode_ms"]])
-        sizes = ", ".join(f"{k.replace('_size', '')} {n}" for k, n in v["sizes"].items())
+        sizes = _sizes(v["sizes"], s["world_size"])
         moe = sum(sum(m["measured"].values()) for m in v["moe"][0])
         step = sum(v["step_bytes"][0].values())
-        lines.append(f"{name:<8}{sizes:<32}{st['median']:>10.2f}{st['min']:>10.2f}"
+        lines.append(f"{name:<8}{sizes:<40}{st['median']:>10.2f}{st['min']:>10.2f}"
                      f"{best.get('tp', math.nan) / st['min']:>13.2f}x{_kb(moe):>20}{_kb(step):>20}   {v['what']}")
+    for name, why in r.get("decode_skipped", {}).items():
+        lines.append(f"{name:<8}skipped: {why}")
     lines += ["", "bytes of one decode step sent by rank 0, per collective (comm.count_bytes; MoE, attention, "
                   "embedding, lm_head):"]
     for name, v in dec.items():
         lines.append(f"  {name:<6} {_parts(v['step_bytes'][0])}")
+        if "parts" in v:
+            for part, ops in v["parts"][0].items():
+                lines.append(f"  {'':<6}   {part}: {_parts(ops) or 'nothing'}")
     lines += ["", "MoE bytes per layer of one decode step, per collective: measured (comm.count_bytes) vs formula "
                   "(decode_plan.decode_volume with the routing's slot counts) vs formula under uniform routing; "
                   "rank 0 shown, every rank compared"]
@@ -382,6 +526,18 @@ def format_decode(r: dict) -> list[str]:
                if m["measured"] != m["formula"]]
         lines.append(f"  {name:<6} every rank, every MoE layer: measured == formula: "
                      + ("yes" if not bad else f"NO (rank, layer) {bad}"))
+    for name, v in dec.items():
+        if "step_formula" not in v:
+            continue
+        lines += ["", f"{name}: attention per decode step (all layers), rank 0: measured {_parts(v['parts'][0]['attention'])}"
+                      f"; formula (decode_plan.attention_dp_volume) {_parts(v['attention_formula'][0])}",
+                  f"{name}: whole decode step, rank 0: measured {_parts(v['step_bytes'][0])}; formula "
+                  f"(decode_plan.dp_step_volume, the routing's slot counts) {_parts(v['step_formula'][0])}"]
+        bad = [rank for rank in range(len(v["step_bytes"]))
+               if v["parts"][rank]["attention"] != v["attention_formula"][rank]
+               or v["step_bytes"][rank] != v["step_formula"][rank]]
+        lines.append(f"  {name:<6} every rank: attention and whole step measured == formula: "
+                     + ("yes" if not bad else f"NO ranks {bad}"))
     return lines + format_formula(r["decode_formula"])
 
 
@@ -392,4 +548,17 @@ def format_formula(f: dict) -> list[str]:
         buffer = "" if v["hccl_buffer_mb"] is None else f"; HCCL buffer >= {v['hccl_buffer_mb']} MB (HCCL_BUFFSIZE)"
         lines.append(f"  {name:<6} per layer: {_parts(v['per_layer'])} = {sum(v['per_layer'].values()):,d} B; "
                      f"per decode step: {sum(v['per_step'].values()):,d} B{buffer}")
+    if f.get("dp") or f.get("dp_skipped"):
+        lines += ["", "attention DP (attention TP x DP groups, embedding / lm_head TP 1, MC2 over every rank on its "
+                      "own rows, no all_gather): MoE bytes per rank, and the whole decode step's (attention "
+                      "all_gather + reduce_scatter per layer, MoE, logits all_gather)"]
+    for name, v in f.get("dp", {}).items():
+        per = sum(v["per_layer"].values())
+        lines.append(f"  {name:<11} {v['rows']} row(s) per rank; MoE per layer: {_parts(v['per_layer'])} = {per:,d} B; "
+                     f"attention per layer: {_parts(v['attention_per_layer']) or 'nothing'}; per decode step: MoE "
+                     f"{sum(v['per_step'].values()):,d} B + attention {sum(v['step_parts']['attention'].values()):,d} B"
+                     f" + logits {sum(v['step_parts']['logits'].values()):,d} B = {v['step_total']:,d} B; "
+                     f"HCCL buffer >= {v['hccl_buffer_mb']} MB")
+    for name, why in f.get("dp_skipped", {}).items():
+        lines.append(f"  {name:<11} skipped: {why}")
     return lines

@@ -14,7 +14,15 @@ results. Per rank and MoE layer (exactly what the portable kernels send, `mc2_vo
 - all_gather: its n combined rows to the P - 1 others, (P - 1) * n * H * act_bytes.
 
 Under uniform routing a rank sends and receives n * top_k * (P - 1) / P slots. A decode step sends that per MoE
-layer (`decode_volume`, `step_volume`). The tensor-parallel decode (`moe_infer_tp`, experts split over MoE TP T
+layer (`decode_volume`, `step_volume`).
+
+Under attention data parallel (`attn_dp`, D groups of attention TP T, MoE EP P = world) DP group d decodes its
+m = ceil(B / D) requests and each of its ranks holds n = ceil(m / T) of them (`dp_rows`; the tail padding, masked
+with `x_active_mask`, never sent). MC2 runs on those own rows with the dispatch and combine above and no all_gather.
+Per layer, attention all-gathers the group's T * n rows before merged_qkv_proj and reduce-scatters o_proj's
+partial sums back: (T - 1) * n * H * act_bytes bytes each (`attention_dp_volume`); after lm_head (TP 1) the
+logits of every rank's rows are gathered once over the job, each rank's shard padded to the largest, n rows:
+(W - 1) * n * V * act_bytes (`logits_dp_volume`). `dp_step_volume` adds them up for one decode step. The tensor-parallel decode (`moe_infer_tp`, experts split over MoE TP T
 and EP E) instead all-reduces every rank's [B, H] partial sums over MoE TP, then over MoE EP:
 2 * (T - 1) * B * H * act_bytes / T + 2 * (E - 1) * B * H * act_bytes / E bytes (`tp_volume`).
 
@@ -62,21 +70,29 @@ def tokens_per_rank(batch: int, ep: int) -> int:
     return -(-batch // ep)
 
 
+def dp_rows(batch: int, parallel: ParallelConfig) -> int:
+    """n under attention DP: the rows each rank holds of its DP group's m = ceil(B / D) decode tokens, ceil(m / T)."""
+    return tokens_per_rank(tokens_per_rank(batch, parallel.attn_dp_size), parallel.attn_tp_size)
+
+
 def mc2_volume(tokens: int, hidden: int, top_k: int, ep: int, num_experts: int, act_bytes: int,
-               slots_out: float | None = None, slots_in: float | None = None) -> EpVolume:
+               slots_out: float | None = None, slots_in: float | None = None, gather: bool = True) -> EpVolume:
     """Bytes one rank sends in one MoE layer of an MC2 decode step of `tokens` (= n) tokens per rank.
 
     slots_out / slots_in: slots this rank sends to / receives from other ranks (default: their expectation under
-    uniform routing, n * top_k * (P - 1) / P)."""
+    uniform routing, n * top_k * (P - 1) / P). gather: the results are all-gathered (False under attention DP,
+    where each rank keeps its own rows)."""
     expected = tokens * top_k * (ep - 1) / ep
     slots_out = expected if slots_out is None else slots_out
     slots_in = expected if slots_in is None else slots_in
     row = hidden * act_bytes
-    return EpVolume("mc2", {
+    parts = {
         DISPATCH: round((ep - 1) * (num_experts // ep + 1) * COUNT_BYTES + slots_out * (row + META_BYTES)),
         COMBINE: round(slots_in * row),
-        "all_gather": (ep - 1) * tokens * row,
-    })
+    }
+    if gather:
+        parts["all_gather"] = (ep - 1) * tokens * row
+    return EpVolume("mc2" if gather else "mc2-dp", parts)
 
 
 def tp_volume(tokens: int, hidden: int, moe_tp: int, moe_ep: int, act_bytes: int) -> EpVolume:
@@ -90,7 +106,11 @@ def tp_volume(tokens: int, hidden: int, moe_tp: int, moe_ep: int, act_bytes: int
 def decode_volume(parallel: ParallelConfig, batch: int, hidden: int, top_k: int, num_experts: int, act_bytes: int,
                   slots_out: float | None = None, slots_in: float | None = None) -> EpVolume:
     """Bytes one rank sends in one MoE layer of a decode step of `batch` requests, by collective, for the decode
-    path this layout runs (`mc2_volume` or `tp_volume`; the slot counts only matter for MC2)."""
+    path this layout runs (`mc2_volume` or `tp_volume`; the slot counts only matter for MC2). Under attention DP:
+    MC2 on each rank's `dp_rows`, nothing gathered."""
+    if uses_mc2_decode(parallel) and parallel.attn_dp_size > 1:
+        return mc2_volume(dp_rows(batch, parallel), hidden, top_k, parallel.moe_ep_size, num_experts, act_bytes,
+                          slots_out, slots_in, gather=False)
     if uses_mc2_decode(parallel):
         ep = parallel.moe_ep_size
         return mc2_volume(tokens_per_rank(batch, ep), hidden, top_k, ep, num_experts, act_bytes, slots_out, slots_in)
@@ -111,6 +131,48 @@ def step_volume(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int,
     return EpVolume(one.scheme, {op: layers * b for op, b in one.parts.items()})
 
 
+def attention_dp_volume(parallel: ParallelConfig, batch: int, hidden: int, act_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends in one decoder layer's attention of an attention-DP decode step: the all_gather of the
+    group's rows before merged_qkv_proj and the reduce_scatter after o_proj, (T - 1) * n * H * act_bytes each
+    (nothing with attention TP 1)."""
+    t = parallel.attn_tp_size
+    each = (t - 1) * dp_rows(batch, parallel) * hidden * act_bytes
+    return {"all_gather": each, "reduce_scatter": each} if t > 1 else {}
+
+
+def logits_dp_volume(parallel: ParallelConfig, batch: int, vocab: int, act_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends gathering the logits once over the job after an attention-DP decode step's lm_head
+    (lm_head TP 1): its shard padded to the largest, n rows of V."""
+    return {"all_gather": (parallel.world_size - 1) * dp_rows(batch, parallel) * vocab * act_bytes}
+
+
+def dp_step_volume(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int, num_layers: int | None = None,
+                   moe: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
+    """One attention-DP decode step's bytes per rank, by part ("attention", "moe", "logits") and collective:
+    every layer's attention, every MoE layer's MC2 (`moe`: their sum with the routing's slot counts; default
+    uniform routing) and the logits gather. Needs lmhead_tp_size and embed_tp_size 1 (their collectives are not
+    in it)."""
+    if parallel.attn_dp_size < 2 or parallel.lmhead_tp_size != 1 or parallel.embed_tp_size != 1:
+        raise ValueError(f"dp_step_volume is the attention-DP decode with embed_tp_size and lmhead_tp_size 1; got "
+                         f"attn_dp_size {parallel.attn_dp_size}, embed_tp_size {parallel.embed_tp_size}, "
+                         f"lmhead_tp_size {parallel.lmhead_tp_size}")
+    layers = hf_config.num_hidden_layers if num_layers is None else num_layers
+    attention = {op: layers * b for op, b in attention_dp_volume(parallel, batch, hf_config.hidden_size,
+                                                                  act_bytes).items()}
+    moe = step_volume(hf_config, parallel, batch, act_bytes, num_layers).parts if moe is None else dict(moe)
+    return {"attention": attention, "moe": moe,
+            "logits": logits_dp_volume(parallel, batch, hf_config.vocab_size, act_bytes)}
+
+
+def by_collective(parts: dict[str, dict[str, int]]) -> dict[str, int]:
+    """`dp_step_volume`'s parts summed per collective (as `comm.count_bytes` keys them)."""
+    out: dict[str, int] = {}
+    for part in parts.values():
+        for op, b in part.items():
+            out[op] = out.get(op, 0) + b
+    return out
+
+
 def mc2_buffer_mb(batch: int, top_k: int, hidden: int, ep: int, num_experts: int, act_bytes: int = 2) -> int:
     """HCCL_BUFFSIZE (MB) the MC2 decode needs for a decode batch of `batch` requests (see the module notes)."""
     n = tokens_per_rank(batch, ep)
@@ -127,7 +189,7 @@ def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) ->
                 f"{parallel.moe_ep_size}: expert range + all_reduce)")
     h, k, e, ep = hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts, parallel.moe_ep_size
     if parallel.attn_dp_size > 1:   # each rank dispatches its own share of its DP group's batch, nothing gathered
-        n = tokens_per_rank(tokens_per_rank(batch, parallel.attn_dp_size), parallel.attn_tp_size)
+        n = dp_rows(batch, parallel)
         return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
                 f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
                 f"{n} tokens per rank, its own); HCCL buffer >= {mc2_buffer_mb(n * ep, k, h, ep, e, act_bytes)} MB "
@@ -164,7 +226,9 @@ def hccl_buffsize_setting(backend: str, needed_mb: int | None, environ: Mapping[
 
 def needed_buffer_mb(hf_config, parallels, batch: int, act_bytes: int) -> int | None:
     """The largest HCCL buffer (MB) the MC2 decodes of these layouts need; None when none runs MC2."""
-    needs = [mc2_buffer_mb(batch, hf_config.num_experts_per_tok, hf_config.hidden_size, p.moe_ep_size,
+    # Under attention DP every rank dispatches its n = dp_rows, as if the batch were n * P.
+    needs = [mc2_buffer_mb(dp_rows(batch, p) * p.moe_ep_size if p.attn_dp_size > 1 else batch,
+                           hf_config.num_experts_per_tok, hf_config.hidden_size, p.moe_ep_size,
                            hf_config.num_experts, act_bytes) for p in parallels if uses_mc2_decode(p)]
     return max(needs) if needs else None
 
