@@ -17,7 +17,8 @@ def test_bench_world_size_2_reports_tp_and_both_sp_schemes_and_both_decode_layou
                      "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     for needle in ("prefill over 2 processes", "sp-allgather", "sp-alltoall", "vs tp (best)", "MoE layer 0",
-                   "decode over 2 processes", "npu_moe_distribute_dispatch_v2", "HCCL buffer >= 3 MB"):
+                   "decode over 2 processes", "npu_moe_distribute_dispatch_v2", "HCCL buffer >= 3 MB",
+                   "dp      skipped: needs an even --world-size >= 4"):
         assert needle in out, needle
     assert out.count("every rank, every MoE layer: measured == formula: yes") == 2, out
     report = json.loads(out_json.read_text())
@@ -31,7 +32,7 @@ def test_bench_world_size_2_reports_tp_and_both_sp_schemes_and_both_decode_layou
         assert moe["measured"] == moe["formula"] > 0, (name, moe)
 
     decode = report["decode"]
-    assert list(decode) == ["tp", "mc2"]
+    assert list(decode) == ["tp", "mc2"] and list(report["decode_skipped"]) == ["dp"]     # world 2: said, not run
     assert [v["exchange"] for v in decode.values()] == ["MoeInferTP", "MoeInferDispatchCombine"]
     assert decode["tp"]["sizes"] == dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=1)
     assert decode["mc2"]["sizes"] == dict(attn_tp_size=2, moe_tp_size=1, moe_ep_size=2)
@@ -107,3 +108,90 @@ def test_bench_formula_only_qwen3_235b_runs_nothing(tmp_path, capsys):
     assert "prefill over" not in out and "decode over" not in out
     saved = json.loads(out_json.read_text())["layouts"]["mc2"]
     assert saved["per_layer"] == layer and saved["hccl_buffer_mb"] == 11
+
+
+def test_bench_formula_only_qwen3_235b_shows_the_recipes_attention_dp_layout(tmp_path, capsys):
+    from optimized.distributed import decode_plan
+
+    out_json = tmp_path / "formula.json"
+    assert cli_main(["bench", "--preset", "qwen3_235b_a22b", "--world-size", "32", "--batch", "32",
+                     "--formula-only", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    # attn4tp8dp_32ep, batch 32: 4 requests per DP group, n = 1 row per rank; EP 32, L = 4: uniform
+    # 1 * 8 * 31 / 32 = 7.75 slots of 4096 bf16 (+ 8 B) out and in, nothing gathered
+    dispatch, combine = 31 * 5 * 8 + round(7.75 * 8200), round(7.75 * 8192)
+    assert (dispatch, combine) == (64_790, 63_488)
+    attention = 3 * 1 * 4096 * 2                                       # each way, per layer, (T - 1) * n * H * 2 B
+    logits = 31 * 1 * 151_936 * 2                                      # n rows of V bf16 to 31 peers, once
+    step = 94 * (dispatch + combine) + 94 * 2 * attention + logits
+    assert step == 26_098_452
+    assert (f"dp-tp4x8    1 row(s) per rank; MoE per layer: npu_moe_distribute_dispatch_v2 {dispatch:,d} B, "
+            f"npu_moe_distribute_combine_v2 {combine:,d} B = {dispatch + combine:,d} B; attention per layer: "
+            f"all_gather {attention:,d} B, reduce_scatter {attention:,d} B; per decode step: MoE "
+            f"{94 * (dispatch + combine):,d} B + attention {94 * 2 * attention:,d} B + logits {logits:,d} B = "
+            f"{step:,d} B; HCCL buffer >= 5 MB") in out, out
+    for d in (2, 4, 16, 32):
+        assert f"dp-tp{32 // d}x{d} " in out, d                         # every split of 32 into DP groups
+    saved = json.loads(out_json.read_text())["dp"]["dp-tp4x8"]
+    assert saved["per_layer"] == {decode_plan.DISPATCH: dispatch, decode_plan.COMBINE: combine}
+    assert saved["step_total"] == step and saved["rows"] == 1
+
+
+def _bench_args(argv):
+    import argparse
+
+    from optimized.benchmarks import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_world_size_4_attention_dp_decode_bytes_equal_the_formulas():
+    from optimized.benchmarks import bench_parallel
+
+    # batch 6 over DP 2: 3 requests per group, 2 rows per rank, the second rank of each group 1 real + 1 padding row
+    args = _bench_args(["--preset", "tiny", "--layers", "1", "--prompt-len", "4", "--batch", "6", "--warmup", "0",
+                        "--repeats", "1", "--decode-steps", "1", "--dtype", "float32", "--world-size", "4"])
+    args.prefill_layouts, args.decode_layouts = (), ("dp",)          # only the DP decode: the run stays short
+    report = bench_parallel.run(args)
+    out = bench_parallel.format_report(report)
+    (dp,) = report["decode"].values()
+    assert dp["exchange"] == "MoeInferDispatchCombine" and len(dp["decode_ms"]) == 1 and dp["decode_ms"][0] > 0
+    assert dp["sizes"] == dict(attn_tp_size=2, moe_tp_size=1, moe_ep_size=4, embed_tp_size=1, lmhead_tp_size=1,
+                               attn_dp=True)
+    row = 64 * 4                                                       # one fp32 row of H 64
+    counts = 3 * (16 // 4 + 1) * 8                                     # the counts of L 4 experts + BS to 3 peers
+    for rank in range(4):
+        (moe,) = dp["moe"][rank]
+        assert set(moe["measured"]) == {"npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"}, moe
+        assert moe["measured"] == moe["formula"], (rank, moe)         # to the byte, no all_gather
+        parts = dp["parts"][rank]
+        # attention: 1 layer, (2 - 1) * 2 rows each way; logits: 2 rows of V 512 fp32 to 3 peers
+        assert parts["attention"] == dp["attention_formula"][rank] == {"all_gather": 2 * row, "reduce_scatter": 2 * row}
+        assert parts["logits"] == {"all_gather": 3 * 2 * 512 * 4}, (rank, parts)
+        assert dp["step_bytes"][rank] == dp["step_formula"][rank], (rank, dp["step_bytes"][rank])
+    sent = [dp["moe"][r][0]["measured"]["npu_moe_distribute_dispatch_v2"] - counts for r in range(4)]
+    back = [dp["moe"][r][0]["measured"]["npu_moe_distribute_combine_v2"] for r in range(4)]
+    assert sum(sent) == sum(back) // row * (row + 8) and min(sent) >= 0, (sent, back)   # every row comes back
+    assert sum(back) // row <= 6 * 4                                   # only the 6 real tokens' 4 slots travel
+    for needle in ("attn_tp 2 x dp 2, moe_tp 1, moe_ep 4", "dp     every rank, every MoE layer: measured == "
+                   "formula: yes", "dp     every rank: attention and whole step measured == formula: yes",
+                   "logits: all_gather 12,288 B", "attention: all_gather 512 B, reduce_scatter 512 B"):
+        assert needle in out, (needle, out)
+
+
+def test_bench_dp_layout_is_skipped_with_its_reason_when_the_batch_breaks_the_dp_rule():
+    from optimized.benchmarks import bench_parallel
+
+    dp = bench_parallel.DECODE_BY_NAME["dp"]
+    assert dp.skip(4, 6) is None and dp.skip(8, 2) is None
+    assert dp.skip(4, 3) == ("--batch 3 is not a multiple of attn_dp_size 2 (the attention DP rule "
+                             "scheduler_config.batch_size % attn_dp_size == 0)")
+    assert "needs an even --world-size >= 4" in dp.skip(2, 4) and "needs an even" in dp.skip(6 - 1, 4)
+    report = {"setup": dict(world_size=4, batch=3, prompt_len=4, decode_steps=1, warmup=0, repeats=1),
+              "decode": {}, "decode_skipped": {"dp": dp.skip(4, 3)},
+              "decode_formula": {"preset": "tiny", "moe_layers": 1, "batch": 3, "dtype": "float32",
+                                 "world_size": 4, "layouts": {}}}
+    assert "dp      skipped: --batch 3 is not a multiple of attn_dp_size 2" in "\n".join(
+        bench_parallel.format_decode(report))

@@ -119,3 +119,48 @@ def test_apply_hccl_buffsize_asks_the_platform_for_the_backend(monkeypatch):
     monkeypatch.setattr(decode_plan.platform, "dist_backend", lambda: "hccl")
     assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, environ=env) == "291"
     assert env == {"HCCL_BUFFSIZE": "291"}
+
+
+# ------------------------------------------------------------------------------------ attention data parallel
+
+DP8 = ParallelConfig(world_size=8, attn_tp_size=2, moe_tp_size=1, moe_ep_size=8, embed_tp_size=1, lmhead_tp_size=1,
+                     attn_dp=True)
+
+
+def test_attention_dp_decode_volume_is_mc2_on_own_rows_without_the_gather():
+    # TP 2 x DP 4, batch 12: 3 requests per DP group, n = 2 rows per rank; EP 8, L = 16; uniform 2 * 8 * 7 / 8 = 14
+    # slots of 4096 bf16 (+ 8 B) out and in; counts 7 * (16 + 1) * 8 B
+    assert decode_plan.dp_rows(12, DP8) == 2
+    assert decode_plan.decode_volume(DP8, 12, 4096, 8, 128, 2).parts == {
+        decode_plan.DISPATCH: 952 + 14 * 8200, decode_plan.COMBINE: 14 * 8192}
+    # the routing's slot counts: 5 slots out, 3 in
+    assert decode_plan.decode_volume(DP8, 12, 4096, 8, 128, 2, 5, 3).parts == {
+        decode_plan.DISPATCH: 952 + 5 * 8200, decode_plan.COMBINE: 3 * 8192}
+    # without DP the same ranks gather: batch 12 over EP 8, n = 2 rows to 7 peers
+    mc2 = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1, moe_ep_size=8)
+    assert decode_plan.decode_volume(mc2, 12, 4096, 8, 128, 2).parts["all_gather"] == 7 * 2 * 8192
+
+
+def test_attention_dp_step_volume_adds_attention_moe_and_the_logits_gather():
+    config = SimpleNamespace(hidden_size=4096, num_experts=128, num_experts_per_tok=8, num_hidden_layers=3,
+                             vocab_size=151_936, mlp_only_layers=[1])
+    assert decode_plan.attention_dp_volume(DP8, 12, 4096, 2) == {"all_gather": 16_384, "reduce_scatter": 16_384}
+    parts = decode_plan.dp_step_volume(config, DP8, 12, 2)
+    assert parts == {"attention": {"all_gather": 3 * 16_384, "reduce_scatter": 3 * 16_384},       # every layer
+                     "moe": {decode_plan.DISPATCH: 2 * 115_752, decode_plan.COMBINE: 2 * 114_688},  # 2 MoE layers
+                     "logits": {"all_gather": 7 * 2 * 151_936 * 2}}
+    assert decode_plan.by_collective(parts) == {"all_gather": 3 * 16_384 + 4_254_208, "reduce_scatter": 49_152,
+                                                decode_plan.DISPATCH: 231_504, decode_plan.COMBINE: 229_376}
+    tp1 = ParallelConfig(world_size=2, attn_tp_size=1, moe_tp_size=1, moe_ep_size=2, embed_tp_size=1,
+                         lmhead_tp_size=1, attn_dp=True)
+    assert decode_plan.attention_dp_volume(tp1, 4, 4096, 2) == {}                 # attention TP 1: nothing sent
+    with pytest.raises(ValueError, match="lmhead_tp_size 2"):
+        decode_plan.dp_step_volume(config, ParallelConfig(world_size=8, attn_tp_size=2, moe_tp_size=1, moe_ep_size=8,
+                                                          lmhead_tp_size=2, attn_dp=True), 12, 2)
+
+
+def test_attention_dp_hccl_buffer_is_sized_for_each_ranks_own_rows():
+    # batch 10 over DP 4 x TP 2: m = 3, n = 2 rows per rank, as if the batch were 2 * 8 = 16 (ceil(10 / 8) = 2 too)
+    assert decode_plan.needed_buffer_mb(QWEN3_235B, [DP8], 10, 2) == decode_plan.mc2_buffer_mb(16, 8, 4096, 8, 128)
+    # batch 4 over DP 4: one row on each group's first rank, none on its second; still n = 1 per rank
+    assert decode_plan.needed_buffer_mb(QWEN3_235B, [DP8], 4, 2) == decode_plan.mc2_buffer_mb(8, 8, 4096, 8, 128)
