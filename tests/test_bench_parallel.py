@@ -1,5 +1,5 @@
-"""`python -m optimized bench --world-size N`: TP vs SP prefill layouts and TP vs MC2 decode layouts over real
-processes in one run, the bytes of each collective beside the formula."""
+"""`python -m optimized bench --world-size N`: TP vs SP prefill layouts and TP vs MC2 vs attention-DP decode layouts
+over real processes in one run, the bytes of each collective beside the formula."""
 from __future__ import annotations
 
 import json
@@ -188,7 +188,9 @@ def test_bench_dp_layout_is_skipped_with_its_reason_when_the_batch_breaks_the_dp
     assert dp.skip(4, 6) is None and dp.skip(8, 2) is None
     assert dp.skip(4, 3) == ("--batch 3 is not a multiple of attn_dp_size 2 (the attention DP rule "
                              "scheduler_config.batch_size % attn_dp_size == 0)")
-    assert "needs an even --world-size >= 4" in dp.skip(2, 4) and "needs an even" in dp.skip(6 - 1, 4)
+    assert dp.skip(2, 4).endswith("at 2 attention TP would be 1, no attention collectives to compare "
+                                  "(--formula-only shows it)")
+    assert dp.skip(5, 4).endswith("5 is odd")
     report = {"setup": dict(world_size=4, batch=3, prompt_len=4, decode_steps=1, warmup=0, repeats=1),
               "decode": {}, "decode_skipped": {"dp": dp.skip(4, 3)},
               "decode_formula": {"preset": "tiny", "moe_layers": 1, "batch": 3, "dtype": "float32",

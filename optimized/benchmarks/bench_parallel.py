@@ -1,6 +1,6 @@
 """Multi-process benchmark, on the same machine in one run (`python -m optimized bench --world-size N`): the
 tensor-parallel prefill beside the sequence-parallel one with each MoE EP scheme, then the tensor-parallel decode
-beside the expert-parallel MC2 decode.
+beside the expert-parallel MC2 decode and the attention data-parallel one.
 
 Prefill layouts (`PREFILL_LAYOUTS`), all over N ranks with attention TP N, MoE EP N, embedding and lm_head TP N:
 - `tp`: prefill_opt off (every rank runs every token; MoE by expert range + all_reduce);
@@ -68,9 +68,12 @@ DP_GROUPS = 2
 
 
 def _dp_skip(world: int, batch: int) -> str | None:
-    if world < 2 * DP_GROUPS or world % DP_GROUPS:
-        return (f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}; "
-                f"at {world} attention TP would be {max(world // DP_GROUPS, 0)}, no attention collectives to compare)")
+    if world % DP_GROUPS:
+        return (f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}); "
+                f"{world} is odd")
+    if world < 2 * DP_GROUPS:
+        return (f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}); "
+                f"at {world} attention TP would be 1, no attention collectives to compare (--formula-only shows it)")
     if batch % DP_GROUPS:
         return (f"--batch {batch} is not a multiple of attn_dp_size {DP_GROUPS} (the attention DP rule "
                 f"scheduler_config.batch_size % attn_dp_size == 0)")
