@@ -114,7 +114,7 @@ class ModelRunner:
     def describe_kv_cache(self, choice: str = "auto") -> str:
         """The start-up line's KV cache: its dtype and where that came from."""
         origin = "the checkpoint's kv_cache_scheme" if choice == "auto" else f"kv_cache_dtype: {choice}"
-        kind = ("per-token FP8, fp32 scale caches" if self.kv_cache_dtype in QUANTIZED_DTYPES else "16-bit")
+        kind = ("per-token FP8, fp32 scale caches" if self.kv_cache_dtype in QUANTIZED_DTYPES else "unquantized, the model dtype")
         return f"{str(self.kv_cache_dtype).replace('torch.', '')} ({kind}; from {origin})"
 
     @torch.no_grad()
