@@ -487,3 +487,53 @@ def test_exe_mode_choice_and_errors(tmp_path):
     with pytest.raises(ValueError, match="graph modes: ge_graph, acl_graph"):
         platform.graph_compiler("eager")
     assert "inductor" in platform.graph_backend_description("acl_graph")
+
+
+def _step_allocated_bytes(step, inputs, caches) -> int:
+    """Bytes the compiled step allocates in one call (the profiler's allocation events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(*inputs, caches)
+    return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+
+
+def test_compiled_decode_writes_the_kv_cache_in_place_whatever_the_pool_size(fp32):
+    """The compiled step's paged-cache writes are npu_scatter_nd_update_ on the cache inputs themselves (no
+    functional copy of a layer's cache and no copy back), so its cost does not grow with the KV pool: the
+    generated code calls only the in-place op, once per K and V of each layer, and one call allocates the same
+    bytes with a pool of 4 or of 64 blocks per layer while writing the same slots."""
+    from torch._inductor.utils import run_and_get_code
+
+    from optimized.executor.kv_cache import PagedKVCache, block_table
+
+    model = fp32["model"]
+    attn = model.layers[0].self_attn
+    runner = ModelRunner(model, BLOCK_SIZE)
+    lengths = [5, 9]
+    step = torch.compile(DecodeStep(model, BLOCK_SIZE), backend="inductor", dynamic=True, fullgraph=True)
+    decoder = GraphDecoder(model, "ge_graph", buckets=(2,))
+    allocated, written = {}, {}
+    for blocks in (4, 64, 4):
+        cache = PagedKVCache(len(model.layers), blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, model.dtype,
+                             model.atten_mask.device)
+        table = block_table([[1], [2]], model.atten_mask.device)
+        meta = runner.decode_metadata(lengths, table)
+        inputs = decoder.pad_inputs(torch.tensor([3, 4]), meta, list(meta.actual_seq_lengths_kv), 2)
+        for t in cache.layers[0]:
+            for dim in range(1, t.dim()):
+                torch._dynamo.mark_static(t, dim)
+        with torch.no_grad():
+            if blocks not in allocated:     # the first call at each pool size compiles (then runs) once
+                # compiled here, never loaded: a cached artefact of another registration of the op would hide it
+                with torch._inductor.config.patch(fx_graph_cache=False), \
+                        torch._functorch.config.patch(enable_autograd_cache=False):
+                    _, codes = run_and_get_code(step, *inputs, cache.layers)
+                code = "\n".join(codes)
+                layers = len(model.layers)
+                assert code.count("torch.ops.npu.npu_scatter_nd_update_.default(") == 2 * layers, code
+                assert "npu_scatter_nd_update.default(" not in code, "functional cache write (a copy of the cache)"
+            allocated[blocks] = _step_allocated_bytes(step, inputs, cache.layers)
+        written[blocks] = [t[1:3].clone() for t in cache.layers[0]]
+    assert allocated[4] == allocated[64], f"a decode step allocates {allocated}: its cost grows with the pool"
+    for a, b in zip(written[4], written[64]):
+        assert_bitwise_equal(a, b, "the K/V slots a decode step writes, pool 4 vs 64 blocks")

@@ -509,3 +509,45 @@ def test_npu_kernel_matches_portable(name):
         if valid_rows is not None:  # rows past Σ group_list are unspecified on the NPU (spec §0): masked out
             a, e = a[:valid_rows], e[:valid_rows]
         assert_close(a, e, op_tolerance(e.dtype), f"{qualname} {name}: NPU vs portable")
+
+
+# --- the stacked-weight fast path (the MoE experts' call) vs the general per-group path ---------------------
+
+
+@given(gmm_cases(overload="tensor", split_item=3))
+def test_gmm_stacked_fast_path_is_bitwise_the_per_group_path(case):
+    """One x, one 3-D weight, concatenated output: the kernel visits only the non-empty groups
+    (`_run_stacked`); `_run` over the unbound weights, every group visited, is the semantic path it must equal
+    bit for bit (same `_mm` per group, zero tail)."""
+    from optimized.ops import gmm
+
+    case = dict(case, layout="transposed" if case["layout"] == "transposed" else "3d",
+                bias=None if case["bias"] is None else "stacked")
+    x, weight, w, b, bias = make_inputs(case)
+    (fast,) = call_gmm(case, x, weight, bias)
+    ends = torch.tensor(case["counts"], dtype=torch.int64).cumsum(0).tolist()
+    Bs = [None] * len(ends) if b is None else list(b.unbind(0))
+    (general,) = gmm._run(gmm.OP, "m_single", [x], list(weight[0].unbind(0)), Bs, ends, 3, case["dtype"])
+    assert_bitwise_equal(fast, general, f"stacked fast path vs per-group path, {case}")
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.sampled_from([1, 7, 64, 768, 2048]), st.integers(1, 40),
+       st.sampled_from([torch.bfloat16, torch.float16]))
+def test_gmm_16bit_cpu_matmul_rounds_once_like_the_fp32_definition(seed, m, k, n, dtype):
+    """`_mm`'s CPU fast path multiplies 16-bit operands directly (fp32 accumulation, one rounding at the output)
+    instead of the spec's definition, fp32 upcast + fp32 matmul + one rounding. Both round once from an fp32 sum:
+    they differ only where the two fp32 summation orders straddle a rounding boundary, i.e. by at most one ulp
+    of the output dtype, on a small fraction of the elements."""
+    from optimized.ops import gmm
+
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).t()      # a transposed view, as the experts store it
+    fast = gmm._mm(a, w, None, dtype)
+    definition = (a.float() @ w.float()).to(dtype)
+    assert fast.dtype == dtype and fast.shape == definition.shape
+    # one ulp at |definition| (the spacing of the output dtype at that magnitude)
+    ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(definition.float().abs().clamp_min(
+        torch.finfo(dtype).tiny))))
+    diff = (fast.float() - definition.float()).abs()
+    assert bool((diff <= ulp).all()), f"max diff {diff.max().item()} exceeds one ulp (seed {seed}, m{m} k{k} n{n})"

@@ -357,6 +357,41 @@ def test_bench_bad_arguments(capsys):
     assert "--layers must be >= 1" in run_error(["bench", "--preset", "tiny", "--layers", "0"], capsys)
 
 
+def test_bench_kv_pool_and_context_sweeps(tmp_path, capsys):
+    """--kv-pool-blocks sizes the optimized model's pool; --pool-sweep / --context-sweep print one row per point
+    and model, and the JSON holds every sample."""
+    out_json = tmp_path / "bench.json"
+    assert cli_main(["bench", "--preset", "tiny", "--layers", "1", "--prompt-len", "8", "--decode-steps", "2",
+                     "--warmup", "0", "--repeats", "1", "--dtype", "float32", "--skip-hf", "--block-size", "16", "--kv-pool-blocks", "5",
+                     "--pool-sweep", "1,4", "--context-sweep", "8,40", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "decode vs KV pool size" in out and "decode vs context length" in out
+    report = json.loads(out_json.read_text())
+    pool, context = report["sweeps"]["pool"], report["sweeps"]["context"]
+    assert [(r["value"], r["pool_blocks"]) for r in pool] == [(1, 2), (4, 8)]   # 8 + 3 tokens: one block of 16 + null
+    assert [(r["value"], r["pool_blocks"]) for r in context] == [(8, 2), (40, 4)]
+    assert context[1]["kv_bytes"] > context[0]["kv_bytes"]
+    for r in pool + context:
+        assert r["model"] == "optimized" and len(r["decode_ms_per_token"]["samples"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-pool-blocks", "1"], "--kv-pool-blocks must be >= 2"),
+    (["--kv-pool-blocks", "2", "--batch", "2"], "--kv-pool-blocks 2 is too small"),
+    (["--pool-sweep", "1,0"], "--pool-sweep takes comma-separated integers >= 1"),
+    (["--context-sweep", "8,x"], "--context-sweep takes comma-separated integers >= 1"),
+    (["--context-sweep", "100000"], "--context-sweep 100000 + --decode-steps exceed max_position_embeddings"),
+])
+def test_bench_pool_and_context_flags_reject_bad_values_naming_the_flag(argv, message, capsys):
+    base = ["bench", "--preset", "tiny", "--layers", "1", "--prompt-len", "8", "--decode-steps", "2", "--skip-hf"]
+    if "sweep takes" in message:   # argparse rejects the value itself (exit status 2, message on stderr)
+        with pytest.raises(SystemExit):
+            cli_main(base + argv)
+        assert message in capsys.readouterr().err
+    else:
+        assert message in run_error(base + argv, capsys)
+
+
 def test_prompt_longer_than_input_max_len_is_an_error_not_truncated(capsys):
     err = run_error(["generate", "--config", SINGLE, "--prompt-ids", ",".join(["7"] * 65)], capsys)
     assert "prompt 0 has 65 tokens, more than data_config.input_max_len=64" in err

@@ -58,6 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exe-mode", choices=EXE_MODES, default="eager",
                    help="also time the optimized model's decode as a compiled graph (ge_graph / acl_graph), "
                         "with its cold vs cached start-up (default eager: no graph)")
+    p.add_argument("--kv-pool-blocks", type=int, default=None, metavar="N",
+                   help="KV pool of the optimized model: N blocks per layer, the null block included (default: the "
+                        "blocks the requests need)")
+    p.add_argument("--pool-sweep", type=_int_list("--pool-sweep"), default=None, metavar="X,Y,...",
+                   help="also time the optimized decode with the KV pool at these multiples of the needed blocks "
+                        "(e.g. 1,8): decode should not depend on the pool size")
+    p.add_argument("--context-sweep", type=_int_list("--context-sweep"), default=None, metavar="L1,L2,...",
+                   help="also time the optimized decode at these prompt lengths (e.g. 128,1024,4096): decode grows "
+                        "with the KV bytes read, beside the floor at each length")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--world-size", type=int, default=1,
                    help="> 1: over this many processes, the prefill tensor-parallel vs sequence-parallel with each "
@@ -67,6 +76,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formula-only", action="store_true",
                    help="with --world-size > 1: print only the decode layouts' MoE bytes per rank and the MC2 "
                         "HCCL buffer from the formula, at the preset's full depth; builds and runs nothing")
+
+
+def _int_list(flag: str):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers >= 1; got {text!r}") from None
+        if not values or any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers >= 1; got {text!r}")
+        return values
+    return parse
 
 
 def synchronize() -> None:
@@ -162,6 +183,8 @@ def run(args) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0; got {args.warmup}")
+    if args.kv_pool_blocks is not None and args.kv_pool_blocks < 2:
+        raise UsageError(f"--kv-pool-blocks must be >= 2 (block 0 is the null block); got {args.kv_pool_blocks}")
     if args.block_size % 16:
         raise UsageError(f"--block-size must be a multiple of 16; got {args.block_size}")
     if args.json:
@@ -193,9 +216,15 @@ def run(args) -> int:
     dtype = DTYPES[args.dtype]
     config = bench_config(args.preset, args.layers)
     full_layers = full_layer_count(args.preset)
-    if args.prompt_len + args.decode_steps + 1 > config.max_position_embeddings:
-        raise UsageError(f"--prompt-len + --decode-steps exceed max_position_embeddings "
-                         f"({config.max_position_embeddings})")
+    for length in [args.prompt_len] + list(args.context_sweep or []):
+        if length + args.decode_steps + 1 > config.max_position_embeddings:
+            raise UsageError(f"--prompt-len / --context-sweep {length} + --decode-steps exceed max_position_embeddings "
+                             f"({config.max_position_embeddings})")
+    needed = 1 + args.batch * -(-(args.prompt_len + args.decode_steps + 1) // args.block_size)
+    if args.kv_pool_blocks is not None and args.kv_pool_blocks < needed:
+        raise UsageError(f"--kv-pool-blocks {args.kv_pool_blocks} is too small: batch {args.batch} x (prompt "
+                         f"{args.prompt_len} + {args.decode_steps + 1} new tokens) needs {needed} blocks of "
+                         f"{args.block_size} (the null block included)")
     size = torch.finfo(dtype).bits // 8
     shapes = reference_shapes(config)
     params = sum(t.numel() for t in shapes.values())
@@ -223,7 +252,7 @@ def run(args) -> int:
     progress(f"  done in {time.perf_counter() - t0:.1f} s; building the optimized model from its state_dict ...")
     t0 = time.perf_counter()
     opt = model_from_source(config, StateDictSource(ref.state_dict(), label="reference state_dict"), dtype=dtype)
-    runner = ModelRunner(opt, args.block_size)
+    runner = ModelRunner(opt, args.block_size, kv_pool_blocks=args.kv_pool_blocks)
     progress(f"  done in {time.perf_counter() - t0:.1f} s")
     models = {"reference": (run_reference, ref), "optimized": (run_optimized, runner)}
     startup = None
@@ -299,6 +328,11 @@ def run(args) -> int:
     }
     if startup is not None:
         report["graph"] = graph_report(report, startup, args.exe_mode)
+    if args.pool_sweep or args.context_sweep:
+        decoders = {"optimized": runner.decode_forward}
+        if "graph" in models:
+            decoders["graph"] = models["graph"][1].decode_forward
+        report["sweeps"] = sweeps(opt, decoders, args, config, dtype, hardware)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -371,6 +405,8 @@ def format_report(r: dict) -> str:
     ]
     if "graph" in r:
         lines += format_graph(r["graph"])
+    if "sweeps" in r:
+        lines += format_sweeps(r["sweeps"])
     if s["full_layers"] != s["layers"]:
         lines.append(f"  full model ({s['full_layers']} layers): {_mb(fl['full_model_bytes_per_decode_step'])} "
                      f"per decode step, floor {fl['full_model_floor_ms_per_token']:.1f} ms/token at this bandwidth")
@@ -431,4 +467,69 @@ def format_graph(g: dict) -> list[str]:
     lines += [f"  graph decode / floor = {g['graph_over_floor']:.2f}x",
               f"  start-up (first decode call): cold {st['cold']:.1f} s ({st['cold_source']}), cached "
               f"{st['cached']:.1f} s ({st['cached_source']}): {g['cold_over_cached']:.1f}x faster from the cache"]
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- sweeps
+
+def sweeps(model, decoders: dict, args, config, dtype: torch.dtype, hardware) -> dict:
+    """Decode time of the optimized model (eager, and the graph when built) against the KV pool size (multiples
+    of the blocks the requests need, same prompts) and against the context (prompt lengths, each with the pool
+    it needs): every point timed `--repeats` rounds, interleaved round by round like the main comparison."""
+    from optimized.benchmarks.floor import decode_floor
+    from optimized.executor.model_runner import ModelRunner
+
+    def blocks(prompt_len: int) -> int:
+        return 1 + args.batch * -(-(prompt_len + args.decode_steps + 1) // args.block_size)
+
+    points = []   # (sweep, value, prompt_len, pool blocks)
+    for factor in args.pool_sweep or []:
+        points.append(("pool", factor, args.prompt_len, factor * blocks(args.prompt_len)))
+    for length in args.context_sweep or []:
+        points.append(("context", length, length, blocks(length)))
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    prompts = {n: torch.randint(0, config.vocab_size, (args.batch, n), generator=gen).tolist()
+               for n in sorted({p[2] for p in points})}
+    runners = {}
+    for point in points:
+        for name, decoder in decoders.items():
+            r = ModelRunner(model, args.block_size, kv_pool_blocks=point[3])
+            r.decode_forward = decoder        # the graph decoder's compiled step: the pool's block count is symbolic
+            runners[(point, name)] = r
+    samples = {key: [] for key in runners}
+    for rnd in range(args.warmup + args.repeats):
+        for key, r in runners.items():
+            decode = r.generate(prompts[key[0][2]], args.decode_steps + 1).decode_seconds
+            if rnd >= args.warmup:
+                samples[key].extend(decode)
+        progress(f"sweep round {rnd + 1}/{args.warmup + args.repeats} done")
+    out = {"pool": [], "context": []}
+    for (point, name), s in samples.items():
+        sweep, value, prompt_len, pool = point
+        context = prompt_len + (args.decode_steps + 1) / 2
+        fl = decode_floor(config, hardware, dtype, args.batch, context)
+        out[sweep].append({"model": name, "value": value, "prompt_len": prompt_len, "pool_blocks": pool,
+                           "decode_ms_per_token": summarize(s), "kv_bytes": fl["bytes"]["kv_cache"],
+                           "floor_ms_per_token": 1000 * fl["floor_s"]})
+    return out
+
+
+def format_sweeps(sw: dict) -> list[str]:
+    lines = []
+    titles = {"pool": "decode vs KV pool size (same prompts; the pool at x times the blocks they need)",
+              "context": "decode vs context length (prompt length; the pool each needs)"}
+    for sweep, rows in sw.items():
+        if not rows:
+            continue
+        lines += ["", titles[sweep],
+                  f"  {'model':<10}{'point':>8}{'blocks':>8}{'KV read':>11}{'median ms':>11}{'best ms':>10}"
+                  f"{'median/first':>14}{'best/first':>12}{'floor ms':>10}"]
+        first = {}
+        for row in rows:
+            d = row["decode_ms_per_token"]
+            f = first.setdefault(row["model"], d)
+            label = f"{row['value']}x" if sweep == "pool" else str(row["value"])
+            lines.append(f"  {row['model']:<10}{label:>8}{row['pool_blocks']:>8}{_mb(row['kv_bytes']):>11}"
+                         f"{d['median']:>11.2f}{d['min']:>10.2f}{d['median'] / f['median']:>14.3f}"
+                         f"{d['min'] / f['min']:>12.3f}{row['floor_ms_per_token']:>10.2f}")
     return lines

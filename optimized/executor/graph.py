@@ -11,10 +11,11 @@ tensors and one host int list, so nothing inside it syncs with the host:
 - the per-request KV lengths are a host list of ints, graph inputs (symbolic ints, as torchair takes them
   with dynamic=True): a new step with longer contexts runs the same graph;
 - the KV cache tensors keep a symbolic block count (the pool size), every other dim static.
-Collectives trace through `comm` (functional collectives while compiling), the paged-cache write
-`npu_scatter_nd_update_` through its functionalization. Cost of that on CPU: the functional op
-copies the layer's whole cache and the graph copies it back (inductor does not re-inplace this custom op
-in the model's graph), i.e. two cache copies per layer per step, proportional to the KV pool size.
+Collectives trace through `comm` (functional collectives while compiling). The paged-cache write
+`npu_scatter_nd_update_` carries torch.Tag.inplace (optimized/ops/cache.py): torch.compile auto-functionalizes it
+and inductor re-inplaces it on the cache inputs, so the compiled step writes only its tokens' slots, with no copy
+of a layer's cache: decode cost does not depend on the KV pool size (equivalence/test_graph.py checks the
+generated code and the bytes a step allocates at two pool sizes).
 
 Padding: a padded slot decodes token 0 at position 0 with KV length 1, writing its K/V to slot 0 of the
 null block 0 (never handed to a request) and reading only that slot; its logits are dropped. So padding

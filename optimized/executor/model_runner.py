@@ -84,13 +84,19 @@ def _eos_set(eos_token_id) -> frozenset[int]:
 
 class ModelRunner:
     def __init__(self, model, block_size: int = 128, device: torch.device | str | None = None, *,
-                 exe_mode: str = "eager", compile_cache=None, kv_cache_dtype: str = "auto"):
+                 exe_mode: str = "eager", compile_cache=None, kv_cache_dtype: str = "auto",
+                 kv_pool_blocks: int | None = None):
+        """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
+        fixed pool); None: each generate() sizes its pool to what its requests need."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
             raise ValueError(f"ModelRunner device {device} differs from the model's device {model_device}; "
                              f"build the model on the device it runs on (load_model(..., device=...))")
         self.model, self.block_size, self.device = model, check_block_size(block_size), model_device
+        if kv_pool_blocks is not None and (not isinstance(kv_pool_blocks, int) or kv_pool_blocks < 2):
+            raise ValueError(f"kv_pool_blocks={kv_pool_blocks!r} must be an int >= 2 (block 0 is the null block)")
+        self.kv_pool_blocks = kv_pool_blocks
         self.clock = time.perf_counter   # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
@@ -139,6 +145,11 @@ class ModelRunner:
         sampler = Sampler(sampling, len(prompts), seed=shared_seed(self.device) if unseeded else None)
         budget = [len(p) + max_new_tokens for p in prompts]
         num_blocks = 1 + sum(-(-n // self.block_size) for n in budget)
+        if self.kv_pool_blocks is not None:
+            if self.kv_pool_blocks < num_blocks:
+                raise ValueError(f"kv_pool_blocks={self.kv_pool_blocks} is too small: these requests need {num_blocks} "
+                                 f"blocks of {self.block_size} tokens (the null block included)")
+            num_blocks = self.kv_pool_blocks
         cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
                              self.kv_cache_dtype, self.device)
         table = block_table([cache.allocate(n) for n in budget], self.device)

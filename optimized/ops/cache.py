@@ -98,13 +98,14 @@ def _npu_scatter_nd_update__fake(self, indices, updates):
     return self
 
 
-register("npu_scatter_nd_update_", npu_scatter_nd_update_, _npu_scatter_nd_update__fake)
+# torch.Tag.inplace: torch.compile auto-functionalizes the op (it mutates and returns `self`) and inductor re-inplaces
+# it, so a compiled step writes its tokens' slots in the cache itself: no copy of the cache, cost flat in the pool.
+register("npu_scatter_nd_update_", npu_scatter_nd_update_, _npu_scatter_nd_update__fake, tags=(torch.Tag.inplace,))
 
 
-# functionalization: the schema returns `Tensor(a!)`, which torch.compile's auto-functionalization refuses
-# ("custom operator whose output has alias annotations"). A Functionalize kernel rewrites the call as the
-# functional op plus a write-back into `self`, the way generated ATen in-place kernels do, so the in-place
-# write works under torch.compile/aot_autograd. Registered only where this package defined the schema.
+# Older torch refuses to auto-functionalize an op whose output aliases an input, inplace tag or not. There a
+# Functionalize kernel rewrites the call as the functional op plus a write-back into `self` (correct, but the
+# compiled step then copies the cache). Registered only where this package defined the schema.
 def _npu_scatter_nd_update__functionalize(self, indices, updates):
     from torch._subclasses.functional_tensor import CppFunctionalizeAPI
 
@@ -118,9 +119,15 @@ def _npu_scatter_nd_update__functionalize(self, indices, updates):
     return self
 
 
+def auto_functionalized_in_place() -> bool:
+    """Whether torch.compile functionalizes npu_scatter_nd_update_ as an in-place op (re-inplaced by inductor)."""
+    from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
+    return can_auto_functionalize(torch.ops.npu.npu_scatter_nd_update_.default)
+
+
 _FUNCTIONALIZE_LIB: torch.library.Library | None = None
-if not torch_npu_available() and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        "npu::npu_scatter_nd_update_", "Functionalize"):
+if not torch_npu_available() and not auto_functionalized_in_place() and not \
+        torch._C._dispatch_has_kernel_for_dispatch_key("npu::npu_scatter_nd_update_", "Functionalize"):
     _FUNCTIONALIZE_LIB = torch.library.Library("npu", "FRAGMENT")
     _FUNCTIONALIZE_LIB.impl("npu_scatter_nd_update_", _npu_scatter_nd_update__functionalize, "Functionalize")
 

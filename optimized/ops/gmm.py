@@ -166,14 +166,14 @@ def _plan(op: str, x, weight, bias, n_list: int | None, split_item, group_type, 
     for i, a in enumerate(x):
         check_dim(op, f"x[{i}]", a, (2,))
     Bs = _biases(op, bias, weight, Ws, single_3d, out_dtype)
-    if split_item in (2, 3):
+    if split_item in (2, 3) and not single_3d:
         check(all(w.shape[-1] == Ws[0].shape[-1] for w in Ws), op,
               f"split_item={split_item} concatenates the outputs, so every group needs the same N; "
               f"got {[w.shape[-1] for w in Ws]}")
     if n_list is not None:
         check(n_list == G, op, f"group_list has {n_list} entries; expected {G} (one per weight group)")
     if n_list is not None and len(x) == 1:
-        for g, w in enumerate(Ws):
+        for g, w in enumerate(Ws[:1] if single_3d else Ws):   # one 3-D weight: every group has its K
             _check_k(op, "x[0]", x[0], w, g)
         return "m_single", Ws, Bs, out_dtype
     check(len(x) == G, op, f"len(x)={len(x)} but there are {G} weight groups; with several x (or no group_list) "
@@ -242,6 +242,23 @@ def _run(op: str, mode: str, x, Ws, Bs, ends, split_item: int, out_dtype: torch.
     for y in ys:
         Y[row:row + y.shape[0]] = y
         row += y.shape[0]
+    return [Y]
+
+
+def _run_stacked(op: str, X: torch.Tensor, W: torch.Tensor, Bs, ends: list[int], out_dtype: torch.dtype):
+    """Fast path of `_run` for one x grouped along M by one 3-D weight [G, K, N] with concatenated output (the
+    MoE experts' call): only the non-empty groups are visited, each with the same `_mm` as `_run`, so the result
+    is bit-identical (equivalence/test_ops_gmm.py proves it); a decode step routes a few rows to few of many
+    experts, where `_run`'s per-group slicing of every weight and row range is most of the time."""
+    M = X.shape[0]
+    check(not ends or ends[-1] <= M, op, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={M}")
+    Y = torch.empty(M, W.shape[-1], dtype=out_dtype, device=X.device)
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            Y[start:end] = _mm(X[start:end], W[g], Bs[g], out_dtype)
+        start = end
+    Y[start:] = 0                                 # rows past the last group (spec §13.12)
     return [Y]
 
 
@@ -343,6 +360,8 @@ def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, g
     mode, Ws, Bs, out_dtype = _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type,
                                            output_dtype, quant_args)
     ends = None if group_list is None else _ends_from_tensor(op, group_list, group_list_type)
+    if mode == "m_single" and split_item in (2, 3) and len(weight) == 1 and weight[0].dim() == 3:
+        return _run_stacked(op, x[0], weight[0], Bs, ends, out_dtype)
     # split_item 0/1 with a count group_list: the C++ sizes outputs from raw value differences (right only
     # for cumsum); the golden uses the resolved ends for both types (spec §13.14).
     return _run(op, mode, x, Ws, Bs, ends, split_item, out_dtype)

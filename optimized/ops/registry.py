@@ -36,11 +36,13 @@ def is_defined(qualname: str) -> bool:
     return True
 
 
-def register(qualname: str, kernel: Callable, fake: Callable) -> None:
+def register(qualname: str, kernel: Callable, fake: Callable, tags: tuple = ()) -> None:
     """Define `npu::<qualname>` with its torch_npu schema, the portable kernel and the fake kernel.
 
     Idempotent: a schema that already exists (torch_npu loaded, or this module imported twice) is left
     alone. The kernel is registered as CompositeExplicitAutograd, so it serves CPU and CUDA tensors alike.
+    tags: torch.Tag values of the schema (`torch.Tag.inplace` tells torch.compile an op mutates and returns its
+    first argument, so it is functionalized and then re-inplaced instead of copied).
     """
     if qualname not in SCHEMAS:
         raise KeyError(f"no torch_npu schema for {qualname!r}; known: {sorted(SCHEMAS)}")
@@ -48,7 +50,7 @@ def register(qualname: str, kernel: Callable, fake: Callable) -> None:
     if torch_npu_available() or is_defined(qualname):
         return
     lib = _lib()
-    lib.define(SCHEMAS[qualname])
+    lib.define(SCHEMAS[qualname], tags=tags)
     lib.impl(qualname, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{qualname}", fake, lib=lib)
 
