@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -270,6 +271,45 @@ def test_recipe_format_checkpoint_loads_and_generates_with_the_fp8_kv_cache(reci
     ours = ModelRunner(load_model(w4a8_checkpoint("tiny", kv_cache="fp8"), dtype=torch.bfloat16), 16)
     assert runner.generate(prompts, 4).tokens == ours.generate(prompts, 4).tokens
     assert ModelRunner(model, 16, kv_cache_dtype="bfloat16").kv_cache_dtype == torch.bfloat16
+
+
+def _torchrun_generate(config_path, model_path, prompt: list[int], new_tokens: int) -> list[str]:
+    import os
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "optimized", "generate", "--config", str(config_path), "--model-path", str(model_path),
+                          "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(new_tokens)],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def test_recipe_format_checkpoint_under_torchrun_fp8_kv_and_bfloat16_override(recipe_checkpoint, tmp_path):
+    """The recipe-format checkpoint through the CLI on two ranks (tiny_w4a8_ep2: attention TP 2, EP 2): the start-up
+    line reports the per-token FP8 cache the checkpoint's kv_cache_scheme selects, and `kv_cache_dtype: bfloat16`
+    in the YAML overrides it; the first generated token is the single-process run's (later tokens may part on bf16
+    near-ties, `model.w4a8.bfloat16`)."""
+    import yaml
+
+    from optimized.executor.model_runner import ModelRunner
+    repo_configs = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    single = ModelRunner(load_model(recipe_checkpoint, dtype=torch.bfloat16), 16).generate([prompt], 3).tokens[0]
+    lines = _torchrun_generate(repo_configs / "tiny_w4a8_ep2.yaml", recipe_checkpoint, prompt, 3)
+    assert any(line.startswith("kv cache: float8_e4m3fn (per-token FP8") for line in lines), lines
+    ids = next(line for line in lines if line.startswith("generated ids:")).split()[2]
+    assert int(ids.split(",")[0]) == single[0], (ids, single)
+
+    override = yaml.safe_load((repo_configs / "tiny_w4a8_ep2.yaml").read_text())
+    override["model_config"]["kv_cache_dtype"] = "bfloat16"
+    (tmp_path / "bf16_kv.yaml").write_text(yaml.safe_dump(override))
+    lines = _torchrun_generate(tmp_path / "bf16_kv.yaml", recipe_checkpoint, prompt, 3)
+    assert any(line.startswith("kv cache: bfloat16 (unquantized") and "kv_cache_dtype: bfloat16" in line
+               for line in lines), lines
 
 
 @pytest.mark.parametrize("change, message", [
