@@ -1,7 +1,7 @@
 """Decode through MC2 (`moe_infer_dispatch_combine`: npu_moe_distribute_dispatch_v2 / combine_v2) over real gloo
 ranks equals the reference, and moves the bytes its formula says.
 
-- Layouts with moe_tp 1 and EP = world (2, 4; the tiny model's top_k 4 is above and equal to the EP size) after the
+- Layouts with moe_tp 1 and EP = world (2, 4, 8; the tiny model's top_k 4 is above, equal to and below the EP size) after the
   tensor-parallel prefill and after the sequence-parallel prefill (both EP schemes' layouts): fp32 prefill and
   teacher-forced decode logits within `model.float32` of the reference, for batches of 1-3 requests (so some EP
   ranks exchange only masked padding), and every decode step of every MoE layer went through one dispatch and one
@@ -50,7 +50,7 @@ def _mc2_logits_task(rank, world, path, lay, prompts, forced):
     return out
 
 
-@pytest.mark.parametrize("world, prefill", [(2, "tp"), (2, "alltoall"), (4, "tp"), (4, "allgather")])
+@pytest.mark.parametrize("world, prefill", [(2, "tp"), (2, "alltoall"), (4, "tp"), (4, "allgather"), (8, "alltoall")])
 def test_mc2_decode_logits_equal_reference_fp32(world, prefill):
     assert not CONFIG.mlp_only_layers and CONFIG.decoder_sparse_step == 1
     lay = _mc2_layout(world, prefill)
