@@ -232,8 +232,8 @@ _ARGS = ('"actorder": null, "block_structure": null, "dynamic": %s, "group_size"
          '"observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": true, "type": "float"')
 _GROUP = ('{"input_activations": {%s}, "activation_use_clip": false, "output_activations": null, '
           '"targets": ["%s"], "weights": {%s}}')
-RECIPE_QUANTIZATION_CONFIG = """{
-  "config_groups": {"group_0": %s, "group_1": %s},
+RECIPE_QUANTIZATION_TEMPLATE = """{
+  "config_groups": {%s},
   "format": "float-quantized",
   "global_compression_ratio": "null",
   "ignore": ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
@@ -246,8 +246,10 @@ RECIPE_QUANTIZATION_CONFIG = """{
   "quant_method": "compressed-tensors",
   "quantization_status": "compressed",
   "weight_block_size": [1, 32]
-}""" % (_GROUP % (_ARGS % ("true", 8), "Linear", _ARGS % ("false", 8)),
-        _GROUP % (_ARGS % ("true", 8), "MoEGMM", _ARGS % ("false", 4)))
+}"""   # %s: the config_groups entries
+RECIPE_LINEAR_GROUP = _GROUP % (_ARGS % ("true", 8), "Linear", _ARGS % ("false", 8))
+RECIPE_QUANTIZATION_CONFIG = RECIPE_QUANTIZATION_TEMPLATE % (
+    f'"group_0": {RECIPE_LINEAR_GROUP}, "group_1": {_GROUP % (_ARGS % ("true", 8), "MoEGMM", _ARGS % ("false", 4))}')
 
 
 @pytest.fixture

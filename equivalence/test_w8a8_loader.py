@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from equivalence.compare import assert_bitwise_equal
-from equivalence.test_w4a8_loader import _ARGS, _GROUP
+from equivalence.test_w4a8_loader import RECIPE_LINEAR_GROUP, RECIPE_QUANTIZATION_TEMPLATE
 from fixtures.checkpoints import w4a8_checkpoint, w8a8_checkpoint
 from fixtures.tiny import tiny_config
 from optimized.distributed import ParallelState
@@ -30,21 +30,8 @@ from equivalence.strategies import layout
 
 CONFIG = tiny_config("tiny")
 
-RECIPE_W8A8_QUANTIZATION_CONFIG = """{
-  "config_groups": {"group_0": %s},
-  "format": "float-quantized",
-  "global_compression_ratio": "null",
-  "ignore": ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
-             "model.layers.0.mlp.gate", "model.layers.0.self_attn.k_norm", "model.layers.0.self_attn.q_norm",
-             "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
-             "model.layers.1.mlp.gate", "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.q_norm",
-             "lm_head", "model.embed_tokens", "model.norm"],
-  "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1,
-                      "dynamic": "true", "symmetric": "true"},
-  "quant_method": "compressed-tensors",
-  "quantization_status": "compressed",
-  "weight_block_size": [1, 32]
-}""" % (_GROUP % (_ARGS % ("true", 8), "Linear", _ARGS % ("false", 8)))
+# The recipe's w8a8c16 config.json quantization_config: the w4a8c16 one without group_1.
+RECIPE_W8A8_QUANTIZATION_CONFIG = RECIPE_QUANTIZATION_TEMPLATE % f'"group_0": {RECIPE_LINEAR_GROUP}'
 
 
 @pytest.mark.parametrize("lay", [layout(1), layout(2, attn_tp_size=2), layout(4)], ids=lambda l: f"ep{l['moe_ep_size']}")

@@ -87,15 +87,15 @@ def test_generate_under_torchrun_two_ranks_equals_reference():
     assert any(line.startswith("prefill path: tensor parallel") for line in lines)   # tiny_tp2: no SP prefill
 
 
-def test_generate_attention_dp_under_torchrun_four_ranks_equals_reference():
-    """tiny_attn2dp2_ep4 (attention TP 2 x DP 2, MoE EP 4): three prompts (padded to 4 with a dummy request), each
-    request's greedy tokens are the reference's, printed once by rank 0."""
-    prompts = [encode(tokenizer(), t) for t in ("1, 2, 3,", "Once upon a time", "Hello")]
+def _torchrun_four_ranks_equals_reference(config: str, texts) -> list[str]:
+    """`generate` on 4 ranks for `texts`: each request's greedy tokens are the reference's, printed once by rank 0;
+    returns the output lines."""
+    prompts = [encode(tokenizer(), t) for t in texts]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     args = [a for p in prompts for a in ("--prompt-ids", ids_line(p))]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          "-m", "optimized", "generate", "--config", str(CONFIGS / "tiny_attn2dp2_ep4.yaml"), *args,
+                          "-m", "optimized", "generate", "--config", str(CONFIGS / config), *args,
                           "--max-new-tokens", "6"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -103,28 +103,22 @@ def test_generate_attention_dp_under_torchrun_four_ranks_equals_reference():
     for i, p in enumerate(prompts):
         assert f"[{i}] generated ids: {ids_line(reference_tokens(p, 6))}" in lines, out.stdout
     assert sum(line.startswith("[0] generated ids:") for line in lines) == 1, "only rank 0 prints"
-    assert any(line.startswith("prefill path: attention data parallel (2 DP groups") for line in lines), out.stdout
-    assert any("under attention DP" in line for line in lines if line.startswith("decode MoE path:")), out.stdout
+    return lines
+
+
+def test_generate_attention_dp_under_torchrun_four_ranks_equals_reference():
+    """tiny_attn2dp2_ep4 (attention TP 2 x DP 2, MoE EP 4): three prompts (padded to 4 with a dummy request)."""
+    lines = _torchrun_four_ranks_equals_reference("tiny_attn2dp2_ep4.yaml", ("1, 2, 3,", "Once upon a time", "Hello"))
+    assert any(line.startswith("prefill path: attention data parallel (2 DP groups") for line in lines), lines
+    assert any("under attention DP" in line for line in lines if line.startswith("decode MoE path:")), lines
 
 
 def test_generate_mc2_decode_under_torchrun_four_ranks_equals_reference():
-    """tiny_ep4_mc2 (the recipe's EP-only decode: moe_tp 1, MoE EP 4): two prompts of different lengths, each
-    request's greedy tokens are the reference's; the start-up lines name MC2 and its HCCL buffer."""
-    prompts = [encode(tokenizer(), t) for t in ("1, 2, 3,", "Once upon a time")]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    args = [a for p in prompts for a in ("--prompt-ids", ids_line(p))]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          "-m", "optimized", "generate", "--config", str(CONFIGS / "tiny_ep4_mc2.yaml"), *args,
-                          "--max-new-tokens", "6"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    for i, p in enumerate(prompts):
-        assert f"[{i}] generated ids: {ids_line(reference_tokens(p, 6))}" in lines, out.stdout
-    assert sum(line.startswith("[0] generated ids:") for line in lines) == 1, "only rank 0 prints"
+    """tiny_ep4_mc2 (the recipe's EP-only decode: moe_tp 1, MoE EP 4): two prompts of different lengths; the
+    start-up lines name MC2 and its HCCL buffer."""
+    lines = _torchrun_four_ranks_equals_reference("tiny_ep4_mc2.yaml", ("1, 2, 3,", "Once upon a time"))
     decode = [line for line in lines if line.startswith("decode MoE path:")]
-    assert decode and "MC2 over moe_ep 4" in decode[0] and "HCCL_BUFFSIZE" in decode[0], out.stdout
+    assert decode and "MC2 over moe_ep 4" in decode[0] and "HCCL_BUFFSIZE" in decode[0], lines
 
 
 # --------------------------------------------------------------------------------------------- errors

@@ -343,7 +343,22 @@ class UnquantizedFusedMoEMethod:
                                                 group_list_type=1, split_item=3)[0]   # [M, H]
 
 
-class W4A8MxFp4MoEGMMMethod:
+class _MxExpertLoading:
+    """Copies one expert's MX weight and scale rows (this rank's columns) into the stacked parameters; `_read`
+    (per format) reads and checks a weight with its scale partner."""
+
+    def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:
+        inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
+        for offset, proj in ((0, "gate_proj"), (i_r, "up_proj")):
+            w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))     # [I_r, H(/2)], [I_r, nb]
+            layer.w13_weight[local, offset:offset + i_r].copy_(w)
+            layer.w13_weight_scale[local, offset:offset + i_r, :s.shape[1]].copy_(s)
+        w, s = self._read(source, f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r(/2)]
+        layer.w2_weight[local].copy_(w)
+        layer.w2_weight_scale[local, :, :s.shape[1]].copy_(s)
+
+
+class W4A8MxFp4MoEGMMMethod(_MxExpertLoading):
     """MXFP4 expert weights x MXFP8 activations (§6.6 W4A8 row): w13_weight [L, 2*I_r, H/2] (gate rows, then up
     rows), w2_weight [L, H, I_r/2], uint8 packed along K, with per-block scales [L, N, nb]. The grouped matmul
     reads them as the transposed views [L, K/2, N] and [L, K/64, N, 2]; the SwiGLU output is quantized by
@@ -375,16 +390,6 @@ class W4A8MxFp4MoEGMMMethod:
         _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "W4A8 (MXFP4 experts)")
         return w, s
 
-    def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:
-        inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
-        for offset, proj in ((0, "gate_proj"), (i_r, "up_proj")):
-            w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))     # [I_r, H/2], [I_r, nb]
-            layer.w13_weight[local, offset:offset + i_r].copy_(w)
-            layer.w13_weight_scale[local, offset:offset + i_r, :s.shape[1]].copy_(s)
-        w, s = self._read(source, f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r/2]
-        layer.w2_weight[local].copy_(w)
-        layer.w2_weight_scale[local, :, :s.shape[1]].copy_(s)
-
     def _gmm(self, layer, x, x_scale, weight, weight_scale, tokens_per_expert):
         return torch.ops.npu.npu_grouped_matmul(
             [x], [weight.transpose(1, 2)], antiquant_scale=[mxf.pair_scales(weight_scale).transpose(1, 2)],
@@ -401,7 +406,7 @@ class W4A8MxFp4MoEGMMMethod:
         return self._gmm(layer, hq, hs, layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]
 
 
-class MxFp8MoEGMMMethod:
+class MxFp8MoEGMMMethod(_MxExpertLoading):
     """MXFP8 W8A8 experts (§6.6 MXFP8 row, the recipe's `w8a8c16`): w13_weight [L, 2*I_r, H] (gate rows, then up
     rows), w2_weight [L, H, I_r] float8_e4m3fn with per-block scales [L, N, nb]. The grouped matmul reads them as
     the transposed views [L, K, N] and the weight scale in `scale` [L, K/64, N, 2] (scale_dtype E8M0); between
@@ -430,16 +435,6 @@ class MxFp8MoEGMMMethod:
         s = source.read(mxf.scale_name(name), (n, -(-k // BLOCK)), scales)
         _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "W8A8 (MXFP8 experts)")
         return w, s
-
-    def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:
-        inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
-        for offset, proj in ((0, "gate_proj"), (i_r, "up_proj")):
-            w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))     # [I_r, H], [I_r, nb]
-            layer.w13_weight[local, offset:offset + i_r].copy_(w)
-            layer.w13_weight_scale[local, offset:offset + i_r, :s.shape[1]].copy_(s)
-        w, s = self._read(source, f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r]
-        layer.w2_weight[local].copy_(w)
-        layer.w2_weight_scale[local, :, :s.shape[1]].copy_(s)
 
     def _gmm(self, layer, x: MxRows, weight, weight_scale, tokens_per_expert):
         return torch.ops.npu.npu_grouped_matmul(
