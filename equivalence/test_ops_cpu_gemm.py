@@ -4,7 +4,8 @@
   F.linear, and the packed path was taken (the weight has a packed copy), so a silent fallback cannot pass;
 - a weight rewritten in place (a reload) is packed again: the result follows the new values, never a stale copy;
 - compiled (inductor, fullgraph): the step calls the operator and returns eager's bits;
-- fp32, autograd and inference-mode weights take plain F.linear, with no packed copy.
+- fp32, autograd and inference-mode weights take plain F.linear, with no packed copy;
+- a view (an expert's W[g].t(), a new object per call) is packed once and reused; freeing its weight drops the copy.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_prepacked_linear_is_bitwise_f_linear(rows, n, k, scale, seed):
         got = cpu_gemm.linear(x, w)
     assert _packed(w), "the prepacked path was not taken"
     assert_bitwise_equal(got, F.linear(x, w), f"prepacked linear [{rows}, {k}] x [{n}, {k}]^T")
+    assert_bitwise_equal(torch.ops.qwen3_moe_cpu.linear(x, w), got, "the operator vs the direct kernel call")
 
 
 @pytest.mark.parametrize("n,k", DECODE_SHAPES)
@@ -87,3 +89,15 @@ def test_other_inputs_take_plain_f_linear():
         wi, xi = torch.randn(8, 16).bfloat16(), torch.randn(2, 16).bfloat16()
         assert_bitwise_equal(cpu_gemm.linear(xi, wi), F.linear(xi, wi), "inference-mode weight")
     assert not _packed(wi)
+
+
+def test_a_view_is_packed_once_and_forgotten_with_its_weight():
+    """An expert's weight reaches the kernel as a fresh view per call (W[g].t()): one packed copy, reused; freeing
+    the stacked weight drops it."""
+    stacked = torch.randn(4, 32, 48).bfloat16()
+    first = cpu_gemm.packed_weight(stacked[2].t())
+    assert cpu_gemm.packed_weight(stacked[2].t()) is first
+    key = (stacked[2].t().data_ptr(), (48, 32), (1, 48))
+    assert key in cpu_gemm._PACKED
+    del stacked
+    assert key not in cpu_gemm._PACKED

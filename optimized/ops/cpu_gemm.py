@@ -8,11 +8,13 @@ products in the same fp32 accumulation with one bf16 rounding, bitwise F.linear 
 about 1.4x faster for the lm_head and ~2x for attention's GEMVs on this machine.
 
 Cost: a second copy of every dense bf16 weight that runs on CPU (packed lazily at its first call). The packed copy
-is keyed by the weight's storage, shape and strides and its version counter, so a weight rewritten in place
-(a reload) is packed again, never read stale.
+is keyed by the weight's memory, shape and strides, tied to the tensor owning that memory (a view's base) and its
+version counter, so a weight rewritten in place (a reload) or freed and its memory reused is packed again, never read
+stale.
 
-`linear` is a custom operator (`qwen3_moe_cpu::linear`), opaque to torch.compile: inductor cannot lower oneDNN's
-packed tensors as graph inputs, and as an operator the compiled decode step calls the same kernel as eager.
+Traced by torch.compile, `linear` is an operator (`qwen3_moe_cpu::linear`), opaque to the compiler: inductor cannot
+lower oneDNN's packed tensors as graph inputs, and the compiled decode step calls the same kernel as eager (which
+calls it directly, without the dispatcher's cost).
 Anything else (another device, fp32, autograd, an inference-mode weight: no version counter) is plain F.linear.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-# (data_ptr, shape, strides) -> (weak reference to the weight, its version when packed, the packed weight)
+# (data_ptr, shape, strides) -> (weak reference to the weight's owning tensor, its version when packed, the packed copy)
 _PACKED: dict[tuple, tuple] = {}
 
 
@@ -46,20 +48,21 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's packed copy of `weight` [N, K], made on first use and again after any in-place write."""
     key = (weight.data_ptr(), tuple(weight.shape), weight.stride())
+    # The reference is to the tensor that owns the memory: a view (an expert's W[g].t()) is a new object per call.
+    owner = weight if weight._base is None else weight._base
     hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is not None and hit[1] == weight._version:
+    if hit is not None and hit[0]() is owner and hit[1] == weight._version:
         return hit[2]
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)   # 1: the decode batch-size hint
 
     def forget(ref, key=key):
         if _PACKED.get(key, (None,))[0] is ref:
             del _PACKED[key]
-    _PACKED[key] = (weakref.ref(weight, forget), weight._version, packed)
+    _PACKED[key] = (weakref.ref(owner, forget), weight._version, packed)
     return packed
 
 
-@torch.library.custom_op("qwen3_moe_cpu::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.is_inference():   # no version counter to tell a rewritten weight: not cached
         return F.linear(x, weight)
     rows = x.reshape(-1, x.shape[-1])
@@ -67,13 +70,22 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-@_linear_op.register_fake
-def _(x, weight):
+def _linear_fake(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# A plain library definition (not torch.library.custom_op, whose Python wrapper costs tens of microseconds a call):
+# the compiled step calls it through the dispatcher; eager calls the kernel directly.
+_lib = torch.library.Library("qwen3_moe_cpu", "DEF")
+_lib.define("linear(Tensor x, Tensor weight) -> Tensor")
+_lib.impl("linear", _linear_kernel, "CPU")
+torch.library.register_fake("qwen3_moe_cpu::linear", _linear_fake, lib=_lib)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x weight^T, F.linear's result bit for bit; prepacked on CPU bf16 (see the module docstring)."""
     if packable(x, weight) and x.shape[-1] == weight.shape[1] and x.numel() > 0:
-        return _linear_op(x, weight)
+        if torch.compiler.is_compiling():   # traced: the operator, opaque to the compiler
+            return torch.ops.qwen3_moe_cpu.linear(x, weight)
+        return _linear_kernel(x, weight)
     return F.linear(x, weight)
