@@ -551,3 +551,26 @@ def test_gmm_16bit_cpu_matmul_rounds_once_like_the_fp32_definition(seed, m, k, n
         torch.finfo(dtype).tiny))))
     diff = (fast.float() - definition.float()).abs()
     assert bool((diff <= ulp).all()), f"max diff {diff.max().item()} exceeds one ulp (seed {seed}, m{m} k{k} n{n})"
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.sampled_from([1, 7, 64, 768, 2048]), st.integers(1, 40),
+       st.sampled_from(["stacked", "transposed"]))
+def test_gmm_bf16_cpu_matmul_on_the_prepacked_weight_is_bitwise_a_matmul(seed, m, k, n, layout):
+    """On CPU, `_mm`'s bf16 path runs on oneDNN's prepacked copy of the expert weight (optimized/ops/cpu_gemm.py):
+    bitwise the plain `a @ w` it replaces, for the experts' stored layout ([K, N] rows of a stacked [E, K, N]) and a
+    transposed view; the packed copy exists afterwards, so a silent fallback to `a @ w` cannot pass."""
+    from optimized.ops import cpu_gemm, gmm
+
+    if not cpu_gemm.ONEDNN_BF16:
+        pytest.skip("oneDNN bf16 is not available on this CPU")
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=gen).bfloat16()
+    if layout == "stacked":
+        w = (torch.randn(3, k, n, generator=gen) * 0.02).bfloat16()[1]
+    else:
+        w = (torch.randn(n, k, generator=gen) * 0.02).bfloat16().t()
+    with torch.no_grad():
+        got = gmm._mm(a, w, None, torch.bfloat16)
+    wt = w.t()
+    assert (wt.data_ptr(), tuple(wt.shape), wt.stride()) in cpu_gemm._PACKED, "the prepacked path was not taken"
+    assert_bitwise_equal(got, a @ w, f"prepacked expert matmul vs a @ w (m{m} k{k} n{n}, {layout})")

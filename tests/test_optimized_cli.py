@@ -351,6 +351,22 @@ def test_bench_bad_arguments(capsys):
     assert "--layers must be >= 1" in run_error(["bench", "--preset", "tiny", "--layers", "0"], capsys)
 
 
+def test_bench_memory_check_counts_the_packed_cpu_weights(capsys, monkeypatch):
+    """On a CPU, bf16: the optimized model also holds oneDNN's packed copies (ops/cpu_gemm.py); memory for the two
+    models but not for the packed copies is refused, naming them, before anything is built."""
+    from optimized.benchmarks import bench
+    from optimized.benchmarks.common import bench_config
+    from optimized.benchmarks.reference_timing import reference_shapes
+    from optimized.ops import cpu_gemm
+
+    if not cpu_gemm.ONEDNN_BF16:
+        pytest.skip("oneDNN bf16 is not available on this CPU")
+    model_bytes = 2 * sum(t.numel() for t in reference_shapes(bench_config("qwen3_30b_a3b", 1)).values())
+    monkeypatch.setattr(bench, "_available_memory", lambda: 2.5 * model_bytes)   # 2 models fit, 3 copies do not
+    err = run_error(["bench", "--preset", "qwen3_30b_a3b", "--layers", "1", "--dtype", "bfloat16", "--skip-hf"], capsys)
+    assert "packed CPU weights included" in err and "use fewer --layers" in err
+
+
 def test_bench_kv_pool_and_context_sweeps(tmp_path, capsys):
     """--kv-pool-blocks sizes the optimized model's pool; --pool-sweep / --context-sweep print one row per point
     and model, and the JSON holds every sample."""

@@ -36,6 +36,7 @@ from optimized import platform
 from optimized.benchmarks.latency import summarize
 from optimized.benchmarks.reference_timing import reference_model, reference_shapes, time_reference
 from optimized.config import EXE_MODES
+from optimized.ops import cpu_gemm
 from optimized.errors import UsageError
 from optimized.benchmarks.common import BENCH_PRESETS, DTYPES, GB, bench_config, full_layer_count, progress
 
@@ -230,12 +231,15 @@ def run(args) -> int:
     params = sum(t.numel() for t in shapes.values())
     expert_params = sum(t.numel() for n, t in shapes.items() if ".mlp.experts." in n)
     model_bytes, expert_bytes = params * size, expert_params * size
-    need = 2 * model_bytes + (0 if args.skip_hf else expert_bytes)
+    # On a CPU the optimized model's bf16 weights also get oneDNN's packed copies as they run (ops/cpu_gemm.py).
+    packed = model_bytes if platform.backend_name() == "cpu" and dtype == torch.bfloat16 and cpu_gemm.ONEDNN_BF16 else 0
+    need = 2 * model_bytes + packed + (0 if args.skip_hf else expert_bytes)
     avail = _available_memory()
     hf_note, hf_impl = None, None
-    if avail is not None and 2.2 * model_bytes > avail:
-        raise UsageError(f"reference + optimized models need ~{2 * model_bytes / GB:.1f} GB, only "
-                         f"{avail / GB:.1f} GB available; use fewer --layers")
+    if avail is not None and 1.1 * (2 * model_bytes + packed) > avail:
+        raise UsageError(f"reference + optimized models need ~{(2 * model_bytes + packed) / GB:.1f} GB"
+                         f"{' (packed CPU weights included)' if packed else ''}, only {avail / GB:.1f} GB available; "
+                         f"use fewer --layers")
     if not args.skip_hf and avail is not None and 1.1 * need > avail:
         args.skip_hf = True
         hf_note = (f"HF transformers skipped: all three models need ~{need / GB:.1f} GB, {avail / GB:.1f} GB "

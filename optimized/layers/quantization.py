@@ -23,7 +23,7 @@ from torch import nn
 
 from optimized.config import KV_CACHE_DTYPES
 from optimized.errors import CheckpointError
-from optimized.ops import mx_format as mxf
+from optimized.ops import cpu_gemm, mx_format as mxf
 
 W4A8 = "w4a8"
 W8A8 = "w8a8"
@@ -262,7 +262,7 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         _no_mx(x, "an unquantized linear")
-        return F.linear(x, layer.weight)
+        return cpu_gemm.linear(x, layer.weight)   # F.linear, on CPU bf16 with oneDNN's prepacked weight
 
 
 class MxFp8LinearMethod:
