@@ -17,7 +17,7 @@ from hypothesis import given, strategies as st
 from equivalence.compare import assert_bitwise_equal
 from optimized.ops import cpu_gemm
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.ONEDNN_BF16, reason="oneDNN bf16 is not available on this CPU")
+pytestmark = pytest.mark.skipif(not cpu_gemm.ONEDNN_BF16, reason="oneDNN bf16 is not available on this CPU, or QWEN3_MOE_CPU_PREPACK=0")
 
 DECODE_SHAPES = [(5120, 2048), (2048, 4096), (1536, 2048), (2048, 768)]   # qkv, o, expert gate|up, down (30B-A3B)
 
@@ -101,3 +101,17 @@ def test_a_view_is_packed_once_and_forgotten_with_its_weight():
     assert key in cpu_gemm._PACKED
     del stacked
     assert key not in cpu_gemm._PACKED
+
+
+def test_prepack_env_zero_turns_the_path_off():
+    """QWEN3_MOE_CPU_PREPACK=0 (read at import): no packed path, so no second copy of the weights."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = "from optimized.ops import cpu_gemm; print(cpu_gemm.ONEDNN_BF16)"
+    repo = Path(__file__).resolve().parents[1]
+    for value, want in (("0", "False"), ("1", "True")):
+        env = {**os.environ, cpu_gemm.PREPACK_ENV: value, "PYTHONPATH": str(repo)}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == want, (value, out.stdout, out.stderr[-2000:])

@@ -7,7 +7,8 @@ prepacked copy (`mkldnn._reorder_linear_weight`, made once per weight) is read i
 products in the same fp32 accumulation with one bf16 rounding, bitwise F.linear (equivalence/test_cpu_gemm.py),
 about 1.4x faster for the lm_head and ~2x for attention's GEMVs on this machine.
 
-Cost: a second copy of every dense bf16 weight that runs on CPU (packed lazily at its first call). The packed copy
+Cost: a second copy of every dense bf16 weight that runs on CPU (packed lazily at its first call);
+QWEN3_MOE_CPU_PREPACK=0 turns the path off (read once at import). The packed copy
 is keyed by the weight's memory, shape and strides, tied to the tensor owning that memory (a view's base) and its
 version counter, so a weight rewritten in place (a reload) or freed and its memory reused is packed again, never read
 stale.
@@ -19,6 +20,7 @@ Anything else (another device, fp32, autograd, an inference-mode weight: no vers
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -28,7 +30,12 @@ import torch.nn.functional as F
 _PACKED: dict[tuple, tuple] = {}
 
 
+PREPACK_ENV = "QWEN3_MOE_CPU_PREPACK"   # "0": plain F.linear, no packed copies (half the CPU weight memory)
+
+
 def _onednn_bf16() -> bool:
+    if os.environ.get(PREPACK_ENV, "1") == "0":
+        return False
     try:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
