@@ -450,6 +450,7 @@ def test_invalid_inputs_raise_naming_op_and_argument(name):
 def test_npu_limits_only_in_strict_mode(monkeypatch):
     x, w = torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(2, 3, 2, dtype=torch.bfloat16)
     kw = dict(bias=[torch.zeros(2, 2, dtype=torch.bfloat16)], group_list=torch.tensor([1, 3]), **_M)
+    monkeypatch.delenv("QWEN3_MOE_STRICT_NPU_LIMITS", raising=False)   # whatever the caller's shell exported
     GMM([x], [w], **kw)  # bf16 bias is fine semantically
     monkeypatch.setenv("QWEN3_MOE_STRICT_NPU_LIMITS", "1")
     with pytest.raises(ValueError, match=r"npu_grouped_matmul: NPU limit: bias\[0\] has dtype torch.bfloat16"):
