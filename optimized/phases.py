@@ -157,12 +157,7 @@ class DataParallelStep(TensorParallelStep):
         tp, tokens = attn.tp, meta.num_tokens
         full = comm.all_gather(x, tp.group)[:tokens]                              # [T, H]: the group's tokens
         q, k, v = attn.qkv(full, cos, sin)
-        if meta.is_prefill:
-            out = attn.attention_prefill(q, k, v, meta, atten_mask)
-            attn.kv_cache_update(k, v, meta, kv_cache)
-        else:
-            attn.kv_cache_update(k, v, meta, kv_cache)
-            out = attn.attention_decode(q, meta, kv_cache, atten_mask)
+        out = attn.attend(q, k, v, meta, kv_cache, atten_mask)
         out = F.pad(out.reshape(tokens, -1), (0, 0, 0, tp.size * x.shape[0] - tokens))   # [P*n, Nq_r*D]
         partial = attn.o_proj.quant_method.apply(attn.o_proj, out)                # row-parallel, not yet summed
         return comm.reduce_scatter(partial, tp.group)                            # [n, H]: summed, own rows

@@ -71,13 +71,19 @@ class Qwen3MoeAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], atten_mask: torch.Tensor) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden, cos, sin)
+        out = self.attend(q, k, v, meta, kv_cache, atten_mask)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def attend(self, q, k, v, meta: ForwardMetadata, kv_cache, atten_mask) -> torch.Tensor:
+        """Attention of this step with its cache write: prefill attends to the fresh K/V, then writes them; decode
+        writes the new token's K/V first, then reads the cache. -> [T, Nq_r, D]"""
         if meta.is_prefill:
             out = self.attention_prefill(q, k, v, meta, atten_mask)
             self.kv_cache_update(k, v, meta, kv_cache)
         else:
             self.kv_cache_update(k, v, meta, kv_cache)
             out = self.attention_decode(q, meta, kv_cache, atten_mask)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return out
 
     def qkv(self, hidden, cos: torch.Tensor, sin: torch.Tensor):
         """merged_qkv_proj (hidden: a tensor or MxRows), q/k RMSNorm per head, RoPE: q [T, Nq, D], k and v
