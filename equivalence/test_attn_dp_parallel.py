@@ -154,6 +154,39 @@ def test_attn_dp_kv_cache_holds_only_the_dp_groups_requests():
 
 
 @torch.no_grad()
+def _non_finite_task(rank, world, path, lay, prompts):
+    from optimized.executor.model_runner import ModelRunner, NonFiniteLogitsError
+
+    model = rank_model(path, lay, torch.float32)
+    runner, calls = ModelRunner(model, BLOCK_SIZE), []
+    forward = model.forward
+
+    def nan_for_request_1_at_decode_step_2(ids, meta, caches, *a, **kw):
+        logits = forward(ids, meta, caches, *a, **kw)
+        calls.append(meta.is_prefill)
+        if calls.count(False) == 2:
+            logits[1, 7] = float("nan")        # every rank holds every group's logits: request 1's row
+        return logits
+
+    model.forward = nan_for_request_1_at_decode_step_2
+    try:
+        runner.generate(prompts, 6)
+    except NonFiniteLogitsError as e:
+        return str(e)
+    return None
+
+
+def test_attn_dp_non_finite_logits_stop_generation_naming_step_and_request():
+    """Under attention DP too, a NaN logits row of a running request stops generation on every rank with the step
+    and the request named (not a -1 token or token 0 forever)."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]                   # groups: requests 0, 1 | 2 and a dummy
+    out = get_pool(4).run(_non_finite_task, str(checkpoint("tiny")), dp_layout(4, 2), prompts, timeout=180)
+    for message in out:
+        assert message is not None and message.startswith(
+            "decode step 2 produced non-finite logits (NaN or inf) for request 1, after 2 generated token(s)"), out
+
+
+@torch.no_grad()
 def _generate_bf16_task(rank, world, path, lay, prompts, n):
     """bf16 `generate`, with every sparse layer's expert ids per forward gathered over the job: the real rows of
     every DP group, group by group in packed order (what the reference replays)."""

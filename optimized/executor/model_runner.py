@@ -176,20 +176,8 @@ class ModelRunner:
             if return_logits:
                 for row, request in enumerate(active):
                     result.logits[request].append(logits[row].float().cpu())
-            still = []
-            for row, (request, token) in enumerate(zip(active, next_ids.tolist())):
-                if token < 0:
-                    step = len(result.decode_seconds)
-                    raise NonFiniteLogitsError(
-                        f"{'the prefill' if step == 0 else f'decode step {step}'} produced non-finite logits (NaN or "
-                        f"inf) for request {request}, after {len(result.tokens[request])} generated token(s): "
-                        f"generation stopped; a weight is not finite (the load-time weight check names it) or the "
-                        f"activations overflowed")
-                result.tokens[request].append(token)
-                if token in eos:
-                    result.finish_reasons[request] = "eos"
-                elif len(result.tokens[request]) < max_new_tokens:
-                    still.append(row)
+            still = [row for row, (request, token) in enumerate(zip(active, next_ids.tolist()))
+                     if _take_token(result, request, token, eos, max_new_tokens)]
             if not still:
                 break
             if len(still) < len(active):  # finished requests leave the batch: no more decode work for them
@@ -259,7 +247,7 @@ class ModelRunner:
         last = [row_of[(group_of[r], offsets[r] + lengths[r] - 1)] for r in range(len(requests))]
         logits = logits[torch.tensor(last, device=logits.device)]                 # [R, V] in request order
         order = list(range(len(requests)))
-        next_ids = sampler(logits, order)
+        next_ids = _choose(sampler, logits, order)
         synchronize(self.device)
         result.prefill_seconds = self.clock() - start
 
@@ -267,16 +255,12 @@ class ModelRunner:
         next_token = {}
         while True:
             for row, (request, token) in enumerate(zip(order, next_ids.tolist())):
-                next_token[request] = token
+                next_token[request] = max(token, 0)   # a dropped row's non-finite logits (-1): any id keeps it going
                 if request not in running:                                        # a dummy or a keep-alive row
                     continue
-                result.tokens[request].append(token)
                 if return_logits:
                     result.logits[request].append(logits[row].float().cpu())
-                if token in eos:
-                    result.finish_reasons[request] = "eos"
-                    running.discard(request)
-                elif len(result.tokens[request]) >= max_new_tokens:
+                if not _take_token(result, request, token, eos, max_new_tokens):
                     running.discard(request)
             if not running:
                 break
@@ -288,7 +272,7 @@ class ModelRunner:
             meta.dp = DataParallelBatch(tuple(len(g) for g in step), self.attn_tp_size)
             logits = self.model(torch.tensor([next_token[r] for r in rows], device=self.device), meta, cache.layers)
             order = [r for g in step for r in g]
-            next_ids = sampler(logits, order)
+            next_ids = _choose(sampler, logits, order)
             synchronize(self.device)
             result.decode_seconds.append(self.clock() - start)
             for r in order:
@@ -332,6 +316,23 @@ class ModelRunner:
             actual_seq_lengths_kv=[n + 1 for n in lengths],
             slot_mapping=slot_mapping(table, torch.arange(batch, device=self.device), positions, self.block_size),
             block_table=table, block_size=self.block_size)
+
+
+def _take_token(result: GenerationResult, request: int, token: int, eos, max_new_tokens: int) -> bool:
+    """Append `token` (from `_choose`) to `request`'s tokens; True while the request goes on (no EOS, budget left).
+    A -1 (non-finite logits) stops generation with an error naming the step and the request."""
+    if token < 0:
+        step = len(result.decode_seconds)
+        raise NonFiniteLogitsError(
+            f"{'the prefill' if step == 0 else f'decode step {step}'} produced non-finite logits (NaN or "
+            f"inf) for request {request}, after {len(result.tokens[request])} generated token(s): "
+            f"generation stopped; a weight is not finite (the load-time weight check names it) or the "
+            f"activations overflowed")
+    result.tokens[request].append(token)
+    if token in eos:
+        result.finish_reasons[request] = "eos"
+        return False
+    return len(result.tokens[request]) < max_new_tokens
 
 
 def _choose(sampler: Sampler, logits: torch.Tensor, requests: list[int]) -> torch.Tensor:
