@@ -17,14 +17,20 @@ and inductor re-inplaces it on the cache inputs, so the compiled step writes onl
 of a layer's cache: decode cost does not depend on the KV pool size (equivalence/test_graph.py checks the
 generated code and the bytes a step allocates at two pool sizes).
 
-Padding: a padded slot decodes token 0 at position 0 with KV length 1, writing its K/V to slot 0 of the
-null block 0 (never handed to a request) and reading only that slot; its logits are dropped. So padding
-never touches a real request's cache. `GraphDecoder.padding` records every batch -> bucket it padded.
+Padding: a padded slot decodes token 0 at position 0 with KV length 2, writing its K/V to slot 0 of the
+null block 0 (never handed to a request) and reading only that block's slots 0 and 1; its logits are dropped.
+So padding never touches a real request's cache. The length is 2, not 1, because the compiler specializes a
+host int of 1 (a size-1 dimension broadcasts) where the inlined attention sizes its keys by it: a padding slot
+later taken by a real request would then recompile the step. `GraphDecoder.padding` records every batch -> bucket it padded.
 
 Compiling: `platform.graph_compiler(exe_mode)` (torchair on NPU, inductor elsewhere), under dynamo settings
 that keep the capture static: Python floats of the model (eps, scale) specialize as constants (otherwise
 dynamo traces them as symbols and restarts), and the recompile limit is raised and made an error, so a
-run never falls back to eager silently. With a `CompileCache` each bucket has its own cache entry: its first
+run never falls back to eager silently; inductor keeps every rounding of the traced code (`INDUCTOR_SETTINGS`).
+Off NPU, inductor inlines the portable kernels that read no tensor data on the host (norms, rotary, SwiGLU,
+gating, the fused attention: `ops.registry.inline_in_inductor`), so they fuse instead of running as Python
+operators at every step; the grouped matmul, routing and cache write stay operators (their kernels read group
+sizes or indices on the host). With a `CompileCache` each bucket has its own cache entry: its first
 call loads the verified artefacts of its key, or compiles and saves them (`compile_cache.py`); on NPU each
 bucket also has its own compiled step, whose torchair cache_compile directory is the entry (verified before
 torchair reads it, signed after the first call). `GraphDecoder.startup` records per bucket whether it was
@@ -45,10 +51,25 @@ from optimized import platform
 from optimized.executor.compile_cache import CompileCache, cache_key
 from optimized.config import GRAPH_MODES
 from optimized.forward_metadata import ForwardMetadata
+from optimized.ops import registry
 from optimized.executor.kv_cache import NULL_BLOCK
+
+PAD_KV_LEN = 2   # KV length of a padding slot (see the module docstring): never 1, which the compiler specializes
 
 # Dynamo settings while a graph step runs (and compiles): see the module docstring.
 DYNAMO_SETTINGS = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)
+# Inductor's, for the same span: a fused kernel still rounds wherever the traced code rounds (x.to(bf16).float()),
+# so the portable kernels it inlines keep their spec rounding points (on CPU bitwise eager's).
+INDUCTOR_SETTINGS = dict(emulate_precision_casts=True)
+
+
+@contextlib.contextmanager
+def compile_settings():
+    """The dynamo and inductor settings a graph step is compiled and run under (whatever compiler is used)."""
+    import torch._inductor.config as inductor_config
+
+    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(**INDUCTOR_SETTINGS):
+        yield
 
 
 def batch_bucket(batch: int, buckets: tuple[int, ...] | None = None) -> int:
@@ -102,6 +123,9 @@ class GraphDecoder:
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
+        # Off NPU the compiler is inductor: it inlines the portable kernels that read no tensor data on the host,
+        # so they fuse instead of running as Python operators at every step (ops/registry.py `inline_in_inductor`).
+        self.inlined = registry.inline_in_inductor()
         # On NPU torchair's cache_compile owns the cache: one directory and one compiled step per batch bucket (its
         # saver treats a second input shape as a recompile, and a loaded cache replays without shape guards); that
         # directory is the bucket's cache entry, verified before torchair reads it and signed after its first call.
@@ -140,7 +164,7 @@ class GraphDecoder:
             step = self.steps[step_key] = self._compile(meta.block_size, kv_dtype, bucket)
         if bucket not in self.startup:
             return self._first_call(step, bucket, meta.block_size, kv_dtype, inputs, caches)[:batch]
-        with torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+        with compile_settings():
             return step(*inputs, caches)[:batch]
 
     def _entry(self, block_size: int, kv_dtype: torch.dtype, bucket: int):
@@ -173,7 +197,7 @@ class GraphDecoder:
         tensors = (ids, positions, slots, padded_table)
         for t in tensors:
             torch._dynamo.mark_static(t)
-        return (*tensors, kv_lens + [1] * pad)
+        return (*tensors, kv_lens + [PAD_KV_LEN] * pad)
 
     def _first_call(self, step, bucket: int, block_size: int, kv_dtype: torch.dtype, inputs, caches) -> torch.Tensor:
         """Run this bucket's step once: loaded from its verified cache entry, or compiled and saved (inductor), or
@@ -185,7 +209,7 @@ class GraphDecoder:
             source = "loaded" if inductor_entry and entry.load() else "compiled"
             if self.torchair_cache:  # torchair decides whether its cache held the graph
                 source = "torchair cache_compile"
-            with _fresh_artifacts(), torch._dynamo.config.patch(**DYNAMO_SETTINGS):
+            with _fresh_artifacts(), compile_settings():
                 out = step(*inputs, caches)
                 if inductor_entry and source == "compiled":
                     entry.save(torch.compiler.save_cache_artifacts())
@@ -198,6 +222,8 @@ class GraphDecoder:
         """Lines for the user: backend, how each bucket's graph was obtained, and any batch padding."""
         lines = [f"graph mode {platform.graph_backend_description(self.exe_mode)}; decode captured per batch "
                  f"bucket {sorted(self.startup)}"]
+        if self.inlined:
+            lines.append(f"  inlined (traced and fused by the compiler, not called as operators): {', '.join(self.inlined)}")
         for bucket, s in sorted(self.startup.items()):
             lines.append(f"  bucket {bucket}: {s.source}{' from the compile cache' if s.source == 'loaded' else ''}"
                          f" in {s.seconds:.1f} s (first call)")

@@ -71,7 +71,7 @@ def _int_list(value: Any) -> list[int] | None:
         return None
     if isinstance(value, torch.Tensor):
         return [int(x) for x in value.reshape(-1).tolist()]
-    return [int(x) for x in value]
+    return [x if isinstance(x, torch.SymInt) else int(x) for x in value]   # traced: symbols stay symbols
 
 
 def _plan(n: _Names, query, key, value, *, atten_mask, block_table, num_query_heads, num_key_value_heads,
@@ -324,7 +324,10 @@ def _gather_pages(cache: torch.Tensor, layout: str, blk: torch.Tensor, off: torc
 def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_seq_kvlen, block_table,
          dequant_scale_key, dequant_scale_value, num_query_heads, num_key_value_heads, softmax_scale,
          pre_tokens, next_tokens, input_layout, sparse_mode, block_size, key_quant_mode, value_quant_mode,
-         inner_precise, return_softmax_lse, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+         inner_precise, return_softmax_lse, out_dtype, read_data: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """read_data False: skip the checks that read tensor data on the host (block ids within the pool, the mask
+    template's content) and write the output rows with functional ops, for the traced body a compiled graph inlines;
+    everything else is the same code."""
     op = n.op
     plan = _plan(n, query, key, value, atten_mask=atten_mask, block_table=block_table,
                  num_query_heads=num_query_heads, num_key_value_heads=num_key_value_heads,
@@ -371,12 +374,13 @@ def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_se
         capacity = block_table.shape[1] * block_size
         check(all(0 <= x <= capacity for x in lkv), op,
               f"paged {n('actual_seq_kvlen')} entries must be in [0, max_blocks*block_size = {capacity}]; got {lkv}")
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < torch.tensor(
-            [-(-x // block_size) for x in lkv], device=block_table.device)[:, None]
-        ids = block_table[used]
-        bad = (ids < 0) | (ids >= key.shape[0])
-        if bool(bad.any()):
-            fail(op, f"{n('block_table')} holds block id {int(ids[bad][0])} outside [0, num_blocks={key.shape[0]})")
+        used = None if not read_data else torch.arange(block_table.shape[1], device=block_table.device)[None, :] < \
+            torch.tensor([-(-x // block_size) for x in lkv], device=block_table.device)[:, None]
+        if read_data:
+            ids = block_table[used]
+            bad = (ids < 0) | (ids >= key.shape[0])
+            if bool(bad.any()):
+                fail(op, f"{n('block_table')} holds block id {int(ids[bad][0])} outside [0, num_blocks={key.shape[0]})")
         kv_start = None
     elif layout == "TND":
         check(all(x >= 0 for x in kvlen) and all(b >= a for a, b in zip(kvlen, kvlen[1:])), op,
@@ -400,7 +404,8 @@ def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_se
     # 3. mask: template content (modes 2/3/4) or full mask as (Bm, Qm, Km) (modes 0/1)
     mask3 = None
     if atten_mask is not None and sparse_mode in (2, 3, 4):
-        _check_template(n, atten_mask)
+        if read_data:
+            _check_template(n, atten_mask)
     elif atten_mask is not None:
         if atten_mask.dim() == 2 and layout != "TND" and q_s_one and atten_mask.shape[0] == batch and batch > 1:
             mask3 = atten_mask[:, None, :]  # (B, KV_S) for Q_S = 1
@@ -444,8 +449,12 @@ def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_se
         vis = _visible(sparse_mode, lq[b], lkv[b], mask_b, pre_tokens, next_tokens, q_s_one, device)
         o_b, lse_b = _attend(q_b.float(), k_b, v_b, vis, scale, plan.p_dtype)
         first = q_start[b] if layout == "TND" else b * seq
-        out[first:first + lq[b]] = o_b.to(plan.out_dtype)
-        lse[first:first + lq[b]] = lse_b.T
+        if read_data:
+            out[first:first + lq[b]] = o_b.to(plan.out_dtype)
+            lse[first:first + lq[b]] = lse_b.T
+        else:   # traced: the same writes as functional ops (a graph's decomposition may not mutate its temporaries)
+            out = out.slice_scatter(o_b.to(plan.out_dtype), 0, first, first + lq[b])
+            lse = lse.slice_scatter(lse_b.T, 0, first, first + lq[b])
 
     # 5. output layout
     if layout == "TND":
@@ -492,7 +501,8 @@ def _v2(op: str, fake: bool, query, key, value, *, query_rope=None, key_rope=Non
         key_quant_mode=0, value_quant_mode=0, inner_precise=0, return_softmax_lse=False, query_dtype=None,
         key_dtype=None, value_dtype=None, query_rope_dtype=None, key_rope_dtype=None, key_shared_prefix_dtype=None,
         value_shared_prefix_dtype=None, dequant_scale_query_dtype=None, dequant_scale_key_dtype=None,
-        dequant_scale_value_dtype=None, dequant_scale_key_rope_dtype=None, out_dtype=None, renames=None):
+        dequant_scale_value_dtype=None, dequant_scale_key_rope_dtype=None, out_dtype=None, renames=None,
+        read_data=True):
     n = _Names(op, renames)
     _v2_unsupported(n, query_rope, key_rope, pse_shift, dequant_scale_query, dequant_offset_key,
                     dequant_offset_value, dequant_scale_key_rope, quant_scale_out, quant_offset_out, quant_scale_p,
@@ -513,7 +523,8 @@ def _v2(op: str, fake: bool, query, key, value, *, query_rope=None, key_rope=Non
         return (query.new_empty(plan.out_shape, dtype=plan.out_dtype),
                 query.new_empty(plan.lse_shape, dtype=torch.float32))
     return _fia(n, query, key, value, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
-                softmax_scale=softmax_scale, pre_tokens=pre_tokens, next_tokens=next_tokens, **common)
+                softmax_scale=softmax_scale, pre_tokens=pre_tokens, next_tokens=next_tokens, read_data=read_data,
+                **common)
 
 
 def _write_out(op: str, arg: str, out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -527,6 +538,12 @@ def _write_out(op: str, arg: str, out: torch.Tensor, result: torch.Tensor) -> to
 # The kernel and fake kernel are `_v2` with the op name bound: signature = the schema's arguments and defaults.
 fia_v2 = functools.partial(_v2, OP_V2, False)
 fia_v2_fake = functools.partial(_v2, OP_V2, True)
+
+
+def fia_v2_traced(query, key, value, **kwargs):
+    """The kernel as a compiled graph inlines it: without the host read of the block ids (a graph cannot raise
+    on data; the runner builds the block table from its own allocator)."""
+    return _v2(OP_V2, False, query, key, value, read_data=False, **kwargs)
 
 
 def _out_overload(op: str, functional):
@@ -594,7 +611,7 @@ fia_v1_fake = functools.partial(_v1, OP_V1, True)
 fia_v1_out, fia_v1_out_fake = _out_overload(OP_V1 + ".out", _v1)
 
 
-register(OP_V2, fia_v2, fia_v2_fake)
+register(OP_V2, fia_v2, fia_v2_fake, traceable=fia_v2_traced)
 register(OP_V2 + ".out", fia_v2_out, fia_v2_out_fake)
 register(OP_V1, fia_v1, fia_v1_fake)
 register(OP_V1 + ".out", fia_v1_out, fia_v1_out_fake)

@@ -483,4 +483,4 @@ def _npu_swiglu_fake(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return self.new_empty(shape)
 
 
-register("npu_swiglu", npu_swiglu, _npu_swiglu_fake)
+register("npu_swiglu", npu_swiglu, _npu_swiglu_fake, traceable=npu_swiglu)

@@ -70,7 +70,7 @@ def _npu_rms_norm_fake(self, gamma, epsilon=1e-06):
     return self.new_empty(self.shape), self.new_empty(_rstd_shape(self, gamma.dim()), dtype=torch.float32)
 
 
-register("npu_rms_norm", npu_rms_norm, _npu_rms_norm_fake)
+register("npu_rms_norm", npu_rms_norm, _npu_rms_norm_fake, traceable=npu_rms_norm)
 
 
 # --- npu_add_rms_norm ---------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def _npu_add_rms_norm_fake(x1, x2, gamma, epsilon=1e-06):
     return x1.new_empty(x1.shape), rstd, x1.new_empty(x1.shape)
 
 
-register("npu_add_rms_norm", npu_add_rms_norm, _npu_add_rms_norm_fake)
+register("npu_add_rms_norm", npu_add_rms_norm, _npu_add_rms_norm_fake, traceable=npu_add_rms_norm)
 
 
 # --- npu_add_rms_norm_cast ----------------------------------------------------------------------------
@@ -140,6 +140,7 @@ def _npu_add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-06):
     return (x1.new_empty(x1.shape, dtype=torch.float32), x1.new_empty(x1.shape), rstd, x1.new_empty(x1.shape))
 
 
-register("npu_add_rms_norm_cast", npu_add_rms_norm_cast, _npu_add_rms_norm_cast_fake)
+register("npu_add_rms_norm_cast", npu_add_rms_norm_cast, _npu_add_rms_norm_cast_fake,
+         traceable=npu_add_rms_norm_cast)
 
 __all__ = ["npu_rms_norm", "npu_add_rms_norm", "npu_add_rms_norm_cast"]

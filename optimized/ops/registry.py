@@ -16,6 +16,9 @@ from .schemas import SCHEMAS
 
 NAMESPACE = "npu"
 PORTABLE_KERNELS: dict[str, Callable] = {}
+# qualname -> the kernel's body as tensor operations a compiler can trace: no host read of tensor data, so the
+# compiled decode step may inline it and fuse it with its neighbours (see `inline_in_inductor`).
+TRACEABLE_KERNELS: dict[str, Callable] = {}
 _library: torch.library.Library | None = None
 
 
@@ -36,17 +39,21 @@ def is_defined(qualname: str) -> bool:
     return True
 
 
-def register(qualname: str, kernel: Callable, fake: Callable, tags: tuple = ()) -> None:
+def register(qualname: str, kernel: Callable, fake: Callable, tags: tuple = (), traceable: Callable | None = None) -> None:
     """Define `npu::<qualname>` with its torch_npu schema, the portable kernel and the fake kernel.
 
     Idempotent: a schema that already exists (torch_npu loaded, or this module imported twice) is left
     alone. The kernel is registered as CompositeExplicitAutograd, so it serves CPU and CUDA tensors alike.
     tags: torch.Tag values of the schema (`torch.Tag.inplace` tells torch.compile an op mutates and returns its
     first argument, so it is functionalized and then re-inplaced instead of copied).
+    traceable: the kernel's semantics as tensor operations with no host read of tensor data (the kernel itself
+    when it has none), which inductor may inline in a compiled graph instead of calling the opaque operator.
     """
     if qualname not in SCHEMAS:
         raise KeyError(f"no torch_npu schema for {qualname!r}; known: {sorted(SCHEMAS)}")
     PORTABLE_KERNELS[qualname] = kernel
+    if traceable is not None:
+        TRACEABLE_KERNELS[qualname] = traceable
     if torch_npu_available() or is_defined(qualname):
         return
     lib = _lib()
@@ -61,3 +68,26 @@ def portable_kernel(qualname: str) -> Callable:
         return PORTABLE_KERNELS[qualname]
     except KeyError:
         raise KeyError(f"no portable kernel registered for {qualname!r}; have {sorted(PORTABLE_KERNELS)}") from None
+
+
+def inline_in_inductor() -> list[str]:
+    """Give inductor the traceable portable kernels as decompositions of their operators; returns their names.
+
+    In eager mode every portable kernel is an opaque operator: a Python body run call by call. Compiled by
+    inductor, an operator with a decomposition is traced through instead, so its elementwise work fuses with
+    its neighbours and its Python runs once, at compile time, not at every decode step. Only inductor's table
+    is touched: eager calls, other backends and the recorded operator calls still see the operators. On an NPU
+    host torch_npu owns the operators (its fused kernels are the point of the graph) and nothing is inlined.
+    Idempotent.
+    """
+    if torch_npu_available():
+        return []
+    from torch._inductor.decomposition import decompositions, register_decomposition
+
+    for qualname, body in TRACEABLE_KERNELS.items():
+        name, _, overload = qualname.partition(".")
+        op = getattr(getattr(torch.ops, NAMESPACE), name)
+        op = getattr(op, overload or "default")
+        if op not in decompositions:
+            register_decomposition(op)(body)
+    return sorted(TRACEABLE_KERNELS)

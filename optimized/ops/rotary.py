@@ -101,6 +101,6 @@ def _npu_apply_rotary_pos_emb_fake(query, key, cos, sin, layout="BSND", rotary_m
     return query.new_empty(query.shape), key.new_empty(key.shape)
 
 
-register(OP, npu_apply_rotary_pos_emb, _npu_apply_rotary_pos_emb_fake)
+register(OP, npu_apply_rotary_pos_emb, _npu_apply_rotary_pos_emb_fake, traceable=npu_apply_rotary_pos_emb)
 
 __all__ = ["npu_apply_rotary_pos_emb"]

@@ -95,7 +95,7 @@ def _gating_fake(x, finished=None, k=1):
             x.new_empty(out_shape, dtype=torch.int32))
 
 
-register(_GATING, moe_gating_top_k_softmax, _gating_fake)
+register(_GATING, moe_gating_top_k_softmax, _gating_fake, traceable=moe_gating_top_k_softmax)
 
 
 # ==================================================================================================
