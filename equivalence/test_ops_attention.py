@@ -685,3 +685,22 @@ def test_npu_bsnd_varlen_matches_portable():
     kw = dict(num_query_heads=8, softmax_scale=1 / math.sqrt(128), input_layout="BSND", sparse_mode=3,
               atten_mask=TEMPLATE, actual_seq_qlen=[16, 16], actual_seq_kvlen=[40, 33])
     _npu_compare(V2, (q, k, v), kw, check_lse=False)
+
+
+@given(seed=seeds, reqs=requests(max_kv=40, decode=True), hd=heads(), d=head_dims, dtype=dtypes,
+       block_size=st.sampled_from([16, 32]), tail=st.integers(0, 2), lse=st.booleans())
+def test_traced_body_equals_the_kernel_bitwise(seed, reqs, hd, d, dtype, block_size, tail, lse):
+    """The body a compiled graph inlines (`fia_v2_traced`: no host read of block ids or mask, functional row
+    writes) computes the kernel's result bit for bit, rows past the last request (tail) included."""
+    from optimized.ops.attention import fia_v2_traced
+    (lq, lkv), (nq, nkv) = reqs, hd
+    q, k, v = tnd_inputs(seed, lq, lkv, nq, nkv, d, dtype, tail=tail)
+    kc, table = to_paged(seed, [per_request(k, lkv, b) for b in range(len(lkv))], block_size, "BnBsH", 0)
+    vc, _ = to_paged(seed, [per_request(v, lkv, b) for b in range(len(lkv))], block_size, "BnBsH", 0)
+    kwargs = dict(num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=1 / math.sqrt(d), input_layout="TND",
+                  actual_seq_qlen=cumsum(lq), actual_seq_kvlen=lkv, block_table=table, block_size=block_size,
+                  sparse_mode=3, atten_mask=TEMPLATE, return_softmax_lse=lse)
+    want = portable_kernel(V2)(q, kc, vc, **kwargs)
+    got = fia_v2_traced(q, kc, vc, **kwargs)
+    assert_bitwise_equal(got[0], want[0], "traced body vs kernel: attention_out")
+    assert_bitwise_equal(got[1], want[1], "traced body vs kernel: softmax_lse")
