@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from equivalence.compare import assert_close
 from fixtures.checkpoints import checkpoint
 from optimized import ModelRunner, load_model
-from optimized.executor.sampling import SamplingParams, filtered_probs
+from optimized.executor.sampling import Sampler, SamplingParams, filtered_probs
 from reference.checkpoint import load_model as load_reference
 
 PROMPTS = [[288, 337, 283, 352, 393], [7, 8, 9], [100, 200, 300, 400]]
@@ -107,3 +107,17 @@ def test_logits_positions_outside_the_prompt_are_refused(runner):
         runner.generate(PROMPTS, 2, prompt_logits_positions=[[0], [3], [0]])
     with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
         SamplingParams(temperature=1.0, top_p=0)
+
+
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 300), ties=st.integers(0, 5), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_greedy_pick_is_the_argmax_of_the_logits_as_given(rows, vocab, ties, seed, dtype):
+    """The greedy sampler argmaxes in float32: the index argmax gives on the logits' own dtype, ties included
+    (several copies of each row's maximum: the first wins), on values of few distinct levels."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-4, 4, (rows, vocab), generator=g).to(dtype) / 4
+    for r in range(rows):
+        top = logits[r].max()
+        logits[r, torch.randint(0, vocab, (ties,), generator=g)] = top
+    picked = Sampler(SamplingParams(), rows)(logits, list(range(rows)))
+    assert torch.equal(picked, logits.argmax(-1)), (picked, logits.argmax(-1))

@@ -75,7 +75,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[int]) -> torch.Tensor:
         """logits [len(requests), V] -> token ids [len(requests)] (int64, on the logits' device)."""
         if self.params.greedy:
-            return logits.argmax(-1)
+            # On float32, the same index (the conversion is exact and ties keep the first index), and on a CPU
+            # about twice as fast over a 152k vocabulary as argmax on 16-bit values.
+            return logits.float().argmax(-1)
         probs = filtered_probs(logits, self.params).cpu()
         picks = [torch.multinomial(probs[i], 1, generator=self.generators[r]) for i, r in enumerate(requests)]
         return torch.cat(picks).to(logits.device)

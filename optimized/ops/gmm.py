@@ -13,7 +13,7 @@ without MX, act_type) raise NotImplementedError; `tuning_config` is a tiling hin
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -80,11 +80,27 @@ def _check_x_weight_dtypes(op: str, x: Sequence[torch.Tensor], weight: Sequence[
                             f"{name}[{i}] last dim is {t.shape[-1] if t.dim() else None}; must be < 65536")
 
 
-def _weights(op: str, weight: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+class _StackedGroups(Sequence):
+    """The groups of one 3-D weight [G, K, N] as a sequence of [K, N] views, each made when it is read: a decode
+    step routes to a few of many experts, and viewing every group on every call was a large part of its cost."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __len__(self) -> int:
+        return self.weight.shape[0]
+
+    def __getitem__(self, g):
+        if isinstance(g, slice):
+            return [self.weight[i] for i in range(*g.indices(len(self)))]
+        return self.weight[g]
+
+
+def _weights(op: str, weight: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], bool]:
     """Ws (logical [K, N] per group; transposed views welcome) and whether weight was one 3-D tensor."""
     if len(weight) == 1 and weight[0].dim() == 3:
         check_npu_limit(weight[0].shape[0] <= 1024, op, f"weight[0] has {weight[0].shape[0]} groups; at most 1024")
-        return list(weight[0].unbind(0)), True
+        return _StackedGroups(weight[0]), True
     for i, w in enumerate(weight):
         check(w.dim() == 2, op, f"weight[{i}] has shape {tuple(w.shape)}; expected one 3-D weight [G, K, N] "
                                 f"or a list of 2-D weights [K, N]")
