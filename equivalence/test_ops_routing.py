@@ -426,6 +426,31 @@ def test_compute_expert_tokens_example():
 # ------------------------------------------------------------------------------------------------------------------
 
 
+@given(v2_problems(), st.sampled_from([(), (3,), (2, 2)]))
+def test_init_routing_v2_traced_body_equals_the_kernel_bitwise(p, scale_tail):
+    """The body a compiled graph inlines (masks and a scatter-add instead of host-sized slices and bincount) gives
+    the kernel's four outputs bit for bit, every row and index included; key-value counts stay an operator
+    (NotImplemented), as does drop/pad mode."""
+    from optimized.ops.routing import moe_init_routing_v2_traced
+    x = random_bits((p["n"], 5), p["dtype"], p["seed"]) if p["dtype"] != torch.int8 else \
+        torch.randint(-128, 128, (p["n"], 5), generator=gen(p["seed"]), dtype=torch.int8)
+    scale = random_bits((p["n"],) + scale_tail, torch.float32, p["seed"] + 1) if p["with_scale"] else None
+    if scale is not None and scale_tail:   # MX row scales: uint8 [N, ceil(H/64), 2] beside a 1-byte x
+        if x.element_size() != 1:
+            return
+        scale = torch.randint(0, 256, (p["n"], 1, 2), generator=gen(p["seed"]), dtype=torch.uint8)
+    kw = dict(scale=scale, active_num=p["active_num"], expert_num=p["num_experts"], active_expert_range=p["range"],
+              expert_tokens_num_type=p["count_type"], expert_tokens_num_flag=True, row_idx_type=p["row_idx_type"])
+    got = moe_init_routing_v2_traced(x, p["ids"], **kw)
+    if p["count_type"] == 2:
+        assert got is NotImplemented
+        return
+    want = portable_kernel("npu_moe_init_routing_v2")(x, p["ids"], **kw)
+    for name, a, b in zip(("expanded_x", "expanded_row_idx", "expert_tokens", "expanded_scale"), got, want):
+        assert_bitwise_equal(a, b, f"traced init routing vs kernel: {name}")
+    assert moe_init_routing_v2_traced(x, p["ids"], **kw, drop_pad_mode=1, expert_capacity=1) is NotImplemented
+
+
 @st.composite
 def finalize_problems(draw):
     mode = draw(st.sampled_from([0, 1, 2, 3]))
@@ -466,6 +491,16 @@ def test_finalize_matches_literal_loop(p):
     assert out.dtype == p["rows"].dtype and out.shape == expected.shape
     # The spec fixes the fp32 order (skip1, skip2, ascending j), and the reference follows it: equal values.
     assert torch.equal(out, expected), f"not equal to the fixed-order loop; {out} vs {expected}"
+
+
+@given(finalize_problems())
+def test_finalize_traced_body_equals_the_kernel_bitwise(p):
+    """The body a compiled graph inlines (no host read of the index ranges) gives the kernel's result bit for bit."""
+    from optimized.ops.routing import moe_finalize_routing_traced
+    args = (p["rows"], p["skip1"], p["skip2"], p["bias"], p["scales"], p["idx"], p["export"])
+    want = portable_kernel("npu_moe_finalize_routing")(*args, drop_pad_mode=p["mode"], k=p["k"])
+    assert_bitwise_equal(moe_finalize_routing_traced(*args, drop_pad_mode=p["mode"], k=p["k"]), want,
+                         "traced finalize vs kernel")
 
 
 @given(finalize_problems())

@@ -28,9 +28,9 @@ that keep the capture static: Python floats of the model (eps, scale) specialize
 dynamo traces them as symbols and restarts), and the recompile limit is raised and made an error, so a
 run never falls back to eager silently; inductor keeps every rounding of the traced code (`INDUCTOR_SETTINGS`).
 Off NPU, inductor inlines the portable kernels that read no tensor data on the host (norms, rotary, SwiGLU,
-gating, the fused attention: `ops.registry.inline_in_inductor`), so they fuse instead of running as Python
-operators at every step; the grouped matmul, routing and cache write stay operators (their kernels read group
-sizes or indices on the host). With a `CompileCache` each bucket has its own cache entry: its first
+gating, dropless routing and its combine, the fused attention: `ops.registry.inline_in_inductor`), so they fuse
+instead of running as Python operators at every step; the grouped matmul and the cache write stay operators
+(the one sizes its groups on the host; the other mutates the cache, which a decomposition cannot). With a `CompileCache` each bucket has its own cache entry: its first
 call loads the verified artefacts of its key, or compiles and saves them (`compile_cache.py`); on NPU each
 bucket also has its own compiled step, whose torchair cache_compile directory is the entry (verified before
 torchair reads it, signed after the first call). `GraphDecoder.startup` records per bucket whether it was
@@ -53,6 +53,12 @@ from optimized.config import GRAPH_MODES
 from optimized.forward_metadata import ForwardMetadata
 from optimized.ops import registry
 from optimized.executor.kv_cache import NULL_BLOCK
+
+# Off NPU the compiler is inductor: it inlines the portable kernels that read no tensor data on the host, so they
+# fuse instead of running as Python operators at every step (ops/registry.py `inline_in_inductor`). Registered on
+# import, before anything in the process compiles a decode step: inductor's caches key on the traced graph, not on
+# its decomposition table, so a graph compiled before the registration would be reused without the inlining.
+INLINED = registry.inline_in_inductor()
 
 PAD_KV_LEN = 2   # KV length of a padding slot (see the module docstring): never 1, which the compiler specializes
 
@@ -123,9 +129,7 @@ class GraphDecoder:
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
-        # Off NPU the compiler is inductor: it inlines the portable kernels that read no tensor data on the host,
-        # so they fuse instead of running as Python operators at every step (ops/registry.py `inline_in_inductor`).
-        self.inlined = registry.inline_in_inductor()
+        self.inlined = INLINED
         # On NPU torchair's cache_compile owns the cache: one directory and one compiled step per batch bucket (its
         # saver treats a second input shape as a recompile, and a loaded cache replays without shape guards); that
         # directory is the bucket's cache entry, verified before torchair reads it and signed after its first call.

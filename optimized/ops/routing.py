@@ -290,6 +290,48 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     return expanded_x, expanded_row_idx, tokens_out, expanded_scale
 
 
+def moe_init_routing_v2_traced(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                               expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                               quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+    """The dropless kernel as a compiled graph inlines it: the in-range count stays a tensor (masks instead of
+    slices), counts come from a scatter-add instead of bincount, and the id range is not read on the host; the
+    same results bit for bit (equivalence/test_ops_routing.py). Drop/pad mode and key-value counts size their
+    outputs by the data: NotImplemented keeps those calls operators."""
+    if drop_pad_mode != 0 or expert_tokens_num_type == 2:
+        return NotImplemented
+    s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
+                                 drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
+                                 row_idx_type, x_dtype)
+    dev = x.device
+    n, k = expert_idx.shape
+    nk = n * k
+    ef = expert_idx.reshape(-1).long()
+    in_range = (ef >= s) & (ef < e)
+    avail = in_range.sum()
+    key = torch.where(ef < s, torch.iinfo(torch.int64).max, ef)
+    perm = torch.sort(key, stable=True).indices
+    counts = torch.zeros(e - s, dtype=torch.int64, device=dev).scatter_add(
+        0, torch.where(in_range, ef - s, 0), in_range.long())
+    tokens_out = counts if expert_tokens_num_type == 1 else torch.cumsum(counts, 0)
+    position = torch.arange(nk, device=dev)
+    if row_idx_type == 0:
+        numbered = torch.where(position < avail, position, -1).to(torch.int32)
+        expanded_row_idx = torch.full((nk,), -1, dtype=torch.int32, device=dev).scatter(0, perm, numbered)
+    else:
+        expanded_row_idx = perm.to(torch.int32)
+    src_tokens = perm[:rows_out] // max(k, 1)
+    valid_row = position[:rows_out] < avail
+
+    def rows_of(t):   # row p: t's row of sorted slot p while p < avail, else all-zero bits
+        bits = _as_bits(t).index_select(0, src_tokens)
+        keep = valid_row.reshape(-1, *([1] * (t.dim() - 1)))
+        return torch.where(keep, bits, torch.zeros((), dtype=bits.dtype, device=dev)).view(t.dtype)
+
+    expanded_x = rows_of(x)
+    expanded_scale = torch.zeros(rows_out, dtype=torch.float32, device=dev) if scale is None else rows_of(scale)
+    return expanded_x, expanded_row_idx, tokens_out, expanded_scale
+
+
 def _v2_fake(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1, expert_num=-1,
              drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
              active_expert_range=(), row_idx_type=0, x_dtype=None):
@@ -308,7 +350,7 @@ def _v2_fake(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_ca
             x.new_empty(_v2_scale_shape(scale, rows_out), dtype=scale_dtype))
 
 
-register(_V2, moe_init_routing_v2, _v2_fake)
+register(_V2, moe_init_routing_v2, _v2_fake, traceable=moe_init_routing_v2_traced)
 
 
 # ==================================================================================================
@@ -395,13 +437,26 @@ def _fin_resolve(rows, skip1, skip2, bias, scales, idx, export, drop_pad_mode, k
 
 def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
                          export_for_source_row, drop_pad_mode=0, k=1):
+    return _finalize(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                     export_for_source_row, drop_pad_mode, k, read_data=True)
+
+
+def moe_finalize_routing_traced(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                                export_for_source_row, drop_pad_mode=0, k=1):
+    """The kernel as a compiled graph inlines it: the same code without the host reads of the index ranges."""
+    return _finalize(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                     export_for_source_row, drop_pad_mode, k, read_data=False)
+
+
+def _finalize(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row, export_for_source_row,
+              drop_pad_mode, k, read_data: bool):
     rows, idx, export = expanded_permuted_rows, expanded_src_to_dst_row, export_for_source_row
     mode, n, kk, h = _fin_resolve(rows, skip1, skip2, bias, scales, idx, export, drop_pad_mode, k)
     rows2 = rows.reshape(-1, h)
     num_rows = rows2.shape[0]
     slot = idx.reshape(kk, n).t() if mode in (0, 1) else idx.reshape(n, kk)  # [N, K]: destination row of choice j
     valid = slot >= 0
-    check(idx.numel() == 0 or (int(idx.min()) >= -1 and int(idx.max()) < num_rows), _FIN,
+    check(not read_data or idx.numel() == 0 or (int(idx.min()) >= -1 and int(idx.max()) < num_rows), _FIN,
           f"expanded_src_to_dst_row values must lie in [-1, {num_rows})")
     # -1 (and only -1) reads a zero row appended past the real ones; the where() below makes it contribute 0.
     padded = torch.cat([rows2, rows2.new_zeros((1, h))])
@@ -409,7 +464,8 @@ def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, exp
     values = gathered.view(n, kk, h)
     if bias is not None:
         ex = export.long()
-        check(not bool(valid.any()) or (int(ex[valid].min()) >= 0 and int(ex[valid].max()) < bias.shape[0]), _FIN,
+        check(not read_data or not bool(valid.any()) or
+              (int(ex[valid].min()) >= 0 and int(ex[valid].max()) < bias.shape[0]), _FIN,
               f"export_for_source_row values must lie in [0, {bias.shape[0]}) (bias rows) where an index is valid")
         values = values + bias.float().index_select(0, torch.where(valid, ex, 0).reshape(-1)).view(n, kk, h)
     if scales is not None:
@@ -432,7 +488,7 @@ def _fin_fake(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_t
     return expanded_permuted_rows.new_empty((n, h))
 
 
-register(_FIN, moe_finalize_routing, _fin_fake)
+register(_FIN, moe_finalize_routing, _fin_fake, traceable=moe_finalize_routing_traced)
 
 
 # ==================================================================================================
