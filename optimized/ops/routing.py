@@ -230,10 +230,8 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
                                  drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
                                  row_idx_type, x_dtype)
-    dev = x.device
-    n, k = expert_idx.shape
+    dev, (n, k), ef = x.device, expert_idx.shape, expert_idx.reshape(-1).long()   # ef: flat slot f = i*K + j
     nk = n * k
-    ef = expert_idx.reshape(-1).long()
     # Spec §4.1: ids are in [0, expert_num]; expert_num itself is gating's "finished" marker (dropped like any
     # id outside the active range). Anything else is a caller bug: refused, never silently dropped.
     check(nk == 0 or int(ef.min()) >= 0, _V2, f"expert_idx values must be >= 0; got {int(ef.min()) if nk else 0}")
@@ -302,10 +300,8 @@ def moe_init_routing_v2_traced(x, expert_idx, *, scale=None, offset=None, active
     s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
                                  drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
                                  row_idx_type, x_dtype)
-    dev = x.device
-    n, k = expert_idx.shape
+    dev, (n, k), ef = x.device, expert_idx.shape, expert_idx.reshape(-1).long()   # ef: flat slot f = i*K + j
     nk = n * k
-    ef = expert_idx.reshape(-1).long()
     in_range = (ef >= s) & (ef < e)
     avail = in_range.sum()
     key = torch.where(ef < s, torch.iinfo(torch.int64).max, ef)
