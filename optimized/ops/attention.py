@@ -374,9 +374,9 @@ def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_se
         capacity = block_table.shape[1] * block_size
         check(all(0 <= x <= capacity for x in lkv), op,
               f"paged {n('actual_seq_kvlen')} entries must be in [0, max_blocks*block_size = {capacity}]; got {lkv}")
-        used = None if not read_data else torch.arange(block_table.shape[1], device=block_table.device)[None, :] < \
-            torch.tensor([-(-x // block_size) for x in lkv], device=block_table.device)[:, None]
         if read_data:
+            used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < torch.tensor(
+                [-(-x // block_size) for x in lkv], device=block_table.device)[:, None]
             ids = block_table[used]
             bad = (ids < 0) | (ids >= key.shape[0])
             if bool(bad.any()):
@@ -541,8 +541,9 @@ fia_v2_fake = functools.partial(_v2, OP_V2, True)
 
 
 def fia_v2_traced(query, key, value, **kwargs):
-    """The kernel as a compiled graph inlines it: without the host read of the block ids (a graph cannot raise
-    on data; the runner builds the block table from its own allocator)."""
+    """The kernel as a compiled graph inlines it (`_fia` with read_data False): without the host reads of the block
+    ids and the mask template (a graph cannot raise on data; the runner builds the block table from its own
+    allocator), output rows written functionally."""
     return _v2(OP_V2, False, query, key, value, read_data=False, **kwargs)
 
 

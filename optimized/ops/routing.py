@@ -230,19 +230,18 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
                                  drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
                                  row_idx_type, x_dtype)
-    dev, (n, k), ef = x.device, expert_idx.shape, expert_idx.reshape(-1).long()   # ef: flat slot f = i*K + j
+    dev = x.device
+    n, k = expert_idx.shape
     nk = n * k
+    ef = expert_idx.reshape(-1).long()
     # Spec §4.1: ids are in [0, expert_num]; expert_num itself is gating's "finished" marker (dropped like any
     # id outside the active range). Anything else is a caller bug: refused, never silently dropped.
     check(nk == 0 or int(ef.min()) >= 0, _V2, f"expert_idx values must be >= 0; got {int(ef.min()) if nk else 0}")
     check(nk == 0 or int(ef.max()) <= expert_num, _V2,
           f"expert_idx value {int(ef.max()) if nk else 0} is outside [0, expert_num={expert_num}] (expert_num itself "
           f"marks a finished row); pass the global expert count as expert_num")
-    in_range = (ef >= s) & (ef < e)
+    in_range, perm, counts = _sorted_slots(ef, s, e)
     avail = int(in_range.sum())
-    key = torch.where(ef < s, torch.iinfo(torch.int64).max, ef)
-    perm = torch.sort(key, stable=True).indices  # perm[p] = slot at sorted position p; [:avail] are in range
-    counts = torch.bincount(ef[in_range] - s, minlength=e - s).to(torch.int64)
     if expert_tokens_num_type == 1:
         tokens_out = counts
     elif expert_tokens_num_type == 0:
@@ -271,46 +270,28 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
             _as_bits(expanded_scale).index_copy_(0, dest, _as_bits(_gather_rows(scale, kept_slots // k)))
         return expanded_x, expanded_row_idx, tokens_out, expanded_scale
 
-    if row_idx_type == 0:
-        expanded_row_idx = torch.full((nk,), -1, dtype=torch.int32, device=dev)
-        expanded_row_idx[perm[:avail]] = torch.arange(avail, dtype=torch.int32, device=dev)
-    else:
-        expanded_row_idx = perm.to(torch.int32)
-    n_valid = min(avail, rows_out)
-    src_tokens = perm[:n_valid] // max(k, 1)
-    expanded_x = _zeros_like_rows(x, rows_out)
-    expanded_x[:n_valid] = _gather_rows(x, src_tokens)
-    if scale is None:
-        expanded_scale = torch.zeros(rows_out, dtype=torch.float32, device=dev)
-    else:
-        expanded_scale = _zeros_like_rows(scale, rows_out)
-        expanded_scale[:n_valid] = _gather_rows(scale, src_tokens)
+    expanded_x, expanded_row_idx, expanded_scale = _dropless_rows(x, scale, perm, avail, k, rows_out, row_idx_type)
     return expanded_x, expanded_row_idx, tokens_out, expanded_scale
 
 
-def moe_init_routing_v2_traced(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
-                               expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
-                               quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
-    """The dropless kernel as a compiled graph inlines it: the in-range count stays a tensor (masks instead of
-    slices), counts come from a scatter-add instead of bincount, and the id range is not read on the host; the
-    same results bit for bit (equivalence/test_ops_routing.py). Drop/pad mode and key-value counts size their
-    outputs by the data: NotImplemented keeps those calls operators."""
-    if drop_pad_mode != 0 or expert_tokens_num_type == 2:
-        return NotImplemented
-    s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
-                                 drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
-                                 row_idx_type, x_dtype)
-    dev, (n, k), ef = x.device, expert_idx.shape, expert_idx.reshape(-1).long()   # ef: flat slot f = i*K + j
-    nk = n * k
+def _sorted_slots(ef: torch.Tensor, s: int, e: int):
+    """(in_range [NK] bool, perm [NK], counts [e - s] int64) of the flat expert ids: perm[p] is the slot at sorted
+    position p (in-range ids first, by id, stable), counts the slots per in-range expert (a scatter-add: no
+    host-sized output, so a compiled graph can trace it)."""
     in_range = (ef >= s) & (ef < e)
-    avail = in_range.sum()
     key = torch.where(ef < s, torch.iinfo(torch.int64).max, ef)
     perm = torch.sort(key, stable=True).indices
-    counts = torch.zeros(e - s, dtype=torch.int64, device=dev).scatter_add(
+    counts = torch.zeros(e - s, dtype=torch.int64, device=ef.device).scatter_add(
         0, torch.where(in_range, ef - s, 0), in_range.long())
-    tokens_out = counts if expert_tokens_num_type == 1 else torch.cumsum(counts, 0)
+    return in_range, perm, counts
+
+
+def _dropless_rows(x, scale, perm, avail, k: int, rows_out, row_idx_type: int):
+    """Dropless outputs (expanded_x, expanded_row_idx, expanded_scale) from the sorted slots. avail, the in-range
+    slot count, is an int (eager) or a 0-d tensor (traced): rows and indices are masked by it, never sliced."""
+    dev, nk = x.device, perm.shape[0]
     position = torch.arange(nk, device=dev)
-    if row_idx_type == 0:
+    if row_idx_type == 0:   # slot perm[p] numbered p while p < avail, else -1
         numbered = torch.where(position < avail, position, -1).to(torch.int32)
         expanded_row_idx = torch.full((nk,), -1, dtype=torch.int32, device=dev).scatter(0, perm, numbered)
     else:
@@ -323,8 +304,26 @@ def moe_init_routing_v2_traced(x, expert_idx, *, scale=None, offset=None, active
         keep = valid_row.reshape(-1, *([1] * (t.dim() - 1)))
         return torch.where(keep, bits, torch.zeros((), dtype=bits.dtype, device=dev)).view(t.dtype)
 
-    expanded_x = rows_of(x)
     expanded_scale = torch.zeros(rows_out, dtype=torch.float32, device=dev) if scale is None else rows_of(scale)
+    return rows_of(x), expanded_row_idx, expanded_scale
+
+
+def moe_init_routing_v2_traced(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                               expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                               quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+    """The dropless kernel as a compiled graph inlines it: the same `_sorted_slots` and `_dropless_rows`, with the
+    in-range count kept a tensor and without the host reads of the id range (equivalence/test_ops_routing.py:
+    bitwise the kernel). Drop/pad mode and key-value counts size their outputs by the data: NotImplemented keeps
+    those calls operators."""
+    if drop_pad_mode != 0 or expert_tokens_num_type == 2:
+        return NotImplemented
+    s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
+                                 drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
+                                 row_idx_type, x_dtype)
+    in_range, perm, counts = _sorted_slots(expert_idx.reshape(-1).long(), s, e)
+    tokens_out = counts if expert_tokens_num_type == 1 else torch.cumsum(counts, 0)
+    expanded_x, expanded_row_idx, expanded_scale = _dropless_rows(x, scale, perm, in_range.sum(), expert_idx.shape[1],
+                                                                  rows_out, row_idx_type)
     return expanded_x, expanded_row_idx, tokens_out, expanded_scale
 
 
