@@ -5,7 +5,9 @@
 - a weight rewritten in place (a reload) is packed again: the result follows the new values, never a stale copy;
 - compiled (inductor, fullgraph): the step calls the operator and returns eager's bits;
 - fp32, autograd and inference-mode weights take plain F.linear, with no packed copy;
-- a view (an expert's W[g].t(), a new object per call) is packed once and reused; freeing its weight drops the copy.
+- a view (an expert's W[g].t(), a new object per call) is packed once and reused; freeing its weight drops the copy;
+- the grouped linear (the experts' stacked weight, one cache entry for its groups): each group's rows bitwise
+  `linear(rows, W[g].t())`, rows past the groups 0, only the visited groups packed, and repacked after a rewrite.
 """
 from __future__ import annotations
 
@@ -115,3 +117,41 @@ def test_prepack_env_zero_turns_the_path_off():
         env = {**os.environ, cpu_gemm.PREPACK_ENV: value, "PYTHONPATH": str(repo)}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == want, (value, out.stdout, out.stderr[-2000:])
+
+
+def _grouped_inputs(seed: int, counts: list[int], pad: int, k: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts) + pad, k, generator=g).bfloat16()
+    stacked = (torch.randn(len(counts), n, k, generator=g) * 0.05).bfloat16()   # [G, N, K] rows, as the experts
+    return x, stacked, stacked.transpose(1, 2)                                  # the logical [G, K, N] view
+
+
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=6), pad=st.integers(0, 3), k=st.integers(1, 96),
+       n=st.integers(1, 96), seed=st.integers(0, 2**16))
+def test_grouped_linear_is_bitwise_linear_per_group(counts, pad, k, n, seed):
+    x, stacked, weight = _grouped_inputs(seed, counts, pad, k, n)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    with torch.no_grad():
+        got = cpu_gemm.grouped_linear(x, weight, ends)
+    packs = cpu_gemm._PACKED[("groups", weight.data_ptr(), tuple(weight.shape), weight.stride())][2]
+    assert [p is not None for p in packs] == [c > 0 for c in counts], "only the visited groups are packed"
+    assert got.shape == (x.shape[0], n)
+    start = 0
+    for group, end in enumerate(ends):
+        assert_bitwise_equal(got[start:end], F.linear(x[start:end], stacked[group]), f"group {group} of {counts}")
+        start = end
+    assert not got[start:].any(), "rows past the last group are 0"
+
+
+def test_grouped_linear_repacks_a_rewritten_weight():
+    x, stacked, weight = _grouped_inputs(1, [2, 0, 3], 1, 32, 16)
+    stacked = torch.nn.Parameter(stacked, requires_grad=False)
+    weight = stacked.transpose(1, 2)
+    ends = [2, 2, 5]
+    with torch.no_grad():
+        first = cpu_gemm.grouped_linear(x, weight, ends)
+        stacked.copy_(torch.randn(stacked.shape).bfloat16())    # a reload into the same storage
+        second = cpu_gemm.grouped_linear(x, weight, ends)
+    assert not torch.equal(first, second)
+    assert_bitwise_equal(second[:2], F.linear(x[:2], stacked[0]), "group 0 after the rewrite")
+    assert_bitwise_equal(second[2:5], F.linear(x[2:5], stacked[2]), "group 2 after the rewrite")

@@ -518,8 +518,8 @@ def test_npu_kernel_matches_portable(name):
 @given(gmm_cases(overload="tensor", split_item=3))
 def test_gmm_stacked_fast_path_is_bitwise_the_per_group_path(case):
     """One x, one 3-D weight, concatenated output: the kernel visits only the non-empty groups
-    (`_run_stacked`); `_run` over the unbound weights, every group visited, is the semantic path it must equal
-    bit for bit (same `_mm` per group, zero tail)."""
+    (`_run_stacked`; on CPU bf16 without bias, `cpu_gemm.grouped_linear`); `_run` over the unbound weights, every
+    group visited, is the semantic path it must equal bit for bit (same kernel per group, zero tail)."""
     from optimized.ops import gmm
 
     case = dict(case, layout="transposed" if case["layout"] == "transposed" else "3d",
@@ -530,6 +530,11 @@ def test_gmm_stacked_fast_path_is_bitwise_the_per_group_path(case):
     Bs = [None] * len(ends) if b is None else list(b.unbind(0))
     (general,) = gmm._run(gmm.OP, "m_single", [x], list(weight[0].unbind(0)), Bs, ends, 3, case["dtype"])
     assert_bitwise_equal(fast, general, f"stacked fast path vs per-group path, {case}")
+    from optimized.ops import cpu_gemm
+    w3 = weight[0]
+    if cpu_gemm.ONEDNN_BF16 and case["dtype"] == torch.bfloat16 and b is None and x.shape[0] > 0:
+        assert ("groups", w3.data_ptr(), tuple(w3.shape), w3.stride()) in cpu_gemm._PACKED, \
+            "bf16 without bias: the grouped linear on packed groups (cpu_gemm.grouped_linear) was not taken"
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.sampled_from([1, 7, 64, 768, 2048]), st.integers(1, 40),

@@ -69,6 +69,42 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def packed_groups(weight: torch.Tensor) -> list:
+    """The packed copies of a 3-D weight's groups ([G, K, N], each group a transposed view of [N, K] rows), one slot
+    per group, packed when the group is first read. A decode step's grouped matmul visits tens of experts: one cache
+    lookup per call instead of a view, a key and a lookup per expert (about 40 us each at batch 8)."""
+    key = ("groups", weight.data_ptr(), tuple(weight.shape), weight.stride())
+    owner = weight if weight._base is None else weight._base
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is owner and hit[1] == weight._version:
+        return hit[2]
+    groups = [None] * weight.shape[0]
+
+    def forget(ref, key=key):
+        if _PACKED.get(key, (None,))[0] is ref:
+            del _PACKED[key]
+    _PACKED[key] = (weakref.ref(owner, forget), weight._version, groups)
+    return groups
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    """Rows x[ends[g-1]:ends[g]] times group g of `weight` [G, K, N] (logical [K, N] per group), concatenated; rows
+    past ends[-1] are 0. Each group is `linear(rows, weight[g].t())` bit for bit (the same packed kernel); callers
+    check `packable(x, weight[0])` and that the weight is not an inference tensor."""
+    packs = packed_groups(weight)
+    pieces, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            packed = packs[g]
+            if packed is None:
+                packed = packs[g] = torch.ops.mkldnn._reorder_linear_weight(weight[g].t().detach(), 1)
+            pieces.append(torch.ops.mkldnn._linear_pointwise(x[start:end], packed, None, "none", [None], ""))
+        start = end
+    if start < x.shape[0] or not pieces:
+        pieces.append(x.new_zeros(x.shape[0] - start, weight.shape[-1]))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
 def _linear_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.is_inference():   # no version counter to tell a rewritten weight: not cached
         return F.linear(x, weight)
