@@ -31,6 +31,11 @@ def _validate(op: str, self: torch.Tensor, indices: torch.Tensor, updates: torch
 def _check_range(op: str, self: torch.Tensor, idx: torch.Tensor) -> None:
     """Every tuple within [0, self.shape[d]); IndexError names the first bad tuple (NPU has no negative indices)."""
     a = idx.shape[-1]
+    if idx.shape[0] == 0:
+        return
+    low, high = torch.aminmax(idx, dim=0)   # one pass and one host read when every tuple is in range
+    if min(low.tolist()) >= 0 and all(h < n for h, n in zip(high.tolist(), self.shape)):
+        return
     limits = torch.tensor(self.shape[:a], dtype=torch.int64, device=idx.device)
     bad = ((idx < 0) | (idx >= limits)).any(dim=-1)
     if bool(bad.any()):
@@ -46,6 +51,11 @@ def _scatter_into(op: str, target: torch.Tensor, indices: torch.Tensor, updates:
     idx = indices.reshape(-1, a).to(torch.int64)
     _check_range(op, target, idx)
     upd = updates.reshape((idx.shape[0],) + tuple(target.shape[a:]))
+    bits = _BITS[target.element_size()]
+    target_bits = target.view(bits)  # same storage: the write lands in `target`
+    if idx.shape[0] == 1:            # one tuple (a decode step's token): no duplicates to resolve
+        target_bits.index_put_(tuple(idx.unbind(-1)), upd.view(bits))
+        return
     # duplicates: keep only the LAST occurrence of each tuple (stable sort of the linear slot index), so the
     # write below has unique indices and is deterministic.
     lin = torch.zeros(idx.shape[0], dtype=torch.int64, device=idx.device)
@@ -55,8 +65,6 @@ def _scatter_into(op: str, target: torch.Tensor, indices: torch.Tensor, updates:
     is_last = torch.ones_like(sorted_lin, dtype=torch.bool)
     is_last[:-1] = sorted_lin[1:] != sorted_lin[:-1]
     keep = perm[is_last]
-    bits = _BITS[target.element_size()]
-    target_bits = target.view(bits)  # same storage: the write lands in `target`
     target_bits.index_put_(tuple(idx[keep].unbind(-1)), upd[keep].view(bits))
 
 
