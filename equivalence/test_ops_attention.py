@@ -704,3 +704,57 @@ def test_traced_body_equals_the_kernel_bitwise(seed, reqs, hd, d, dtype, block_s
     got = fia_v2_traced(q, kc, vc, **kwargs)
     assert_bitwise_equal(got[0], want[0], "traced body vs kernel: attention_out")
     assert_bitwise_equal(got[1], want[1], "traced body vs kernel: softmax_lse")
+
+
+@st.composite
+def equal_length_batches(draw):
+    """Up to 8 requests with lengths from a small set, so several share (Lq, Lkv) and are batched together; decode
+    rows (Lq 1) or whole prompts (Lq = Lkv)."""
+    batch = draw(st.integers(2, 8))
+    lkv = [draw(st.sampled_from([1, 3, 17])) for _ in range(batch)]
+    lq = [1 if draw(st.booleans()) else x for x in lkv] if draw(st.booleans()) else [1] * batch
+    return lq, lkv
+
+
+@given(seed=seeds, reqs=equal_length_batches(), hd=heads(), dtype=dtypes, layout=st.sampled_from(["TND", "paged",
+       "BSND"]), lse=st.booleans())
+def test_requests_batched_by_length_equal_each_request_alone_bitwise(seed, reqs, hd, dtype, layout, lse):
+    """The kernel batches requests of equal (Lq, Lkv) into one computation (eager): every request's rows are bit
+    for bit what a call with that request alone returns, for contiguous and paged TND and for BSND."""
+    (lq, lkv), (nq, nkv), d = reqs, hd, 16
+    q, k, v = tnd_inputs(seed, lq, lkv, nq, nkv, d, dtype)
+    common = dict(return_softmax_lse=lse)
+    batch = len(lq)
+    if layout == "BSND":
+        s, s_kv = max(lq), max(lkv)
+        q4 = torch.zeros(batch, s, nq, d, dtype=dtype)
+        k4, v4 = torch.zeros(batch, s_kv, nkv, d, dtype=dtype), torch.zeros(batch, s_kv, nkv, d, dtype=dtype)
+        for b in range(batch):
+            q4[b, :lq[b]] = per_request(q, lq, b)
+            k4[b, :lkv[b]], v4[b, :lkv[b]] = per_request(k, lkv, b), per_request(v, lkv, b)
+        run = lambda sel, ql, kl: OPS.npu_fused_infer_attention_score_v2(   # noqa: E731
+            q4[sel], k4[sel], v4[sel], num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=1 / math.sqrt(d),
+            input_layout="BSND", sparse_mode=0, actual_seq_qlen=ql, actual_seq_kvlen=kl, **common)
+        together = run(slice(None), lq, lkv)
+        for b in range(batch):
+            alone = run(slice(b, b + 1), [lq[b]], [lkv[b]])
+            assert_bitwise_equal(together[0][b:b + 1], alone[0], f"request {b} of {reqs}: out")
+            assert_bitwise_equal(together[1][b:b + 1], alone[1], f"request {b} of {reqs}: lse")
+        return
+    if layout == "paged":
+        kc, table = to_paged(seed, [per_request(k, lkv, b) for b in range(batch)], 16, "BnBsH", 0)
+        vc, _ = to_paged(seed, [per_request(v, lkv, b) for b in range(batch)], 16, "BnBsH", 0)
+        paged = dict(block_size=16)
+        together = fia_tnd(q, kc, vc, lq, lkv, nq, nkv, kvlen=lkv, block_table=table, **paged, **common)
+    else:
+        together = fia_tnd(q, k, v, lq, lkv, nq, nkv, **common)
+    for b in range(batch):
+        q_b = per_request(q, lq, b)
+        if layout == "paged":
+            alone = fia_tnd(q_b, kc, vc, [lq[b]], [lkv[b]], nq, nkv, kvlen=[lkv[b]], block_table=table[b:b + 1],
+                            **paged, **common)
+        else:
+            alone = fia_tnd(q_b, per_request(k, lkv, b), per_request(v, lkv, b), [lq[b]], [lkv[b]], nq, nkv,
+                            **common)
+        assert_bitwise_equal(per_request(together[0], lq, b), alone[0], f"request {b} of {reqs} ({layout}): out")
+        assert_bitwise_equal(per_request(together[1], lq, b), alone[1], f"request {b} of {reqs} ({layout}): lse")

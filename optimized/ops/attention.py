@@ -5,7 +5,8 @@ Numerics (§5.8): Q, K, V (de-quantized) → fp32; scores and softmax in fp32; P
 dtype before P @ V (fp32 accumulation); output rounded once to the query dtype; lse stays fp32. Rows with no
 visible key give out 0 / lse +inf; query rows owned by no batch give out 0 / lse 0.
 
-The loop runs over batches (requests) only; inside a batch everything is batched over heads and tokens.
+The loop runs over requests only, requests of equal lengths batched together (eager); inside, everything is batched
+over heads and tokens.
 """
 # Masking rule (δ_b = Lkv_b − Lq_b; i, j in-batch query/key rows; atten_mask True/1 = masked): mode 0 all (with mask: mask==0 and −pre ≤ j−i ≤ next), 1 mask==0, 2 j ≤ i, 3 j ≤ i+δ_b, 4 δ_b−pre ≤ j−i ≤ δ_b+next; Q_S=1 non-TND ignores modes 2-4.
 # Length rule: TND actual_seq_qlen cumulative, actual_seq_kvlen cumulative without block_table and per-batch with it; other layouts per-batch (None → S, len 1 → broadcast, len ≥ B → first B; Q_S=1 → Lq=1).
@@ -269,8 +270,11 @@ def _check_template(n: _Names, mask: torch.Tensor) -> None:
 
 
 def _visible(mode: int, lq: int, lkv: int, mask_b: torch.Tensor | None, pre: int, nxt: int, q_s_one: bool,
-             device) -> torch.Tensor:
-    """(Lq, Lkv) bool visibility of §5.4 with in-batch indices."""
+             device) -> torch.Tensor | None:
+    """(Lq, Lkv) bool visibility of §5.4 with in-batch indices; None where every key is visible (a decode row:
+    Q_S = 1, or mode 3 with one query row), so the scores need no mask."""
+    if (mode in (0, 1) and mask_b is None) or (mode not in (0, 1) and (q_s_one or (mode == 3 and lq == 1))):
+        return None
     i = torch.arange(lq, device=device)[:, None]
     j = torch.arange(lkv, device=device)[None, :]
     rel, delta = j - i, lkv - lq
@@ -289,36 +293,75 @@ def _visible(mode: int, lq: int, lkv: int, mask_b: torch.Tensor | None, pre: int
     return (rel >= delta - pre) & (rel <= delta + nxt)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor, scale: float,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None, scale: float,
             p_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (Lq, Nq, D), k (Lkv, Nkv, D), v (Lkv, Nkv, Dv) fp32; vis (Lq, Lkv). -> out (Lq, Nq, Dv), lse (Nq, Lq).
+    """q (R, Lq, Nq, D), k (R, Lkv, Nkv, D), v (R, Lkv, Nkv, Dv) fp32 for R requests of the same lengths; vis
+    (Lq, Lkv) or None (all visible). -> out (R, Lq, Nq, Dv), lse (R, Nq, Lq). Each request's arithmetic is its own
+    (batched matmuls and row reductions): the same bits as alone.
 
     GQA: query head h = g*G + r reads KV head g (contiguous groups, same as repeat_interleave(G) on K/V)."""
-    lq, nq, _ = q.shape
-    lkv, nkv, dv = v.shape
+    reqs, lq, nq, _ = q.shape
+    lkv, nkv, dv = v.shape[1:]
     group = nq // nkv
     if lkv == 0 or lq == 0:
-        return q.new_zeros(lq, nq, dv), torch.full((nq, lq), math.inf, device=q.device)
-    qg = q.reshape(lq, nkv, group, q.shape[-1])
-    s = torch.einsum("igrd,jgd->grij", qg, k) * scale  # (Nkv, G, Lq, Lkv), fp32
-    s = s.masked_fill(~vis, -math.inf)
+        return q.new_zeros(reqs, lq, nq, dv), torch.full((reqs, nq, lq), math.inf, device=q.device)
+    qg = q.reshape(reqs, lq, nkv, group, q.shape[-1])
+    s = torch.einsum("nigrd,njgd->ngrij", qg, k) * scale  # (R, Nkv, G, Lq, Lkv), fp32
+    if vis is not None:
+        s = s.masked_fill(~vis, -math.inf)
     m = s.amax(-1, keepdim=True)
     valid = torch.isfinite(m)
     p = torch.exp(s - torch.where(valid, m, torch.zeros_like(m)))
     l = p.sum(-1, keepdim=True)
     probs = (p / torch.where(valid, l, torch.ones_like(l))).to(p_dtype).float()
-    out = torch.einsum("grij,jgd->igrd", probs, v).reshape(lq, nq, dv)
-    lse = torch.where(valid, m + torch.log(l), torch.full_like(m, math.inf)).reshape(nq, lq)
+    out = torch.einsum("ngrij,njgd->nigrd", probs, v).reshape(reqs, lq, nq, dv)
+    lse = torch.where(valid, m + torch.log(l), torch.full_like(m, math.inf)).reshape(reqs, nq, lq)
     return out, lse
 
 
 def _gather_pages(cache: torch.Tensor, layout: str, blk: torch.Tensor, off: torch.Tensor, nkv: int,
                   dim: int) -> torch.Tensor:
-    """K_b[s] = cache[blk[s], off[s]] as (Lkv, Nkv, D) fp32; float8 is gathered on its uint8 bit view."""
+    """K[..., s] = cache[blk[..., s], off[..., s]] as (..., Lkv, Nkv, D) fp32; float8 is gathered on its uint8 bit
+    view."""
     bits = cache.view(torch.uint8) if cache.dtype.is_floating_point and cache.element_size() == 1 else cache
     rows = bits[blk, off] if layout == "BnBsH" else bits[blk, :, off, :]
     rows = rows.view(cache.dtype) if bits is not cache else rows
-    return rows.float().reshape(blk.shape[0], nkv, dim)
+    return rows.float().reshape(*blk.shape, nkv, dim)
+
+
+def _length_groups(lq: list, lkv: list, together: bool) -> list[list[int]]:
+    """Request indices grouped by equal (query, key) lengths, in first-seen order; one group per request unless
+    `together` (the same visibility for equal lengths, and lengths that are ints to compare)."""
+    if not together:
+        return [[b] for b in range(len(lq))]
+    groups: dict[tuple, list[int]] = {}
+    for b, key in enumerate(zip(lq, lkv)):
+        groups.setdefault(key, []).append(b)
+    return list(groups.values())
+
+
+def _row_runs(members: list[int], first_rows: list, lq) -> list[tuple]:
+    """(first output row, index into members, member count) for each run of members whose output rows follow one
+    another (consecutive TND requests), so a run is written at once."""
+    runs = []
+    for i, b in enumerate(members):
+        if runs and first_rows[members[i - 1]] + lq == first_rows[b]:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((first_rows[b], i, 1))
+    return runs
+
+
+def _select(t: torch.Tensor, members: list[int]) -> torch.Tensor:
+    """t[members] along dim 0: a slice (a view) when the members are consecutive, as they usually are."""
+    if members == list(range(members[0], members[0] + len(members))):
+        return t[members[0]:members[0] + len(members)]
+    return t[members]
+
+
+def _stack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return pieces[0][None] if len(pieces) == 1 else torch.stack(pieces)
 
 
 def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_seq_kvlen, block_table,
@@ -423,38 +466,46 @@ def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_se
               f"{n('atten_mask')} covers ({mask3.shape[1]}, {mask3.shape[2]}) query x key positions; the batch "
               f"needs ({need_q}, {need_kv})")
 
-    # 4. per-batch attention
+    # 4. attention per request, requests of the same lengths together where their visibility is the same (no
+    # per-request mask) and the lengths are known (eager; traced, lengths are symbols and stay one per request)
     scale = float(softmax_scale)
     rows = query.shape[0] if layout == "TND" else batch * seq
     out = torch.zeros(rows, nq, dv, dtype=plan.out_dtype, device=device)
     lse = torch.zeros(rows, nq, dtype=torch.float32, device=device)
-    for b in range(batch):
+    same_visibility = read_data and (mask3 is None or mask3.shape[0] == 1)
+    for members in _length_groups(lq, lkv, same_visibility):
+        b0, reqs = members[0], len(members)
         if plan.paged:
-            pos = torch.arange(lkv[b], device=block_table.device)
-            blk = block_table[b, pos // block_size].long()
-            off = pos % block_size
-            k_b = _gather_pages(key, plan.cache, blk, off, nkv, d)
-            v_b = _gather_pages(value, plan.cache, blk, off, nkv, dv)
+            pos = torch.arange(lkv[b0], device=block_table.device)
+            blk = _select(block_table, members)[:, pos // block_size].long()  # (R, Lkv)
+            off = (pos % block_size).expand(reqs, -1)
+            k_g = _gather_pages(key, plan.cache, blk, off, nkv, d)
+            v_g = _gather_pages(value, plan.cache, blk, off, nkv, dv)
             if key_quant_mode == 4:
-                k_b = k_b * dequant_scale_key[blk, off][:, None, None]
+                k_g = k_g * dequant_scale_key[blk, off][..., None, None]
             if value_quant_mode == 4:
-                v_b = v_b * dequant_scale_value[blk, off][:, None, None]
+                v_g = v_g * dequant_scale_value[blk, off][..., None, None]
         elif layout == "TND":
-            k_b = key[kv_start[b]:kvlen[b]].float()
-            v_b = value[kv_start[b]:kvlen[b]].float()
+            k_g = _stack([key[kv_start[b]:kvlen[b]] for b in members]).float()
+            v_g = _stack([value[kv_start[b]:kvlen[b]] for b in members]).float()
         else:
-            k_b, v_b = k4[b, :lkv[b]].float(), v4[b, :lkv[b]].float()
-        q_b = query[q_start[b]:qlen[b]] if layout == "TND" else q4[b, :lq[b]]
-        mask_b = None if mask3 is None else mask3[b if mask3.shape[0] > 1 else 0]
-        vis = _visible(sparse_mode, lq[b], lkv[b], mask_b, pre_tokens, next_tokens, q_s_one, device)
-        o_b, lse_b = _attend(q_b.float(), k_b, v_b, vis, scale, plan.p_dtype)
-        first = q_start[b] if layout == "TND" else b * seq
-        if read_data:
-            out[first:first + lq[b]] = o_b.to(plan.out_dtype)
-            lse[first:first + lq[b]] = lse_b.T
-        else:   # traced: the same writes as functional ops (a graph's decomposition may not mutate its temporaries)
-            out = out.slice_scatter(o_b.to(plan.out_dtype), 0, first, first + lq[b])
-            lse = lse.slice_scatter(lse_b.T, 0, first, first + lq[b])
+            k_g, v_g = _select(k4, members)[:, :lkv[b0]].float(), _select(v4, members)[:, :lkv[b0]].float()
+        q_g = (_stack([query[q_start[b]:qlen[b]] for b in members]) if layout == "TND"
+               else _select(q4, members)[:, :lq[b0]])
+        mask_b = None if mask3 is None else mask3[b0 if mask3.shape[0] > 1 else 0]
+        vis = _visible(sparse_mode, lq[b0], lkv[b0], mask_b, pre_tokens, next_tokens, q_s_one, device)
+        o_g, lse_g = _attend(q_g.float(), k_g, v_g, vis, scale, plan.p_dtype)
+        o_g, lse_g = o_g.to(plan.out_dtype), lse_g.transpose(1, 2)            # (R, Lq, Nq), (R, Lq, Nq)
+        for first, i, count in _row_runs(members, q_start if layout == "TND" else [b * seq for b in range(batch)],
+                                         lq[b0]):
+            rows_o, rows_l = o_g[i:i + count].flatten(0, 1), lse_g[i:i + count].flatten(0, 1)
+            end = first + count * lq[b0]
+            if read_data:
+                out[first:end] = rows_o
+                lse[first:end] = rows_l
+            else:   # traced: the same writes as functional ops (a graph's decomposition may not mutate temporaries)
+                out = out.slice_scatter(rows_o, 0, first, end)
+                lse = lse.slice_scatter(rows_l, 0, first, end)
 
     # 5. output layout
     if layout == "TND":
