@@ -336,7 +336,7 @@ def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
                      "--warmup", "0", "--repeats", "1", "--dtype", "float32", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     for needle in ("reference", "optimized", "HF transformers", "reference/optimized", "hf/optimized",
-                   "copy bandwidth", "floor:"):
+                   "copy bandwidth", "floor:", "kernel ceiling: the lm_head GEMV alone"):
         assert needle in out, needle
     report = json.loads(out_json.read_text())
     assert set(report["results"]) == {"reference", "optimized", "hf"}
@@ -344,7 +344,13 @@ def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
         assert r["prefill_ms"]["median"] > 0 and len(r["decode_ms_per_token"]["samples"]) == 2
     assert report["ratios"]["reference/optimized"]["decode"] > 0
     assert report["tokens"] == {"optimized": "same", "hf": "same"}  # fp32, same weights
-    assert report["floor"]["copy_bandwidth_gb_s"] > 0 and report["floor"]["floor_ms_per_token"] > 0
+    fl = report["floor"]
+    assert fl["copy_bandwidth_gb_s"] > 0 and fl["floor_ms_per_token"] > 0
+    assert len(fl["copy_bandwidth_gb_s_per_round"]) == 1, "one bandwidth measurement per timed round"
+    assert fl["copy_bandwidth_gb_s"] == fl["copy_bandwidth_gb_s_per_round"][0]
+    # the floor at the GEMV's bandwidth is the same bytes over that bandwidth
+    same_bytes = fl["floor_ms_per_token"] * fl["copy_bandwidth_gb_s"]
+    assert abs(fl["floor_at_gemv_bandwidth_ms_per_token"] * fl["lm_head_gemv_gb_s"] - same_bytes) < 1e-6 * same_bytes
 
 
 def test_bench_bad_arguments(capsys):
