@@ -16,8 +16,8 @@ from .schemas import SCHEMAS
 
 NAMESPACE = "npu"
 PORTABLE_KERNELS: dict[str, Callable] = {}
-# qualname -> the kernel's body as tensor operations a compiler can trace: no host read of tensor data, so the
-# compiled decode step may inline it and fuse it with its neighbours (see `inline_in_inductor`).
+# qualname -> the kernel's body as operations a compiler can trace: no host read of tensor data while tracing, so
+# the compiled decode step may inline it and fuse it with its neighbours (see `inline_in_inductor`).
 TRACEABLE_KERNELS: dict[str, Callable] = {}
 _library: torch.library.Library | None = None
 
@@ -46,8 +46,10 @@ def register(qualname: str, kernel: Callable, fake: Callable, tags: tuple = (), 
     alone. The kernel is registered as CompositeExplicitAutograd, so it serves CPU and CUDA tensors alike.
     tags: torch.Tag values of the schema (`torch.Tag.inplace` tells torch.compile an op mutates and returns its
     first argument, so it is functionalized and then re-inplaced instead of copied).
-    traceable: the kernel's semantics as tensor operations with no host read of tensor data (the kernel itself
-    when it has none), which inductor may inline in a compiled graph instead of calling the opaque operator.
+    traceable: the kernel's semantics as operations a compiler can trace, with no host read of tensor data at trace
+    time (the kernel itself when it has none; or a slimmer operator, validated while tracing, as the grouped matmul
+    becomes on CPU), which inductor may inline in a compiled graph instead of calling the opaque operator; it may
+    return NotImplemented for calls it does not cover, which then stay the operator.
     """
     if qualname not in SCHEMAS:
         raise KeyError(f"no torch_npu schema for {qualname!r}; known: {sorted(SCHEMAS)}")
@@ -83,6 +85,8 @@ def inline_in_inductor() -> list[str]:
     if torch_npu_available():
         return []
     from torch._inductor.decomposition import decompositions, register_decomposition
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
 
     for qualname, body in TRACEABLE_KERNELS.items():
         name, _, overload = qualname.partition(".")
@@ -90,4 +94,10 @@ def inline_in_inductor() -> list[str]:
         op = getattr(op, overload or "default")
         if op not in decompositions:
             register_decomposition(op)(body)
+        if op not in lowerings:
+            # A call the body returns NotImplemented for stays the operator: inductor calls it as a fallback kernel
+            # (with the layout rule it gives any custom operator), which it refuses to create itself for an operator
+            # that also has a decomposition.
+            constraint = tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
     return sorted(TRACEABLE_KERNELS)
