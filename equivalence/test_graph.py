@@ -289,7 +289,21 @@ KEY_CHANGES = {
     "torch": lambda k: k.update(torch=k["torch"] + ".other"),
     "torch_npu": lambda k: k.update(torch_npu="2.8.0"),
     "inlined_kernels": lambda k: k.update(inlined_kernels=k["inlined_kernels"][:-1]),
+    "kernels_source": lambda k: k.update(kernels_source="0" * 16),
 }
+
+
+def test_inductor_cache_keys_carry_the_kernels_source_hash():
+    """Inductor's own caches key on the traced graph, not on a decomposition's code: graph mode's settings add the
+    kernels' source hash to their key tag (once, however nested, beside a tag the user set)."""
+    from optimized.executor.graph import compile_settings
+    from optimized.ops.registry import kernels_source_hash
+
+    ours = f"qwen3_moe_kernels={kernels_source_hash()}"
+    with torch.compiler.config.patch(cache_key_tag="user-tag"), compile_settings():
+        with compile_settings():
+            assert torch.compiler.config.cache_key_tag == f"user-tag|{ours}"
+    assert ours not in torch.compiler.config.cache_key_tag
 
 
 @pytest.mark.parametrize("component", sorted(KEY_CHANGES))

@@ -80,7 +80,7 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
     """Everything a compiled decode graph of `model` depends on (JSON-able). kv_cache_dtype: the cache the graph
     reads and writes (a float8_e4m3fn cache adds the quantizing write and the scale caches to the graph)."""
     from optimized import platform
-    from optimized.ops.registry import inline_in_inductor
+    from optimized.ops.registry import inline_in_inductor, kernels_source_hash
 
     parallel = model.groups.parallel
     return {
@@ -97,6 +97,7 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
         "torch_npu": torch_npu_version(),
         "python": sys.version.split()[0],
         "inlined_kernels": inline_in_inductor(),   # what the graph traces through instead of calling
+        "kernels_source": kernels_source_hash(),  # and their code
     }
 
 

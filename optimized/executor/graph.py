@@ -71,10 +71,14 @@ INDUCTOR_SETTINGS = dict(emulate_precision_casts=True)
 
 @contextlib.contextmanager
 def compile_settings():
-    """The dynamo and inductor settings a graph step is compiled and run under (whatever compiler is used)."""
+    """The dynamo and inductor settings a graph step is compiled and run under (whatever compiler is used); inductor's
+    cache keys also carry the kernels' source hash (its caches do not see a decomposition's code)."""
     import torch._inductor.config as inductor_config
 
-    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(**INDUCTOR_SETTINGS):
+    ours, tag = f"qwen3_moe_kernels={registry.kernels_source_hash()}", torch.compiler.config.cache_key_tag
+    tag = tag if ours in tag.split("|") else "|".join(filter(None, (tag, ours)))
+    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(**INDUCTOR_SETTINGS), \
+            torch.compiler.config.patch(cache_key_tag=tag):
         yield
 
 
