@@ -29,8 +29,8 @@ the workers and records that fresh compile; other workers load it (`fp32` fixtur
   one compiled step and one cache_compile directory per batch bucket, that directory the bucket's entry, signed
   after its first call (torchair's files included) and verified before torchair reads it again;
 - torch._dynamo.explain: the decode step is one graph with zero graph breaks;
-- inlining (profiled compiled step): no inlined kernel runs as an operator, the cache write does; on CPU bf16 the
-  experts' grouped matmul runs as `qwen3_moe_cpu::grouped_linear` instead of the operator.
+- inlining (profiled compiled step): no inlined kernel runs as an operator; the grouped matmul and the cache write
+  do.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ from equivalence.parallel_support import paged_cache, run_property
 from equivalence.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
-from optimized.ops import cpu_gemm
 from optimized.model_loader.build import load_model
 from optimized.executor.compile_cache import (ARTIFACT_FILE, KEY_ENV, KEY_FILE, CompileCache, CompileCacheError,
                                               CompileCacheWarning, cache_key, file_digests, key_hash, user_key)
@@ -443,8 +442,8 @@ def test_explain_one_graph_zero_breaks(fp32):
 
 
 INLINED = ["npu_add_rms_norm", "npu_add_rms_norm_cast", "npu_apply_rotary_pos_emb",
-           "npu_fused_infer_attention_score_v2", "npu_grouped_matmul", "npu_moe_finalize_routing",
-           "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_rms_norm", "npu_swiglu"]
+           "npu_fused_infer_attention_score_v2", "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax",
+           "npu_moe_init_routing_v2", "npu_rms_norm", "npu_swiglu"]
 
 
 def operators_called(forward, model, runner) -> set[str]:
@@ -472,25 +471,12 @@ def test_compiled_step_inlines_the_traceable_kernels_and_calls_the_rest(fp32):
     runner = ModelRunner(model, BLOCK_SIZE)
     called = {name: {k.removeprefix("npu::") for k in operators_called(forward, model, runner)}
               for name, forward in (("eager", model), ("graph", decoder))}
-    operators = {"npu_grouped_matmul", "npu_scatter_nd_update_"}     # fp32: the grouped matmul stays the operator
+    operators = {"npu_grouped_matmul", "npu_scatter_nd_update_"}
     used = {"npu_add_rms_norm", "npu_apply_rotary_pos_emb", "npu_fused_infer_attention_score_v2",
             "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_rms_norm",
             "npu_swiglu"}
     assert used | operators <= called["eager"], called["eager"]
-    assert operators <= called["graph"] and not called["graph"] & (set(INLINED) - operators), sorted(called["graph"])
-
-
-@pytest.mark.skipif(not cpu_gemm.ONEDNN_BF16, reason="oneDNN bf16 is not available on this CPU, or QWEN3_MOE_CPU_PREPACK=0")
-def test_compiled_bf16_step_runs_the_experts_as_the_grouped_linear():
-    """On CPU bf16 the compiled step traces the experts' grouped matmul into `qwen3_moe_cpu::grouped_linear` (its
-    validation ran at trace time): the grouped matmul operator no longer runs, eager still calls it; the logits
-    tests above (bf16, bitwise) prove the result unchanged."""
-    model = tiny_model(torch.bfloat16)
-    runner = ModelRunner(model, BLOCK_SIZE)
-    decoder = GraphDecoder(model, "ge_graph", buckets=(BUCKET,), compiler=fresh_backend("inductor"))
-    eager, graph = (operators_called(forward, model, runner) for forward in (model, decoder))
-    assert "npu::npu_grouped_matmul" in eager and "qwen3_moe_cpu::grouped_linear" not in eager, sorted(eager)
-    assert "qwen3_moe_cpu::grouped_linear" in graph and "npu::npu_grouped_matmul" not in graph, sorted(graph)
+    assert operators <= called["graph"] and not called["graph"] & set(INLINED), sorted(called["graph"])
 
 
 def test_torchair_cache_one_step_and_one_signed_entry_per_bucket(fp32, tmp_path, monkeypatch):

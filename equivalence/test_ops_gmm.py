@@ -537,28 +537,6 @@ def test_gmm_stacked_fast_path_is_bitwise_the_per_group_path(case):
             "bf16 without bias: the grouped linear on packed groups (cpu_gemm.grouped_linear) was not taken"
 
 
-@given(gmm_cases(overload="tensor", split_item=3))
-def test_traced_body_is_the_grouped_linear_for_the_experts_call_and_bitwise_the_kernel(case):
-    """The body a compiled CPU graph traces (`grouped_matmul_traced`): the experts' call (bf16, one stacked weight,
-    no bias) becomes `qwen3_moe_cpu::grouped_linear`, bit for bit the kernel; any other call returns NotImplemented
-    and stays the operator."""
-    from optimized.ops import cpu_gemm, gmm
-
-    case = dict(case, layout="transposed" if case["layout"] == "transposed" else "3d",
-                bias=None if case["bias"] is None else "stacked")
-    x, weight, _, _, bias = make_inputs(case)
-    group_list = torch.tensor(case["counts"], dtype=torch.int64)
-    if case["group_list_type"] == 0:
-        group_list = group_list.cumsum(0)
-    kwargs = dict(bias=bias, group_list=group_list, group_type=0, group_list_type=case["group_list_type"],
-                  split_item=3)
-    got = gmm.grouped_matmul_traced([x], weight, **kwargs)
-    if not (cpu_gemm.ONEDNN_BF16 and case["dtype"] == torch.bfloat16 and bias is None):
-        assert got is NotImplemented
-        return
-    assert_bitwise_equal(got[0], GMM([x], weight, **kwargs)[0], f"traced body vs kernel, {case}")
-
-
 @given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.sampled_from([1, 7, 64, 768, 2048]), st.integers(1, 40),
        st.sampled_from([torch.bfloat16, torch.float16]))
 def test_gmm_16bit_cpu_matmul_rounds_once_like_the_fp32_definition(seed, m, k, n, dtype):

@@ -786,6 +786,29 @@ def test_torch_compile_fullgraph_matches_eager(program):
         assert_bitwise_equal(got, want, f"{fn.__name__} compiled vs eager")
 
 
+def test_inductor_runs_a_call_the_traced_body_leaves_as_the_operator():
+    """With graph mode's decompositions registered, inductor inlines a dropless init routing and keeps a drop/pad one
+    (its traced body returns NotImplemented) as the operator, called as a fallback kernel: both as eager, bitwise."""
+    from optimized.executor.graph import compile_settings   # importing it registers the decompositions
+
+    g = gen(13)
+    x = torch.randn(6, 4, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 4, (6, 2), generator=g, dtype=torch.int32)
+
+    def both(x, ids):
+        dropless = npu.npu_moe_init_routing_v2(x, ids, active_num=12, expert_num=4, expert_tokens_num_type=1,
+                                               expert_tokens_num_flag=True, active_expert_range=[0, 4])
+        dropped = npu.npu_moe_init_routing_v2(x, ids, expert_num=4, drop_pad_mode=1, expert_capacity=2,
+                                              expert_tokens_num_type=1)
+        return dropless + dropped
+
+    torch._dynamo.reset()
+    with compile_settings():
+        got = torch.compile(both, fullgraph=True, backend="inductor")(x, ids)
+    for i, (a, b) in enumerate(zip(got, both(x, ids))):
+        assert_bitwise_equal(a, b, f"output {i}: inductor vs eager")
+
+
 def test_torch_compile_dynamic_shapes_matches_eager():
     # Symbolic N: the fake kernels' shapes (rows_out = N*K, finalize N) must follow the input sizes.
     fn, _ = _compile_programs()[0]

@@ -231,8 +231,7 @@ class GraphDecoder:
         lines = [f"graph mode {platform.graph_backend_description(self.exe_mode)}; decode captured per batch "
                  f"bucket {sorted(self.startup)}"]
         if self.inlined:
-            lines.append(f"  inlined (traced by the compiler: their fused code, or a slimmer operator, runs instead of "
-                         f"their Python): {', '.join(self.inlined)}")
+            lines.append(f"  inlined (traced and fused by the compiler, not called as operators): {', '.join(self.inlined)}")
         for bucket, s in sorted(self.startup.items()):
             lines.append(f"  bucket {bucket}: {s.source}{' from the compile cache' if s.source == 'loaded' else ''}"
                          f" in {s.seconds:.1f} s (first call)")

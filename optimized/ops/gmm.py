@@ -463,41 +463,7 @@ def _npu_grouped_matmul_list_fake(x, weight, *, bias=None, group_list=None, spli
     return _fake_outputs(mode, x, Ws, split_item, out_dtype, rows)
 
 
-# --- the experts' call in a compiled CPU graph ----------------------------------------------------------------
-# Traced, the grouped matmul's checks of shapes and dtypes run once, at trace time (on fake tensors), and the compiled
-# step calls `qwen3_moe_cpu::grouped_linear`: it reads the group list (checked as the kernel checks it) and runs the
-# packed per-expert GEMMs of `_run_stacked`, without the operator's per-call validation.
-_cpu_lib = torch.library.Library("qwen3_moe_cpu", "FRAGMENT")
-_cpu_lib.define("grouped_linear(Tensor x, Tensor weight, Tensor group_list, int group_list_type) -> Tensor")
-
-
-def _grouped_linear_kernel(x, weight, group_list, group_list_type):
-    ends = _ends_from_tensor(OP, group_list, group_list_type)
-    return _run_stacked(OP, x, weight, [None] * weight.shape[0], ends, x.dtype)[0]
-
-
-def _grouped_linear_fake(x, weight, group_list, group_list_type):
-    return x.new_empty(x.shape[0], weight.shape[-1])
-
-
-_cpu_lib.impl("grouped_linear", _grouped_linear_kernel, "CPU")
-torch.library.register_fake("qwen3_moe_cpu::grouped_linear", _grouped_linear_fake, lib=_cpu_lib)
-
-
-def grouped_matmul_traced(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None, group_list_type=0,
-                          act_type=0, tuning_config=None, output_dtype=None, **quant_args):
-    """The grouped matmul as a compiled CPU graph traces it: the experts' call (one bf16 x grouped along M by one
-    stacked 3-D weight, concatenated output, a count or cumsum group list, no bias, no quantization) becomes
-    `qwen3_moe_cpu::grouped_linear` after this trace-time validation; any other call stays the operator."""
-    if not (len(x) == 1 and len(weight) == 1 and weight[0].dim() == 3 and group_list is not None and bias is None
-            and group_type == 0 and split_item in (2, 3) and group_list_type in (0, 1) and act_type in (None, 0)
-            and all(v is None for v in quant_args.values()) and cpu_gemm.packable(x[0], weight[0][0])):
-        return NotImplemented
-    _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, quant_args)
-    return [torch.ops.qwen3_moe_cpu.grouped_linear(x[0], weight[0], group_list, group_list_type)]
-
-
-register("npu_grouped_matmul", npu_grouped_matmul, _npu_grouped_matmul_fake, traceable=grouped_matmul_traced)
+register("npu_grouped_matmul", npu_grouped_matmul, _npu_grouped_matmul_fake)
 register("npu_grouped_matmul.List", npu_grouped_matmul_list, _npu_grouped_matmul_list_fake)
 
 

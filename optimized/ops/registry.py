@@ -18,8 +18,8 @@ from .schemas import SCHEMAS
 
 NAMESPACE = "npu"
 PORTABLE_KERNELS: dict[str, Callable] = {}
-# qualname -> the kernel's body as operations a compiler can trace: no host read of tensor data while tracing, so
-# the compiled decode step may inline it and fuse it with its neighbours (see `inline_in_inductor`).
+# qualname -> the kernel's body as tensor operations a compiler can trace: no host read of tensor data, so the
+# compiled decode step may inline it and fuse it with its neighbours (see `inline_in_inductor`).
 TRACEABLE_KERNELS: dict[str, Callable] = {}
 _library: torch.library.Library | None = None
 
@@ -48,9 +48,8 @@ def register(qualname: str, kernel: Callable, fake: Callable, tags: tuple = (), 
     alone. The kernel is registered as CompositeExplicitAutograd, so it serves CPU and CUDA tensors alike.
     tags: torch.Tag values of the schema (`torch.Tag.inplace` tells torch.compile an op mutates and returns its
     first argument, so it is functionalized and then re-inplaced instead of copied).
-    traceable: the kernel's semantics as operations a compiler can trace, with no host read of tensor data at trace
-    time (the kernel itself when it has none; or a slimmer operator, validated while tracing, as the grouped matmul
-    becomes on CPU), which inductor may inline in a compiled graph instead of calling the opaque operator; it may
+    traceable: the kernel's semantics as tensor operations with no host read of tensor data (the kernel itself
+    when it has none), which inductor may inline in a compiled graph instead of calling the opaque operator; it may
     return NotImplemented for calls it does not cover, which then stay the operator.
     """
     if qualname not in SCHEMAS:
