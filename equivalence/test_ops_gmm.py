@@ -1,6 +1,8 @@
 """npu_grouped_matmul (both overloads) and npu_swiglu vs plain per-group math (spec npu_ops_moe §8, §9)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -542,8 +544,11 @@ def test_gmm_stacked_fast_path_is_bitwise_the_per_group_path(case):
 def test_gmm_16bit_cpu_matmul_rounds_once_like_the_fp32_definition(seed, m, k, n, dtype):
     """`_mm`'s CPU fast path multiplies 16-bit operands directly (fp32 accumulation, one rounding at the output)
     instead of the spec's definition, fp32 upcast + fp32 matmul + one rounding. Both round once from an fp32 sum:
-    they differ only where the two fp32 summation orders straddle a rounding boundary, i.e. by at most one ulp
-    of the output dtype, on a small fraction of the elements."""
+    they differ only where the two fp32 summation orders straddle a rounding boundary, i.e. by one ulp of the output
+    dtype, plus what the orders' fp32 sums differ by: sqrt(K) * u32 * sum|a||w| (the probabilistic rounding-error
+    bound of a K-term sum, Higham & Mary 2019), which only matters where the sum cancels (seed 10240, m2 k2048 n12,
+    fp16: an output of -2.6e-4 from terms summing to 25 in magnitude differed by two ulps, 4.8e-7; the allowance
+    there is 6.7e-5). A 16-bit accumulation or a second rounding errs by hundreds of ulps at K=2048."""
     from optimized.ops import gmm
 
     gen = torch.Generator().manual_seed(seed)
@@ -552,11 +557,13 @@ def test_gmm_16bit_cpu_matmul_rounds_once_like_the_fp32_definition(seed, m, k, n
     fast = gmm._mm(a, w, None, dtype)
     definition = (a.float() @ w.float()).to(dtype)
     assert fast.dtype == dtype and fast.shape == definition.shape
-    # one ulp at |definition| (the spacing of the output dtype at that magnitude)
+    # one ulp at |definition| (the spacing of the output dtype at that magnitude) + the fp32 reordering allowance
     ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(definition.float().abs().clamp_min(
         torch.finfo(dtype).tiny))))
+    reorder = math.sqrt(k) * torch.finfo(torch.float32).eps / 2 * (a.float().abs() @ w.float().abs())
     diff = (fast.float() - definition.float()).abs()
-    assert bool((diff <= ulp).all()), f"max diff {diff.max().item()} exceeds one ulp (seed {seed}, m{m} k{k} n{n})"
+    assert bool((diff <= ulp + reorder).all()), \
+        f"max diff {diff.max().item()} exceeds one ulp + the fp32 reordering allowance (seed {seed}, m{m} k{k} n{n})"
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.sampled_from([1, 7, 64, 768, 2048]), st.integers(1, 40),
