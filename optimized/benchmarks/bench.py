@@ -288,7 +288,7 @@ def run(args) -> int:
         timed = r >= args.warmup
         if timed:
             # The floor's bandwidth and the GEMV ceiling, measured beside this round's timings (the same load).
-            bandwidths.append(device_copy_bandwidth(opt_device, nbytes=256 * 2**20, repeats=3))
+            bandwidths.append(device_copy_bandwidth(opt_device))
             gemv_seconds.append(lm_head_seconds(opt, args.batch, dtype))
         for m, (fn, model) in models.items():
             t0 = time.perf_counter()
@@ -366,7 +366,7 @@ def lm_head_seconds(model, batch: int, dtype: torch.dtype, repeats: int = 3) -> 
     return statistics.median(seconds)
 
 
-def device_copy_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+def device_copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
     """Bytes moved per second (read + write) by a large copy on `device`, median of `repeats`."""
     from optimized.benchmarks.latency import copy_bandwidth, measure
     if device.type == "cpu":

@@ -340,19 +340,6 @@ def _length_groups(lq: list, lkv: list, together: bool) -> list[list[int]]:
     return list(groups.values())
 
 
-def _row_runs(members: list[int], first_rows: list, lq) -> list[tuple]:
-    """(first output row, index into members, member count) for each run of members whose output rows follow one
-    another (consecutive TND requests), so a run is written at once."""
-    runs = []
-    for i, b in enumerate(members):
-        if runs and first_rows[members[i - 1]] + lq == first_rows[b]:
-            first, start, count = runs[-1]
-            runs[-1] = (first, start, count + 1)
-        else:
-            runs.append((first_rows[b], i, 1))
-    return runs
-
-
 def _select(t: torch.Tensor, members: list[int]) -> torch.Tensor:
     """t[members] along dim 0: a slice (a view) when the members are consecutive, as they usually are."""
     if members == list(range(members[0], members[0] + len(members))):
@@ -495,17 +482,15 @@ def _fia(n: _Names, query, key, value, *, atten_mask, actual_seq_qlen, actual_se
         mask_b = None if mask3 is None else mask3[b0 if mask3.shape[0] > 1 else 0]
         vis = _visible(sparse_mode, lq[b0], lkv[b0], mask_b, pre_tokens, next_tokens, q_s_one, device)
         o_g, lse_g = _attend(q_g.float(), k_g, v_g, vis, scale, plan.p_dtype)
-        o_g, lse_g = o_g.to(plan.out_dtype), lse_g.transpose(1, 2)            # (R, Lq, Nq), (R, Lq, Nq)
-        for first, i, count in _row_runs(members, q_start if layout == "TND" else [b * seq for b in range(batch)],
-                                         lq[b0]):
-            rows_o, rows_l = o_g[i:i + count].flatten(0, 1), lse_g[i:i + count].flatten(0, 1)
-            end = first + count * lq[b0]
+        o_g, lse_g = o_g.to(plan.out_dtype), lse_g.transpose(1, 2)   # (R, Lq, Nq, Dv), (R, Lq, Nq)
+        for i, b in enumerate(members):
+            first = q_start[b] if layout == "TND" else b * seq
             if read_data:
-                out[first:end] = rows_o
-                lse[first:end] = rows_l
+                out[first:first + lq[b]] = o_g[i]
+                lse[first:first + lq[b]] = lse_g[i]
             else:   # traced: the same writes as functional ops (a graph's decomposition may not mutate temporaries)
-                out = out.slice_scatter(rows_o, 0, first, end)
-                lse = lse.slice_scatter(rows_l, 0, first, end)
+                out = out.slice_scatter(o_g[i], 0, first, first + lq[b])
+                lse = lse.slice_scatter(lse_g[i], 0, first, first + lq[b])
 
     # 5. output layout
     if layout == "TND":

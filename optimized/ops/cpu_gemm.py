@@ -52,39 +52,38 @@ def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's packed copy of `weight` [N, K], made on first use and again after any in-place write."""
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride())
+def _cached(key: tuple, weight: torch.Tensor, make):
+    """The `_PACKED` entry `key` made from `weight` by `make()`, made again after an in-place write to `weight`'s
+    memory and dropped when the tensor owning that memory is freed."""
     # The reference is to the tensor that owns the memory: a view (an expert's W[g].t()) is a new object per call.
     owner = weight if weight._base is None else weight._base
     hit = _PACKED.get(key)
     if hit is not None and hit[0]() is owner and hit[1] == weight._version:
         return hit[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)   # 1: the decode batch-size hint
+    value = make()
 
     def forget(ref, key=key):
         if _PACKED.get(key, (None,))[0] is ref:
             del _PACKED[key]
-    _PACKED[key] = (weakref.ref(owner, forget), weight._version, packed)
-    return packed
+    _PACKED[key] = (weakref.ref(owner, forget), weight._version, value)
+    return value
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)   # 1: the decode batch-size hint
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of `weight` [N, K], made on first use and again after any in-place write."""
+    return _cached((weight.data_ptr(), tuple(weight.shape), weight.stride()), weight, lambda: _pack(weight))
 
 
 def packed_groups(weight: torch.Tensor) -> list:
     """The packed copies of a 3-D weight's groups ([G, K, N], each group a transposed view of [N, K] rows), one slot
     per group, packed when the group is first read. A decode step's grouped matmul visits tens of experts: one cache
     lookup per call instead of a view, a key and a lookup per expert (about 40 us each at batch 8)."""
-    key = ("groups", weight.data_ptr(), tuple(weight.shape), weight.stride())
-    owner = weight if weight._base is None else weight._base
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is owner and hit[1] == weight._version:
-        return hit[2]
-    groups = [None] * weight.shape[0]
-
-    def forget(ref, key=key):
-        if _PACKED.get(key, (None,))[0] is ref:
-            del _PACKED[key]
-    _PACKED[key] = (weakref.ref(owner, forget), weight._version, groups)
-    return groups
+    return _cached(("groups", weight.data_ptr(), tuple(weight.shape), weight.stride()), weight,
+                   lambda: [None] * weight.shape[0])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: list[int]) -> torch.Tensor:
@@ -97,7 +96,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: list[int]) -> to
         if end > start:
             packed = packs[g]
             if packed is None:
-                packed = packs[g] = torch.ops.mkldnn._reorder_linear_weight(weight[g].t().detach(), 1)
+                packed = packs[g] = _pack(weight[g].t())
             pieces.append(torch.ops.mkldnn._linear_pointwise(x[start:end], packed, None, "none", [None], ""))
         start = end
     if start < x.shape[0] or not pieces:

@@ -7,6 +7,7 @@ with it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Callable
@@ -73,20 +74,15 @@ def portable_kernel(qualname: str) -> Callable:
         raise KeyError(f"no portable kernel registered for {qualname!r}; have {sorted(PORTABLE_KERNELS)}") from None
 
 
+@functools.cache
 def kernels_source_hash() -> str:
     """A hash of the portable kernels' source (every module of this package): what the traced bodies a compiled graph
     inlines are made of. Inductor's caches key on the traced graph, not on a decomposition's code, so graph mode adds
     this to their key and to the compile cache's: a changed kernel recompiles instead of reusing stale code."""
-    global _SOURCE_HASH
-    if _SOURCE_HASH is None:
-        digest = hashlib.sha256()
-        for path in sorted(Path(__file__).parent.glob("*.py")):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-        _SOURCE_HASH = digest.hexdigest()[:16]
-    return _SOURCE_HASH
-
-
-_SOURCE_HASH: str | None = None
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def inline_in_inductor() -> list[str]:
