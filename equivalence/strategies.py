@@ -50,8 +50,12 @@ def allowed_sizes(world_size: int, config) -> dict[str, list[int]]:
 
 
 def layout(world_size: int, attn_tp_size: int = 1, moe_tp_size: int | None = None, embed_tp_size: int = 1,
-           lmhead_tp_size: int = 1, prefill_opt: bool = False, moe_ep_scheme: str = "auto") -> dict:
+           lmhead_tp_size: int = 1, prefill_opt: bool = False, moe_ep_scheme: str = "auto",
+           attn_dp: bool = False) -> dict:
     """Keyword sizes for `ParallelState.build` (moe_tp defaults to 1, i.e. pure expert parallelism).
+
+    Attention is replicated over the world_size / attn_tp_size attention TP groups unless `attn_dp` (the config's
+    default derives attention DP from attn_tp_size < world_size; test_attn_dp_parallel proves that layout).
 
     The tensor-parallel prefill unless `prefill_opt` (the sequence-parallel prefill, needs attn_tp_size ==
     world_size and moe_tp_size 1; see `sp_layout`), so a layout names the path it proves.
@@ -59,7 +63,7 @@ def layout(world_size: int, attn_tp_size: int = 1, moe_tp_size: int | None = Non
     moe_tp_size = 1 if moe_tp_size is None else moe_tp_size
     return dict(world_size=world_size, attn_tp_size=attn_tp_size, moe_tp_size=moe_tp_size,
                 moe_ep_size=world_size // moe_tp_size, embed_tp_size=embed_tp_size, lmhead_tp_size=lmhead_tp_size,
-                prefill_opt=prefill_opt, moe_ep_scheme=moe_ep_scheme)
+                prefill_opt=prefill_opt, moe_ep_scheme=moe_ep_scheme, attn_dp=attn_dp)
 
 
 def sp_layout(world_size: int, moe_ep_scheme: str, embed_tp_size: int = 1, lmhead_tp_size: int = 1) -> dict:

@@ -153,7 +153,8 @@ def layouts(draw, worlds=(2, 4, 8)):
     divs = [d for d in range(1, w + 1) if w % d == 0]
     t = draw(st.sampled_from(divs))
     return w, dict(attn_tp_size=draw(st.sampled_from(divs)), moe_tp_size=t, moe_ep_size=w // t,
-                   embed_tp_size=draw(st.sampled_from(divs)), lmhead_tp_size=draw(st.sampled_from(divs)))
+                   embed_tp_size=draw(st.sampled_from(divs)), lmhead_tp_size=draw(st.sampled_from(divs)),
+                   attn_dp=False)   # replicated attention: these are the collectives of every group kind
 
 
 @settings(max_examples=50)
@@ -289,8 +290,8 @@ def _check_collectives(w, sizes, seed, gather_dim):
 
 @pytest.mark.parametrize("w, sizes", [
     (2, dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=1, embed_tp_size=2, lmhead_tp_size=2)),
-    (4, dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, embed_tp_size=1, lmhead_tp_size=4)),
-    (8, dict(attn_tp_size=4, moe_tp_size=2, moe_ep_size=4, embed_tp_size=8, lmhead_tp_size=2)),
+    (4, dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, embed_tp_size=1, lmhead_tp_size=4, attn_dp=False)),
+    (8, dict(attn_tp_size=4, moe_tp_size=2, moe_ep_size=4, embed_tp_size=8, lmhead_tp_size=2, attn_dp=False)),
 ])
 def test_collectives_equal_plain_math_fixed_layouts(w, sizes):
     _check_collectives(w, sizes, seed=1, gather_dim=-1)

@@ -71,13 +71,16 @@ import yaml
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0   # parallel_config.collective_timeout_s (distributed/guard.py applies it)
 
-EXE_MODES = ("eager", "ge_graph", "acl_graph")   # the recipe's names
+EXE_MODES = ("eager", "ge_graph", "acl_graph", "npugraph_ex")   # the recipe's names (npugraph_ex: its aclgraph mode)
 GRAPH_MODES = EXE_MODES[1:]                       # decode as one compiled graph
 DTYPES = ("bfloat16", "float32")
-DATASETS = ("prompts", "random")
+DATASETS = ("prompts", "random", "default", "LongBench")
+PLATFORM_VERSIONS = ("A2", "A3", "950")           # the recipe's platform_version values
+PLATFORM_VERSION_ENV = "PLATFORM_VERSION"         # the recipe's fallback when the YAML sets none
 TOKENIZER_MODES = ("default", "chat")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float8")   # float8: the recipe's per-token FP8 KV cache
 MODEL_PATH_SCHEMES = ("fixture", "preset")
+RECIPE_INPUT_TRUNCATED_LEN = 256   # the recipe's data_config.input_truncated_len default
 
 
 class ConfigError(ValueError):
@@ -184,6 +187,27 @@ class ModelConfig:
     num_hidden_layers: int | None = None
     tokenizer_mode: str = "default"
     kv_cache_dtype: str = "auto"
+    # The recipe's other model_config keys: each does what the recipe does, or is refused naming why.
+    model_name: str = "model"            # the run's name: printed, and the default compile-cache case name's head
+    output_path: str = ""                # where enable_profiler writes its trace; "": the YAML file's directory
+    platform_version: str | None = None  # A2 | A3 | 950; null: env PLATFORM_VERSION, else A3 (the recipe's order)
+    next_n: int = 0                      # speculative (MTP) steps: only 0 (no MTP layers in Qwen3-MoE)
+    enable_profiler: bool = False        # a torch.profiler trace of the run, one file per rank, under output_path
+    force_eplb: bool = False             # the recipe's forced balanced routing (benchmarks): refused, see _check
+    enable_static_kernel: bool = False   # npugraph_ex static kernels: refused when true
+    enable_weight_nz: bool = True        # NPU weight storage layout (FRACTAL_NZ); performance only, see _check
+    enable_hadamard: bool = False        # W4A4 Hadamard rotation: refused when true
+    hadamard_weight_path: str = ""
+    custom_params: dict = field(default_factory=dict)   # model-specific switches: none are defined for Qwen3-MoE
+    enable_online_split_weight: bool = True   # older recipe files: each rank splits the HF checkpoint as it loads
+    perfect_eplb: bool = False                # older recipe files' name of force_eplb
+
+    @property
+    def platform(self) -> str:
+        """platform_version as the recipe resolves it: the YAML's, else env PLATFORM_VERSION, else A3."""
+        import os
+        return str(self.platform_version if self.platform_version is not None
+                   else os.environ.get(PLATFORM_VERSION_ENV, "A3"))
 
     @property
     def scheme(self) -> tuple[str | None, str]:
@@ -220,6 +244,40 @@ class ModelConfig:
             c.fail("trust_compile_cache", "applies to the compile cache, which is off (enable_cache_compile: false)")
         if isinstance(self.model_path, str) and self.scheme[0] == "preset" and self.with_ckpt is True:
             c.fail("with_ckpt", "must be false with a 'preset:' model_path (presets have a config.json, no weights)")
+        self._check_recipe_keys(c)
+
+    def _check_recipe_keys(self, c: _Checker) -> None:
+        """The recipe's keys this model runs as the recipe means them, and those it refuses (naming why)."""
+        for key in ("model_name", "output_path", "hadamard_weight_path"):
+            if not isinstance(getattr(self, key), str):
+                c.fail(key, f"must be a string, got {_describe(getattr(self, key))}")
+        if self.platform not in PLATFORM_VERSIONS:
+            origin = "" if self.platform_version is not None else f" (from environment variable {PLATFORM_VERSION_ENV})"
+            c.fail("platform_version", f"must be one of {', '.join(PLATFORM_VERSIONS)}; got {self.platform!r}{origin}")
+        if c.non_negative_int(self, "next_n") and self.next_n:
+            c.fail("next_n", f"({self.next_n}) must be 0: speculative decoding (MTP) is not implemented, and "
+                             f"Qwen3-MoE checkpoints have no MTP layers")
+        for key in ("enable_profiler", "force_eplb", "enable_static_kernel", "enable_weight_nz", "enable_hadamard",
+                    "enable_online_split_weight", "perfect_eplb"):
+            c.boolean(self, key)
+        for key in ("force_eplb", "perfect_eplb"):
+            if getattr(self, key) is True:
+                c.fail(key, "forced balanced routing is not implemented: its expert ids depend on each rank's "
+                            "position, so no reference computes the same tokens; set it false")
+        if self.enable_static_kernel is True:
+            c.fail("enable_static_kernel", "static kernels of npugraph_ex are not implemented; set it false")
+        if self.enable_hadamard is True:
+            c.fail("enable_hadamard", "the W4A4 Hadamard-rotated checkpoints are not implemented (W4A8 / W8A8 are: "
+                                      "`python -m optimized convert`); set it false")
+        elif isinstance(self.hadamard_weight_path, str) and self.hadamard_weight_path:
+            c.fail("hadamard_weight_path", "is only read with enable_hadamard: true (which is not implemented)")
+        if self.enable_online_split_weight is False:
+            c.fail("enable_online_split_weight", "false means checkpoints split offline per rank, which is not "
+                                                 "implemented: every rank reads its shard of the HF checkpoint")
+        if not isinstance(self.custom_params, dict):
+            c.fail("custom_params", f"must be a mapping, got {_describe(self.custom_params)}")
+        elif self.custom_params:
+            c.fail("custom_params", f"no custom_params are defined for Qwen3-MoE; got {', '.join(map(str, self.custom_params))}")
 
 
 @dataclass
@@ -228,6 +286,15 @@ class DataConfig:
     prompts: list[str] = field(default_factory=lambda: ["The capital of France is"])
     input_max_len: int = 1024
     seed: int = 0
+    dataset_path: str = ""                   # default: its default_prompt.json; LongBench: the LongBench directory
+    input_truncated_len: int | None = None   # prompts longer than this many tokens are cut to it (the recipe's rule)
+
+    @property
+    def truncation(self) -> int | None:
+        """The token length prompts are cut to: input_truncated_len, or the recipe's 256 for LongBench."""
+        if self.input_truncated_len is None and self.dataset == "LongBench":
+            return RECIPE_INPUT_TRUNCATED_LEN
+        return self.input_truncated_len
 
     def _check(self, c: _Checker) -> None:
         c.choice(self, "dataset", DATASETS)
@@ -237,6 +304,14 @@ class DataConfig:
             c.fail("prompts", "must not be empty when dataset is 'prompts'")
         c.positive_int(self, "input_max_len")
         c.non_negative_int(self, "seed")
+        c.positive_int(self, "input_truncated_len", optional=True)
+        if not isinstance(self.dataset_path, str):
+            c.fail("dataset_path", f"must be a string (a directory), got {_describe(self.dataset_path)}")
+        elif self.dataset == "LongBench" and not self.dataset_path:
+            c.fail("dataset_path", "dataset LongBench reads a local LongBench directory (its <subset>.jsonl files); "
+                                   "set dataset_path to it (nothing is downloaded)")
+        elif self.dataset_path and self.dataset not in ("default", "LongBench"):
+            c.fail("dataset_path", f"is read only by the datasets default and LongBench (dataset: {self.dataset!r})")
 
 
 PARALLEL_SIZES = ("attn_tp_size", "moe_tp_size", "moe_ep_size", "embed_tp_size", "lmhead_tp_size")
@@ -249,13 +324,36 @@ class ParallelConfig:
     world_size: int = 1
     attn_tp_size: int = 1
     moe_tp_size: int = 1
-    moe_ep_size: int = 1
+    moe_ep_size: int | None = None    # null: world_size / moe_tp_size, as the recipe derives it
     embed_tp_size: int = 1
     lmhead_tp_size: int = 1
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     prefill_opt: bool | None = None
     moe_ep_scheme: str = "auto"
-    attn_dp: bool = False
+    attn_dp: bool | None = None       # null: attention DP whenever attn_tp_size < world_size (the recipe's rule);
+                                      # false: replicated attention (every attention TP group runs the whole batch)
+    # The recipe's other sizes. dense_tp_size / o_proj_tp_size null: the dense MLP is sharded over the MoE TP group
+    # and o_proj over the attention TP group (the only layouts built here; a value must name that size).
+    dense_tp_size: int | None = None
+    o_proj_tp_size: int | None = None
+    shared_tp_size: int = 1           # shared experts' TP: Qwen3-MoE has none, so it changes nothing
+    cp_size: int = 1                  # context parallel prefill: only 1
+
+    def __post_init__(self):
+        """Derive what the recipe derives (moe_ep_size, attn_dp) when the file leaves it out."""
+        derived = set()
+        w, t, a = self.world_size, self.moe_tp_size, self.attn_tp_size
+        if self.moe_ep_size is None and _is_int(w) and _is_int(t) and t > 0 and w > 0 and w % t == 0:
+            self.moe_ep_size = w // t
+            derived.add("moe_ep_size")
+        if self.attn_dp is None and _is_int(w) and _is_int(a) and a > 0:
+            self.attn_dp = a < w
+            derived.add("attn_dp")
+        object.__setattr__(self, "_derived", frozenset(derived))   # not a field: not compared, not written out
+
+    def derived(self, key: str) -> bool:
+        """Whether `key` was derived (left out of the config) rather than set."""
+        return key in getattr(self, "_derived", ())
 
     @property
     def attn_dp_size(self) -> int:
@@ -273,7 +371,9 @@ class ParallelConfig:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             c.fail("collective_timeout_s", f"must be a positive number of seconds, got {_describe(t)}")
-        ok = {k: c.positive_int(self, k) for k in ("world_size",) + PARALLEL_SIZES}
+        ok = {k: (self.moe_ep_size is not None or k != "moe_ep_size") and c.positive_int(self, k)
+              for k in ("world_size",) + PARALLEL_SIZES}   # an underivable moe_ep_size: moe_tp_size's error says why
+        self._check_recipe_sizes(c, ok)
         self._check_prefill_opt(c, ok)
         self._check_attn_dp(c, ok)
         if not ok["world_size"]:
@@ -285,6 +385,19 @@ class ParallelConfig:
         if ok["moe_tp_size"] and ok["moe_ep_size"] and self.moe_tp_size * self.moe_ep_size != w:
             c.fail("moe_ep_size", f"moe_tp_size * moe_ep_size must equal world_size "
                                   f"({self.moe_tp_size} * {self.moe_ep_size} != {w})")
+
+    def _check_recipe_sizes(self, c: _Checker, ok: dict[str, bool]) -> None:
+        for key, follows in (("dense_tp_size", "moe_tp_size"), ("o_proj_tp_size", "attn_tp_size")):
+            if c.positive_int(self, key, optional=True) and getattr(self, key) is not None and ok[follows] \
+                    and getattr(self, key) != getattr(self, follows):
+                c.fail(key, f"({getattr(self, key)}) must equal {follows} ({getattr(self, follows)}) or be left out: "
+                            f"that is the only layout built here")
+        if c.positive_int(self, "shared_tp_size") and ok["world_size"] and self.world_size % self.shared_tp_size:
+            c.fail("shared_tp_size", f"world_size ({self.world_size}) must be divisible by shared_tp_size "
+                                     f"({self.shared_tp_size})")
+        if c.positive_int(self, "cp_size") and self.cp_size != 1:
+            c.fail("cp_size", f"({self.cp_size}) must be 1: the context-parallel prefill is not implemented "
+                              f"(the sequence-parallel prefill is: prefill_opt)")
 
     def _check_prefill_opt(self, c: _Checker, ok: dict[str, bool]) -> None:
         """The recipe's rules for the sequence-parallel prefill and its MoE EP scheme."""
@@ -307,9 +420,10 @@ class ParallelConfig:
 
     def _check_attn_dp(self, c: _Checker, ok: dict[str, bool]) -> None:
         """The layouts attention data parallel runs in (the recipe's attn_tp x dp with MoE EP over every rank)."""
-        if not c.boolean(self, "attn_dp") or not self.attn_dp or not all(ok.values()):
+        if self.attn_dp is None or not c.boolean(self, "attn_dp") or not self.attn_dp or not all(ok.values()):
             return
         w, a = self.world_size, self.attn_tp_size
+        before = len(c.errors)
         if a >= w:
             c.fail("attn_dp", f"needs attn_tp_size < world_size (attn_dp_size = world_size / attn_tp_size = "
                               f"{w} / {a}); with attn_tp_size == world_size there is one attention group")
@@ -323,6 +437,10 @@ class ParallelConfig:
             c.fail("prefill_opt", "cannot be combined with attn_dp: the sequence-parallel prefill needs "
                                   "attn_tp_size == world_size; under attention DP the prefill already splits each DP "
                                   "group's tokens over its attention TP ranks")
+        if self.derived("attn_dp") and len(c.errors) > before:
+            c.fail("attn_dp", f"attention DP follows from attn_tp_size ({a}) < world_size ({w}), as the recipe "
+                              f"derives attn_dp_size = {w // a}; set attn_dp: false for replicated attention instead "
+                              f"(every attention TP group then runs the whole batch)")
 
     def validate(self) -> "ParallelConfig":
         errors: list[tuple[str, str]] = []
@@ -337,10 +455,18 @@ class SchedulerConfig:
     batch_size: int = 1
     max_new_tokens: int = 32
     block_size: int = 128
+    max_prefill_tokens: int = 0          # prompt tokens one prefill step packs at most (0: every prompt at once)
+    mem_fraction_static: float = 0.85    # share of the device memory the weights and the KV cache may take
+    num_reserved_decode_tokens: int = 64 # the recipe's online PD decode admission reserve (offline runs ignore it)
 
     def _check(self, c: _Checker) -> None:
         for k in ("batch_size", "max_new_tokens", "block_size"):
             c.positive_int(self, k)
+        c.non_negative_int(self, "max_prefill_tokens")
+        c.non_negative_int(self, "num_reserved_decode_tokens")
+        f = self.mem_fraction_static
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            c.fail("mem_fraction_static", f"must be a number in (0, 1], got {_describe(f)}")
 
 
 SECTIONS: dict[str, type] = {
@@ -353,6 +479,33 @@ SECTIONS: dict[str, type] = {
 
 def _allowed(cls) -> list[str]:
     return [f.name for f in fields(cls)]
+
+
+# The recipe's older files put a few keys at the top level and max_new_tokens / batch_size in data_config; its
+# runner read them from there. They are folded into the sections that hold them now.
+FLAT_KEYS = {"model_name": "model_config", "model_path": "model_config", "exe_mode": "model_config",
+             "world_size": "parallel_config"}
+MOVED_KEYS = {("data_config", "max_new_tokens"): "scheduler_config", ("data_config", "batch_size"): "scheduler_config"}
+
+
+def _fold_flat_layout(d: dict, errors: list[tuple[str, str]]) -> dict:
+    """`d` with the older flat layout's keys moved into their sections; a key given in both places is an error."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items() if k not in FLAT_KEYS}
+    moves = [(k, None, FLAT_KEYS[k], d[k]) for k in FLAT_KEYS if k in d]
+    moves += [(key, old, new, out[old].pop(key)) for (old, key), new in MOVED_KEYS.items()
+              if isinstance(out.get(old), dict) and key in out[old]]
+    for key, old, new, value in moves:
+        section = out.setdefault(new, {})
+        if section is None:
+            section = out[new] = {}
+        if not isinstance(section, dict):
+            continue   # the section's own error follows
+        where = f"{old}.{key}" if old else f"top-level {key}"
+        if key in section:
+            errors.append((f"{new}.{key}", f"given twice: here and as {where} (the recipe's older layout); keep one"))
+            continue
+        section[key] = value
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -373,6 +526,7 @@ class InferenceConfig:
             d = {}
         if not isinstance(d, dict):
             raise ConfigError([("<top level>", f"must be a mapping of sections, got {_describe(d)}")], source)
+        d = _fold_flat_layout(d, errors)
         sections: dict[str, Any] = {}
         for name, value in d.items():
             if name not in SECTIONS:

@@ -54,6 +54,9 @@ def dist_backend() -> str:
 
 
 
+CAPTURED_GRAPH_MODES = ("acl_graph", "npugraph_ex")   # captured device graphs (npugraph_ex: the recipe's name)
+
+
 def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
     """How this backend compiles a decode step: a function `compile(module) -> callable`.
 
@@ -79,14 +82,14 @@ def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
         config = CompilerConfig()
         config.experimental_config.frozen_parameter = True
         config.experimental_config.tiling_schedule_optimize = True
-        if exe_mode == "acl_graph":
+        if exe_mode in CAPTURED_GRAPH_MODES:
             config.mode = "reduce-overhead"
         if cache_dir is not None:
             return lambda step: torchair.inference.cache_compile(step.forward, cache_dir=str(cache_dir), config=config,
                                                                  dynamic=True, fullgraph=True, ge_cache=True)
         backend = torchair.get_npu_backend(compiler_config=config)
         return lambda step: torch.compile(step, backend=backend, dynamic=True, fullgraph=True)
-    mode = "reduce-overhead" if exe_mode == "acl_graph" and backend_name() == "cuda" else None
+    mode = "reduce-overhead" if exe_mode in CAPTURED_GRAPH_MODES and backend_name() == "cuda" else None
     return lambda step: torch.compile(step, backend="inductor", mode=mode, dynamic=True, fullgraph=True)
 
 

@@ -17,7 +17,7 @@ def test_bench_world_size_2_reports_tp_and_both_sp_schemes_and_both_decode_layou
                      "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     for needle in ("prefill over 2 processes", "sp-allgather", "sp-alltoall", "vs tp (best)", "MoE layer 0",
-                   "decode over 2 processes", "npu_moe_distribute_dispatch_v2", "HCCL buffer >= 3 MB",
+                   "decode over 2 processes", "npu_moe_distribute_dispatch_v2", "MC2 window 200 MB",
                    "dp      skipped: needs an even --world-size >= 4"):
         assert needle in out, needle
     assert out.count("every rank, every MoE layer: measured == formula: yes") == 2, out
@@ -60,7 +60,7 @@ def test_bench_world_size_2_reports_tp_and_both_sp_schemes_and_both_decode_layou
     assert dispatched == combined // (64 * 4) * (64 * 4 + 8), (dispatched, combined)  # every row goes back
     formula = report["decode_formula"]
     assert formula["moe_layers"] == 2 and set(formula["layouts"]) == {"tp", "mc2"}      # the fixture's depth
-    assert formula["layouts"]["tp"]["hccl_buffer_mb"] is None and formula["layouts"]["mc2"]["hccl_buffer_mb"] == 3
+    assert formula["layouts"]["tp"]["mc2_window_mb"] is None and formula["layouts"]["mc2"]["mc2_window_mb"] == 200
 
 
 def test_bench_world_size_must_fit_the_model(capsys):
@@ -102,12 +102,12 @@ def test_bench_formula_only_qwen3_235b_runs_nothing(tmp_path, capsys):
     assert (f"mc2    per layer: npu_moe_distribute_dispatch_v2 {layer[decode_plan.DISPATCH]:,d} B, "
             f"npu_moe_distribute_combine_v2 {layer[decode_plan.COMBINE]:,d} B, all_gather "
             f"{layer['all_gather']:,d} B = {sum(layer.values()):,d} B; per decode step: "
-            f"{94 * sum(layer.values()):,d} B; HCCL buffer >= 11 MB (HCCL_BUFFSIZE)") in out, out
+            f"{94 * sum(layer.values()):,d} B; MC2 window 200 MB (its own HCCL group)") in out, out
     # tp: [64, 4096] bf16 all-reduced over 16 ranks, 2 * 15/16 of 512 KiB per layer
     assert f"tp     per layer: all_reduce {2 * 15 * 64 * 4096 * 2 // 16:,d} B" in out, out
     assert "prefill over" not in out and "decode over" not in out
     saved = json.loads(out_json.read_text())["layouts"]["mc2"]
-    assert saved["per_layer"] == layer and saved["hccl_buffer_mb"] == 11
+    assert saved["per_layer"] == layer and saved["mc2_window_mb"] == 200
 
 
 def test_bench_formula_only_qwen3_235b_shows_the_recipes_attention_dp_layout(tmp_path, capsys):
@@ -129,7 +129,7 @@ def test_bench_formula_only_qwen3_235b_shows_the_recipes_attention_dp_layout(tmp
             f"npu_moe_distribute_combine_v2 {combine:,d} B = {dispatch + combine:,d} B; attention per layer: "
             f"all_gather {attention:,d} B, reduce_scatter {attention:,d} B; per decode step: MoE "
             f"{94 * (dispatch + combine):,d} B + attention {94 * 2 * attention:,d} B + logits {logits:,d} B = "
-            f"{step:,d} B; HCCL buffer >= 5 MB") in out, out
+            f"{step:,d} B; MC2 window 200 MB") in out, out
     for d in (2, 4, 16, 32):
         assert f"dp-tp{32 // d}x{d} " in out, d                         # every split of 32 into DP groups
     saved = json.loads(out_json.read_text())["dp"]["dp-tp4x8"]

@@ -191,7 +191,8 @@ def _model(**over):
 
 
 def _par(**p):
-    return InferenceConfig.from_dict({"parallel_config": p})
+    """Replicated attention unless the test says otherwise (the default derives attention DP from attn_tp < world)."""
+    return InferenceConfig.from_dict({"parallel_config": {"attn_dp": False, **p}})
 
 
 def _model_err(cfg, model) -> ConfigError:
@@ -228,7 +229,7 @@ def test_dense_rule_only_applies_when_dense_layers_exist():
     assert dense_layers(_model(mlp_only_layers=[1, 3])) == [1, 3]
     assert dense_layers(_model(decoder_sparse_step=2)) == [0, 2]
     # a dense layer beyond the num_hidden_layers override does not count
-    trunc = InferenceConfig.from_dict({"parallel_config": dict(world_size=4, moe_tp_size=4),
+    trunc = InferenceConfig.from_dict({"parallel_config": dict(world_size=4, moe_tp_size=4, attn_dp=False),
                                        "model_config": {"num_hidden_layers": 2, "with_ckpt": False}})
     trunc.validate_for_model(_model(intermediate_size=50, mlp_only_layers=[3]))
 
@@ -257,10 +258,10 @@ def _valid(w, a, t, e, v, lm) -> bool:
        v=st.integers(0, 16), lm=st.integers(0, 16))
 def test_random_parallel_layouts_accepted_iff_valid(w, a, t, e, v, lm):
     d = {"parallel_config": dict(world_size=w, attn_tp_size=a, moe_tp_size=t, moe_ep_size=e, embed_tp_size=v,
-                                 lmhead_tp_size=lm)}
+                                 lmhead_tp_size=lm, attn_dp=False)}
     if _valid(w, a, t, e, v, lm):
         cfg = InferenceConfig.from_dict(d)
-        assert cfg.parallel_config == ParallelConfig(w, a, t, e, v, lm)
+        assert cfg.parallel_config == ParallelConfig(w, a, t, e, v, lm, attn_dp=False)
     else:
         err = _err(d)
         assert err.errors and all(k.startswith("parallel_config.") for k, _ in err.errors)
@@ -272,7 +273,7 @@ def valid_layouts(draw):
     divs = [d for d in range(1, w + 1) if w % d == 0]
     t = draw(st.sampled_from(divs))
     return dict(world_size=w, attn_tp_size=draw(st.sampled_from(divs)), moe_tp_size=t, moe_ep_size=w // t,
-                embed_tp_size=draw(st.sampled_from(divs)), lmhead_tp_size=draw(st.sampled_from(divs)))
+                embed_tp_size=draw(st.sampled_from(divs)), lmhead_tp_size=draw(st.sampled_from(divs)), attn_dp=False)
 
 
 @settings(max_examples=40)

@@ -1,9 +1,11 @@
-"""The decode's MoE plan: the recipe's MC2 rule, the HCCL buffer formula and the start-up line."""
+"""The decode's MoE plan: the recipe's MC2 rule, the MC2 group's HCCL window and the start-up line."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from optimized.config import ParallelConfig
 from optimized.distributed import decode_plan
@@ -22,73 +24,69 @@ def test_mc2_decode_exactly_when_moe_tp_1_and_ep_above_1(sizes, mc2):
     assert decode_plan.uses_mc2_decode(ParallelConfig(**sizes)) is mc2
 
 
-def test_hccl_buffer_formula_for_a_qwen3_235b_layout():
-    # EP 32, batch 32: n = 1 token per rank, L = 4, A = 1 * 32 * min(4, 8) = 128 rows of 4096 bf16 + 8 int32;
-    # combine: 1 * 8 rows of 4096 bf16; both double-buffered: 2 * (128 * 8224 + 8 * 8192) B = 2.13 MiB -> 3 + 2
-    assert decode_plan.mc2_buffer_mb(32, 8, 4096, 32, 128) == 5
-    # EP 16, batch 256: n = 16, L = 8, A = 16 * 16 * 8 = 2048 rows; 2 * (2048 * 8224 + 128 * 8192) B = 34.1 MiB
-    assert decode_plan.mc2_buffer_mb(256, 8, 4096, 16, 128) == 35 + 2
+def test_mc2_window_follows_the_recipes_rule_for_qwen3_235b():
+    # EP 16, n = 256 tokens per rank (batch 4096), L = 8 local experts, H = 4096 bf16 = 8192 B per token.
+    # Dispatch: a token's 8192 B move in ceil(8192 / 480) = 18 pieces, each in a 512 B aligned slot: 9216 B;
+    #   L * n * EP slots of it = 8 * 256 * 16 * 9216 = 301,989,888 B.
+    # Combine: top_k * n rows of align512(8192) = 8 * 256 * 8192 = 16,777,216 B.
+    # Double-buffered: 2 * 318,767,104 B = 608 MiB exactly, + the 11 MB reserve = 619.
+    assert decode_plan.mc2_window_mb(256, 8, 4096, 16, 128) == 619
+    # H = 4000: 8000 B per token -> 17 pieces = 8704 B slots; combine rows align512(8000) = 8192 B:
+    # 2 * (8 * 256 * 16 * 8704 + 8 * 256 * 8192) = 2 * (285,212,672 + 16,777,216) B = 576 MiB -> 576 + 11
+    assert decode_plan.mc2_window_mb(256, 8, 4000, 16, 128) == 587
+    # a small need never goes below HCCL's own 200 MB window
+    assert decode_plan.mc2_window_mb(1, 8, 4096, 16, 128) == decode_plan.HCCL_DEFAULT_MB == 200
 
 
-def test_describe_names_the_decode_path_and_buffer():
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 512), top_k=st.integers(1, 8), hidden=st.integers(1, 8192),
+       ep=st.sampled_from([2, 4, 8, 16, 32]), per_rank=st.integers(1, 16), act=st.sampled_from([2, 4]))
+def test_mc2_window_holds_the_worst_case_dispatch_and_combine(tokens, top_k, hidden, ep, per_rank, act):
+    """Every local expert receiving every rank's tokens, each token's data in aligned slots, and the combine's rows,
+    double-buffered, fit the window (the worst case HCCL must hold)."""
+    row = hidden * act
+    slot = -(-row // 480) * 512
+    assert slot >= row and slot % 512 == 0
+    worst = 2 * (per_rank * tokens * ep * slot + top_k * tokens * -(-row // 512) * 512)
+    assert decode_plan.mc2_window_mb(tokens, top_k, hidden, ep, per_rank * ep, act) * (1 << 20) >= worst
+
+
+def test_window_for_uses_the_most_tokens_a_rank_dispatches():
+    mc2 = ParallelConfig(world_size=16, attn_tp_size=16, moe_tp_size=1, moe_ep_size=16)
+    # batch 4090 over EP 16: 256 tokens on the first ranks (the recipe's 4090 // 16 = 255 would under-size it)
+    assert decode_plan.window_for(QWEN3_235B, mc2, 4090, 2) == decode_plan.mc2_window_mb(256, 8, 4096, 16, 128)
+    tp = ParallelConfig(world_size=16, attn_tp_size=16, moe_tp_size=16, moe_ep_size=1)
+    assert decode_plan.window_for(QWEN3_235B, tp, 4090, 2) is None                    # no MC2 decode
+
+
+def test_describe_names_the_decode_path_and_window():
     ep = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=1, moe_ep_size=4)
-    line = decode_plan.describe(QWEN3_235B, ep, 8, 2)      # n = 2, A = 64 rows: 2 * (64 * 8224 + 16 * 8192) B -> 2 + 2
-    assert "moe_infer_dispatch_combine" in line and "HCCL buffer >= 4 MB" in line, line
+    line = decode_plan.describe(QWEN3_235B, ep, 8, 2)
+    assert "moe_infer_dispatch_combine" in line and "MC2 window 200 MB (its own HCCL group)" in line, line
     tp = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=4, moe_ep_size=1)
     assert "moe_infer_tp" in decode_plan.describe(QWEN3_235B, tp, 8, 2)
 
 
-# ------------------------------------------------------------------------------------ HCCL_BUFFSIZE
-
-def test_hccl_buffsize_is_not_set_off_hccl_or_without_mc2():
-    for backend in ("gloo", "nccl"):
-        assert decode_plan.hccl_buffsize_setting(backend, 500, {}) is None
-        # a too-small export matters to HCCL only: gloo / nccl never read it
-        assert decode_plan.hccl_buffsize_setting(backend, 500, {"HCCL_BUFFSIZE": "1"}) is None
-    assert decode_plan.hccl_buffsize_setting("hccl", None, {}) is None                  # no MC2 decode
+def test_a_batch_beyond_the_mc2_window_is_refused_naming_both():
+    mc2 = ParallelConfig(world_size=16, attn_tp_size=16, moe_tp_size=1, moe_ep_size=16)
+    decode_plan.check_mc2_window(QWEN3_235B, mc2, 4096, 2, 619)
+    with pytest.raises(UsageError, match=r"batch of 4096 needs an MC2 window of 619 MB.*built with 200 MB"):
+        decode_plan.check_mc2_window(QWEN3_235B, mc2, 4096, 2, 200)
 
 
-def test_hccl_buffsize_unset_is_exported_only_above_hccls_default():
-    assert decode_plan.hccl_buffsize_setting("hccl", 201, {}) == "201"
-    assert decode_plan.hccl_buffsize_setting("hccl", 5000, {}) == "5000"
-    # HCCL's own 200 MB window holds a smaller need; exporting the need would shrink every communicator's window
-    assert decode_plan.hccl_buffsize_setting("hccl", 200, {}) is None
-    assert decode_plan.hccl_buffsize_setting("hccl", 5, {}) is None
+def test_the_mc2_group_gets_its_window_only_on_hccl():
+    assert decode_plan.mc2_group_options("gloo", 619) is None
+    assert decode_plan.mc2_group_options("nccl", 619) is None
 
 
-def test_hccl_buffsize_exported_by_the_user_is_kept_when_large_enough():
-    assert decode_plan.hccl_buffsize_setting("hccl", 300, {"HCCL_BUFFSIZE": "300"}) is None
-    assert decode_plan.hccl_buffsize_setting("hccl", 300, {"HCCL_BUFFSIZE": "1024"}) is None
-    assert decode_plan.hccl_buffsize_setting("hccl", 5, {"HCCL_BUFFSIZE": "10"}) is None     # below 200, above the need
-
-
-@pytest.mark.parametrize("raw, needed", [("299", 300), ("4", 5), ("0", 5), ("-3", 5), ("big", 5), ("", 5)])
-def test_hccl_buffsize_exported_below_the_need_is_an_error_naming_it(raw, needed):
-    with pytest.raises(UsageError) as err:
-        decode_plan.hccl_buffsize_setting("hccl", needed, {"HCCL_BUFFSIZE": raw})
-    msg = str(err.value)
-    assert f"HCCL_BUFFSIZE={raw}" in msg or f"HCCL_BUFFSIZE={raw!r}" in msg, msg
-    assert str(needed) in msg, msg
-
-
-def test_apply_hccl_buffsize_exports_the_largest_mc2_need_of_the_layouts():
-    mc2 = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1, moe_ep_size=8)
-    tp = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=8, moe_ep_size=1)
-    # batch 2048 at EP 8: n = 256, A = 256 * 8 * min(16, 8) = 16384 rows of 4096 bf16 + 8 int32, combine 256 * 8
-    # rows: 2 * (16384 * 8224 + 2048 * 8192) B = 288.8 MiB -> 289 + 2
-    need = decode_plan.mc2_buffer_mb(2048, 8, 4096, 8, 128)
-    assert need == 291 > decode_plan.HCCL_DEFAULT_MB
-    env: dict[str, str] = {}
-    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, [tp, mc2], 2048, 2, backend="hccl", environ=env) == "291"
-    assert env == {"HCCL_BUFFSIZE": "291"}
-    env = {}
-    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, tp, 2048, 2, backend="hccl", environ=env) is None and env == {}
-    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, backend="gloo", environ=env) is None and env == {}
-    env = {"HCCL_BUFFSIZE": "1024"}
-    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, backend="hccl", environ=env) is None
-    assert env == {"HCCL_BUFFSIZE": "1024"}
-    with pytest.raises(UsageError, match="HCCL_BUFFSIZE=290 .* below the 291 MB"):
-        decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, backend="hccl", environ={"HCCL_BUFFSIZE": "290"})
+def test_parallel_state_builds_the_mc2_group_with_its_window_only_for_an_mc2_decode():
+    from optimized.distributed import ParallelState
+    mc2 = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=1, moe_ep_size=4)
+    state = ParallelState.build(mc2, 2, create_groups=False, mc2_window_mb=619)
+    assert state.moe_ep_mc2.ranks == state.moe_ep.ranks and state.moe_ep_mc2.window_mb == 619
+    assert ParallelState.build(mc2, 2, create_groups=False).moe_ep_mc2.window_mb == decode_plan.HCCL_DEFAULT_MB
+    tp = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=4, moe_ep_size=1)
+    assert ParallelState.build(tp, 2, create_groups=False, mc2_window_mb=619).moe_ep_mc2 is None
 
 
 # ----------------------------------------------------------------------------------- decode volume
@@ -110,15 +108,6 @@ def test_mc2_decode_step_volume_for_a_qwen3_235b_layout():
                            "all_gather": 15 * 4 * 8192}
     step = decode_plan.step_volume(config, ep, 64, 2)
     assert step.parts == {op: 94 * b for op, b in layer.parts.items()}
-
-
-def test_apply_hccl_buffsize_asks_the_platform_for_the_backend(monkeypatch):
-    mc2 = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1, moe_ep_size=8)
-    env: dict[str, str] = {}
-    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, environ=env) is None and env == {}  # CPU: gloo
-    monkeypatch.setattr(decode_plan.platform, "dist_backend", lambda: "hccl")
-    assert decode_plan.apply_hccl_buffsize(QWEN3_235B, mc2, 2048, 2, environ=env) == "291"
-    assert env == {"HCCL_BUFFSIZE": "291"}
 
 
 # ------------------------------------------------------------------------------------ attention data parallel
@@ -159,8 +148,8 @@ def test_attention_dp_step_volume_adds_attention_moe_and_the_logits_gather():
                                                           lmhead_tp_size=2, attn_dp=True), 12, 2)
 
 
-def test_attention_dp_hccl_buffer_is_sized_for_each_ranks_own_rows():
-    # batch 10 over DP 4 x TP 2: m = 3, n = 2 rows per rank, as if the batch were 2 * 8 = 16 (ceil(10 / 8) = 2 too)
-    assert decode_plan.needed_buffer_mb(QWEN3_235B, [DP8], 10, 2) == decode_plan.mc2_buffer_mb(16, 8, 4096, 8, 128)
+def test_attention_dp_mc2_window_is_sized_for_each_ranks_own_rows():
+    # batch 10 over DP 4 x TP 2: m = 3, n = 2 rows per rank (ceil(3 / 2))
+    assert decode_plan.window_for(QWEN3_235B, DP8, 10, 2) == decode_plan.mc2_window_mb(2, 8, 4096, 8, 128)
     # batch 4 over DP 4: one row on each group's first rank, none on its second; still n = 1 per rank
-    assert decode_plan.needed_buffer_mb(QWEN3_235B, [DP8], 4, 2) == decode_plan.mc2_buffer_mb(8, 8, 4096, 8, 128)
+    assert decode_plan.window_for(QWEN3_235B, DP8, 4, 2) == decode_plan.mc2_window_mb(1, 8, 4096, 8, 128)

@@ -115,10 +115,10 @@ def test_generate_attention_dp_under_torchrun_four_ranks_equals_reference():
 
 def test_generate_mc2_decode_under_torchrun_four_ranks_equals_reference():
     """tiny_ep4_mc2 (the recipe's EP-only decode: moe_tp 1, MoE EP 4): two prompts of different lengths; the
-    start-up lines name MC2 and its HCCL buffer."""
+    start-up lines name MC2 and its own group's HCCL window."""
     lines = _torchrun_four_ranks_equals_reference("tiny_ep4_mc2.yaml", ("1, 2, 3,", "Once upon a time"))
     decode = [line for line in lines if line.startswith("decode MoE path:")]
-    assert decode and "MC2 over moe_ep 4" in decode[0] and "HCCL_BUFFSIZE" in decode[0], lines
+    assert decode and "MC2 over moe_ep 4" in decode[0] and "MC2 window 200 MB (its own HCCL group)" in decode[0], lines
 
 
 # --------------------------------------------------------------------------------------------- errors

@@ -27,7 +27,7 @@ def _errors(**p) -> dict[str, str]:
     (dict(), False),                                                          # one process: nothing to split
     (dict(world_size=4, attn_tp_size=4, moe_ep_size=4), True),                # sizes match: on by default
     (dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt=False), False),
-    (dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2), False),  # attention replicas: off
+    (dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, attn_dp=False), False),  # attention replicas: off
     (dict(world_size=4, attn_tp_size=4, moe_tp_size=4), False),
     (dict(world_size=2, attn_tp_size=2, moe_ep_size=2, prefill_opt=True), True),
 ])
@@ -36,9 +36,10 @@ def test_sp_prefill_default_and_switch(p, on):
 
 
 @pytest.mark.parametrize("p, key, fragments", [
-    (dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, prefill_opt=True), "parallel_config.prefill_opt",
+    (dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, prefill_opt=True, attn_dp=False),
+     "parallel_config.prefill_opt",
      ["moe_tp_size == 1"]),
-    (dict(world_size=4, attn_tp_size=2, moe_ep_size=4, prefill_opt=True), "parallel_config.prefill_opt",
+    (dict(world_size=4, attn_tp_size=2, moe_ep_size=4, prefill_opt=True, attn_dp=False), "parallel_config.prefill_opt",
      ["attn_tp_size == moe_ep_size (2 != 4)"]),
     (dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt="yes"), "parallel_config.prefill_opt",
      ["must be a boolean"]),

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--exe-mode do not apply)")
     p.add_argument("--formula-only", action="store_true",
                    help="with --world-size > 1: print only the decode layouts' MoE bytes per rank and the MC2 "
-                        "HCCL buffer from the formula, at the preset's full depth; builds and runs nothing")
+                        "MC2 window from the formula, at the preset's full depth; builds and runs nothing")
 
 
 def _int_list(flag: str):

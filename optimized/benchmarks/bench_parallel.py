@@ -223,7 +223,7 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     import torch.distributed as dist
 
     from optimized.benchmarks.common import DTYPES
-    from optimized.distributed import ParallelState
+    from optimized.distributed import ParallelState, decode_plan
     from optimized.distributed import collectives as comm
     from optimized.executor.model_runner import ModelRunner
     from optimized.model_loader.build import model_from_source
@@ -231,7 +231,8 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
 
     dtype = DTYPES[args["dtype"]]
     parallel = layout.config(world)
-    state = ParallelState.build(parallel)
+    state = ParallelState.build(parallel, mc2_window_mb=decode_plan.window_for(config, parallel, args["batch"],
+                                                                               dtype.itemsize))
     t0 = time.perf_counter()
     model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
     runner = ModelRunner(model, args["block_size"], device)
@@ -295,7 +296,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
     from optimized.distributed import collectives as comm
     from optimized.benchmarks.common import DTYPES, bench_config
     from optimized.model_loader.build import model_from_source
-    from optimized.distributed import ParallelState, init_distributed
+    from optimized.distributed import ParallelState, decode_plan, init_distributed
     from optimized.model_loader.loader import RandomWeights
     from optimized.executor.model_runner import ModelRunner
 
@@ -310,7 +311,9 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
         prompts = torch.randint(0, config.vocab_size, (args["batch"], args["prompt_len"]), generator=gen).tolist()
         report = {}
         for name in args["layouts"]:
-            state = ParallelState.build(layout_config(name, world))
+            parallel = layout_config(name, world)
+            state = ParallelState.build(parallel, mc2_window_mb=decode_plan.window_for(config, parallel, args["batch"],
+                                                                                       dtype.itemsize))
             t0 = time.perf_counter()
             model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype,
                                       device=device)
@@ -353,7 +356,6 @@ def run(args) -> dict:
     import multiprocessing as mp
 
     from optimized.benchmarks.common import DTYPES, progress
-    from optimized.distributed.decode_plan import apply_hccl_buffsize
     from optimized.errors import UsageError
 
     world = args.world_size
@@ -361,15 +363,12 @@ def run(args) -> dict:
     if args.prompt_len + args.decode_steps + 1 > config.max_position_embeddings:
         raise UsageError(f"--prompt-len + --decode-steps exceed max_position_embeddings "
                          f"({config.max_position_embeddings})")
-    # Children inherit the environment: an MC2 decode on hccl gets its HCCL window before any group exists.
     # A subset of the layouts (`args.prefill_layouts` / `args.decode_layouts`, names) is for library callers such as
     # the tests; the command line runs them all.
     prefill_layouts = list(getattr(args, "prefill_layouts", PREFILL_LAYOUTS))
     wanted = [DECODE_BY_NAME[n] for n in getattr(args, "decode_layouts", DECODE_BY_NAME)]
     skipped = {d.name: why for d in wanted if (why := d.skip(world, args.batch))}
     decode_layouts = [d for d in wanted if d.name not in skipped]
-    parallels = [layout_config(n, world) for n in prefill_layouts] + [d.config(world) for d in decode_layouts]
-    apply_hccl_buffsize(config, parallels, args.batch, DTYPES[args.dtype].itemsize)
     params = dict(preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed, batch=args.batch,
                   prompt_len=args.prompt_len, block_size=args.block_size, warmup=args.warmup, repeats=args.repeats,
                   decode_steps=args.decode_steps, layouts=prefill_layouts,
@@ -415,7 +414,7 @@ def check_world(args):
 
 def formula(args, config=None) -> dict:
     """Each decode layout's MoE bytes per rank and decode step under uniform routing, at the preset's full depth
-    (`decode_plan.step_volume`), and the HCCL buffer an MC2 layout needs; nothing runs."""
+    (`decode_plan.step_volume`), and the MC2 window an MC2 layout needs; nothing runs."""
     from optimized.benchmarks.common import DTYPES, full_layer_count
     from optimized.distributed import decode_plan
 
@@ -451,7 +450,7 @@ def _formula_entry(config, p, batch: int, act: int, layers: int) -> dict:
 
     one = decode_plan.decode_volume(p, batch, config.hidden_size, config.num_experts_per_tok, config.num_experts, act)
     return {"per_layer": one.parts, "per_step": decode_plan.step_volume(config, p, batch, act, layers).parts,
-            "hccl_buffer_mb": decode_plan.needed_buffer_mb(config, [p], batch, act)}
+            "mc2_window_mb": decode_plan.window_for(config, p, batch, act)}
 
 
 def format_report(r: dict) -> str:
@@ -548,7 +547,7 @@ def format_formula(f: dict) -> list[str]:
     lines = ["", f"formula (decode_plan, uniform routing), {f['preset']} at full depth ({f['moe_layers']} MoE layers), "
                  f"batch {f['batch']}, {f['dtype']}, {f['world_size']} ranks: MoE bytes per rank"]
     for name, v in f["layouts"].items():
-        buffer = "" if v["hccl_buffer_mb"] is None else f"; HCCL buffer >= {v['hccl_buffer_mb']} MB (HCCL_BUFFSIZE)"
+        buffer = "" if v["mc2_window_mb"] is None else f"; MC2 window {v['mc2_window_mb']} MB (its own HCCL group)"
         lines.append(f"  {name:<6} per layer: {_parts(v['per_layer'])} = {sum(v['per_layer'].values()):,d} B; "
                      f"per decode step: {sum(v['per_step'].values()):,d} B{buffer}")
     if f.get("dp") or f.get("dp_skipped"):
@@ -561,7 +560,7 @@ def format_formula(f: dict) -> list[str]:
                      f"attention per layer: {_parts(v['attention_per_layer']) or 'nothing'}; per decode step: MoE "
                      f"{sum(v['per_step'].values()):,d} B + attention {sum(v['step_parts']['attention'].values()):,d} B"
                      f" + logits {sum(v['step_parts']['logits'].values()):,d} B = {v['step_total']:,d} B; "
-                     f"HCCL buffer >= {v['hccl_buffer_mb']} MB")
+                     f"MC2 window {v['mc2_window_mb']} MB")
     for name, why in f.get("dp_skipped", {}).items():
         lines.append(f"  {name:<11} skipped: {why}")
     return lines

@@ -5,7 +5,11 @@ generate
   `--prompt TEXT` (encoded by the checkpoint's own tokenizer) or `--prompt-ids 1,2,3` is one request of
   the batch; without either, the config's data_config decides (`prompts`: its prompts, cycled to
   scheduler_config.batch_size requests; `random`: batch_size random prompts of input_max_len ids drawn
-  from data_config.seed). A prompt longer than data_config.input_max_len is an error, never truncated.
+  from data_config.seed; `default`: data_config.dataset_path's default_prompt.json, else `prompts`;
+  `LongBench`: the contexts of the local LongBench directory dataset_path, each wrapped as a summary request).
+  With data_config.input_truncated_len (LongBench: 256 unless set) the config's prompts are cut to that many
+  tokens, as the recipe cuts them, and the output says how many were cut. A prompt still longer than
+  data_config.input_max_len is an error, never truncated.
   `--chat` (or model_config.tokenizer_mode: chat) sends each text prompt through the tokenizer's chat
   template as a user message. Generation is greedy unless --temperature > 0 (then --top-k, --top-p,
   --seed apply); a request stops at an EOS id of generation_config.json (else config.json) unless
@@ -40,6 +44,7 @@ import os
 import sys
 from pathlib import Path
 
+from optimized import datasets
 from optimized.cli.common import parse_prompt_ids
 from optimized.errors import UsageError
 from optimized.executor.model_runner import BLOCK_GRANULARITY, check_prompts
@@ -71,6 +76,12 @@ def add_parser(sub) -> None:
 
 
 
+def _say(message: str) -> None:
+    """A start-up line, printed once (by rank 0 under torchrun; before the process group exists)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
+
+
 def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
     data, batch = cfg.data_config, cfg.scheduler_config.batch_size
     mode = "chat" if args.chat else cfg.model_config.tokenizer_mode
@@ -84,9 +95,23 @@ def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
         import torch
         gen = torch.Generator().manual_seed(data.seed)
         prompts = torch.randint(0, vocab_size, (batch, data.input_max_len), generator=gen).tolist()
-    else:
-        prompts = [encode_prompt(tokenizer, data.prompts[i % len(data.prompts)], mode,
-                          f"data_config.prompts[{i % len(data.prompts)}]") for i in range(batch)]
+    elif data.dataset == "LongBench":
+        if tokenizer is None:
+            raise UsageError("data_config.dataset LongBench needs the checkpoint's tokenizer, and it has none")
+        contexts = datasets.load_longbench(data.dataset_path, log=_say)
+        prompts = [datasets.longbench_prompt(tokenizer, contexts[i % len(contexts)], data.truncation,
+                                             cfg.scheduler_config.max_new_tokens) for i in range(batch)]
+    else:   # prompts, or default: its default_prompt.json when dataset_path is set
+        texts, key = data.prompts, "data_config.prompts"
+        if data.dataset == "default" and data.dataset_path:
+            texts = datasets.load_default_prompts(data.dataset_path)
+            key = f"{data.dataset_path}/{datasets.DEFAULT_PROMPT_FILE}"
+        prompts = [encode_prompt(tokenizer, texts[i % len(texts)], mode, f"{key}[{i % len(texts)}]")
+                   for i in range(batch)]
+    if data.truncation is not None and (args.prompt is None and args.prompt_ids is None):
+        prompts, cut = datasets.truncate(prompts, data.truncation)   # the recipe's rule, said aloud
+        if cut:
+            _say(f"data_config.input_truncated_len: {cut} prompt(s) cut to their first {data.truncation} tokens")
     for i, p in enumerate(prompts):
         if len(p) > data.input_max_len:  # never truncated silently
             raise UsageError(f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
@@ -171,7 +196,7 @@ def run(args) -> int:
         # before loading the model: a bad prompt should not cost a checkpoint load
         check_prompts(prompts, s.max_new_tokens, hf_config.vocab_size, hf_config.max_position_embeddings)
         eos = [] if args.ignore_eos else eos_token_ids(model_dir)
-    except ValueError as e:  # PromptError, bad sampling options, prompt ids outside the vocabulary, ...
+    except ValueError as e:  # PromptError, DatasetError, bad sampling options, prompt ids outside the vocabulary, ...
         raise UsageError(str(e)) from None
 
     from optimized import platform
@@ -188,8 +213,6 @@ def run(args) -> int:
         timeout_s = collective_timeout_s(p.collective_timeout_s)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    from optimized.distributed.decode_plan import apply_hccl_buffsize
-    apply_hccl_buffsize(hf_config, p, len(prompts), m.torch_dtype.itemsize)   # before any HCCL communicator exists
     try:  # a rank that never joins (it failed before) makes the rendezvous time out: named, exit 2
         with named_collective_errors(timeout_s):
             env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
@@ -200,13 +223,14 @@ def run(args) -> int:
         with named_collective_errors(timeout_s):
             check_ranks_agree(run_fingerprint(cfg.to_dict(), model_dir, prompts, sampling=repr(sampling), eos=eos,
                                               chat=args.chat))
-            state = ParallelState.build(p)
+            from optimized.distributed import decode_plan
+            state = ParallelState.build(p, mc2_window_mb=decode_plan.window_for(hf_config, p, len(prompts),
+                                                                                m.torch_dtype.itemsize))
             if env.rank == 0:  # the prefill path and MoE EP scheme this layout runs, before anything else
                 from optimized.phases import uses_mx_prefill
                 from optimized.distributed.prefill_plan import describe
                 print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize,
                                mx=uses_mx_prefill(hf_config, p)), flush=True)
-                from optimized.distributed import decode_plan
                 print(decode_plan.describe(hf_config, p, len(prompts), m.torch_dtype.itemsize), flush=True)
             device = platform.device(env.local_rank)
             try:
@@ -223,9 +247,12 @@ def run(args) -> int:
                 raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
             if env.rank == 0:
                 print(f"kv cache: {runner.describe_kv_cache(m.kv_cache_dtype)}", flush=True)
-            result = runner.generate(
-                prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos, prompt_logits_positions=positions,
-                return_logits=bool(args.save_logits))
+            with _maybe_profiled(m, path, env.rank) as trace:
+                result = runner.generate(
+                    prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos,
+                    prompt_logits_positions=positions, return_logits=bool(args.save_logits))
+            if trace is not None and env.rank == 0:
+                print(f"profiler trace: {trace.parent if trace.suffix else trace} (one per rank)", flush=True)
         if env.rank == 0:
             _print_result(cfg, model_dir, prompts, result, env.world_size, tokenizer)
             if m.exe_mode != "eager":
@@ -247,6 +274,21 @@ def run(args) -> int:
                 state.close()               # the model's subgroups first, then the default group
             dist.destroy_process_group()
     return 0
+
+
+def _maybe_profiled(model_config, config_file, rank: int):
+    """model_config.enable_profiler: the generation under the profiler (optimized/executor/profiling.py)."""
+    import contextlib
+
+    if not model_config.enable_profiler:
+        return contextlib.nullcontext(None)
+    from optimized.executor.profiling import ProfilerError, ensure_writable, profiled, trace_directory
+    directory = trace_directory(model_config.output_path, config_file)
+    try:
+        ensure_writable(directory)
+    except ProfilerError as e:
+        raise UsageError(str(e)) from None
+    return profiled(directory, rank)
 
 
 def _print_result(cfg, model_dir, prompts, result, world_size: int, tokenizer) -> None:

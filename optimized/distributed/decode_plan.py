@@ -1,4 +1,4 @@
-"""The decode's MoE plan: when decode uses MC2 dispatch / combine, what it moves, and the HCCL buffer it needs.
+"""The decode's MoE plan: when decode uses MC2 dispatch / combine, what it moves, and the HCCL window its group needs.
 
 The recipe's rule (`uses_mc2_decode`): decode runs `moe_infer_dispatch_combine` (npu_moe_distribute_dispatch_v2 /
 combine_v2) whenever the experts are not tensor-split (moe_tp_size == 1) and spread over more than one rank
@@ -26,26 +26,23 @@ logits of every rank's rows are gathered once over the job, each rank's shard pa
 and EP E) instead all-reduces every rank's [B, H] partial sums over MoE TP, then over MoE EP:
 2 * (T - 1) * B * H * act_bytes / T + 2 * (E - 1) * B * H * act_bytes / E bytes (`tp_volume`).
 
-HCCL buffer (`mc2_buffer_mb`): on the NPU every MC2 peer writes into a window of HCCL_BUFFSIZE MB on the receiving
-rank, and the window must hold the worst case (every token of every rank routed to one rank's experts): the
-dispatch's A = n * P * min(L, top_k) rows of H activations plus their token information (top_k int32 per row),
-the combine's n * top_k rows coming back, each phase double-buffered, plus a fixed reserve for the
-notify / IPC area.
+HCCL window (`mc2_window_mb`, the recipe's `calc_moe_hccl_buffer_size` rule for the fullmesh_v2 dispatch this
+model calls): every MC2 peer writes into a window on the receiving rank, sized for the worst case. Dispatch: each of
+the L local experts may receive every one of the P ranks' n tokens, each token a slot of
+ceil(H * act_bytes / 480) * 512 bytes (data in 480-byte pieces, each in a 512-byte aligned slot); combine: n * top_k
+rows of align512(H * act_bytes). Both double-buffered, plus an 11 MB reserve for the window's own areas; never below
+HCCL's 200 MB default. n is the most tokens one rank dispatches in a step (`tokens_per_rank`, `dp_rows`); the
+recipe's batch // world_size would under-size a batch that does not divide evenly.
 
-Setting it (`hccl_buffsize_setting`, `apply_hccl_buffsize`): HCCL reads HCCL_BUFFSIZE when it creates a
-communicator, so it is exported before the process group exists, and only for the hccl backend with an MC2 decode.
-A value the user exported is never lowered: at least the need, it is kept; below it, the run stops with an error
-naming the variable, its value and the need. Unset, it is exported only when the need exceeds HCCL's own default
-window (200 MB), which otherwise holds the exchange (the variable sizes every communicator of the process, so a
-smaller value would shrink the other groups' windows too).
+The window belongs to the MC2 group only: `ParallelState.build(..., mc2_window_mb=...)` creates a process group of
+its own for the dispatch / combine (`moe_ep_mc2`, never the default group or another kind's) with the HCCL option
+`hccl_buffer_size` set to it (`mc2_group_options`), so the other groups keep HCCL's default window. A run whose
+decode batch needs more than the window it was built with stops at start-up (`check_mc2_window`), naming both.
 """
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping, MutableMapping
 
-from optimized import platform
 from optimized.config import ParallelConfig, is_sparse_layer
 from optimized.errors import UsageError
 from optimized.distributed.prefill_plan import EpVolume
@@ -54,11 +51,11 @@ DISPATCH = "npu_moe_distribute_dispatch_v2"
 COMBINE = "npu_moe_distribute_combine_v2"
 COUNT_BYTES = 8          # counts and BS travel as int64
 META_BYTES = 8           # each dispatched row carries (source token, k slot) as int32
-TOKEN_INFO_BYTES = 4     # per top-k slot, in the HCCL window's worst case
-RESERVE_MB = 2           # notify / IPC area of the HCCL window
+WINDOW_ALIGN = 512       # every token slot of the MC2 window starts 512-byte aligned
+FULL_MESH_PIECE = 480    # fullmesh_v2 moves a token's data in 480-byte pieces, one per aligned slot
+WINDOW_RESERVE_MB = 11   # the window's own areas beyond the token slots (the recipe's reserve)
 MB = 1 << 20
-HCCL_BUFFSIZE = "HCCL_BUFFSIZE"
-HCCL_DEFAULT_MB = 200    # HCCL's window per communicator when HCCL_BUFFSIZE is unset
+HCCL_DEFAULT_MB = 200    # HCCL's window per communicator unless a group sets its own
 
 
 def uses_mc2_decode(parallel: ParallelConfig) -> bool:
@@ -173,17 +170,57 @@ def by_collective(parts: dict[str, dict[str, int]]) -> dict[str, int]:
     return out
 
 
-def mc2_buffer_mb(batch: int, top_k: int, hidden: int, ep: int, num_experts: int, act_bytes: int = 2) -> int:
-    """HCCL_BUFFSIZE (MB) the MC2 decode needs for a decode batch of `batch` requests (see the module notes)."""
-    n = tokens_per_rank(batch, ep)
-    rows = n * ep * min(num_experts // ep, top_k)
-    dispatch = rows * (hidden * act_bytes + top_k * TOKEN_INFO_BYTES)
-    combine = n * top_k * hidden * act_bytes
-    return math.ceil(2 * (dispatch + combine) / MB) + RESERVE_MB
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def mc2_window_mb(tokens: int, top_k: int, hidden: int, ep: int, num_experts: int, act_bytes: int = 2) -> int:
+    """The MC2 group's HCCL window (MB) when each rank dispatches at most `tokens` tokens (see the module notes)."""
+    row = hidden * act_bytes
+    dispatch = (num_experts // ep) * tokens * ep * (-(-row // FULL_MESH_PIECE) * WINDOW_ALIGN)
+    combine = top_k * tokens * _align(row, WINDOW_ALIGN)
+    return max(math.ceil(2 * (dispatch + combine) / MB) + WINDOW_RESERVE_MB, HCCL_DEFAULT_MB)
+
+
+def max_tokens_per_rank(parallel: ParallelConfig, batch: int) -> int:
+    """n: the most tokens one rank dispatches in an MC2 decode step of `batch` requests."""
+    return dp_rows(batch, parallel) if parallel.attn_dp_size > 1 else tokens_per_rank(batch, parallel.moe_ep_size)
+
+
+def window_for(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) -> int | None:
+    """The HCCL window (MB) the MC2 group of `parallel` needs for decode batches up to `batch`; None without MC2."""
+    if not uses_mc2_decode(parallel):
+        return None
+    return mc2_window_mb(max_tokens_per_rank(parallel, batch), hf_config.num_experts_per_tok, hf_config.hidden_size,
+                         parallel.moe_ep_size, hf_config.num_experts, act_bytes)
+
+
+def mc2_group_options(backend: str, window_mb: int):
+    """The process-group options that give the MC2 group its window: hccl's `hccl_buffer_size`; None elsewhere
+    (gloo and nccl have no such window)."""
+    if backend != "hccl":
+        return None
+    import torch_npu  # pragma: no cover - needs torch_npu
+    options = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()
+    options.hccl_config = {"hccl_buffer_size": int(window_mb)}
+    return options
+
+
+class Mc2WindowError(UsageError, ValueError):
+    """A decode batch that needs more MC2 window than its group was built with."""
+
+
+def check_mc2_window(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int, window_mb: int | None) -> None:
+    """Start-up check: the MC2 group's window (`ParallelState.moe_ep_mc2.window_mb`) holds a decode of `batch`."""
+    need = window_for(hf_config, parallel, batch, act_bytes)
+    if need is not None and window_mb is not None and need > window_mb:
+        raise Mc2WindowError(f"a decode batch of {batch} needs an MC2 window of {need} MB, but the MC2 EP group was "
+                             f"built with {window_mb} MB; build the groups for this batch: ParallelState.build(..., "
+                             f"mc2_window_mb=decode_plan.window_for(hf_config, parallel, {batch}, {act_bytes}))")
 
 
 def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) -> str:
-    """One line for the start of a run: the decode's MoE path and, for MC2, its HCCL buffer and volume."""
+    """One line for the start of a run: the decode's MoE path and, for MC2, its group's window and volume."""
     if not uses_mc2_decode(parallel):
         return (f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
                 f"{parallel.moe_ep_size}: expert range + all_reduce)")
@@ -192,55 +229,9 @@ def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) ->
         n = dp_rows(batch, parallel)
         return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
                 f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
-                f"{n} tokens per rank, its own); HCCL buffer >= {mc2_buffer_mb(n * ep, k, h, ep, e, act_bytes)} MB "
-                f"(HCCL_BUFFSIZE); logits gathered once after lm_head")
+                f"{n} tokens per rank, its own); MC2 window {mc2_window_mb(n, k, h, ep, e, act_bytes)} MB "
+                f"(its own HCCL group); logits gathered once after lm_head")
     vol = mc2_volume(tokens_per_rank(batch, ep), h, k, ep, e, act_bytes)
     return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
-            f"{tokens_per_rank(batch, ep)} tokens per rank); HCCL buffer >= {mc2_buffer_mb(batch, k, h, ep, e, act_bytes)}"
-            f" MB (HCCL_BUFFSIZE); per MoE layer and rank ~{vol.total} B (uniform routing)")
-
-
-def hccl_buffsize_setting(backend: str, needed_mb: int | None, environ: Mapping[str, str]) -> str | None:
-    """The HCCL_BUFFSIZE value to export before the process group exists, or None to leave the environment alone.
-
-    backend: the torch.distributed backend (`platform.dist_backend()`); needed_mb: the MC2 decode's need
-    (`mc2_buffer_mb`), None without an MC2 decode. Raises UsageError when the user exported a value below the need
-    (or one that is not a positive integer)."""
-    if backend != "hccl" or needed_mb is None:
-        return None
-    raw = environ.get(HCCL_BUFFSIZE)
-    if raw is not None:
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise UsageError(f"{HCCL_BUFFSIZE}={raw!r} must be a positive integer (MB); the MC2 decode needs at "
-                             f"least {needed_mb}")
-        if value < needed_mb:
-            raise UsageError(f"{HCCL_BUFFSIZE}={raw} (MB) is below the {needed_mb} MB the MC2 decode's dispatch / "
-                             f"combine window needs; export {HCCL_BUFFSIZE}={needed_mb} or more, or unset it")
-        return None
-    return str(needed_mb) if needed_mb > HCCL_DEFAULT_MB else None
-
-
-def needed_buffer_mb(hf_config, parallels, batch: int, act_bytes: int) -> int | None:
-    """The largest HCCL buffer (MB) the MC2 decodes of these layouts need; None when none runs MC2."""
-    # Under attention DP every rank dispatches its n = dp_rows, as if the batch were n * P.
-    needs = [mc2_buffer_mb(dp_rows(batch, p) * p.moe_ep_size if p.attn_dp_size > 1 else batch,
-                           hf_config.num_experts_per_tok, hf_config.hidden_size, p.moe_ep_size,
-                           hf_config.num_experts, act_bytes) for p in parallels if uses_mc2_decode(p)]
-    return max(needs) if needs else None
-
-
-def apply_hccl_buffsize(hf_config, parallel: ParallelConfig | list[ParallelConfig], batch: int, act_bytes: int, *,
-                        backend: str | None = None, environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Export HCCL_BUFFSIZE for the MC2 decode of `parallel` (one layout or several run by the same processes),
-    before `init_distributed()`; see `hccl_buffsize_setting`. Returns the value exported, or None."""
-    environ = os.environ if environ is None else environ
-    parallels = [parallel] if isinstance(parallel, ParallelConfig) else list(parallel)
-    value = hccl_buffsize_setting(backend or platform.dist_backend(),
-                                  needed_buffer_mb(hf_config, parallels, batch, act_bytes), environ)
-    if value is not None:
-        environ[HCCL_BUFFSIZE] = value
-    return value
+            f"{tokens_per_rank(batch, ep)} tokens per rank); MC2 window "
+            f"{mc2_window_mb(tokens_per_rank(batch, ep), k, h, ep, e, act_bytes)} MB (its own HCCL group); per MoE layer and rank ~{vol.total} B (uniform routing)")

@@ -219,6 +219,7 @@ class GroupInfo:
     group: "dist.ProcessGroup | None"
     size: int
     rank: int
+    window_mb: int | None = None   # the MC2 group's HCCL window (moe_ep_mc2 only)
 
 
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -233,6 +234,17 @@ def _new_group(ranks: tuple[int, ...], world_size: int) -> "dist.ProcessGroup | 
         # Collective: every rank of the default group calls this with the same lists in the same order.
         _GROUP_CACHE[ranks] = dist.new_group(list(ranks))
     return _GROUP_CACHE[ranks]
+
+
+def _new_mc2_group(ranks: tuple[int, ...], window_mb: int) -> "dist.ProcessGroup":
+    """The MC2 dispatch / combine's own group over `ranks`, with its HCCL window (every rank calls this for every
+    EP group in the same order). Never the default group nor another kind's: the window is this group's alone."""
+    from optimized.distributed.decode_plan import mc2_group_options
+    key = ("mc2", window_mb) + ranks
+    if key not in _GROUP_CACHE:
+        options = mc2_group_options(platform.dist_backend(), window_mb)
+        _GROUP_CACHE[key] = dist.new_group(list(ranks), pg_options=options)
+    return _GROUP_CACHE[key]
 
 
 def destroy_groups() -> None:
@@ -254,6 +266,7 @@ class ParallelState:
     lmhead_tp: GroupInfo
     attn_dp: GroupInfo | None = None      # set by `build`; size 1 without attention DP
     world: GroupInfo | None = None        # every rank (the default group)
+    moe_ep_mc2: GroupInfo | None = None   # the MC2 decode's own EP group (moe_ep's ranks), with its HCCL window
 
     @property
     def dp_rank(self) -> int:
@@ -272,8 +285,12 @@ class ParallelState:
 
     @classmethod
     def build(cls, parallel: ParallelConfig | None = None, rank: int | None = None, *,
-              create_groups: bool | None = None, **sizes) -> "ParallelState":
+              create_groups: bool | None = None, mc2_window_mb: int | None = None, **sizes) -> "ParallelState":
         """Groups for `parallel` (or keyword sizes: world_size=, attn_tp_size=, ...).
+
+        mc2_window_mb: the HCCL window of the MC2 decode's own EP group (`decode_plan.window_for(hf_config,
+        parallel, max_decode_batch, act_bytes)`); None: HCCL's default, 200 MB. Only layouts with an MC2 decode
+        build that group; the runner checks at start-up that the window holds its decode batch.
 
         rank / world_size default to torch.distributed's when initialized, else 0 / 1. `create_groups`
         (default: torch.distributed is initialized) False gives the rank lists with every group None,
@@ -325,6 +342,14 @@ class ParallelState:
             infos["attn_dp"] = GroupInfo("attn_dp", (rank,), None, 1, 0)
         world_pg = dist.group.WORLD if create_groups and w > 1 else None
         infos["world"] = GroupInfo("world", tuple(range(w)), world_pg, w, rank)
+        from optimized.distributed.decode_plan import HCCL_DEFAULT_MB, uses_mc2_decode
+        if uses_mc2_decode(parallel):
+            window = HCCL_DEFAULT_MB if mc2_window_mb is None else int(mc2_window_mb)
+            for ranks in layouts["moe_ep"]:   # same order on every rank
+                t = tuple(ranks)
+                pg = _new_mc2_group(t, window) if create_groups else None
+                if rank in t:
+                    infos["moe_ep_mc2"] = GroupInfo("moe_ep_mc2", t, pg, len(t), t.index(rank), window)
         return cls(world_size=w, rank=rank, parallel=parallel, **infos)
 
     @classmethod

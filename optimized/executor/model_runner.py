@@ -135,6 +135,7 @@ class ModelRunner:
         return_logits: also return the logits every generated token was chosen from.
         """
         check_prompts(prompts, max_new_tokens, self.vocab_size, self.max_positions)
+        self._check_mc2_window(len(prompts))
         sampling = sampling or GREEDY
         eos = _eos_set(eos_token_id)
         positions = self._check_positions(prompts, prompt_logits_positions)
@@ -280,6 +281,14 @@ class ModelRunner:
         if return_logits:
             result.logits = [torch.stack(rows) for rows in result.logits]
         return result
+
+    def _check_mc2_window(self, batch: int) -> None:
+        """The MC2 group's HCCL window holds this decode batch (else a clear error before any step)."""
+        mc2 = getattr(self.model.groups, "moe_ep_mc2", None)
+        if mc2 is not None:
+            from optimized.distributed.decode_plan import check_mc2_window
+            check_mc2_window(self.model.config, self.model.groups.parallel, batch, self.model.dtype.itemsize,
+                             mc2.window_mb)
 
     def _check_positions(self, prompts, positions):
         if positions is None:

@@ -131,9 +131,11 @@ class MoeInferDoubleRouting(MoeExchange):
 class MoeInferDispatchCombine(MoeExchange):
     name = "dispatch_combine"
 
-    def __init__(self, num_experts: int, top_k: int, moe_tp, moe_ep):
+    def __init__(self, num_experts: int, top_k: int, moe_tp, moe_ep, mc2=None):
+        """mc2: the MC2 operators' own EP group (`ParallelState.moe_ep_mc2`: moe_ep's ranks, its own HCCL window);
+        the results' all_gather stays on moe_ep."""
         super().__init__(num_experts, top_k, moe_tp, moe_ep)
-        self.group_name = comm_name(moe_ep.group)        # what the MC2 operators take (HCCL name on NPU)
+        self.group_name = comm_name((mc2 or moe_ep).group)   # what the MC2 operators take (HCCL name on NPU)
 
     def mc2_kwargs(self, x_active_mask) -> dict:
         """The arguments dispatch and combine share, as the recipe passes them (no TP domain, no shared experts)."""
@@ -185,4 +187,5 @@ EXCHANGES = {cls.name: cls for cls in (MoeInferTP, MoeInferAG, MoeInferDoubleRou
 
 def build_exchange(name: str, config, groups) -> MoeExchange:
     """The exchange `name` ('tp', 'allgather', 'alltoall', 'dispatch_combine') for this model config and rank's groups."""
-    return EXCHANGES[name](config.num_experts, config.num_experts_per_tok, groups.moe_tp, groups.moe_ep)
+    extra = {"mc2": getattr(groups, "moe_ep_mc2", None)} if name == MoeInferDispatchCombine.name else {}
+    return EXCHANGES[name](config.num_experts, config.num_experts_per_tok, groups.moe_tp, groups.moe_ep, **extra)
