@@ -103,6 +103,15 @@ def graph_backend_description(exe_mode: str) -> str:
     return f"{exe_mode}: torch.compile inductor (C++ kernels on CPU; no device graph here)"
 
 
+def memory_bytes(device: torch.device) -> int:
+    """The device's total memory (bytes): the accelerator's, or the host's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    if device.type == "npu":  # pragma: no cover - needs torch_npu
+        return torch.npu.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a timing boundary); nothing to wait for on the CPU."""
     if device.type == "cuda":

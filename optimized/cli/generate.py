@@ -242,7 +242,8 @@ def run(args) -> int:
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
             try:
                 runner = ModelRunner(model, s.block_size, device, exe_mode=m.exe_mode, compile_cache=compile_cache,
-                                     kv_cache_dtype=m.kv_cache_dtype)
+                                     kv_cache_dtype=m.kv_cache_dtype, max_prefill_tokens=s.max_prefill_tokens,
+                                     mem_fraction_static=s.mem_fraction_static)
             except QuantConfigError as e:
                 raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
             if env.rank == 0:

@@ -85,9 +85,14 @@ def _eos_set(eos_token_id) -> frozenset[int]:
 class ModelRunner:
     def __init__(self, model, block_size: int = 128, device: torch.device | str | None = None, *,
                  exe_mode: str = "eager", compile_cache=None, kv_cache_dtype: str = "auto",
-                 kv_pool_blocks: int | None = None):
+                 kv_pool_blocks: int | None = None, max_prefill_tokens: int = 0,
+                 mem_fraction_static: float | None = None):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
-        fixed pool); None: each generate() sizes its pool to what its requests need."""
+        fixed pool); None: each generate() sizes its pool to what its requests need.
+        max_prefill_tokens (scheduler_config): prompt tokens one prefill step packs at most; the prompts are
+        prefilled in consecutive groups within it (0: all at once). mem_fraction_static (scheduler_config): the
+        share of the device's memory the weights and the KV cache may take, checked before the cache is
+        allocated (None: no check)."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -97,6 +102,9 @@ class ModelRunner:
         if kv_pool_blocks is not None and (not isinstance(kv_pool_blocks, int) or kv_pool_blocks < 2):
             raise ValueError(f"kv_pool_blocks={kv_pool_blocks!r} must be an int >= 2 (block 0 is the null block)")
         self.kv_pool_blocks = kv_pool_blocks
+        if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 0:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be an int >= 0 (0: no limit)")
+        self.max_prefill_tokens, self.mem_fraction_static = max_prefill_tokens, mem_fraction_static
         self.clock = time.perf_counter   # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
@@ -151,6 +159,7 @@ class ModelRunner:
                 raise ValueError(f"kv_pool_blocks={self.kv_pool_blocks} is too small: these requests need {num_blocks} "
                                  f"blocks of {self.block_size} tokens (the null block included)")
             num_blocks = self.kv_pool_blocks
+        self._check_memory(num_blocks)
         cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
                              self.kv_cache_dtype, self.device)
         table = block_table([cache.allocate(n) for n in budget], self.device)
@@ -159,15 +168,10 @@ class ModelRunner:
                                   logits=[[] for _ in prompts] if return_logits else None)
 
         start = self.clock()
-        ids, meta, last = self.prefill_inputs(prompts, table)
-        offsets = [sum(lengths[:i]) for i in range(len(prompts))]
-        wanted = [offsets[i] + j for i, pos in enumerate(positions or []) for j in pos]
-        indices = torch.cat([torch.tensor(wanted, dtype=last.dtype, device=self.device), last])
-        logits = self.model(ids, meta, cache.layers, logits_indices=indices)
+        chunks = [self._prefill(prompts, table, positions, rows, cache) for rows in self._prefill_groups(prompts)]
+        logits = torch.cat([last for _, last in chunks])
         if positions is not None:
-            kept = logits[:len(wanted)].float().cpu()
-            result.prompt_logits = list(kept.split([len(pos) for pos in positions]))
-        logits = logits[len(wanted):]
+            result.prompt_logits = [rows for kept, _ in chunks for rows in kept]
         active, active_table = list(range(len(prompts))), table   # the running requests and their block rows
         next_ids = _choose(sampler, logits, active)
         synchronize(self.device)
@@ -208,9 +212,15 @@ class ModelRunner:
         requests = prompts + [[0]] * (groups_n * per - batch)                    # dummies pad the batch
         groups = [list(range(d * per, (d + 1) * per)) for d in range(groups_n)]
         mine = groups[self.dp_rank]
+        heaviest = max(sum(len(requests[r]) for r in g) for g in groups)
+        if self.max_prefill_tokens and heaviest > self.max_prefill_tokens:
+            raise ValueError(f"a DP group's prompts hold {heaviest} tokens, more than max_prefill_tokens="
+                             f"{self.max_prefill_tokens} (scheduler_config): prefill in several steps under "
+                             f"attention DP is not implemented; raise it or lower the batch")
         unseeded = not sampling.greedy and sampling.seed is None
         sampler = Sampler(sampling, len(requests), seed=shared_seed(self.device) if unseeded else None)
         budget = [len(requests[r]) + max_new_tokens for r in mine]
+        self._check_memory(1 + sum(-(-n // self.block_size) for n in budget))
         cache = PagedKVCache(self.num_layers, 1 + sum(-(-n // self.block_size) for n in budget), self.block_size,
                              self.kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
         table = block_table([cache.allocate(n) for n in budget], self.device)   # row j: request mine[j]
@@ -281,6 +291,56 @@ class ModelRunner:
         if return_logits:
             result.logits = [torch.stack(rows) for rows in result.logits]
         return result
+
+    def _prefill_groups(self, prompts) -> list[list[int]]:
+        """Consecutive groups of requests, each packing at most max_prefill_tokens prompt tokens (FIFO, the
+        recipe's prefill budget); one group when there is no budget."""
+        budget = self.max_prefill_tokens
+        if not budget:
+            return [list(range(len(prompts)))]
+        groups, tokens = [[]], 0
+        for i, prompt in enumerate(prompts):
+            if len(prompt) > budget:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than max_prefill_tokens={budget} "
+                                 f"(scheduler_config): no prefill step can hold it")
+            if tokens + len(prompt) > budget:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(i)
+            tokens += len(prompt)
+        return groups
+
+    def _prefill(self, prompts, table, positions, rows: list[int], cache):
+        """One prefill step of requests `rows`: (their asked prompt-position logits on the host, or [], and the
+        logits [len(rows), V] at their last prompt token)."""
+        group = [prompts[r] for r in rows]
+        rows_t = torch.tensor(rows, device=self.device) if len(rows) < table.shape[0] else None
+        ids, meta, last = self.prefill_inputs(group, table if rows_t is None else table[rows_t])
+        offsets = [sum(len(p) for p in group[:i]) for i in range(len(group))]
+        wanted = [offsets[i] + j for i, r in enumerate(rows) for j in (positions[r] if positions else [])]
+        indices = torch.cat([torch.tensor(wanted, dtype=last.dtype, device=self.device), last])
+        logits = self.model(ids, meta, cache.layers, logits_indices=indices)
+        kept = []
+        if positions is not None:
+            kept = list(logits[:len(wanted)].float().cpu().split([len(positions[r]) for r in rows]))
+        return kept, logits[len(wanted):]
+
+    def _check_memory(self, num_blocks: int) -> None:
+        """mem_fraction_static: the weights and a KV pool of `num_blocks` blocks fit that share of the device."""
+        if self.mem_fraction_static is None:
+            return
+        from optimized.executor.kv_cache import bytes_per_token
+        from optimized.platform import memory_bytes
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv = num_blocks * self.block_size * bytes_per_token(self.num_layers, self.kv_heads, self.head_dim,
+                                                            self.kv_cache_dtype)
+        total = memory_bytes(self.device)
+        if weights + kv > self.mem_fraction_static * total:
+            gib = 1 << 30
+            raise ValueError(f"the weights ({weights / gib:.2f} GiB) and the KV cache ({kv / gib:.2f} GiB, "
+                             f"{num_blocks} blocks of {self.block_size} tokens) need more than mem_fraction_static="
+                             f"{self.mem_fraction_static} of the device's {total / gib:.2f} GiB; shorten the "
+                             f"requests, lower the batch, or raise scheduler_config.mem_fraction_static")
 
     def _check_mc2_window(self, batch: int) -> None:
         """The MC2 group's HCCL window holds this decode batch (else a clear error before any step)."""
