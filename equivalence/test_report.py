@@ -150,3 +150,36 @@ def test_cli_writes_report_and_names_bad_input(tmp_path, capsys):
     assert "world_size is 2" in capsys.readouterr().err
     assert R.main(["--config", "fixtures/configs/tiny_single.yaml", "--prompt-ids", "1,100000"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
+
+
+def test_pytest_option_writes_report_on_equivalence_failure(tmp_path):
+    """A failing equivalence test under `--equivalence-report DIR` leaves the report there and names it in the
+    summary; a passing run writes nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "test_case.py").write_text(
+        "import os, pytest\n"
+        "@pytest.mark.equivalence\n"
+        "def test_equal():\n"
+        "    assert os.environ.get('FAIL') != '1'\n")
+    env = dict(os.environ, PYTHONPATH=str(root))
+
+    def run(out, fail):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                               "equivalence.report_plugin", "-c", os.devnull, "--rootdir", str(tmp_path),
+                               "--equivalence-report", str(out), str(tmp_path / "test_case.py")],
+                              env=dict(env, FAIL=fail), capture_output=True, text=True, cwd=root, timeout=300)
+
+    passed = run(tmp_path / "clean", "0")
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert not (tmp_path / "clean").exists()
+    failed = run(tmp_path / "out", "1")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    data = json.loads((tmp_path / "out" / "tiny_single" / "report.json").read_text())
+    assert data["first_divergence"] is None and data["checkpoints"]
+    assert (tmp_path / "out" / "tiny_single" / "report.html").is_file()
+    assert "equivalence report" in failed.stdout and "no divergence" in failed.stdout, failed.stdout
