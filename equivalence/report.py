@@ -14,9 +14,12 @@ relative error, and the tolerance ratio max(|a - e| / (atol + rtol |e|), rel_l2 
 The first divergence is the first (step, layer, kind) in execution order that does not. Output: DIR/report.json
 and DIR/report.html (self-contained, inline SVG; equivalence/report_html.py).
 
-Scope: a single process (world_size 1), 16-bit or fp32 checkpoints, eager or graph decode (graph decode steps:
-the per-layer activations live inside the compiled graph, so those steps check each layer's KV-cache write, read
-back from the cache, and the logits).
+Layouts: one process on the model's device, or parallel_config.world_size gloo ranks (the equivalence.dist
+worker pool, devices as in the model tests: $QWEN3_MOE_TEST_DEVICE, default the CPU) with attention TP, MoE TP /
+EP, embedding / lm_head TP, each rank's qkv and kv_write (its heads) gathered over the attention TP group to full
+tensors; not yet the sequence-parallel prefill or attention DP (refused with a clear error). 16-bit or fp32
+checkpoints. Eager or graph decode (graph decode steps: the per-layer activations live inside the compiled graph,
+so those steps check each layer's KV-cache write, read back from the cache, and the logits).
 """
 from __future__ import annotations
 
@@ -161,6 +164,72 @@ def run_optimized(model, prompts: list[list[int]], decode_steps: int, *, exe_mod
     return run
 
 
+# ------------------------------------------------------------------------------------- several ranks
+
+def gather_heads(run: OptimizedRun, model) -> None:
+    """Per-rank qkv / kv_write captures (this rank's heads) -> full tensors, every head in order, on every rank:
+    gathered over the attention TP group; replicated KV heads (fewer KV heads than ranks) taken once."""
+    from optimized.distributed import collectives as comm
+    from optimized.layers.linear import first_kv_head
+
+    tp, cfg = model.groups.attn_tp, model.config
+    if tp.size == 1:
+        return
+    attn = model.layers[0].self_attn
+    d, nq, nkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    device = next(model.parameters()).device
+    firsts = [first_kv_head(cfg.num_key_value_heads, tp.size, r) for r in range(tp.size)]
+
+    def kv_full(parts):                        # parts[r]: [T, nkv*d] of rank r -> [T, Nkv*d]
+        out = [None] * cfg.num_key_value_heads
+        for r, part in enumerate(parts):
+            for h in range(nkv):
+                out[firsts[r] + h] = part[:, h * d:(h + 1) * d]
+        return torch.cat(out, dim=-1)
+
+    for cap in run.captures.values():
+        for (layer, kind), value in list(cap.values.items()):
+            if kind not in ("qkv", "kv_write"):
+                continue
+            ranks = comm.all_gather(value.to(device)[None], tp.group).cpu()        # [P, T, F_r]
+            if kind == "qkv":
+                q = torch.cat([r[:, :nq * d] for r in ranks], dim=-1)
+                k = kv_full([r[:, nq * d:(nq + nkv) * d] for r in ranks])
+                v = kv_full([r[:, (nq + nkv) * d:] for r in ranks])
+                cap.values[(layer, kind)] = torch.cat([q, k, v], dim=-1)
+            else:
+                k = kv_full([r[:, :nkv * d] for r in ranks])
+                v = kv_full([r[:, nkv * d:] for r in ranks])
+                cap.values[(layer, kind)] = torch.cat([k, v], dim=-1)
+
+
+def _rank_report_task(rank, world, model_dir, parallel, dtype_name, prompts, decode_steps, exe_mode, block_size,
+                      plant=None):
+    """One rank of a multi-rank report (equivalence.dist pool): its run, heads gathered; rank 0's is used.
+    plant(model, rank): a test's planted bug, applied to this rank's model (built for this task only)."""
+    from equivalence.parallel_support import dtype_of, test_device
+    from optimized.distributed import ParallelState
+    from optimized.model_loader.build import load_model
+
+    model = load_model(model_dir, parallel=ParallelState.build(parallel), dtype=dtype_of(dtype_name),
+                       device=test_device())
+    if plant is not None:
+        plant(model, rank)
+    try:
+        run = run_optimized(model, prompts, decode_steps, exe_mode=exe_mode, block_size=block_size)
+        gather_heads(run, model)
+    finally:
+        model.close()
+    return {"run": run, "num_layers": len(model.layers), "device": str(next(model.parameters()).device)}
+
+
+def check_layout(parallel) -> None:
+    if parallel.sp_prefill or parallel.attn_dp_size > 1:
+        raise ReportError("the report hooks the tensor-parallel data flow: parallel_config with prefill_opt "
+                          "(sequence-parallel prefill) or attn_dp is not covered yet; run the same model with "
+                          "prefill_opt: false and attn_dp: false")
+
+
 # ---------------------------------------------------------------------------------------- reference run
 
 def _step_rows(prompts, decode_steps):
@@ -260,16 +329,41 @@ def near_tie_of(dtype: torch.dtype) -> float:
 
 def build_report(model, ref, prompts: list[list[int]], decode_steps: int, *, exe_mode: str = "eager",
                  block_size: int = 16, meta: dict | None = None, progress=None) -> Report:
-    """The report of `model` (optimized, any device) against `ref` (the reference, on the CPU)."""
+    """The report of `model` (optimized, any device, one process) against `ref` (the reference, on the CPU)."""
     say = progress or (lambda msg: None)
     run = run_optimized(model, prompts, decode_steps, exe_mode=exe_mode, block_size=block_size, progress=say)
+    return report_of_run(run, ref, prompts, len(model.layers), model.dtype, exe_mode,
+                         dict(meta or {}, device=str(next(model.parameters()).device)), say)
+
+
+def build_parallel_report(model_dir, parallel, ref, prompts, decode_steps: int, *, dtype: torch.dtype,
+                          exe_mode: str = "eager", block_size: int = 16, meta: dict | None = None,
+                          progress=None, plant=None) -> Report:
+    """The report of a multi-rank layout: parallel_config.world_size gloo ranks (equivalence.dist), each capturing
+    its checkpoints, per-rank heads gathered to full tensors; rank 0's run compared with the reference."""
+    from equivalence.dist import get_pool
+
+    say = progress or (lambda msg: None)
+    check_layout(parallel)
+    say(f"optimized run on {parallel.world_size} ranks")
+    results = get_pool(parallel.world_size).run(_rank_report_task, str(model_dir), parallel,
+                                                str(dtype).removeprefix("torch."), prompts, decode_steps, exe_mode,
+                                                block_size, plant, timeout=600)
+    first = results[0]
+    return report_of_run(first["run"], ref, prompts, first["num_layers"], dtype, exe_mode,
+                         dict(meta or {}, device=first["device"], world_size=parallel.world_size), say)
+
+
+def report_of_run(run: OptimizedRun, ref, prompts, num_layers: int, dtype: torch.dtype, exe_mode: str,
+                  meta: dict, say) -> Report:
+    decode_steps = len(run.tokens)
     reference, _ = run_reference(ref, prompts, run, progress=say)
     say("comparing")
-    checkpoints, routing = compare(run, reference, len(model.layers), model.dtype, near_tie_of(model.dtype))
-    info = dict(meta or {})
-    info.update(dtype=str(model.dtype).removeprefix("torch."), exe_mode=exe_mode, decode_steps=decode_steps,
-                prompts=prompts, decode_inputs=run.tokens, num_layers=len(model.layers), kinds=list(KINDS),
-                graph_steps=sorted(run.graph_steps), device=str(next(model.parameters()).device))
+    checkpoints, routing = compare(run, reference, num_layers, dtype, near_tie_of(dtype))
+    info = dict(meta)
+    info.update(dtype=str(dtype).removeprefix("torch."), exe_mode=exe_mode, decode_steps=decode_steps,
+                prompts=prompts, decode_inputs=run.tokens, num_layers=num_layers, kinds=list(KINDS),
+                graph_steps=sorted(run.graph_steps))
     if run.graph_steps:
         info["not_captured"] = ("graph-mode decode steps: per-layer activations are inside the compiled graph; "
                                 "checked there: each layer's kv_write (read from the cache) and the logits")
@@ -311,10 +405,7 @@ def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
     from reference.checkpoint import load_model as load_reference
 
     m, p = cfg.model_config, cfg.parallel_config
-    if p.world_size != 1:
-        raise ReportError(f"parallel_config.world_size is {p.world_size}: the report runs a single process "
-                          "(world_size 1) so far; report a multi-rank failure with the same model at world_size 1, "
-                          "or see README 'Finding the first diverging layer'")
+    check_layout(p)
     if dtype is not None:
         m.dtype = dtype
     if m.scheme[0] == "preset" or not m.with_ckpt:
@@ -325,9 +416,11 @@ def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
         raise ReportError(f"{m.model_path} is a quantized checkpoint: the report covers 16-bit and fp32 "
                           "checkpoints so far (no checkpoint tolerances for W4A8 / W8A8 yet)")
     torch_dtype = m.torch_dtype
+    ref = load_reference(model_dir, torch_dtype, router_dtype="float32")
+    if p.world_size > 1:         # built on the ranks (equivalence.dist), not here
+        return None, ref, model_dir
     model = load_model(model_dir, parallel=ParallelState.build(p), dtype=torch_dtype,
                        device=device or platform.device())
-    ref = load_reference(model_dir, torch_dtype, router_dtype="float32")
     return model, ref, model_dir
 
 
@@ -356,7 +449,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m equivalence.report",
                                  description="run the optimized model and the reference on the same prompts and "
                                              "name the first checkpoint where they diverge (report.json + .html)")
-    ap.add_argument("--config", required=True, help="inference config YAML (optimized/config.py), world_size 1")
+    ap.add_argument("--config", required=True, help="inference config YAML (optimized/config.py)")
     prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
     prompt.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS",
@@ -378,14 +471,19 @@ def report_for_config(config: str | Path, *, prompt=None, prompt_ids=None, decod
     cfg = load_config(config)
     model, ref, model_dir = models_of_config(cfg, dtype, device)
     ns = argparse.Namespace(prompt=prompt, prompt_ids=prompt_ids)
-    prompts = prompts_of(ns, cfg, model_dir, model.config.vocab_size)
+    prompts = prompts_of(ns, cfg, model_dir, ref.config.vocab_size)
     mode = exe_mode or cfg.model_config.exe_mode
-    if max(len(p) for p in prompts) + decode_steps > model.config.max_position_embeddings:
+    if max(len(p) for p in prompts) + decode_steps > ref.config.max_position_embeddings:
         raise ReportError(f"prompt + {decode_steps} decode steps exceed max_position_embeddings="
-                          f"{model.config.max_position_embeddings}")
+                          f"{ref.config.max_position_embeddings}")
     meta = {"config": str(config), "model_path": cfg.model_config.model_path}
-    return build_report(model, ref, prompts, decode_steps, exe_mode=mode,
-                        block_size=cfg.scheduler_config.block_size, meta=meta, progress=progress)
+    block_size = cfg.scheduler_config.block_size
+    if model is None:
+        return build_parallel_report(model_dir, cfg.parallel_config, ref, prompts, decode_steps,
+                                     dtype=cfg.model_config.torch_dtype, exe_mode=mode, block_size=block_size,
+                                     meta=meta, progress=progress)
+    return build_report(model, ref, prompts, decode_steps, exe_mode=mode, block_size=block_size, meta=meta,
+                        progress=progress)
 
 
 def main(argv=None) -> int:

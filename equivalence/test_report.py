@@ -146,8 +146,8 @@ def test_cli_writes_report_and_names_bad_input(tmp_path, capsys):
     assert "no divergence" in out and (tmp_path / "report.json").is_file() and (tmp_path / "report.html").is_file()
     assert R.main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
-    assert R.main(["--config", "fixtures/configs/tiny_tp2.yaml"]) == 2
-    assert "world_size is 2" in capsys.readouterr().err
+    assert R.main(["--config", "fixtures/configs/tiny_sp4_ep4.yaml"]) == 2
+    assert "prefill_opt" in capsys.readouterr().err
     assert R.main(["--config", "fixtures/configs/tiny_single.yaml", "--prompt-ids", "1,100000"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
 
@@ -183,3 +183,25 @@ def test_pytest_option_writes_report_on_equivalence_failure(tmp_path):
     assert data["first_divergence"] is None and data["checkpoints"]
     assert (tmp_path / "out" / "tiny_single" / "report.html").is_file()
     assert "equivalence report" in failed.stdout and "no divergence" in failed.stdout, failed.stdout
+
+
+def _swap_rotary_on_rank1_layer1(model, rank):
+    if rank == 1:
+        attn = model.layers[1].self_attn
+        qkv = attn.qkv
+        attn.qkv = lambda hidden, cos, sin: qkv(hidden, sin, cos)
+
+
+@pytest.mark.parametrize("plant", [None, _swap_rotary_on_rank1_layer1], ids=["clean", "rank1-layer1-rotary"])
+def test_multi_rank_report_gathers_heads_and_finds_a_one_rank_bug(plant):
+    """Attention TP 2 x MoE TP 2 x EP 2 on 4 gloo ranks (fixtures/configs/tiny_tp2_ep2.yaml): each rank's qkv and
+    kv_write (its heads) gathered to full tensors; clean: no divergence; a wrong rotary on rank 1 only (its heads)
+    in layer 1: found at layer 1 qkv of the prefill."""
+    cfg = R.load_config("fixtures/configs/tiny_tp2_ep2.yaml")
+    _, ref, model_dir = R.models_of_config(cfg)
+    report = R.build_parallel_report(model_dir, cfg.parallel_config, ref, PROMPTS, 1, dtype=torch.float32,
+                                     plant=plant)
+    assert report.meta["world_size"] == 4
+    qkv = next(c for c in report.checkpoints if c.kind == "qkv")
+    assert qkv.metrics["cosine"] > 0.999                          # gathered in head order (a mix-up is far off)
+    assert first(report) == (None if plant is None else ("prefill", 1, "qkv")), report.summary()
