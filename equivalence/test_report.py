@@ -20,6 +20,7 @@ from equivalence.checkpoints import KINDS
 from equivalence.parallel_support import rank_model, reference_model, run_property
 from equivalence.strategies import layout
 from fixtures.checkpoints import checkpoint
+from fixtures.tiny import tiny_config
 from optimized.config import is_sparse_layer
 
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8], [11, 2, 60]]
@@ -97,14 +98,16 @@ def test_planted_wrong_rotary_found_at_its_layer_qkv(monkeypatch):
         assert all(c.ok for c in report.checkpoints if c.step == "prefill" and c.layer == layer
                    and c.kind == "input_norm")
 
-    run_property(check, 2, layer=st.integers(0, 3))
+    run_property(check, 3, layer=st.integers(0, 3))
 
 
 def test_planted_wrong_expert_scale_found_at_its_layer_mlp(monkeypatch):
-    model, ref = models("tiny-dense")
-    sparse = [i for i in range(len(model.layers)) if is_sparse_layer(model.config, i)]
+    sparse = [(name, i) for name in ("tiny", "tiny-dense") for i in range(tiny_config(name).num_hidden_layers)
+              if is_sparse_layer(tiny_config(name), i)]
 
-    def check(layer):
+    def check(case):
+        name, layer = case
+        model, ref = models(name)
         with monkeypatch.context() as m:
             scaled_expert(model.layers[layer].mlp.experts, m)
             report = R.build_report(model, ref, PROMPTS, 1)
@@ -112,7 +115,7 @@ def test_planted_wrong_expert_scale_found_at_its_layer_mlp(monkeypatch):
         router = next(c for c in report.checkpoints if (c.step, c.layer, c.kind) == ("prefill", layer, "router"))
         assert router.ok, router
 
-    run_property(check, 2, layer=st.sampled_from(sparse))
+    run_property(check, 3, case=st.sampled_from(sparse))
 
 
 def test_planted_wrong_decode_kv_write_found_at_its_layer_and_step(monkeypatch):
@@ -123,6 +126,7 @@ def test_planted_wrong_decode_kv_write_found_at_its_layer_and_step(monkeypatch):
             misplaced_decode_write(model.layers[layer].self_attn, m)
             report = R.build_report(model, ref, PROMPTS, 2)
         assert first(report) == ("decode0", layer, "kv_write"), report.summary()
+        assert report.first_divergence.metrics["cosine"] < 0.5        # the token's own slot holds nothing
         assert all(c.ok for c in report.checkpoints if c.step == "prefill")
 
     run_property(check, 2, layer=st.integers(0, 1))
