@@ -26,8 +26,9 @@ from optimized.config import is_sparse_layer
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8], [11, 2, 60]]
 
 
-def models(name: str):
-    return rank_model(str(checkpoint(name)), layout(1), torch.float32, "cpu"), reference_model(name)
+def models(name: str, dtype: str = "float32"):
+    return (rank_model(str(checkpoint(name)), layout(1), getattr(torch, dtype), "cpu"),
+            reference_model(name, dtype))
 
 
 def first(report) -> tuple | None:
@@ -66,9 +67,9 @@ def misplaced_decode_write(attn, monkeypatch):
     monkeypatch.setattr(attn, "kv_cache_update", wrong, raising=False)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-dense"])
-def test_clean_run_reports_no_divergence(name, tmp_path):
-    model, ref = models(name)
+@pytest.mark.parametrize("name, dtype", [("tiny", "float32"), ("tiny-dense", "float32"), ("tiny", "bfloat16")])
+def test_clean_run_reports_no_divergence(name, dtype, tmp_path):
+    model, ref = models(name, dtype)
     report = R.build_report(model, ref, PROMPTS, 2)
     steps = {c.step for c in report.checkpoints}
     kinds = {c.kind for c in report.checkpoints}
