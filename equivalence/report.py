@@ -259,13 +259,17 @@ def run_reference(ref, prompts, run: OptimizedRun, progress=None) -> tuple[dict[
         seq = torch.tensor([p + [run.tokens[s][b] for s in range(steps)]])
         # this request's optimized expert ids, rows in sequence order: its prompt rows, then one per step
         offset = sum(len(q) for q in prompts[:b])
-        ids = {i: torch.cat([run.captures["prefill"].extra[(i, "router_ids")][offset:offset + len(p)]]
-                            + [run.captures[f"decode{s}"].extra[(i, "router_ids")][b:b + 1]
-                               for s in range(steps)]) for i in sparse
-               if all((i, "router_ids") in run.captures[f"decode{s}"].extra for s in range(steps))}
+        own = _own_expert_ids(ref, seq) if run.graph_steps else {}
+        ids = {}
+        for i in sparse:
+            rows = [run.captures["prefill"].extra[(i, "router_ids")][offset:offset + len(p)]]
+            for s in range(steps):
+                opt = run.captures[f"decode{s}"].extra.get((i, "router_ids"))
+                # a graph step recorded no ids: the reference keeps its own choice for that row
+                rows.append(opt[b:b + 1] if opt is not None else own[i][len(p) + s:len(p) + s + 1])
+            ids[i] = torch.cat(rows)
         capture = Capture()
-        replay = replayed_routing(ref, ids, 0.0, []) if len(ids) == len(sparse) else _no_replay()
-        with reference_hooks(ref, capture), replay:
+        with reference_hooks(ref, capture), replayed_routing(ref, ids, 0.0, []):
             ref(seq)
         per_request.append(capture)
     out: dict[str, Capture] = {}
@@ -278,14 +282,13 @@ def run_reference(ref, prompts, run: OptimizedRun, progress=None) -> tuple[dict[
     return out, {}
 
 
-class _no_replay:
-    """Graph-mode decode steps record no expert ids: the reference routes on its own there."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _own_expert_ids(ref, seq) -> dict[int, torch.Tensor]:
+    """The reference's own top-k expert ids [S, K] per sparse layer on `seq` (its tie rule: lower id first)."""
+    capture = Capture()
+    with reference_hooks(ref, capture):
+        ref(seq)
+    return {i: probs.sort(dim=-1, descending=True, stable=True).indices[:, :ref.model.layers[i].mlp.top_k]
+            for (i, kind), probs in capture.extra.items() if kind == "router_probs"}
 
 
 # ----------------------------------------------------------------------------------------------- compare
