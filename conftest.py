@@ -34,7 +34,7 @@ torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))
 
 BACKEND = backend_name()
 
-pytest_plugins = ["equivalence.latency_report"]
+pytest_plugins = ["equivalence.latency_report", "equivalence.report_plugin"]
 
 
 def pytest_addoption(parser):

@@ -12,7 +12,9 @@ routing.
 - decode logits within the weights' tolerance of the FP8-KV oracle (prefill logits too);
 - the cache itself: every layer's prompt-token K and V, dequantized from the FP8 cache (E4M3 x its fp32 scale),
   equal bitwise, in float64, the reference's per-token quantization (`fake_quant_kv`) of the K / V the same
-  model wrote into the 16-bit cache;
+  model wrote into the 16-bit cache; and every decode step's K and V, at its token's own slot, equal bitwise the
+  per-token quantization of the K / V that step handed its cache write (a planted write to the wrong slot fails
+  it: `test_fp8_kv_decode_write_check_fails_on_a_planted_wrong_slot`);
 - prefill reads no cache: its logits are bitwise those of the 16-bit-cache run (the recipe's
   `Qwen3MoeAttention.exec_qkv` runs prefill FIA v2 on the fresh K/V and writes the cache after it, spec
   npu_ops_attention_norm.md §5.12; quantized reads, key/value_quant_mode 4, are decode's);
@@ -26,6 +28,8 @@ routing.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import pytest
@@ -57,15 +61,47 @@ def _prompt_slots(prompts, table) -> torch.Tensor:
                       + torch.arange(len(p)) % BLOCK_SIZE for b, p in enumerate(prompts)])
 
 
-def _fp8_logits_task(rank, world, path, lay, prompts, forced):
+def _decode_slots(prompts, steps: int, table) -> torch.Tensor:
+    """The cache slots of every decode step's token, step by step, request by request (the step's batch order)."""
+    pos = torch.tensor([len(p) + s for s in range(steps) for p in prompts])
+    req = torch.tensor([b for _ in range(steps) for b in range(len(prompts))])
+    return table[req, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@contextlib.contextmanager
+def _recording_decode_writes(model, written: dict, plant_layer: int | None = None):
+    """Record the K / V [B, Nkv_r, D] each layer hands its cache write at every decode step (`written[i]`, step by
+    step). plant_layer: that layer's decode writes go one slot too early (a planted bug the cache check must see)."""
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+
+        def update(k, v, meta, kv_cache, _update=attn.kv_cache_update, _i=i):
+            if not meta.is_prefill:
+                written.setdefault(_i, []).append((k.clone(), v.clone()))
+                if _i == plant_layer:
+                    meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping - 1)
+            return _update(k, v, meta, kv_cache)
+        attn.kv_cache_update = update
+    try:
+        yield
+    finally:
+        for layer in model.layers:
+            del layer.self_attn.kv_cache_update
+
+
+def _fp8_logits_task(rank, world, path, lay, prompts, forced, plant_layer=None):
     """`_logits_task` over a float8_e4m3fn paged cache (prefill logits, forced decode logits, the routing), the
-    same run over a 16-bit cache (its logits), and both caches' prompt-token entries of every layer."""
+    same run over a 16-bit cache (its logits), both caches' prompt-token entries of every layer, and the FP8
+    cache's decode-step entries with the K / V each decode step wrote there (plant_layer: see
+    `_recording_decode_writes`)."""
     model = rank_model(path, lay, torch.bfloat16)
     runner = runner_of(model)
     budgets = [len(p) + len(forced) for p in prompts]
     cache, table = paged_cache(model, budgets, dtype=torch.float8_e4m3fn)
     assert len(cache.layers[0]) == 4 and cache.layers[0][0].dtype == torch.float8_e4m3fn
-    out = teacher_forced_run(model, runner, prompts, forced, cache, table)
+    written: dict = {}
+    with _recording_decode_writes(model, written, plant_layer):
+        out = teacher_forced_run(model, runner, prompts, forced, cache, table)
     cache16, table16 = paged_cache(model, budgets)
     assert len(cache16.layers[0]) == 2 and torch.equal(table16, table)
     run16 = teacher_forced_run(model, runner, prompts, forced, cache16, table16)
@@ -76,6 +112,11 @@ def _fp8_logits_task(rank, world, path, lay, prompts, forced):
     flat = lambda t: t.reshape(-1, *t.shape[2:])[slots]     # noqa: E731  [slots, (Nkv_r, D)]
     out["cache8"] = [tuple(flat(t) for t in layer) for layer in cache.layers]       # k, v, k_scale, v_scale
     out["cache16"] = [tuple(flat(t) for t in layer) for layer in cache16.layers]    # k, v
+    decode_slots = _decode_slots(prompts, len(forced), table.cpu()).to(table.device)
+    at_decode = lambda t: t.reshape(-1, *t.shape[2:])[decode_slots]     # noqa: E731
+    out["decode8"] = [tuple(at_decode(t) for t in layer) for layer in cache.layers]
+    out["decode_written"] = [tuple(torch.cat([w[j] for w in written[i]]) if forced else layer[j][:0].float()
+                                   for j in range(2)) for i, layer in enumerate(cache.layers)]
     out["kv_heads"] = model.layers[0].self_attn.num_kv_heads
     return on_host(out)
 
@@ -91,6 +132,20 @@ def assert_cache_is_the_reference_quantization(got, what: str) -> None:
             assert torch.equal(deq, want), (f"{what}: layer {i} {name} cache is not the per-token FP8 quantization "
                                             f"of the K/V written: {describe(deq, want)}")
             assert (deq != x.double()).any(), f"{what}: layer {i} {name} cache equals its 16-bit values"
+
+
+def assert_decode_writes_are_the_quantization(got, what: str) -> None:
+    """Every layer's FP8 entries at the decode steps' slots, dequantized in float64, equal `fake_quant_kv` of the
+    K / V that decode step wrote (one scale per token over this rank's KV heads) bitwise: the cache holds each
+    decode token's quantized K/V in its own slot."""
+    heads = got["kv_heads"]
+    for i, ((k8, v8, ks, vs), (k, v)) in enumerate(zip(got["decode8"], got["decode_written"])):
+        for name, q, scale, x in (("K", k8, ks, k), ("V", v8, vs, v)):
+            deq = q.double() * scale.double()[:, None, None]                            # [steps*B, Nkv_r, D]
+            want = fake_quant_kv(x.double().transpose(0, 1)[None], heads)[0].transpose(0, 1)
+            assert torch.equal(deq, want), (f"{what}: layer {i} {name} cache at the decode slots is not the per-token "
+                                            f"FP8 quantization of the decode steps' K/V: {describe(deq, want)}")
+            assert (deq != x.double()).any(), f"{what}: layer {i} {name} decode entries equal their 16-bit values"
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +195,8 @@ def test_fp8_kv_logits_match_reference_with_fp8_kv(case, weights):
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (19, 7)]
     forced = _draw_forced(world + 20, len(prompts), 4)
     results = get_pool(world).run(_fp8_logits_task, str(make_path()), lay, prompts, forced, timeout=180)
-    caches = [{key: r.pop(key) for key in ("cache8", "cache16", "kv_heads")} for r in results]   # per rank
+    caches = [{key: r.pop(key) for key in ("cache8", "cache16", "kv_heads", "decode8", "decode_written")}
+              for r in results]   # per rank
     got = same_on_all_ranks(results, "fp8 kv logits")
     ref, near_tie = oracle(weights), tolerance(tie).rtol
     stats: list[RoutingStats] = []
@@ -153,6 +209,7 @@ def test_fp8_kv_logits_match_reference_with_fp8_kv(case, weights):
     assert total.clear_flips == 0, what
     for rank, cache in enumerate(caches):
         assert_cache_is_the_reference_quantization(cache, f"{what}; rank {rank}")
+        assert_decode_writes_are_the_quantization(cache, f"{what}; rank {rank}")
     near = far = apart = moved = 0.0
     for b, rows in enumerate(_rows(prompts)):
         decode = torch.stack([got[f"decode{s}"][b] for s in range(len(forced))])
@@ -175,3 +232,19 @@ def test_fp8_kv_logits_match_reference_with_fp8_kv(case, weights):
         assert far >= tolerance("model.fp8_kv.bfloat16").min_separation * near, report
     else:     # W4A8's own noise is as large as the KV quantization's effect on the tiny logits
         assert moved >= tolerance("model.fp8_kv.w4a8").min_separation, report
+
+
+def test_fp8_kv_decode_write_check_fails_on_a_planted_wrong_slot():
+    """The decode-slot cache check can fail: layer 1 writing each decode token's FP8 K/V one slot too early leaves
+    that layer's decode slots unwritten, and the check names the layer."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (19, 7)]
+    forced = _draw_forced(23, len(prompts), 2)
+    (clean,) = get_pool(1).run(_fp8_logits_task, str(checkpoint("tiny")), layout(1), prompts, forced, timeout=180)
+    assert_decode_writes_are_the_quantization(clean, "clean")
+    (planted,) = get_pool(1).run(_fp8_logits_task, str(checkpoint("tiny")), layout(1), prompts, forced,
+                                 plant_layer=1, timeout=180)
+    assert_decode_writes_are_the_quantization({**planted, "decode8": planted["decode8"][:1],
+                                               "decode_written": planted["decode_written"][:1]}, "layer 0")
+    with pytest.raises(AssertionError, match="layer 1 K cache at the decode slots"):
+        assert_decode_writes_are_the_quantization(planted, "planted")

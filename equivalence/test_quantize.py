@@ -28,7 +28,9 @@ from equivalence.compare import assert_bitwise_equal
 from equivalence.mx_oracle import mx_inputs
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
-from optimized.model_loader.quantize import MXFP4, MXFP8, ConversionError, convert_checkpoint, mx_quantize_weight
+from optimized.model_loader.build import load_model
+from optimized.model_loader.quantize import (MXFP4, MXFP8, ConversionError, convert_checkpoint, mx_quantize_weight,
+                                            quant_format)
 from reference.checkpoint import read_state_dict
 from reference.fake_quant import E2M1, E4M3, quantize_activation, quantize_weight
 
@@ -295,3 +297,38 @@ def test_converter_rejects_an_unknown_quant_naming_the_allowed_values(tmp_path):
     with pytest.raises(ConversionError, match=r"--quant 'w4a4' is not supported; supported: w4a8, w8a8"):
         convert_checkpoint(checkpoint("tiny"), tmp_path / "x", "w4a4", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_dense_gate_proj_mxfp8_by_default_16_bit_as_the_recipe_with_the_option(tmp_path, keep):
+    """Default: a dense layer's gate_proj is MXFP8 like its up/down_proj. keep_dense_gate_proj (the CLI's
+    --keep-dense-gate-proj): copied unchanged, as the recipe's converter leaves it; up/down, experts and attention
+    are converted the same either way, and the optimized model loads the result with a 16-bit gate_proj."""
+    from optimized.cli.main import main as cli_main
+    from optimized.model import is_sparse_layer
+
+    src = checkpoint("tiny-dense")
+    args = ["convert", "--quant", "w4a8", "--no-progress", *(["--keep-dense-gate-proj"] if keep else []),
+            str(src), str(tmp_path / "out")]
+    assert cli_main(args) == 0
+    out, source = _tensors(tmp_path / "out"), read_state_dict(src)
+    config = tiny_config("tiny-dense")
+    dense = [i for i in range(config.num_hidden_layers) if not is_sparse_layer(config, i)]
+    assert dense
+    for i in dense:
+        gate = f"model.layers.{i}.mlp.gate_proj.weight"
+        if keep:
+            assert gate + "_scale" not in out
+            assert_bitwise_equal(out[gate], source[gate], gate)
+        else:
+            assert out[gate].dtype == torch.float8_e4m3fn and gate + "_scale" in out
+        for proj in ("up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.{proj}.weight"
+            assert out[name].dtype == torch.float8_e4m3fn and name + "_scale" in out, name
+    assert quant_format("model.layers.3.mlp.experts.0.gate_proj.weight", "w4a8", keep) is MXFP4
+    model = load_model(tmp_path / "out", dtype=torch.bfloat16)
+    for i in dense:
+        mlp = model.layers[i].mlp
+        assert (mlp.gate_up_proj is None) == keep
+        if keep:
+            assert mlp.gate_proj.weight.dtype == torch.bfloat16 and mlp.up_proj.weight.dtype == torch.float8_e4m3fn

@@ -3,7 +3,8 @@
 convert
   Offline conversion of a BF16 Qwen3-MoE checkpoint directory SRC into a W4A8 checkpoint DST (MXFP4 experts,
   MXFP8 attention linears) or a W8A8 one (MXFP8 experts and attention linears), the rest unchanged (see
-  optimized/model_loader/quantize.py), streamed tensor by tensor with a progress bar on stderr. A source that is already quantized, or a non-empty DST, is an error.
+  optimized/model_loader/quantize.py; --keep-dense-gate-proj leaves dense MLPs' gate_proj 16-bit as the recipe's
+  converter does), streamed tensor by tensor with a progress bar on stderr. A source that is already quantized, or a non-empty DST, is an error.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def add_parser(sub) -> None:
                       help="target scheme: w4a8 (the recipe's w4a8c16) or w8a8 (w8a8c16)")
     conv.add_argument("--kv-cache", choices=["fp8", "bf16"], default="fp8",
                       help="fp8 (default, as the recipe writes it): the per-token FP8 KV cache; bf16: a 16-bit cache")
+    conv.add_argument("--keep-dense-gate-proj", action="store_true",
+                      help="leave dense MLP layers' gate_proj 16-bit, as the recipe's converter does (default: MXFP8 "
+                           "like up/down_proj)")
     conv.add_argument("src", help="BF16 checkpoint directory (config.json + safetensors)")
     conv.add_argument("dst", help="output directory (must not exist or be empty)")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -33,7 +37,7 @@ def run(args) -> int:
     start = time.perf_counter()
     try:
         report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress,
-                                    kv_cache=args.kv_cache)
+                                    kv_cache=args.kv_cache, keep_dense_gate_proj=args.keep_dense_gate_proj)
     except (ConversionError, CheckpointError) as e:   # the message names the file, tensor or key
         raise UsageError(str(e)) from None
     print(f"converted {args.src} -> {args.dst} ({args.quant}): {report.tensors} tensors, "

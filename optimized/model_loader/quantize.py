@@ -12,6 +12,13 @@ which the recipe's loader also applies to the experts); other files are copied; 
 default, as the recipe's converter writes it for qwen3_moe) adds its per-token FP8 `kv_cache_scheme`, which
 makes the model run an FP8 KV cache; `kv_cache="bf16"` writes `kv_cache_scheme: null` (a 16-bit cache).
 
+Dense-MLP gate_proj (layers in mlp_only_layers / off decoder_sparse_step): quantized to MXFP8 with up/down by
+default. The recipe's converter leaves it 16-bit (its ignore pattern `mlp.gate`, meant for the router, is a
+substring of `mlp.gate_proj`); `keep_dense_gate_proj=True` (`convert --keep-dense-gate-proj`) does the same, and
+the loader takes either checkpoint (optimized/layers/moe.py `Qwen3MoeMLP`). The default stays MXFP8 because the
+fake-quant reference and the W4A8 tolerances (`model.w4a8.bfloat16`) are measured with every dense projection
+MXFP8.
+
 Streaming: every output shard's header is computed from the source's tensor metadata before any data is
 read, then each tensor is read (through `get_slice`), quantized and appended in row chunks, so memory holds
 a few MB of one tensor at a time, never a whole tensor, shard or model.
@@ -41,6 +48,7 @@ QUANT_CHUNK_VALUES = 1 << 20  # quantized tensors are converted in row chunks of
 
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_DENSE_GATE = re.compile(r"^model\.layers\.\d+\.mlp\.gate_proj\.weight$")
 _KEPT = re.compile(r"^(model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm|mlp\.gate)"
                    r"\.weight|model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)$")
 
@@ -55,11 +63,13 @@ class ConversionError(ValueError):
 MXFP8, MXFP4 = mxf.E4M3, mxf.E2M1
 
 
-def quant_format(name: str, quant: str = "w4a8") -> mxf.MxFormat | None:
+def quant_format(name: str, quant: str = "w4a8", keep_dense_gate_proj: bool = False) -> mxf.MxFormat | None:
     """The format of checkpoint tensor `name` under `quant` (None: copied unchanged); unknown tensors are an
-    error."""
+    error. keep_dense_gate_proj: a dense MLP's gate_proj is copied unchanged, as the recipe's converter does."""
     if _EXPERT.match(name):
         return MXFP4 if quant == "w4a8" else MXFP8
+    if keep_dense_gate_proj and _DENSE_GATE.match(name):
+        return None
     if _FP8_LINEAR.match(name):
         return MXFP8
     if _KEPT.match(name):
@@ -185,9 +195,11 @@ class ConversionReport:
     files: list[str]
 
 
-def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str = "fp8") -> ConversionReport:
+def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str = "fp8",
+                       keep_dense_gate_proj: bool = False) -> ConversionReport:
     """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a `quant` (w4a8 | w8a8)
-    checkpoint at `dst` (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none)."""
+    checkpoint at `dst` (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none;
+    keep_dense_gate_proj: dense MLPs' gate_proj stay 16-bit, as the recipe's converter leaves them)."""
     src, dst = Path(src), Path(dst)
     if quant not in QUANT_TYPES:
         raise ConversionError(f"--quant {quant!r} is not supported; supported: {', '.join(QUANT_TYPES)}")
@@ -214,7 +226,8 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
 
     # Plan every file first: a bad tensor anywhere fails before anything is written.
     handles = {file: open_file(src / file) for file in files}
-    plans = {file: _plan_file(handles[file], file, lambda name: quant_format(name, quant)) for file in files}
+    plans = {file: _plan_file(handles[file], file, lambda name: quant_format(name, quant, keep_dense_gate_proj))
+             for file in files}
     try:
         stats = _write(src, dst, quant, kv_cache, config, files, handles, plans, indexed, progress)
     except OSError as e:   # a read-only or full destination: name it, never a traceback
