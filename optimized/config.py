@@ -337,10 +337,12 @@ class SchedulerConfig:
     batch_size: int = 1
     max_new_tokens: int = 32
     block_size: int = 128
+    max_prefill_tokens: int = 0   # prompt tokens one prefill step may pack; 0: no budget beyond the batch
 
     def _check(self, c: _Checker) -> None:
         for k in ("batch_size", "max_new_tokens", "block_size"):
             c.positive_int(self, k)
+        c.non_negative_int(self, "max_prefill_tokens")
 
 
 SECTIONS: dict[str, type] = {
