@@ -214,3 +214,28 @@ def test_client_disconnect_frees_its_blocks_and_metrics_report(server):
         assert name in text
     models = client(url).models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def test_bench_serve_reports_every_request(server, tmp_path, capsys):
+    """`bench serve` against the live server: every request completes with its output length, the percentiles are
+    ordered, and the JSON report holds what the table prints (no timing is asserted)."""
+    import json
+    from optimized.cli.main import main
+    url, *_ = server
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--url", url, "--num-prompts", "5", "--request-rate", "50", "--prompt-lens",
+                 "3,17,9", "--output-len", "4", "--json", str(out), "--no-progress"]) == 0
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (5, 0, 20)
+    assert r["total_input_tokens"] == 3 + 17 + 9 + 3 + 17
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert r[name]["p50"] <= r[name]["p90"] <= r[name]["p99"]
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_bench_keeps_its_preset_usage_beside_serve():
+    from optimized.cli.main import parser
+    args = parser().parse_args(["bench", "--preset", "tiny", "--layers", "1"])
+    assert (args.preset, args.layers, args.bench_mode) == ("tiny", 1, None)
+    args = parser().parse_args(["bench", "serve", "--request-rate", "4", "--num-prompts", "3"])
+    assert (args.bench_mode, args.request_rate, args.num_prompts) == ("serve", "4", 3)
