@@ -6,7 +6,9 @@ max_new_tokens: the default max_tokens; max_prefill_tokens: the prompt tokens on
 budget), data_config.input_max_len (the longest prompt accepted: a longer one is refused with 413).
 The KV pool holds `--kv-pool-blocks` blocks (default: batch_size requests of input_max_len + max_new_tokens).
 Server-only settings are flags: --host, --port, --served-model-name, --kv-pool-blocks.
-A single process (parallel_config.world_size 1); see README "Serving" for what multi-rank serving lacks.
+Multi-rank (TP / EP layouts): `torchrun --nproc-per-node N -m optimized serve ...`, one process per rank; rank 0
+serves HTTP and sends each step's new requests and aborts to the others over a CPU gloo group
+(optimized/serving/ranks.py). Attention DP (attn_dp: true) is refused: its lockstep dummy batches are not built.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ def load_config(args):
     return cfg
 
 
-def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
-    """(engine, tokenizer, stop ids, model dir) from an inference config, in this process."""
+def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True, env=None):
+    """(engine, tokenizer, stop ids, model dir) from an inference config, in this process (this rank: `env`)."""
     from optimized.config import ConfigError
     from optimized.distributed import ParallelState
     from optimized.executor.engine import Engine
@@ -57,9 +59,15 @@ def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
     from optimized import platform
 
     m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
-    if p.world_size != 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) != 1:
-        raise UsageError(f"serve runs as a single process (parallel_config.world_size 1); got world_size "
-                         f"{p.world_size}: multi-rank serving is not implemented yet")
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if p.world_size != launched:
+        raise UsageError(f"parallel_config.world_size is {p.world_size} but this job was launched with "
+                         f"{launched} process(es); start it with `torchrun --nproc-per-node {p.world_size} -m "
+                         f"optimized serve ...`" if p.world_size > 1 else
+                         f"parallel_config.world_size is 1 but this job has {launched} processes")
+    if p.attn_dp:
+        raise UsageError("parallel_config.attn_dp: serving under attention DP is not implemented (its lockstep "
+                         "dummy batches are not built); use a TP / EP layout")
     model_dir = resolve_model_path(m.model_path, *m.scheme)
     try:
         hf_config = load_hf_config(model_dir)
@@ -70,7 +78,7 @@ def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
         raise UsageError("; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
     tokenizer = CheckpointTokenizer.load(model_dir)
     model = load_model(model_dir, parallel=ParallelState.build(p), dtype=m.torch_dtype, random_weights=not m.with_ckpt,
-                       seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=platform.device(0),
+                       seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=platform.device(env.local_rank if env else 0),
                        check_weights=check_weights)
     runner = ModelRunner(model, s.block_size, exe_mode=m.exe_mode, kv_cache_dtype=m.kv_cache_dtype)
     per_request = -(-(cfg.data_config.input_max_len + s.max_new_tokens) // s.block_size)
@@ -81,14 +89,14 @@ def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
     return engine, tokenizer, eos_token_ids(model_dir), model_dir
 
 
-def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, host: str, port: int):
+def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, host: str, port: int, broadcast=None):
     """(uvicorn server, driver): the driver's fatal error stops the server."""
     import uvicorn
     from optimized.serving.app import build_app
     from optimized.serving.driver import Driver
 
     server_box = []
-    driver = Driver(engine, on_fatal=lambda e: setattr(server_box[0], "should_exit", True))
+    driver = Driver(engine, on_fatal=lambda e: setattr(server_box[0], "should_exit", True), broadcast=broadcast)
     app = build_app(driver, tokenizer, model_name, stop_ids=stop_ids,
                     default_max_tokens=cfg.scheduler_config.max_new_tokens,
                     max_prompt_tokens=cfg.data_config.input_max_len)
@@ -106,9 +114,46 @@ def run(args) -> int:
     cfg = load_config(args)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port={args.port} must be in 0..65535")
-    engine, tokenizer, stop_ids, model_dir = build_engine(cfg, args.kv_pool_blocks, not args.no_weight_check)
+    if cfg.parallel_config.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        engine, tokenizer, stop_ids, model_dir = build_engine(cfg, args.kv_pool_blocks, not args.no_weight_check)
+        return _serve(args, cfg, engine, tokenizer, stop_ids, model_dir, None)
+    return _run_ranks(args, cfg)
+
+
+def _run_ranks(args, cfg) -> int:
+    """One process per rank: rank 0 serves, the others follow its broadcast; a failed rank is named."""
+    import datetime
+    import torch.distributed as dist
+    from optimized.distributed import init_distributed
+    from optimized.distributed.guard import (CollectiveTimeoutError, RankMismatchError, check_ranks_agree,
+                                             collective_timeout_s, named_collective_errors, run_fingerprint)
+    from optimized.serving.ranks import StepBroadcast, follow
+    timeout_s = collective_timeout_s(cfg.parallel_config.collective_timeout_s)
+    with named_collective_errors(timeout_s):
+        env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        with named_collective_errors(timeout_s):
+            check_ranks_agree(run_fingerprint(cfg.to_dict(), cfg.model_config.model_path, [], serve=True))
+            engine, tokenizer, stop_ids, model_dir = build_engine(cfg, args.kv_pool_blocks, not args.no_weight_check,
+                                                                  env)
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            broadcast = StepBroadcast(group)
+            if env.rank == 0:
+                return _serve(args, cfg, engine, tokenizer, stop_ids, model_dir, broadcast)
+            follow(engine, broadcast)
+            return 0
+    except (CollectiveTimeoutError, RankMismatchError) as e:
+        raise UsageError(f"rank {env.rank}: {e}") from None
+    except RuntimeError as e:    # gloo: a peer closed its connection (a rank died)
+        raise UsageError(f"rank {env.rank}: a rank failed: {type(e).__name__}: {e}") from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(args, cfg, engine, tokenizer, stop_ids, model_dir, broadcast) -> int:
     name = args.served_model_name or Path(str(cfg.model_config.model_path).split(":")[-1]).name
-    server, driver = make_server(cfg, engine, tokenizer, stop_ids, name, args.host, args.port)
+    server, driver = make_server(cfg, engine, tokenizer, stop_ids, name, args.host, args.port, broadcast)
     driver.start()
     print(f"serving {name} ({model_dir}) on http://{args.host}:{args.port} : batch_size "
           f"{cfg.scheduler_config.batch_size}, KV pool {engine.cache.num_blocks} blocks of "

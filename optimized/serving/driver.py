@@ -19,13 +19,16 @@ class EngineStopped(RuntimeError):
 
 
 class Driver:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None, on_fatal: Callable | None = None):
-        self.engine, self.metrics = engine, metrics or Metrics()
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, on_fatal: Callable | None = None,
+                 broadcast=None):
+        """broadcast: a `ranks.StepBroadcast` on rank 0 of a multi-rank server (None: a single process)."""
+        self.engine, self.metrics, self.broadcast = engine, metrics or Metrics(), broadcast
         self.on_fatal = on_fatal
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[str, Callable] = {}
         self.times: dict[str, list[float]] = {}     # request id -> [arrival, first token, last token]
         self.error: BaseException | None = None
+        self._pending: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -45,19 +48,28 @@ class Driver:
             raise EngineStopped(f"the engine stopped: {self.error}")
         self.engine.check(request)
         self.inbox.put(("add", with_seed(request), sink, time.perf_counter()))
+        if not self._thread.is_alive() and self.error is not None:   # it stopped meanwhile: nobody will answer
+            raise EngineStopped(f"the engine stopped: {self.error}")
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
     # ---- the engine thread
     def _drain(self, block: bool) -> None:
+        items = []
         try:
-            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            items.append(self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait())
             while True:
-                self._apply(item)
-                item = self.inbox.get_nowait()
+                items.append(self.inbox.get_nowait())
         except queue.Empty:
             pass
+        items = [i for i in items if i is not None]
+        self._pending = items            # told of a failure too, should the broadcast fail
+        if self.broadcast is not None:   # every rank applies the same items before the same step
+            self.broadcast.send([(i[0], i[1]) for i in items])
+        for item in items:
+            self._apply(item)
+        self._pending = []
 
     def _apply(self, item) -> None:
         if item is None:
@@ -83,6 +95,12 @@ class Driver:
         with self.metrics.lock:
             self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
 
+    def _next_queued(self):
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
@@ -98,11 +116,21 @@ class Driver:
                         sink(event)
                     if event.finished:
                         self._forget(event.request.request_id, event.request.finish_reason)
+            if self.broadcast is not None:
+                from optimized.serving.ranks import STOP
+                self.broadcast.send(STOP)
         except BaseException as e:   # noqa: BLE001 - every handler must learn that the engine is gone
             self.error = e
+            stopped = EngineStopped(f"the engine stopped: {type(e).__name__}: {e}")
             for sink in list(self.sinks.values()):
-                sink(EngineStopped(f"the engine stopped: {type(e).__name__}: {e}"))
+                sink(stopped)
             self.sinks.clear()
+            while True:                      # requests not yet applied: drained this iteration or still queued
+                item = self._pending.pop() if self._pending else self._next_queued()
+                if item is False:
+                    break
+                if item is not None and item[0] == "add":
+                    item[2](stopped)
             if self.on_fatal is not None:
                 self.on_fatal(e)
 
