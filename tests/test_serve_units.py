@@ -59,3 +59,35 @@ def test_percentile_interpolates():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
     assert math.isnan(percentile([], 50))
+
+
+def test_max_prefill_tokens_is_a_non_negative_int():
+    import pytest
+    from optimized.config import ConfigError, InferenceConfig
+    assert InferenceConfig.from_dict({}).scheduler_config.max_prefill_tokens == 0
+    assert InferenceConfig.from_dict({"scheduler_config": {"max_prefill_tokens": 512}}).scheduler_config \
+        .max_prefill_tokens == 512
+    for bad in (-1, 1.5, "x"):
+        with pytest.raises(ConfigError) as e:
+            InferenceConfig.from_dict({"scheduler_config": {"max_prefill_tokens": bad}})
+        assert [k for k, _ in e.value.errors] == ["scheduler_config.max_prefill_tokens"]
+
+
+def _serve_error(argv, capsys) -> str:
+    import pytest
+    from optimized.cli.main import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_serve_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert "not found" in _serve_error(["--config", str(tmp_path / "none.yaml")], capsys)
+    cfg = tmp_path / "dp.yaml"
+    cfg.write_text("model_config: {model_path: 'fixture:tiny'}\nparallel_config: {world_size: 2, attn_tp_size: 2, "
+                   "moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2}\n")
+    err = _serve_error(["--config", str(cfg)], capsys)
+    assert "parallel_config.world_size is 2" in err and "torchrun" in err
+    assert "--port=70000" in _serve_error(["--config", str(cfg), "--port", "70000"], capsys)
