@@ -106,3 +106,38 @@ def test_engine_logprobs_equal_reference_log_softmax():
         prompt_lp = torch.tensor([v for v, _ in r.prompt_logprob_values])
         want = full[torch.arange(len(r.prompt) - 1), torch.tensor(r.prompt[1:])]
         assert_close(prompt_lp, want, "model.float32", f"{r.request_id} prompt logprobs")
+
+
+def _engine_run(runner, sampling):
+    from optimized.executor.engine import Engine
+    from optimized.executor.scheduler import Request
+    prompts = [[5, 9, 200, 17, 3], [44, 1, 2], list(range(30, 52))]
+    requests = [Request(f"r{i}", p, 4, sampling=sampling, logprobs=2, prompt_logprobs=True, record_logits=True)
+                for i, p in enumerate(prompts)]
+    engine = Engine(runner, batch_size=2, max_prefill_tokens=24, num_blocks=5)
+    events = []
+    for step, request in enumerate(requests):       # one arrival per step
+        engine.add(request)
+        events += [(e.request.request_id, e.token, e.logprob, e.top_logprobs) for e in engine.step()[1]]
+    while not engine.idle:
+        events += [(e.request.request_id, e.token, e.logprob, e.top_logprobs) for e in engine.step()[1]]
+    return events, [torch.stack(r.logits) for r in requests], [r.prompt_logprob_values for r in requests]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_engine_on_a_non_cpu_device_equals_the_cpu_engine(sampling):
+    """The engine's own tensors (block tables, ids, chosen tokens, logprobs) live on the model's device: on the fake
+    npu:0 (every operator refuses tensors of two devices) the engine gives bitwise the CPU engine's results."""
+    from equivalence.fake_device import on_fake_device, register, to_host
+    from optimized import ModelRunner, load_model
+    from optimized.executor.sampling import GREEDY, SamplingParams
+    params = GREEDY if sampling == "greedy" else SamplingParams(0.8, 20, 0.9, seed=3)
+    with on_fake_device():
+        model = load_model(checkpoint("tiny"), dtype=torch.float32, device=register())
+        events, logits, prompt_lp = _engine_run(ModelRunner(model, block_size=BLOCK), params)
+        logits = [to_host(t) for t in logits]
+    want_events, want_logits, want_prompt_lp = _engine_run(_models()[0], params)
+    assert events == want_events
+    assert prompt_lp == want_prompt_lp
+    for got, want in zip(logits, want_logits):
+        assert torch.equal(got, want)

@@ -181,7 +181,7 @@ class Engine:
             targets = torch.tensor(request.prompt[1:], device=self.device).unsqueeze(1)
             values = lp.gather(1, targets).squeeze(1).tolist()
             n = request.logprobs or 0
-            tops = ([list(zip(i, v)) for v, i in zip(*map(torch.Tensor.tolist, torch.topk(lp, n, dim=-1)))]
+            tops = ([list(zip(i, v)) for v, i in zip(*(t.tolist() for t in torch.topk(lp, n, dim=-1)))]
                     if n else [[] for _ in values])
             request.prompt_logprob_values = list(zip(values, tops))
         events = []
