@@ -23,6 +23,7 @@ FLOORS = [
     ("optimized.model",),
     ("optimized.model_loader",),
     ("optimized.executor",),
+    ("optimized.serving",),
     ("optimized.benchmarks",),
     ("optimized.cli", "optimized.__main__"),
 ]

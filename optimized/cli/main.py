@@ -11,6 +11,8 @@
     torchrun --nproc-per-node N -m optimized latency --budget NAME --json PATH [--model-path DIR]
                                                                           (N = the budget's world size)
     python -m optimized convert --quant w4a8 SRC DST [--no-progress]
+    python -m optimized serve --config YAML [--host H] [--port P]    (OpenAI-compatible server)
+    python -m optimized bench serve --url http://H:P [--request-rate R|inf] [--num-prompts N] ...
 
 Errors a user can fix (bad config, bad prompt, world size mismatch or a launch without torchrun, missing or
 broken checkpoint, a non-finite weight, an unsupported model config or quantization_config, a read-only
@@ -20,11 +22,11 @@ with status 2.
 """
 from __future__ import annotations
 
-from optimized.cli import bench, convert, generate, latency
+from optimized.cli import bench, convert, generate, latency, serve
 from optimized.cli.common import PROG, Parser, fail
 from optimized.errors import UsageError
 
-SUBCOMMANDS = {"generate": generate, "bench": bench, "latency": latency, "convert": convert}
+SUBCOMMANDS = {"generate": generate, "bench": bench, "latency": latency, "convert": convert, "serve": serve}
 
 
 def parser() -> Parser:

@@ -1,0 +1,185 @@
+"""`python -m optimized bench serve`: load a running `python -m optimized serve` with streaming completions.
+
+Requests arrive as a Poisson process of `--request-rate` per second (`inf`: all at once), each a prompt of random
+token ids (lengths drawn uniformly in [input_len * (1 - r), input_len * (1 + r)], r = --range-ratio, or the lengths
+given by --prompt-lens) generating exactly --output-len tokens (ignore_eos). Per request, from the SSE stream:
+TTFT (send to first token), ITL (gaps between tokens), TPOT ((last - first) / (tokens - 1)); the report gives
+p50 / p90 / p99 of each, and request and output-token throughput over the whole run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+from optimized.errors import UsageError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--model", help="model id (default: the server's only model, from /v1/models)")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests to send (default 32)")
+    p.add_argument("--request-rate", default="inf", help="requests per second, Poisson arrivals; inf: all at once")
+    p.add_argument("--input-len", type=int, default=32, help="mean prompt length in tokens (default 32)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="prompt lengths uniform in len*(1 +- r)")
+    p.add_argument("--prompt-lens", help="comma-separated prompt lengths, cycled (instead of --input-len)")
+    p.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default 16)")
+    p.add_argument("--max-token-id", type=int, default=255, help="prompt ids are drawn from [0, this] (default 255)")
+    p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    p.add_argument("--json", help="also write the report as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@dataclass
+class Outcome:
+    prompt_len: int
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (q in [0, 100]); nan for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def prompt_lengths(args, rng: random.Random) -> list[int]:
+    if args.prompt_lens:
+        try:
+            given = [int(x) for x in args.prompt_lens.split(",")]
+        except ValueError:
+            raise UsageError(f"--prompt-lens={args.prompt_lens!r} must be comma-separated integers") from None
+        if any(n < 1 for n in given):
+            raise UsageError(f"--prompt-lens={args.prompt_lens!r}: every length must be >= 1")
+        return [given[i % len(given)] for i in range(args.num_prompts)]
+    lo = max(1, round(args.input_len * (1 - args.range_ratio)))
+    hi = max(lo, round(args.input_len * (1 + args.range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(args.num_prompts)]
+
+
+async def _one(client, url, model, prompt, output_len, timeout) -> Outcome:
+    out = Outcome(len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                n = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))
+                if not n:
+                    continue
+                now = time.perf_counter()
+                if out.tokens == 0:
+                    out.ttft = now - start
+                else:
+                    out.itl.append(now - last)
+                last, out.tokens = now, out.tokens + n
+        out.latency, out.ok = last - start, out.tokens == output_len
+        if not out.ok:
+            out.error = f"got {out.tokens} tokens, asked {output_len}"
+    except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, the run goes on
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def _run(args, rate: float, lengths: list[int], rng: random.Random) -> tuple[list[Outcome], float]:
+    import httpx
+    async with httpx.AsyncClient() as client:
+        model = args.model
+        if model is None:
+            r = await client.get(args.url + "/v1/models", timeout=args.timeout)
+            model = r.json()["data"][0]["id"]
+        prompts = [[rng.randint(0, args.max_token_id) for _ in range(n)] for n in lengths]
+        done, tasks = 0, []
+
+        def tick(_):
+            nonlocal done
+            done += 1
+            if not args.no_progress:
+                bar = "#" * (30 * done // len(prompts))
+                print(f"\r[{bar:<30}] {done}/{len(prompts)}", end="", file=sys.stderr, flush=True)
+
+        start = time.perf_counter()
+        for prompt in prompts:
+            task = asyncio.create_task(_one(client, args.url, model, prompt, args.output_len, args.timeout))
+            task.add_done_callback(tick)
+            tasks.append(task)
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        outcomes = await asyncio.gather(*tasks)
+        if not args.no_progress:
+            print(file=sys.stderr)
+        return outcomes, time.perf_counter() - start
+
+
+def report(outcomes: list[Outcome], duration: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    ms = lambda xs: {f"p{q}": 1000 * percentile(xs, q) for q in (50, 90, 99)}   # noqa: E731
+    return {
+        "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
+        "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_token_throughput": sum(o.tokens for o in ok) / duration,
+        "total_input_tokens": sum(o.prompt_len for o in ok), "total_output_tokens": sum(o.tokens for o in ok),
+        "ttft_ms": ms([o.ttft for o in ok]),
+        "tpot_ms": ms([(o.latency - o.ttft) / (o.tokens - 1) for o in ok if o.tokens > 1]),
+        "itl_ms": ms([g for o in ok for g in o.itl]),
+        "e2e_ms": ms([o.latency for o in ok]),
+    }
+
+
+def format_report(r: dict) -> str:
+    rows = [f"requests: {r['completed']} completed, {r['failed']} failed in {r['duration_s']:.2f} s",
+            f"throughput: {r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s "
+            f"({r['total_input_tokens']} input, {r['total_output_tokens']} output tokens)",
+            f"{'metric':<10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}"]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        v = r[f"{name}_ms"]
+        rows.append(f"{name.upper():<10}{v['p50']:>10.2f}{v['p90']:>10.2f}{v['p99']:>10.2f}")
+    rows += [f"error: {e}" for e in r["errors"]]
+    return "\n".join(rows)
+
+
+def run(args) -> int:
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise UsageError("bench serve needs httpx: pip install 'qwen3-moe-npu[serve]'") from None
+    try:
+        rate = float(args.request_rate)
+    except ValueError:
+        raise UsageError(f"--request-rate={args.request_rate!r} must be a number or inf") from None
+    if not rate > 0:
+        raise UsageError(f"--request-rate={args.request_rate!r} must be > 0 (or inf)")
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if not 0 <= args.range_ratio < 1:
+        raise UsageError(f"--range-ratio={args.range_ratio} must be in [0, 1)")
+    rng = random.Random(args.seed)
+    outcomes, duration = asyncio.run(_run(args, rate, prompt_lengths(args, rng), rng))
+    r = report(outcomes, duration)
+    print(format_report(r), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0 if r["failed"] == 0 else 1

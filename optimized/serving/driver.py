@@ -1,0 +1,154 @@
+"""The engine's own thread: it owns the engine (nothing else touches it), takes new requests and aborts from a
+thread-safe inbox between steps, steps while there is work, and hands every token event to the request's sink
+(the HTTP handler's queue). A step that fails (a rank failure, non-finite logits) stops the driver: every
+waiting handler gets the error and `on_fatal` is called, which stops the server."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+from optimized.executor.engine import Engine, with_seed
+from optimized.executor.scheduler import Request
+from optimized.serving.metrics import Metrics
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread stopped on an error; the message names it."""
+
+
+class Driver:
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, on_fatal: Callable | None = None,
+                 broadcast=None):
+        """broadcast: a `ranks.StepBroadcast` on rank 0 of a multi-rank server (None: a single process)."""
+        self.engine, self.metrics, self.broadcast = engine, metrics or Metrics(), broadcast
+        self.on_fatal = on_fatal
+        self.inbox: queue.Queue = queue.Queue()
+        self.sinks: dict[str, Callable] = {}
+        self.times: dict[str, list[float]] = {}     # request id -> [arrival, first token, last token]
+        self.error: BaseException | None = None
+        self._pending: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> "Driver":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        self._thread.join(timeout)
+
+    # ---- called from the HTTP side
+    def submit(self, request: Request, sink: Callable) -> None:
+        """Check now (raises ValueError / RequestTooLarge), run later; `sink(event_or_error)` from the engine thread."""
+        if self.error is not None:
+            raise EngineStopped(f"the engine stopped: {self.error}")
+        self.engine.check(request)
+        self.inbox.put(("add", with_seed(request), sink, time.perf_counter()))
+        if not self._thread.is_alive() and self.error is not None:   # it stopped meanwhile: nobody will answer
+            raise EngineStopped(f"the engine stopped: {self.error}")
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    # ---- the engine thread
+    def _drain(self, block: bool) -> None:
+        items = []
+        try:
+            items.append(self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait())
+            while True:
+                items.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        items = [i for i in items if i is not None]
+        self._pending = items            # told of a failure too, should the broadcast fail
+        if self.broadcast is not None:   # every rank applies the same items before the same step
+            self.broadcast.send([(i[0], i[1]) for i in items])
+        for item in items:
+            self._apply(item)
+        self._pending = []
+
+    def _apply(self, item) -> None:
+        if item is None:
+            return
+        if item[0] == "add":
+            _, request, sink, arrival = item
+            try:
+                self.engine.add(request)
+            except ValueError as e:        # checked at submit; a duplicate id can still land here
+                sink(e)
+                return
+            self.sinks[request.request_id] = sink
+            self.times[request.request_id] = [arrival, 0.0, 0.0]
+        else:
+            self.engine.abort(item[1])
+            self._forget(item[1], "abort")
+
+    def _forget(self, request_id: str, reason: str) -> None:
+        self.sinks.pop(request_id, None)
+        times = self.times.pop(request_id, None)
+        if times is None:
+            return
+        with self.metrics.lock:
+            self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+
+    def _next_queued(self):
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=self.engine.idle)
+                if self.engine.idle:
+                    continue
+                step, events = self.engine.step()
+                now = time.perf_counter()
+                self._account(step, events, now)
+                for event in events:
+                    sink = self.sinks.get(event.request.request_id)
+                    if sink is not None:
+                        sink(event)
+                    if event.finished:
+                        self._forget(event.request.request_id, event.request.finish_reason)
+            if self.broadcast is not None:
+                from optimized.serving.ranks import STOP
+                self.broadcast.send(STOP)
+        except BaseException as e:   # noqa: BLE001 - every handler must learn that the engine is gone
+            self.error = e
+            stopped = EngineStopped(f"the engine stopped: {type(e).__name__}: {e}")
+            for sink in list(self.sinks.values()):
+                sink(stopped)
+            self.sinks.clear()
+            while True:                      # requests not yet applied: drained this iteration or still queued
+                item = self._pending.pop() if self._pending else self._next_queued()
+                if item is False:
+                    break
+                if item is not None and item[0] == "add":
+                    item[2](stopped)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+
+    def _account(self, step, events, now: float) -> None:
+        m = self.metrics
+        with m.lock:
+            if step.kind == "prefill":
+                m.prompt_tokens += sum(len(r.prompt) for r in step.requests)
+            m.generation_tokens += len(events)
+            for event in events:
+                t = self.times.get(event.request.request_id)
+                if t is None:
+                    continue
+                if len(event.request.tokens) == 1:
+                    t[1] = now
+                    m.ttft.observe(now - t[0])
+                t[2] = now
+                if event.finished and len(event.request.tokens) > 1:
+                    m.tpot.observe((t[2] - t[1]) / (len(event.request.tokens) - 1))
+            m.waiting, m.running = len(self.engine.scheduler.waiting), len(self.engine.scheduler.running)
+            m.kv_usage = self.engine.kv_usage

@@ -1,0 +1,93 @@
+"""Plain unit tests of serving's host logic: the scheduler's admission rules, stop strings, percentiles."""
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from optimized.benchmarks.serve_bench import percentile
+from optimized.executor.scheduler import Request, Scheduler
+from optimized.serving.text import TextStream
+
+
+@given(lens=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=8),
+       batch=st.integers(1, 4), budget=st.sampled_from([0, 16, 48]), blocks=st.integers(4, 12))
+def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budget, blocks):
+    s = Scheduler(batch, budget, 16, blocks)
+    requests = []
+    for i, (p, n) in enumerate(lens):
+        r = Request(f"r{i}", [1] * p, n)
+        try:
+            s.add(r)
+            requests.append(r)
+        except ValueError:      # can never fit: refused at once, never queued
+            assert (budget and p > budget) or s.blocks_needed(r) > blocks
+    free, order, steps = blocks, [], 0
+    while not s.idle:
+        step = s.schedule(free)
+        steps += 1
+        assert steps < 1000
+        if step.kind == "prefill":
+            assert len(s.running) <= batch
+            assert not budget or sum(len(r.prompt) for r in step.requests) <= budget
+            need = sum(s.blocks_needed(r) for r in step.requests)
+            assert need <= free
+            free -= need
+            order += [r.request_id for r in step.requests]
+        else:
+            assert step.kind == "decode" and step.requests   # nothing admissible: decode, then finish one
+            done = step.requests[0]
+            s.remove(done)
+            free += s.blocks_needed(done)
+    assert order == [r.request_id for r in requests]   # first come, first served
+
+
+def test_text_stream_stops_and_holds_back_partial_stops():
+    class Chars:   # one character per id
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+    t = TextStream(Chars(), ["XY"])
+    out = [t.add(ord(c), False) for c in "abX"]
+    assert out == ["a", "b", ""] and not t.stopped          # "X" may start the stop string: held back
+    assert t.add(ord("Y"), False) == "" and t.stopped      # the stop string itself is never sent
+    t = TextStream(Chars(), ["XY"])
+    assert "".join(t.add(ord(c), i == 3) for i, c in enumerate("abXc")) == "abXc" and not t.stopped
+
+
+def test_percentile_interpolates():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_max_prefill_tokens_is_a_non_negative_int():
+    import pytest
+    from optimized.config import ConfigError, InferenceConfig
+    assert InferenceConfig.from_dict({}).scheduler_config.max_prefill_tokens == 0
+    assert InferenceConfig.from_dict({"scheduler_config": {"max_prefill_tokens": 512}}).scheduler_config \
+        .max_prefill_tokens == 512
+    for bad in (-1, 1.5, "x"):
+        with pytest.raises(ConfigError) as e:
+            InferenceConfig.from_dict({"scheduler_config": {"max_prefill_tokens": bad}})
+        assert [k for k, _ in e.value.errors] == ["scheduler_config.max_prefill_tokens"]
+
+
+def _serve_error(argv, capsys) -> str:
+    import pytest
+    from optimized.cli.main import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_serve_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert "not found" in _serve_error(["--config", str(tmp_path / "none.yaml")], capsys)
+    cfg = tmp_path / "dp.yaml"
+    cfg.write_text("model_config: {model_path: 'fixture:tiny'}\nparallel_config: {world_size: 2, attn_tp_size: 2, "
+                   "moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2}\n")
+    err = _serve_error(["--config", str(cfg)], capsys)
+    assert "parallel_config.world_size is 2" in err and "torchrun" in err
+    assert "--port=70000" in _serve_error(["--config", str(cfg), "--port", "70000"], capsys)
