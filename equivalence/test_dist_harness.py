@@ -178,11 +178,11 @@ def test_layout_ranks_match_definitions(layout):
 
 
 def test_moe_groups_cross_into_a_grid():
-    lay = comm.layout_ranks(ParallelConfig(world_size=8, moe_tp_size=2, moe_ep_size=4))
+    lay = comm.layout_ranks(ParallelConfig(world_size=8, moe_tp_size=2, moe_ep_size=4, attn_dp=False))
     assert lay["moe_tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert lay["moe_ep"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     with pytest.raises(ConfigError, match="moe_ep_size"):
-        comm.layout_ranks(ParallelConfig(world_size=8, moe_tp_size=2, moe_ep_size=2))
+        comm.layout_ranks(ParallelConfig(world_size=8, moe_tp_size=2, moe_ep_size=2, attn_dp=False))
 
 
 def test_single_process_needs_no_distributed():
@@ -405,7 +405,8 @@ def test_group_registry():
 
 
 def _registry_task(rank, world_size):
-    state = comm.ParallelState.build(world_size=world_size, moe_tp_size=2, moe_ep_size=world_size // 2)
+    state = comm.ParallelState.build(world_size=world_size, moe_tp_size=2, moe_ep_size=world_size // 2,
+                                     attn_dp=False)
     name = comm.comm_name(state.moe_ep.group)
     pg = comm.group_by_name(name)
     x = torch.tensor([float(rank)])

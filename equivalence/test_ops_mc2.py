@@ -72,7 +72,8 @@ def _mc2_task(rank, world, case, moe_tp=1):
     elif moe_tp == 1:
         group, ep_rank = dist.group.WORLD, rank
     else:
-        state = comm.ParallelState.build(world_size=world, moe_tp_size=moe_tp, moe_ep_size=world // moe_tp)
+        state = comm.ParallelState.build(world_size=world, moe_tp_size=moe_tp, moe_ep_size=world // moe_tp,
+                                         attn_dp=False)
         group, ep_rank = state.moe_ep.group, state.moe_ep.rank
     w, e, gbs = world // moe_tp, case["E"], case["global_bs"]
     name = comm.comm_name(group)

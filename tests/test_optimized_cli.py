@@ -183,7 +183,7 @@ def test_bad_config_contents_and_graph_mode(tmp_path, capsys):
     graph = tmp_path / "graph.yaml"
     graph.write_text("model_config:\n  model_path: fixture:tiny\n  exe_mode: graph\n")
     err = run_error(["generate", "--config", str(graph)], capsys)
-    assert "model_config.exe_mode: must be one of eager, ge_graph, acl_graph; got 'graph'" in err
+    assert "model_config.exe_mode: must be one of eager, ge_graph, acl_graph, npugraph_ex; got 'graph'" in err
 
 
 def test_graph_config_with_a_bad_case_name_is_a_usage_error(monkeypatch, capsys):
