@@ -349,11 +349,11 @@ class ParallelConfig:
         if self.attn_dp is None and _is_int(w) and _is_int(a) and a > 0:
             self.attn_dp = a < w
             derived.add("attn_dp")
-        object.__setattr__(self, "_derived", frozenset(derived))   # not a field: not compared, not written out
+        object.__setattr__(self, "_derived", ",".join(sorted(derived)))   # not a field; a str: JSON round-trips
 
     def derived(self, key: str) -> bool:
         """Whether `key` was derived (left out of the config) rather than set."""
-        return key in getattr(self, "_derived", ())
+        return key in getattr(self, "_derived", "").split(",")
 
     @property
     def attn_dp_size(self) -> int:

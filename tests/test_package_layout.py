@@ -21,7 +21,7 @@ FLOORS = [
     ("optimized.layers",),
     ("optimized.phases",),
     ("optimized.model",),
-    ("optimized.model_loader",),
+    ("optimized.model_loader", "optimized.datasets"),
     ("optimized.executor",),
     ("optimized.serving",),
     ("optimized.benchmarks",),
