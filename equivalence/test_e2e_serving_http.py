@@ -196,18 +196,28 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert httpx.get(url + "/health", timeout=TIMEOUT_S).json() == {"status": "ok"}
 
 
-def test_client_disconnect_frees_its_blocks_and_metrics_report(server):
+def test_client_disconnect_frees_its_blocks_and_metrics_report(server, monkeypatch):
     url, engine, _, _ = server
+    held = []                                   # free blocks after each engine step while the request streams
+    step = engine.step
+
+    def slow_step():                            # slowed so the client disconnects long before the 100th token
+        out = step()
+        held.append(engine.cache.free_blocks)
+        time.sleep(0.02)
+        return out
+    monkeypatch.setattr(engine, "step", slow_step)
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 100, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT_S) as resp:
         assert resp.status_code == 200
         next(resp.iter_lines())                 # the first token arrived: the request holds blocks
-        assert engine.cache.free_blocks < engine.cache.num_blocks - 1
+        assert held and min(held) < engine.cache.num_blocks - 1, f"free blocks per step {held}"
     deadline = time.monotonic() + TIMEOUT_S
     while engine.cache.free_blocks != engine.cache.num_blocks - 1:
         assert time.monotonic() < deadline, "the aborted request kept its KV blocks"
         time.sleep(0.05)
+    assert len(held) < 100, f"the request ran all {len(held)} steps: the disconnect did not abort it"
     text = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text
     for name in ("qwen3_moe_time_to_first_token_seconds_count", "qwen3_moe_time_per_output_token_seconds_count",
                  "qwen3_moe_requests_waiting", "qwen3_moe_kv_cache_usage_ratio", 'reason="abort"'):
