@@ -1,6 +1,7 @@
 """Attention data parallel (`parallel_config.attn_dp`: the batch split over attn_dp_size = world / attn_tp DP groups,
 all-gather before merged_qkv_proj and reduce-scatter after o_proj inside each DP group, MoE expert parallel over
-every rank, logits gathered once after lm_head) equals the reference, over real gloo ranks.
+every rank, lm_head over each DP group's tokens gathered inside its attention TP group, the chosen ids shared)
+equals the reference, over real gloo ranks.
 
 Layouts: world 4 as attention TP 2 x DP 2 (EP 4), world 8 as TP 4 x DP 2 (KV heads replicated) and TP 2 x DP 4 (EP 8),
 TP 2 x DP 2 with a vocab-parallel embedding inside each DP group and an lm_head vocab-parallel over all four ranks,
@@ -164,8 +165,8 @@ def _non_finite_task(rank, world, path, lay, prompts):
     def nan_for_request_1_at_decode_step_2(ids, meta, caches, *a, **kw):
         logits = forward(ids, meta, caches, *a, **kw)
         calls.append(meta.is_prefill)
-        if calls.count(False) == 2:
-            logits[1, 7] = float("nan")        # every rank holds every group's logits: request 1's row
+        if calls.count(False) == 2 and model.groups.dp_rank == 0:
+            logits[1, 7] = float("nan")        # DP group 0's ranks hold its logits: request 1's row
         return logits
 
     model.forward = nan_for_request_1_at_decode_step_2

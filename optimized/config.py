@@ -21,7 +21,8 @@ parallel_config:     # how to shard it (every *_size divides world_size)
   world_size: 1
   attn_tp_size: 1               # attention tensor parallel (contiguous ranks)
   moe_tp_size: 1                # MoE (and dense MLP) tensor parallel (contiguous ranks)
-  moe_ep_size: 1                # MoE expert parallel (strided ranks); moe_tp_size * moe_ep_size == world_size
+  moe_ep_size: null             # MoE expert parallel (strided ranks); moe_tp_size * moe_ep_size == world_size;
+                                # null: world_size / moe_tp_size (as the recipe derives it)
   embed_tp_size: 1              # vocab-parallel embedding (contiguous ranks)
   lmhead_tp_size: 1             # vocab-parallel lm_head (contiguous ranks)
   collective_timeout_s: 120     # a collective waiting longer fails, naming this key (env override:
@@ -30,11 +31,12 @@ parallel_config:     # how to shard it (every *_size divides world_size)
                                 # attn_tp_size == moe_ep_size == world_size > 1 (needs moe_tp_size 1)
   moe_ep_scheme: auto           # MoE EP of the SP prefill: auto | allgather | alltoall (double routing);
                                 # auto: allgather when top_k >= moe_ep_size (optimized/distributed/prefill_plan.py)
-  attn_dp: false                # attention data parallel (the recipe's attn_tp_size < world_size layouts):
+  attn_dp: null                 # attention data parallel (the recipe's attn_tp_size < world_size layouts):
                                 # attn_dp_size = world_size / attn_tp_size groups of attn_tp_size ranks, each with
                                 # its share of the batch; needs moe_tp_size 1 (MoE EP over every rank), embed_tp_size
-                                # dividing attn_tp_size, exe_mode eager, batch_size a multiple of attn_dp_size;
-                                # false: every attention TP group runs the whole batch (replicated attention)
+                                # dividing attn_tp_size, batch_size a multiple of attn_dp_size;
+                                # null: on whenever attn_tp_size < world_size (the recipe's rule); false: every
+                                # attention TP group runs the whole batch (replicated attention)
 scheduler_config:    # how to schedule it
   batch_size: 1
   max_new_tokens: 32
@@ -553,16 +555,12 @@ class InferenceConfig:
         return cfg
 
     def _check_attn_dp_batch(self, errors: list[tuple[str, str]]) -> None:
-        """Rules across sections for attention DP: the batch splits evenly over the DP groups (the recipe's rule),
-        and decode runs eagerly (a compiled step would see each DP group's changing batch)."""
-        p, s, m = self.parallel_config, self.scheduler_config, self.model_config
+        """Rules across sections for attention DP: the batch splits evenly over the DP groups (the recipe's rule)."""
+        p, s = self.parallel_config, self.scheduler_config
         dp = p.attn_dp_size
         if dp > 1 and s.batch_size % dp:
             errors.append(("scheduler_config.batch_size", f"({s.batch_size}) must be a multiple of attn_dp_size = "
                                                           f"world_size / attn_tp_size = {dp} (parallel_config.attn_dp)"))
-        if dp > 1 and m.exe_mode != "eager":
-            errors.append(("model_config.exe_mode", f"must be eager with parallel_config.attn_dp (got {m.exe_mode!r}): "
-                                                    f"graph-mode decode under attention DP is not implemented"))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "InferenceConfig":

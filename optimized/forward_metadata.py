@@ -8,16 +8,17 @@ import torch
 
 @dataclass(frozen=True)
 class DataParallelBatch:
-    """Host data of one attention-DP step, the same on every rank (the runner knows every DP group's requests).
+    """Host data of one attention-DP step, the same on every rank (the runner knows every DP group's request counts).
 
     DP group d runs `tokens[d]` packed tokens this step; each of its `tp_size` attention TP ranks holds `rows` of them
     (rank i: tokens [i*rows, (i+1)*rows), past tokens[d] padding), `rows` the same on every rank of the job so every
-    collective and MC2 exchange sees equal shapes. `selected[d]`: the group's token indices whose logits the step
-    returns, ascending (None: every token, i.e. decode).
+    collective and MC2 exchange sees equal shapes. `picks[d]`: how many of group d's tokens the step returns logits
+    for (its `logits_indices`; None: every token, i.e. decode). Only sizes: a graph-mode decode step pads every group
+    to its bucket, so this is constant per captured graph.
     """
     tokens: tuple[int, ...]
     tp_size: int
-    selected: tuple[tuple[int, ...], ...] | None = None
+    picks: tuple[int, ...] | None = None
 
     @property
     def rows(self) -> int:
@@ -27,11 +28,9 @@ class DataParallelBatch:
         """Real tokens among the rows of TP rank `tp_rank` of DP group `group`."""
         return min(max(self.tokens[group] - tp_rank * self.rows, 0), self.rows)
 
-    def picked(self, group: int, tp_rank: int) -> list[int]:
-        """Offsets, within that rank's rows, of the tokens whose logits are wanted."""
-        n, start = self.rows, tp_rank * self.rows
-        wanted = range(self.tokens[group]) if self.selected is None else self.selected[group]
-        return [t - start for t in wanted if start <= t < start + n]
+    def picked(self, group: int) -> int:
+        """Logits rows DP group `group` returns."""
+        return self.tokens[group] if self.picks is None else self.picks[group]
 
 
 @dataclass

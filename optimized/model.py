@@ -110,7 +110,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] packed -> logits [T, V] (or only at `logits_indices`). Under attention DP: this rank's DP
-        group's tokens in, every DP group's selected logits out (`phases.DataParallelPhase.logits`)."""
+        group's tokens in, that group's logits out (`phases.DataParallelPhase.logits`)."""
         max_pos, vocab = self.config.max_position_embeddings, self.config.vocab_size
         # Checked without reading the device (eager launches never wait on it): the positions on the host lists the
         # step carries, the ids' dtype on the tensor's metadata, their values only where they already are host data
@@ -129,7 +129,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         cos, sin = self.rotary(meta.positions)
         phase = self.prefill if meta.is_prefill else self.decode
         hidden = phase.run(self, input_ids, cos, sin, meta, kv_caches)        # [T, H], final-normed
-        return phase.logits(self, hidden, logits_indices, meta)              # lm_head (attention DP: gathered)
+        return phase.logits(self, hidden, logits_indices, meta)              # lm_head (attention DP: the DP group's)
 
 
 def rope_cos_sin_cache(config) -> torch.Tensor:

@@ -31,8 +31,8 @@ and names no layout.
   Embedding per DP group; attention all-gathers the group's tokens before merged_qkv_proj and reduce-scatters the
   row-parallel o_proj's partial sums back to each rank's rows; the MoE reaches its experts over the whole EP group
   with each rank's own rows (decode: MC2 with the padding masked out, `own_rows`; prefill: double routing, the
-  recipe's path B); the final hidden states go through lm_head on their own rank and the selected logits of every
-  DP group are gathered once over the job, so every rank samples the same tokens and stays in lockstep.
+  recipe's path B); the final hidden states are gathered over the DP group's attention TP ranks for lm_head, and
+  each DP group samples its own requests: the runner shares only the chosen ids, which keep every rank in lockstep.
 
 Phases and steps hold only exchanges (sizes and process groups), never a module: the model is passed to `run`.
 """
@@ -146,11 +146,14 @@ class MxSequenceParallelStep(SequenceParallelStep):
 class DataParallelStep(TensorParallelStep):
     """Attention DP: this rank's `rows` of its DP group's tokens; attention over the group, MoE over every rank."""
 
-    def __init__(self, exchange, masks_padding: bool):
+    def __init__(self, exchange, masks_padding: bool, active: int = 0):
         # masks_padding: the exchange takes every row and masks the padding (MC2 `own_rows`); otherwise it is given
-        # the real rows only (double routing).
-        self.exchange, self.masks_padding = exchange, masks_padding
-        self.active = 0          # real rows of this rank in the current step (set by DataParallelPhase.run)
+        # the real rows only (double routing). active: real rows of this rank in the step (`for_step`).
+        self.exchange, self.masks_padding, self.active = exchange, masks_padding, active
+
+    def for_step(self, active: int) -> "DataParallelStep":
+        """This step's copy, knowing its real rows (a new object per step: nothing mutable a graph would bake in)."""
+        return DataParallelStep(self.exchange, self.masks_padding, active)
 
     def attention(self, attn, x, cos, sin, meta, kv_cache, atten_mask):
         """This rank's rows [n, H] -> [n, H]; cos / sin and `meta` describe the DP group's T real tokens."""
@@ -218,7 +221,7 @@ class SequenceParallelPrefill(TensorParallelPhase):
 
 
 class DataParallelPhase(TensorParallelPhase):
-    """Attention DP: ids [T] of this rank's DP group -> its rows [n, H]; `logits` returns every DP group's."""
+    """Attention DP: ids [T] of this rank's DP group -> its rows [n, H]; `logits` returns the DP group's."""
 
     def __init__(self, step: DataParallelStep):
         self.step = step
@@ -228,35 +231,36 @@ class DataParallelPhase(TensorParallelPhase):
         if dp is None:
             raise ValueError("attention DP needs ForwardMetadata.dp (every DP group's sizes; ModelRunner sets it)")
         n, tokens = dp.rows, input_ids.shape[0]
-        self.step.active = dp.active(model.groups.dp_rank, tp.rank)
+        step = self.step.for_step(dp.active(model.groups.dp_rank, tp.rank))
         ids = F.pad(input_ids, (0, n * tp.size - tokens))                         # [P*n], padded with id 0
         mine = slice(tp.rank * n, (tp.rank + 1) * n)
         # The embedding group lies inside the DP group (config rule): its ranks look up the same ids.
         hidden = model.embed_tokens(ids[mine]) if model.groups.embed_tp.size == 1 else model.embed_tokens(ids)[mine]
         residual = None
         for layer, kv_cache in zip(model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, self.step)
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, step)
         return model.norm(hidden, residual)[0]                                    # [n, H] this rank's rows
 
     def logits(self, model, hidden, logits_indices, meta) -> torch.Tensor:
-        """-> logits [sum_d |selected[d]|, V]: every DP group's selected tokens, group by group, ascending; computed
-        by lm_head on the rank that holds the token, then gathered once over the job."""
+        """This rank's rows [n, H] -> logits [k, V] of its DP group's tokens at `logits_indices` (indices into the
+        group's packed tokens; None: every token), the same on every rank of the group. As the recipe does: the rows
+        are gathered over the attention TP group only, and each DP group samples its own requests (the runner shares
+        the chosen ids, not logits)."""
+        g, dp = model.groups, meta.dp
+        tp, tokens = g.attn_tp, meta.num_tokens
+        rows = comm.all_gather(hidden, tp.group)[:tokens] if tp.size > 1 else hidden[:tokens]   # [T, H]
         if logits_indices is not None:
-            raise ValueError("under attention DP the selected tokens come from ForwardMetadata.dp.selected")
-        dp, a, g = meta.dp, model.groups.attn_tp.size, model.groups
-        counts = [len(dp.picked(r // a, r % a)) for r in range(g.world_size)]      # host: every rank's share
-        picked = dp.picked(g.dp_rank, g.attn_tp.rank)
-        rows = hidden[torch.tensor(picked, dtype=torch.long, device=hidden.device)]   # [k, H]
+            rows = rows[logits_indices]                                           # [k, H]
         lm = g.lmhead_tp
-        if lm.size > 1:   # a vocab-parallel lm_head computes the same rows on its whole group
-            first = g.rank - lm.rank
-            sizes = counts[first:first + lm.size]
-            logits = model.lm_head(comm.all_gather(rows, lm.group, sizes=sizes))
-            start = sum(sizes[:lm.rank])
-            logits = logits[start:start + len(picked)]
-        else:
-            logits = model.lm_head(rows)
-        return comm.all_gather(logits, g.world.group, sizes=counts)             # [sum k, V], rank order
+        if tp.size % lm.size == 0:   # the lm_head group lies inside the DP group (contiguous, nested): same rows
+            return model.lm_head(rows)
+        # A vocab-parallel lm_head spanning DP groups computes its members' rows together (each DP group's rows
+        # once per member rank), then each rank keeps its own.
+        first = g.rank - lm.rank
+        sizes = [dp.picked((first + i) // tp.size) for i in range(lm.size)]       # host: every member's rows
+        logits = model.lm_head(comm.all_gather(rows, lm.group, sizes=sizes))
+        start = sum(sizes[:lm.rank])
+        return logits[start:start + sizes[lm.rank]]
 
 
 def uses_mx_prefill(config, parallel) -> bool:

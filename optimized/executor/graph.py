@@ -17,6 +17,11 @@ and inductor re-inplaces it on the cache inputs, so the compiled step writes onl
 of a layer's cache: decode cost does not depend on the KV pool size (equivalence/test_graph.py checks the
 generated code and the bytes a step allocates at two pool sizes).
 
+Attention DP (the recipe's DP + MC2 decode in ge_graph): each DP group pads its own requests to the bucket of the
+largest group's batch (the host sizes every rank knows, `ForwardMetadata.dp`), so every rank runs the same captured
+shapes and the step's DP sizes (`DataParallelBatch`, every group `bucket` rows) follow from the static batch alone:
+no per-step Python state enters the graph. The padding rows are real rows to MC2 (routed, computed, dropped).
+
 Padding: a padded slot decodes token 0 at position 0 with KV length 2, writing its K/V to slot 0 of the
 null block 0 (never handed to a request) and reading only that block's slots 0 and 1; its logits are dropped.
 So padding never touches a real request's cache. The length is 2, not 1, because the compiler specializes a
@@ -50,7 +55,7 @@ from torch import nn
 from optimized import platform
 from optimized.executor.compile_cache import CompileCache, cache_key
 from optimized.config import GRAPH_MODES
-from optimized.forward_metadata import ForwardMetadata
+from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
 from optimized.ops import registry
 from optimized.executor.kv_cache import NULL_BLOCK
 
@@ -102,12 +107,17 @@ class DecodeStep(nn.Module):
     def __init__(self, model, block_size: int):
         super().__init__()
         self.model, self.block_size = model, block_size
+        parallel = model.groups.parallel
+        self.dp_groups, self.attn_tp_size = parallel.attn_dp_size, model.groups.attn_tp.size
 
     def forward(self, input_ids, positions, slot_mapping, block_table, kv_lens: list[int], kv_caches):
         batch = input_ids.shape[0]
+        # Attention DP: every DP group runs the same bucket (GraphDecoder pads each to it), so the step's DP sizes
+        # follow from the static batch alone.
+        dp = DataParallelBatch((batch,) * self.dp_groups, self.attn_tp_size) if self.dp_groups > 1 else None
         meta = ForwardMetadata(is_prefill=False, positions=positions,
                                actual_seq_lengths_cu_q=list(range(1, batch + 1)), actual_seq_lengths_kv=kv_lens,
-                               slot_mapping=slot_mapping, block_table=block_table, block_size=self.block_size)
+                               slot_mapping=slot_mapping, block_table=block_table, block_size=self.block_size, dp=dp)
         return self.model(input_ids, meta, kv_caches)
 
 
@@ -151,7 +161,8 @@ class GraphDecoder:
         if meta.is_prefill:
             raise ValueError("GraphDecoder runs decode steps only (prefill stays eager)")
         batch = input_ids.shape[0]
-        bucket = batch_bucket(batch, self.buckets)
+        # Under attention DP every DP group steps together: all pad to the bucket of the largest group's batch.
+        bucket = batch_bucket(batch if meta.dp is None else max(meta.dp.tokens), self.buckets)
         if bucket != batch:
             self.padding[batch] = bucket
         kv_lens = list(meta.actual_seq_lengths_kv)

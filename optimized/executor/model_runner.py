@@ -7,6 +7,7 @@ Timings are measured per phase with a device sync, so they are honest on asynchr
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 import secrets
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from optimized.distributed import collectives as comm
 from optimized.executor import graph
 from optimized.platform import synchronize
 from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
@@ -111,9 +113,6 @@ class ModelRunner:
         # runs in its own, smaller captured bucket).
         groups = model.groups
         self.dp_size, self.dp_rank, self.attn_tp_size = groups.parallel.attn_dp_size, groups.dp_rank, groups.attn_tp.size
-        if self.dp_size > 1 and exe_mode != "eager":
-            raise ValueError(f"exe_mode={exe_mode!r}: graph-mode decode under attention DP is not implemented; "
-                             f"use exe_mode 'eager' (or attn_dp false)")
         self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
         config = model.config
         attn = model.layers[0].self_attn
@@ -204,9 +203,11 @@ class ModelRunner:
     def _generate_dp(self, prompts, max_new_tokens, sampling, eos, positions, return_logits) -> GenerationResult:
         """`generate` under attention DP. DP group d runs requests [d*m, (d+1)*m), m = ceil(B / D) (the batch padded
         with one-token dummy requests, whose results are dropped), with a paged KV cache of its own requests only.
-        Every rank knows every request (host lists) and samples every DP group's tokens from the gathered logits,
-        so all ranks take the same decisions: a group whose requests have all finished keeps stepping its first
-        request (results dropped) until every group is done, as the MoE exchanges need every rank in each step."""
+        As in the recipe, each DP group's ranks compute its logits and sample its requests; the chosen ids (with the
+        non-finite flag they carry) are then shared over the job (`_share`), so every rank knows every request's
+        tokens and takes the same decisions: a group whose requests have all finished keeps stepping its first
+        request (results dropped) until every group is done, as the MoE exchanges need every rank in each step.
+        Logits cross DP groups only when the caller asks for them (prompt positions, return_logits)."""
         batch, groups_n = len(prompts), self.dp_size
         per = -(-batch // groups_n)
         requests = prompts + [[0]] * (groups_n * per - batch)                    # dummies pad the batch
@@ -228,44 +229,34 @@ class ModelRunner:
         result = GenerationResult(tokens=[[] for _ in prompts], finish_reasons=["length"] * batch,
                                   logits=[[] for _ in prompts] if return_logits else None)
 
-        # Prefill: every group's last token of each request, plus the asked prompt positions of real requests.
-        offsets = {}
-        selected = []
-        for members in groups:
-            off, picks = 0, set()
-            for r in members:
-                offsets[r] = off
-                picks.add(off + lengths[r] - 1)
-                if positions is not None and r < batch:
-                    picks.update(off + j for j in positions[r])
-                off += lengths[r]
-            selected.append(sorted(picks))
-        row_of, k = {}, 0                                                          # (group, token) -> logits row
-        for d, picks in enumerate(selected):
-            for t in picks:
-                row_of[(d, t)] = k
-                k += 1
+        # Prefill: the logits of each request's last token, after those of its asked prompt positions (real ones).
+        asked = [positions[r] if positions is not None and r < batch else [] for r in range(len(requests))]
+        picks = tuple(sum(len(asked[r]) + 1 for r in g) for g in groups)
+        offsets = [sum(lengths[r] for r in mine[:j]) for j in range(len(mine))]
+        wanted = [offsets[j] + i for j, r in enumerate(mine) for i in [*asked[r], lengths[r] - 1]]
         start = self.clock()
         ids, meta, _ = self.prefill_inputs([requests[r] for r in mine], table)
-        meta.dp = DataParallelBatch(tuple(sum(lengths[r] for r in g) for g in groups), self.attn_tp_size,
-                                    tuple(map(tuple, selected)))
-        logits = self.model(ids, meta, cache.layers)
-        group_of = {r: d for d, g in enumerate(groups) for r in g}
-        if positions is not None:
-            host = logits.float().cpu()
-            result.prompt_logits = [host[[row_of[(group_of[r], offsets[r] + j)] for j in positions[r]]]
-                                    for r in range(batch)]
-        last = [row_of[(group_of[r], offsets[r] + lengths[r] - 1)] for r in range(len(requests))]
-        logits = logits[torch.tensor(last, device=logits.device)]                 # [R, V] in request order
-        order = list(range(len(requests)))
-        next_ids = _choose(sampler, logits, order)
+        meta.dp = DataParallelBatch(tuple(sum(lengths[r] for r in g) for g in groups), self.attn_tp_size, picks)
+        logits = self.model(ids, meta, cache.layers,
+                            logits_indices=torch.tensor(wanted, dtype=torch.long, device=self.device))
+        ends = list(itertools.accumulate(len(asked[r]) + 1 for r in mine))    # each request's rows end with its last
+        own = logits[torch.tensor([e - 1 for e in ends], device=self.device)]    # [per, V] this group's requests
+        next_ids = self._share(_choose(sampler, own, mine), [len(g) for g in groups])
+        if positions is not None or return_logits:
+            every = self._share(logits, list(picks)).float().cpu()               # asked for: logits cross groups
+            rows = iter(every.split([len(asked[r]) + 1 for r in range(len(requests))]))
+            per_request = [next(rows) for _ in requests]
+            if positions is not None:
+                result.prompt_logits = [per_request[r][:-1] for r in range(batch)]
+            logits = torch.stack([rows_r[-1] for rows_r in per_request])
         synchronize(self.device)
         result.prefill_seconds = self.clock() - start
 
+        order = list(range(len(requests)))
         running = set(range(batch))
         next_token = {}
         while True:
-            for row, (request, token) in enumerate(zip(order, next_ids.tolist())):
+            for row, (request, token) in enumerate(zip(order, next_ids.tolist())):   # the step's one host read
                 next_token[request] = max(token, 0)   # a dropped row's non-finite logits (-1): any id keeps it going
                 if request not in running:                                        # a dummy or a keep-alive row
                     continue
@@ -281,9 +272,13 @@ class ModelRunner:
             meta = self.decode_metadata([lengths[r] for r in rows],
                                         table[torch.tensor([mine.index(r) for r in rows], device=self.device)])
             meta.dp = DataParallelBatch(tuple(len(g) for g in step), self.attn_tp_size)
-            logits = self.model(torch.tensor([next_token[r] for r in rows], device=self.device), meta, cache.layers)
+            logits = self.decode_forward(torch.tensor([next_token[r] for r in rows], device=self.device), meta,
+                                         cache.layers)                            # [len(rows), V] this group's
+            counts = [len(g) for g in step]
+            next_ids = self._share(_choose(sampler, logits, rows), counts)
+            if return_logits:
+                logits = self._share(logits, counts)
             order = [r for g in step for r in g]
-            next_ids = _choose(sampler, logits, order)
             synchronize(self.device)
             result.decode_seconds.append(self.clock() - start)
             for r in order:
@@ -291,6 +286,11 @@ class ModelRunner:
         if return_logits:
             result.logits = [torch.stack(rows) for rows in result.logits]
         return result
+
+    def _share(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every DP group's rows of `x`, group by group: gathered over the attention DP group
+        (one rank per DP group, the ranks of equal attention TP rank); `counts[d]`: group d's rows."""
+        return comm.all_gather(x, self.model.groups.attn_dp.group, sizes=counts)
 
     def _prefill_groups(self, prompts) -> list[list[int]]:
         """Consecutive groups of requests, each packing at most max_prefill_tokens prompt tokens (FIFO, the
