@@ -10,8 +10,9 @@ tensors whose device is `npu:0` while their values live in a CPU tensor undernea
 - runs the call on the CPU values, so the model computes real numbers (bitwise those of a CPU run);
 - places factory calls (`torch.zeros(..., device=...)`, also under `with torch.device("npu")`) and copies
   (`.to("npu")`) on the fake device, and counts device -> host reads (`.item()`, `int(t)`, `.tolist()`,
-  `.cpu()` / `.to("cpu")`): `host_reads` lists them, `transfers` the host -> device copies (`copy_` between
-  devices, the one operator allowed two devices: weight loading copies host values into device parameters;
+  `.cpu()` / `.to("cpu")`): `host_reads` lists them, each naming the model's line that made it; `transfers`
+  the host -> device copies, named the same way (`copy_` between devices, the one operator allowed two
+  devices: weight loading copies host values into device parameters;
   `.to("npu")` of a host tensor; `torch.tensor(data, device="npu")`, which runs below any dispatch mode and is
   counted by the backend's own `_copy_from`); `ops` counts every operator call by name;
 - runs the collectives (the `c10d` operators `torch.distributed` issues, e.g. all_gather_into_tensor /
@@ -30,12 +31,28 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 DEVICE_TYPE = "npu"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _origin() -> str:
+    """Where the model's code made the current call: the innermost frame outside torch and this module, as
+    `path:line` from the repository root (host reads and transfers name it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_TORCH) and path != os.path.abspath(__file__):
+            return f"{os.path.relpath(path, _ROOT) if path.startswith(_ROOT) else path}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 class DeviceMismatch(RuntimeError):
@@ -104,7 +121,7 @@ def _register_backend_kernels() -> None:
             for mode in _ACTIVE:
                 (mode.transfers if to_device else mode.host_reads).append(
                     f"aten._copy_from ({'host -> device' if to_device else 'device -> host'}, "
-                    f"{tuple(src.shape)} {src.dtype})")
+                    f"{tuple(src.shape)} {src.dtype}) at {_origin()}")
         host_dst.copy_(host_src)
         return dst
 
@@ -127,7 +144,7 @@ class DeviceTensor(torch.Tensor):
     def tolist(self):
         """A device -> host read (torch refuses .tolist() on wrapper subclasses: read the values here)."""
         for mode in _ACTIVE:
-            mode.host_reads.append("tolist")
+            mode.host_reads.append(f"tolist at {_origin()}")
         return self.host.tolist()
 
     def __repr__(self) -> str:
@@ -186,7 +203,7 @@ class DeviceDiscipline(TorchDispatchMode):
         if func in _TRANSFERS and len(devices) > 1:                   # an explicit copy between devices
             onto = isinstance(args[0], DeviceTensor)
             (self.transfers if onto else self.host_reads).append(
-                f"{func} ({'host -> device' if onto else 'device -> host'}, {_describe(args[1:2], {})})")
+                f"{func} ({'host -> device' if onto else 'device -> host'}, {_describe(args[1:2], {})}) at {_origin()}")
             return _rewrap(func(*_unwrap(args), **_unwrap(kwargs)), args, _unwrap(args))
         if len(devices) > 1:
             raise DeviceMismatch(f"{func} received tensors on {sorted(map(str, devices))}: "
@@ -200,10 +217,10 @@ class DeviceDiscipline(TorchDispatchMode):
             return args[0]
         target = kwargs.get("device")
         if func is torch.ops.aten._local_scalar_dense.default and on_fake:
-            self.host_reads.append(str(func))
+            self.host_reads.append(f"{func} at {_origin()}")
         if _is_fake(target):                                          # a factory or a copy onto the device
             if devices:                                               # .to("npu") of a host tensor
-                self.transfers.append(f"{func} (host -> device, {_describe(args, kwargs)})")
+                self.transfers.append(f"{func} (host -> device, {_describe(args, kwargs)}) at {_origin()}")
             kwargs = {**kwargs, "device": torch.device("cpu")}
             return tree_map(_wrap, func(*_unwrap(args), **_unwrap(kwargs)))
         if not on_fake:                                               # host work (e.g. building metadata)
@@ -212,7 +229,7 @@ class DeviceDiscipline(TorchDispatchMode):
         out = func(*host_args, **host_kwargs)
         if target is not None:                                        # .to("cpu"): leaves the device
             if func is torch.ops.aten._to_copy.default:
-                self.host_reads.append(f"{func} (device -> host, {_describe(args, kwargs)})")
+                self.host_reads.append(f"{func} (device -> host, {_describe(args, kwargs)}) at {_origin()}")
             return out
         if func is torch.ops.aten._local_scalar_dense.default:
             return out

@@ -100,7 +100,7 @@ def one_step(model, prompts, decode: bool) -> Step:
 
 def assert_no_reads_nor_transfers(step: Step, what: str) -> None:
     assert isinstance(step.logits, DeviceTensor) and step.logits.device == fake_npu(), what
-    assert not step.reads, f"{what}: the forward step read the device from the host {len(step.reads)} times: {step.reads}"
+    assert not step.reads, f"{what}: the forward step read the device {len(step.reads)} times: {step.reads}"
     assert not step.transfers, f"{what}: the forward step copied host data onto the device: {step.transfers}"
 
 
@@ -152,7 +152,7 @@ def test_mc2_decode_on_a_non_cpu_device_generates_what_the_cpu_model_generates(d
     want_tokens, want_logits = generate(host_model, prompts)
     steps = (NEW_TOKENS - 1) * tiny_config("tiny").num_hidden_layers
     assert mode.ops[DISPATCH] == mode.ops[COMBINE] == steps, \
-        f"{steps} MC2 exchanges expected (every decode step, every MoE layer): {mode.ops[DISPATCH]}, {mode.ops[COMBINE]}"
+        f"{steps} MC2 exchanges expected (each decode step, each MoE layer): {mode.ops[DISPATCH]}, {mode.ops[COMBINE]}"
     assert tokens == want_tokens, f"MC2 decode on {fake_npu()}: tokens {tokens} != the CPU run's {want_tokens}"
     assert torch.equal(logits, want_logits), f"MC2 decode on {fake_npu()}: logits differ from the CPU run's"
 
