@@ -7,12 +7,19 @@ every operator call checked to take tensors of one device). Single process, each
   tokens and logits of the same run on the CPU (drawn prompt batches);
 - one forward step (prefill or decode) reads nothing back from the device and copies nothing onto it:
   the step's host data (sequence lengths) are the host lists of ForwardMetadata, the position check too;
+  so does a step of the W8A8 checkpoint with the per-token FP8 KV cache (bf16);
+- the MC2 decode (`dispatch_combine`: npu_moe_distribute_dispatch_v2 / combine_v2, which at world 1 need no
+  group) generates bitwise what the same model does on the CPU, and its decode step reads / copies nothing
+  (the multi-rank proof, attention DP over MC2: test_device_discipline_parallel.py);
 - the detector works: the causal mask built on the host (as `causal_mask_template` once did by default),
   or any host tensor reaching an operator of the forward, fails the step with DeviceMismatch;
 - the count tensor of `exchange_split_sizes` and the default device of `load_model` follow the device;
 - the W4A8 and W8A8 conversions with the per-token FP8 KV cache run there too, bitwise the CPU run (bf16).
 """
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -61,31 +68,102 @@ def test_model_on_a_non_cpu_device_generates_what_the_cpu_model_generates(name):
     run_property(check, 3, prompts=prompt_batches(vocab, max_len=24))
 
 
-def one_step(model, prompts, decode: bool):
-    """(mode, step) of one forward on the fake device: the runner's metadata, then the model call alone."""
+@dataclass
+class Step:
+    """What one forward step did on the fake device: its host reads, its host -> device copies, the operators it
+    called (name -> calls) and its logits."""
+    reads: list[str]
+    transfers: list[str]
+    ops: Counter
+    logits: torch.Tensor
+
+
+def one_step(model, prompts, decode: bool) -> Step:
+    """One forward on the fake device: the runner's metadata and cache (of the runner's KV cache dtype: the
+    per-token FP8 cache with its scale caches for an fp8 checkpoint), then the model call alone, counted."""
     runner = ModelRunner(model, BLOCK_SIZE)
     attn = model.layers[0].self_attn
     budgets = [len(p) + 1 for p in prompts]
     with on_fake_device() as mode:
         cache = PagedKVCache(model.config.num_hidden_layers, 1 + len(budgets) * 2, BLOCK_SIZE, attn.num_kv_heads,
-                             attn.head_dim, model.dtype, fake_npu())
+                             attn.head_dim, runner.kv_cache_dtype, fake_npu())
         table = block_table([cache.allocate(n) for n in budgets], fake_npu())
         ids, meta, _ = runner.prefill_inputs(prompts, table)
         if decode:
             model(ids, meta, cache.layers)
             ids = ids[:len(prompts)]
             meta = runner.decode_metadata([len(p) for p in prompts], table)
-        reads, transfers = len(mode.host_reads), len(mode.transfers)
+        reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
         logits = model(ids, meta, cache.layers)
-    return mode.host_reads[reads:], mode.transfers[transfers:], logits
+    return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)
+
+
+def assert_no_reads_nor_transfers(step: Step, what: str) -> None:
+    assert isinstance(step.logits, DeviceTensor) and step.logits.device == fake_npu(), what
+    assert not step.reads, f"{what}: the forward step read the device {len(step.reads)} times: {step.reads}"
+    assert not step.transfers, f"{what}: the forward step copied host data onto the device: {step.transfers}"
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_a_forward_step_neither_reads_the_device_nor_copies_host_data_onto_it(decode):
-    reads, transfers, logits = one_step(device_model("tiny"), [[1, 2, 3], list(range(4, 21))], decode)
-    assert isinstance(logits, DeviceTensor) and logits.device == fake_npu()
-    assert not reads, f"the forward step read the device from the host {len(reads)} times: {reads}"
-    assert not transfers, f"the forward step copied host data onto the device: {transfers}"
+    assert_no_reads_nor_transfers(one_step(device_model("tiny"), [[1, 2, 3], list(range(4, 21))], decode), "tiny")
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_an_fp8_kv_cache_step_neither_reads_the_device_nor_copies_host_data_onto_it(decode):
+    """W8A8 with the per-token FP8 KV cache (bf16): the cache quantization and its fp32 scale caches, the
+    dequantizing attention and the MXFP8 linears / experts read nothing back and copy nothing on."""
+    from fixtures.checkpoints import quantized_checkpoint
+    path = quantized_checkpoint("tiny", "w8a8", kv_cache="fp8")
+    with on_fake_device():
+        model = load_model(path, dtype=torch.bfloat16, device=fake_npu())
+    assert ModelRunner(model, BLOCK_SIZE).kv_cache_dtype == torch.float8_e4m3fn
+    step = one_step(model, [[5, 6, 7, 8, 9], list(range(20, 37))], decode)
+    assert_no_reads_nor_transfers(step, "w8a8 with the fp8 KV cache")
+    quantizing = [op for op in step.ops if "quant" in op and op.startswith("npu.")]
+    assert quantizing, f"the fp8 step called no quantizing npu operator: {sorted(step.ops)}"
+
+
+# ----------------------------------------------------------------------------------- MC2 at world 1
+
+DISPATCH, COMBINE = "npu.npu_moe_distribute_dispatch_v2.default", "npu.npu_moe_distribute_combine_v2.default"
+
+
+def with_mc2_decode(model):
+    """The model with its decode MoE through MC2 (`dispatch_combine`): at world 1 the portable dispatch / combine
+    run without any group (ep_world_size 1), so one process proves the MC2 decode's device discipline."""
+    from optimized.layers.exchange import MoeInferDispatchCombine, build_exchange
+    from optimized.phases import TensorParallelPhase, TensorParallelStep
+    exchange = build_exchange("dispatch_combine", model.config, model.groups)
+    assert isinstance(exchange, MoeInferDispatchCombine) and exchange.moe_ep.size == 1
+    model.decode = TensorParallelPhase(TensorParallelStep(exchange))
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mc2_decode_on_a_non_cpu_device_generates_what_the_cpu_model_generates(dtype):
+    with on_fake_device():
+        model = with_mc2_decode(load_model(checkpoint("tiny"), dtype=dtype, device=fake_npu()))
+    host_model = with_mc2_decode(load_model(checkpoint("tiny"), dtype=dtype, device="cpu"))
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 37)), [3]]
+    with on_fake_device() as mode:
+        result = ModelRunner(model, BLOCK_SIZE).generate(prompts, NEW_TOKENS, return_logits=True)
+        tokens, logits = result.tokens, torch.cat(to_host(result.logits))
+    want_tokens, want_logits = generate(host_model, prompts)
+    steps = (NEW_TOKENS - 1) * tiny_config("tiny").num_hidden_layers
+    assert mode.ops[DISPATCH] == mode.ops[COMBINE] == steps, \
+        f"{steps} MC2 exchanges expected (each decode step, each MoE layer): {mode.ops[DISPATCH]}, {mode.ops[COMBINE]}"
+    assert tokens == want_tokens, f"MC2 decode on {fake_npu()}: tokens {tokens} != the CPU run's {want_tokens}"
+    assert torch.equal(logits, want_logits), f"MC2 decode on {fake_npu()}: logits differ from the CPU run's"
+
+
+def test_an_mc2_decode_step_neither_reads_the_device_nor_copies_host_data_onto_it():
+    with on_fake_device():
+        model = with_mc2_decode(load_model(checkpoint("tiny"), dtype=torch.bfloat16, device=fake_npu()))
+    step = one_step(model, [[1, 2, 3], list(range(4, 21)), [7]], decode=True)
+    layers = tiny_config("tiny").num_hidden_layers
+    assert step.ops[DISPATCH] == step.ops[COMBINE] == layers, f"the step's MC2 calls: {step.ops}"
+    assert_no_reads_nor_transfers(step, "MC2 decode")
 
 
 def test_a_position_past_the_model_is_refused_from_the_host_lists():
@@ -174,3 +252,17 @@ def test_mx_checkpoint_with_the_fp8_kv_cache_on_a_non_cpu_device_generates_what_
     want_tokens, want_logits = generate(host_model, prompts)
     assert tokens == want_tokens, f"{quant} on {fake_npu()}: tokens {tokens} != the CPU run's {want_tokens}"
     assert torch.equal(logits, want_logits), f"{quant} on {fake_npu()}: logits differ from the CPU run's"
+
+
+def test_the_detector_counts_every_copy_between_host_and_device():
+    """What the step proofs count: `torch.tensor(data, device=npu)` (below any dispatch mode) and `.to(npu)` of a
+    host tensor are host -> device copies; `.cpu()`, `.tolist()` and `.item()` read the device."""
+    with on_fake_device() as mode:
+        t = torch.tensor([1, 2, 3], device=fake_npu())
+        u = torch.ones(2).to(fake_npu())
+        z = torch.zeros(2, device=fake_npu())                      # a factory: no host data moves
+        assert not mode.host_reads
+        t.cpu(), t.tolist(), u.sum().item()
+    assert isinstance(t, DeviceTensor) and isinstance(u, DeviceTensor) and isinstance(z, DeviceTensor)
+    assert len(mode.transfers) == 2 and all("host -> device" in m for m in mode.transfers), mode.transfers
+    assert len(mode.host_reads) == 3, mode.host_reads
