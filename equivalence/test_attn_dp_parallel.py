@@ -305,3 +305,37 @@ def test_attn_dp_refuses_quantized_checkpoints_by_name(scheme):
     groups = SimpleNamespace(parallel=SimpleNamespace(attn_dp_size=2))
     with pytest.raises(NotImplementedError, match=rf"parallel_config\.attn_dp.*{scheme.upper()} checkpoint"):
         build_phases(config, groups)
+
+
+@torch.no_grad()
+def _gathers_task(rank, world, path, lay, prompts, n):
+    """(group size, dtype, shape) of every all_gather a plain DP `generate` issues (no logits asked for)."""
+    from optimized.distributed import collectives
+    from optimized.executor.model_runner import ModelRunner
+
+    model = rank_model(path, lay, torch.float32)
+    seen, all_gather = [], collectives.all_gather
+
+    def recorded(x, group, *a, **k):
+        seen.append((1 if group is None else torch.distributed.get_world_size(group), str(x.dtype), tuple(x.shape)))
+        return all_gather(x, group, *a, **k)
+    collectives.all_gather = recorded
+    try:
+        tokens = ModelRunner(model, BLOCK_SIZE).generate(prompts, n).tokens
+    finally:
+        collectives.all_gather = all_gather
+    return {"seen": seen, "tokens": tokens}
+
+
+def test_attn_dp_shares_chosen_ids_not_logits():
+    """The recipe's DP lm_head: no vocab-wide tensor crosses ranks in a plain generate (hidden rows are gathered inside
+    the attention TP group, the chosen int64 ids over the DP group); gathering every group's logits over the job, as
+    this build once did, fails here."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    out = get_pool(4).run(_gathers_task, str(checkpoint("tiny")), dp_layout(4, 2), prompts, 3, timeout=180)
+    for rank, r in enumerate(out):
+        wide = [s for s in r["seen"] if s[0] > 1 and s[2][-1] == CONFIG.vocab_size]   # (a 1-rank gather is a no-op)
+        assert not wide, f"rank {rank}: vocab-wide all_gathers {wide}"
+        ids = [s for s in r["seen"] if s[0] > 1 and s[1] == "torch.int64"]
+        assert ids and all(size == 2 for size, _, _ in ids), f"rank {rank}: id shares {ids} (DP 2: a group of 2)"
+    same_on_all_ranks([r["tokens"] for r in out], "tokens")

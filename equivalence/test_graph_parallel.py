@@ -51,6 +51,13 @@ CASES = [
 ]
 
 
+def _compile_fn(compiler: str):
+    """GraphDecoder's compiler: None (the platform's, inductor here) or dynamo + AOTAutograd without codegen."""
+    if compiler != "aot_eager":
+        return None
+    return lambda step: torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+
+
 @torch.no_grad()
 def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     from torch._dynamo.utils import counters
@@ -64,11 +71,7 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     runner = ModelRunner(model, BLOCK_SIZE)
     eager = runner.generate(prompts, n).tokens
     torch._dynamo.reset()
-    compile_fn = None
-    if compiler == "aot_eager":
-        def compile_fn(step):
-            return torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
-    runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=compile_fn)
+    runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=_compile_fn(compiler))
     graphs = counters["stats"]["unique_graphs"]
     graph = runner.generate(prompts, n).tokens
     captured = {"graphs": counters["stats"]["unique_graphs"] - graphs,
@@ -116,11 +119,7 @@ def _graph_dp_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     runner = ModelRunner(model, BLOCK_SIZE)
     eager = runner.generate(prompts, n, return_logits=True)
     torch._dynamo.reset()
-    compile_fn = None
-    if compiler == "aot_eager":
-        def compile_fn(step):
-            return torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
-    runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=compile_fn)
+    runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=_compile_fn(compiler))
     graphs = counters["stats"]["unique_graphs"]
     graph = runner.generate(prompts, n, return_logits=True)
     return {"eager": (eager.tokens, [t.clone() for t in eager.logits]),
