@@ -169,11 +169,13 @@ def _non_finite_task(rank, world, path, lay, prompts):
             logits[1, 7] = float("nan")        # DP group 0's ranks hold its logits: request 1's row
         return logits
 
-    model.forward = nan_for_request_1_at_decode_step_2
+    model.forward = nan_for_request_1_at_decode_step_2   # the model is cached per worker: restored below
     try:
         runner.generate(prompts, 6)
     except NonFiniteLogitsError as e:
         return str(e)
+    finally:
+        del model.forward
     return None
 
 

@@ -122,13 +122,13 @@ def test_bench_formula_only_qwen3_235b_shows_the_recipes_attention_dp_layout(tmp
     dispatch, combine = 31 * 5 * 8 + round(7.75 * 8200), round(7.75 * 8192)
     assert (dispatch, combine) == (64_790, 63_488)
     attention = 3 * 1 * 4096 * 2                                       # each way, per layer, (T - 1) * n * H * 2 B
-    logits = 31 * 1 * 151_936 * 2                                      # n rows of V bf16 to 31 peers, once
-    step = 94 * (dispatch + combine) + 94 * 2 * attention + logits
-    assert step == 26_098_452
+    lm_head = 3 * 1 * 4096 * 2                                         # n hidden rows to the 3 TP peers, once
+    step = 94 * (dispatch + combine) + 94 * 2 * attention + lm_head
+    assert step == 16_702_996
     assert (f"dp-tp4x8    1 row(s) per rank; MoE per layer: npu_moe_distribute_dispatch_v2 {dispatch:,d} B, "
             f"npu_moe_distribute_combine_v2 {combine:,d} B = {dispatch + combine:,d} B; attention per layer: "
             f"all_gather {attention:,d} B, reduce_scatter {attention:,d} B; per decode step: MoE "
-            f"{94 * (dispatch + combine):,d} B + attention {94 * 2 * attention:,d} B + logits {logits:,d} B = "
+            f"{94 * (dispatch + combine):,d} B + attention {94 * 2 * attention:,d} B + lm_head {lm_head:,d} B = "
             f"{step:,d} B; MC2 window 200 MB") in out, out
     for d in (2, 4, 16, 32):
         assert f"dp-tp{32 // d}x{d} " in out, d                         # every split of 32 into DP groups
@@ -167,9 +167,9 @@ def test_bench_world_size_4_attention_dp_decode_bytes_equal_the_formulas():
         assert set(moe["measured"]) == {"npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"}, moe
         assert moe["measured"] == moe["formula"], (rank, moe)         # to the byte, no all_gather
         parts = dp["parts"][rank]
-        # attention: 1 layer, (2 - 1) * 2 rows each way; logits: 2 rows of V 512 fp32 to 3 peers
+        # attention: 1 layer, (2 - 1) * 2 rows each way; lm_head: the same 2 hidden rows to the 1 TP peer, no logits
         assert parts["attention"] == dp["attention_formula"][rank] == {"all_gather": 2 * row, "reduce_scatter": 2 * row}
-        assert parts["logits"] == {"all_gather": 3 * 2 * 512 * 4}, (rank, parts)
+        assert parts["lm_head"] == {"all_gather": 2 * row}, (rank, parts)
         assert dp["step_bytes"][rank] == dp["step_formula"][rank], (rank, dp["step_bytes"][rank])
     sent = [dp["moe"][r][0]["measured"]["npu_moe_distribute_dispatch_v2"] - counts for r in range(4)]
     back = [dp["moe"][r][0]["measured"]["npu_moe_distribute_combine_v2"] for r in range(4)]
@@ -177,7 +177,7 @@ def test_bench_world_size_4_attention_dp_decode_bytes_equal_the_formulas():
     assert sum(back) // row <= 6 * 4                                   # only the 6 real tokens' 4 slots travel
     for needle in ("attn_tp 2 x dp 2, moe_tp 1, moe_ep 4", "dp     every rank, every MoE layer: measured == "
                    "formula: yes", "dp     every rank: attention and whole step measured == formula: yes",
-                   "logits: all_gather 12,288 B", "attention: all_gather 512 B, reduce_scatter 512 B"):
+                   "lm_head: all_gather 512 B", "attention: all_gather 512 B, reduce_scatter 512 B"):
         assert needle in out, (needle, out)
 
 

@@ -315,10 +315,16 @@ def test_attn_dp_layout_is_valid_and_sizes_its_groups():
      ["(3) must be a multiple of attn_dp_size", "= 2"]),
     (_dp(parallel={"world_size": 8, "moe_ep_size": 8}, scheduler_config={"batch_size": 6}),
      "scheduler_config.batch_size", ["(6) must be a multiple of attn_dp_size", "= 4"]),
-    (_dp(model_config={"exe_mode": "ge_graph"}), "model_config.exe_mode", ["must be eager with parallel_config.attn_dp"]),
 ])
 def test_attn_dp_rule_error_names_key_and_rule(d, key, fragments):
     _assert_names(_err(d), key, *fragments)
+
+
+@pytest.mark.parametrize("exe_mode", ["ge_graph", "acl_graph"])
+def test_attn_dp_runs_graph_mode_decode(exe_mode):
+    """The recipe's 128ep / PD-decode layouts decode in graph mode under attention DP: accepted as they are."""
+    cfg = InferenceConfig.from_dict(_dp(model_config={"exe_mode": exe_mode}, scheduler_config={"batch_size": 4}))
+    assert (cfg.model_config.exe_mode, cfg.parallel_config.attn_dp_size) == (exe_mode, 2)
 
 
 def test_batch_rule_only_applies_with_attn_dp():

@@ -130,19 +130,20 @@ def test_attention_dp_decode_volume_is_mc2_on_own_rows_without_the_gather():
     assert decode_plan.decode_volume(mc2, 12, 4096, 8, 128, 2).parts["all_gather"] == 7 * 2 * 8192
 
 
-def test_attention_dp_step_volume_adds_attention_moe_and_the_logits_gather():
+def test_attention_dp_step_volume_adds_attention_moe_and_the_lm_head_gather():
     config = SimpleNamespace(hidden_size=4096, num_experts=128, num_experts_per_tok=8, num_hidden_layers=3,
                              vocab_size=151_936, mlp_only_layers=[1])
     assert decode_plan.attention_dp_volume(DP8, 12, 4096, 2) == {"all_gather": 16_384, "reduce_scatter": 16_384}
     parts = decode_plan.dp_step_volume(config, DP8, 12, 2)
     assert parts == {"attention": {"all_gather": 3 * 16_384, "reduce_scatter": 3 * 16_384},       # every layer
                      "moe": {decode_plan.DISPATCH: 2 * 115_752, decode_plan.COMBINE: 2 * 114_688},  # 2 MoE layers
-                     "logits": {"all_gather": 7 * 2 * 151_936 * 2}}
-    assert decode_plan.by_collective(parts) == {"all_gather": 3 * 16_384 + 4_254_208, "reduce_scatter": 49_152,
+                     "lm_head": {"all_gather": 16_384}}   # hidden rows over attention TP: no logits cross ranks
+    assert decode_plan.by_collective(parts) == {"all_gather": 4 * 16_384, "reduce_scatter": 49_152,
                                                 decode_plan.DISPATCH: 231_504, decode_plan.COMBINE: 229_376}
     tp1 = ParallelConfig(world_size=2, attn_tp_size=1, moe_tp_size=1, moe_ep_size=2, embed_tp_size=1,
                          lmhead_tp_size=1, attn_dp=True)
     assert decode_plan.attention_dp_volume(tp1, 4, 4096, 2) == {}                 # attention TP 1: nothing sent
+    assert decode_plan.lm_head_dp_volume(tp1, 4, 4096, 2) == {}
     with pytest.raises(ValueError, match="lmhead_tp_size 2"):
         decode_plan.dp_step_volume(config, ParallelConfig(world_size=8, attn_tp_size=2, moe_tp_size=1, moe_ep_size=8,
                                                           lmhead_tp_size=2, attn_dp=True), 12, 2)

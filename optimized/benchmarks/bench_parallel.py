@@ -24,7 +24,8 @@ it under uniform routing. The formula alone, at the preset's full depth, comes w
 `--formula-only`, which runs nothing).
 - `dp`: attention data parallel (attention TP N/2 x DP 2, embedding and lm_head TP 1, moe_tp 1, moe_ep N): MC2 on
   each rank's own rows (padding masked), no all_gather after the combine; per layer an all_gather before
-  merged_qkv_proj and a reduce_scatter after o_proj inside the DP group; the logits gathered once over the job. Its
+  merged_qkv_proj and a reduce_scatter after o_proj inside the DP group; lm_head's hidden rows gathered once more
+  inside it (no logits cross ranks). Its
   step is counted at the decode phase (the DP runner calls the model itself), the attention's collectives
   separately, and the whole step is set beside `decode_plan.dp_step_volume` too. Offered at even N >= 4 (at N = 2
   attention TP would be 1, nothing to compare on the attention side) with `--batch` a multiple of the 2 DP groups;
@@ -254,7 +255,13 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
         # layer's attention on its own.
         phase, attn_log, logits_log = model.decode, [], []
         phase.run, phase.logits = _count_calls(phase.run, step_log), _count_calls(phase.logits, logits_log)
-        step.attention = _count_calls(step.attention, attn_log)
+        for_step = step.for_step                     # each step runs a per-step copy (`for_step`): count its attention
+
+        def counted_step(active, _for_step=for_step):
+            copy = _for_step(active)
+            copy.attention = _count_calls(copy.attention, attn_log)
+            return copy
+        step.for_step = counted_step
         step.exchange = _CountedOwnRows(exchange, moe_log, parallel, config.num_experts, dtype.itemsize)
     else:
         step.exchange = _decode_moe_counted(exchange or _default_exchange(model), moe_log, parallel,
@@ -265,14 +272,14 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     finally:
         step.exchange, runner.decode_forward = exchange, forward
         if dp:
-            del phase.run, phase.logits, step.attention                          # the class's methods again
+            del phase.run, phase.logits, step.for_step                           # the class's methods again
     mine = {"step": step_log[0], "moe": moe_log}
     if dp:
         from optimized.distributed.decode_plan import by_collective, dp_step_volume
 
         mine["step"] = _add([step_log[0], logits_log[0]])
         mine["parts"] = {"attention": _add(attn_log), "moe": _add([m["measured"] for m in moe_log]),
-                         "logits": logits_log[0]}
+                         "lm_head": logits_log[0]}
         mine["step_formula"] = by_collective(dp_step_volume(config, parallel, len(prompts), dtype.itemsize,
                                                             moe=_add([m["formula"] for m in moe_log])))
         mine["attention_formula"] = dp_step_volume(config, parallel, len(prompts), dtype.itemsize)["attention"]
@@ -553,13 +560,13 @@ def format_formula(f: dict) -> list[str]:
     if f.get("dp") or f.get("dp_skipped"):
         lines += ["", "attention DP (attention TP x DP groups, embedding / lm_head TP 1, MC2 over every rank on its "
                       "own rows, no all_gather): MoE bytes per rank, and the whole decode step's (attention "
-                      "all_gather + reduce_scatter per layer, MoE, logits all_gather)"]
+                      "all_gather + reduce_scatter per layer, MoE, lm_head's hidden-state all_gather)"]
     for name, v in f.get("dp", {}).items():
         per = sum(v["per_layer"].values())
         lines.append(f"  {name:<11} {v['rows']} row(s) per rank; MoE per layer: {_parts(v['per_layer'])} = {per:,d} B; "
                      f"attention per layer: {_parts(v['attention_per_layer']) or 'nothing'}; per decode step: MoE "
                      f"{sum(v['per_step'].values()):,d} B + attention {sum(v['step_parts']['attention'].values()):,d} B"
-                     f" + logits {sum(v['step_parts']['logits'].values()):,d} B = {v['step_total']:,d} B; "
+                     f" + lm_head {sum(v['step_parts']['lm_head'].values()):,d} B = {v['step_total']:,d} B; "
                      f"MC2 window {v['mc2_window_mb']} MB")
     for name, why in f.get("dp_skipped", {}).items():
         lines.append(f"  {name:<11} skipped: {why}")

@@ -20,9 +20,10 @@ Under attention data parallel (`attn_dp`, D groups of attention TP T, MoE EP P =
 m = ceil(B / D) requests and each of its ranks holds n = ceil(m / T) of them (`dp_rows`; the tail padding, masked
 with `x_active_mask`, never sent). MC2 runs on those own rows with the dispatch and combine above and no all_gather.
 Per layer, attention all-gathers the group's T * n rows before merged_qkv_proj and reduce-scatters o_proj's
-partial sums back: (T - 1) * n * H * act_bytes bytes each (`attention_dp_volume`); after lm_head (TP 1) the
-logits of every rank's rows are gathered once over the job, each rank's shard padded to the largest, n rows:
-(W - 1) * n * V * act_bytes (`logits_dp_volume`). `dp_step_volume` adds them up for one decode step. The tensor-parallel decode (`moe_infer_tp`, experts split over MoE TP T
+partial sums back: (T - 1) * n * H * act_bytes bytes each (`attention_dp_volume`); as in the recipe, the final
+hidden states are gathered once more over the attention TP group for lm_head (TP 1), the same (T - 1) * n * H *
+act_bytes (`lm_head_dp_volume`): no logits cross ranks, only the chosen ids (8 bytes a request, shared over the DP
+group by the runner, not counted here). `dp_step_volume` adds them up for one decode step. The tensor-parallel decode (`moe_infer_tp`, experts split over MoE TP T
 and EP E) instead all-reduces every rank's [B, H] partial sums over MoE TP, then over MoE EP:
 2 * (T - 1) * B * H * act_bytes / T + 2 * (E - 1) * B * H * act_bytes / E bytes (`tp_volume`).
 
@@ -137,17 +138,18 @@ def attention_dp_volume(parallel: ParallelConfig, batch: int, hidden: int, act_b
     return {"all_gather": each, "reduce_scatter": each} if t > 1 else {}
 
 
-def logits_dp_volume(parallel: ParallelConfig, batch: int, vocab: int, act_bytes: int) -> dict[str, int]:
-    """Bytes one rank sends gathering the logits once over the job after an attention-DP decode step's lm_head
-    (lm_head TP 1): its shard padded to the largest, n rows of V."""
-    return {"all_gather": (parallel.world_size - 1) * dp_rows(batch, parallel) * vocab * act_bytes}
+def lm_head_dp_volume(parallel: ParallelConfig, batch: int, hidden: int, act_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends gathering its DP group's final hidden states over the attention TP group for lm_head
+    (TP 1) after an attention-DP decode step: its n rows to T - 1 peers (nothing at T = 1)."""
+    t = parallel.attn_tp_size
+    return {"all_gather": (t - 1) * dp_rows(batch, parallel) * hidden * act_bytes} if t > 1 else {}
 
 
 def dp_step_volume(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int, num_layers: int | None = None,
                    moe: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
-    """One attention-DP decode step's bytes per rank, by part ("attention", "moe", "logits") and collective:
+    """One attention-DP decode step's bytes per rank, by part ("attention", "moe", "lm_head") and collective:
     every layer's attention, every MoE layer's MC2 (`moe`: their sum with the routing's slot counts; default
-    uniform routing) and the logits gather. Needs lmhead_tp_size and embed_tp_size 1 (their collectives are not
+    uniform routing) and lm_head's hidden-state gather. Needs lmhead_tp_size and embed_tp_size 1 (their collectives are not
     in it)."""
     if parallel.attn_dp_size < 2 or parallel.lmhead_tp_size != 1 or parallel.embed_tp_size != 1:
         raise ValueError(f"dp_step_volume is the attention-DP decode with embed_tp_size and lmhead_tp_size 1; got "
@@ -158,7 +160,7 @@ def dp_step_volume(hf_config, parallel: ParallelConfig, batch: int, act_bytes: i
                                                                   act_bytes).items()}
     moe = step_volume(hf_config, parallel, batch, act_bytes, num_layers).parts if moe is None else dict(moe)
     return {"attention": attention, "moe": moe,
-            "logits": logits_dp_volume(parallel, batch, hf_config.vocab_size, act_bytes)}
+            "lm_head": lm_head_dp_volume(parallel, batch, hf_config.hidden_size, act_bytes)}
 
 
 def by_collective(parts: dict[str, dict[str, int]]) -> dict[str, int]:
