@@ -12,6 +12,9 @@ model_config:        # what to run
   num_hidden_layers: null       # optional override: build only the first N decoder layers
   tokenizer_mode: default       # default: prompts encoded as they are | chat: through the chat template
   kv_cache_dtype: auto          # auto: the checkpoint's kv_cache_scheme (per-token FP8 or 16-bit) | bfloat16 | float8
+  force_eplb: null              # true: the recipe's forced balanced routing (benchmarks: every MoE layer's expert ids
+                                # replaced by a balanced list per rank, the gate's top-k weights kept;
+                                # optimized/layers/force_eplb.py); perfect_eplb: its older name; null: false
 data_config:         # what to feed it
   dataset: prompts              # prompts: the `prompts` list | random: random token ids (benchmarks)
   prompts: ["The capital of France is"]
@@ -195,14 +198,14 @@ class ModelConfig:
     platform_version: str | None = None  # A2 | A3 | 950; null: env PLATFORM_VERSION, else A3 (the recipe's order)
     next_n: int = 0                      # speculative (MTP) steps: only 0 (no MTP layers in Qwen3-MoE)
     enable_profiler: bool = False        # a torch.profiler trace of the run, one file per rank, under output_path
-    force_eplb: bool = False             # the recipe's forced balanced routing (benchmarks): refused, see _check
+    force_eplb: bool | None = None       # the recipe's forced balanced routing (benchmarks); null: not given (false)
     enable_static_kernel: bool = False   # npugraph_ex static kernels: refused when true
     enable_weight_nz: bool = True        # NPU weight storage layout (FRACTAL_NZ); performance only, see _check
     enable_hadamard: bool = False        # W4A4 Hadamard rotation: refused when true
     hadamard_weight_path: str = ""
     custom_params: dict = field(default_factory=dict)   # model-specific switches: none are defined for Qwen3-MoE
     enable_online_split_weight: bool = True   # older recipe files: each rank splits the HF checkpoint as it loads
-    perfect_eplb: bool = False                # older recipe files' name of force_eplb
+    perfect_eplb: bool | None = None          # older recipe files' name of force_eplb (both given: must agree)
 
     @property
     def platform(self) -> str:
@@ -210,6 +213,11 @@ class ModelConfig:
         import os
         return str(self.platform_version if self.platform_version is not None
                    else os.environ.get(PLATFORM_VERSION_ENV, "A3"))
+
+    @property
+    def eplb(self) -> bool:
+        """Whether the forced balanced routing is on: force_eplb, or its older name perfect_eplb."""
+        return self.force_eplb is True or self.perfect_eplb is True
 
     @property
     def scheme(self) -> tuple[str | None, str]:
@@ -259,13 +267,14 @@ class ModelConfig:
         if c.non_negative_int(self, "next_n") and self.next_n:
             c.fail("next_n", f"({self.next_n}) must be 0: speculative decoding (MTP) is not implemented, and "
                              f"Qwen3-MoE checkpoints have no MTP layers")
-        for key in ("enable_profiler", "force_eplb", "enable_static_kernel", "enable_weight_nz", "enable_hadamard",
-                    "enable_online_split_weight", "perfect_eplb"):
+        for key in ("enable_profiler", "enable_static_kernel", "enable_weight_nz", "enable_hadamard",
+                    "enable_online_split_weight"):
             c.boolean(self, key)
-        for key in ("force_eplb", "perfect_eplb"):
-            if getattr(self, key) is True:
-                c.fail(key, "forced balanced routing is not implemented: its expert ids depend on each rank's "
-                            "position, so no reference computes the same tokens; set it false")
+        given = [key for key in ("force_eplb", "perfect_eplb") if getattr(self, key) is not None]
+        if all([c.boolean(self, key) for key in given]) and len(given) == 2 and self.force_eplb != self.perfect_eplb:
+            force, perfect = (str(v).lower() for v in (self.force_eplb, self.perfect_eplb))
+            c.fail("force_eplb", f"({force}) and perfect_eplb ({perfect}, its older name) disagree; give one of them, "
+                                 f"or the same value")
         if self.enable_static_kernel is True:
             c.fail("enable_static_kernel", "static kernels of npugraph_ex are not implemented; set it false")
         if self.enable_hadamard is True:
@@ -617,9 +626,31 @@ class InferenceConfig:
         if dense_layers(hf_config, n_layers):
             div("moe_tp_size", "intermediate_size", p.moe_tp_size,
                 " (the dense MLP layers are sharded over the moe_tp group)")
+        if m.eplb:
+            batch = self.scheduler_config.batch_size
+            if m.exe_mode in GRAPH_MODES:   # graph decode pads the batch to its bucket, the next power of two
+                batch = 1 << (batch - 1).bit_length()
+            why = check_force_eplb(hf_config.num_experts, hf_config.num_experts_per_tok, p.moe_tp_size, batch)
+            if why:
+                errors.append((f"{mc}.{'force_eplb' if m.force_eplb is not None else 'perfect_eplb'}",
+                               f"{why} (B: scheduler_config.batch_size"
+                               f"{', padded to its graph bucket' if m.exe_mode in GRAPH_MODES else ''})"))
         if errors:
             raise ConfigError(errors)
         return self
+
+
+def check_force_eplb(num_experts: int, top_k: int, moe_tp_size: int, decode_batch: int | None = None) -> str | None:
+    """Why model_config.force_eplb cannot give valid expert ids for these sizes (None: it can); the rules of
+    optimized/layers/force_eplb.py."""
+    if top_k > num_experts:
+        return (f"needs num_experts_per_tok ({top_k}) <= num_experts ({num_experts}): the balanced ids of one token "
+                f"are distinct experts")
+    if moe_tp_size > 1 and decode_batch is not None and decode_batch * top_k > num_experts:
+        return (f"with moe_tp_size > 1 a decode step of B tokens routes them to experts 0 .. B*top_k - 1 (the recipe's "
+                f"rule), so B * num_experts_per_tok must be <= num_experts: B = {decode_batch}, top_k = {top_k}, "
+                f"num_experts = {num_experts} (B <= {num_experts // top_k})")
+    return None
 
 
 def is_sparse_layer(hf_config, layer_idx: int) -> bool:

@@ -45,13 +45,14 @@ def check_supported(config) -> None:
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype, replicated_o_proj: bool = False):
+    def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype, replicated_o_proj: bool = False,
+                 force_eplb: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Qwen3MoeAttention(config, groups.attn_tp, dtype, replicated_o_proj)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if is_sparse_layer(config, layer_idx):
-            self.mlp = Qwen3MoeSparseMoeBlock(config, groups.moe_tp, groups.moe_ep, dtype)
+            self.mlp = Qwen3MoeSparseMoeBlock(config, groups.moe_tp, groups.moe_ep, dtype, force_eplb)
         else:
             self.mlp = Qwen3MoeMLP(config, groups.moe_tp, dtype)
 
@@ -70,14 +71,16 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, config, groups, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, config, groups, dtype: torch.dtype = torch.bfloat16, force_eplb: bool = False):
+        """force_eplb: model_config.force_eplb, the recipe's balanced expert ids in every MoE layer
+        (optimized/layers/force_eplb.py)."""
         super().__init__()
         check_supported(config)
-        self.config, self.groups, self.dtype = config, groups, dtype
+        self.config, self.groups, self.dtype, self.force_eplb = config, groups, dtype, force_eplb
         self.prefill, self.decode = build_phases(config, groups)         # the layout's strategies, chosen once
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups.embed_tp, dtype)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, dtype, self.prefill.replicated_o_proj)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, dtype, self.prefill.replicated_o_proj,
+                                                         force_eplb) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, groups.lmhead_tp, dtype)
         # Created on the default device (a `with torch.device(...)` build puts them on the model's device).

@@ -46,6 +46,7 @@ from optimized.distributed import collectives as comm
 from optimized.distributed.decode_plan import uses_mc2_decode
 from optimized.distributed.prefill_plan import choose_ep_scheme
 from optimized.layers.exchange import build_exchange
+from optimized.layers.force_eplb import EP_SPLIT, JOB, OWN, EplbRows
 from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A8, MxRows, map_rows, mx_quant, num_rows, \
     quant_scheme
 from optimized.ops import mx_format as mxf
@@ -66,8 +67,10 @@ class TensorParallelStep:
     """Every rank holds every token: the layers' own tensor-parallel forward; the MoE goes through `exchange`
     (None: the MoE block's own moe_infer_tp)."""
 
-    def __init__(self, exchange=None):
+    def __init__(self, exchange=None, decode: bool = False):
         self.exchange = exchange
+        # force_eplb's rows: every rank holds every token; the MC2 decode dispatches them split over the EP ranks.
+        self.eplb_rows = EplbRows(decode, JOB if exchange is None else EP_SPLIT)
 
     def input_norm(self, norm, hidden, residual):
         """-> (normed input, residual); the first layer has no residual to add yet."""
@@ -84,11 +87,15 @@ class TensorParallelStep:
         return hidden, hidden, residual
 
     def mlp(self, mlp, router_in, expert_in):
-        return mlp(expert_in, self.exchange, router_in)
+        return mlp(expert_in, self.exchange, router_in, self.eplb_rows)
 
 
 class SequenceParallelStep(TensorParallelStep):
     """This rank's n tokens: attention gathers the sequence, the MoE goes through the EP `exchange`."""
+
+    def __init__(self, exchange):
+        super().__init__(exchange)
+        self.eplb_rows = EplbRows(decode=False, owner=OWN)
 
     def wire(self, x: torch.Tensor):
         """What an activation travels as: bf16 as it is."""
@@ -110,7 +117,8 @@ class SequenceParallelStep(TensorParallelStep):
         return heads_to_owners(out, group, ranks, n)
 
     def mlp(self, mlp, router_in, expert_in):
-        return mlp(self.wire(expert_in) if mlp.exchanges_tokens else expert_in, self.exchange, router_in)
+        return mlp(self.wire(expert_in) if mlp.exchanges_tokens else expert_in, self.exchange, router_in,
+                   self.eplb_rows)
 
 
 class MxSequenceParallelStep(SequenceParallelStep):
@@ -150,6 +158,7 @@ class DataParallelStep(TensorParallelStep):
         # masks_padding: the exchange takes every row and masks the padding (MC2 `own_rows`); otherwise it is given
         # the real rows only (double routing). active: real rows of this rank in the step (`for_step`).
         self.exchange, self.masks_padding, self.active = exchange, masks_padding, active
+        self.eplb_rows = EplbRows(decode=masks_padding, owner=OWN)
 
     def for_step(self, active: int) -> "DataParallelStep":
         """This step's copy, knowing its real rows (a new object per step: nothing mutable a graph would bake in)."""
@@ -169,10 +178,10 @@ class DataParallelStep(TensorParallelStep):
         if not mlp.exchanges_tokens:
             return mlp(expert_in)
         if self.masks_padding:                                                   # decode: MC2, padding masked
-            return mlp(expert_in, self.exchange.own_rows(self.active), router_in)
+            return mlp(expert_in, self.exchange.own_rows(self.active), router_in, self.eplb_rows)
         # prefill: double routing of the real rows (at least one, so no kernel sees an empty input)
         real = max(self.active, 1)
-        out = mlp(expert_in[:real], self.exchange, router_in[:real])
+        out = mlp(expert_in[:real], self.exchange, router_in[:real], self.eplb_rows)
         return F.pad(out, (0, 0, 0, expert_in.shape[0] - real))
 
 
@@ -292,7 +301,7 @@ def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPha
         return DataParallelPhase(prefill), DataParallelPhase(decode)
     # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
     mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
-    decode = TensorParallelPhase(TensorParallelStep(mc2))
+    decode = TensorParallelPhase(TensorParallelStep(mc2, decode=True))
     if not groups.parallel.sp_prefill:
         return TensorParallelPhase(), decode
     scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)

@@ -329,3 +329,54 @@ def test_attn_dp_runs_graph_mode_decode(exe_mode):
 
 def test_batch_rule_only_applies_with_attn_dp():
     InferenceConfig.from_dict(_dp(parallel={"attn_dp": False}, scheduler_config={"batch_size": 3}))
+
+
+# ------------------------------------------------------------------------------------- force_eplb
+
+@pytest.mark.parametrize("mc, on", [
+    ({"force_eplb": True}, True), ({"perfect_eplb": True}, True), ({"force_eplb": True, "perfect_eplb": True}, True),
+    ({"force_eplb": False, "perfect_eplb": False}, False), ({}, False)])
+def test_force_eplb_accepted_and_perfect_eplb_is_its_alias(mc, on):
+    cfg = InferenceConfig.from_dict({"model_config": mc})
+    assert cfg.model_config.eplb is on
+    cfg.validate_for_model(_model(num_experts_per_tok=2))
+
+
+def test_force_eplb_and_perfect_eplb_disagreeing_are_refused_naming_both():
+    _assert_names(_err({"model_config": {"force_eplb": True, "perfect_eplb": False}}), "model_config.force_eplb",
+                  "(true) and perfect_eplb (false, its older name) disagree")
+
+
+@pytest.mark.parametrize("key, value", [("force_eplb", "yes"), ("perfect_eplb", 1), ("force_eplb", None)])
+def test_force_eplb_must_be_a_boolean(key, value):
+    d = {"model_config": {key: value}}
+    if value is None:     # null: not given (false)
+        assert InferenceConfig.from_dict(d).model_config.eplb is False
+        return
+    _assert_names(_err(d), f"model_config.{key}", "must be a boolean (true/false)")
+
+
+@pytest.mark.parametrize("mc, par, batch, model, key, fragments", [
+    ({"force_eplb": True}, {}, 1, _model(num_experts=8, num_experts_per_tok=9), "model_config.force_eplb",
+     ["num_experts_per_tok (9) <= num_experts (8)"]),
+    ({"perfect_eplb": True}, dict(world_size=2, moe_tp_size=2), 5, _model(num_experts_per_tok=2),
+     "model_config.perfect_eplb", ["B * num_experts_per_tok must be <= num_experts: B = 5", "batch_size"]),
+    ({"force_eplb": True, "exe_mode": "ge_graph"}, dict(world_size=2, moe_tp_size=2), 3,
+     _model(num_experts=6, num_experts_per_tok=2),
+     "model_config.force_eplb", ["B = 4", "graph bucket"]),
+])
+def test_force_eplb_model_rule_error_names_key_and_rule(mc, par, batch, model, key, fragments):
+    cfg = InferenceConfig.from_dict({"model_config": mc, "parallel_config": {"attn_dp": False, **par},
+                                     "scheduler_config": {"batch_size": batch}})
+    _assert_names(_model_err(cfg, model), key, *fragments)
+
+
+def test_force_eplb_moe_tp_batch_rule_only_with_moe_tp():
+    for par in (dict(world_size=2, moe_tp_size=2), dict(world_size=2, moe_ep_size=2)):
+        cfg = InferenceConfig.from_dict({"model_config": {"force_eplb": True}, "scheduler_config": {"batch_size": 4},
+                                         "parallel_config": {"attn_dp": False, **par}})
+        if par.get("moe_tp_size") == 2:
+            cfg.validate_for_model(_model(num_experts_per_tok=2))           # 4 * 2 <= 8
+            _model_err(cfg, _model(num_experts_per_tok=3))                  # 4 * 3 > 8
+        else:
+            cfg.validate_for_model(_model(num_experts_per_tok=3))           # EP: no such rule

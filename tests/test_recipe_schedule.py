@@ -41,7 +41,8 @@ def test_memory_beyond_mem_fraction_static_is_refused_before_the_cache(model):
 
 
 @pytest.mark.parametrize("section, key, value, why", [
-    ("model_config", "force_eplb", True, "forced balanced routing is not implemented"),
+    ("model_config", "force_eplb", "yes", "must be a boolean"),
+    ("model_config", "perfect_eplb", 1, "must be a boolean"),
     ("model_config", "enable_static_kernel", True, "not implemented"),
     ("model_config", "next_n", 1, "speculative decoding (MTP) is not implemented"),
     ("model_config", "custom_params", {"enable_multi_streams": True}, "enable_multi_streams"),

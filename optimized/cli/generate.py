@@ -236,7 +236,7 @@ def run(args) -> int:
             try:
                 model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
                                    seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device,
-                                   check_weights=not args.no_weight_check)
+                                   check_weights=not args.no_weight_check, force_eplb=m.eplb)
             except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint when it does not
                 raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None

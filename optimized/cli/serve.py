@@ -79,7 +79,7 @@ def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True, en
     tokenizer = CheckpointTokenizer.load(model_dir)
     model = load_model(model_dir, parallel=ParallelState.build(p), dtype=m.torch_dtype, random_weights=not m.with_ckpt,
                        seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=platform.device(env.local_rank if env else 0),
-                       check_weights=check_weights)
+                       check_weights=check_weights, force_eplb=m.eplb)
     runner = ModelRunner(model, s.block_size, exe_mode=m.exe_mode, kv_cache_dtype=m.kv_cache_dtype)
     per_request = -(-(cfg.data_config.input_max_len + s.max_new_tokens) // s.block_size)
     blocks = kv_pool_blocks if kv_pool_blocks is not None else 1 + s.batch_size * per_request

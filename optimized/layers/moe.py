@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from optimized.layers.exchange import MoeInferTP
+from optimized.layers.force_eplb import BalancedRouting, EplbRows
 from optimized.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
                                      RowParallelLinear, _split)
 from optimized.layers.quantization import W4A8, MxFp8LinearMethod, linear_method, moe_method, quant_scheme
@@ -57,7 +58,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
     exchanges_tokens = True
 
-    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype):
+    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype, force_eplb: bool = False):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
@@ -66,6 +67,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                    moe_tp, moe_ep, dtype, moe_method(quant_scheme(config)))
         self.moe_infer_tp = MoeInferTP(config.num_experts, config.num_experts_per_tok, moe_tp, moe_ep)
+        # model_config.force_eplb: the recipe's balanced expert ids replace the top-k ids (layers/force_eplb.py).
+        self.balanced = BalancedRouting(config.num_experts, config.num_experts_per_tok, moe_tp.size, moe_ep) \
+            if force_eplb else None
 
     def load(self, source, prefix: str) -> None:
         self.gate.load(source, f"{prefix}.gate.weight")
@@ -79,9 +83,13 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_weight, topk_idx.to(torch.int32)
 
-    def forward(self, hidden, exchange=None, router_in: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: the expert input (a tensor or MxRows); router_in: what the router reads (default: hidden)."""
+    def forward(self, hidden, exchange=None, router_in: torch.Tensor | None = None,
+                eplb_rows: EplbRows | None = None) -> torch.Tensor:
+        """hidden: the expert input (a tensor or MxRows); router_in: what the router reads (default: hidden);
+        eplb_rows: whose rows these are, for force_eplb (the phase step's; default every rank's same prefill rows)."""
         topk_weight, topk_idx = self.route(hidden if router_in is None else router_in)
+        if self.balanced is not None:   # the gate's top-k weights stay, paired with the balanced ids
+            topk_idx = self.balanced(topk_idx.shape[0], eplb_rows or EplbRows(decode=False), topk_idx.device)
         return (exchange or self.moe_infer_tp)(self.experts, hidden, topk_idx, topk_weight)
 
 
@@ -128,8 +136,9 @@ class Qwen3MoeMLP(nn.Module):
             self.up_proj.load(source, up)
         self.down_proj.load(source, down)
 
-    def forward(self, hidden: torch.Tensor, exchange=None, router_in=None) -> torch.Tensor:
-        """A dense layer exchanges no tokens: `exchange` and `router_in` (the MoE block's interface) are unused."""
+    def forward(self, hidden: torch.Tensor, exchange=None, router_in=None, eplb_rows=None) -> torch.Tensor:
+        """A dense layer exchanges no tokens: `exchange`, `router_in` and `eplb_rows` (the MoE block's interface)
+        are unused."""
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(hidden)                                      # [T, 2*I_r]
         else:
