@@ -154,3 +154,58 @@ def test_attention_dp_mc2_window_is_sized_for_each_ranks_own_rows():
     assert decode_plan.window_for(QWEN3_235B, DP8, 10, 2) == decode_plan.mc2_window_mb(2, 8, 4096, 8, 128)
     # batch 4 over DP 4: one row on each group's first rank, none on its second; still n = 1 per rank
     assert decode_plan.window_for(QWEN3_235B, DP8, 4, 2) == decode_plan.mc2_window_mb(1, 8, 4096, 8, 128)
+
+
+# ------------------------------------------------------------------------------------------ MC2 kernel limits
+
+EP128 = ParallelConfig(world_size=128, attn_tp_size=1, moe_tp_size=1, moe_ep_size=128)   # the recipe's 128ep
+
+
+def test_the_recipes_128ep_decode_is_within_the_mc2_limits_up_to_256_tokens_per_rank():
+    # attention DP 128 x TP 1: batch B gives ceil(B / 128) rows per rank; fullmesh_v2 takes at most 256
+    assert decode_plan.mc2_limit_violations(QWEN3_235B, EP128, 128 * 256) == []
+    assert decode_plan.mc2_limit_violations(QWEN3_235B, EP128, 128 * 256 + 1) == [
+        "257 tokens per rank (batch 32769) > 256 (fullmesh_v2)"]
+    assert decode_plan.mc2_limit_violations(QWEN3_235B, ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=4,
+                                                                        moe_ep_size=1), 10**6) == []   # no MC2
+
+
+def test_mc2_limits_name_every_broken_one():
+    wide = SimpleNamespace(hidden_size=64, num_experts=4096, num_experts_per_tok=16)
+    layout = ParallelConfig(world_size=1024, attn_tp_size=1024, moe_tp_size=1, moe_ep_size=1024)
+    assert decode_plan.mc2_limit_violations(wide, layout, 1024) == [
+        "moe_ep_size 1024 > 768", "num_experts 4096 > 1024", "num_experts_per_tok 16 > 12 (fullmesh_v2)",
+        "hidden_size 64 outside [1024, 8192]", "L * W = num_experts 4096 > 2048"]
+
+
+def test_mc2_limits_raise_at_start_up_where_enforced_and_are_named_elsewhere():
+    tiny = SimpleNamespace(hidden_size=64, num_experts=8, num_experts_per_tok=2)
+    ep2 = ParallelConfig(world_size=2, attn_tp_size=2, moe_tp_size=1, moe_ep_size=2)
+    assert decode_plan.check_mc2_limits(tiny, ep2, 4, enforce=False) == ["hidden_size 64 outside [1024, 8192]"]
+    with pytest.raises(decode_plan.Mc2LimitError, match=r"breaks the NPU kernels' limits: hidden_size 64 outside "
+                                                         r"\[1024, 8192\]; lower scheduler_config.batch_size"):
+        decode_plan.check_mc2_limits(tiny, ep2, 4, enforce=True)
+    assert "beyond the NPU's MC2 limits (portable kernels only): hidden_size 64" in decode_plan.describe(tiny, ep2, 4, 2)
+    assert "beyond" not in decode_plan.describe(QWEN3_235B, ep2, 4, 2)
+
+
+def test_the_runner_checks_the_mc2_limits_before_any_step_on_an_npu_host_or_in_strict_mode(monkeypatch):
+    """`ModelRunner.check_mc2` (generate and the serving engine call it first): enforced where the kernel would
+    refuse the batch (an NPU host, or QWEN3_MOE_STRICT_NPU_LIMITS=1), not on the portable kernels."""
+    from optimized import platform
+    from optimized.executor.model_runner import ModelRunner
+    from optimized.ops.validation import STRICT_ENV
+
+    parallel = ParallelConfig(world_size=2, attn_tp_size=2, moe_tp_size=1, moe_ep_size=2)
+    groups = SimpleNamespace(parallel=parallel, moe_ep_mc2=SimpleNamespace(window_mb=None))
+    runner = SimpleNamespace(model=SimpleNamespace(config=QWEN3_235B, groups=groups, dtype=__import__("torch").bfloat16))
+    monkeypatch.setenv(STRICT_ENV, "0")
+    ModelRunner.check_mc2(runner, 512)                                  # 256 tokens per rank: within
+    monkeypatch.setattr(platform, "backend_name", lambda: "npu")
+    with pytest.raises(decode_plan.Mc2LimitError, match="257 tokens per rank"):
+        ModelRunner.check_mc2(runner, 514)
+    monkeypatch.setattr(platform, "backend_name", lambda: "cpu")
+    ModelRunner.check_mc2(runner, 514)
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(decode_plan.Mc2LimitError, match="257 tokens per rank"):
+        ModelRunner.check_mc2(runner, 514)

@@ -221,6 +221,41 @@ def check_mc2_window(hf_config, parallel: ParallelConfig, batch: int, act_bytes:
                              f"mc2_window_mb=decode_plan.window_for(hf_config, parallel, {batch}, {act_bytes}))")
 
 
+# The MC2 kernels' size limits on Atlas A3 (spec npu_ops_moe.md §10.4, fullmesh_v2 as this model dispatches).
+MC2_MAX_EP, MC2_MAX_EXPERTS, MC2_MAX_TOP_K, MC2_MAX_BS, MC2_MAX_SLOTS = 768, 1024, 12, 256, 2048
+MC2_HIDDEN = (1024, 8192)
+
+
+class Mc2LimitError(UsageError, ValueError):
+    """The layout's MC2 decode breaks a size limit of the NPU's dispatch / combine kernels."""
+
+
+def mc2_limit_violations(hf_config, parallel: ParallelConfig, batch: int) -> list[str]:
+    """The MC2 kernel limits a decode of `batch` requests in this layout breaks ([] without MC2 or within them)."""
+    if not uses_mc2_decode(parallel):
+        return []
+    w, e, k, h = parallel.moe_ep_size, hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.hidden_size
+    bs = max_tokens_per_rank(parallel, batch)
+    limits = [(w <= MC2_MAX_EP, f"moe_ep_size {w} > {MC2_MAX_EP}"),
+              (e <= MC2_MAX_EXPERTS, f"num_experts {e} > {MC2_MAX_EXPERTS}"),
+              (k <= MC2_MAX_TOP_K, f"num_experts_per_tok {k} > {MC2_MAX_TOP_K} (fullmesh_v2)"),
+              (bs <= MC2_MAX_BS, f"{bs} tokens per rank (batch {batch}) > {MC2_MAX_BS} (fullmesh_v2)"),
+              (MC2_HIDDEN[0] <= h <= MC2_HIDDEN[1], f"hidden_size {h} outside [{MC2_HIDDEN[0]}, {MC2_HIDDEN[1]}]"),
+              (e <= MC2_MAX_SLOTS, f"L * W = num_experts {e} > {MC2_MAX_SLOTS}")]
+    return [why for ok, why in limits if not ok]
+
+
+def check_mc2_limits(hf_config, parallel: ParallelConfig, batch: int, enforce: bool) -> list[str]:
+    """Start-up check of the MC2 kernel limits: raises naming every broken limit when `enforce` (an NPU host, or
+    strict mode); otherwise returns them (the portable kernels take any size: the tiny fixtures' hidden 64)."""
+    broken = mc2_limit_violations(hf_config, parallel, batch)
+    if broken and enforce:
+        raise Mc2LimitError(f"the MC2 decode (moe_tp_size 1, moe_ep_size {parallel.moe_ep_size}) breaks the NPU "
+                            f"kernels' limits: {'; '.join(broken)}; lower scheduler_config.batch_size, or decode "
+                            f"without MC2 (moe_tp_size > 1)")
+    return broken
+
+
 def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) -> str:
     """One line for the start of a run: the decode's MoE path and, for MC2, its group's window and volume."""
     if not uses_mc2_decode(parallel):
@@ -232,8 +267,15 @@ def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) ->
         return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
                 f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
                 f"{n} tokens per rank, its own); MC2 window {mc2_window_mb(n, k, h, ep, e, act_bytes)} MB "
-                f"(its own HCCL group); logits gathered once after lm_head")
+                f"(its own HCCL group); lm_head on the group's rows gathered over attention TP, the chosen ids "
+                f"shared{_limits_note(hf_config, parallel, batch)}")
     vol = mc2_volume(tokens_per_rank(batch, ep), h, k, ep, e, act_bytes)
     return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
             f"{tokens_per_rank(batch, ep)} tokens per rank); MC2 window "
-            f"{mc2_window_mb(tokens_per_rank(batch, ep), k, h, ep, e, act_bytes)} MB (its own HCCL group); per MoE layer and rank ~{vol.total} B (uniform routing)")
+            f"{mc2_window_mb(tokens_per_rank(batch, ep), k, h, ep, e, act_bytes)} MB (its own HCCL group); per MoE layer "
+            f"and rank ~{vol.total} B (uniform routing){_limits_note(hf_config, parallel, batch)}")
+
+
+def _limits_note(hf_config, parallel: ParallelConfig, batch: int) -> str:
+    broken = mc2_limit_violations(hf_config, parallel, batch)
+    return f"; beyond the NPU's MC2 limits (portable kernels only): {'; '.join(broken)}" if broken else ""

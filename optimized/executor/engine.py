@@ -46,6 +46,7 @@ class Engine:
     def __init__(self, runner, *, batch_size: int, max_prefill_tokens: int = 0, num_blocks: int):
         """num_blocks: the KV pool per layer, the null block included."""
         self.runner, self.model, self.device = runner, runner.model, runner.device
+        runner.check_mc2(batch_size)          # the largest decode batch: MC2 window and kernel limits
         self.cache = PagedKVCache(runner.num_layers, num_blocks, runner.block_size, runner.kv_heads, runner.head_dim,
                                   runner.kv_cache_dtype, self.device)
         self.scheduler = Scheduler(batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1)

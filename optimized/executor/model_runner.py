@@ -17,6 +17,7 @@ import torch
 
 from optimized.distributed import collectives as comm
 from optimized.executor import graph
+from optimized import platform
 from optimized.platform import synchronize
 from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
 from optimized.executor.kv_cache import QUANTIZED_DTYPES, PagedKVCache, block_table, slot_mapping
@@ -142,7 +143,7 @@ class ModelRunner:
         return_logits: also return the logits every generated token was chosen from.
         """
         check_prompts(prompts, max_new_tokens, self.vocab_size, self.max_positions)
-        self._check_mc2_window(len(prompts))
+        self.check_mc2(len(prompts))
         sampling = sampling or GREEDY
         eos = _eos_set(eos_token_id)
         positions = self._check_positions(prompts, prompt_logits_positions)
@@ -342,13 +343,18 @@ class ModelRunner:
                              f"{self.mem_fraction_static} of the device's {total / gib:.2f} GiB; shorten the "
                              f"requests, lower the batch, or raise scheduler_config.mem_fraction_static")
 
-    def _check_mc2_window(self, batch: int) -> None:
-        """The MC2 group's HCCL window holds this decode batch (else a clear error before any step)."""
+    def check_mc2(self, batch: int) -> None:
+        """The MC2 group's HCCL window holds this decode batch and the batch is within the MC2 kernels' limits
+        (enforced on an NPU host or in strict mode, where the kernel would refuse it), else a clear error before any
+        step."""
         mc2 = getattr(self.model.groups, "moe_ep_mc2", None)
         if mc2 is not None:
-            from optimized.distributed.decode_plan import check_mc2_window
-            check_mc2_window(self.model.config, self.model.groups.parallel, batch, self.model.dtype.itemsize,
-                             mc2.window_mb)
+            from optimized.distributed.decode_plan import check_mc2_limits, check_mc2_window
+            from optimized.ops.validation import DIMS, strict_npu_limits
+            parallel = self.model.groups.parallel
+            check_mc2_window(self.model.config, parallel, batch, self.model.dtype.itemsize, mc2.window_mb)
+            check_mc2_limits(self.model.config, parallel, batch,
+                             enforce=platform.backend_name() == "npu" or strict_npu_limits(DIMS))
 
     def _check_positions(self, prompts, positions):
         if positions is None:
