@@ -107,7 +107,7 @@ DP_PROMPTS = [[5, 6, 7], list(range(1, 18)), [9, 4], list(range(40, 71)), [3] * 
 
 
 @torch.no_grad()
-def _graph_dp_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
+def _graph_dp_vs_eager_task(rank, world, path, lay, compiler, prompts, n, dtype_name="float32"):
     from torch._dynamo.utils import counters
 
     from optimized.executor.graph import GraphDecoder
@@ -115,7 +115,8 @@ def _graph_dp_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     from optimized.model_loader.build import load_model
     from optimized.distributed import ParallelState
 
-    model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.float32, num_hidden_layers=1)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    model = load_model(path, parallel=ParallelState.build(**lay), dtype=dtype, num_hidden_layers=1)
     runner = ModelRunner(model, BLOCK_SIZE)
     eager = runner.generate(prompts, n, return_logits=True)
     torch._dynamo.reset()
