@@ -25,10 +25,11 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from equivalence.compare import assert_close, max_abs, rel_l2, token_agreement, tolerance, top1_agreement
 from equivalence.dist import get_pool
-from equivalence.parallel_support import RoutingStats, same_on_all_ranks
+from equivalence.parallel_support import RoutingStats, rank_model, runner_of, same_on_all_ranks
 from equivalence.test_attn_dp_parallel import (COMBINE, DISPATCH, _describe, _generate_bf16_task, _generate_task,
                                                _request_routes, dp_layout)
 from equivalence.test_e2e_parallel import replayed_routing
@@ -123,14 +124,16 @@ def test_attn_dp_w4a8_greedy_agreement_with_fake_quant_reference():
 
 @pytest.mark.parametrize("scheme", list(CHECKPOINTS))
 def test_attn_dp_quantized_request_does_not_depend_on_padding_or_other_dp_group(scheme):
-    """Requests A, B, C alone ([A, B, C]: C beside a dummy, the last TP rank's decode rows all padding), beside a fourth
-    request ([A, B, C, D]) and shifted ([D, A, B, C]: B moves to the other DP group, A to the other TP rank): every
-    token and logit of A, B and C is bitwise the same (on the CPU every kernel is row-independent and MX scales are
-    per row, so any difference is a row of padding or of another request leaking in). Decode ran through MC2."""
-    a, b, c, d = _prompts(5, (6, 17, 23, 9))
+    """Requests A, B, C in three batches: [A, B, C] (C beside a dummy; in decode DP group 1's second TP rank holds only
+    padding), [A, B, F, C, D] (groups of 3: F decodes beside a padding row on its TP rank) and [D, A, B, C] (B moves
+    to the other DP group, A to the other TP rank). Every token and logit of A, B and C is bitwise the same in all
+    three (on the CPU every kernel is row-independent and MX scales are per row, so any difference is a padding row
+    or another request's row leaking into theirs). Decode ran through MC2."""
+    a, b, c, d, f = _prompts(5, (6, 17, 23, 9, 4))
     n, path = 6, str(CHECKPOINTS[scheme]("tiny"))
+    batches = {"ABC": ([a, b, c], [0, 1, 2]), "ABFCD": ([a, b, f, c, d], [0, 1, 3]), "DABC": ([d, a, b, c], [1, 2, 3])}
     runs = {}
-    for name, batch in (("ABC", [a, b, c]), ("ABCD", [a, b, c, d]), ("DABC", [d, a, b, c])):
+    for name, (batch, where) in batches.items():
         got = same_on_all_ranks(
             [{k: v for k, v in r.items() if k != "kv_blocks"} for r in
              get_pool(WORLD).run(_generate_task, path, LAYOUT, "bfloat16", batch, n, None, timeout=300)],
@@ -138,9 +141,8 @@ def test_attn_dp_quantized_request_does_not_depend_on_padding_or_other_dp_group(
         steps = got["decode_steps"]
         want_calls = {DISPATCH: 2 * steps * CONFIG.num_hidden_layers, COMBINE: steps * CONFIG.num_hidden_layers}
         assert got["mc2_calls"] == want_calls, f"{scheme} {name}: MC2 calls {got['mc2_calls']} != {want_calls}"
-        first = name.index("A")
-        runs[name] = {key: got[key][first:first + 3] for key in ("tokens", "logits", "prompt_logits")}
-    for name in ("ABCD", "DABC"):
+        runs[name] = {key: [got[key][i] for i in where] for key in ("tokens", "logits", "prompt_logits")}
+    for name in ("ABFCD", "DABC"):
         for key, want in runs["ABC"].items():
             for req, (x, y) in enumerate(zip(runs[name][key], want)):
                 label = f"{_describe(LAYOUT)} {scheme}: request {'ABC'[req]} {key} in batch {name} vs in ABC"
@@ -148,6 +150,44 @@ def test_attn_dp_quantized_request_does_not_depend_on_padding_or_other_dp_group(
                     assert x == y, f"{label}: {x} != {y}"
                 else:
                     assert torch.equal(x, y), f"{label}: max_abs {max_abs(x, y):.3e}"
+
+
+class _NpuOpCounter(TorchDispatchMode):
+    """Counts the `torch.ops.npu` calls by operator, and the grouped matmuls given no MX activation scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.gmm_16bit = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "npu":
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+            self.gmm_16bit += name == "npu_grouped_matmul" and kwargs.get("per_token_scale") is None
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def _mx_calls_task(rank, world, path, lay, prompts, n):
+    model = rank_model(path, lay, torch.bfloat16)
+    with _NpuOpCounter() as counter:
+        steps = len(runner_of(model).generate(prompts, n).decode_seconds)
+    return {"counts": counter.counts, "gmm_16bit": counter.gmm_16bit, "forwards": 1 + steps}
+
+
+@pytest.mark.parametrize("scheme", list(CHECKPOINTS))
+def test_attn_dp_quantized_step_runs_every_linear_and_expert_in_mx(scheme):
+    """The DP step calls the layers' quant methods, not a 16-bit shortcut: on every rank, each layer's merged QKV and
+    row-parallel o_proj run npu_quant_matmul in every forward (prefill and each decode step), and every expert grouped
+    matmul takes MXFP8 activations (per_token_scale); the whole-model tolerance alone cannot see one skipped MX point."""
+    prompts = _prompts(5, (6, 17, 23))
+    out = get_pool(WORLD).run(_mx_calls_task, str(CHECKPOINTS[scheme]("tiny")), LAYOUT, prompts, 3, timeout=300)
+    for rank, r in enumerate(out):
+        what = f"{_describe(LAYOUT)} {scheme} rank {rank}: {r}"
+        assert r["counts"].get("npu_quant_matmul") == 2 * CONFIG.num_hidden_layers * r["forwards"], what
+        assert r["counts"].get("npu_grouped_matmul", 0) > 0 and r["gmm_16bit"] == 0, what
 
 
 @pytest.mark.parametrize("scheme", list(CHECKPOINTS))
