@@ -15,8 +15,10 @@ rank holds only padding in decode, and group 0's prefill rows end in padding.
 - W4A8: greedy tokens agree with the fake-quant reference's own greedy run at least `min_greedy`, and more than with
   the BF16 reference's (test_e2e_w4a8's criterion);
 - a request's tokens and prompt / generated logits are bitwise the same whatever fills the rest of the batch (a
-  dummy, another request, the other DP group, a different TP rank's rows): the check that fails if padding rows or
-  another DP group's rows reach a real token's quantized rows;
+  dummy, another request, padding rows on its own TP rank in a batch of 5, the other DP group, the other TP rank):
+  the check that fails if padding rows or another DP group's rows reach a real token's quantized rows;
+- every rank runs each layer's QKV and o_proj through npu_quant_matmul in every forward and every expert grouped
+  matmul on MXFP8 activations (one skipped MX point hides inside the whole-model tolerance);
 - graph-mode DP decode (GraphDecoder, each DP group padded to the captured bucket) gives eager's tokens and logits.
 """
 from __future__ import annotations
@@ -72,6 +74,9 @@ def _dp_generation(scheme: str) -> dict:
 
 @pytest.mark.parametrize("scheme", list(CHECKPOINTS))
 def test_attn_dp_quantized_logits_match_fake_quant_reference_replaying_routing(scheme):
+    """Prompt and generated logits of every request within the scheme's model entry of the fake-quant reference
+    replaying the DP routing (no unexcused flip), every chosen token its argmax or within that entry, and the BF16
+    reference replaying the same routing `min_separation` times farther."""
     got = _dp_generation(scheme)
     oracle, plain = ORACLES[scheme]("tiny"), bf16_reference("tiny")
     tol = f"model.{scheme}.bfloat16"
@@ -181,7 +186,8 @@ def _mx_calls_task(rank, world, path, lay, prompts, n):
 def test_attn_dp_quantized_step_runs_every_linear_and_expert_in_mx(scheme):
     """The DP step calls the layers' quant methods, not a 16-bit shortcut: on every rank, each layer's merged QKV and
     row-parallel o_proj run npu_quant_matmul in every forward (prefill and each decode step), and every expert grouped
-    matmul takes MXFP8 activations (per_token_scale); the whole-model tolerance alone cannot see one skipped MX point."""
+    matmul takes MXFP8 activations (per_token_scale). The whole-model tolerance alone cannot see one skipped MX
+    point (an o_proj on 16-bit activations stayed within model.w4a8.bfloat16 when planted)."""
     prompts = _prompts(5, (6, 17, 23))
     out = get_pool(WORLD).run(_mx_calls_task, str(CHECKPOINTS[scheme]("tiny")), LAYOUT, prompts, 3, timeout=300)
     for rank, r in enumerate(out):
@@ -203,7 +209,7 @@ def test_graph_decode_under_attention_dp_quantized_equals_eager(scheme):
         (tokens, logits), (want_tokens, want_logits) = r["graph"], r["eager"]
         assert tokens == want_tokens, f"{scheme} rank {rank}: graph {tokens} != eager {want_tokens}"
         for i, (got, want) in enumerate(zip(logits, want_logits)):
-            assert torch.equal(got, want), f"{scheme} rank {rank} request {i}: graph vs eager max_abs {max_abs(got, want)}"
+            assert torch.equal(got, want), f"{scheme} rank {rank} request {i}: graph vs eager {max_abs(got, want)=}"
         c = r["captured"]
         assert c["graphs"] == 1 and c["breaks"] == 0, f"{scheme} rank {rank}: {c}"
         # group 0 runs 3 requests, group 1 two (its dummy never decodes): both pad to the bucket of 3, i.e. 4
