@@ -33,6 +33,8 @@ and names no layout.
   with each rank's own rows (decode: MC2 with the padding masked out, `own_rows`; prefill: double routing, the
   recipe's path B); the final hidden states are gathered over the DP group's attention TP ranks for lm_head, and
   each DP group samples its own requests: the runner shares only the chosen ids, which keep every rank in lockstep.
+  W4A8 / W8A8 checkpoints take the same step with 16-bit rows on every exchange, as the recipe's paths B and D do
+  (the MXFP8 wire is the SP prefill's alone): each MXFP8 linear and the experts quantize their own input per row.
 
 Phases and steps hold only exchanges (sizes and process groups), never a module: the model is passed to `run`.
 """
@@ -291,11 +293,9 @@ def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPha
     """(prefill, decode) for this layout and checkpoint, chosen once."""
     if groups.parallel.attn_dp_size > 1:
         # Attention DP runs the prefill data parallel too, as the recipe does (each DP group prefills its own
-        # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode.
-        scheme = quant_scheme(config)
-        if scheme is not None:   # not proven under DP yet: refused rather than run unchecked
-            raise NotImplementedError(f"attention DP (parallel_config.attn_dp) with a {scheme.upper()} checkpoint is "
-                                      "not implemented; use a 16-bit checkpoint or attn_dp: false")
+        # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode. W4A8 / W8A8 run the
+        # same steps: rows travel 16-bit (spec npu_ops_moe.md §1: double routing scale=None, dispatch quant_mode 0)
+        # and each MXFP8 linear / expert quantizes its own input per row, so no padding row shares a real row's scale.
         prefill = DataParallelStep(build_exchange("alltoall", config, groups), masks_padding=False)
         decode = DataParallelStep(build_exchange("dispatch_combine", config, groups), masks_padding=True)
         return DataParallelPhase(prefill), DataParallelPhase(decode)
