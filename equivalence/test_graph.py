@@ -277,6 +277,34 @@ def test_graph_decode_fp8_kv_cache_equals_eager():
             for d in (torch.bfloat16, eager.kv_cache_dtype)]
     assert key_hash(keys[0]) != key_hash(keys[1])
 
+@pytest.mark.parametrize("quant", ["w4a8", "w8a8"])
+def test_graph_decode_of_mx_checkpoints_equals_eager(quant):
+    """W4A8 / W8A8: the MX layers' runtime layouts, prepared once after loading (transposed weight views, paired
+    scales), are the model's parameters, which the compiled step reads as eager does. One teacher-forced decode step
+    on two identically prefilled caches: logits bitwise on CPU (graph.bfloat16.<device> elsewhere); greedy tokens
+    identical; the step compiles once (no recompile on the prepared layouts)."""
+    from fixtures.checkpoints import quantized_checkpoint
+    model = load_model(quantized_checkpoint("tiny", quant), dtype=torch.bfloat16, num_hidden_layers=1)
+    assert all(m.runtime_layout for m in model.modules() if hasattr(m, "runtime_layout"))
+    eager = ModelRunner(model, BLOCK_SIZE)
+    graph = ModelRunner(model, BLOCK_SIZE)
+    decoder = graph.decode_forward = GraphDecoder(model, "ge_graph", buckets=(BUCKET,),
+                                                  compiler=fresh_backend("inductor"))
+    before = inductor_counts()
+    outs = []
+    for forward in (model, decoder):
+        cache, table = paged_cache(model, [len(p) + NEW_TOKENS for p in PROMPTS])
+        ids, meta, last = eager.prefill_inputs(PROMPTS, table)
+        nxt = model(ids, meta, cache.layers, logits_indices=last).argmax(-1)
+        outs.append(forward(nxt, eager.decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
+    if outs[0].device.type == "cpu":
+        assert_bitwise_equal(outs[1], outs[0], f"{quant} graph vs eager decode logits (CPU)")
+    else:
+        assert_close(outs[1], outs[0], f"graph.bfloat16.{outs[0].device.type}", f"{quant} graph vs eager logits")
+    assert graph.generate(PROMPTS, NEW_TOKENS).tokens == eager.generate(PROMPTS, NEW_TOKENS).tokens
+    assert delta(before, inductor_counts())["graphs"] == 1, f"{quant}: the decode step compiled more than once"
+
+
 KEY_CHANGES = {
     "model_config": lambda k: k["model_config"].update(num_hidden_layers=2),
     "parallel_layout": lambda k: k["parallel_layout"].update(world_size=2, moe_ep_size=2),

@@ -30,7 +30,8 @@ from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model
 from optimized.distributed import ParallelState
 from optimized.layers.moe import FusedMoEGMM
-from optimized.layers.quantization import QuantConfigError, W4A8MxFp4MoEGMMMethod
+from optimized.layers.quantization import (QuantConfigError, W4A8MxFp4MoEGMMMethod, checkpoint_layout_parameters,
+                                           process_weights_after_loading)
 from optimized.model_loader.loader import CheckpointError, StateDictSource
 from optimized.model_loader.quantize import MXFP4, mx_quantize_weight
 
@@ -42,7 +43,8 @@ LAYOUTS = [layout(1), layout(2, attn_tp_size=2, embed_tp_size=2), layout(2, lmhe
 def rank_params(path, lay: dict, rank: int):
     state = ParallelState.build(rank=rank, create_groups=False, **lay)
     model = load_model(path, parallel=state, dtype=torch.bfloat16)
-    return dict(model.named_parameters()), model.weight_source.bytes_read
+    # in the checkpoint layouts (the build left the MX ones in the kernels' runtime layouts)
+    return checkpoint_layout_parameters(model), model.weight_source.bytes_read
 
 
 def expected(full: dict, lay: dict, rank: int) -> dict:
@@ -207,6 +209,7 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
         tp, ep = SimpleNamespace(size=tp_size, rank=tp_rank, group=None), SimpleNamespace(size=1, rank=0, group=None)
         moe = FusedMoEGMM(experts, H, inter, tp, ep, torch.bfloat16, W4A8MxFp4MoEGMMMethod())
         moe.load(StateDictSource(state), "m")
+        process_weights_after_loading(moe)      # built by hand: the build's post-load step
         return moe
 
     full = layer(1, 0)
@@ -214,8 +217,9 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
     parts = []
     for rank in range(2):
         part = layer(2, rank)
-        assert_bitwise_equal(part.w13_weight, torch.cat([full.w13_weight[:, rank * 64:(rank + 1) * 64],
-                                                         full.w13_weight[:, 128 + rank * 64:128 + (rank + 1) * 64]], 1))
+        got, unsharded = (checkpoint_layout_parameters(m)["w13_weight"] for m in (part, full))
+        assert_bitwise_equal(got, torch.cat([unsharded[:, rank * 64:(rank + 1) * 64],
+                                             unsharded[:, 128 + rank * 64:128 + (rank + 1) * 64]], 1))
         parts.append(part(x, counts).double())
     # Each partial and the unsharded output are fp32 sums rounded once to bf16 (<= 1/2 ulp each, ulp <= eps*|v|);
     # partials cancel, so the bound is on their magnitudes, not on the (smaller) result's.
@@ -368,7 +372,8 @@ def test_recipe_dense_layer_with_16_bit_gate_proj_loads_as_it_is(tmp_path):
         assert mlp.gate_up_proj is None and not hasattr(mlp.gate_proj, "weight_scale")
         assert_bitwise_equal(mlp.gate_proj.weight, source[f"model.layers.{i}.mlp.gate_proj.weight"].bfloat16(),
                              f"layer {i} gate_proj")
-        assert_bitwise_equal(mlp.up_proj.weight, tensors[f"model.layers.{i}.mlp.up_proj.weight"], f"layer {i} up")
+        assert_bitwise_equal(checkpoint_layout_parameters(mlp.up_proj)["weight"],
+                             tensors[f"model.layers.{i}.mlp.up_proj.weight"], f"layer {i} up")
         assert mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     runner = ModelRunner(model, 16)
     assert runner.kv_cache_dtype == torch.float8_e4m3fn

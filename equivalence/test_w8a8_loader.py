@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from equivalence.test_w4a8_loader import RECIPE_LINEAR_GROUP, RECIPE_QUANTIZATIO
 from fixtures.checkpoints import w4a8_checkpoint, w8a8_checkpoint
 from fixtures.tiny import tiny_config
 from optimized.distributed import ParallelState
-from optimized.layers.quantization import MxFp8LinearMethod, MxFp8MoEGMMMethod, QuantConfigError
+from optimized.layers.quantization import (MxFp8LinearMethod, MxFp8MoEGMMMethod, QuantConfigError,
+                                           checkpoint_layout_parameters)
 from optimized.model_loader.build import load_model
 from optimized.model_loader.loader import CheckpointError
 from equivalence.strategies import layout
@@ -45,6 +47,7 @@ def test_w8a8_experts_load_the_checkpoint_bytes_of_their_expert_range(lay):
         model = load_model(path, parallel=state, dtype=torch.bfloat16)
         for i, layer in enumerate(model.layers):
             experts = layer.mlp.experts
+            loaded = SimpleNamespace(**checkpoint_layout_parameters(experts))   # as loaded, not the runtime layouts
             assert isinstance(experts.quant_method, MxFp8MoEGMMMethod)
             assert isinstance(layer.self_attn.merged_qkv_proj.quant_method, MxFp8LinearMethod)
             assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float8_e4m3fn
@@ -53,12 +56,12 @@ def test_w8a8_experts_load_the_checkpoint_bytes_of_their_expert_range(lay):
                 gate, up, down = (tensors[f"{name}.{p}_proj.weight"] for p in ("gate", "up", "down"))
                 scales = [tensors[f"{name}.{p}_proj.weight_scale"] for p in ("gate", "up", "down")]
                 what = f"rank {rank} layer {i} expert {rank * local + j}"
-                assert_bitwise_equal(experts.w13_weight[j], torch.cat([gate, up]), f"{what} w13")
-                assert_bitwise_equal(experts.w2_weight[j], down, f"{what} w2")
+                assert_bitwise_equal(loaded.w13_weight[j], torch.cat([gate, up]), f"{what} w13")
+                assert_bitwise_equal(loaded.w2_weight[j], down, f"{what} w2")
                 nb13, nb2 = scales[0].shape[1], scales[2].shape[1]
-                assert_bitwise_equal(experts.w13_weight_scale[j, :, :nb13], torch.cat(scales[:2]), f"{what} w13 scale")
-                assert_bitwise_equal(experts.w2_weight_scale[j, :, :nb2], scales[2], f"{what} w2 scale")
-                assert not experts.w13_weight_scale[j, :, nb13:].any() and not experts.w2_weight_scale[j, :, nb2:].any()
+                assert_bitwise_equal(loaded.w13_weight_scale[j, :, :nb13], torch.cat(scales[:2]), f"{what} w13 scale")
+                assert_bitwise_equal(loaded.w2_weight_scale[j, :, :nb2], scales[2], f"{what} w2 scale")
+                assert not loaded.w13_weight_scale[j, :, nb13:].any() and not loaded.w2_weight_scale[j, :, nb2:].any()
 
 
 @pytest.fixture

@@ -7,11 +7,18 @@ where attention (and dense-MLP) linears use `MxFp8LinearMethod` and the routed e
 the W8A8 config (group_0 Linear 8-bit alone: the recipe's `w8a8c16`, whose experts fall to the Linear group) ->
 "w8a8", every linear `MxFp8LinearMethod` and the experts `MxFp8MoEGMMMethod` (the recipe's names).
 
-W4A8 parameters keep the checkpoint layouts (§7): MXFP8 `weight [N, K]` float8_e4m3fn, MXFP4 expert
-weights uint8 `[N, K/2]` (two E2M1 codes per byte, packed along K), `weight_scale [N, nb]` one E8M0 byte
+MX parameters are created and loaded in the checkpoint layouts (§7): MXFP8 `weight [N, K]` float8_e4m3fn, MXFP4
+expert weights uint8 `[N, K/2]` (two E2M1 codes per byte, packed along K), `weight_scale [N, nb]` one E8M0 byte
 per 32-block of K, with nb padded to even by a zero byte so the pair layout `[N, nb/2, 2]` (§2.2) is a view.
 A rank's K-slice (row-parallel o_proj, down_proj under MoE TP) must start and end on a 32-block boundary:
 packed bytes and scale bytes are then sliced whole, straight from the checkpoint with `get_slice`.
+
+After every load, `process_weights_after_loading(model)` (the build calls it once) has each quant method put its
+layer's parameters in the runtime layouts the NPU kernels take, as the recipe's MX modules do, so no forward call
+re-lays them out: weights become their transposed views (`[K, N]`, experts `[L, K(/2), N]`; no copy), scales the
+paired, transposed pairs `[nb/2, N, 2]` / `[L, nb/2, N, 2]`, contiguous (one copy at build, the checkpoint layout
+freed). Applying an MX layer before that, processing it twice or loading into it after it, is an error naming the
+layer. `checkpoint_layout_parameters(model)` gives the parameters back in the checkpoint layouts (tests, inspection).
 """
 from __future__ import annotations
 
@@ -246,6 +253,71 @@ def _no_mx(x, what: str) -> None:
                         f"MX layers: W4A8 checkpoints)")
 
 
+# ------------------------------------------------------------------------ weights prepared after loading
+
+def _layer_label(layer: nn.Module) -> str:
+    names = getattr(layer, "loaded_from", None)
+    return f"{type(layer).__name__} ({', '.join(names) if names else 'nothing loaded'})"
+
+
+def _note_load(layer: nn.Module, name: str) -> None:
+    """Remembers what the layer loads (its name in errors); a load into runtime layouts would scramble them."""
+    if getattr(layer, "runtime_layout", False):
+        raise RuntimeError(f"{_layer_label(layer)}: cannot load {name!r} after process_weights_after_loading (its "
+                           f"parameters are in the runtime layout now); load into a freshly built model")
+    names = layer.__dict__.setdefault("loaded_from", [])
+    if name not in names:
+        names.append(name)
+
+
+def _start_processing(layer: nn.Module) -> None:
+    # Refused, not idempotent: a second pass would transpose the runtime layouts again.
+    if getattr(layer, "runtime_layout", False):
+        raise RuntimeError(f"{_layer_label(layer)}: process_weights_after_loading was already called; it runs "
+                           f"once per layer, after all its weights are loaded")
+
+
+def _check_processed(layer: nn.Module) -> None:
+    if not layer.runtime_layout:
+        raise RuntimeError(f"{_layer_label(layer)}: applied before process_weights_after_loading(layer): its MX "
+                           f"weights are still in the checkpoint layout (the model build calls it after loading; "
+                           f"a layer built by hand must call it too)")
+
+
+def _runtime_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Checkpoint scale bytes [..., N, nbp] -> the kernels' pairs [..., nbp/2, N, 2] (§2.2), contiguous."""
+    return mxf.pair_scales(scale).transpose(-3, -2).contiguous()
+
+
+def _checkpoint_scale(pairs: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_runtime_scale`: [..., nbp/2, N, 2] -> [..., N, nbp] (a copy)."""
+    return pairs.transpose(-3, -2).flatten(-2)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Each layer with a quant method in `model` (itself included) prepares its runtime layouts: once, after every
+    weight is loaded. `modules()` yields a module held twice once."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def checkpoint_layout_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.named_parameters()` with every processed MX layer's tensors in the checkpoint layouts (weights as
+    views, scales as copies [..., N, nbp]): what loading wrote, for tests and inspection."""
+    params = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        if getattr(module, "runtime_layout", False):
+            for attr, tensor in module.quant_method.checkpoint_layout(module).items():
+                params[f"{prefix}.{attr}" if prefix else attr] = tensor
+    return params
+
+
 # ---------------------------------------------------------------------------------------------- linears
 
 class UnquantizedLinearMethod:
@@ -260,14 +332,19 @@ class UnquantizedLinearMethod:
         _expect_float(source, name, t)
         layer.weight[rows].copy_(t)
 
+    def process_weights_after_loading(self, layer) -> None:
+        """Nothing to prepare: F.linear takes the [N, K] weight as loaded (the CPU's oneDNN packing is the portable
+        kernel's own, cpu_gemm.py)."""
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         _no_mx(x, "an unquantized linear")
         return cpu_gemm.linear(x, layer.weight)   # F.linear, on CPU bf16 with oneDNN's prepacked weight
 
 
 class MxFp8LinearMethod:
-    """MXFP8 W8A8: weight [N, K] float8_e4m3fn + weight_scale [N, nb]; x quantized per call (npu_dynamic_mx_quant),
-    then npu_quant_matmul (fp32 accumulation, output in the activation dtype)."""
+    """MXFP8 W8A8: weight [N, K] float8_e4m3fn + weight_scale [N, nb] as loaded, then (process_weights_after_loading)
+    the runtime layouts weight [K, N] (a view) and weight_scale [nb/2, N, 2]; x quantized per call
+    (npu_dynamic_mx_quant), then npu_quant_matmul (fp32 accumulation, output in the activation dtype)."""
 
     def create_weights(self, layer: nn.Module, out_rows: int, in_features: int, dtype: torch.dtype) -> None:
         _check_activation_dtype(dtype)
@@ -275,9 +352,11 @@ class MxFp8LinearMethod:
         layer.weight_scale = nn.Parameter(torch.zeros(out_rows, even_blocks(in_features), dtype=torch.uint8),
                                           requires_grad=False)
         layer.output_dtype = dtype
+        layer.runtime_layout = False
 
     def load(self, layer, source, name: str, full_shape: tuple, index: tuple = (), rows: slice = slice(None)) -> None:
         n, k = full_shape
+        _note_load(layer, name)
         w = source.read(name, full_shape, index)
         _expect_dtype(source, name, w, torch.float8_e4m3fn, "MXFP8")
         layer.weight[rows].copy_(w)
@@ -288,16 +367,28 @@ class MxFp8LinearMethod:
         _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "MXFP8")
         layer.weight_scale[rows, :s.shape[1]].copy_(s)
 
+    def process_weights_after_loading(self, layer) -> None:
+        """npu_quant_matmul's layouts, in place of the checkpoint's: weight [K, N] (the transposed view: no copy),
+        weight_scale pairs [nb/2, N, 2] (contiguous; the [N, nb] bytes freed)."""
+        _start_processing(layer)
+        layer.weight = _param(layer.weight.t())
+        layer.weight_scale = _param(_runtime_scale(layer.weight_scale))
+        layer.runtime_layout = True
+
+    def checkpoint_layout(self, layer) -> dict[str, torch.Tensor]:
+        return {"weight": layer.weight.t(), "weight_scale": _checkpoint_scale(layer.weight_scale)}
+
     def apply(self, layer, x) -> torch.Tensor:
         """x: [..., K] in the activation dtype (quantized here), or MxRows [M, K] already quantized -> [..., N]."""
+        _check_processed(layer)
         if isinstance(x, MxRows):
             return self._matmul(layer, x)
         x2 = x.reshape(-1, x.shape[-1])                                           # [M, K]
-        return self._matmul(layer, mx_quant(x2)).view(*x.shape[:-1], layer.weight.shape[0])
+        return self._matmul(layer, mx_quant(x2)).view(*x.shape[:-1], layer.weight.shape[1])
 
     def _matmul(self, layer, x: MxRows) -> torch.Tensor:
         return torch.ops.npu.npu_quant_matmul(
-            x.data, layer.weight.t(), mxf.pair_scales(layer.weight_scale).transpose(0, 1), pertoken_scale=x.scale,
+            x.data, layer.weight, layer.weight_scale, pertoken_scale=x.scale,
             output_dtype=mxf.dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
             pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])
 
@@ -334,6 +425,9 @@ class UnquantizedFusedMoEMethod:
         layer.w13[local, :, i_r:].copy_(up.t())
         layer.w2[local].copy_(down.t())
 
+    def process_weights_after_loading(self, layer) -> None:
+        """Nothing to prepare: w13 / w2 are created as the grouped matmul's transposed views."""
+
     def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         _no_mx(x, "the unquantized experts")
         h = torch.ops.npu.npu_grouped_matmul([x], [layer.w13], group_list=tokens_per_expert, group_type=0,
@@ -349,6 +443,7 @@ class _MxExpertLoading:
 
     def load_expert(self, layer, source, name: str, local: int, cols: slice) -> None:
         inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
+        _note_load(layer, name.rpartition(".")[0])                    # the experts' prefix, not each expert
         for offset, proj in ((0, "gate_proj"), (i_r, "up_proj")):
             w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))     # [I_r, H(/2)], [I_r, nb]
             layer.w13_weight[local, offset:offset + i_r].copy_(w)
@@ -357,12 +452,28 @@ class _MxExpertLoading:
         layer.w2_weight[local].copy_(w)
         layer.w2_weight_scale[local, :, :s.shape[1]].copy_(s)
 
+    def process_weights_after_loading(self, layer) -> None:
+        """npu_grouped_matmul's layouts, in place of the checkpoint's: w13_weight / w2_weight [L, K(/2), N] (the
+        transposed views: no copy), their scales pairs [L, nb/2, N, 2] (contiguous; the [L, N, nb] bytes freed)."""
+        _start_processing(layer)
+        for w in ("w13_weight", "w2_weight"):
+            setattr(layer, w, _param(getattr(layer, w).transpose(1, 2)))
+            setattr(layer, f"{w}_scale", _param(_runtime_scale(getattr(layer, f"{w}_scale"))))
+        layer.runtime_layout = True
+
+    def checkpoint_layout(self, layer) -> dict[str, torch.Tensor]:
+        out = {}
+        for w in ("w13_weight", "w2_weight"):
+            out[w] = getattr(layer, w).transpose(1, 2)
+            out[f"{w}_scale"] = _checkpoint_scale(getattr(layer, f"{w}_scale"))
+        return out
+
 
 class W4A8MxFp4MoEGMMMethod(_MxExpertLoading):
     """MXFP4 expert weights x MXFP8 activations (§6.6 W4A8 row): w13_weight [L, 2*I_r, H/2] (gate rows, then up
-    rows), w2_weight [L, H, I_r/2], uint8 packed along K, with per-block scales [L, N, nb]. The grouped matmul
-    reads them as the transposed views [L, K/2, N] and [L, K/64, N, 2]; the SwiGLU output is quantized by
-    npu_swiglu_mx_quant."""
+    rows), w2_weight [L, H, I_r/2], uint8 packed along K, with per-block scales [L, N, nb], as loaded. The grouped
+    matmul takes them as process_weights_after_loading leaves them: the transposed views [L, K/2, N] and the scale
+    pairs [L, K/64, N, 2] (contiguous); the SwiGLU output is quantized by npu_swiglu_mx_quant."""
 
     tensors = ("weight", "weight_scale")
 
@@ -379,6 +490,7 @@ class W4A8MxFp4MoEGMMMethod(_MxExpertLoading):
         layer.w2_weight = param(experts, hidden, inter // 2)
         layer.w2_weight_scale = param(experts, hidden, even_blocks(inter), zeros=True)
         layer.output_dtype = dtype
+        layer.runtime_layout = False
 
     def _read(self, source, name: str, shape: tuple, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         n, k = shape
@@ -392,13 +504,14 @@ class W4A8MxFp4MoEGMMMethod(_MxExpertLoading):
 
     def _gmm(self, layer, x, x_scale, weight, weight_scale, tokens_per_expert):
         return torch.ops.npu.npu_grouped_matmul(
-            [x], [weight.transpose(1, 2)], antiquant_scale=[mxf.pair_scales(weight_scale).transpose(1, 2)],
+            [x], [weight], antiquant_scale=[weight_scale],
             per_token_scale=[x_scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
             split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype), weight_dtype=FLOAT4_E2M1,
             per_token_scale_dtype=FLOAT8_E8M0)[0]
 
     def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: rows [M, H] in the activation dtype (quantized here) or MxRows already quantized -> [M, H]."""
+        _check_processed(layer)
         xq, xs = x if isinstance(x, MxRows) else mx_quant(x)                                # [M, H] fp8
         h = self._gmm(layer, xq, xs, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
         hq, hs = torch.ops.npu.npu_swiglu_mx_quant(h, group_index=tokens_per_expert, activate_left=True,
@@ -408,8 +521,9 @@ class W4A8MxFp4MoEGMMMethod(_MxExpertLoading):
 
 class MxFp8MoEGMMMethod(_MxExpertLoading):
     """MXFP8 W8A8 experts (§6.6 MXFP8 row, the recipe's `w8a8c16`): w13_weight [L, 2*I_r, H] (gate rows, then up
-    rows), w2_weight [L, H, I_r] float8_e4m3fn with per-block scales [L, N, nb]. The grouped matmul reads them as
-    the transposed views [L, K, N] and the weight scale in `scale` [L, K/64, N, 2] (scale_dtype E8M0); between
+    rows), w2_weight [L, H, I_r] float8_e4m3fn with per-block scales [L, N, nb], as loaded. The grouped matmul takes
+    them as process_weights_after_loading leaves them: the transposed views [L, K, N] and the weight scale in
+    `scale` as pairs [L, K/64, N, 2] (contiguous, scale_dtype E8M0); between
     the two, npu_swiglu then npu_dynamic_mx_quant, as the recipe's MxFp8MoEGMMMethod does (no fused SwiGLU + MX
     quantization for this mode)."""
 
@@ -426,6 +540,7 @@ class MxFp8MoEGMMMethod(_MxExpertLoading):
         layer.w2_weight = param(experts, hidden, inter, dtype=fp8)
         layer.w2_weight_scale = param(experts, hidden, even_blocks(inter), dtype=u8, zeros=True)
         layer.output_dtype = dtype
+        layer.runtime_layout = False
 
     def _read(self, source, name: str, shape: tuple, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         n, k = shape
@@ -438,13 +553,14 @@ class MxFp8MoEGMMMethod(_MxExpertLoading):
 
     def _gmm(self, layer, x: MxRows, weight, weight_scale, tokens_per_expert):
         return torch.ops.npu.npu_grouped_matmul(
-            [x.data], [weight.transpose(1, 2)], scale=[mxf.pair_scales(weight_scale).transpose(1, 2)],
+            [x.data], [weight], scale=[weight_scale],
             per_token_scale=[x.scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
             split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
             per_token_scale_dtype=FLOAT8_E8M0)[0]
 
     def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: rows [M, H] in the activation dtype (quantized here) or MxRows already quantized -> [M, H]."""
+        _check_processed(layer)
         xq = x if isinstance(x, MxRows) else mx_quant(x)                                     # [M, H] fp8
         h = self._gmm(layer, xq, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
         h = torch.ops.npu.npu_swiglu(h)                                                      # [M, I_r]

@@ -8,7 +8,7 @@ import torch
 from optimized import platform
 from optimized.distributed import ParallelState
 from optimized.config import InferenceConfig, is_sparse_layer
-from optimized.layers.quantization import W4A8, W8A8, quant_scheme
+from optimized.layers.quantization import W4A8, W8A8, process_weights_after_loading, quant_scheme
 from optimized.model_loader.hf_config import load_hf_config
 from optimized.model_loader.loader import CheckpointReader, RandomWeights
 from optimized.model import Qwen3MoeForCausalLM
@@ -60,6 +60,8 @@ def model_from_source(config, source, *, parallel: ParallelState | None = None,
         w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, sp_ep_scheme=model.ep_scheme, mc2_decode=model.decode.step.exchange is not None,
         dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))))
     model.load_weights(source)
+    # Once, after every weight is in: the quant methods' runtime layouts, so no forward call re-lays them out.
+    process_weights_after_loading(model)
     model.weight_source = source
     return model.eval()
 
