@@ -278,8 +278,10 @@ class ModelConfig:
         if self.enable_static_kernel is True:
             c.fail("enable_static_kernel", "static kernels of npugraph_ex are not implemented; set it false")
         if self.enable_hadamard is True:
-            c.fail("enable_hadamard", "the W4A4 Hadamard-rotated checkpoints are not implemented (W4A8 / W8A8 are: "
-                                      "`python -m optimized convert`); set it false")
+            c.fail("enable_hadamard", "the W4A4 Hadamard-rotated checkpoints are not implemented: their rotation "
+                                      "parameters (hadamard_weight_path) are outside the operator spec this build "
+                                      "follows (W4A8 / W8A8 are implemented: `python -m optimized convert`); set it "
+                                      "false")
         elif isinstance(self.hadamard_weight_path, str) and self.hadamard_weight_path:
             c.fail("hadamard_weight_path", "is only read with enable_hadamard: true (which is not implemented)")
         if self.enable_online_split_weight is False:
