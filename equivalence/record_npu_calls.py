@@ -2,14 +2,17 @@
 
 A call is recorded as its operator and its arguments by schema name (defaults filled in): tensors as dtype, shape
 and stride, everything else by value; never the data. `CONFIGURATIONS` are the runs recorded: the tiny fixtures
-through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16, W4A8 and W8A8, and the
-sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8 and W8A8). The deduplicated calls go to
+through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16, W4A8, W8A8 and W4A8 with
+the per-token FP8 KV cache, the sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8, W8A8,
+W4A8 + FP8 KV; MC2 decode), and attention DP over 4 (attention TP 2 x DP 2, MoE EP 4: double-routing prefill, MC2
+decode). Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
 `equivalence/spec/recorded_npu_calls.json`; regenerate it after a change to what the model calls with
 
     PYTHONPATH=. python -m equivalence.record_npu_calls
 
 `equivalence/test_recorded_npu_calls.py` re-records the single-process runs and fails on a call the file lacks;
-`equivalence/test_npu_replay.py` replays every listed call on torch_npu against the portable kernel.
+`equivalence/test_npu_replay.py` replays every listed call on torch_npu against the portable kernel, the MC2
+collectives as a multi-rank job (`record_mc2`, equivalence/mc2_replay.py).
 """
 from __future__ import annotations
 
@@ -86,6 +89,16 @@ def _describe(value):
     return value
 
 
+# A communicator name (group_ep / group_tp) is the recording job's own (a gloo group counter that depends on which
+# groups the worker made before), meaningless to another job: recorded as this placeholder, so the recording is the
+# same whatever ran first; the MC2 replay (equivalence/mc2_replay.py) substitutes its own group's name.
+COMMUNICATOR = "<communicator name>"
+
+
+def _is_communicator(arg, value) -> bool:
+    return arg.name.startswith("group") and isinstance(value, str) and value != ""
+
+
 def signature(func, args, kwargs) -> dict:
     """{"op": "<name>[.<overload>]", "args": {name: description}} of one call, defaults filled in."""
     schema = func._schema
@@ -99,7 +112,7 @@ def signature(func, args, kwargs) -> dict:
             value = arg.default_value
         else:
             value = None
-        described[arg.name] = _describe(value)
+        described[arg.name] = COMMUNICATOR if _is_communicator(arg, value) else _describe(value)
     overload = func._overloadname
     op = func._overloadpacket.__name__ + ("" if overload == "default" else f".{overload}")
     return {"op": op, "args": described}
