@@ -21,7 +21,7 @@ the handle a portable dispatch wrote (spec npu_ops_moe.md §10.2, §11.1). Here 
 - a group name that is not this replay's group (e.g. the recorded one) is refused before any collective
   (`StaleGroupNameError`): on the NPU it would name no communicator of this job.
 
-Runners: `run_on_pool` (the gloo worker pool, default suite) and `run_on_spawned_ranks` (fresh spawned processes
+Runners: `replay_task` on the gloo worker pool (default suite) or `run_on_spawned_ranks` (fresh spawned processes
 whose default group uses the platform backend: the NPU test, as the parent may already hold an NPU context that
 forked children cannot use).
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -215,12 +216,6 @@ def replay_task(rank: int, world: int, captures: list[RankCapture], device: str 
 
 # -------------------------------------------------------------------------------------------------- runners
 
-def run_on_pool(captures: list[RankCapture], timeout: float = 120, **kwargs) -> list:
-    """`replay_task` on the gloo worker pool of W ranks (CPU, portable kernels)."""
-    from equivalence.dist import get_pool
-    return get_pool(captures[0].world).run(replay_task, captures, timeout=timeout, **kwargs)
-
-
 def _spawned_rank(rank: int, world: int, init_file: str, payload: bytes, queue) -> None:
     import torch.distributed as dist
 
@@ -261,7 +256,6 @@ def run_on_spawned_ranks(world: int, fn, *args, timeout: float = 300, **kwargs) 
                              daemon=True) for r in range(world)]
         for p in procs:
             p.start()
-        import time
         deadline = time.monotonic() + timeout
         try:
             while len(results) + len(errors) < world and time.monotonic() < deadline:
