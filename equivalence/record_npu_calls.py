@@ -2,14 +2,17 @@
 
 A call is recorded as its operator and its arguments by schema name (defaults filled in): tensors as dtype, shape
 and stride, everything else by value; never the data. `CONFIGURATIONS` are the runs recorded: the tiny fixtures
-through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16, W4A8 and W8A8, and the
-sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8 and W8A8). The deduplicated calls go to
+through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16, W4A8, W8A8 and W4A8 with
+the per-token FP8 KV cache, the sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8, W8A8,
+W4A8 + FP8 KV; MC2 decode), and attention DP over 4 (attention TP 2 x DP 2, MoE EP 4: double-routing prefill, MC2
+decode). Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
 `equivalence/spec/recorded_npu_calls.json`; regenerate it after a change to what the model calls with
 
     PYTHONPATH=. python -m equivalence.record_npu_calls
 
 `equivalence/test_recorded_npu_calls.py` re-records the single-process runs and fails on a call the file lacks;
-`equivalence/test_npu_replay.py` replays every listed call on torch_npu against the portable kernel.
+`equivalence/test_npu_replay.py` replays every listed call on torch_npu against the portable kernel, the MC2
+collectives as a multi-rank job (`record_mc2`, equivalence/mc2_replay.py).
 """
 from __future__ import annotations
 
@@ -35,14 +38,26 @@ class Configuration:
     dtype: str
     scheme: str | None = None   # None: the tensor-parallel layout; else the SP prefill with this EP scheme
     w8a8: bool = False          # the W8A8 conversion (MXFP8 experts) instead of w4a8 / bf16
+    attn_dp: bool = False       # attention TP world/2 x DP 2, MoE EP over the world (MC2 decode, double routing)
+    kv_cache: str = "bf16"      # "fp8": the checkpoint's per-token FP8 KV cache scheme (quantized checkpoints)
+
+    def __post_init__(self):
+        if self.kv_cache != "bf16" and not (self.w4a8 or self.w8a8):
+            raise ValueError(f"{self.name}: kv_cache={self.kv_cache!r} comes with a W4A8 / W8A8 checkpoint")
+        if self.attn_dp and (self.scheme is not None or self.world < 4):
+            raise ValueError(f"{self.name}: attention DP needs world >= 4 and the TP prefill (scheme None)")
 
     def layout(self) -> dict:
         from equivalence.strategies import layout, sp_layout
+        if self.attn_dp:
+            return layout(self.world, attn_tp_size=self.world // 2, attn_dp=True)
         return layout(1) if self.scheme is None else sp_layout(self.world, self.scheme)
 
     def checkpoint(self) -> Path:
         from fixtures.checkpoints import checkpoint, w4a8_checkpoint, w8a8_checkpoint
-        return (w8a8_checkpoint if self.w8a8 else w4a8_checkpoint if self.w4a8 else checkpoint)(self.fixture)
+        if self.w4a8 or self.w8a8:
+            return (w8a8_checkpoint if self.w8a8 else w4a8_checkpoint)(self.fixture, kv_cache=self.kv_cache)
+        return checkpoint(self.fixture)
 
 
 CONFIGURATIONS = (
@@ -54,6 +69,9 @@ CONFIGURATIONS = (
     Configuration("sp2-alltoall-w8a8", 2, "tiny", False, "bfloat16", "alltoall", w8a8=True),
     Configuration("sp2-alltoall-w4a8", 2, "tiny", True, "bfloat16", "alltoall"),
     Configuration("sp2-allgather-w4a8", 2, "tiny-dense", True, "bfloat16", "allgather"),
+    Configuration("tp1-w4a8-fp8kv", 1, "tiny", True, "bfloat16", kv_cache="fp8"),
+    Configuration("sp2-alltoall-w4a8-fp8kv", 2, "tiny", True, "bfloat16", "alltoall", kv_cache="fp8"),
+    Configuration("dp-tp2x2-ep4-bfloat16", 4, "tiny", False, "bfloat16", attn_dp=True),
 )
 SINGLE_PROCESS = tuple(c for c in CONFIGURATIONS if c.world == 1)
 
@@ -71,6 +89,16 @@ def _describe(value):
     return value
 
 
+# A communicator name (group_ep / group_tp) is the recording job's own (a gloo group counter that depends on which
+# groups the worker made before), meaningless to another job: recorded as this placeholder, so the recording is the
+# same whatever ran first; the MC2 replay (equivalence/mc2_replay.py) substitutes its own group's name.
+COMMUNICATOR = "<communicator name>"
+
+
+def _is_communicator(arg, value) -> bool:
+    return arg.name.startswith("group") and isinstance(value, str) and value != ""
+
+
 def signature(func, args, kwargs) -> dict:
     """{"op": "<name>[.<overload>]", "args": {name: description}} of one call, defaults filled in."""
     schema = func._schema
@@ -84,7 +112,7 @@ def signature(func, args, kwargs) -> dict:
             value = arg.default_value
         else:
             value = None
-        described[arg.name] = _describe(value)
+        described[arg.name] = COMMUNICATOR if _is_communicator(arg, value) else _describe(value)
     overload = func._overloadname
     op = func._overloadpacket.__name__ + ("" if overload == "default" else f".{overload}")
     return {"op": op, "args": described}
@@ -94,16 +122,30 @@ def call_key(call: dict) -> str:
     return json.dumps({"op": call["op"], "args": call["args"]}, sort_keys=True)
 
 
+MC2_OPS = ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2")
+
+
+def bind(func, args, kwargs) -> dict:
+    """The arguments given to one call by schema name (defaults not filled in): what a replay passes as keywords."""
+    names = [a.name for a in func._schema.arguments if not a.kwarg_only]
+    return {**dict(zip(names, args)), **kwargs}
+
+
 class NpuCallRecorder(TorchDispatchMode):
     """Records each `npu::` call and runs it on the portable kernel (also where torch_npu owns the namespace, so
     the model runs on the CPU there too). `capture=True` keeps the argument values of each signature's first call
-    (what the NPU replay feeds torch_npu)."""
+    (what the NPU replay feeds torch_npu). `mc2=True` keeps, by call order, this rank's first call of each MC2
+    collective with its arguments by name and its portable outputs (`mc2_calls`: what equivalence/mc2_replay.py
+    replays as a multi-rank job; ranks run in lockstep, so every rank's first dispatch / combine is the same
+    layer of the same step, though their signatures differ by ep_rank_id)."""
 
-    def __init__(self, capture: bool = False):
+    def __init__(self, capture: bool = False, mc2: bool = False):
         super().__init__()
         self.calls: dict[str, dict] = {}
         self.captured: dict[str, tuple] = {}
+        self.mc2_calls: dict[str, dict] = {}
         self.capture = capture
+        self.mc2 = mc2
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -116,7 +158,12 @@ class NpuCallRecorder(TorchDispatchMode):
         if self.capture and key not in self.captured:
             self.captured[key] = (call["op"], _clone(args), _clone(kwargs))
         kernel = PORTABLE_KERNELS.get(call["op"], func)
-        return kernel(*args, **kwargs)
+        keep = self.mc2 and call["op"] in MC2_OPS and call["op"] not in self.mc2_calls
+        arguments = _clone(bind(func, args, kwargs)) if keep else None   # before the kernel: inputs as given
+        out = kernel(*args, **kwargs)
+        if keep:
+            self.mc2_calls[call["op"]] = {"arguments": arguments, "outputs": _clone(out)}
+        return out
 
 
 def _clone(value):
@@ -151,6 +198,31 @@ def record(config: Configuration, capture: bool = False) -> tuple[dict, dict]:
         for key, value in rank_captured.items():
             captured.setdefault(key, value)
     return calls, captured
+
+
+@torch.no_grad()
+def _mc2_task(rank: int, world: int, config: Configuration) -> dict[str, dict]:
+    from equivalence.parallel_support import dtype_of, on_host, rank_model, runner_of
+
+    model = rank_model(config.checkpoint(), config.layout(), dtype_of(config.dtype))
+    with NpuCallRecorder(mc2=True) as recorder:
+        runner_of(model).generate(PROMPTS, NEW_TOKENS)
+    return on_host(recorder.mc2_calls)
+
+
+def record_mc2(config: Configuration) -> list[dict[str, dict]]:
+    """Every rank's first MC2 dispatch and combine (`NpuCallRecorder.mc2_calls`), in rank order."""
+    if config.world == 1:
+        return [_mc2_task(0, 1, config)]
+    from equivalence.dist import get_pool
+    return get_pool(config.world).run(_mc2_task, config, timeout=300)
+
+
+def mc2_configurations() -> tuple[Configuration, ...]:
+    """The recording configurations whose decode runs MC2 (the layout's rule, not the recording's)."""
+    from optimized.config import ParallelConfig
+    from optimized.distributed.decode_plan import uses_mc2_decode
+    return tuple(c for c in CONFIGURATIONS if uses_mc2_decode(ParallelConfig(**c.layout())))
 
 
 def load_recording() -> dict[str, dict]:

@@ -7,7 +7,9 @@ torch_npu on the NPU and by the portable kernel on the CPU. Comparison (spec npu
 §6): pure data movement and MX quantization of a given tensor bitwise; the fused MX norms and SwiGLU within one
 element step of the decoded values (their pre-quantization tensor may differ by 1 bf16 ulp); other floats by the
 tolerance table; regions the NPU leaves unwritten masked out. Skips only by what is known before any call: no
-NPU (root conftest), a W4A8 call on a SoC other than Ascend 950 (the MX kernels' hardware). A kernel error fails.
+NPU (root conftest), a W4A8 call on a SoC other than Ascend 950 (the MX kernels' hardware), an MC2 collective
+(dispatch / combine: replayed as a W-rank job by `test_recorded_mc2_on_torch_npu_equals_the_portable_kernels`,
+equivalence/mc2_replay.py), fewer NPUs than that job's ranks. A kernel error fails.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import pytest
 import torch
 
 from equivalence.compare import assert_bitwise_equal, assert_close, op_tolerance, tolerance
-from equivalence.record_npu_calls import CONFIGURATIONS, REGENERATE, load_recording, record
+from equivalence.record_npu_calls import (CONFIGURATIONS, MC2_OPS, REGENERATE, load_recording, mc2_configurations,
+                                          record)
 
 pytestmark = pytest.mark.npu
 
@@ -109,6 +112,9 @@ def test_the_recording_is_what_the_model_calls():
 def test_recorded_call_on_torch_npu_equals_the_portable_kernel(key, call, monkeypatch):
     from optimized.ops.registry import portable_kernel
 
+    if call["op"] in MC2_OPS:   # a collective over ep_world_size ranks, with communicator names and opaque handles
+        pytest.skip(f"{call['op']} is replayed as an ep_world_size-rank job on hccl by "
+                    "test_recorded_mc2_on_torch_npu_equals_the_portable_kernels (one process cannot run it)")
     if set(call["configurations"]) <= W4A8_CONFIGS and not _is_950():
         pytest.skip(f"W4A8 call: the MX kernels run on Ascend 950; this host: {_host().describe()}")
     if _is_950():
@@ -120,6 +126,24 @@ def test_recorded_call_on_torch_npu_equals_the_portable_kernel(key, call, monkey
     got = npu_op(*_map(args, lambda t: t.to("npu")), **_map(kwargs, lambda t: t.to("npu")))
     as_list = (lambda out: list(out) if isinstance(out, (list, tuple)) else [out])
     _compare(op, kwargs, _map(as_list(got), lambda t: t.cpu()), as_list(want), f"{op} ({call['configurations']})")
+
+
+@pytest.mark.parametrize("config", mc2_configurations(), ids=lambda c: c.name)
+def test_recorded_mc2_on_torch_npu_equals_the_portable_kernels(config):
+    """Each rank's first MC2 dispatch and combine of a multi-rank recording, on W NPUs over hccl (a fresh group
+    with the MC2 HCCL window, its HCCL communicator name in place of the recorded gloo name, the combine fed this
+    job's own dispatch handles): expand_x[:n_recv] and expert_token_nums bitwise the portable kernel's, the
+    combine within the op tolerance (equivalence/mc2_replay.py)."""
+    from equivalence import mc2_replay
+
+    world = config.layout()["moe_ep_size"]
+    if torch.npu.device_count() < world:
+        pytest.skip(f"{config.name}: the MC2 replay needs {world} NPUs (one per EP rank); "
+                    f"{torch.npu.device_count()} visible")
+    captures = mc2_replay.capture(config)     # on the CPU: gloo ranks, portable kernels
+    assert captures[0].world == world
+    # Spawned, not forked: this process may hold an NPU context already, which a forked child cannot use.
+    assert mc2_replay.run_on_spawned_ranks(world, mc2_replay.replay_task, captures, timeout=300) == ["ok"] * world
 
 
 @pytest.mark.parametrize("fixture, w4a8", [("tiny", False), ("tiny", True)], ids=["bfloat16", "w4a8"])

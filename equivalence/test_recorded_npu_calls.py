@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from equivalence.record_npu_calls import (CONFIGURATIONS, REGENERATE, SINGLE_PROCESS, NpuCallRecorder, call_key,
-                                          load_recording, record, signature)
+from equivalence.record_npu_calls import (COMMUNICATOR, CONFIGURATIONS, MC2_OPS, REGENERATE, SINGLE_PROCESS,
+                                          NpuCallRecorder, call_key, load_recording, record, signature)
 
 
 @pytest.mark.parametrize("config", SINGLE_PROCESS, ids=lambda c: c.name)
@@ -33,6 +33,12 @@ def test_recording_lists_every_configuration_and_the_sp_exchanges():
     re_routing = [c["args"] for c in listed if c["op"] == "npu_moe_re_routing"]
     assert re_routing and all(a["tokens"]["dtype"] in ("bfloat16", "float16", "int8") for a in re_routing), \
         "the double-routing exchange must hand npu_moe_re_routing only dtypes the NPU kernel takes"
+    mc2 = [c for c in listed if c["op"] in MC2_OPS]
+    assert {c["args"]["ep_world_size"] for c in mc2} == {2, 4}, "MC2 decode over SP (2 ranks) and attention DP (4)"
+    assert all(c["args"][g] == COMMUNICATOR for c in mc2 for g in ("group_ep", "group_tp")), \
+        "a job's communicator name in the recording makes it depend on which groups its workers made before"
+    fp8_kv = {name for c in listed if c["op"] == "npu_dynamic_quant" for name in c["configurations"]}
+    assert fp8_kv == {c.name for c in CONFIGURATIONS if c.kv_cache == "fp8"}, "only the FP8 KV cache quantizes K/V"
 
 
 def test_signature_names_positional_and_keyword_arguments_alike():
@@ -50,16 +56,28 @@ def test_signature_names_positional_and_keyword_arguments_alike():
     assert call["args"]["epsilon"] == 1e-6
 
 
-@pytest.mark.parametrize("config", CONFIGURATIONS, ids=lambda c: c.name)
+# The build passes `model.ep_scheme`, None under attention DP (DataParallelPhase keeps TensorParallelPhase's), so its
+# check omits npu_moe_re_routing, which the DP prefill's double routing calls: an old torch_npu without it would fail
+# mid-forward, not at build. A fix in optimized/ flips this strict xfail.
+DP_BUILD_CHECK_GAP = pytest.mark.xfail(strict=True, reason="build-time operator check misses the DP prefill's "
+                                       "npu_moe_re_routing (model.ep_scheme is None under attention DP)")
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, marks=DP_BUILD_CHECK_GAP) if c.attn_dp else c
+                                    for c in CONFIGURATIONS], ids=lambda c: c.name)
 def test_build_time_operator_check_requires_exactly_the_recorded_operators(config):
+    """The operators the build checks (plus the FP8 KV cache's, which the runner checks) are exactly those the
+    configuration is recorded calling."""
     from fixtures.tiny import tiny_config
     from optimized.config import ParallelConfig, is_sparse_layer
     from optimized.distributed.decode_plan import uses_mc2_decode
-    from optimized.ops.required import required_operators
+    from optimized.ops.required import FP8_KV_CACHE, required_operators
 
     hf = tiny_config(config.fixture)
     dense = not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers))
     recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
     mc2 = uses_mc2_decode(ParallelConfig(**config.layout()))
-    assert required_operators(w4a8=config.w4a8, w8a8=config.w8a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
-                              mc2_decode=mc2) == recorded
+    checked = required_operators(w4a8=config.w4a8, w8a8=config.w8a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
+                                 mc2_decode=mc2) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
+    assert checked == recorded, f"checked, not called: {sorted(checked - recorded)}; " \
+                                f"called, not checked: {sorted(recorded - checked)}"
