@@ -56,15 +56,7 @@ def test_signature_names_positional_and_keyword_arguments_alike():
     assert call["args"]["epsilon"] == 1e-6
 
 
-# The build passes `model.ep_scheme`, None under attention DP (DataParallelPhase keeps TensorParallelPhase's), so its
-# check omits npu_moe_re_routing, which the DP prefill's double routing calls: an old torch_npu without it would fail
-# mid-forward, not at build. A fix in optimized/ flips this strict xfail.
-DP_BUILD_CHECK_GAP = pytest.mark.xfail(strict=True, reason="build-time operator check misses the DP prefill's "
-                                       "npu_moe_re_routing (model.ep_scheme is None under attention DP)")
-
-
-@pytest.mark.parametrize("config", [pytest.param(c, marks=DP_BUILD_CHECK_GAP) if c.attn_dp else c
-                                    for c in CONFIGURATIONS], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", CONFIGURATIONS, ids=lambda c: c.name)
 def test_build_time_operator_check_requires_exactly_the_recorded_operators(config):
     """The operators the build checks (plus the FP8 KV cache's, which the runner checks) are exactly those the
     configuration is recorded calling."""
@@ -78,6 +70,6 @@ def test_build_time_operator_check_requires_exactly_the_recorded_operators(confi
     recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
     mc2 = uses_mc2_decode(ParallelConfig(**config.layout()))
     checked = required_operators(w4a8=config.w4a8, w8a8=config.w8a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
-                                 mc2_decode=mc2) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
+                                 mc2_decode=mc2, dp_prefill=bool(config.attn_dp)) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
     assert checked == recorded, f"checked, not called: {sorted(checked - recorded)}; " \
                                 f"called, not checked: {sorted(recorded - checked)}"

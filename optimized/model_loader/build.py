@@ -57,7 +57,8 @@ def model_from_source(config, source, *, parallel: ParallelState | None = None,
     with torch.device(platform.device() if device is None else device):
         model = Qwen3MoeForCausalLM(config, parallel, dtype, force_eplb)
     check_operators(required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
-        w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, sp_ep_scheme=model.ep_scheme, mc2_decode=model.decode.step.exchange is not None,
+        w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, sp_ep_scheme=model.ep_scheme,
+        mc2_decode=model.decode.step.exchange is not None, dp_prefill=parallel.parallel.attn_dp_size > 1,
         dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))))
     model.load_weights(source)
     # Once, after every weight is in: the quant methods' runtime layouts, so no forward call re-lays them out.

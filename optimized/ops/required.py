@@ -36,10 +36,11 @@ class MissingNpuOperatorError(RuntimeError):
 
 
 def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
-                       mc2_decode: bool = False, w8a8: bool = False) -> frozenset[str]:
+                       mc2_decode: bool = False, w8a8: bool = False, dp_prefill: bool = False) -> frozenset[str]:
     """The operators a model calls: W4A8, W8A8 or unquantized, with a dense (non-MoE) MLP layer or not, its SP
-    prefill's EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall') and whether decode runs
-    MC2. (W8A8's SP prefill moves 16-bit activations: no MX norms.)"""
+    prefill's EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall'), whether decode runs
+    MC2 and whether the prefill is attention data parallel (its MoE by double routing, 16-bit on the wire).
+    (W8A8's SP prefill moves 16-bit activations: no MX norms.)"""
     ops = set(COMMON)
     if mc2_decode:
         ops |= MC2_DECODE
@@ -51,7 +52,7 @@ def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
             ops |= MX_SP_PREFILL
     if not w4a8 or dense_mlp:   # the bf16 and W8A8 experts and every dense MLP run npu_swiglu
         ops.add("npu_swiglu")
-    if sp_ep_scheme == "alltoall":
+    if sp_ep_scheme == "alltoall" or dp_prefill:
         ops |= DOUBLE_ROUTING
     return frozenset(ops)
 
