@@ -15,6 +15,7 @@ example budget, capped by the active profile).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import OrderedDict
@@ -73,6 +74,23 @@ def rank_model(path: str, layout: dict, dtype: torch.dtype, device: str | None =
 def runner_of(model):
     from optimized.executor.model_runner import ModelRunner
     return ModelRunner(model, BLOCK_SIZE)
+
+
+@contextlib.contextmanager
+def generation_with_phase_log(model, on_step):
+    """`model` with `on_step(meta, input_ids)` called before each prefill / decode phase run; restored on exit (the
+    model may be cached per worker)."""
+    phases = list({id(p): p for p in (model.prefill, model.decode)}.values())
+    for phase in phases:
+        def run(m, input_ids, cos, sin, meta, kv_caches, _run=phase.run):
+            on_step(meta, input_ids)
+            return _run(m, input_ids, cos, sin, meta, kv_caches)
+        phase.run = run
+    try:
+        yield model
+    finally:
+        for phase in phases:
+            del phase.run
 
 
 def paged_cache(model, budgets: list[int], num_layers: int | None = None, dtype: torch.dtype | None = None):

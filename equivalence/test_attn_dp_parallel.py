@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from equivalence.compare import assert_close, max_abs, tolerance, top1_agreement
 from equivalence.dist import get_pool
-from equivalence.parallel_support import RoutingStats, dtype_of, on_host, rank_model, reference_model, \
+from equivalence.parallel_support import RoutingStats, dtype_of, generation_with_phase_log, on_host, rank_model, reference_model, \
     run_property, same_on_all_ranks
 from equivalence.test_e2e_parallel import replayed_routing
 from equivalence.strategies import BLOCK_SIZE, prompt_length
@@ -207,20 +207,13 @@ def _generate_bf16_task(rank, world, path, lay, prompts, n):
             inputs_log.setdefault(_i, []).append(hidden.float().clone())
             return weights, ids
         mlp.route = recorded
-    phases = (model.prefill, model.decode)
-    for phase in phases:
-        def run(m, input_ids, cos, sin, meta, kv_caches, _run=phase.run):
-            steps.append(meta.dp)
-            return _run(m, input_ids, cos, sin, meta, kv_caches)
-        phase.run = run
     try:
-        res = ModelRunner(model, BLOCK_SIZE).generate(prompts, n, return_logits=True,
-                                                      prompt_logits_positions=[list(range(len(p))) for p in prompts])
+        with generation_with_phase_log(model, lambda meta, ids: steps.append(meta.dp)):
+            res = ModelRunner(model, BLOCK_SIZE).generate(prompts, n, return_logits=True,
+                                                          prompt_logits_positions=[list(range(len(p))) for p in prompts])
     finally:
         for _, mlp in blocks:
             del mlp.route
-        for phase in phases:
-            del phase.run
     a = model.groups.attn_tp.size
 
     def real_rows(log):   # per layer, per forward: every rank's real rows, in rank (= packed) order

@@ -24,7 +24,7 @@ import torch
 
 from equivalence.compare import assert_close
 from equivalence.dist import get_pool
-from equivalence.parallel_support import on_host, reference_model, same_on_all_ranks
+from equivalence.parallel_support import generation_with_phase_log, on_host, reference_model, same_on_all_ranks
 from equivalence.parallel_support import test_device as model_device
 from equivalence.strategies import BLOCK_SIZE
 from equivalence.test_attn_dp_parallel import _request_routes, dp_layout
@@ -155,20 +155,13 @@ def _forced_task(rank, world, path, lay, prompts, n):
                 return ex(experts, x, idx, w)
             return Qwen3MoeSparseMoeBlock.forward(_b, hidden, recording, router_in, eplb_rows)
         block.forward = forward
-    phases = (model.prefill, model.decode)
-    for phase in phases:
-        def run(m, input_ids, cos, sin, meta, kv_caches, _run=phase.run):
-            steps.append((meta.is_prefill, meta.dp, input_ids.shape[0]))
-            return _run(m, input_ids, cos, sin, meta, kv_caches)
-        phase.run = run
     try:
-        res = ModelRunner(model, BLOCK_SIZE).generate(prompts, n, return_logits=True,
-                                                      prompt_logits_positions=[list(range(len(p))) for p in prompts])
+        with generation_with_phase_log(model, lambda meta, ids: steps.append((meta.is_prefill, meta.dp, ids.shape[0]))):
+            res = ModelRunner(model, BLOCK_SIZE).generate(prompts, n, return_logits=True,
+                                                          prompt_logits_positions=[list(range(len(p))) for p in prompts])
     finally:
         for _, block in blocks:
             del block.forward
-        for phase in phases:
-            del phase.run
     return on_host({"tokens": res.tokens, "logits": res.logits, "prompt_logits": res.prompt_logits, "ids": ids_log,
                     "steps": steps, "dp_rank": model.groups.dp_rank, "tp_rank": model.groups.attn_tp.rank})
 
