@@ -5,7 +5,8 @@ and stride, everything else by value; never the data. `CONFIGURATIONS` are the r
 through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16, W4A8, W8A8 and W4A8 with
 the per-token FP8 KV cache, the sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8, W8A8,
 W4A8 + FP8 KV; MC2 decode), and attention DP over 4 (attention TP 2 x DP 2, MoE EP 4: double-routing prefill, MC2
-decode; bf16, W4A8 + FP8 KV, W8A8). Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
+decode; bf16, W4A8 + FP8 KV, W8A8), and the SP and DP bf16 runs again on `tiny-h1024`, whose hidden size the
+NPU's MC2 kernels take. Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
 `equivalence/spec/recorded_npu_calls.json`; regenerate it after a change to what the model calls with
 
     PYTHONPATH=. python -m equivalence.record_npu_calls
@@ -74,6 +75,9 @@ CONFIGURATIONS = (
     Configuration("dp-tp2x2-ep4-bfloat16", 4, "tiny", False, "bfloat16", attn_dp=True),
     Configuration("dp-tp2x2-ep4-w4a8-fp8kv", 4, "tiny", True, "bfloat16", attn_dp=True, kv_cache="fp8"),
     Configuration("dp-tp2x2-ep4-w8a8", 4, "tiny", False, "bfloat16", attn_dp=True, w8a8=True),
+    # hidden 1024: within the A3 MC2 kernels' 1024 <= H <= 8192, so an NPU can replay these MC2 calls
+    Configuration("sp2-alltoall-bfloat16-h1024", 2, "tiny-h1024", False, "bfloat16", "alltoall"),
+    Configuration("dp-tp2x2-ep4-bfloat16-h1024", 4, "tiny-h1024", False, "bfloat16", attn_dp=True),
 )
 SINGLE_PROCESS = tuple(c for c in CONFIGURATIONS if c.world == 1)
 

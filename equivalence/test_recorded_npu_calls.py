@@ -73,3 +73,19 @@ def test_build_time_operator_check_requires_exactly_the_recorded_operators(confi
                                  mc2_decode=mc2, dp_prefill=bool(config.attn_dp)) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
     assert checked == recorded, f"checked, not called: {sorted(checked - recorded)}; " \
                                 f"called, not checked: {sorted(recorded - checked)}"
+
+
+def test_an_npu_can_replay_sp_and_dp_mc2_calls_within_the_kernels_hidden_size():
+    """The tiny fixtures' hidden 64 is below the A3 MC2 kernels' 1024: an SP and a DP recording on a fixture within
+    the limit (`tiny-h1024`) give the NPU MC2 replay calls the real kernels take."""
+    from equivalence.record_npu_calls import mc2_configurations
+    from fixtures.tiny import tiny_config
+    from optimized.distributed.decode_plan import MC2_HIDDEN
+
+    within = [c for c in mc2_configurations() if MC2_HIDDEN[0] <= tiny_config(c.fixture).hidden_size <= MC2_HIDDEN[1]]
+    assert {("dp" if c.attn_dp else "sp") for c in within} == {"sp", "dp"}, [c.name for c in within]
+    listed = load_recording().values()
+    for c in within:
+        shapes = {tuple(call["args"]["x"]["shape"]) for call in listed
+                  if call["op"] == "npu_moe_distribute_dispatch_v2" and c.name in call["configurations"]}
+        assert shapes and all(s[1] == tiny_config(c.fixture).hidden_size for s in shapes), (c.name, shapes)

@@ -30,8 +30,8 @@ def fixtures_module(module: str, what: str):
 def fixture_config(name: str, what: str):
     """The Qwen3MoeConfig of tiny fixture `name`."""
     tiny = fixtures_module("tiny", what)
-    if name not in tiny.TINY_CONFIGS:
-        raise UsageError(f"unknown fixture {name!r}; known fixtures: {', '.join(sorted(tiny.TINY_CONFIGS))}")
+    if name not in tiny.FIXTURE_CONFIGS:
+        raise UsageError(f"unknown fixture {name!r}; known fixtures: {', '.join(sorted(tiny.FIXTURE_CONFIGS))}")
     return tiny.tiny_config(name)
 
 
