@@ -46,6 +46,7 @@ import math
 
 from optimized.config import ParallelConfig, is_sparse_layer
 from optimized.errors import UsageError
+from optimized.ops import mc2
 from optimized.distributed.prefill_plan import EpVolume
 
 DISPATCH = "npu_moe_distribute_dispatch_v2"
@@ -221,9 +222,8 @@ def check_mc2_window(hf_config, parallel: ParallelConfig, batch: int, act_bytes:
                              f"mc2_window_mb=decode_plan.window_for(hf_config, parallel, {batch}, {act_bytes}))")
 
 
-# The MC2 kernels' size limits on Atlas A3 (spec npu_ops_moe.md §10.4, fullmesh_v2 as this model dispatches).
-MC2_MAX_EP, MC2_MAX_EXPERTS, MC2_MAX_TOP_K, MC2_MAX_BS, MC2_MAX_SLOTS = 768, 1024, 12, 256, 2048
-MC2_HIDDEN = (1024, 8192)
+MC2_COMM_ALG = "fullmesh_v2"   # the dispatch's algorithm (layers/exchange.py): its limits apply
+MC2_HIDDEN = mc2.HIDDEN_RANGE
 
 
 class Mc2LimitError(UsageError, ValueError):
@@ -236,12 +236,13 @@ def mc2_limit_violations(hf_config, parallel: ParallelConfig, batch: int) -> lis
         return []
     w, e, k, h = parallel.moe_ep_size, hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.hidden_size
     bs = max_tokens_per_rank(parallel, batch)
-    limits = [(w <= MC2_MAX_EP, f"moe_ep_size {w} > {MC2_MAX_EP}"),
-              (e <= MC2_MAX_EXPERTS, f"num_experts {e} > {MC2_MAX_EXPERTS}"),
-              (k <= MC2_MAX_TOP_K, f"num_experts_per_tok {k} > {MC2_MAX_TOP_K} (fullmesh_v2)"),
-              (bs <= MC2_MAX_BS, f"{bs} tokens per rank (batch {batch}) > {MC2_MAX_BS} (fullmesh_v2)"),
-              (MC2_HIDDEN[0] <= h <= MC2_HIDDEN[1], f"hidden_size {h} outside [{MC2_HIDDEN[0]}, {MC2_HIDDEN[1]}]"),
-              (e <= MC2_MAX_SLOTS, f"L * W = num_experts {e} > {MC2_MAX_SLOTS}")]
+    k_max, bs_max, (lo, hi) = mc2.max_top_k(MC2_COMM_ALG), mc2.max_bs(MC2_COMM_ALG), MC2_HIDDEN
+    limits = [(w <= mc2.MAX_EP_WORLD_SIZE, f"moe_ep_size {w} > {mc2.MAX_EP_WORLD_SIZE}"),
+              (e <= mc2.MAX_EXPERTS, f"num_experts {e} > {mc2.MAX_EXPERTS}"),
+              (k <= k_max, f"num_experts_per_tok {k} > {k_max} ({MC2_COMM_ALG})"),
+              (bs <= bs_max, f"{bs} tokens per rank (batch {batch}) > {bs_max} ({MC2_COMM_ALG})"),
+              (lo <= h <= hi, f"hidden_size {h} outside [{lo}, {hi}]"),
+              (e <= mc2.MAX_SLOTS, f"L * W = num_experts {e} > {mc2.MAX_SLOTS}")]
     return [why for ok, why in limits if not ok]
 
 

@@ -31,6 +31,22 @@ _DISPATCH = "npu_moe_distribute_dispatch_v2"
 _COMBINE = "npu_moe_distribute_combine_v2"
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # the NPU takes bf16 / f16 (strict mode)
 _COMM_ALGS = ("", "fullmesh", "fullmesh_v2", "hierarchy")
+# The kernels' size limits on Atlas A3 (§10.4); the model checks its layout against them at start-up
+# (distributed/decode_plan.py `mc2_limit_violations`).
+MAX_EP_WORLD_SIZE, MAX_EXPERTS, MAX_SLOTS = 768, 1024, 2048                   # W, E, L * W
+MAX_TOP_K = {"fullmesh_v2": 12}                                               # else 16
+MAX_BS = {"fullmesh_v2": 256, "hierarchy": 256}                               # else 512
+HIDDEN_RANGE = (1024, 8192)
+
+
+def max_top_k(comm_alg: str) -> int:
+    return MAX_TOP_K.get(comm_alg, 16)
+
+
+def max_bs(comm_alg: str) -> int:
+    return MAX_BS.get(comm_alg, 512)
+
+
 # The last element of a portable handle: combine refuses a handle this golden's dispatch did not write (§13.16).
 HANDLE_MAGIC = 0x4D433256
 
@@ -97,14 +113,15 @@ def _common_check(op, bs, k, h, w, r, e, *, tp_world_size, tp_rank_id, expert_sh
     local = e // w
     # NPU limits (Atlas A3) on sizes (DIMS: the tiny test models are below H 1024). W = 1 is allowed although the
     # NPU needs W >= 2: Qwen3 on one device runs with W = 1.
-    check_npu_limit(w <= 768, op, f"ep_world_size={w} must be <= 768", kind=DIMS)
-    check_npu_limit(e <= 1024, op, f"moe_expert_num={e} must be <= 1024", kind=DIMS)
-    k_max = 12 if comm_alg == "fullmesh_v2" else 16
+    check_npu_limit(w <= MAX_EP_WORLD_SIZE, op, f"ep_world_size={w} must be <= {MAX_EP_WORLD_SIZE}", kind=DIMS)
+    check_npu_limit(e <= MAX_EXPERTS, op, f"moe_expert_num={e} must be <= {MAX_EXPERTS}", kind=DIMS)
+    k_max = max_top_k(comm_alg)
     check_npu_limit(k <= k_max, op, f"K={k} must be <= {k_max} (comm_alg={comm_alg!r})", kind=DIMS)
-    bs_max = 256 if comm_alg in ("fullmesh_v2", "hierarchy") else 512
+    bs_max = max_bs(comm_alg)
     check_npu_limit(bs <= bs_max, op, f"BS={bs} must be <= {bs_max} (comm_alg={comm_alg!r})", kind=DIMS)
-    check_npu_limit(1024 <= h <= 8192, op, f"H={h} must satisfy 1024 <= H <= 8192", kind=DIMS)
-    check_npu_limit(local * w <= 2048, op, f"L * W = {local * w} must be <= 2048", kind=DIMS)
+    lo, hi = HIDDEN_RANGE
+    check_npu_limit(lo <= h <= hi, op, f"H={h} must satisfy {lo} <= H <= {hi}", kind=DIMS)
+    check_npu_limit(local * w <= MAX_SLOTS, op, f"L * W = {local * w} must be <= {MAX_SLOTS}", kind=DIMS)
     return local, capacity(bs, w, local, k, global_bs)
 
 
