@@ -630,8 +630,9 @@ class InferenceConfig:
                 " (the dense MLP layers are sharded over the moe_tp group)")
         if m.eplb:
             batch = self.scheduler_config.batch_size
-            if m.exe_mode in GRAPH_MODES:   # graph decode pads the batch to its bucket, the next power of two
-                batch = 1 << (batch - 1).bit_length()
+            if m.exe_mode in GRAPH_MODES:   # graph decode pads the batch to its bucket
+                from optimized.forward_metadata import batch_bucket   # (imports torch: this module does not)
+                batch = batch_bucket(batch)
             why = check_force_eplb(hf_config.num_experts, hf_config.num_experts_per_tok, p.moe_tp_size, batch)
             if why:
                 errors.append((f"{mc}.{'force_eplb' if m.force_eplb is not None else 'perfect_eplb'}",

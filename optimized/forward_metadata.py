@@ -58,3 +58,17 @@ class ForwardMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+def batch_bucket(batch: int, buckets: tuple[int, ...] | None = None) -> int:
+    """The captured batch size a batch of `batch` requests is padded to: the smallest of `buckets` that
+    holds it, or (buckets None) the next power of two."""
+    if batch < 1:
+        raise ValueError(f"batch size {batch} must be at least 1")
+    if buckets is None:
+        return 1 << (batch - 1).bit_length()
+    fits = [b for b in buckets if b >= batch]
+    if not fits:
+        raise ValueError(f"batch size {batch} exceeds the largest captured batch bucket {max(buckets)} "
+                         f"(buckets {sorted(buckets)})")
+    return min(fits)

@@ -453,7 +453,7 @@ def graph_startup(model, args, config):
     import tempfile
 
     from optimized.executor.compile_cache import CompileCache
-    from optimized.executor.graph import batch_bucket
+    from optimized.forward_metadata import batch_bucket
     from optimized.executor.model_runner import ModelRunner
 
     gen = torch.Generator().manual_seed(args.seed + 1)

@@ -55,7 +55,7 @@ from torch import nn
 from optimized import platform
 from optimized.executor.compile_cache import CompileCache, cache_key
 from optimized.config import GRAPH_MODES
-from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
+from optimized.forward_metadata import DataParallelBatch, ForwardMetadata, batch_bucket
 from optimized.ops import registry
 from optimized.executor.kv_cache import NULL_BLOCK
 
@@ -85,20 +85,6 @@ def compile_settings():
     with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(**INDUCTOR_SETTINGS), \
             torch.compiler.config.patch(cache_key_tag=tag):
         yield
-
-
-def batch_bucket(batch: int, buckets: tuple[int, ...] | None = None) -> int:
-    """The captured batch size a batch of `batch` requests is padded to: the smallest of `buckets` that
-    holds it, or (buckets None) the next power of two."""
-    if batch < 1:
-        raise ValueError(f"batch size {batch} must be at least 1")
-    if buckets is None:
-        return 1 << (batch - 1).bit_length()
-    fits = [b for b in buckets if b >= batch]
-    if not fits:
-        raise ValueError(f"batch size {batch} exceeds the largest captured batch bucket {max(buckets)} "
-                         f"(buckets {sorted(buckets)})")
-    return min(fits)
 
 
 class DecodeStep(nn.Module):
