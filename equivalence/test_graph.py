@@ -16,7 +16,7 @@ the workers and records that fresh compile; other workers load it (`fp32` fixtur
   compile cache directory holds the fp32 entry, and the bf16 decoder compiles (a changed dtype recompiles);
 - bf16 with the per-token FP8 KV cache: one compiled decode step's logits bitwise eager's on CPU (else per backend),
   the FP8 and scale caches it writes bitwise eager's, greedy tokens identical;
-- every key component (config, layout, rank, dtype, bucket, block size, KV cache dtype, torch / torch_npu
+- every key component (config, layout, rank, dtype, force_eplb, bucket, block size, KV cache dtype, torch / torch_npu
   version) maps to another entry, which does not load, while the original still does;
 - a truncated artefact, a garbage inductor file, a garbled key.json, and (in a trusted cache) garbage with
   matching checksums are each discarded with a CompileCacheWarning and the run proceeds with a fresh compile
@@ -310,9 +310,13 @@ KEY_CHANGES = {
     "parallel_layout": lambda k: k["parallel_layout"].update(world_size=2, moe_ep_size=2),
     "rank": lambda k: k.update(rank=1),
     "dtype": lambda k: k.update(dtype="bfloat16"),
+    "force_eplb": lambda k: k.update(force_eplb=True),
     "batch_bucket": lambda k: k.update(batch_bucket=16),
     "block_size": lambda k: k.update(block_size=32),
     "kv_cache_dtype": lambda k: k.update(kv_cache_dtype="float8_e4m3fn"),
+    "exe_mode": lambda k: k.update(exe_mode="acl_graph"),
+    "backend": lambda k: k.update(backend="npu"),
+    "python": lambda k: k.update(python=k["python"] + ".other"),
     "torch": lambda k: k.update(torch=k["torch"] + ".other"),
     "torch_npu": lambda k: k.update(torch_npu="2.8.0"),
     "inlined_kernels": lambda k: k.update(inlined_kernels=k["inlined_kernels"][:-1]),
@@ -331,6 +335,19 @@ def test_inductor_cache_keys_carry_the_kernels_source_hash():
         with compile_settings():
             assert torch.compiler.config.cache_key_tag == f"user-tag|{ours}"
     assert ours not in torch.compiler.config.cache_key_tag
+
+
+def test_every_cache_key_component_is_checked_and_force_eplb_is_one(fp32):
+    """KEY_CHANGES covers the whole key (a component added to cache_key without a stale-entry check fails here), and a
+    force_eplb model keys apart: its graph builds the balanced expert ids in the traced step."""
+    from optimized.model_loader.build import load_model
+
+    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
+                    kv_cache_dtype=torch.float32)
+    assert set(key) == set(KEY_CHANGES) and key["force_eplb"] is False
+    forced = load_model(checkpoint("tiny"), dtype=torch.float32, num_hidden_layers=1, force_eplb=True)
+    assert cache_key(forced, batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
+                     kv_cache_dtype=torch.float32)["force_eplb"] is True
 
 
 @pytest.mark.parametrize("component", sorted(KEY_CHANGES))

@@ -88,6 +88,7 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
         "parallel_layout": {k: getattr(parallel, k) for k in sorted(vars(parallel))},
         "rank": model.groups.rank,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "force_eplb": bool(model.force_eplb),      # the balanced expert ids are built inside the traced step
         "batch_bucket": batch_bucket,
         "block_size": block_size,
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
