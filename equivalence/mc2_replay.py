@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from equivalence.compare import assert_bitwise_equal, assert_close, op_tolerance
+from equivalence.parallel_support import to_device
 
 DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
 GROUP_ARGS = ("group_ep", "group_tp")
@@ -130,14 +131,6 @@ def _check_group_names(op: str, arguments: dict, group, name: str) -> None:
                 f"parallel_state.comm_name(group)")
 
 
-def _on(device, value):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on(device, v) for v in value)
-    return value
-
-
 def replay_rank(cap: RankCapture, group, device: torch.device | str = "cpu", *, substitute: bool = True,
                 expected: RankCapture | None = None) -> None:
     """This rank's dispatch then combine over `group`, checked against the recorded portable outputs.
@@ -159,9 +152,9 @@ def replay_rank(cap: RankCapture, group, device: torch.device | str = "cpu", *, 
     _check_group_names(DISPATCH, d_args, group, name)
     _check_group_names(COMBINE, c_args, group, name)
 
-    d_args = _on(device, d_args)
+    d_args = to_device(d_args, device)
     got = torch.ops.npu.npu_moe_distribute_dispatch_v2(**d_args)
-    c_args = _on(device, c_args)
+    c_args = to_device(c_args, device)
     c_args["expert_ids"] = d_args["expert_ids"]          # the same tensor given to the dispatch (spec §11.1)
     for arg, out_index in HANDLE_ARGS.items():            # this replay's own handles, never a recorded one
         c_args[arg] = got[out_index]

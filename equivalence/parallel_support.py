@@ -46,10 +46,15 @@ def test_device() -> torch.device:
         raise ValueError(f"{TEST_DEVICE_ENV}={name!r} is not a device ({e})") from None
 
 
+def to_device(tree, device):
+    """`tree` (nested lists, tuples, dicts) with every tensor moved to `device`."""
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
 def on_host(tree):
     """A worker's result with every tensor on the CPU (what the parent compares, and pipes can carry)."""
-    from torch.utils._pytree import tree_map
-    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
+    return to_device(tree, "cpu")
 
 
 def rank_model(path: str, layout: dict, dtype: torch.dtype, device: str | None = None):

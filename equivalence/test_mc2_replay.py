@@ -136,3 +136,13 @@ def test_spawned_ranks_run_the_replay_as_the_npu_test_does():
     assert mc2_replay.run_on_spawned_ranks(2, mc2_replay.replay_task, captures, timeout=240) == ["ok", "ok"]
     with pytest.raises(RuntimeError, match=r"(?s)rank 0 raised:.*StaleGroupNameError"):
         mc2_replay.run_on_spawned_ranks(2, mc2_replay.replay_task, captures, substitute=False, timeout=240)
+
+
+def test_replay_arguments_reach_the_device_inside_their_dicts():
+    """The replay hands the kernels its captured arguments by name (a dict): every tensor in it, nested ones too, is
+    moved to the replay's device (a move that skipped dicts left the NPU kernels host tensors)."""
+    from equivalence.parallel_support import to_device
+
+    moved = to_device({"x": torch.ones(2, 3), "group_ep": "g", "ep_world_size": 2, "nested": [torch.zeros(1)]}, "meta")
+    assert moved["x"].device.type == moved["nested"][0].device.type == "meta"
+    assert (moved["group_ep"], moved["ep_world_size"]) == ("g", 2)
