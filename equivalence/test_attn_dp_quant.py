@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from equivalence.compare import assert_close, max_abs, rel_l2, token_agreement, tolerance, top1_agreement
+from equivalence.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement
 from equivalence.dist import get_pool
 from equivalence.parallel_support import RoutingStats, rank_model, runner_of, same_on_all_ranks
 from equivalence.test_attn_dp_parallel import (COMBINE, DISPATCH, _describe, _generate_bf16_task, _generate_task,
