@@ -418,3 +418,34 @@ def test_group_names_resolve_to_the_group():
     assert [r[1] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [r[2] for r in res] == [2.0, 4.0, 2.0, 4.0]
     assert res[0][0] == res[2][0] and res[0][0] != res[1][0]
+
+
+def _fixture_built_on_rank_1(rank, world, root):
+    """Rank 1 of the pool (torch.distributed initialized) builds the tiny fixture in a fresh cache root -> its
+    files by name (bytes), or None on the other ranks."""
+    from fixtures import checkpoints
+
+    before = os.environ.get("QWEN3_MOE_FIXTURE_CACHE")
+    os.environ["QWEN3_MOE_FIXTURE_CACHE"] = root
+    try:
+        if rank != 1:
+            return None
+        return {p.name: p.read_bytes() for p in checkpoints.checkpoint("tiny").iterdir()}
+    finally:
+        if before is None:
+            del os.environ["QWEN3_MOE_FIXTURE_CACHE"]
+        else:
+            os.environ["QWEN3_MOE_FIXTURE_CACHE"] = before
+
+
+def test_a_fixture_built_by_a_non_zero_rank_is_whole(tmp_path, monkeypatch):
+    """transformers' save_pretrained writes only on rank 0 of an initialized job: a fixture first asked for inside a
+    worker of rank 1 must still be the whole checkpoint (config.json, weights), byte for byte the single-process one,
+    never a directory holding only the tokenizer that the cache then serves to every later test."""
+    from fixtures import checkpoints
+
+    got = get_pool(2).run(_fixture_built_on_rank_1, str(tmp_path / "worker"), timeout=120)[1]
+    monkeypatch.setenv("QWEN3_MOE_FIXTURE_CACHE", str(tmp_path / "parent"))
+    want = {p.name: p.read_bytes() for p in checkpoints.checkpoint("tiny").iterdir()}
+    assert "config.json" in got and "model.safetensors" in got, sorted(got)
+    assert got == want
