@@ -39,17 +39,15 @@ generate
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
-from pathlib import Path
 
 from optimized import datasets
 from optimized.cli.common import parse_prompt_ids
+from optimized.executor.assembly import say
 from optimized.errors import UsageError
-from optimized.executor.model_runner import BLOCK_GRANULARITY, check_prompts
-from optimized.model_loader.model_path import resolve_model_path
-from optimized.model_loader.tokenizer import CheckpointTokenizer, encode_prompt, eos_token_ids
+from optimized.executor.model_runner import check_prompts
+from optimized.model_loader.tokenizer import encode_prompt, eos_token_ids
 
 
 def add_parser(sub) -> None:
@@ -74,12 +72,6 @@ def add_parser(sub) -> None:
     gen.add_argument("--no-weight-check", action="store_true",
                      help="skip the load-time check that every weight is finite (it reads each weight once more)")
 
-
-
-def _say(message: str) -> None:
-    """A start-up line, printed once (by rank 0 under torchrun; before the process group exists)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(message, flush=True)
 
 
 def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
@@ -111,7 +103,7 @@ def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
     if data.truncation is not None and (args.prompt is None and args.prompt_ids is None):
         prompts, cut = datasets.truncate(prompts, data.truncation)   # the recipe's rule, said aloud
         if cut:
-            _say(f"data_config.input_truncated_len: {cut} prompt(s) cut to their first {data.truncation} tokens")
+            say(f"data_config.input_truncated_len: {cut} prompt(s) cut to their first {data.truncation} tokens")
     for i, p in enumerate(prompts):
         if len(p) > data.input_max_len:  # never truncated silently
             raise UsageError(f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
@@ -120,78 +112,16 @@ def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
 
 
 def run(args) -> int:
-    from optimized.config import ConfigError, InferenceConfig
-
-    path = Path(args.config)
-    if path.is_dir():
-        raise UsageError(f"config file {args.config!r} is a directory; give the inference config YAML file in it")
-    if not path.is_file():
-        raise UsageError(f"config file {args.config!r} not found")
-    try:
-        cfg = InferenceConfig.from_yaml(path)
-    except ConfigError as e:
-        raise UsageError(f"invalid inference config {path}: " + "; ".join(f"{k}: {m}" for k, m in e.errors)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read config file {args.config!r}: {getattr(e, 'strerror', None) or e}") from None
-    m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
-    if args.model_path is not None:
-        m.model_path = args.model_path
-        if m.scheme[0] == "preset":
-            m.with_ckpt = False
-    if args.dtype is not None:
-        m.dtype = args.dtype
-    if args.max_new_tokens is not None:
-        if args.max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
-        s.max_new_tokens = args.max_new_tokens
-    if args.block_size is not None:
-        s.block_size = args.block_size
-    if s.block_size < 1 or s.block_size % BLOCK_GRANULARITY:
-        raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
-                         f"(the paged attention kernel's block granularity)")
-    compile_cache = None
-    if m.enable_cache_compile:
-        from optimized.executor.compile_cache import CompileCache, CompileCacheError, case_dir, default_case_name
-        case = os.environ.get("CASE_NAME") or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)
-        try:
-            root = case_dir(case)
-        except ValueError as e:
-            raise UsageError(f"environment variable {e}") from None
-        try:  # created owner-only here, before anything is loaded: an unusable cache directory fails first
-            compile_cache = CompileCache(root, trust=m.trust_compile_cache)
-        except CompileCacheError as e:
-            raise UsageError(str(e)) from None
-
-    # World size: checked against the launcher before any process group exists.
-    env_world = os.environ.get("WORLD_SIZE")
-    launched = int(env_world) if env_world and env_world.isdigit() else 1
-    if launched != p.world_size:
-        how = (f"launched with WORLD_SIZE={launched}" if env_world else "launched as a single process")
-        raise UsageError(f"parallel_config.world_size is {p.world_size} but this job was {how}; start it with "
-                         f"`torchrun --nproc-per-node {p.world_size} -m optimized generate ...`"
-                         if p.world_size > 1 else
-                         f"parallel_config.world_size is 1 but this job was {how}; run it as a single process")
-
-    scheme, name = m.scheme
-    model_dir = resolve_model_path(m.model_path, scheme, name)
-
-    from optimized.model_loader.hf_config import ModelConfigError, load_hf_config
+    from optimized.executor import assembly
     from optimized.executor.sampling import SamplingParams
 
-    try:
-        hf_config = load_hf_config(model_dir)
-    except ModelConfigError as e:
-        raise UsageError(str(e)) from None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
-    try:
-        cfg.validate_for_model(hf_config)
-    except ConfigError as e:
-        raise UsageError(f"inference config {path} does not fit the model {m.model_path}: "
-                         + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
+    cfg = assembly.load_config(args.config, model_path=args.model_path, dtype=args.dtype,
+                               max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+    s = cfg.scheduler_config
+    launch = assembly.prepare(cfg, "generate", check_weights=not args.no_weight_check)
+    hf_config, model_dir, tokenizer = launch.hf_config, launch.model_dir, launch.tokenizer
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-        tokenizer = CheckpointTokenizer.load(model_dir)
         prompts = build_prompts(args, cfg, hf_config.vocab_size, tokenizer)
         # before loading the model: a bad prompt should not cost a checkpoint load
         check_prompts(prompts, s.max_new_tokens, hf_config.vocab_size, hf_config.max_position_embeddings)
@@ -199,97 +129,37 @@ def run(args) -> int:
     except ValueError as e:  # PromptError, DatasetError, bad sampling options, prompt ids outside the vocabulary, ...
         raise UsageError(str(e)) from None
 
-    from optimized import platform
-    from optimized.model_loader.build import load_model
-    from optimized.distributed import ParallelState, init_distributed
-    from optimized.distributed.guard import (CollectiveTimeoutError, RankMismatchError, check_ranks_agree, collective_timeout_s,
-                             named_collective_errors, run_fingerprint)
-    from optimized.layers.quantization import QuantConfigError
-    from optimized.model_loader.loader import CheckpointError
-    from optimized.executor.compile_cache import CompileCacheError
-    from optimized.executor.model_runner import ModelRunner, NonFiniteLogitsError
-
+    from optimized.executor.plan import pool_blocks
+    blocks = pool_blocks([len(q) + s.max_new_tokens for q in prompts], s.block_size, cfg.parallel_config.attn_dp_size)
+    run = launch.start(batch=len(prompts), prefill_tokens=sum(len(q) for q in prompts), kv_pool_blocks=blocks,
+                       prompts=prompts, agree=dict(sampling=repr(sampling), eos=eos, chat=args.chat))
     try:
-        timeout_s = collective_timeout_s(p.collective_timeout_s)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:  # a rank that never joins (it failed before) makes the rendezvous time out: named, exit 2
-        with named_collective_errors(timeout_s):
-            env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
-    except CollectiveTimeoutError as e:
-        raise UsageError(f"joining the job: {e}") from None
-    state = None
-    try:
-        with named_collective_errors(timeout_s):
-            check_ranks_agree(run_fingerprint(cfg.to_dict(), model_dir, prompts, sampling=repr(sampling), eos=eos,
-                                              chat=args.chat))
-            from optimized.distributed import decode_plan
-            state = ParallelState.build(p, mc2_window_mb=decode_plan.window_for(hf_config, p, len(prompts),
-                                                                                m.torch_dtype.itemsize))
-            if env.rank == 0:  # the prefill path and MoE EP scheme this layout runs, before anything else
-                from optimized.phases import uses_mx_prefill
-                from optimized.distributed.prefill_plan import describe
-                print(describe(hf_config, p, sum(len(q) for q in prompts), m.torch_dtype.itemsize,
-                               mx=uses_mx_prefill(hf_config, p)), flush=True)
-                print(decode_plan.describe(hf_config, p, len(prompts), m.torch_dtype.itemsize), flush=True)
-            device = platform.device(env.local_rank)
-            try:
-                model = load_model(model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
-                                   seed=cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers, device=device,
-                                   check_weights=not args.no_weight_check, force_eplb=m.eplb)
-            except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint when it does not
-                raise UsageError(str(e) if str(model_dir) in str(e) else f"checkpoint {model_dir}: {e}") from None
+        with run.named_errors():
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
-            try:
-                runner = ModelRunner(model, s.block_size, device, exe_mode=m.exe_mode, compile_cache=compile_cache,
-                                     kv_cache_dtype=m.kv_cache_dtype, max_prefill_tokens=s.max_prefill_tokens,
-                                     mem_fraction_static=s.mem_fraction_static)
-            except QuantConfigError as e:
-                raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
-            if env.rank == 0:
-                print(f"kv cache: {runner.describe_kv_cache(m.kv_cache_dtype)}", flush=True)
-            with _maybe_profiled(m, path, env.rank) as trace:
-                result = runner.generate(
-                    prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos,
-                    prompt_logits_positions=positions, return_logits=bool(args.save_logits))
-            if trace is not None and env.rank == 0:
+            with run.profiled(args.config) as trace:
+                result = run.runner.generate(prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos,
+                                             prompt_logits_positions=positions, return_logits=bool(args.save_logits))
+            if trace is not None and run.env.rank == 0:
                 print(f"profiler trace: {trace.parent if trace.suffix else trace} (one per rank)", flush=True)
-        if env.rank == 0:
-            _print_result(cfg, model_dir, prompts, result, env.world_size, tokenizer)
-            if m.exe_mode != "eager":
-                _print_graph(runner.decode_forward, result, compile_cache)
+        if run.env.rank == 0:
+            _print_result(cfg, model_dir, prompts, result, run.env.world_size, tokenizer)
+            if cfg.model_config.exe_mode != "eager":
+                _print_graph(run.runner.decode_forward, result, launch.compile_cache)
             if args.save_logits:
-                import torch
-                try:
-                    with open(args.save_logits, "wb") as f:
-                        torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
-                                    "logits": result.logits, "finish_reasons": result.finish_reasons}, f)
-                except OSError as e:   # a read-only or missing directory, a full disk
-                    raise UsageError(f"--save-logits: cannot write {args.save_logits!r}: {e.strerror or e}") from None
-    except (CollectiveTimeoutError, RankMismatchError, NonFiniteLogitsError, CompileCacheError) as e:
-        raise UsageError(f"rank {env.rank}: {e}" if env.world_size > 1 else str(e)) from None
+                _save_logits(args.save_logits, prompts, result)
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            if state is not None:
-                state.close()               # the model's subgroups first, then the default group
-            dist.destroy_process_group()
+        run.close()
     return 0
 
 
-def _maybe_profiled(model_config, config_file, rank: int):
-    """model_config.enable_profiler: the generation under the profiler (optimized/executor/profiling.py)."""
-    import contextlib
-
-    if not model_config.enable_profiler:
-        return contextlib.nullcontext(None)
-    from optimized.executor.profiling import ProfilerError, ensure_writable, profiled, trace_directory
-    directory = trace_directory(model_config.output_path, config_file)
+def _save_logits(path, prompts, result) -> None:
+    import torch
     try:
-        ensure_writable(directory)
-    except ProfilerError as e:
-        raise UsageError(str(e)) from None
-    return profiled(directory, rank)
+        with open(path, "wb") as f:
+            torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
+                        "logits": result.logits, "finish_reasons": result.finish_reasons}, f)
+    except OSError as e:   # a read-only or missing directory, a full disk
+        raise UsageError(f"--save-logits: cannot write {path!r}: {e.strerror or e}") from None
 
 
 def _print_result(cfg, model_dir, prompts, result, world_size: int, tokenizer) -> None:

@@ -1,24 +1,40 @@
-"""The serving engine: continuous batching over one long-lived paged KV cache.
+"""The engine: the one loop that generates. Continuous batching over a paged KV cache and a device-resident batch.
 
-`Engine.step()` asks the scheduler (optimized/executor/scheduler.py) what to run, then runs it with the runner's
-own step machinery: `ModelRunner.prefill_inputs` + the model for a prefill of the newly admitted requests,
-`ModelRunner.decode_metadata` + `runner.decode_forward` (eager, or the compiled graph buckets) for a decode of every
-running request. A request's tokens depend only on its own prompt and sampling: each request has its own block
-rows and its own seeded generator, so who else is in the batch changes nothing but float reassociation.
+`Engine.step()` asks the scheduler (executor/scheduler.py) what to run, then runs it: a prefill of the newly
+admitted requests (`ModelRunner.prefill_inputs` + the model) or a decode of every running request (`runner.
+decode_forward`: eager, or the compiled graph buckets). `generate` is the engine run to completion over its prompts
+(`ModelRunner.generate`), `serve` feeds it from HTTP (serving/driver.py), `bench` and `latency` time it.
 
-Host reads: the chosen ids (and the logprobs asked for) are read once per step, in `_read_step`.
+The batch lives on the device (executor/device_batch.py): block tables, positions, last ids and sampling parameters
+are written when a request is admitted and change on the device only. All rows are chosen in one batched call
+(executor/sampling.py) and each step has one device-to-host read (`_read`): the chosen ids and the logprobs asked
+for, packed into one float32 vector. A request that asked for raw logits rows (record_logits, prompt_positions:
+tests, `generate --save-logits`) costs one more read in the steps that produce them.
+
+Attention DP: every rank runs the same scheduler over the same requests, each request in one DP group. The step's
+kind is the same on every rank; a group with nothing to run runs a one-token dummy into the null block (the
+recipe's rule, so the MoE exchanges see every rank). The group's ranks compute its logits and choose its tokens;
+the packed read vectors are then gathered over the DP groups (`_share`), so every rank knows every request's
+tokens and takes the same decisions.
+
+A request's tokens depend only on its own prompt and sampling: its own block rows and its own seeded draws, so who
+else is in the batch changes nothing but float reassociation. Non-finite logits end that request with
+finish_reason "error" (its event carries the message), never the engine.
 """
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, replace
 
 import torch
 
-from optimized.executor.kv_cache import PagedKVCache, block_table
-from optimized.executor.model_runner import NonFiniteLogitsError
-from optimized.executor.sampling import Sampler
+from optimized.distributed import collectives as comm
+from optimized.executor.device_batch import PAD_KV_LEN, DeviceBatch
+from optimized.executor.kv_cache import BlockPool, PagedKVCache
+from optimized.executor.sampling import fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
+from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
 
 
 class RequestTooLarge(ValueError):
@@ -33,26 +49,40 @@ class TokenEvent:
     logprob: float | None = None                        # log-softmax of the chosen token (when asked)
     top_logprobs: list[tuple[int, float]] | None = None  # the request's top-k (token, logprob), best first
     finished: bool = False
+    error: str | None = None                            # the request failed at this step (non-finite logits)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    kind: str
+    seconds: float
 
 
 def with_seed(request: Request) -> Request:
     """Unseeded sampling gets a fresh seed here, once, so every rank that runs the request draws the same."""
     if request.sampling.greedy or request.sampling.seed is not None:
         return request
-    return replace(request, sampling=replace(request.sampling, seed=secrets.randbits(31)))
+    return replace(request, sampling=replace(request.sampling, seed=fresh_seed()))
 
 
 class Engine:
     def __init__(self, runner, *, batch_size: int, max_prefill_tokens: int = 0, num_blocks: int):
-        """num_blocks: the KV pool per layer, the null block included."""
+        """num_blocks: the KV pool per layer (per DP group under attention DP), the null block included."""
         self.runner, self.model, self.device = runner, runner.model, runner.device
+        self.dp_size, self.dp_rank = runner.dp_size, runner.dp_rank
+        self.scheduler = Scheduler(batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1, self.dp_size)
         runner.check_mc2(batch_size)          # the largest decode batch: MC2 window and kernel limits
+        runner.check_memory(num_blocks)       # mem_fraction_static: the weights and this pool fit
         self.cache = PagedKVCache(runner.num_layers, num_blocks, runner.block_size, runner.kv_heads, runner.head_dim,
                                   runner.kv_cache_dtype, self.device)
-        self.scheduler = Scheduler(batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1)
-        self.samplers: dict[str, Sampler] = {}
+        # Every DP group's block bookkeeping (host), this rank's with its tensors.
+        self.pools = [self.cache if g == self.dp_rank else BlockPool(num_blocks, runner.block_size)
+                      for g in range(self.dp_size)]
+        width = math.ceil(runner.max_positions / runner.block_size)
+        self.batch = DeviceBatch(self.scheduler.group_batch, width, self.device)
         self.requests: dict[str, Request] = {}
         self.steps = 0
+        self.timings: list[StepTiming] = []    # kind and wall time of every step that ran (cleared by the caller)
 
     # ---- requests in and out
     def check(self, request: Request) -> None:
@@ -80,7 +110,6 @@ class Engine:
         if not request.sampling.greedy and request.sampling.seed is None:
             raise ValueError("sampling without a seed: give the request one (engine.with_seed) before adding it")
         request.arrival_step = self.steps
-        self.samplers[request.request_id] = Sampler(request.sampling, 1)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -92,11 +121,14 @@ class Engine:
             self._finish(request)
 
     def _finish(self, request: Request) -> None:
+        group = request.dp_group
+        running = self.scheduler.running[group]
+        if group == self.dp_rank and request in running:
+            self.batch.remove(running.index(request))
         self.scheduler.remove(request)
-        self.cache.release(request.blocks)
+        self.pools[group].release(request.blocks)
         request.blocks = []
         self.requests.pop(request.request_id, None)
-        self.samplers.pop(request.request_id, None)
 
     @property
     def idle(self) -> bool:
@@ -104,103 +136,257 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        """Share of the pool's blocks (null block excluded) held by requests."""
-        total = self.cache.num_blocks - 1
-        return (total - self.cache.free_blocks) / total
+        """Share of the pools' blocks (null blocks excluded) held by requests, over every DP group."""
+        total = sum(p.num_blocks - 1 for p in self.pools)
+        return (total - sum(p.free_blocks for p in self.pools)) / total
+
+    @torch.no_grad()
+    def warm_up(self, buckets) -> None:
+        """Run one decode step of every graph bucket (its graph compiled, or loaded from the compile cache) on
+        dummy rows into the null block, every rank together: done before a server opens its port."""
+        if self.runner.decode_forward is self.model:
+            return
+        for bucket in buckets:
+            start = self.runner.clock()
+            zeros = torch.zeros(bucket, dtype=torch.int64, device=self.device)
+            meta = ForwardMetadata(
+                is_prefill=False, positions=zeros, actual_seq_lengths_cu_q=list(range(1, bucket + 1)),
+                actual_seq_lengths_kv=[PAD_KV_LEN] * bucket, slot_mapping=zeros,
+                block_table=torch.zeros(bucket, 1, dtype=torch.int32, device=self.device),
+                block_size=self.runner.block_size, dp=self._dp([bucket] * self.dp_size))
+            self.runner.decode_forward(zeros, meta, self.cache.layers).float().sum().item()
+            self.timings.append(StepTiming("warm_up", self.runner.clock() - start))
 
     # ---- one step
     @torch.no_grad()
     def step(self) -> tuple[Step, list[TokenEvent]]:
-        step = self.scheduler.schedule(self.cache.free_blocks)
+        step = self.scheduler.schedule([p.free_blocks for p in self.pools])
         self.steps += 1
         if step.kind == "idle":
             return step, []
+        start = self.runner.clock()
+        groups = self._by_group(step)
         if step.kind == "prefill":
             for request in step.requests:
-                request.blocks = self.cache.allocate(request.budget)
-            logits, prompt_rows = self._prefill(step.requests)
+                request.blocks = self.pools[request.dp_group].allocate(request.budget)
+            own = groups[self.dp_rank]
+            span = self.batch.admit(own)
+            logits, kept, ids = self._prefill(groups, span)
         else:
-            logits, prompt_rows = self._decode(step.requests), None
-        events = self._read_step(step, logits, prompt_rows)
+            span = (0, self.batch.n)
+            logits, kept, ids = self._decode(groups), None, None
+        events = self._events(step, groups, self._read(groups, logits, span, step.kind, kept, ids))
+        self.timings.append(StepTiming(step.kind, self.runner.clock() - start))
         for event in events:
             if event.finished:
                 self._finish(event.request)
         return step, events
 
-    def _table(self, requests) -> torch.Tensor:
-        return block_table([r.blocks for r in requests], self.device)
+    def _by_group(self, step: Step) -> list[list[Request]]:
+        groups = [[] for _ in range(self.dp_size)]
+        for r in step.requests:
+            groups[r.dp_group].append(r)
+        return groups
 
-    def _prefill(self, requests):
-        """Logits at each prompt's last token [B, V], and per echo request its prompt rows [len - 1, V]."""
-        ids, meta, last = self.runner.prefill_inputs([r.prompt for r in requests], self._table(requests))
-        offsets, wanted, spans = 0, [], []
-        for r in requests:                       # echo: rows 0 .. len-2 predict prompt tokens 1 .. len-1
-            if r.prompt_logprobs:
-                spans.append((r, len(wanted), len(r.prompt) - 1))
-                wanted.extend(range(offsets, offsets + len(r.prompt) - 1))
-            offsets += len(r.prompt)
-        indices = torch.cat([torch.tensor(wanted, dtype=last.dtype, device=self.device), last])
-        logits = self.model(ids, meta, self.cache.layers, logits_indices=indices)
-        prompt_rows = {r.request_id: logits[start:start + n] for r, start, n in spans}
-        return logits[len(wanted):], prompt_rows
+    def _dp(self, sizes: list[int], picks: list[int] | None = None) -> DataParallelBatch | None:
+        if self.dp_size == 1:
+            return None
+        return DataParallelBatch(tuple(sizes), self.runner.attn_tp_size, None if picks is None else tuple(picks))
 
-    def _decode(self, requests) -> torch.Tensor:
-        ids = torch.tensor([r.tokens[-1] for r in requests], device=self.device)
-        meta = self.runner.decode_metadata([r.length for r in requests], self._table(requests))
-        return self.runner.decode_forward(ids, meta, self.cache.layers)
+    def _prefill(self, groups, span):
+        """Logits [picks, V]: this group's kept prompt rows, then each request's last-token row; a group with no
+        admitted request runs one dummy token into the null block (logits row dropped)."""
+        own = groups[self.dp_rank]
+        if own:
+            table = self.batch.table[span[0]:span[1]]
+            table = table[:, :max(math.ceil(len(r.prompt) / self.runner.block_size) for r in own)]
+            ids, meta, indices = self.runner.prefill_inputs([r.prompt for r in own], table,
+                                                            keep=[r.kept_prompt_positions for r in own])
+        else:
+            dummy = self.batch.dummy
+            ids, meta, indices = self.runner.prefill_inputs([[0]], self.batch.table[dummy:dummy + 1, :1])
+        n_kept = sum(len(r.kept_prompt_positions) for r in own)
+        meta.dp = self._dp([sum(len(r.prompt) for r in g) or 1 for g in groups],
+                           [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups])
+        logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
+        return logits[n_kept:], logits[:n_kept], ids
 
-    def _choose(self, requests, logits: torch.Tensor) -> torch.Tensor:
-        """Chosen ids [B] on the device, -1 where a row is not finite."""
-        finite = torch.isfinite(logits).all(-1)
-        chosen = logits.float().argmax(-1)                 # greedy rows (the runner's greedy rule)
-        sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
-        if sampled:
-            safe = logits.masked_fill(~finite.unsqueeze(-1), 0.0)
-            picks = [self.samplers[requests[i].request_id](safe[i:i + 1], [0]) for i in sampled]
-            chosen = chosen.index_put((torch.tensor(sampled, device=self.device),), torch.cat(picks))
-        return torch.where(finite, chosen, -1)
+    def _decode(self, groups) -> torch.Tensor:
+        own, b, dummy = groups[self.dp_rank], self.batch, self.batch.dummy
+        start, end = (0, b.n) if own else (dummy, dummy + 1)
+        kv_lens = [r.length + 1 for r in own] or [PAD_KV_LEN]
+        width = max(math.ceil(n / self.runner.block_size) for n in kv_lens)
+        meta = ForwardMetadata(
+            is_prefill=False, positions=b.positions[start:end], actual_seq_lengths_cu_q=list(range(1, end - start + 1)),
+            actual_seq_lengths_kv=kv_lens, slot_mapping=b.slots(start, end, self.runner.block_size),
+            block_table=b.table[start:end, :width], block_size=self.runner.block_size,
+            dp=self._dp([len(g) or 1 for g in groups]))
+        return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
 
-    def _read_step(self, step: Step, logits: torch.Tensor, prompt_rows) -> list[TokenEvent]:
-        """The one host read of a step: chosen ids, and the logprobs / logits the requests asked for."""
-        requests = step.requests
-        ids = self._choose(requests, logits).tolist()
-        want = [i for i, r in enumerate(requests) if r.logprobs is not None]
-        logprob_rows = {}
-        if want:
-            lp = torch.log_softmax(logits[want].float(), dim=-1)
-            k = max(requests[i].logprobs for i in want)
-            top = torch.topk(lp, k, dim=-1) if k else None
-            chosen_lp = lp.gather(1, torch.tensor([[max(ids[i], 0)] for i in want], device=self.device))
-            chosen_lp, top_v, top_i = (chosen_lp.squeeze(1).tolist(), top.values.tolist() if k else None,
-                                       top.indices.tolist() if k else None)
-            for j, i in enumerate(want):
-                n = requests[i].logprobs
-                logprob_rows[i] = (chosen_lp[j], list(zip(top_i[j][:n], top_v[j][:n])) if n else [])
-        for request_id, rows in (prompt_rows or {}).items():
-            request = self.requests[request_id]
-            lp = torch.log_softmax(rows.float(), dim=-1)
-            targets = torch.tensor(request.prompt[1:], device=self.device).unsqueeze(1)
-            values = lp.gather(1, targets).squeeze(1).tolist()
-            n = request.logprobs or 0
-            tops = ([list(zip(i, v)) for v, i in zip(*(t.tolist() for t in torch.topk(lp, n, dim=-1)))]
-                    if n else [[] for _ in values])
-            request.prompt_logprob_values = list(zip(values, tops))
+    # ---- choosing and reading back
+    def _layout(self, rows: list[Request], kind: str) -> list[int]:
+        """Sizes of one group's packed read vector, from host data every rank has: the chosen ids; when a row asked
+        for logprobs, every row's chosen logprob and top-k values and ids (k: the most any row asked; no row index
+        to copy to the device); in a prefill, the echo rows' prompt logprobs and their top-k."""
+        if not rows:
+            return [1]                                         # the dummy's id
+        k = max((r.logprobs for r in rows if r.logprobs is not None), default=-1)
+        n = len(rows)
+        sizes = [n, n if k >= 0 else 0, 2 * n * max(k, 0)]
+        if kind == "prefill":
+            echo = [r for r in rows if r.prompt_logprobs]
+            k_echo = max((r.logprobs or 0 for r in echo), default=0)
+            n_echo = sum(len(r.prompt) - 1 for r in echo)
+            sizes += [n_echo, 2 * n_echo * k_echo]
+        return sizes
+
+    def _pack(self, rows, logits, kept, span, kind, ids) -> torch.Tensor:
+        """This group's packed read vector (float32: ids and top-k ids are exact below 2^24)."""
+        if not rows:
+            return logits.float().argmax(-1)[:1].float()
+        sampled = any(not r.sampling.greedy for r in rows)
+        chosen = self._choose(logits, span, sampled)
+        self.batch.record(*span, chosen, decoded=kind == "decode")
+        parts = [chosen.float()]
+        k = max((r.logprobs for r in rows if r.logprobs is not None), default=-1)
+        if k >= 0:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            parts.append(lp.gather(1, chosen.clamp(min=0).unsqueeze(1)).squeeze(1))
+            if k:
+                top = torch.topk(lp, k, dim=-1)
+                parts += [top.values.flatten(), top.indices.float().flatten()]
+        if kind == "prefill" and any(r.prompt_logprobs for r in rows):
+            k = max(r.logprobs or 0 for r in rows if r.prompt_logprobs)
+            lp, targets, offset, token = [], [], 0, 0
+            for r in rows:
+                n = len(r.kept_prompt_positions)
+                if r.prompt_logprobs:    # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
+                    lp.append(torch.log_softmax(kept[offset:offset + n].float(), dim=-1))
+                    targets.append(ids[token + 1:token + len(r.prompt)])
+                offset += n
+                token += len(r.prompt)
+            lp = torch.cat(lp)
+            parts.append(lp.gather(1, torch.cat(targets).long().unsqueeze(1)).squeeze(1))
+            if k:
+                top = torch.topk(lp, k, dim=-1)
+                parts += [top.values.flatten(), top.indices.float().flatten()]
+        return torch.cat(parts)
+
+    def _choose(self, logits: torch.Tensor, span, sampled: bool) -> torch.Tensor:
+        from optimized.executor.sampling import choose
+        return choose(logits, self.batch.sampling_rows(*span) if sampled else None)
+
+    def _share(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every DP group's rows of `x`, group by group, gathered over the attention DP group (one rank per DP
+        group: the ranks of equal attention TP rank); `counts[d]`: group d's rows."""
+        if self.dp_size == 1:
+            return x
+        return comm.all_gather(x, self.model.groups.attn_dp.group, sizes=counts)
+
+    def _read(self, groups, logits, span, kind, kept, ids=None) -> list[list[float]]:
+        """The step's one host read: every group's packed vector (this group's computed here, the others'
+        gathered), split per group."""
+        own = groups[self.dp_rank]
+        packed = self._pack(own, logits, kept, span, kind, ids)
+        sizes = [sum(self._layout(g, kind)) for g in groups]
+        values = self._share(packed, sizes).tolist()
+        self._keep_logits_rows(groups, logits, kept, kind)
+        out, at = [], 0
+        for n in sizes:
+            out.append(values[at:at + n])
+            at += n
+        return out
+
+    def _keep_logits_rows(self, groups, logits, kept, kind) -> None:
+        """Raw fp32 rows for the requests that asked (record_logits, prompt_positions): gathered over DP groups
+        when any request of the step asked, then copied to the host."""
+        asks = [[r.record_logits for r in g] for g in groups]
+        prompt = kind == "prefill" and any(r.prompt_positions is not None for g in groups for r in g)
+        if not prompt and not any(map(any, asks)):
+            return
+        own = groups[self.dp_rank]
+        rows = logits if own else logits[:1]
+        if kind == "prefill":
+            kept_own = kept if own else logits[:0]
+            rows = torch.cat([kept_own, rows])
+            sizes = [sum(len(r.kept_prompt_positions) for r in g) + (len(g) or 1) for g in groups]
+        else:
+            sizes = [len(g) or 1 for g in groups]
+        every = self._share(rows.float(), sizes).cpu()
+        at = 0
+        for g, n in zip(groups, sizes):
+            block, at = every[at:at + n], at + n
+            if not g:
+                continue
+            n_kept = sum(len(r.kept_prompt_positions) for r in g) if kind == "prefill" else 0
+            prompt_rows, last_rows = block[:n_kept], block[n_kept:]
+            offset = 0
+            for i, r in enumerate(g):
+                if kind == "prefill":
+                    n = len(r.kept_prompt_positions)
+                    if r.prompt_positions is not None:
+                        r.prompt_logits = prompt_rows[offset:offset + n]
+                    offset += n
+                if r.record_logits:
+                    r.logits.append(last_rows[i])
+
+    def _events(self, step: Step, groups, values: list[list[float]]) -> list[TokenEvent]:
         events = []
-        for i, (request, token) in enumerate(zip(requests, ids)):
-            if token < 0:
-                raise NonFiniteLogitsError(f"step {self.steps} produced non-finite logits (NaN or inf) for request "
-                                           f"{request.request_id!r} after {len(request.tokens)} generated token(s)")
-            if request.record_logits:
-                request.logits.append(logits[i].float().cpu())
-            if not request.tokens:
-                request.first_token_step = self.steps
-            request.tokens.append(token)
-            finished = None
-            if token in request.stop_ids:
-                finished = "stop"
-            elif len(request.tokens) >= request.max_tokens:
-                finished = "length"
-            request.finish_reason = finished
-            lp, top = logprob_rows.get(i, (None, None))
-            events.append(TokenEvent(request, token, lp, top, finished is not None))
+        for g, rows in enumerate(groups):
+            if not rows:
+                continue
+            sizes, v = self._layout(rows, step.kind), values[g]
+            n = len(rows)
+            ids = [int(t) for t in v[:n]]
+            k = sizes[2] // (2 * n)
+            chosen_lp, top_v, top_i = v[n:n + sizes[1]], v[2 * n:2 * n + n * k], v[2 * n + n * k:2 * n + 2 * n * k]
+            if step.kind == "prefill":
+                self._prompt_logprobs(rows, v[sum(sizes[:3]):])
+            for i, (request, token) in enumerate(zip(rows, ids)):
+                lp = top = None
+                if request.logprobs is not None:
+                    lp = chosen_lp[i]
+                    top = [(int(top_i[i * k + j]), top_v[i * k + j]) for j in range(request.logprobs)]
+                events.append(self._take(request, token, lp, top))
         return events
+
+    def _prompt_logprobs(self, rows, v) -> None:
+        echo = [r for r in rows if r.prompt_logprobs]
+        if not echo:
+            return
+        k = max(r.logprobs or 0 for r in echo)
+        n_echo = sum(len(r.prompt) - 1 for r in echo)
+        values, top_v, top_i = v[:n_echo], v[n_echo:n_echo + n_echo * k], v[n_echo + n_echo * k:n_echo + 2 * n_echo * k]
+        at = 0
+        for r in echo:
+            n, m = len(r.prompt) - 1, r.logprobs or 0
+            r.prompt_logprob_values = [
+                (values[at + j], [(int(top_i[(at + j) * k + t]), top_v[(at + j) * k + t]) for t in range(m)])
+                for j in range(n)]
+            at += n
+
+    def _take(self, request: Request, token: int, lp, top) -> TokenEvent:
+        if token < 0:
+            request.finish_reason = "error"
+            request.error = (f"step {self.steps} produced non-finite logits (NaN or inf) for request "
+                             f"{request.request_id!r} after {len(request.tokens)} generated token(s)")
+            return TokenEvent(request, token, finished=True, error=request.error)
+        if not request.tokens:
+            request.first_token_step = self.steps
+        request.tokens.append(token)
+        finished = None
+        if token in request.stop_ids:
+            finished = "stop"
+        elif len(request.tokens) >= request.max_tokens:
+            finished = "length"
+        request.finish_reason = finished
+        return TokenEvent(request, token, lp, top, finished is not None)
+
+
+def shared_seed(device: torch.device) -> int:
+    """A fresh random seed, the same on every rank (rank 0's, broadcast) when the model is sharded."""
+    import torch.distributed as dist
+    seed = torch.tensor([secrets.randbits(62)], device=device)   # hccl / nccl broadcast device tensors only
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(seed, src=0)
+    return int(seed)

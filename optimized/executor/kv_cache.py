@@ -25,28 +25,18 @@ def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.
     return num_layers * per_layer
 
 
-class PagedKVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+class BlockPool:
+    """The host bookkeeping of a pool of `num_blocks` blocks (block 0, the null block, never handed out). Under
+    attention DP every rank keeps one for every DP group (the scheduler's decisions must agree on every rank), and
+    tensors only for its own group's (`PagedKVCache`)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be positive")
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-
-        def layer():
-            kv = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            if dtype not in QUANTIZED_DTYPES:
-                return kv
-            scales = [torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device) for _ in range(2)]
-            return kv + tuple(scales)
-        self.layers = [layer() for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))   # pop() hands out 1, 2, 3, ...
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
 
     @property
     def free_blocks(self) -> int:
@@ -62,6 +52,26 @@ class PagedKVCache:
 
     def release(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
+
+
+class PagedKVCache(BlockPool):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__(num_blocks, block_size)
+        self.dtype = dtype
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+
+        def layer():
+            kv = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            if dtype not in QUANTIZED_DTYPES:
+                return kv
+            scales = [torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device) for _ in range(2)]
+            return kv + tuple(scales)
+        self.layers = [layer() for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
 
 
 def block_table(requests_blocks: list[list[int]], device: torch.device | str) -> torch.Tensor:

@@ -1,27 +1,24 @@
-"""Prefill/decode loop over the paged cache: greedy by default, seeded sampling, EOS, returned logits.
+"""The model and its step machinery: a step's inputs and metadata, the decode call (eager or the compiled graph
+buckets), the KV cache dtype, the start-up checks (MC2 window and limits, memory).
 
-One prefill step packs all prompts (TND), then each decode step feeds one token per request that is
-still running: a request stops at one of its EOS ids (or after max_new_tokens) and from then on costs no
-decode work. Every decode step goes through `decode_forward`, the one place a compiled step plugs in.
-Timings are measured per phase with a device sync, so they are honest on asynchronous devices too.
+The engine (executor/engine.py) is the one loop that runs these steps; `ModelRunner.generate` is the library's
+short form of it: the engine run to completion over a batch of prompts, timed per step (the time of a step ends
+at its one host read, so it is honest on asynchronous devices too).
 """
 from __future__ import annotations
 
-import itertools
 import numbers
-import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from optimized.distributed import collectives as comm
 from optimized.executor import graph
 from optimized import platform
-from optimized.platform import synchronize
-from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
-from optimized.executor.kv_cache import QUANTIZED_DTYPES, PagedKVCache, block_table, slot_mapping
-from optimized.executor.sampling import GREEDY, Sampler, SamplingParams
+from optimized.forward_metadata import ForwardMetadata
+from optimized.executor.kv_cache import QUANTIZED_DTYPES, slot_mapping
+from optimized.executor.sampling import GREEDY, SamplingParams
+from optimized.executor.scheduler import Request
 from optimized.layers.quantization import kv_cache_dtype as resolve_kv_cache_dtype
 from optimized.ops.required import FP8_KV_CACHE, check_operators
 
@@ -135,198 +132,74 @@ class ModelRunner:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, sampling: SamplingParams | None = None,
                  eos_token_id: int | list[int] | None = None, prompt_logits_positions: list[list[int]] | None = None,
                  return_logits: bool = False) -> GenerationResult:
-        """Generate up to `max_new_tokens` per prompt.
+        """Generate up to `max_new_tokens` per prompt: the engine (executor/engine.py) run to completion.
 
-        sampling: greedy when None (or temperature 0). eos_token_id: id(s) that end a request (kept as its last
-        token); None: always `max_new_tokens` (e.g. `reference.tokenizer.eos_token_ids(path)` gives a
-        checkpoint's). prompt_logits_positions: per request, prompt positions whose logits to return.
-        return_logits: also return the logits every generated token was chosen from.
+        sampling: greedy when None (or temperature 0); request i samples with stream i of the seed. eos_token_id:
+        id(s) that end a request (kept as its last token); None: always `max_new_tokens` (e.g.
+        `reference.tokenizer.eos_token_ids(path)` gives a checkpoint's). prompt_logits_positions: per request,
+        prompt positions whose logits to return. return_logits: also return the logits every generated token was
+        chosen from.
         """
+        from optimized.executor.engine import Engine, shared_seed
         check_prompts(prompts, max_new_tokens, self.vocab_size, self.max_positions)
-        self.check_mc2(len(prompts))
         sampling = sampling or GREEDY
-        eos = _eos_set(eos_token_id)
+        if not sampling.greedy and sampling.seed is None:    # one collective when sharded; greedy and seeded: none
+            sampling = replace(sampling, seed=shared_seed(self.device))
         positions = self._check_positions(prompts, prompt_logits_positions)
-        if self.dp_size > 1:
-            return self._generate_dp(prompts, max_new_tokens, sampling, eos, positions, return_logits)
-        # Only unseeded sampling needs a random seed (one collective when sharded); greedy and seeded need none.
-        unseeded = not sampling.greedy and sampling.seed is None
-        sampler = Sampler(sampling, len(prompts), seed=shared_seed(self.device) if unseeded else None)
-        budget = [len(p) + max_new_tokens for p in prompts]
-        num_blocks = 1 + sum(-(-n // self.block_size) for n in budget)
-        if self.kv_pool_blocks is not None:
-            if self.kv_pool_blocks < num_blocks:
-                raise ValueError(f"kv_pool_blocks={self.kv_pool_blocks} is too small: these requests need {num_blocks} "
-                                 f"blocks of {self.block_size} tokens (the null block included)")
-            num_blocks = self.kv_pool_blocks
-        self._check_memory(num_blocks)
-        cache = PagedKVCache(self.num_layers, num_blocks, self.block_size, self.kv_heads, self.head_dim,
-                             self.kv_cache_dtype, self.device)
-        table = block_table([cache.allocate(n) for n in budget], self.device)
-        lengths = [len(p) for p in prompts]
-        result = GenerationResult(tokens=[[] for _ in prompts], finish_reasons=["length"] * len(prompts),
-                                  logits=[[] for _ in prompts] if return_logits else None)
-
-        start = self.clock()
-        chunks = [self._prefill(prompts, table, positions, rows, cache) for rows in self._prefill_groups(prompts)]
-        logits = torch.cat([last for _, last in chunks])
+        self._check_prefill_budget(prompts)
+        eos = _eos_set(eos_token_id)
+        requests = [Request(str(i), list(p), max_new_tokens, sampling, eos, record_logits=return_logits,
+                            prompt_positions=None if positions is None else positions[i], stream=i)
+                    for i, p in enumerate(prompts)]
+        engine = Engine(self, batch_size=len(prompts), max_prefill_tokens=self.max_prefill_tokens,
+                        num_blocks=self.pool_blocks(prompts, max_new_tokens))
+        for request in requests:
+            engine.add(request)
+        result = GenerationResult(tokens=[r.tokens for r in requests], finish_reasons=["length"] * len(prompts))
+        while not engine.idle:
+            _, events = engine.step()
+            timing = engine.timings.pop()
+            if timing.kind == "prefill":
+                result.prefill_seconds += timing.seconds
+            else:
+                result.decode_seconds.append(timing.seconds)
+            failed = next((e for e in events if e.error is not None), None)
+            if failed is not None:
+                step = len(result.decode_seconds)
+                raise NonFiniteLogitsError(
+                    f"{'the prefill' if timing.kind == 'prefill' else f'decode step {step}'} produced non-finite "
+                    f"logits (NaN or inf) for request {int(failed.request.request_id)}, after "
+                    f"{len(failed.request.tokens)} generated token(s): generation stopped; a weight is not finite "
+                    f"(the load-time weight check names it) or the activations overflowed")
+        result.finish_reasons = ["eos" if r.finish_reason == "stop" else "length" for r in requests]
         if positions is not None:
-            result.prompt_logits = [rows for kept, _ in chunks for rows in kept]
-        active, active_table = list(range(len(prompts))), table   # the running requests and their block rows
-        next_ids = _choose(sampler, logits, active)
-        synchronize(self.device)
-        result.prefill_seconds = self.clock() - start
-
-        while True:
-            if return_logits:
-                for row, request in enumerate(active):
-                    result.logits[request].append(logits[row].float().cpu())
-            still = [row for row, (request, token) in enumerate(zip(active, next_ids.tolist()))
-                     if _take_token(result, request, token, eos, max_new_tokens)]
-            if not still:
-                break
-            if len(still) < len(active):  # finished requests leave the batch: no more decode work for them
-                keep = torch.tensor(still, device=self.device)
-                next_ids, active_table = next_ids[keep], active_table[keep]
-                active = [active[row] for row in still]
-            start = self.clock()
-            meta = self.decode_metadata([lengths[r] for r in active], active_table)
-            logits = self.decode_forward(next_ids, meta, cache.layers)
-            next_ids = _choose(sampler, logits, active)
-            synchronize(self.device)
-            result.decode_seconds.append(self.clock() - start)
-            for r in active:
-                lengths[r] += 1
+            result.prompt_logits = [r.prompt_logits for r in requests]
         if return_logits:
-            result.logits = [torch.stack(rows) for rows in result.logits]
+            result.logits = [torch.stack(r.logits) for r in requests]
         return result
 
-    def _generate_dp(self, prompts, max_new_tokens, sampling, eos, positions, return_logits) -> GenerationResult:
-        """`generate` under attention DP. DP group d runs requests [d*m, (d+1)*m), m = ceil(B / D) (the batch padded
-        with one-token dummy requests, whose results are dropped), with a paged KV cache of its own requests only.
-        As in the recipe, each DP group's ranks compute its logits and sample its requests; the chosen ids (with the
-        non-finite flag they carry) are then shared over the job (`_share`), so every rank knows every request's
-        tokens and takes the same decisions: a group whose requests have all finished keeps stepping its first
-        request (results dropped) until every group is done, as the MoE exchanges need every rank in each step.
-        Logits cross DP groups only when the caller asks for them (prompt positions, return_logits)."""
-        batch, groups_n = len(prompts), self.dp_size
-        per = -(-batch // groups_n)
-        requests = prompts + [[0]] * (groups_n * per - batch)                    # dummies pad the batch
-        groups = [list(range(d * per, (d + 1) * per)) for d in range(groups_n)]
-        mine = groups[self.dp_rank]
-        heaviest = max(sum(len(requests[r]) for r in g) for g in groups)
-        if self.max_prefill_tokens and heaviest > self.max_prefill_tokens:
-            raise ValueError(f"a DP group's prompts hold {heaviest} tokens, more than max_prefill_tokens="
-                             f"{self.max_prefill_tokens} (scheduler_config): prefill in several steps under "
-                             f"attention DP is not implemented; raise it or lower the batch")
-        unseeded = not sampling.greedy and sampling.seed is None
-        sampler = Sampler(sampling, len(requests), seed=shared_seed(self.device) if unseeded else None)
-        budget = [len(requests[r]) + max_new_tokens for r in mine]
-        self._check_memory(1 + sum(-(-n // self.block_size) for n in budget))
-        cache = PagedKVCache(self.num_layers, 1 + sum(-(-n // self.block_size) for n in budget), self.block_size,
-                             self.kv_heads, self.head_dim, self.kv_cache_dtype, self.device)
-        table = block_table([cache.allocate(n) for n in budget], self.device)   # row j: request mine[j]
-        lengths = [len(p) for p in requests]
-        result = GenerationResult(tokens=[[] for _ in prompts], finish_reasons=["length"] * batch,
-                                  logits=[[] for _ in prompts] if return_logits else None)
+    def pool_blocks(self, prompts: list[list[int]], max_new_tokens: int) -> int:
+        """The KV pool (per DP group) a `generate` of these prompts needs, the null block included, or the
+        runner's fixed `kv_pool_blocks` when it holds them (ValueError when it does not). Under attention DP the
+        engine deals a batch added together round robin (request i to group i mod D)."""
+        from optimized.executor.plan import pool_blocks
+        need = pool_blocks([len(p) + max_new_tokens for p in prompts], self.block_size, self.dp_size)
+        if self.kv_pool_blocks is not None:
+            if self.kv_pool_blocks < need:
+                where = " per DP group" if self.dp_size > 1 else ""
+                raise ValueError(f"kv_pool_blocks={self.kv_pool_blocks} is too small: these requests need {need} "
+                                 f"blocks of {self.block_size} tokens{where} (the null block included)")
+            need = self.kv_pool_blocks
+        return need
 
-        # Prefill: the logits of each request's last token, after those of its asked prompt positions (real ones).
-        asked = [positions[r] if positions is not None and r < batch else [] for r in range(len(requests))]
-        picks = tuple(sum(len(asked[r]) + 1 for r in g) for g in groups)
-        offsets = [sum(lengths[r] for r in mine[:j]) for j in range(len(mine))]
-        wanted = [offsets[j] + i for j, r in enumerate(mine) for i in [*asked[r], lengths[r] - 1]]
-        start = self.clock()
-        ids, meta, _ = self.prefill_inputs([requests[r] for r in mine], table)
-        meta.dp = DataParallelBatch(tuple(sum(lengths[r] for r in g) for g in groups), self.attn_tp_size, picks)
-        logits = self.model(ids, meta, cache.layers,
-                            logits_indices=torch.tensor(wanted, dtype=torch.long, device=self.device))
-        ends = list(itertools.accumulate(len(asked[r]) + 1 for r in mine))    # each request's rows end with its last
-        own = logits[torch.tensor([e - 1 for e in ends], device=self.device)]    # [per, V] this group's requests
-        next_ids = self._share(_choose(sampler, own, mine), [len(g) for g in groups])
-        if positions is not None or return_logits:
-            every = self._share(logits, list(picks)).float().cpu()               # asked for: logits cross groups
-            rows = iter(every.split([len(asked[r]) + 1 for r in range(len(requests))]))
-            per_request = [next(rows) for _ in requests]
-            if positions is not None:
-                result.prompt_logits = [per_request[r][:-1] for r in range(batch)]
-            logits = torch.stack([rows_r[-1] for rows_r in per_request])
-        synchronize(self.device)
-        result.prefill_seconds = self.clock() - start
-
-        order = list(range(len(requests)))
-        running = set(range(batch))
-        next_token = {}
-        while True:
-            for row, (request, token) in enumerate(zip(order, next_ids.tolist())):   # the step's one host read
-                next_token[request] = max(token, 0)   # a dropped row's non-finite logits (-1): any id keeps it going
-                if request not in running:                                        # a dummy or a keep-alive row
-                    continue
-                if return_logits:
-                    result.logits[request].append(logits[row].float().cpu())
-                if not _take_token(result, request, token, eos, max_new_tokens):
-                    running.discard(request)
-            if not running:
-                break
-            step = [[r for r in g if r in running] or g[:1] for g in groups]    # g[:1]: the group's keep-alive
-            rows = step[self.dp_rank]
-            start = self.clock()
-            meta = self.decode_metadata([lengths[r] for r in rows],
-                                        table[torch.tensor([mine.index(r) for r in rows], device=self.device)])
-            meta.dp = DataParallelBatch(tuple(len(g) for g in step), self.attn_tp_size)
-            logits = self.decode_forward(torch.tensor([next_token[r] for r in rows], device=self.device), meta,
-                                         cache.layers)                            # [len(rows), V] this group's
-            counts = [len(g) for g in step]
-            next_ids = self._share(_choose(sampler, logits, rows), counts)
-            if return_logits:
-                logits = self._share(logits, counts)
-            order = [r for g in step for r in g]
-            synchronize(self.device)
-            result.decode_seconds.append(self.clock() - start)
-            for r in order:
-                lengths[r] += 1
-        if return_logits:
-            result.logits = [torch.stack(rows) for rows in result.logits]
-        return result
-
-    def _share(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Every DP group's rows of `x`, group by group: gathered over the attention DP group
-        (one rank per DP group, the ranks of equal attention TP rank); `counts[d]`: group d's rows."""
-        return comm.all_gather(x, self.model.groups.attn_dp.group, sizes=counts)
-
-    def _prefill_groups(self, prompts) -> list[list[int]]:
-        """Consecutive groups of requests, each packing at most max_prefill_tokens prompt tokens (FIFO, the
-        recipe's prefill budget); one group when there is no budget."""
+    def _check_prefill_budget(self, prompts) -> None:
         budget = self.max_prefill_tokens
-        if not budget:
-            return [list(range(len(prompts)))]
-        groups, tokens = [[]], 0
         for i, prompt in enumerate(prompts):
-            if len(prompt) > budget:
+            if budget and len(prompt) > budget:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than max_prefill_tokens={budget} "
                                  f"(scheduler_config): no prefill step can hold it")
-            if tokens + len(prompt) > budget:
-                groups.append([])
-                tokens = 0
-            groups[-1].append(i)
-            tokens += len(prompt)
-        return groups
 
-    def _prefill(self, prompts, table, positions, rows: list[int], cache):
-        """One prefill step of requests `rows`: (their asked prompt-position logits on the host, or [], and the
-        logits [len(rows), V] at their last prompt token)."""
-        group = [prompts[r] for r in rows]
-        rows_t = torch.tensor(rows, device=self.device) if len(rows) < table.shape[0] else None
-        ids, meta, last = self.prefill_inputs(group, table if rows_t is None else table[rows_t])
-        offsets = [sum(len(p) for p in group[:i]) for i in range(len(group))]
-        wanted = [offsets[i] + j for i, r in enumerate(rows) for j in (positions[r] if positions else [])]
-        indices = torch.cat([torch.tensor(wanted, dtype=last.dtype, device=self.device), last])
-        logits = self.model(ids, meta, cache.layers, logits_indices=indices)
-        kept = []
-        if positions is not None:
-            kept = list(logits[:len(wanted)].float().cpu().split([len(positions[r]) for r in rows]))
-        return kept, logits[len(wanted):]
-
-    def _check_memory(self, num_blocks: int) -> None:
+    def check_memory(self, num_blocks: int) -> None:
         """mem_fraction_static: the weights and a KV pool of `num_blocks` blocks fit that share of the device."""
         if self.mem_fraction_static is None:
             return
@@ -344,14 +217,18 @@ class ModelRunner:
                              f"requests, lower the batch, or raise scheduler_config.mem_fraction_static")
 
     def check_mc2(self, batch: int) -> None:
-        """The MC2 group's HCCL window holds this decode batch and the batch is within the MC2 kernels' limits
+        """The MC2 group's HCCL window holds this decode batch (as dispatched: padded to its graph bucket in graph
+        mode) and the batch is within the MC2 kernels' limits
         (enforced on an NPU host or in strict mode, where the kernel would refuse it), else a clear error before any
         step."""
         mc2 = getattr(self.model.groups, "moe_ep_mc2", None)
         if mc2 is not None:
             from optimized.distributed.decode_plan import check_mc2_limits, check_mc2_window
             from optimized.ops.validation import DIMS, strict_npu_limits
+            from optimized.executor.plan import dispatch_batch
             parallel = self.model.groups.parallel
+            # a graph decode pads each DP group's share to its bucket: the padding rows are real rows to MC2
+            batch = dispatch_batch(batch, self.dp_size, self.decode_forward is not self.model)
             check_mc2_window(self.model.config, parallel, batch, self.model.dtype.itemsize, mc2.window_mb)
             check_mc2_limits(self.model.config, parallel, batch,
                              enforce=platform.backend_name() == "npu" or strict_npu_limits(DIMS))
@@ -368,10 +245,11 @@ class ModelRunner:
                                  f"(length {len(prompt)})")
         return [list(pos) for pos in positions]
 
-    def prefill_inputs(self, prompts: list[list[int]], table: torch.Tensor):
-        """ids [T], the prefill metadata, the index of each prompt's last token [B]. The runner knows the
+    def prefill_inputs(self, prompts: list[list[int]], table: torch.Tensor, keep: list[list[int]] | None = None):
+        """ids [T], the prefill metadata, the index of each prompt's last token [B] (with `keep`, per prompt the
+        positions whose logits to keep besides: their indices first, then the last tokens'). The runner knows the
         prompts on the host: the host lists (cumulative lengths) are computed here, once per step, and every
-        tensor is created on the model's device from them."""
+        tensor is created on the model's device from them (the step's metadata build)."""
         cu = [sum(len(p) for p in prompts[:i + 1]) for i in range(len(prompts))]
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         request_of_token = torch.tensor([i for i, p in enumerate(prompts) for _ in p], device=self.device)
@@ -380,7 +258,9 @@ class ModelRunner:
             is_prefill=True, positions=positions, actual_seq_lengths_cu_q=cu, actual_seq_lengths_kv=list(cu),
             slot_mapping=slot_mapping(table, request_of_token, positions, self.block_size),
             block_table=table, block_size=self.block_size)
-        return ids, meta, torch.tensor([n - 1 for n in cu], device=self.device)
+        starts = [0, *cu[:-1]]
+        kept = [start + j for start, positions in zip(starts, keep or []) for j in positions]
+        return ids, meta, torch.tensor(kept + [n - 1 for n in cu], device=self.device)
 
     def decode_metadata(self, lengths: list[int], table: torch.Tensor) -> ForwardMetadata:
         """One new token per request at position `lengths[b]`; it attends to lengths[b] + 1 keys."""
@@ -391,40 +271,3 @@ class ModelRunner:
             actual_seq_lengths_kv=[n + 1 for n in lengths],
             slot_mapping=slot_mapping(table, torch.arange(batch, device=self.device), positions, self.block_size),
             block_table=table, block_size=self.block_size)
-
-
-def _take_token(result: GenerationResult, request: int, token: int, eos, max_new_tokens: int) -> bool:
-    """Append `token` (from `_choose`) to `request`'s tokens; True while the request goes on (no EOS, budget left).
-    A -1 (non-finite logits) stops generation with an error naming the step and the request."""
-    if token < 0:
-        step = len(result.decode_seconds)
-        raise NonFiniteLogitsError(
-            f"{'the prefill' if step == 0 else f'decode step {step}'} produced non-finite logits (NaN or "
-            f"inf) for request {request}, after {len(result.tokens[request])} generated token(s): "
-            f"generation stopped; a weight is not finite (the load-time weight check names it) or the "
-            f"activations overflowed")
-    result.tokens[request].append(token)
-    if token in eos:
-        result.finish_reasons[request] = "eos"
-        return False
-    return len(result.tokens[request]) < max_new_tokens
-
-
-def _choose(sampler: Sampler, logits: torch.Tensor, requests: list[int]) -> torch.Tensor:
-    """The sampled ids [B], -1 where a row of logits is not finite. The flag rides in the ids the loop reads
-    anyway (one `tolist()` per step): no extra device-to-host sync. Sampling gets finite rows (multinomial
-    would refuse a NaN row before the flag is read)."""
-    finite = torch.isfinite(logits).all(-1)                                      # [B]
-    if not sampler.params.greedy:
-        logits = logits.masked_fill(~finite.unsqueeze(-1), 0.0)
-    return torch.where(finite, sampler(logits, requests), -1)
-
-
-def shared_seed(device: torch.device) -> int:
-    """A fresh random seed, the same on every rank (rank 0's, broadcast) when the model is sharded."""
-    import torch.distributed as dist
-    # From the OS, not torch's default generator (which every process starts with the same fixed seed).
-    seed = torch.tensor([secrets.randbits(31)], device=device)   # hccl / nccl broadcast device tensors only
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(seed, src=0)
-    return int(seed)

@@ -18,6 +18,10 @@ class EngineStopped(RuntimeError):
     """The engine thread stopped on an error; the message names it."""
 
 
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (non-finite logits); the engine and the other requests go on."""
+
+
 class Driver:
     def __init__(self, engine: Engine, metrics: Metrics | None = None, on_fatal: Callable | None = None,
                  broadcast=None):
@@ -112,8 +116,8 @@ class Driver:
                 self._account(step, events, now)
                 for event in events:
                     sink = self.sinks.get(event.request.request_id)
-                    if sink is not None:
-                        sink(event)
+                    if sink is not None:      # a request that failed (non-finite logits) gets its error, alone
+                        sink(RequestFailed(event.error) if event.error is not None else event)
                     if event.finished:
                         self._forget(event.request.request_id, event.request.finish_reason)
             if self.broadcast is not None:
@@ -150,5 +154,5 @@ class Driver:
                 t[2] = now
                 if event.finished and len(event.request.tokens) > 1:
                     m.tpot.observe((t[2] - t[1]) / (len(event.request.tokens) - 1))
-            m.waiting, m.running = len(self.engine.scheduler.waiting), len(self.engine.scheduler.running)
+            m.waiting, m.running = self.engine.scheduler.num_waiting(), self.engine.scheduler.num_running()
             m.kv_usage = self.engine.kv_usage

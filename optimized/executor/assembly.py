@@ -1,0 +1,280 @@
+"""The one assembly: an inference config (and the launch environment) to a running model and engine.
+
+Every entry point (`generate`, `serve`, the parallel bench, the latency harness, the library) goes through it, in
+two stages:
+
+    launch = prepare(cfg, command="generate")      # host only: launch checks, compile cache, model config, tokenizer
+    ...                                            # the caller builds its prompts from launch.hf_config / tokenizer
+    run = launch.start(batch=..., prefill_tokens=..., agree={...})   # the job, the plan, the groups, the model
+    run.runner.generate(...)  or  run.engine()     # the engine run to completion, or fed by a server
+    run.close()
+
+`start` joins the job (a collective timeout from parallel_config), checks that every rank holds the same config,
+model and inputs, computes the `ExecutionPlan` (printed by rank 0 as one block), builds the process groups with the
+plan's MC2 window, loads the model (weights prepared once) and the runner (exe_mode, compile cache, KV cache dtype,
+max_prefill_tokens, mem_fraction_static). So a YAML key is honoured or refused here, once, for every entry point.
+Every error a user can fix is a `UsageError` naming the key, file or option.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optimized.errors import UsageError
+
+BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
+
+
+def load_config(path, *, model_path: str | None = None, dtype: str | None = None, max_new_tokens: int | None = None,
+                block_size: int | None = None):
+    """The inference config YAML with the command line's overrides; UsageError naming what is wrong."""
+    from optimized.config import ConfigError, InferenceConfig
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"config file {str(path)!r} is a directory; give the inference config YAML file in it")
+    if not path.is_file():
+        raise UsageError(f"config file {str(path)!r} not found")
+    try:
+        cfg = InferenceConfig.from_yaml(path)
+    except ConfigError as e:
+        raise UsageError(f"invalid inference config {path}: " + "; ".join(f"{k}: {m}" for k, m in e.errors)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read config file {str(path)!r}: {getattr(e, 'strerror', None) or e}") from None
+    m, s = cfg.model_config, cfg.scheduler_config
+    if model_path is not None:
+        m.model_path = model_path
+        if m.scheme[0] == "preset":
+            m.with_ckpt = False
+    if dtype is not None:
+        m.dtype = dtype
+    if max_new_tokens is not None:
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1; got {max_new_tokens}")
+        s.max_new_tokens = max_new_tokens
+    if block_size is not None:
+        s.block_size = block_size
+    cfg.source = path
+    return cfg
+
+
+def check_launch(world_size: int, command: str) -> None:
+    """parallel_config.world_size against the launcher, before any process group exists."""
+    env_world = os.environ.get("WORLD_SIZE")
+    launched = int(env_world) if env_world and env_world.isdigit() else 1
+    if launched == world_size:
+        return
+    how = f"launched with WORLD_SIZE={launched}" if env_world else "launched as a single process"
+    if world_size > 1:
+        raise UsageError(f"parallel_config.world_size is {world_size} but this job was {how}; start it with "
+                         f"`torchrun --nproc-per-node {world_size} -m optimized {command} ...`")
+    raise UsageError(f"parallel_config.world_size is 1 but this job was {how}; run it as a single process")
+
+
+def open_compile_cache(cfg):
+    """model_config.enable_cache_compile: the case's cache directory (env CASE_NAME, else derived), created
+    owner-only before anything is loaded; None when off."""
+    m, p = cfg.model_config, cfg.parallel_config
+    if not m.enable_cache_compile:
+        return None
+    from optimized.executor.compile_cache import CompileCache, CompileCacheError, case_dir, default_case_name
+    case = os.environ.get("CASE_NAME") or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)
+    try:
+        root = case_dir(case)
+    except ValueError as e:
+        raise UsageError(f"environment variable {e}") from None
+    try:
+        return CompileCache(root, trust=m.trust_compile_cache)
+    except CompileCacheError as e:
+        raise UsageError(str(e)) from None
+
+
+def say(message: str) -> None:
+    """A start-up line, printed once (by rank 0 under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
+
+
+@dataclass
+class Launch:
+    """The host-side half of the assembly: everything checked and read before the job starts."""
+    cfg: object
+    command: str
+    model_dir: Path
+    hf_config: object
+    tokenizer: object
+    compile_cache: object
+    check_weights: bool = True
+
+    def start(self, *, batch: int, prefill_tokens: int, kv_pool_blocks: int | None = None,
+              prompts: list[list[int]] | None = None, agree: dict | None = None) -> "Assembly":
+        """Join the job, plan, build the groups, the model and the runner. batch: the most requests decoding
+        together; prefill_tokens: the tokens of a first prefill (the plan's volumes); kv_pool_blocks: the engine's
+        pool per DP group (None: what `batch` requests of input_max_len + max_new_tokens need); agree: what every
+        rank must hold the same (sampling, ...) besides the config, the model and the prompts."""
+        from optimized.distributed import ParallelState, init_distributed
+        from optimized.distributed.guard import (CollectiveTimeoutError, RankMismatchError, check_ranks_agree,
+                                                 collective_timeout_s, named_collective_errors, run_fingerprint)
+        from optimized.executor.plan import ExecutionPlan, group_batch
+        cfg = self.cfg
+        m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
+        if kv_pool_blocks is None:
+            per_request = -(-(cfg.data_config.input_max_len + s.max_new_tokens) // s.block_size)
+            kv_pool_blocks = 1 + group_batch(batch, p.attn_dp_size) * per_request
+        if kv_pool_blocks < 2:
+            raise UsageError(f"the KV pool of {kv_pool_blocks} block(s) must hold at least 2 (block 0 is the null "
+                             f"block)")
+        try:
+            timeout_s = collective_timeout_s(p.collective_timeout_s)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        try:  # a rank that never joins (it failed before) makes the rendezvous time out: named
+            with named_collective_errors(timeout_s):
+                env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+        except CollectiveTimeoutError as e:
+            raise UsageError(f"joining the job: {e}") from None
+        run = Assembly(self, env, timeout_s)
+        try:
+            with run.named_errors():
+                check_ranks_agree(run_fingerprint(cfg.to_dict(), self.model_dir, prompts or [], command=self.command,
+                                                  **(agree or {})))
+                run.plan = ExecutionPlan.build(cfg, self.hf_config, batch=batch, prefill_tokens=prefill_tokens,
+                                               kv_pool_blocks=kv_pool_blocks)
+                if env.rank == 0:
+                    print(run.plan.describe(), flush=True)
+                run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
+                run.model = self._load_model(run.state, env)
+                run.runner = self._runner(run.model)
+                if env.rank == 0:
+                    print(f"kv cache: {run.runner.describe_kv_cache(m.kv_cache_dtype)}", flush=True)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    def _load_model(self, state, env):
+        from optimized import platform
+        from optimized.layers.quantization import QuantConfigError
+        from optimized.model_loader.build import load_model
+        from optimized.model_loader.loader import CheckpointError
+        m = self.cfg.model_config
+        try:
+            return load_model(self.model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
+                              seed=self.cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers,
+                              device=platform.device(env.local_rank), check_weights=self.check_weights,
+                              force_eplb=m.eplb)
+        except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint if not
+            raise UsageError(str(e) if str(self.model_dir) in str(e) else f"checkpoint {self.model_dir}: {e}") from None
+
+    def _runner(self, model):
+        from optimized.executor.model_runner import ModelRunner
+        from optimized.layers.quantization import QuantConfigError
+        m, s = self.cfg.model_config, self.cfg.scheduler_config
+        try:
+            return ModelRunner(model, s.block_size, exe_mode=m.exe_mode, compile_cache=self.compile_cache,
+                               kv_cache_dtype=m.kv_cache_dtype, max_prefill_tokens=s.max_prefill_tokens,
+                               mem_fraction_static=s.mem_fraction_static)
+        except QuantConfigError as e:
+            raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
+
+
+def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
+    """The launch checks and host reads, before any process group exists (see the module docstring)."""
+    from optimized.config import ConfigError
+    from optimized.model_loader.hf_config import ModelConfigError, load_hf_config
+    from optimized.model_loader.model_path import resolve_model_path
+    from optimized.model_loader.tokenizer import CheckpointTokenizer
+    m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
+    if s.block_size < 1 or s.block_size % BLOCK_GRANULARITY:
+        raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
+                         f"(the paged attention kernel's block granularity)")
+    compile_cache = open_compile_cache(cfg)    # an unusable cache directory fails before anything is loaded
+    check_launch(p.world_size, command)
+    model_dir = resolve_model_path(m.model_path, *m.scheme)
+    try:
+        hf_config = load_hf_config(model_dir)
+    except ModelConfigError as e:
+        raise UsageError(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
+    try:
+        cfg.validate_for_model(hf_config)
+    except ConfigError as e:
+        source = getattr(cfg, "source", None)
+        raise UsageError(f"inference config {source or ''} does not fit the model {m.model_path}: ".replace("  ", " ")
+                         + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
+    try:
+        tokenizer = CheckpointTokenizer.load(model_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return Launch(cfg, command, model_dir, hf_config, tokenizer, compile_cache, check_weights)
+
+
+@dataclass
+class Assembly:
+    """A started run: the job, the plan, the groups, the model and its runner."""
+    launch: Launch
+    env: object
+    timeout_s: float
+    plan: object = None
+    state: object = None
+    model: object = None
+    runner: object = None
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def cfg(self):
+        return self.launch.cfg
+
+    def engine(self, *, warm_up: bool = False):
+        """The serving engine over the plan's KV pool; warm_up: every graph bucket compiled (or loaded from the
+        compile cache) now, so no compile ever happens on the request path."""
+        from optimized.executor.engine import Engine
+        s = self.cfg.scheduler_config
+        with self.named_errors():
+            try:
+                engine = Engine(self.runner, batch_size=s.batch_size, max_prefill_tokens=s.max_prefill_tokens,
+                                num_blocks=self.plan.kv_pool_blocks)
+            except ValueError as e:     # the MC2 window / limits, mem_fraction_static
+                raise UsageError(str(e)) from None
+            if warm_up and self.plan.graph:
+                engine.warm_up(self.plan.buckets)
+        return engine
+
+    @contextlib.contextmanager
+    def named_errors(self):
+        """Errors of a started run as one named UsageError (`rank r: ...` under torchrun)."""
+        from optimized.distributed.guard import CollectiveTimeoutError, RankMismatchError, named_collective_errors
+        from optimized.executor.compile_cache import CompileCacheError
+        from optimized.executor.model_runner import NonFiniteLogitsError
+        try:
+            with named_collective_errors(self.timeout_s):
+                yield
+        except (CollectiveTimeoutError, RankMismatchError, NonFiniteLogitsError, CompileCacheError) as e:
+            raise UsageError(f"rank {self.env.rank}: {e}" if self.env.world_size > 1 else str(e)) from None
+
+    def profiled(self, config_file):
+        """model_config.enable_profiler: a trace of what runs inside, one file per rank."""
+        m = self.cfg.model_config
+        if not m.enable_profiler:
+            return contextlib.nullcontext(None)
+        from optimized.executor.profiling import ProfilerError, ensure_writable, profiled, trace_directory
+        directory = trace_directory(m.output_path, config_file)
+        try:
+            ensure_writable(directory)
+        except ProfilerError as e:
+            raise UsageError(str(e)) from None
+        return profiled(directory, self.env.rank)
+
+    def close(self) -> None:
+        """The model's subgroups first, then the default group."""
+        if self._closed:
+            return
+        self._closed = True
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            if self.state is not None:
+                self.state.close()
+            dist.destroy_process_group()
