@@ -74,15 +74,7 @@ def _generate_task(rank, world, path, lay, dtype_name, prompts, n, eos):
     return on_host({"tokens": res.tokens, "finish": res.finish_reasons, "logits": res.logits,
                     "prompt_logits": res.prompt_logits, "decode_steps": len(res.decode_seconds),
                     "mc2_calls": {op: counter.calls.get(op, 0) for op in (DISPATCH, COMBINE)},
-                    "kv_blocks": runner_cache_blocks(model, prompts, n, lay)})
-
-
-def runner_cache_blocks(model, prompts, n, lay) -> int:
-    """Blocks of the KV cache this rank's runner allocates (its DP group's requests only)."""
-    dp = lay["world_size"] // lay["attn_tp_size"]
-    per = -(-len(prompts) // dp)
-    mine = (prompts + [[0]] * (dp * per - len(prompts)))[model.groups.dp_rank * per:(model.groups.dp_rank + 1) * per]
-    return sum(-(-(len(p) + n) // BLOCK_SIZE) for p in mine)
+                    "kv_blocks": runner.pool_blocks(prompts, n)})
 
 
 def _reference_run(ref, prompt, n, eos):
@@ -147,11 +139,12 @@ def test_attn_dp_generation_equals_reference_fp32(world, lay):
 
 def test_attn_dp_kv_cache_holds_only_the_dp_groups_requests():
     lay = dp_layout(4, 2)
-    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]          # group 0: requests 0, 1; group 1: 2 and a dummy
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]          # dealt round robin: group 0: 0, 2; group 1: 1
     out = get_pool(4).run(_generate_task, str(checkpoint("tiny")), lay, "float32", prompts, 4, None, timeout=180)
     blocks = [r["kv_blocks"] for r in out]
-    per_group = [sum(-(-(len(p) + 4) // BLOCK_SIZE) for p in g) for g in (prompts[:2], [prompts[2], [0]])]
-    assert blocks == [per_group[0]] * 2 + [per_group[1]] * 2, blocks
+    per_group = [sum(-(-(len(p) + 4) // BLOCK_SIZE) for p in g) for g in (prompts[0::2], prompts[1::2])]
+    assert per_group == [1 + 2, 3]
+    assert blocks == [1 + max(per_group)] * 4, blocks     # each group's pool: its own requests, the null block
 
 
 @torch.no_grad()
@@ -166,7 +159,7 @@ def _non_finite_task(rank, world, path, lay, prompts):
         logits = forward(ids, meta, caches, *a, **kw)
         calls.append(meta.is_prefill)
         if calls.count(False) == 2 and model.groups.dp_rank == 0:
-            logits[1, 7] = float("nan")        # DP group 0's ranks hold its logits: request 1's row
+            logits[1, 7] = float("nan")        # DP group 0's ranks hold its logits: row 1 is request 2's
         return logits
 
     model.forward = nan_for_request_1_at_decode_step_2   # the model is cached per worker: restored below
@@ -182,11 +175,11 @@ def _non_finite_task(rank, world, path, lay, prompts):
 def test_attn_dp_non_finite_logits_stop_generation_naming_step_and_request():
     """Under attention DP too, a NaN logits row of a running request stops generation on every rank with the step
     and the request named (not a -1 token or token 0 forever)."""
-    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]                   # groups: requests 0, 1 | 2 and a dummy
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]                   # dealt round robin: groups 0, 2 | 1
     out = get_pool(4).run(_non_finite_task, str(checkpoint("tiny")), dp_layout(4, 2), prompts, timeout=180)
     for message in out:
         assert message is not None and message.startswith(
-            "decode step 2 produced non-finite logits (NaN or inf) for request 1, after 2 generated token(s)"), out
+            "decode step 2 produced non-finite logits (NaN or inf) for request 2, after 2 generated token(s)"), out
 
 
 @torch.no_grad()
@@ -231,18 +224,22 @@ def _generate_bf16_task(rank, world, path, lay, prompts, n):
 
 def _request_routes(routes: dict, prompts, tokens, world: int, lay: dict) -> list[dict]:
     """Per request, each sparse layer's expert ids [prompt + generated - 1, K]: its prefill rows, then one row per
-    decode step it ran in, found by the runner's schedule (groups of m = ceil(B / D) requests, dummies of one token,
-    a group without running requests stepping its first one)."""
+    decode step it ran in, found by the engine's schedule (request b in DP group b mod D, a group's rows in its
+    requests' order, a group with nothing to run stepping one dummy row)."""
     batch, dp = len(prompts), world // lay["attn_tp_size"]
-    per = -(-batch // dp)
-    lengths = [len(p) for p in prompts] + [1] * (dp * per - batch)
-    groups = [list(range(d * per, (d + 1) * per)) for d in range(dp)]
-    prefill_row = {r: sum(lengths[:r]) for r in range(len(lengths))}     # groups are contiguous: packed order
-    out = [{i: [r[0][prefill_row[b]:prefill_row[b] + lengths[b]]] for i, r in routes.items()} for b in range(batch)]
+    groups = [list(range(d, batch, dp)) for d in range(dp)]
+    out = [{i: [] for i in routes} for _ in range(batch)]
+    at = 0
+    for g in groups:                                   # the prefill packs group by group
+        for b in g:
+            for i, r in routes.items():
+                out[b][i].append(r[0][at:at + len(prompts[b])])
+            at += len(prompts[b])
+        at += 0 if g else 1                            # an idle group's dummy token
     for s in range(max(len(t) for t in tokens) - 1):
-        order = [r for g in groups for r in ([r for r in g if r < batch and s < len(tokens[r]) - 1] or g[:1])]
+        order = [r for g in groups for r in ([r for r in g if s < len(tokens[r]) - 1] or [None])]
         for row, b in enumerate(order):
-            if b < batch and s < len(tokens[b]) - 1:
+            if b is not None:
                 for i, r in routes.items():
                     out[b][i].append(r[1 + s][row:row + 1])
     return [{i: torch.cat(rows) for i, rows in per.items()} for per in out]
@@ -315,13 +312,15 @@ def _gathers_task(rank, world, path, lay, prompts, n):
 
 def test_attn_dp_shares_chosen_ids_not_logits():
     """The recipe's DP lm_head: no vocab-wide tensor crosses ranks in a plain generate (hidden rows are gathered inside
-    the attention TP group, the chosen int64 ids over the DP group); gathering every group's logits over the job, as
-    this build once did, fails here."""
+    the attention TP group, the engine's packed read vector of chosen ids over the DP group: one float32 value per
+    row of a greedy step without logprobs); gathering every group's logits over the job, as this build once did,
+    fails here."""
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     out = get_pool(4).run(_gathers_task, str(checkpoint("tiny")), dp_layout(4, 2), prompts, 3, timeout=180)
     for rank, r in enumerate(out):
         wide = [s for s in r["seen"] if s[0] > 1 and s[2][-1] == CONFIG.vocab_size]   # (a 1-rank gather is a no-op)
         assert not wide, f"rank {rank}: vocab-wide all_gathers {wide}"
-        ids = [s for s in r["seen"] if s[0] > 1 and s[1] == "torch.int64"]
-        assert ids and all(size == 2 for size, _, _ in ids), f"rank {rank}: id shares {ids} (DP 2: a group of 2)"
+        ids = [s for s in r["seen"] if s[0] > 1 and len(s[2]) == 1]
+        assert ids and all(size == 2 and dtype == "torch.float32" and shape[0] <= 2 for size, dtype, shape in ids), \
+            f"rank {rank}: id shares {ids} (DP 2: a group of 2, at most 2 rows per group)"
     same_on_all_ranks([r["tokens"] for r in out], "tokens")

@@ -1,6 +1,8 @@
-"""Multi-rank serving: `torchrun --nproc-per-node 2 -m optimized serve` (attention TP 2, MoE EP 2, fp32) answers
-concurrent openai clients with the reference's greedy tokens per prompt alone; and a driver whose rank broadcast
-fails (a rank that died) stops, telling every waiting request and the server."""
+"""Multi-rank serving: `torchrun --nproc-per-node N -m optimized serve` answers concurrent openai clients, arriving
+mid-flight, with the reference's greedy tokens per prompt alone (fp32), under attention TP 2 with MoE EP 2, and under
+attention DP (TP 1 x DP 2 with EP 2, TP 2 x DP 2 with EP 4: MC2 decode, each request in one DP group, idle groups
+stepping dummy rows); and a driver whose rank broadcast fails (a rank that died) stops, telling every waiting request
+and the server."""
 from __future__ import annotations
 
 import os
@@ -22,11 +24,17 @@ pytest.importorskip("fastapi")
 
 REPO = Path(__file__).resolve().parents[1]
 START_S, TIMEOUT_S = 180, 60
-CONFIG = """model_config: {model_path: "fixture:tiny", dtype: float32}
-data_config: {input_max_len: 48}
-parallel_config: {world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2}
-scheduler_config: {batch_size: 2, max_new_tokens: 8, block_size: 16, max_prefill_tokens: 32}
+CONFIG = """model_config: {{model_path: "fixture:tiny", dtype: float32}}
+data_config: {{input_max_len: 48}}
+parallel_config: {{{parallel}}}
+scheduler_config: {{batch_size: {batch}, max_new_tokens: 8, block_size: 16, max_prefill_tokens: 32}}
 """
+LAYOUTS = {   # name: (world size, parallel_config, batch_size)
+    "tp2_ep2": (2, "world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, "
+                   "lmhead_tp_size: 2", 2),
+    "tp1xdp2_ep2": (2, "world_size: 2, attn_tp_size: 1, moe_tp_size: 1, embed_tp_size: 1, lmhead_tp_size: 1", 2),
+    "tp2xdp2_ep4": (4, "world_size: 4, attn_tp_size: 2, moe_tp_size: 1, embed_tp_size: 2, lmhead_tp_size: 2", 4),
+}
 
 
 def _free_port() -> int:
@@ -37,16 +45,18 @@ def _free_port() -> int:
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
-def test_torchrun_two_rank_server_equals_reference_per_request(tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
     from fixtures.checkpoints import checkpoint
     checkpoint("tiny")                                   # built before the ranks race for it
-    config = tmp_path / "tp2_ep2.yaml"
-    config.write_text(CONFIG)
+    world, parallel, batch = LAYOUTS[layout]
+    config = tmp_path / f"{layout}.yaml"
+    config.write_text(CONFIG.format(parallel=parallel, batch=batch))
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                              "-m", "optimized", "serve", "--config", str(config), "--port", str(port)],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -79,6 +89,10 @@ def test_torchrun_two_rank_server_equals_reference_per_request(tmp_path):
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(repr(e))
 
+        log.seek(0)
+        started = log.read()
+        if "dp" in layout:     # the plan says the decode runs MC2 under attention DP
+            assert "under attention DP" in started and "MC2 window" in started, started
         threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS[:4])]
         for t in threads:
             t.start()
