@@ -198,7 +198,8 @@ def test_the_runner_checks_the_mc2_limits_before_any_step_on_an_npu_host_or_in_s
 
     parallel = ParallelConfig(world_size=2, attn_tp_size=2, moe_tp_size=1, moe_ep_size=2)
     groups = SimpleNamespace(parallel=parallel, moe_ep_mc2=SimpleNamespace(window_mb=None))
-    runner = SimpleNamespace(model=SimpleNamespace(config=QWEN3_235B, groups=groups, dtype=__import__("torch").bfloat16))
+    model = SimpleNamespace(config=QWEN3_235B, groups=groups, dtype=__import__("torch").bfloat16)
+    runner = SimpleNamespace(model=model, dp_size=1, decode_forward=model)        # eager: the batch unpadded
     monkeypatch.setenv(STRICT_ENV, "0")
     ModelRunner.check_mc2(runner, 512)                                  # 256 tokens per rank: within
     monkeypatch.setattr(platform, "backend_name", lambda: "npu")

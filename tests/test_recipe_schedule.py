@@ -22,8 +22,10 @@ def model():
 def test_prefill_in_groups_within_the_budget_equals_one_prefill(model):
     whole = ModelRunner(model, 16).generate(PROMPTS, 4, prompt_logits_positions=POSITIONS, return_logits=True)
     runner = ModelRunner(model, 16, max_prefill_tokens=8)
-    assert runner._prefill_groups(PROMPTS) == [[0, 1], [2, 3]]
+    packed, prefill_inputs = [], runner.prefill_inputs
+    runner.prefill_inputs = lambda prompts, *a, **k: (packed.append(prompts), prefill_inputs(prompts, *a, **k))[1]
     split = runner.generate(PROMPTS, 4, prompt_logits_positions=POSITIONS, return_logits=True)
+    assert packed == [PROMPTS[:2], PROMPTS[2:]]          # FIFO groups of at most 8 prompt tokens
     assert split.tokens == whole.tokens
     for a, b in zip(whole.prompt_logits + whole.logits, split.prompt_logits + split.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
