@@ -78,26 +78,29 @@ class Reference:
         return self.model(torch.tensor([ids], device=self.device), None)[0].float()
 
     @torch.no_grad()
-    def tokens_from_text(self, prompt: list[int], text: str, count: int | None) -> tuple[list[int], bool]:
+    def tokens_from_text(self, prompt: list[int], text: str, count: int | None,
+                         stop_at_text: bool = False) -> tuple[list[int], bool]:
         """The tokens the endpoint generated, from its text: at each step the reference's best-ranked candidate
-        (of its top TEXT_SEARCH_TOP_K) whose decoding continues the text. (tokens, whether the text was spelled
-        out); a step no candidate continues ends the search (the judgement names it as a divergence)."""
+        (of its top TEXT_SEARCH_TOP_K) whose decoding continues the text, for `count` tokens (the usage's; with
+        stop_at_text, e.g. a stop at EOS whose token the text omits, until the text is spelled). (tokens, whether
+        the text was spelled out); a step no candidate continues ends the search (named as a divergence)."""
         out: list[int] = []
         cache = self.model.new_cache()
         logits = self.model(torch.tensor([prompt], device=self.device), cache)[0, -1]
-        while text and (count is None or len(out) < count):
-            done = self.text(out)
-            if done == text:
-                return out, True
+        limit = count if count is not None else 4 * len(text) + 8
+        while len(out) < limit and not (stop_at_text and out and self.text(out) == text):
             cand = torch.topk(logits.float(), TEXT_SEARCH_TOP_K).indices.tolist()
-            nxt = next((c for c in cand if text.startswith(self.text(out + [c]).rstrip("\ufffd"))
-                        and len(self.text(out + [c]).rstrip("\ufffd")) > len(done.rstrip("\ufffd"))
-                        or self.text(out + [c]) == text), None)
+            nxt = next((c for c in cand if self._continues(text, self.text(out + [c]))), None)
             if nxt is None:
-                return out, False
+                break
             out.append(nxt)
             logits = self.model(torch.tensor([[nxt]], device=self.device), cache)[0, -1]
         return out, self.text(out) == text
+
+    @staticmethod
+    def _continues(text: str, decoded: str) -> bool:
+        """`decoded` spells the start of `text`; a trailing partial UTF-8 character (U+FFFD) may complete later."""
+        return text.startswith(decoded) or (decoded.endswith("\ufffd") and text.startswith(decoded.rstrip("\ufffd")))
 
 
 @dataclass
@@ -121,7 +124,8 @@ def analyze(ref: Reference, reply: Reply, index: int, atol: float, rtol: float,
     spelled = True
     tokens = reply.tokens
     if tokens is None:
-        tokens, spelled = ref.tokens_from_text(prompt, reply.text, completion_tokens)
+        tokens, spelled = ref.tokens_from_text(prompt, reply.text, completion_tokens,
+                                               stop_at_text=reply.finish_reason == "stop")
     full = prompt + tokens
     x = ref.logits(full)                                                    # [L + N, V]
     judged = judge_tokens(x[n - 1:n - 1 + len(tokens)], torch.tensor(tokens, device=x.device, dtype=torch.long),
