@@ -150,3 +150,38 @@ def test_a_given_endpoint_agrees(request):
         pytest.fail("--endpoint needs --endpoint-model-path (the checkpoint the endpoint serves)")
     r = run_check(url, path, precision=request.config.getoption("--endpoint-precision"))
     assert r.ok, r.summary()
+
+
+def test_cli_writes_the_report_and_names_bad_input(planted, tmp_path, capsys):
+    import json
+    import shutil
+    from equivalence.endpoint.__main__ import main
+    url, bug = planted
+    bug.write_text("")
+    model = checkpoint("tiny")
+    out = tmp_path / "report"
+    assert main(["--url", url, "--model-path", str(model), "--prompt-ids", "5,9,200,17", "--max-tokens", "3",
+                 "--concurrency", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert data["ok"] and data["meta"]["mode"] == "echo" and len(data["requests"][0]["positions"]) == 3 + 3
+    page = (out / "report.html").read_text()
+    assert "<svg" in page and "Agrees" in page and "<script" not in page
+    assert capsys.readouterr().out.startswith("AGREE: 1 prompts")
+
+    assert main(["--url", url, "--model-path", str(model), "--served-model", "other", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {url} serves ['tiny'], not 'other'; give one of them to --served-model"
+
+    # the same weights with a tokenizer whose ids of two tokens are swapped
+    mixed = tmp_path / "mixed"
+    shutil.copytree(model, mixed)
+    tok = json.loads((mixed / "tokenizer.json").read_text())
+    from reference.tokenizer import load_tokenizer
+    first = load_tokenizer(model).convert_ids_to_tokens(load_tokenizer(model).encode("The capital of France is"))[0]
+    vocab = tok["model"]["vocab"]
+    other = next(t for t in vocab if t != first and len(t) > 1)
+    vocab[first], vocab[other] = vocab[other], vocab[first]
+    (mixed / "tokenizer.json").write_text(json.dumps(tok))
+    assert main(["--url", url, "--model-path", str(mixed), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: tokenizer mismatch: the endpoint tokenizes"), err
