@@ -29,6 +29,9 @@ def test_near_tie_is_allowed_and_the_comparison_goes_on_divergence_fails():
     assert j.near_ties[0].margin == pytest.approx(0.1, abs=1e-6) and not j.ok
     assert j.verdict().startswith("near-tie at token 2 (reference top-2 margin 0.1")
     assert "after teacher forcing 2 of 4 agree, 1 near-tie(s), 1 divergence(s)" in j.verdict()
+    tie = logits[:1].clone()
+    tie[0, 4] = 3.0                         # an exact tie with the argmax agrees, whichever index topk names
+    assert judge_tokens(tie, torch.tensor([4]), 0.0, 0.0).agree == 1
     ok = judge_tokens(logits[:2], torch.tensor([1, 3]), atol, rtol)
     assert ok.ok and merge([ok, ok]).positions == 4
     f32 = judge_tokens(logits[:2], torch.tensor([1, 3]), *LOGIT_NOISE[torch.float32])

@@ -31,8 +31,11 @@ TEXT_SEARCH_TOP_K = 32        # reference candidates tried when only the endpoin
 # The noise floor: this check run against our own optimized server at each precision (the fixture `tiny`, single
 # process; `python -m equivalence.endpoint.calibrate --precision P` re-measures and prints these numbers).
 CALIBRATION = {
-    "fp32": {"positions": None, "max_ratio": None, "false_alarms": None, "command": None},
-    "bf16": {"positions": None, "max_ratio": None, "false_alarms": None, "command": None},
+    # 24 seeded prompts (2-40 ids) x 8 greedy tokens, alone and among 4 concurrent: prompt + generated positions
+    "fp32": {"positions": 1470, "max_ratio": 0.0115, "false_alarms": 0, "near_ties": 0, "divergences": 0,
+             "command": "python -m equivalence.endpoint.calibrate --precision fp32 --prompts 24 --max-tokens 8"},
+    "bf16": {"positions": 1470, "max_ratio": 0.4396, "false_alarms": 0, "near_ties": 8, "divergences": 0,
+             "command": "python -m equivalence.endpoint.calibrate --precision bf16 --prompts 24 --max-tokens 8"},
 }
 
 DEFAULT_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):\n    return",

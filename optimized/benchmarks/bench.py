@@ -341,7 +341,8 @@ def run(args) -> int:
                   "hf_implementation": hf_impl},
         "results": results,
         "ratios": ratios,
-        "tokens": {m: _agreement(ref, ids, tokens["reference"], t, dtype) for m, t in tokens.items() if m != "reference"},
+        "tokens": {m: _agreement(ref, ids, tokens["reference"], t, dtype)
+                   for m, t in tokens.items() if m != "reference"},
         "floor": {"copy_bandwidth_gb_s": bandwidth / GB, "bytes_per_decode_step": floor["bytes"],
                   "floor_ms_per_token": floor_ms,
                   "optimized_over_floor": results["optimized"]["decode_ms_per_token"]["median"] / floor_ms,

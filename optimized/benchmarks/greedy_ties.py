@@ -2,7 +2,7 @@
 
 Given the reference's logits at each generated position (row j: the reference run on the prompt and the candidate's
 own tokens before j, so one flip does not end the comparison) and the candidate's tokens, each position is:
-- agree: the candidate's token is the reference's argmax;
+- agree: the candidate's token is a reference argmax (its logit equals the maximum: exact ties agree);
 - near-tie: it is not, but the reference's margin between its argmax and the candidate's token is within what the
   logit noise of the two runs can overturn: 2 atol + rtol (|x_top1| + |x_token|) (each logit may move by atol + rtol
   |x|, in opposite directions);
@@ -83,7 +83,7 @@ def judge_tokens(reference_logits: torch.Tensor, tokens: torch.Tensor, atol: flo
     chosen = logits.gather(-1, tokens[:, None])[:, 0]                       # [N]
     margin = top1 - chosen
     bound = 2 * atol + rtol * (top1.abs() + chosen.abs())
-    differs = tokens != top.indices[:, 0]
+    differs = margin > 0          # a token whose logit equals the maximum is an argmax too (exact ties agree)
     rows = torch.stack([differs.float(), margin, top1 - top2, bound, top.indices[:, 0].float(),
                         tokens.float()], dim=-1).tolist()                   # the one host read
     out = TokenJudgement(positions=len(rows), agree=0)
