@@ -17,6 +17,14 @@ def is_model_level(item) -> bool:
     return not item.module.__name__.rpartition(".")[2].startswith("test_ops_")
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("endpoint", "equivalence of an OpenAI-compatible endpoint (equivalence/endpoint/)")
+    group.addoption("--endpoint", metavar="URL", help="check this server's /v1 against the reference "
+                    "(equivalence/test_endpoint.py::test_a_given_endpoint_agrees)")
+    group.addoption("--endpoint-model-path", metavar="CKPT", help="the checkpoint directory the endpoint serves")
+    group.addoption("--endpoint-precision", default="fp32", help="the endpoint's precision (fp32, bf16)")
+
+
 def pytest_collection_modifyitems(config, items):
     # Everything under equivalence/ is part of `pytest -m equivalence`.
     for item in items:

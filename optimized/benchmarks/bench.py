@@ -173,12 +173,21 @@ def _available_memory() -> float | None:
     return None
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
-    """'same' or how many leading tokens agree (random weights in bf16 may diverge after a near-tie)."""
+def _agreement(reference, ids: torch.Tensor, a: list[list[int]], b: list[list[int]], dtype: torch.dtype) -> str:
+    """'same', or how many leading tokens agree and whether the first difference is a near-tie or a divergence:
+    the reference teacher-forced on b's own tokens, judged by optimized.benchmarks.greedy_ties (the reference's
+    top-2 margin there against the logit noise of `dtype`, and the agreement after teacher forcing)."""
     if a == b:
         return "same"
+    from optimized.benchmarks.greedy_ties import LOGIT_NOISE, judge_tokens, merge
     lead = [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)]
-    return f"differ (first {min(lead)} of {len(a[0])} tokens agree)"
+    device = next(reference.parameters()).device
+    cand = torch.tensor(b, device=device)                                    # [B, N]
+    with torch.no_grad():
+        logits = reference(torch.cat([ids.to(device), cand[:, :-1]], 1), None)[:, ids.shape[1] - 1:]   # [B, N, V]
+    atol, rtol = LOGIT_NOISE[dtype]
+    judged = merge([judge_tokens(logits[i], cand[i], atol, rtol) for i in range(cand.shape[0])])
+    return f"differ (first {min(lead)} of {len(a[0])} tokens agree): {judged.verdict()}"
 
 
 def run(args) -> int:
@@ -332,7 +341,8 @@ def run(args) -> int:
                   "hf_implementation": hf_impl},
         "results": results,
         "ratios": ratios,
-        "tokens": {m: _agreement(tokens["reference"], t) for m, t in tokens.items() if m != "reference"},
+        "tokens": {m: _agreement(ref, ids, tokens["reference"], t, dtype)
+                   for m, t in tokens.items() if m != "reference"},
         "floor": {"copy_bandwidth_gb_s": bandwidth / GB, "bytes_per_decode_step": floor["bytes"],
                   "floor_ms_per_token": floor_ms,
                   "optimized_over_floor": results["optimized"]["decode_ms_per_token"]["median"] / floor_ms,

@@ -1,0 +1,53 @@
+"""The noise floor: `python -m equivalence.endpoint.calibrate --precision bf16 [--prompts N] [--max-tokens N]`.
+
+Starts our own server (`optimized serve`, fixture tiny, one process) at the precision, runs the endpoint check on N
+prompts (seeded random token ids, lengths 2-40) and prints how many positions were compared, how many exceed the
+bound derived from the tolerance table (false alarms: our own model is right by construction) and the worst ratio;
+check.CALIBRATION records these numbers."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from equivalence.endpoint import servers
+from equivalence.endpoint.check import PRECISIONS, run_check
+from fixtures.checkpoints import checkpoint
+
+DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def calibrate(precision: str, n: int, max_tokens: int, seed: int = 0) -> dict:
+    model = checkpoint("tiny")
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 500, (int(torch.randint(2, 41, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(n)]
+    with tempfile.TemporaryDirectory() as d:
+        cfg = Path(d) / "c.yaml"
+        cfg.write_text(servers.config_yaml(DTYPE[precision]))
+        port = servers.free_port()
+        with servers.serving(servers.ours(cfg, port), port, Path(d) / "server.log") as url:
+            r = run_check(url, model, prompts=prompts, max_tokens=max_tokens, concurrency=4, precision=precision)
+    ratios = [p["ratio"] for x in r.requests + r.concurrent for p in x.positions]
+    return {"positions": len(ratios), "max_ratio": round(max(ratios), 4), "false_alarms": sum(q > 1 for q in ratios),
+            "near_ties": len(r.judgement["near_ties"]), "divergences": len(r.judgement["divergences"]),
+            "command": f"python -m equivalence.endpoint.calibrate --precision {precision} --prompts {n} "
+                       f"--max-tokens {max_tokens}"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m equivalence.endpoint.calibrate")
+    ap.add_argument("--precision", choices=sorted(PRECISIONS), required=True)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args(argv)
+    print(json.dumps(calibrate(args.precision, args.prompts, args.max_tokens)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The endpoint compared with the reference, per position, tie-aware.
+
+Every prompt is sent once alone (greedy, temperature 0) and, for batch invariance, again among `concurrency`
+concurrent requests. The reference (the CPU, the precision's dtype, fp32 router) is teacher-forced on the prompt and
+the endpoint's own generated tokens, so one near-tie flip does not end the comparison:
+- each position whose logprob the endpoint returns (prompt tokens via echo / prompt_logprobs, generated tokens via
+  logprobs): |delta logprob| of the actual token against the per-position bound derived from the tolerance table's
+  entry for the precision (atol, rtol of one logit): logprob_t = x_t - logsumexp(x) and d logsumexp = sum_i p_i dx_i,
+  so |d logprob_t| <= 2 atol + rtol (|x_t| + sum_i p_i |x_i|); top-k overlap and a KL(reference || endpoint) lower
+  bound from the endpoint's top-k (the two distributions coarsened to those tokens and the rest);
+- each generated token: optimized.benchmarks.greedy_ties (agree, near-tie within the same logit noise, divergence).
+A run agrees when no position exceeds its bound and no generated token diverges, alone or under concurrency.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from equivalence.compare import tolerance
+from equivalence.endpoint.client import Capabilities, Endpoint, EndpointError, Reply
+from optimized.benchmarks.greedy_ties import TokenJudgement, judge_tokens, merge
+
+# precision -> (tolerance table entry bounding one logit, the reference's dtype)
+PRECISIONS = {"fp32": ("model.float32", torch.float32), "bf16": ("model.parallel.bfloat16", torch.bfloat16)}
+NOT_CALIBRATED = ("w8a8", "w4a8", "fp8kv")
+TEXT_SEARCH_TOP_K = 32        # reference candidates tried when only the endpoint's text is known
+
+# The noise floor: this check run against our own optimized server at each precision (the fixture `tiny`, single
+# process; `python -m equivalence.endpoint.calibrate --precision P` re-measures and prints these numbers).
+CALIBRATION = {
+    # 24 seeded prompts (2-40 ids) x 8 greedy tokens, alone and among 4 concurrent: prompt + generated positions
+    "fp32": {"positions": 1470, "max_ratio": 0.0115, "false_alarms": 0, "near_ties": 0, "divergences": 0,
+             "command": "python -m equivalence.endpoint.calibrate --precision fp32 --prompts 24 --max-tokens 8"},
+    "bf16": {"positions": 1470, "max_ratio": 0.4396, "false_alarms": 0, "near_ties": 8, "divergences": 0,
+             "command": "python -m equivalence.endpoint.calibrate --precision bf16 --prompts 24 --max-tokens 8"},
+}
+
+DEFAULT_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):\n    return",
+                   "Monday, Tuesday, Wednesday,", "Red, orange, yellow, green,"]
+
+
+def precision_tolerance(precision: str) -> tuple[float, float, str, torch.dtype]:
+    if precision in NOT_CALIBRATED:
+        raise EndpointError(f"--precision {precision}: no per-position tolerance calibrated yet; use "
+                            f"{' or '.join(PRECISIONS)}")
+    if precision not in PRECISIONS:
+        raise EndpointError(f"--precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    name, dtype = PRECISIONS[precision]
+    tol = tolerance(name)
+    return tol.atol, tol.rtol, name, dtype
+
+
+class Reference:
+    """The plain reference of the checkpoint, teacher-forced on the CPU."""
+
+    def __init__(self, model_path, dtype: torch.dtype):
+        from reference.checkpoint import load_model
+        from reference import tokenizer as ref_tok
+        try:
+            self.model = load_model(model_path, dtype, router_dtype="float32")
+        except Exception as e:  # noqa: BLE001 - a missing or broken checkpoint is bad input
+            raise EndpointError(f"--model-path {model_path}: cannot load the checkpoint ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        self.tokenizer = ref_tok.load_tokenizer(model_path)
+        if self.tokenizer is None:
+            raise EndpointError(f"--model-path {model_path} has no tokenizer; the endpoint check needs it")
+        self.device = next(self.model.parameters()).device
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def text(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    @torch.no_grad()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), V] fp32: row j predicts ids[j + 1]."""
+        return self.model(torch.tensor([ids], device=self.device), None)[0].float()
+
+    @torch.no_grad()
+    def tokens_from_text(self, prompt: list[int], text: str, count: int | None,
+                         stop_at_text: bool = False) -> tuple[list[int], bool]:
+        """The tokens the endpoint generated, from its text: at each step the reference's best-ranked candidate
+        (of its top TEXT_SEARCH_TOP_K) whose decoding continues the text, for `count` tokens (the usage's; with
+        stop_at_text, e.g. a stop at EOS whose token the text omits, until the text is spelled). (tokens, whether
+        the text was spelled out); a step no candidate continues ends the search (named as a divergence)."""
+        out: list[int] = []
+        cache = self.model.new_cache()
+        logits = self.model(torch.tensor([prompt], device=self.device), cache)[0, -1]
+        limit = count if count is not None else 4 * len(text) + 8
+        while len(out) < limit and not (stop_at_text and out and self.text(out) == text):
+            cand = torch.topk(logits.float(), TEXT_SEARCH_TOP_K).indices.tolist()
+            nxt = next((c for c in cand if self._continues(text, self.text(out + [c]))), None)
+            if nxt is None:
+                break
+            out.append(nxt)
+            logits = self.model(torch.tensor([[nxt]], device=self.device), cache)[0, -1]
+        return out, self.text(out) == text
+
+    @staticmethod
+    def _continues(text: str, decoded: str) -> bool:
+        """`decoded` spells the start of `text`; a trailing partial UTF-8 character (U+FFFD) may complete later."""
+        return text.startswith(decoded) or (decoded.endswith("\ufffd") and text.startswith(decoded.rstrip("\ufffd")))
+
+
+@dataclass
+class RequestResult:
+    index: int
+    prompt: list[int]
+    tokens: list[int]
+    text_spelled: bool
+    positions: list[dict] = field(default_factory=list)   # per compared position
+    judgement: dict = field(default_factory=dict)
+    over: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.over == 0 and self.judgement.get("ok", True) and self.text_spelled
+
+
+def analyze(ref: Reference, reply: Reply, index: int, atol: float, rtol: float,
+            completion_tokens: int | None = None) -> tuple[RequestResult, TokenJudgement]:
+    prompt, n = reply.prompt, len(reply.prompt)
+    spelled = True
+    tokens = reply.tokens
+    if tokens is None:
+        tokens, spelled = ref.tokens_from_text(prompt, reply.text, completion_tokens,
+                                               stop_at_text=reply.finish_reason == "stop")
+    full = prompt + tokens
+    x = ref.logits(full)                                                    # [L + N, V]
+    judged = judge_tokens(x[n - 1:n - 1 + len(tokens)], torch.tensor(tokens, device=x.device, dtype=torch.long),
+                          atol, rtol) if tokens else TokenJudgement(0, 0)
+    res = RequestResult(index, prompt, tokens, spelled, judgement=judged.to_json())
+    rows = [j for j in range(1, len(full)) if j < len(reply.logprobs) and reply.logprobs[j] is not None]
+    if rows:
+        idx = torch.tensor(rows, device=x.device)
+        tok = torch.tensor([full[j] for j in rows], device=x.device)
+        xs = x[idx - 1]                                                     # [P, V]
+        lsm = torch.log_softmax(xs, dim=-1)
+        p = lsm.exp()
+        ref_lp = lsm.gather(-1, tok[:, None])[:, 0]
+        ep_lp = torch.tensor([float(reply.logprobs[j]) for j in rows], device=x.device, dtype=torch.float64)
+        bound = 2 * atol + rtol * (xs.gather(-1, tok[:, None])[:, 0].abs() + (p * xs.abs()).sum(-1))
+        delta = (ep_lp - ref_lp.double()).abs()
+        k = max([len(reply.top[j] or {}) for j in rows] + [1])
+        ref_top = torch.topk(lsm, k, dim=-1).indices.tolist()
+        host = torch.stack([ref_lp.double(), delta, bound.double()], -1).tolist()   # one host read
+        for j, top_ids, (r_lp, d, b) in zip(rows, ref_top, host):
+            ep_top = reply.top[j] or {}
+            overlap = kl = None
+            if ep_top:
+                ref_keys = {_key(ref, i, ep_top) for i in top_ids[:len(ep_top)]}
+                overlap = len(ref_keys & set(ep_top)) / len(ep_top)
+                kl = _kl_lower_bound(ref, lsm[rows.index(j)], ep_top)
+            ratio = d / b if b > 0 else (0.0 if d == 0 else math.inf)
+            res.positions.append({
+                "position": j, "region": "prompt" if j < n else "generated", "token": full[j],
+                "token_text": ref.text([full[j]]), "context": ref.text(full[max(0, j - 8):j]),
+                "endpoint_logprob": float(reply.logprobs[j]), "reference_logprob": r_lp, "abs_delta": d,
+                "bound": b, "ratio": ratio, "topk_overlap": overlap, "kl_lower_bound": kl})
+            res.over += ratio > 1
+    return res, judged
+
+
+def _key(ref: Reference, token: int, sample: dict) -> str:
+    if any(str(k).startswith("token_id:") for k in sample):
+        return f"token_id:{token}"
+    return ref.text([token])
+
+
+def _kl_lower_bound(ref: Reference, lsm_row: torch.Tensor, ep_top: dict) -> float:
+    """KL(reference || endpoint) >= KL of the two coarsened to {each of the endpoint's top-k tokens, the rest}
+    (the log-sum inequality); tokens whose text names more than one id are folded into the rest."""
+    ids = []
+    for key, lp in ep_top.items():
+        tid = _id_of(ref, key)
+        if tid is not None:
+            ids.append((tid, float(lp)))
+    if not ids:
+        return 0.0
+    p = lsm_row.double().exp()[torch.tensor([i for i, _ in ids])]
+    q = torch.tensor([math.exp(v) for _, v in ids], dtype=torch.float64)
+    kl = (p * (p.clamp_min(1e-300).log() - q.clamp_min(1e-300).log())).sum()
+    pr, qr = (1 - p.sum()).clamp_min(0), (1 - q.sum()).clamp_min(1e-300)
+    kl = kl + (pr * (pr.clamp_min(1e-300).log() - qr.log()) if pr > 0 else 0.0)
+    return max(float(kl), 0.0)
+
+
+def _id_of(ref: Reference, key: str) -> int | None:
+    if key.startswith("token_id:"):
+        return int(key.split(":", 1)[1])
+    table = getattr(ref, "_text_ids", None)
+    if table is None:
+        table = {}
+        for i in range(len(ref.tokenizer)):
+            table.setdefault(ref.text([i]), []).append(i)
+        ref._text_ids = table
+    found = table.get(key, [])
+    return found[0] if len(found) == 1 else None
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+@dataclass
+class Result:
+    meta: dict
+    requests: list[RequestResult]
+    concurrent: list[RequestResult]
+    batch_invariance: dict
+    judgement: dict
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.requests + self.concurrent)
+
+    def first_failure(self) -> str | None:
+        for label, group in (("alone", self.requests), ("concurrent", self.concurrent)):
+            for r in group:
+                bad = [p for p in r.positions if p["ratio"] > 1]
+                div = r.judgement.get("divergences") or []
+                n = len(r.prompt)
+                where = []
+                if bad:
+                    b = bad[0]
+                    region = "prompt" if b["region"] == "prompt" else f"generated token {b['position'] - n + 1}"
+                    where.append(f"position {b['position']} ({region}, {b['token_text']!r} after {b['context']!r}): "
+                                 f"|d logprob| {b['abs_delta']:.3g} > bound {b['bound']:.3g}")
+                if div:
+                    d = div[0]
+                    where.append(f"generated token {d['position'] + 1}: endpoint {d['token']} vs reference "
+                                 f"{d['reference_token']}, margin {d['margin']:.3g} > {d['bound']:.3g}")
+                if not r.text_spelled:
+                    where.append(f"the endpoint's text leaves the reference's top-{TEXT_SEARCH_TOP_K} tokens after "
+                                 f"generated token {len(r.tokens)}")
+                if where:
+                    return f"request {r.index} ({label}): " + "; ".join(where)
+        return None
+
+    def summary(self) -> str:
+        m = self.meta
+        pos = sum(len(r.positions) for r in self.requests + self.concurrent)
+        j = self.judgement
+        head = (f"{'AGREE' if self.ok else 'DIVERGED'}: {len(self.requests)} prompts (mode {m['mode']}, precision "
+                f"{m['precision']}, tolerance {m['tolerance']}), {pos} logprob positions compared, worst ratio "
+                f"{m['worst_ratio']:.3g}; generated tokens: {j['verdict']}; batch invariance: "
+                f"{self.batch_invariance['bitwise_equal']}/{self.batch_invariance['requests']} bitwise equal")
+        cal = m.get("calibration") or {}
+        if cal.get("positions"):
+            head += (f"; noise floor on our own model: {cal['false_alarms']} false alarm(s) in {cal['positions']} "
+                     f"positions, worst ratio {cal['max_ratio']:.3g}")
+        first = self.first_failure()
+        return head + (f"\nfirst failure: {first}" if first else "")
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "meta": self.meta, "judgement": self.judgement,
+                "batch_invariance": self.batch_invariance, "first_failure": self.first_failure(),
+                "requests": [asdict(r) for r in self.requests], "concurrent": [asdict(r) for r in self.concurrent]}
+
+
+def check_tokenizer(ep: Endpoint, caps: Capabilities, ref: Reference, probe_text: str) -> None:
+    """Tokenizer mismatch between the endpoint and the checkpoint: the endpoint's ids for a text prompt (where it
+    returns ids), else its prompt token count, against the checkpoint's tokenizer."""
+    want = ref.encode(probe_text)
+    r = ep.completion(caps, {"model": caps.model, "prompt": probe_text, "max_tokens": 1, "temperature": 0,
+                             **({"echo": True, "logprobs": 0} if caps.mode == "echo" and caps.token_ids else {})})
+    if r.status_code >= 400:
+        raise EndpointError(f"{ep.url}/completions refused a text prompt: HTTP {r.status_code} {r.text[:200]!r}")
+    body = r.json()
+    got = body["choices"][0].get("token_ids")
+    if caps.token_ids and caps.mode == "echo" and got is not None and got[:len(want)] != want:
+        raise EndpointError(f"tokenizer mismatch: the endpoint tokenizes {probe_text!r} as {got[:len(want)]}, the "
+                            f"checkpoint's tokenizer as {want}; serve the same checkpoint or give its --model-path")
+    count = (body.get("usage") or {}).get("prompt_tokens")
+    if count is not None and count != len(want):
+        raise EndpointError(f"tokenizer mismatch: the endpoint counts {count} prompt tokens for {probe_text!r}, the "
+                            f"checkpoint's tokenizer {len(want)}; serve the same checkpoint or give its --model-path")
+
+
+def run_check(url: str, model_path, *, served_model: str | None = None, prompts: list[list[int]] | None = None,
+              max_tokens: int = 8, concurrency: int = 4, precision: str = "fp32", top_k: int = 5) -> Result:
+    atol, rtol, tol_name, dtype = precision_tolerance(precision)
+    if max_tokens < 1 or concurrency < 1 or top_k < 1:
+        raise EndpointError("--max-tokens, --concurrency and --top-k must be >= 1")
+    ep = Endpoint(url)
+    try:
+        ep.models()                                     # unreachable URL: named before the checkpoint loads
+        ref = Reference(model_path, dtype)
+        prompts = prompts or [ref.encode(t) for t in DEFAULT_PROMPTS]
+        vocab = ref.model.config.vocab_size
+        for p in prompts:
+            if not p or max(p) >= vocab:
+                raise EndpointError(f"prompt ids {p} are empty or outside the checkpoint's vocabulary ({vocab})")
+        texts = [ref.text(p) for p in prompts]
+        caps = ep.probe(served_model, prompts[0], texts[0], top_k)
+        check_tokenizer(ep, caps, ref, DEFAULT_PROMPTS[0])
+        if not caps.ids_prompt:
+            for p, t in zip(prompts, texts):
+                if ref.encode(t) != p:
+                    raise EndpointError(f"the endpoint takes text prompts only and prompt ids {p} do not survive a "
+                                        f"text round trip ({t!r} -> {ref.encode(t)}); give text prompts")
+
+        def ask(i):
+            return ep.greedy(caps, prompts[i], texts[i], max_tokens, top_k)
+
+        alone = [ask(i) for i in range(len(prompts))]
+        order = [i % len(prompts) for i in range(max(concurrency, len(prompts)))]
+        together: list = [None] * len(order)
+        errors: list = []
+
+        def one(slot, i):
+            try:
+                together[slot] = ask(i)
+            except Exception as e:  # noqa: BLE001 - raised below
+                errors.append(e)
+        threads = [threading.Thread(target=one, args=(s, i)) for s, i in enumerate(order)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        # the concurrent copies of each prompt after the first are the batch-invariance sample
+        results, parts = [], []
+        for i, reply in enumerate(alone):
+            r, j = analyze(ref, reply, i, atol, rtol, _count(reply, max_tokens))
+            results.append(r)
+            parts.append(j)
+        concurrent, equal, worst = [], 0, 0.0
+        for s, (i, reply) in enumerate(zip(order, together)):
+            r, j = analyze(ref, reply, i, atol, rtol, _count(reply, max_tokens))
+            concurrent.append(r)
+            parts.append(j)
+            a = alone[i]
+            same = reply.tokens == a.tokens and reply.text == a.text and reply.logprobs == a.logprobs
+            equal += same
+            d = [abs(x - y) for x, y in zip(reply.logprobs, a.logprobs) if x is not None and y is not None]
+            worst = max([worst] + d)
+        judged = merge(parts)
+        ratios = [p["ratio"] for r in results + concurrent for p in r.positions]
+        meta = {"url": ep.url, "model": caps.model, "model_path": str(model_path), "mode": caps.mode,
+                "ids_prompt": caps.ids_prompt, "token_ids": caps.token_ids, "precision": precision,
+                "tolerance": tol_name, "atol": atol, "rtol": rtol, "max_tokens": max_tokens,
+                "concurrency": concurrency, "top_k": top_k, "worst_ratio": max(ratios, default=0.0),
+                "calibration": CALIBRATION.get(precision)}
+        return Result(meta, results, concurrent,
+                      {"requests": len(order), "bitwise_equal": equal, "worst_abs_logprob_difference": worst},
+                      {**judged.to_json(), "verdict": judged.verdict()})
+    finally:
+        ep.close()
+
+
+def _count(reply: Reply, max_tokens: int) -> int | None:
+    """How many tokens the endpoint says it generated (usage), for the text search."""
+    return reply.completion_tokens
