@@ -84,9 +84,7 @@ def test_another_checkpoint_fails_at_the_first_positions(planted):
     pytest.param("{world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, "
                  "lmhead_tp_size: 2}", id="tp2_ep2"),
     pytest.param("{world_size: 4, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 4, embed_tp_size: 2, "
-                 "lmhead_tp_size: 2, attn_dp: true}", id="attn_dp2_ep4",
-                 marks=pytest.mark.skip(reason="serving under attention DP is not built yet (`serve` refuses "
-                                               "attn_dp: true); enable when it is")),
+                 "lmhead_tp_size: 2, attn_dp: true}", id="attn_dp2_ep4"),
 ])
 @pytest.mark.distributed
 def test_multi_rank_server_agrees_with_the_reference(layout, tmp_path):
