@@ -25,11 +25,11 @@ def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budge
             assert (budget and p > budget) or s.blocks_needed(r) > blocks
     free, order, steps = blocks, [], 0
     while not s.idle:
-        step = s.schedule(free)
+        step = s.schedule([free])
         steps += 1
         assert steps < 1000
         if step.kind == "prefill":
-            assert len(s.running) <= batch
+            assert s.num_running() <= batch
             assert not budget or sum(len(r.prompt) for r in step.requests) <= budget
             need = sum(s.blocks_needed(r) for r in step.requests)
             assert need <= free
@@ -41,6 +41,21 @@ def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budge
             s.remove(done)
             free += s.blocks_needed(done)
     assert order == [r.request_id for r in requests]   # first come, first served
+
+
+@given(n=st.integers(1, 9), dp=st.integers(1, 4), batch=st.integers(1, 8))
+def test_scheduler_deals_requests_to_the_least_loaded_dp_group(n, dp, batch):
+    """Under attention DP each request joins the group with the fewest requests (lowest on a tie): a batch added
+    together is dealt round robin, and a group never runs more than its share ceil(batch / D) at once."""
+    s = Scheduler(batch, 0, 16, 100, dp_groups=dp)
+    requests = [Request(f"r{i}", [1, 2], 3) for i in range(n)]
+    for r in requests:
+        s.add(r)
+    assert [r.dp_group for r in requests] == [i % dp for i in range(n)]
+    step = s.schedule([100] * dp)
+    assert step.kind == "prefill"
+    assert all(len(g) <= -(-batch // dp) for g in s.running)
+    assert [r.dp_group for r in step.requests] == sorted(r.dp_group for r in step.requests)   # group by group
 
 
 def test_text_stream_stops_and_holds_back_partial_stops():
