@@ -176,7 +176,7 @@ def test_raw_sse_ends_with_done_and_usage(server):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"model": MODEL, "prompt": [1, 2], "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": [1, 2], "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": [1, 2], "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": [1, 2], "max_tokens": "x"}, 422, "max_tokens"),
     ({"model": MODEL}, 422, "prompt"),
