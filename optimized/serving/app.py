@@ -205,6 +205,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
                 if isinstance(item, BaseException):     # the driver is done with it
                     c.ended = True
                     raise error_of(item)
+                c.request = item.request            # the engine's copy (with_seed): its prompt logprobs
                 c.offsets.append(c.stream.offset)
                 try:
                     if item.finished and item.token in c.request.stop_ids:    # EOS: its text is not shown
