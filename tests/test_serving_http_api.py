@@ -415,6 +415,8 @@ def test_a_list_of_prompts_gives_one_choice_per_prompt(s):
         by_index.setdefault(ch["choices"][0]["index"], []).append(ch["choices"][0]["text"])
     assert sorted(by_index) == [0, 1, 2]
     assert ["".join(by_index[i]) for i in range(3)] == [c["text"] for c in r["choices"]]
+    r = post(s, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4, "echo": True}).json()
+    assert [c["text"][:len(p)] for c, p in zip(r["choices"], prompts[:2])] == prompts[:2]
 
 
 def test_n_choices_are_sampled_with_a_seed_each(s):
