@@ -9,6 +9,7 @@ does not implement are refused unless they hold their neutral value (see `UNSUPP
 from __future__ import annotations
 
 import numbers
+import re
 
 from optimized.executor.sampling import SamplingParams
 
@@ -17,6 +18,7 @@ MAX_TOP_LOGPROBS = 20
 # smaller one overflows float32 (temperature 1e-300 made every logit inf and the draw NaN).
 GREEDY_TEMPERATURE = 1e-5
 MAX_SEED = 2 ** 64 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_CHOICES = 64          # prompts x n of one request (each choice is one engine request)
 
 # field -> (is its value neutral?, what is allowed): refused with a 400 naming the field otherwise.
@@ -61,10 +63,8 @@ def lone_surrogate(value, path: str = "", depth: int = 0):
     if depth > 64:
         return None
     if isinstance(value, str):
-        for i, ch in enumerate(value):
-            if 0xD800 <= ord(ch) <= 0xDFFF:
-                return path or "body", i
-        return None
+        hit = _SURROGATE.search(value)
+        return (path or "body", hit.start()) if hit else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
         if isinstance(k, str) and (hit := lone_surrogate(k, path or "body", depth + 1)):
