@@ -176,7 +176,7 @@ def test_raw_sse_ends_with_done_and_usage(server):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"model": MODEL, "prompt": [1, 2], "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": [1, 2], "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": [1, 2], "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": [1, 2], "max_tokens": "x"}, 422, "max_tokens"),
     ({"model": MODEL}, 422, "prompt"),
@@ -218,7 +218,11 @@ def test_client_disconnect_frees_its_blocks_and_metrics_report(server, monkeypat
         assert time.monotonic() < deadline, "the aborted request kept its KV blocks"
         time.sleep(0.05)
     assert len(held) < 100, f"the request ran all {len(held)} steps: the disconnect did not abort it"
-    text = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text
+    deadline = time.monotonic() + 3     # no step runs after the abort: the gauges are refreshed when it is applied
+    while "qwen3_moe_requests_running 0\n" not in (text := httpx.get(url + "/metrics", timeout=TIMEOUT_S).text) \
+            or "qwen3_moe_kv_cache_usage_ratio 0.0\n" not in text:
+        assert time.monotonic() < deadline, f"stale gauges after the abort:\n{text}"
+        time.sleep(0.05)
     for name in ("qwen3_moe_time_to_first_token_seconds_count", "qwen3_moe_time_per_output_token_seconds_count",
                  "qwen3_moe_requests_waiting", "qwen3_moe_kv_cache_usage_ratio", 'reason="abort"'):
         assert name in text
@@ -249,3 +253,66 @@ def test_bench_keeps_its_preset_usage_beside_serve():
     assert (args.preset, args.layers, args.bench_mode) == ("tiny", 1, None)
     args = parser().parse_args(["bench", "serve", "--request-rate", "4", "--num-prompts", "3"])
     assert (args.bench_mode, args.request_rate, args.num_prompts) == ("serve", "4", 3)
+
+
+def test_temperature_too_small_to_sample_is_greedy_and_the_server_lives(server):
+    url, engine, _, _ = server
+    c = client(url)
+    for t in (1e-300, 1e-38, 1e-6):
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=t, seed=3,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].model_extra["token_ids"] == ref_greedy(PROMPTS[1], 5), t
+    assert httpx.get(url + "/health", timeout=TIMEOUT_S).json() == {"status": "ok"}
+
+
+def test_prompt_lists_and_n_choices_through_the_engine(server):
+    """A list of prompts: each choice is the reference's greedy generation of its prompt. n seeded choices: choice
+    j equals an n = 1 request with protocol.choice_seed(seed, j), so each is reproducible alone."""
+    from optimized.serving.protocol import choice_seed
+    url, engine, _, _ = server
+    c = client(url)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=4, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    for ch, prompt in zip(r.choices, PROMPTS[:3]):
+        assert ch.model_extra["token_ids"] == ref_greedy(prompt, 4)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=11, n=3,
+                             extra_body={"ignore_eos": True})
+    got = [ch.model_extra["token_ids"] for ch in sorted(r.choices, key=lambda ch: ch.index)]
+    for j, ids in enumerate(got):
+        alone = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0,
+                                     seed=choice_seed(11, j), extra_body={"ignore_eos": True})
+        assert alone.choices[0].model_extra["token_ids"] == ids, f"choice {j}"
+    assert len({tuple(ids) for ids in got}) > 1, "the choices were not sampled independently"
+    assert engine.cache.free_blocks == engine.cache.num_blocks - 1
+
+
+def test_a_stop_string_finish_is_counted_as_stop(server):
+    url, _, tokenizer, _ = server
+    want = ref_greedy(PROMPTS[2], 8)
+    text = tokenizer.decode(want)
+    stop = next((text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2]), None)
+
+    def count(reason):
+        m = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text
+        line = next((ln for ln in m.splitlines() if ln.startswith(f'qwen3_moe_requests_finished_total{{reason="{reason}"}}')), None)
+        return float(line.split()[-1]) if line else 0.0
+    before = count("stop"), count("abort")
+    r = client(url).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=[stop],
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 3
+    while count("stop") != before[0] + 1:
+        assert time.monotonic() < deadline, "the stop-string finish was not counted as stop"
+        time.sleep(0.05)
+    assert count("abort") == before[1]
+
+
+def test_text_offsets_index_the_real_completion(server):
+    url, _, tokenizer, _ = server
+    r = client(url).completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=0,
+                                       echo=True, extra_body={"ignore_eos": True})
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert len(lp.text_offset) == len(PROMPTS[3]) + 6 and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    assert lp.text_offset[len(PROMPTS[3])] == len(tokenizer.decode(PROMPTS[3]))    # generated text starts there

@@ -55,8 +55,9 @@ class Driver:
         if not self._thread.is_alive() and self.error is not None:   # it stopped meanwhile: nobody will answer
             raise EngineStopped(f"the engine stopped: {self.error}")
 
-    def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Drop a request; `reason` is what /metrics counts it as ("stop": the handler saw a stop string)."""
+        self.inbox.put(("abort", request_id, reason))
 
     # ---- the engine thread
     def _drain(self, block: bool) -> None:
@@ -74,6 +75,12 @@ class Driver:
         for item in items:
             self._apply(item)
         self._pending = []
+        if items:                        # an abort frees blocks with no step after it: the gauges must see it
+            self._gauges()
+
+    def _gauges(self) -> None:
+        s = self.engine.scheduler
+        self.metrics.set_gauges(s.num_waiting(), s.num_running(), self.engine.kv_usage)
 
     def _apply(self, item) -> None:
         if item is None:
@@ -89,15 +96,14 @@ class Driver:
             self.times[request.request_id] = [arrival, 0.0, 0.0]
         else:
             self.engine.abort(item[1])
-            self._forget(item[1], "abort")
+            self._forget(item[1], item[2] if len(item) > 2 else "abort")
 
     def _forget(self, request_id: str, reason: str) -> None:
         self.sinks.pop(request_id, None)
         times = self.times.pop(request_id, None)
         if times is None:
             return
-        with self.metrics.lock:
-            self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+        self.metrics.count_finished(reason)
 
     def _next_queued(self):
         try:
@@ -116,10 +122,12 @@ class Driver:
                 self._account(step, events, now)
                 for event in events:
                     sink = self.sinks.get(event.request.request_id)
-                    if sink is not None:      # a request that failed (non-finite logits) gets its error, alone
-                        sink(RequestFailed(event.error) if event.error is not None else event)
-                    if event.finished:
-                        self._forget(event.request.request_id, event.request.finish_reason)
+                    error = event.error        # this request failed alone (the engine goes on)
+                    if sink is not None:
+                        sink(event if error is None else RequestFailed(error))
+                    if event.finished or error is not None:
+                        self._forget(event.request.request_id,
+                                     "error" if error is not None else event.request.finish_reason)
             if self.broadcast is not None:
                 from optimized.serving.ranks import STOP
                 self.broadcast.send(STOP)
@@ -154,5 +162,4 @@ class Driver:
                 t[2] = now
                 if event.finished and len(event.request.tokens) > 1:
                     m.tpot.observe((t[2] - t[1]) / (len(event.request.tokens) - 1))
-            m.waiting, m.running = self.engine.scheduler.num_waiting(), self.engine.scheduler.num_running()
-            m.kv_usage = self.engine.kv_usage
+        self._gauges()

@@ -35,6 +35,14 @@ class Metrics:
         self.waiting = self.running = 0
         self.kv_usage = 0.0
 
+    def set_gauges(self, waiting: int, running: int, kv_usage: float) -> None:
+        with self.lock:
+            self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
+
+    def count_finished(self, reason: str) -> None:
+        with self.lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+
     def render(self) -> str:
         with self.lock:
             rows = [
@@ -55,7 +63,8 @@ class Metrics:
                 "# HELP qwen3_moe_generation_tokens_total Tokens generated.",
                 "# TYPE qwen3_moe_generation_tokens_total counter",
                 f"qwen3_moe_generation_tokens_total {self.generation_tokens}",
-                "# HELP qwen3_moe_requests_finished_total Finished requests by reason.",
+                "# HELP qwen3_moe_requests_finished_total Finished requests by reason: stop (EOS or a stop string), "
+                "length, abort (the client left), error (the request failed).",
                 "# TYPE qwen3_moe_requests_finished_total counter",
                 *(f'qwen3_moe_requests_finished_total{{reason="{k}"}} {v}' for k, v in sorted(self.finished.items())),
             ]

@@ -1,16 +1,40 @@
 """OpenAI request bodies -> engine requests, with OpenAI-style errors that name the field.
 
-Status codes: 400 a value the API does not allow (n != 1, top_p out of range, an unknown model's prompt...),
-422 a field of the wrong type or a missing required one, 413 a request that can never fit (context length,
-KV pool, prefill token budget). Nothing is truncated or clamped.
+Status codes: 400 a value the API does not allow (top_p out of range, a lone surrogate, a field this server does
+not implement...), 422 a field of the wrong type or a missing required one, 413 a request that can never fit
+(the body size, the prompt length, the context length, the KV pool, the prefill token budget). Nothing is
+truncated or clamped, and no field that would change the output is silently ignored: the fields this server
+does not implement are refused unless they hold their neutral value (see `UNSUPPORTED`).
 """
 from __future__ import annotations
 
 import numbers
+import re
 
 from optimized.executor.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+# Below this temperature sampling is greedy (argmax), as other OpenAI-compatible servers do: dividing logits by a
+# smaller one overflows float32 (temperature 1e-300 made every logit inf and the draw NaN).
+GREEDY_TEMPERATURE = 1e-5
+MAX_SEED = 2 ** 64 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_CHOICES = 64          # prompts x n of one request (each choice is one engine request)
+
+# field -> (is its value neutral?, what is allowed): refused with a 400 naming the field otherwise.
+UNSUPPORTED = {
+    "presence_penalty": (lambda v: v == 0, "0"),
+    "frequency_penalty": (lambda v: v == 0, "0"),
+    "repetition_penalty": (lambda v: v == 1, "1"),
+    "logit_bias": (lambda v: v == {}, "{} (no bias)"),
+    "min_tokens": (lambda v: v == 0, "0"),
+    "suffix": (lambda v: v == "", "\"\" (no suffix)"),
+    "tools": (lambda v: v == [], "[] (no tools)"),
+    "tool_choice": (lambda v: v == "none", "\"none\""),
+    "functions": (lambda v: v == [], "[] (no functions)"),
+    "function_call": (lambda v: v == "none", "\"none\""),
+    "response_format": (lambda v: v == {"type": "text"}, "{\"type\": \"text\"}"),
+}
 
 
 class ApiError(Exception):
@@ -33,20 +57,59 @@ def _typed(body: dict, key: str, types, what: str, default=None):
     return value
 
 
+def lone_surrogate(value, path: str = "", depth: int = 0):
+    """(path, index) of the first string in a parsed JSON body holding a lone surrogate (valid JSON, not valid
+    Unicode: no tokenizer or encoder takes it), else None."""
+    if depth > 64:
+        return None
+    if isinstance(value, str):
+        hit = _SURROGATE.search(value)
+        return (path or "body", hit.start()) if hit else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and (hit := lone_surrogate(k, path or "body", depth + 1)):
+            return hit
+        hit = lone_surrogate(v, f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else k), depth + 1)
+        if hit:
+            return hit
+    return None
+
+
+def check_unicode(body) -> None:
+    hit = lone_surrogate(body)
+    if hit is not None:
+        path, i = hit
+        raise ApiError(400, f"'{path}' is not valid Unicode: a lone surrogate at character {i} "
+                            f"(UTF-16 halves must come in pairs)", path)
+
+
 def sampling_of(body: dict) -> SamplingParams:
     temperature = _typed(body, "temperature", numbers.Real, "a number", 1.0)
     top_p = _typed(body, "top_p", numbers.Real, "a number", 1.0)
     top_k = _typed(body, "top_k", int, "an integer", 0)
-    seed = _typed(body, "seed", int, "an integer")
+    seed = seed_of(body)
     if not 0 <= temperature <= 2:
         raise ApiError(400, f"'temperature' is {temperature}; allowed: 0 (greedy) to 2", "temperature")
     if not 0 < top_p <= 1:
         raise ApiError(400, f"'top_p' is {top_p}; allowed: (0, 1]", "top_p")
     if top_k < 0 and top_k != -1:
         raise ApiError(400, f"'top_k' is {top_k}; allowed: >= 0 (0 or -1: no limit)", "top_k")
-    if seed is not None and seed < 0:
-        raise ApiError(400, f"'seed' is {seed}; allowed: a non-negative integer", "seed")
+    if temperature < GREEDY_TEMPERATURE:
+        return SamplingParams(0.0, 0, 1.0, seed)
     return SamplingParams(float(temperature), max(top_k, 0), float(top_p), seed)
+
+
+def seed_of(body: dict) -> int | None:
+    seed = _typed(body, "seed", int, "an integer")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ApiError(400, f"'seed' is {seed}; allowed: an integer from 0 to 2**64 - 1 ({MAX_SEED})", "seed")
+    return seed
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice i of a request with `n` > 1: choice 0 samples with the request's seed, choice i with
+    seed + i (mod 2**64), so every choice is reproducible alone as an n = 1 request with that seed."""
+    return None if seed is None else (seed + i) % (MAX_SEED + 1)
 
 
 def max_tokens_of(body: dict, default: int, keys=("max_tokens",)) -> int:
@@ -72,9 +135,34 @@ def stop_of(body: dict) -> list[str]:
     return stop
 
 
-def check_common(body, model_name: str) -> None:
+def include_usage_of(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(422, f"'stream_options' must be an object such as {{\"include_usage\": true}}, got "
+                            f"{type(options).__name__} {str(options)[:60]!r}", "stream_options")
+    if body.get("stream") is not True:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise ApiError(400, f"'stream_options.{unknown[0]}' is not supported; allowed: include_usage",
+                       f"stream_options.{unknown[0]}")
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise ApiError(422, f"'stream_options.include_usage' must be a boolean, got {type(usage).__name__}",
+                       "stream_options.include_usage")
+    if options.get("continuous_usage_stats"):
+        raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported; allowed: false",
+                       "stream_options.continuous_usage_stats")
+    return usage
+
+
+def check_common(body, model_name: str) -> int:
+    """The checks every route shares; returns n (choices per prompt)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_unicode(body)
     model = body.get("model")
     if not isinstance(model, str):
         raise ApiError(422, "'model' is required: a string (GET /v1/models lists it)", "model")
@@ -82,47 +170,86 @@ def check_common(body, model_name: str) -> None:
         raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}", "model",
                        "model_not_found")
     n = _typed(body, "n", int, "an integer", 1)
-    if n != 1:
-        raise ApiError(400, f"'n' is {n}; this server generates one choice per request (allowed: 1)", "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' is {n}; allowed: 1 to {MAX_CHOICES}", "n")
+    best_of = _typed(body, "best_of", int, "an integer")
+    if best_of is not None and best_of != n:
+        raise ApiError(400, f"'best_of' is {best_of}; ranking candidates is not supported, allowed: equal to 'n' "
+                            f"({n}) or absent", "best_of")
     _typed(body, "stream", bool, "a boolean", False)
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _typed(body, key, numbers.Real, "a number", 0) != 0:
-            raise ApiError(400, f"'{key}' is not supported (allowed: 0)", key)
+    for key, (neutral, allowed) in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        try:
+            ok = neutral(value) and not isinstance(value, bool)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ApiError(400, f"'{key}' is not supported by this server (allowed: {allowed} or absent)", key)
+    sampling_of(body)
+    return n
 
 
-def completion_prompt(body: dict, tokenizer) -> list[int]:
+def completion_prompts(body: dict) -> list:
+    """The prompts of a /v1/completions body: each a string or a list of token ids (not yet tokenized)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                          # a batch of one
     if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ApiError(400, "'prompt' is text but the checkpoint has no tokenizer; send token ids", "prompt")
-        if not prompt:
-            raise ApiError(400, "'prompt' is empty", "prompt")
-        return tokenizer.hf.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; send one prompt per request", "prompt")
-    raise ApiError(422, "'prompt' is required: a non-empty string or a non-empty list of token ids", "prompt")
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(422, "'prompt' is required: a string, a list of token ids, or a non-empty list of either",
+                       "prompt")
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            if not p:
+                raise ApiError(400, f"'prompt[{i}]' is empty" if len(prompt) > 1 else "'prompt' is empty", "prompt")
+        elif not (isinstance(p, list) and p and all(_is_id(t) for t in p)):
+            raise ApiError(422, f"'prompt[{i}]' must be a non-empty string or a non-empty list of token ids",
+                           "prompt")
+    return prompt
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """[{role, content}] with the content as one string; a content given as a list of text parts is joined with
+    newlines. Other part types (images, audio) are refused."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(422, "'messages' is required: a non-empty list of {role, content}", "messages")
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ApiError(422, f"messages[{i}] must be an object with string 'role' and 'content'", f"messages[{i}]")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(422, f"messages[{i}] must be an object with a string 'role' and a 'content'",
+                           f"messages[{i}]")
         if m["role"] not in ("system", "user", "assistant"):
             raise ApiError(400, f"messages[{i}].role is {m['role']!r}; allowed: system, user, assistant",
                            f"messages[{i}].role")
-    if tokenizer is None or not getattr(tokenizer.hf, "chat_template", None):
-        raise ApiError(400, "this checkpoint has no chat template (tokenizer_config.json 'chat_template'); "
-                            "use /v1/completions", "messages")
-    text = tokenizer.hf.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                            tokenize=False, add_generation_prompt=True)
-    return tokenizer.hf.encode(text, add_special_tokens=False)   # the template already holds the specials
+        for key in ("tool_calls", "function_call"):
+            if m.get(key):
+                raise ApiError(400, f"messages[{i}].{key} is not supported by this server", f"messages[{i}].{key}")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise ApiError(422, f"{where} must be an object with a 'type'", where)
+                if part["type"] != "text":
+                    raise ApiError(400, f"{where}.type is {part['type']!r}; allowed: 'text'", f"{where}.type")
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(422, f"{where}.text must be a string", f"{where}.text")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise ApiError(422, f"messages[{i}].content must be a string or a list of text parts",
+                           f"messages[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    return out
 
 
 def logprobs_of(body: dict, chat: bool) -> int | None:

@@ -1,42 +1,121 @@
 """Generated ids -> text as it streams: incremental detokenizing and stop strings.
 
-The whole completion is decoded again at every token (a byte-level BPE token can end mid-character, so the text
-of a token alone is not the text it adds). Text is released only when it can no longer change: not ending in
-an incomplete character (U+FFFD) and not ending in a prefix of a stop string. A stop string ends the request;
-the text up to it (the stop string excluded) is the completion."""
+Incremental: each token decodes only a short window of ids, never the whole completion. The window is
+ids[prefix:]; its first `read - prefix` ids are context already released (kept because a tokenizer's decode may
+depend on the token before, e.g. a leading space), so the new text is what the window decodes to beyond the
+context's own text. A byte-level BPE token can end mid-character: while the window's text ends in U+FFFD (an
+incomplete UTF-8 sequence, or invalid bytes) the characters before it are released and the rest is held until
+later tokens complete it; then the window slides (its newest tokens become the next context).
+
+Bounded: once `MAX_PENDING` tokens are held, the window is cut at the newest token boundary where decoding the
+two sides apart gives the same text as decoding them together (no open UTF-8 sequence crosses it: what is
+before it can no longer change); the part before is released and the window restarts there. Only a chain of
+tokens that each complete one character and open the next has no such boundary; after `MAX_WINDOW` held tokens
+it is released as it is (its open character as U+FFFD). So a token costs at most a few decodes of at most
+`MAX_WINDOW` + 1 ids, and the streamed text equals the whole completion's decode except in that last case.
+
+Text is released only when it can no longer change: not an incomplete character and not a prefix of a stop
+string. A stop string ends the request; the text up to it (the stop string excluded) is the completion.
+`finish()` releases what was held back when the request ends on a token whose text is not shown (EOS).
+"""
 from __future__ import annotations
+
+MAX_PENDING = 8
+MAX_WINDOW = 64
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """ids -> stable text, incrementally (see the module docstring). `add(token)` returns the new stable text;
+    `flush()` the rest (a final incomplete character as U+FFFD). `decoded` counts the ids decoded so far."""
+
+    def __init__(self, decode):
+        self._decode = decode
+        self.ids: list[int] = []
+        self.prefix = self.read = 0     # the window is ids[prefix:]; ids[prefix:read] is released context
+        self.released = 0               # characters of decode(ids[prefix:]) released, the context's included
+        self.decoded = 0
+
+    def decode(self, ids) -> str:
+        self.decoded += len(ids)
+        return self._decode(ids)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        return self._step(final=True) if self.read < len(self.ids) else ""
+
+    def _take(self, text: str, end: int) -> str:
+        new = text[self.released:end] if end > self.released else ""
+        self.released = max(self.released, end)
+        return new
+
+    def _step(self, final: bool) -> str:
+        text = self.decode(self.ids[self.prefix:])
+        pending = len(self.ids) - self.read
+        if final or not text.endswith(REPLACEMENT) or pending >= MAX_WINDOW:
+            new = self._take(text, len(text))                 # all of it is final: slide
+            self.prefix, self.read = self.read, len(self.ids)
+            self.released = len(self.decode(self.ids[self.prefix:self.read]))
+            return new
+        new = self._take(text, len(text.rstrip(REPLACEMENT)))
+        if pending >= MAX_PENDING:
+            for k in range(len(self.ids) - 1, self.read, -1):    # the newest boundary no open sequence crosses
+                head = self.decode(self.ids[self.prefix:k])
+                if head + self.decode(self.ids[k:]) == text:
+                    new += self._take(text, len(head))           # what is before k is final
+                    self.released -= len(head)                   # the window restarts at k, with no context
+                    self.prefix = self.read = k
+                    break
+        return new
 
 
 class TextStream:
     def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = 0           # characters already released
+        self.stops = stops
+        self.detok = Detokenizer(tokenizer.decode) if tokenizer is not None else None
+        self.text = ""          # stable text so far (held-back stop prefixes included)
+        self.sent = 0           # characters released to the client
         self.stopped = False
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
+    @property
+    def offset(self) -> int:
+        """Characters of stable text so far: where the next token's text begins (logprobs' text_offset)."""
+        return len(self.text)
 
     def add(self, token: int, last: bool) -> str:
         """The new text this token releases; sets `stopped` when a stop string appeared."""
-        self.ids.append(token)
-        text = self._text()
+        if self.detok is None:
+            return ""
+        self.text += self.detok.add(token)
+        if last:
+            self.text += self.detok.flush()
+        return self._release(last)
+
+    def finish(self) -> str:
+        """The text held back, released at the end of the request (on a token whose text is not shown)."""
+        if self.detok is None or self.stopped:
+            return ""
+        self.text += self.detok.flush()
+        return self._release(True)
+
+    def _release(self, last: bool) -> str:
+        text = self.text
         hits = [text.find(s, max(self.sent - len(s) + 1, 0)) for s in self.stops]
         hits = [h for h in hits if h >= 0]
         if hits:
             self.stopped = True
             end = min(hits)
-        elif last:
-            end = len(text)
         else:
             end = len(text)
-            if text.endswith("\ufffd"):
-                end = len(text.rstrip("\ufffd"))
-            for s in self.stops:          # hold back a tail that may grow into a stop string
-                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
-                    if text[:end].endswith(s[:k]):
-                        end -= k
-                        break
+            if not last:
+                for s in self.stops:          # hold back a tail that may grow into a stop string
+                    for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                        if text.endswith(s[:k], 0, end):
+                            end -= k
+                            break
         new = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return new

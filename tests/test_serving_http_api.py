@@ -1,0 +1,437 @@
+"""The HTTP layer through real HTTP (uvicorn on 127.0.0.1, httpx and the `openai` client) over the real `Driver`,
+with a scripted stand-in for the engine: each request's tokens (or a per-request error) are given by the test, so
+EOS endings, failures after the stream started, seeds and choices are checked exactly and fast. The same layer
+over the real engine: equivalence/test_e2e_serving_http.py."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from optimized.executor.engine import TokenEvent
+from optimized.serving import protocol
+
+fastapi = pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+TIMEOUT_S = 30
+MAX_PROMPT_TOKENS = 40
+MAX_BODY = 64 * 1024
+
+
+class ScriptedEngine:
+    """What the Driver needs of an engine. `script(request)` -> the request's tokens, an exception in place of a
+    token is that request's failure (reported as an event with `error`, as the engine's per-request failures are)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.scheduler = SimpleNamespace(waiting=[], running=[])
+        self.plans, self.added, self.aborted = {}, [], []
+        self.script = self.default_script
+        self.step_s = 0.0
+
+    def default_script(self, request):
+        return self.tokenizer.hf.encode(" hello world again and again") * 4
+
+    def check(self, request):
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+
+    def add(self, request):
+        self.added.append(request)
+        if request.prompt_logprobs:
+            request.prompt_logprob_values = [(-1.0, [])] * (len(request.prompt) - 1)
+        self.plans[request.request_id] = list(self.script(request))
+        self.scheduler.running.append(request)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        self.scheduler.running = [r for r in self.scheduler.running if r.request_id != request_id]
+
+    @property
+    def idle(self):
+        return not self.scheduler.running
+
+    @property
+    def kv_usage(self):
+        return len(self.scheduler.running) / 8
+
+    def step(self):
+        time.sleep(self.step_s)
+        events = []
+        for r in list(self.scheduler.running):
+            item = self.plans[r.request_id].pop(0)
+            if isinstance(item, BaseException):
+                self.scheduler.running.remove(r)
+                events.append(SimpleNamespace(request=r, token=-1, finished=True, error=item))
+                continue
+            r.tokens.append(item)
+            r.finish_reason = ("stop" if item in r.stop_ids else
+                               "length" if len(r.tokens) >= r.max_tokens or not self.plans[r.request_id] else None)
+            if r.finish_reason:
+                self.scheduler.running.remove(r)
+            events.append(TokenEvent(r, item, -0.5 if r.logprobs is not None else None,
+                                     [] if r.logprobs is not None else None, r.finish_reason is not None))
+        return SimpleNamespace(kind="decode", requests=tuple(e.request for e in events)), events
+
+
+@pytest.fixture(scope="module")
+def server():
+    import socket
+    import uvicorn
+    from fixtures.checkpoints import checkpoint
+    from optimized.model_loader.tokenizer import CheckpointTokenizer, eos_token_ids
+    from optimized.serving.app import build_app
+    from optimized.serving.driver import Driver
+    path = checkpoint("tiny")
+    tokenizer = CheckpointTokenizer.load(path)
+    engine = ScriptedEngine(tokenizer)
+    driver = Driver(engine).start()
+    app = build_app(driver, tokenizer, MODEL, stop_ids=eos_token_ids(path), default_max_tokens=8,
+                    max_prompt_tokens=MAX_PROMPT_TOKENS, max_body_bytes=MAX_BODY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not srv.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, tokenizer=tokenizer, driver=driver,
+                              app=app, eos=eos_token_ids(path))
+    finally:
+        srv.should_exit = True
+        thread.join(TIMEOUT_S)
+        driver.stop()
+
+
+@pytest.fixture
+def s(server):
+    server.engine.script = server.engine.default_script
+    server.engine.step_s = 0.0
+    yield server
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT_S).json() == {"status": "ok"}   # never the server
+
+
+def post(s, path, body, **kw):
+    return httpx.post(s.url + path, json=body, timeout=TIMEOUT_S, **kw)
+
+
+def sse_lines(s, path, body):
+    with httpx.stream("POST", s.url + path, json=body, timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200, r.read()
+        return [ln for ln in r.iter_lines() if ln]
+
+
+def chunks_of(lines):
+    return [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+
+
+def error_of(r, status, param):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["code"] == status, err
+    return err
+
+
+def client(s):
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+
+
+# ---- 1: temperature too small to sample with
+def test_temperature_below_the_greedy_threshold_is_greedy(s):
+    for t, greedy in ((1e-300, True), (5e-324, True), (protocol.GREEDY_TEMPERATURE / 2, True),
+                      (protocol.GREEDY_TEMPERATURE, False), (0.7, False)):
+        r = post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": t, "seed": 1})
+        assert r.status_code == 200, r.text
+        assert s.engine.added[-1].sampling.greedy is greedy, t
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 2.5}), 400, "temperature")
+
+
+# ---- 2: limits before any work
+def test_body_over_the_limit_is_refused_before_it_is_read(s):
+    big = json.dumps({"model": MODEL, "prompt": "a" * MAX_BODY}).encode()
+    error_of(httpx.post(s.url + "/v1/completions", content=big, timeout=TIMEOUT_S), 413, None)
+
+    def chunked():                       # no Content-Length: refused once the bytes read pass the limit
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(2 * MAX_BODY // 1024):
+            yield b"a" * 1024
+        yield b'"}'
+    r = httpx.post(s.url + "/v1/completions", content=chunked(), timeout=TIMEOUT_S)
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+
+
+def test_a_prompt_too_long_in_characters_is_refused_without_tokenizing(s, monkeypatch):
+    calls = []
+    encode = s.tokenizer.hf.encode
+    monkeypatch.setattr(s.tokenizer.hf, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    limit = s.app.state.max_prompt_chars
+    assert limit == MAX_PROMPT_TOKENS * max(map(len, s.tokenizer.hf.get_vocab()))
+    t0 = time.monotonic()
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "x" * (limit + 1)}), 413, "prompt")
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["ok", "x" * (limit + 1)]}), 413, "prompt")
+    error_of(post(s, "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "system", "content": "x" * (limit // 2)}, {"role": "user", "content": "y" * (limit // 2 + 2)}]}),
+        413, "messages")
+    assert calls == [] and time.monotonic() - t0 < 5
+    # within the character bound it is tokenized, and then the token count decides
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "x y " * MAX_PROMPT_TOKENS}), 413, "prompt")
+    assert calls
+
+
+def test_tokenizing_runs_off_the_event_loop(s, monkeypatch):
+    encode = s.tokenizer.hf.encode
+
+    def slow(*a, **k):
+        time.sleep(1.5)
+        return encode(*a, **k)
+    monkeypatch.setattr(s.tokenizer.hf, "encode", slow)
+    done = []
+    t = threading.Thread(target=lambda: done.append(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi"})))
+    t.start()
+    time.sleep(0.3)                                  # the request is inside the tokenizer now
+    t0 = time.monotonic()
+    assert httpx.get(s.url + "/health", timeout=TIMEOUT_S).status_code == 200
+    waited = time.monotonic() - t0
+    t.join(TIMEOUT_S)
+    assert done and done[0].status_code == 200
+    assert waited < 0.5, f"/health waited {waited:.2f} s behind a tokenizing request"
+
+
+# ---- 3: the EOS token's text never ends the output
+@pytest.mark.parametrize("eos_index", [0, 1])
+def test_eos_text_is_not_in_the_output(s, eos_index):
+    eos = s.eos[eos_index]
+    words = s.tokenizer.hf.encode("Paris is nice 🙂")
+    s.engine.script = lambda r: words + [eos]
+    want = s.tokenizer.decode(words)
+    assert s.tokenizer.decode([eos]).startswith("<|")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 50}
+    r = post(s, "/v1/completions", body).json()["choices"][0]
+    assert (r["text"], r["finish_reason"], r["token_ids"]) == (want, "stop", words + [eos])
+    chunks = chunks_of(sse_lines(s, "/v1/completions", {**body, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert chunks[-1]["choices"][0]["text"] == "" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+    m = post(s, "/v1/chat/completions", chat).json()["choices"][0]
+    assert m["message"]["content"] == want and m["finish_reason"] == "stop"
+    streamed = client(s).chat.completions.create(**chat, stream=True)
+    deltas = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(deltas) == want and "<|" not in deltas[-1]
+
+
+def test_text_held_for_a_stop_string_is_released_at_eos(s):
+    words = s.tokenizer.hf.encode("Paris X")
+    s.engine.script = lambda r: words + [s.eos[0]]
+    r = post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 50, "stop": ["XY"]}).json()
+    assert r["choices"][0]["text"] == "Paris X"
+
+
+# ---- 4: /metrics: fresh gauges after aborts, stop strings counted as stop
+def _metric(s, name):
+    for line in httpx.get(s.url + "/metrics", timeout=TIMEOUT_S).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_gauges_are_fresh_after_an_abort_and_stop_strings_count_as_stop(s):
+    s.engine.step_s = 0.02
+    s.engine.script = lambda r: s.tokenizer.hf.encode(" a b c") * 200
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 500, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+        lines = r.iter_lines()                 # kept: a dropped iterator closes the connection
+        next(lines)
+        assert _metric(s, "qwen3_moe_requests_running") == 1
+    deadline = time.monotonic() + 3           # no engine step runs after the abort: only the inbox refresh
+    while _metric(s, "qwen3_moe_requests_running") or _metric(s, "qwen3_moe_kv_cache_usage_ratio"):
+        assert time.monotonic() < deadline, "the gauges stayed stale after the abort"
+        time.sleep(0.05)
+    stop = 'qwen3_moe_requests_finished_total{reason="stop"}'
+    abort = 'qwen3_moe_requests_finished_total{reason="abort"}'
+    before = _metric(s, stop), _metric(s, abort)
+    r = post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 500, "stop": [" b"]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["text"] == " a"
+    deadline = time.monotonic() + 3
+    while _metric(s, stop) != before[0] + 1:
+        assert time.monotonic() < deadline, "a stop-string finish was not counted as stop"
+        time.sleep(0.05)
+    assert _metric(s, abort) == before[1]
+
+
+# ---- 5: seeds; errors after the SSE headers
+def test_seeds_up_to_2_64_minus_1_are_accepted_and_others_name_seed(s):
+    for seed in (0, 2 ** 45, 2 ** 63, 2 ** 64 - 1):
+        r = post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 1, "seed": seed})
+        assert r.status_code == 200, r.text
+        assert s.engine.added[-1].sampling.seed == seed
+    for seed, status in ((2 ** 64, 400), (-1, 400), (1.5, 422), ("7", 422)):
+        for stream in (False, True):       # refused before the stream starts: a JSON error, not an SSE one
+            error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": seed, "stream": stream}),
+                     status, "seed")
+
+
+def test_an_error_after_the_stream_started_is_an_sse_error_event_then_done(s):
+    words = s.tokenizer.hf.encode(" one two")
+    s.engine.script = lambda r: words + [RuntimeError("sampling failed for this request")]
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        lines = sse_lines(s, path, {"model": MODEL, "max_tokens": 20, "stream": True, **body})
+        assert lines[-3:-1] == ["event: error", lines[-2]] and lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][6:])["error"]
+        assert err["type"] == "server_error" and "sampling failed" in err["message"], err
+        assert len(chunks_of(lines[:-3])) >= len(words)
+        r = post(s, path, {"model": MODEL, "max_tokens": 20, **body})       # not streamed: a JSON error
+        assert r.status_code == 500 and "sampling failed" in r.json()["error"]["message"]
+    with pytest.raises(openai.APIError, match="sampling failed"):
+        for _ in client(s).completions.create(model=MODEL, prompt="hi", max_tokens=20, stream=True):
+            pass
+    s.engine.script = s.engine.default_script
+    assert post(s, "/v1/completions", {"model": MODEL, "prompt": "hi"}).status_code == 200
+
+
+def test_a_detokenizing_failure_fails_that_request_only(s, monkeypatch):
+    decode = s.tokenizer.decode
+    hello = s.tokenizer.hf.encode(" hello")
+    bad = s.tokenizer.hf.encode("Q")[0]
+    assert bad not in hello
+
+    def broken(ids):
+        if bad in ids:
+            raise RuntimeError("cannot decode")
+        return decode(ids)
+    monkeypatch.setattr(s.tokenizer, "decode", broken)
+    s.engine.script = lambda r: hello + [bad] + hello
+    n_aborted = len(s.engine.aborted)
+    r = post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 20})
+    assert r.status_code == 500 and "detokenizing failed" in r.json()["error"]["message"]
+    lines = sse_lines(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True})
+    assert "event: error" in lines and lines[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 3
+    while len(s.engine.aborted) < n_aborted + 2:          # both requests were aborted: their blocks go back
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    monkeypatch.setattr(s.tokenizer, "decode", decode)
+    assert post(s, "/v1/completions", {"model": MODEL, "prompt": "hi"}).status_code == 200
+
+
+# ---- 6: a lone surrogate, a stream_options that is not an object
+def test_lone_surrogates_and_bad_stream_options_get_json_errors(s):
+    raw = b'{"model": "tiny", "prompt": "a\\ud800b"}'
+    err = error_of(httpx.post(s.url + "/v1/completions", content=raw, timeout=TIMEOUT_S), 400, "prompt")
+    assert "surrogate" in err["message"]
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'
+    error_of(httpx.post(s.url + "/v1/chat/completions", content=raw, timeout=TIMEOUT_S), 400,
+             "messages[0].content[0].text")
+    ok = b'{"model": "tiny", "prompt": "a\\ud83d\\ude00b"}'            # a pair is fine
+    assert httpx.post(s.url + "/v1/completions", content=ok, timeout=TIMEOUT_S).status_code == 200
+    for options, status, param in ((1, 422, "stream_options"), ("x", 422, "stream_options"),
+                                   ([], 422, "stream_options"),
+                                   ({"include_usage": "yes"}, 422, "stream_options.include_usage"),
+                                   ({"other": True}, 400, "stream_options.other")):
+        error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True,
+                                             "stream_options": options}), status, param)
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
+             400, "stream_options")
+
+
+# ---- 7: the API surface
+def test_text_offset_locates_each_token_in_the_text(s):
+    words = s.tokenizer.hf.encode(" Paris is nice, Rome too")
+    s.engine.script = lambda r: words
+    for echo in (False, True):
+        body = {"model": MODEL, "prompt": "The capital", "max_tokens": 50, "logprobs": 0, "echo": echo}
+        c = post(s, "/v1/completions", body).json()["choices"][0]
+        lp, text = c["logprobs"], c["text"]
+        ends = lp["text_offset"][1:] + [len(text)]
+        assert [text[a:b] for a, b in zip(lp["text_offset"], ends)] == lp["tokens"]
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        chunks = chunks_of(sse_lines(s, "/v1/completions", {**body, "stream": True}))
+        assert [o for ch in chunks for o in ch["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
+
+
+def test_model_by_id(s):
+    assert client(s).models.retrieve(MODEL).id == MODEL
+    r = httpx.get(s.url + "/v1/models/other", timeout=TIMEOUT_S)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}), ("suffix", "tail"), ("best_of", 3), ("logit_bias", {"5": 1}),
+    ("min_tokens", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
+    ("functions", [{"name": "f"}]),
+])
+def test_unsupported_fields_are_refused_naming_them(s, field, value):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        err = error_of(post(s, path, {"model": MODEL, **body, field: value}), 400, field)
+        assert field in err["message"]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(s):
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "suffix": "", "best_of": 2,
+               "n": 2, "logit_bias": {}, "min_tokens": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "repetition_penalty": 1}
+    assert post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", **neutral}).status_code == 200
+
+
+def test_chat_content_as_text_parts(s):
+    def prompt_of(content):
+        r = post(s, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return s.engine.added[-1].prompt
+    assert prompt_of([{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]) == \
+        prompt_of("Hello\nthere")
+    r = client(s).chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}]}], max_tokens=3)
+    assert r.choices[0].message.content
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x"}}]}]}
+    error_of(post(s, "/v1/chat/completions", body), 400, "messages[0].content[1].type")
+
+
+def test_a_list_of_prompts_gives_one_choice_per_prompt(s):
+    prompts = ["The capital", "of France", [5, 6, 7]]
+    r = post(s, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    got = {tuple(x.prompt) for x in s.engine.added[-3:]}
+    want = [s.tokenizer.hf.encode(p) if isinstance(p, str) else p for p in prompts]
+    assert got == {tuple(p) for p in want}
+    assert r["usage"]["prompt_tokens"] == sum(map(len, want)) and r["usage"]["completion_tokens"] == 12
+    chunks = chunks_of(sse_lines(s, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4,
+                                                        "stream": True}))
+    by_index = {}
+    for ch in chunks:
+        by_index.setdefault(ch["choices"][0]["index"], []).append(ch["choices"][0]["text"])
+    assert sorted(by_index) == [0, 1, 2]
+    assert ["".join(by_index[i]) for i in range(3)] == [c["text"] for c in r["choices"]]
+    r = post(s, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4, "echo": True}).json()
+    assert [c["text"][:len(p)] for c, p in zip(r["choices"], prompts[:2])] == prompts[:2]
+
+
+def test_n_choices_are_sampled_with_a_seed_each(s):
+    r = post(s, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 3, "seed": 2 ** 64 - 2,
+                                    "temperature": 0.8, "max_tokens": 2}).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    added = s.engine.added[-6:]
+    assert sorted((x.request_id.rsplit("-", 1)[1], x.sampling.seed) for x in added) == \
+        sorted((str(k), protocol.choice_seed(2 ** 64 - 2, k % 3)) for k in range(6))
+    assert protocol.choice_seed(2 ** 64 - 2, 2) == 0                  # wraps within [0, 2**64)
+    assert r["usage"]["prompt_tokens"] == 2
+    post(s, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                     "temperature": 1})
+    seeds = [x.sampling.seed for x in s.engine.added[-2:]]            # unseeded: each choice its own seed
+    assert None not in seeds and seeds[0] != seeds[1]
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 20, "n": 4}), 400, "n")
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * (protocol.MAX_CHOICES + 1)}), 400,
+             "prompt")
