@@ -24,13 +24,22 @@ MAX_PROMPT_TOKENS = 40
 MAX_BODY = 64 * 1024
 
 
+class _Queues(SimpleNamespace):
+    """The scheduler's counts the Driver reads."""
+    def num_waiting(self):
+        return len(self.waiting)
+
+    def num_running(self):
+        return len(self.running)
+
+
 class ScriptedEngine:
     """What the Driver needs of an engine. `script(request)` -> the request's tokens, an exception in place of a
     token is that request's failure (reported as an event with `error`, as the engine's per-request failures are)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.scheduler = SimpleNamespace(waiting=[], running=[])
+        self.scheduler = _Queues(waiting=[], running=[])
         self.plans, self.added, self.aborted = {}, [], []
         self.script = self.default_script
         self.step_s = 0.0
