@@ -147,6 +147,10 @@ class Launch:
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env)
                 run.runner = self._runner(run.model)
+                try:     # mem_fraction_static: the weights and the plan's KV pool fit, before any cache exists
+                    run.runner.check_memory(run.plan.kv_pool_blocks)
+                except ValueError as e:
+                    raise UsageError(str(e)) from None
                 if env.rank == 0:
                     print(f"kv cache: {run.runner.describe_kv_cache(m.kv_cache_dtype)}", flush=True)
         except BaseException:

@@ -1,0 +1,147 @@
+"""One assembly: every YAML key the run depends on is honoured the same way by `generate` and by `serve`.
+
+Both commands go through `optimized.executor.assembly` (prepare -> start -> runner / engine). For each row of the
+table a config is written, `generate` is run in-process (its started run captured at `Launch.start`) and `serve`'s
+own start-up (`cli.serve.start`, what `serve` runs before opening its port) is called; the same check then runs on
+both: the runner's exe_mode and graph buckets, the compile cache, the KV cache dtype, the block size, the scheduler's
+batch and prefill budget, the KV pool of the plan, mem_fraction_static (refused alike), the profiler (a trace written
+alike). A key that one entry point dropped fails its row.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from optimized.__main__ import main as cli_main
+from optimized.errors import UsageError
+from optimized.executor import assembly
+
+BASE = {
+    "model_config": {"model_path": "fixture:tiny", "dtype": "float32"},
+    "data_config": {"input_max_len": 32},
+    "scheduler_config": {"batch_size": 2, "max_new_tokens": 2, "block_size": 16},
+}
+
+
+def _write(tmp_path, changes: dict):
+    cfg = {k: dict(v) for k, v in BASE.items()}
+    for key, value in changes.items():
+        section, name = key.split(".")
+        cfg.setdefault(section, {})[name] = value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _generate(path, monkeypatch):
+    """generate in-process: (the started run, the runner's engine as generate built it)."""
+    started, engines = [], []
+    start = assembly.Launch.start
+
+    def capture(self, **kw):
+        run = start(self, **kw)
+        started.append(run)
+        return run
+    monkeypatch.setattr(assembly.Launch, "start", capture)
+    from optimized.executor import engine as engine_module
+    init = engine_module.Engine.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        engines.append(self)
+    monkeypatch.setattr(engine_module.Engine, "__init__", record)
+    assert cli_main(["generate", "--config", str(path), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5"]) == 0
+    return started[0], engines[0]
+
+
+def _serve(path):
+    from optimized.cli.serve import load_config, start
+    from types import SimpleNamespace
+    return start(load_config(SimpleNamespace(config=str(path), model_path=None)))
+
+
+def _graph(run, engine, command):
+    from optimized.executor.graph import GraphDecoder
+    decoder = run.runner.decode_forward
+    assert isinstance(decoder, GraphDecoder), type(decoder)
+    assert run.plan.buckets == (1, 2)
+    if command == "serve":       # every bucket compiled before the port opens: no compile on the request path
+        assert sorted(decoder.startup) == [1, 2], decoder.startup
+    else:                        # generate compiles what it runs: its batch of 2, then the batch of 1 left
+        assert set(decoder.startup) <= {1, 2} and decoder.startup, decoder.startup
+
+
+def _cache(run, engine, command):
+    cache = run.runner.decode_forward.cache
+    assert cache is not None and cache.root == run.launch.compile_cache.root
+    assert any(cache.root.iterdir()), f"{command}: nothing written to the compile cache {cache.root}"
+
+
+def _kv_fp8(run, engine, command):
+    assert run.runner.kv_cache_dtype == torch.float8_e4m3fn
+    assert engine.cache.layers[0][0].dtype == torch.float8_e4m3fn
+
+
+def _scheduler(run, engine, command):
+    assert run.runner.block_size == 32 and engine.cache.block_size == 32
+    assert engine.scheduler.max_prefill_tokens == 24
+    if command == "serve":
+        assert engine.scheduler.batch_size == 2
+        assert run.plan.kv_pool_blocks == engine.cache.num_blocks == 1 + 2 * 2   # 2 requests of 32 + 2 tokens
+
+
+ROWS = {
+    "exe_mode": ({"model_config.exe_mode": "ge_graph"}, _graph),
+    "enable_cache_compile": ({"model_config.exe_mode": "ge_graph", "model_config.enable_cache_compile": True},
+                             _cache),
+    "kv_cache_dtype": ({"model_config.dtype": "bfloat16", "model_config.kv_cache_dtype": "float8"}, _kv_fp8),
+    "scheduler": ({"scheduler_config.block_size": 32, "scheduler_config.max_prefill_tokens": 24}, _scheduler),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_the_assembly_honours_each_key_for_generate_and_serve(row, command, tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    monkeypatch.chdir(tmp_path)                         # the compile cache lives under ./compile_cache
+    monkeypatch.setenv("CASE_NAME", f"keys-{row}")
+    changes, check = ROWS[row]
+    path = _write(tmp_path, changes)
+    if command == "generate":
+        run, engine = _generate(path, monkeypatch)
+    else:
+        run, engine = _serve(path)
+    try:
+        check(run, engine, command)
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_mem_fraction_static_refuses_alike(command, tmp_path, monkeypatch, capsys):
+    path = _write(tmp_path, {"scheduler_config.mem_fraction_static": 1e-9})
+    if command == "generate":
+        with pytest.raises(SystemExit):
+            cli_main(["generate", "--config", str(path), "--prompt-ids", "1,2,3"])
+        err = capsys.readouterr().err
+    else:
+        with pytest.raises(UsageError) as e:
+            _serve(path)
+        err = str(e.value)
+    assert "mem_fraction_static=1e-09" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_profiler_traces_generate_and_serve_alike(command, tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    out = tmp_path / "traces"
+    path = _write(tmp_path, {"model_config.enable_profiler": True, "model_config.output_path": str(out)})
+    if command == "generate":
+        assert cli_main(["generate", "--config", str(path), "--prompt-ids", "1,2,3"]) == 0
+    else:
+        from optimized.cli import serve
+        monkeypatch.setattr(serve, "_serve", lambda *a: 0)          # the whole serving run, without a port
+        assert cli_main(["serve", "--config", str(path)]) == 0
+    traces = list((out / "profile").rglob("*"))
+    assert any(p.is_file() for p in traces), f"{command}: no trace under {out}"
