@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "MoE EP scheme, and the decode tensor-parallel vs MC2 expert-parallel, with the bytes of "
                         "each collective beside the formula (optimized/benchmarks/bench_parallel.py; --skip-hf and "
                         "--exe-mode do not apply)")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="measure only the engine's host overhead per decode step (step wall time minus the model "
+                        "forward's) at --host-overhead-batches; builds the optimized model alone "
+                        "(optimized/benchmarks/host_overhead.py)")
+    p.add_argument("--host-overhead-batches", type=_int_list("--host-overhead-batches"), default=[1, 16],
+                   metavar="B1,B2,...", help="batches of --host-overhead (default 1,16)")
     p.add_argument("--formula-only", action="store_true",
                    help="with --world-size > 1: print only the decode layouts' MoE bytes per rank and the MC2 "
                         "MC2 window from the formula, at the preset's full depth; builds and runs nothing")
@@ -228,6 +234,14 @@ def run(args) -> int:
 
     dtype = DTYPES[args.dtype]
     config = bench_config(args.preset, args.layers)
+    if args.host_overhead:
+        from optimized.benchmarks import host_overhead
+        rows = host_overhead.run(config, dtype, args, args.host_overhead_batches, progress)
+        what = f"{BENCH_PRESETS[args.preset]}, {args.layers} layer(s), {args.dtype}, prompt {args.prompt_len}"
+        print(host_overhead.format_report(rows, what))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"host_overhead": rows, "what": what}, indent=2) + "\n")
+        return 0
     full_layers = full_layer_count(args.preset)
     for length in [args.prompt_len] + list(args.context_sweep or []):
         if length + args.decode_steps + 1 > config.max_position_embeddings:

@@ -160,11 +160,11 @@ class Engine:
     # ---- one step
     @torch.no_grad()
     def step(self) -> tuple[Step, list[TokenEvent]]:
+        start = self.runner.clock()    # the step's wall time: scheduling to bookkeeping (the host overhead's base)
         step = self.scheduler.schedule([p.free_blocks for p in self.pools])
         self.steps += 1
         if step.kind == "idle":
             return step, []
-        start = self.runner.clock()
         groups = self._by_group(step)
         if step.kind == "prefill":
             for request in step.requests:
@@ -176,10 +176,10 @@ class Engine:
             span = (0, self.batch.n)
             logits, kept, ids = self._decode(groups), None, None
         events = self._events(step, groups, self._read(groups, logits, span, step.kind, kept, ids))
-        self.timings.append(StepTiming(step.kind, self.runner.clock() - start))
         for event in events:
             if event.finished:
                 self._finish(event.request)
+        self.timings.append(StepTiming(step.kind, self.runner.clock() - start))
         return step, events
 
     def _by_group(self, step: Step) -> list[list[Request]]:
