@@ -195,12 +195,15 @@ def comm_name(group: "dist.ProcessGroup | None", rank: int | None = None) -> str
     """The string an operator takes for `group`, registered so `group_by_name` resolves it.
 
     On NPU this is the HCCL communicator name (what torch_npu's MC2 operators expect); elsewhere the
-    process group's own name ('' -> 'single' for no group).
+    process group's own name ('' -> 'single' for no group). `get_hccl_comm_name(rank)` picks the communicator's
+    device from the rank it is given (rank % devices per host), so it takes this process's rank as the group's
+    backend knows it, the global one (`dist.get_global_rank(group, dist.get_rank(group))`): its rank *within* the
+    group names another device as soon as the group is not ranks 0..W-1 in order (an EP group of a DP layout).
     """
     if group is None:
         return register_group_name("single", None)
-    if platform.backend_name() == "npu":  # pragma: no cover - needs torch_npu
-        r = dist.get_rank(group) if rank is None else rank
+    if platform.backend_name() == "npu":
+        r = dist.get_global_rank(group, dist.get_rank(group)) if rank is None else rank
         name = group._get_backend(torch.device("npu")).get_hccl_comm_name(r)
     else:
         name = group.group_name

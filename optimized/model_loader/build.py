@@ -67,6 +67,7 @@ def model_from_source(config, source, *, parallel: ParallelState | None = None,
     # Once, after every weight is in: the quant methods' runtime layouts (NZ with weight_nz), so no forward call
     # re-lays them out.
     process_weights_after_loading(model, weight_nz=weight_nz)
+    model.weight_nz = weight_nz
     model.weight_source = source
     return model.eval()
 
