@@ -173,6 +173,20 @@ class NpuCallRecorder(TorchDispatchMode):
         return out
 
 
+class NpuOpCounter(TorchDispatchMode):
+    """How many times each `npu::` operator was called (by name, overload dropped), run as called."""
+
+    def __init__(self):
+        super().__init__()
+        from collections import Counter
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "npu":
+            self.ops[func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _clone(value):
     if isinstance(value, torch.Tensor):
         return value.clone()
