@@ -1,6 +1,7 @@
 """Every `torch.ops.npu` call the optimized model makes, recorded on the CPU: the contract the NPU replay tests check.
 
-A call is recorded as its operator and its arguments by schema name (defaults filled in): tensors as dtype, shape
+The model's build is recorded too (its load-time calls: one `npu_format_cast` per weight, enable_weight_nz). A call
+is recorded as its operator and its arguments by schema name (defaults filled in): tensors as dtype, shape
 and stride, everything else by value; never the data. `CONFIGURATIONS` are the runs recorded: the tiny fixtures
 through `ModelRunner.generate` (prefill and greedy decode), single process in fp32, bf16, W4A8, W8A8 and W4A8 with
 the per-token FP8 KV cache, the sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8, W8A8,
@@ -172,6 +173,20 @@ class NpuCallRecorder(TorchDispatchMode):
         return out
 
 
+class NpuOpCounter(TorchDispatchMode):
+    """How many times each `npu::` operator was called (by name, overload dropped), run as called."""
+
+    def __init__(self):
+        super().__init__()
+        from collections import Counter
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "npu":
+            self.ops[func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _clone(value):
     if isinstance(value, torch.Tensor):
         return value.clone()
@@ -184,11 +199,15 @@ def _clone(value):
 
 @torch.no_grad()
 def run_configuration(rank: int, world: int, config: Configuration, capture: bool = False):
-    """Generate from `PROMPTS` under a recorder -> (calls by key, captured arguments by key)."""
-    from equivalence.parallel_support import dtype_of, rank_model, runner_of
+    """Build the model (its load-time calls: the NZ weight casts) and generate from `PROMPTS` under a recorder ->
+    (calls by key, captured arguments by key)."""
+    from equivalence.parallel_support import dtype_of, runner_of, test_device
+    from optimized.distributed import ParallelState
+    from optimized.model_loader.build import load_model
 
-    model = rank_model(config.checkpoint(), config.layout(), dtype_of(config.dtype))
     with NpuCallRecorder(capture) as recorder:
+        model = load_model(config.checkpoint(), parallel=ParallelState.build(**config.layout()),
+                           dtype=dtype_of(config.dtype), device=str(test_device()))
         runner_of(model).generate(PROMPTS, NEW_TOKENS)
     return recorder.calls, recorder.captured
 

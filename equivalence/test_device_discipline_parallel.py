@@ -202,15 +202,15 @@ def test_attention_dp_decode_step_reads_nothing_back_from_the_device():
 
 
 def test_attention_dp_prefill_step_reads_back_only_the_double_routing_split_sizes():
-    """Path B's all_to_all_v takes host split sizes: `tokens_per_expert` and its exchanged counts, read once
-    each per MoE layer (layers/exchange.py MoeInferDoubleRouting); nothing else leaves the device."""
+    """Path B's all_to_all_v takes host split sizes: `tokens_per_expert` and its exchanged counts, stacked and read
+    in one transfer per MoE layer (layers/exchange.py split_sizes); nothing else leaves the device."""
     for r, steps in enumerate(_rank_steps()):
         prefill = steps[0]
         assert prefill["mc2"] == 0, f"rank {r}: the prefill went through MC2"
         reads = prefill["reads"]
         splits = all(read.startswith("tolist at optimized/layers/exchange.py:") for read in reads)
-        assert splits and len(reads) == 2 * MOE_LAYERS, \
-            f"rank {r}: the prefill's host reads {reads} != the split sizes ({2 * MOE_LAYERS} tolist in exchange.py)"
+        assert splits and len(reads) == MOE_LAYERS, \
+            f"rank {r}: the prefill's host reads {reads} != the split sizes ({MOE_LAYERS} tolist in exchange.py)"
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])

@@ -311,6 +311,7 @@ KEY_CHANGES = {
     "rank": lambda k: k.update(rank=1),
     "dtype": lambda k: k.update(dtype="bfloat16"),
     "force_eplb": lambda k: k.update(force_eplb=True),
+    "weight_nz": lambda k: k.update(weight_nz=not k["weight_nz"]),
     "batch_bucket": lambda k: k.update(batch_bucket=16),
     "block_size": lambda k: k.update(block_size=32),
     "kv_cache_dtype": lambda k: k.update(kv_cache_dtype="float8_e4m3fn"),

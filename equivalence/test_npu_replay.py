@@ -28,7 +28,7 @@ pytestmark = pytest.mark.npu
 
 RECORDED = sorted(load_recording().items(), key=lambda kv: (kv[1]["op"], kv[0]))
 BITWISE = {"npu_moe_init_routing_v2", "npu_moe_re_routing", "npu_scatter_nd_update", "npu_scatter_nd_update_",
-           "npu_dynamic_mx_quant"}
+           "npu_dynamic_mx_quant", "npu_format_cast"}   # the NZ cast keeps every value
 MX_FUSED = {"npu_rms_norm_dynamic_mx_quant": (0, 1), "npu_add_rms_norm_dynamic_mx_quant": (0, 2),
             "npu_swiglu_mx_quant": (0, 1)}   # (element output, scale output)
 NORMS = {"npu_rms_norm", "npu_add_rms_norm", "npu_add_rms_norm_cast"}

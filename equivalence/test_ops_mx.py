@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import optimized  # noqa: F401  (registers torch.ops.npu.*)
 from equivalence import mx_oracle as oracle
 from equivalence.compare import assert_bitwise_equal
+from equivalence.npu_capability import require_950
 from optimized.ops import mx_format as mxf
 from optimized.ops.registry import portable_kernel
 
@@ -1095,10 +1096,8 @@ def test_npu_quantize_matches_portable(config, dtype):
     dst, alg, rm, dtm, mlb = config
     x = oracle.mx_inputs(21, (8, 4096 + 64), dtype)
     kwargs = dict(dst_type=dst, scale_alg=alg, round_mode=rm, dst_type_max=dtm, max_low_bound=mlb)
-    try:
-        y, s = QUANT(x.to("npu"), **kwargs)
-    except RuntimeError as error:  # MX needs Ascend 950 (arch35)
-        pytest.skip(f"this NPU/CANN rejects npu_dynamic_mx_quant {kwargs}: {error}")
+    require_950("npu_dynamic_mx_quant")      # decided before the call: a kernel error on a 950 fails the test
+    y, s = QUANT(x.to("npu"), **kwargs)
     y_cpu, s_cpu = portable_kernel("npu_dynamic_mx_quant")(x, **kwargs)
     assert_bitwise_equal(s.cpu(), s_cpu, "scale bytes")
     a, b = bytes_of(y.cpu()), bytes_of(y_cpu)
@@ -1131,11 +1130,9 @@ def test_npu_fused_ops_match_portable(dst):
         ("npu_swiglu_mx_quant", (x1,), dict(dst_type=dst, activate_left=True), (0, 1)),
     ]
     fmt = oracle.fmt_name(dst)
+    require_950("the fused MX quantization operators")
     for name, args, kwargs, (iy, isc) in cases:
-        try:
-            got = getattr(npu, name)(*(a.to("npu") for a in args), **kwargs)
-        except RuntimeError as error:
-            pytest.skip(f"this NPU/CANN rejects {name}: {error}")
+        got = getattr(npu, name)(*(a.to("npu") for a in args), **kwargs)
         want = portable_kernel(name)(*args, **kwargs)
         _decoded_close_within_one_step(got[iy].cpu(), got[isc].cpu(), want[iy], want[isc], fmt)
 
@@ -1166,12 +1163,10 @@ def test_npu_mx_matmuls_match_portable():
     gmm_kw = dict(antiquant_scale=[s4.unflatten(-1, (-1, 2)).transpose(1, 2)], per_token_scale=[xs],
                   group_list=torch.tensor([10, 0, 9]), group_type=0, group_list_type=1, split_item=3,
                   weight_dtype=296, per_token_scale_dtype=293, output_dtype=torch.bfloat16)
+    require_950("the MX matmuls")
     for name, args, kwargs, rows in (("npu_quant_matmul", mm_args, mm_kw, 24), ("npu_grouped_matmul", gmm_args,
                                                                                gmm_kw, 19)):
-        try:
-            got = getattr(npu, name)(*_to_device(args, "npu"), **_to_device(kwargs, "npu"))
-        except RuntimeError as error:
-            pytest.skip(f"this NPU/CANN rejects MX {name}: {error}")
+        got = getattr(npu, name)(*_to_device(args, "npu"), **_to_device(kwargs, "npu"))
         want = portable_kernel(name)(*args, **kwargs)
         got, want = (got[0], want[0]) if isinstance(want, list) else (got, want)
         assert_close(got.cpu()[:rows], want[:rows], op_tolerance(torch.bfloat16), f"{name}: NPU vs portable")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import optimized  # noqa: F401  (registers torch.ops.npu.*)
 from equivalence.compare import assert_bitwise_equal, assert_close
+from equivalence.npu_capability import require_dynamic_quant
 from optimized.ops.registry import portable_kernel
 
 quant = torch.ops.npu.npu_dynamic_quant
@@ -370,10 +371,8 @@ def test_npu_matches_portable(dst, mode):
     x = (torch.randn(33, 2 * 128, generator=gen) * 3).bfloat16()
     x[5] = 0
     npu = torch.device("npu")
-    try:
-        y, scale = torch.ops.npu.npu_dynamic_quant(x.to(npu), dst_type=dst, quant_mode=mode)
-    except RuntimeError as error:  # fp8 outputs need Ascend 950; pertensor/perchannel need a newer CANN
-        pytest.skip(f"this NPU/CANN rejects dst_type={dst} quant_mode={mode}: {error}")
+    require_dynamic_quant(dst, mode)   # the device's declaration, before the call: a kernel error fails the test
+    y, scale = torch.ops.npu.npu_dynamic_quant(x.to(npu), dst_type=dst, quant_mode=mode)
     y_cpu, scale_cpu = portable_kernel("npu_dynamic_quant")(x, dst_type=dst, quant_mode=mode)
     assert y.dtype == y_cpu.dtype and y.shape == y_cpu.shape and scale.shape == scale_cpu.shape
     scale = scale.cpu()

@@ -200,7 +200,7 @@ class ModelConfig:
     enable_profiler: bool = False        # a torch.profiler trace of the run, one file per rank, under output_path
     force_eplb: bool | None = None       # the recipe's forced balanced routing (benchmarks); null: not given (false)
     enable_static_kernel: bool = False   # npugraph_ex static kernels: refused when true
-    enable_weight_nz: bool = True        # NPU weight storage layout (FRACTAL_NZ); performance only, see _check
+    enable_weight_nz: bool = True        # every linear, expert and MX weight cast once to FRACTAL_NZ after loading
     enable_hadamard: bool = False        # W4A4 Hadamard rotation: refused when true
     hadamard_weight_path: str = ""
     custom_params: dict = field(default_factory=dict)   # model-specific switches: none are defined for Qwen3-MoE

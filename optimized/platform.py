@@ -127,3 +127,92 @@ def set_device(local_rank: int) -> None:
         torch.npu.set_device(local_rank)
     elif backend == "cuda":
         torch.cuda.set_device(local_rank)
+
+
+# ------------------------------------------------------------------------------------------ per-platform settings
+
+HCCL_OP_EXPANSION_AIV = 3     # HCCL's op expansion mode code for AIV (hccl_config "hccl_op_expansion_mode")
+PLATFORM_VERSION_ENV = "PLATFORM_VERSION"
+
+
+class PlatformSettings:
+    """What an NPU process sets for model_config.platform_version (A2 | A3 | 950) and exe_mode, in one place, before
+    its process groups exist (`init_distributed` applies it; the start-up printout shows `describe()`):
+
+    - TASK_QUEUE_ENABLE: 2 in eager mode (level-2 pipelined operator dispatch: eager decode is host bound), 1 in the
+      graph modes (a step is one graph launch);
+    - A2 / A3: HCCL_OP_EXPANSION_MODE=AIV in the environment (collectives expanded on the AI vector cores);
+    - 950: the default group's options carry the op expansion mode instead (hccl_config hccl_op_expansion_mode AIV),
+      and a group given an hccl_buffer_size (the MC2 group's window) also exports it as HCCL_BUFFSIZE.
+
+    A variable the user's environment already sets wins. On CPU / CUDA nothing is applied."""
+
+    def __init__(self, platform_version: str, exe_mode: str):
+        from optimized.config import EXE_MODES, PLATFORM_VERSIONS
+        if platform_version not in PLATFORM_VERSIONS:
+            raise ValueError(f"platform_version {platform_version!r} is not one of {', '.join(PLATFORM_VERSIONS)}")
+        if exe_mode not in EXE_MODES:
+            raise ValueError(f"exe_mode {exe_mode!r} is not one of {', '.join(EXE_MODES)}")
+        self.platform_version, self.exe_mode = platform_version, exe_mode
+        self.env = {"TASK_QUEUE_ENABLE": "2" if exe_mode == "eager" else "1"}
+        is_950 = platform_version == "950"
+        if not is_950:
+            self.env["HCCL_OP_EXPANSION_MODE"] = "AIV"
+        self.default_group_hccl_config = {"hccl_op_expansion_mode": HCCL_OP_EXPANSION_AIV} if is_950 else {}
+        self.mirror_buffer_size = is_950
+
+    @classmethod
+    def from_environment(cls, exe_mode: str = "eager") -> "PlatformSettings":
+        """The settings for $PLATFORM_VERSION (default A3, the recipe's order) when no config names the platform."""
+        return cls(os.environ.get(PLATFORM_VERSION_ENV, "A3"), exe_mode)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PlatformSettings) and vars(self) == vars(other)
+
+    def apply(self, backend: str | None = None) -> dict[str, str]:
+        """Set the environment on an NPU (a variable already set is kept); returns what the process now has for
+        each variable this platform sets ({} off the NPU). Remembered as the process's settings (`applied()`)."""
+        global _APPLIED
+        _APPLIED = self
+        if (backend or backend_name()) != "npu":
+            return {}
+        for name, value in self.env.items():
+            os.environ.setdefault(name, value)
+        return {name: os.environ[name] for name in self.env}
+
+    def hccl_config(self, hccl_buffer_size_mb: int | None = None, *, default_group: bool = False) -> dict:
+        """A group's hccl_config: the default group's op expansion mode (950), its hccl_buffer_size if given (on 950
+        also exported as HCCL_BUFFSIZE, unless the environment sets it)."""
+        config = dict(self.default_group_hccl_config) if default_group else {}
+        if hccl_buffer_size_mb is not None:
+            config["hccl_buffer_size"] = int(hccl_buffer_size_mb)
+            if self.mirror_buffer_size and backend_name() == "npu":
+                os.environ.setdefault("HCCL_BUFFSIZE", str(int(hccl_buffer_size_mb)))
+        return config
+
+    def group_options(self, backend: str, hccl_buffer_size_mb: int | None = None, *, default_group: bool = False):
+        """ProcessGroupHCCL options holding `hccl_config(...)`; None off hccl or when there is nothing to set."""
+        config = self.hccl_config(hccl_buffer_size_mb, default_group=default_group)
+        if backend != "hccl" or not config:
+            return None
+        import torch_npu  # pragma: no cover - needs torch_npu
+        options = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()
+        options.hccl_config = config
+        return options
+
+    def describe(self) -> str:
+        """One start-up line: what this platform and mode set."""
+        env = ", ".join(f"{k}={v}" for k, v in self.env.items())
+        group = (f"; default group hccl_config {self.default_group_hccl_config}" if self.default_group_hccl_config
+                 else "")
+        mirror = "; a group's hccl_buffer_size also as HCCL_BUFFSIZE" if self.mirror_buffer_size else ""
+        where = "" if backend_name() == "npu" else f" (not applied: this host computes on {backend_name()})"
+        return f"platform {self.platform_version}, {self.exe_mode}: {env}{group}{mirror}{where}"
+
+
+_APPLIED: PlatformSettings | None = None
+
+
+def applied_settings() -> PlatformSettings:
+    """The settings this process applied (init_distributed), else those of $PLATFORM_VERSION in eager mode."""
+    return _APPLIED if _APPLIED is not None else PlatformSettings.from_environment()

@@ -174,6 +174,10 @@ def model_from_state_dict(config: Qwen3MoeConfig, state_dict: dict[str, torch.Te
         if not t.dtype.is_floating_point:
             raise CheckpointError(f"{source}: tensor {name} has dtype {t.dtype}; expected a float dtype "
                                   "(quantized checkpoints are not read by the reference)")
+        bad = int((~torch.isfinite(t)).sum())     # NaN, +inf and -inf alike
+        if bad:
+            raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite value(s) (NaN or inf); the "
+                                  "checkpoint is corrupt: re-download or re-convert it")
     # Fresh (aligned, contiguous) copies: results must not depend on where a tensor sat in its file
     # (CPU kernels take different vector paths for differently aligned memory).
     weights = {n: state_dict[n].to(dtype=dtype, copy=True, memory_format=torch.contiguous_format) for n in expected}

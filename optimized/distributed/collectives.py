@@ -19,8 +19,8 @@ Backend findings (torch 2.13, gloo on CPU; checked by equivalence/test_dist_harn
 - Uneven all_gather: gloo has no uneven list all_gather, so `all_gather(..., sizes=[...])` pads every
   shard to the largest size, gathers once and trims.
 
-Graph mode: while torch.compile traces (`torch.compiler.is_compiling()`), `all_reduce` and `all_gather`
-use `torch.distributed._functional_collectives` (the traceable, out-of-place form of the same collective on
+Graph mode: while torch.compile traces (`torch.compiler.is_compiling()`), `all_reduce`, `all_gather`,
+`reduce_scatter` and `all_to_all_single` use `torch.distributed._functional_collectives` (the traceable, out-of-place form of the same collective on
 the same group), so a decode step with TP / EP collectives captures as one graph; eager calls are unchanged.
 """
 from __future__ import annotations
@@ -191,9 +191,12 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, *, upcast: bool = False
     src = x.movedim(dim, 0)
     cast = upcast and x.dtype in (torch.bfloat16, torch.float16)
     src = (src.float() if cast else src).contiguous()
-    out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-    _count("reduce_scatter", (n - 1) * _nbytes(out))
-    _reduce_scatter_single(out, src, group=pg)
+    if torch.compiler.is_compiling():  # graph mode: the traceable functional form, the same sum
+        out = funcol.reduce_scatter_tensor(src, "sum", 0, pg)
+    else:
+        out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+        _count("reduce_scatter", (n - 1) * _nbytes(out))
+        _reduce_scatter_single(out, src, group=pg)
     if cast:
         out = out.to(x.dtype)
     return out.movedim(0, dim)
@@ -236,9 +239,16 @@ def all_to_all_single(x: torch.Tensor, group, output_split_sizes: list[int] | No
                          f"{x.shape[0]} rows")
     if input_split_sizes is None and x.shape[0] % n:
         raise ValueError(f"all_to_all_single: {x.shape[0]} rows cannot be split equally over {n} ranks")
+    compiling = torch.compiler.is_compiling()
     if input_split_sizes is not None and output_split_sizes is None:
+        if compiling:
+            raise ValueError("all_to_all_single: under torch.compile give output_split_sizes too (exchanging the "
+                             "split sizes reads them back to the host, which a graph cannot do)")
         output_split_sizes = exchange_split_sizes(input_split_sizes, pg, x.device)
     src = _wire(x.contiguous())
+    if compiling:   # graph mode: the traceable functional form, the same rows
+        out = funcol.all_to_all_single(src, output_split_sizes, input_split_sizes, pg)
+        return out.view(x.dtype) if x.dtype in _ONE_BYTE_FLOATS else out
     rows = sum(output_split_sizes) if output_split_sizes is not None else src.shape[0]
     out = src.new_empty((rows, *src.shape[1:]))
     row = src[0].numel() * src.element_size() if src.shape[0] else 0

@@ -199,14 +199,10 @@ def window_for(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) 
 
 
 def mc2_group_options(backend: str, window_mb: int):
-    """The process-group options that give the MC2 group its window: hccl's `hccl_buffer_size`; None elsewhere
-    (gloo and nccl have no such window)."""
-    if backend != "hccl":
-        return None
-    import torch_npu  # pragma: no cover - needs torch_npu
-    options = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()
-    options.hccl_config = {"hccl_buffer_size": int(window_mb)}
-    return options
+    """The process-group options that give the MC2 group its window: hccl's `hccl_buffer_size` (on 950 also exported
+    as HCCL_BUFFSIZE: `platform.PlatformSettings`); None elsewhere (gloo and nccl have no such window)."""
+    from optimized import platform
+    return platform.applied_settings().group_options(backend, window_mb)
 
 
 class Mc2WindowError(UsageError, ValueError):

@@ -24,6 +24,7 @@ group spanning the whole world is the default group, and identical rank lists sh
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") 
 
 def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: datetime.timedelta | None = None,
                      init_method: str | None = None, rank: int | None = None,
-                     world_size: int | None = None) -> DistEnv:
+                     world_size: int | None = None, settings: "platform.PlatformSettings | None" = None) -> DistEnv:
     """Join the job: the one place a process group is initialized (CLI, library, parallel bench).
 
     Default: torchrun's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); WORLD_SIZE unset
@@ -90,6 +91,9 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
     default group with `platform.dist_backend()` (hccl / nccl / gloo). Idempotent.
     timeout: how long a collective may wait; None: `guard.collective_timeout()` (the environment variable
     QWEN3_MOE_COLLECTIVE_TIMEOUT_S, else 120 s), never torch's 30-minute default.
+    settings: the per-platform settings (`platform.PlatformSettings(model_config.platform, exe_mode)`), applied here,
+    before the default group exists, and its options given to that group; None: those of $PLATFORM_VERSION (else A3)
+    in eager mode. hccl_op_expansion_mode overrides the A2 / A3 HCCL_OP_EXPANSION_MODE (None: leave it unset).
     """
     if dist.is_available() and dist.is_initialized():
         return DistEnv(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", dist.get_rank()))
@@ -109,12 +113,20 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
     else:
         local_rank = rank
     backend = platform.backend_name()
-    apply_backend_env(backend, hccl_op_expansion_mode)
+    settings = copy.copy(settings or platform.PlatformSettings.from_environment())
+    settings.env = dict(settings.env)
+    if "HCCL_OP_EXPANSION_MODE" in settings.env:
+        if hccl_op_expansion_mode is None:
+            del settings.env["HCCL_OP_EXPANSION_MODE"]
+        else:
+            settings.env["HCCL_OP_EXPANSION_MODE"] = hccl_op_expansion_mode
+    settings.apply(backend)
     platform.set_device(local_rank)
     from optimized.distributed.guard import collective_timeout
     timeout = timeout if timeout is not None else collective_timeout()
     store = _join_store(init_method, rank, world_size, timeout)
-    dist.init_process_group(platform.dist_backend(), store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(platform.dist_backend(), store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            pg_options=settings.group_options(platform.dist_backend(), default_group=True))
     return DistEnv(rank, world_size, local_rank)
 
 
@@ -195,12 +207,15 @@ def comm_name(group: "dist.ProcessGroup | None", rank: int | None = None) -> str
     """The string an operator takes for `group`, registered so `group_by_name` resolves it.
 
     On NPU this is the HCCL communicator name (what torch_npu's MC2 operators expect); elsewhere the
-    process group's own name ('' -> 'single' for no group).
+    process group's own name ('' -> 'single' for no group). `get_hccl_comm_name(rank)` picks the communicator's
+    device from the rank it is given (rank % devices per host), so it takes this process's rank as the group's
+    backend knows it, the global one (`dist.get_global_rank(group, dist.get_rank(group))`): its rank *within* the
+    group names another device as soon as the group is not ranks 0..W-1 in order (an EP group of a DP layout).
     """
     if group is None:
         return register_group_name("single", None)
-    if platform.backend_name() == "npu":  # pragma: no cover - needs torch_npu
-        r = dist.get_rank(group) if rank is None else rank
+    if platform.backend_name() == "npu":
+        r = dist.get_global_rank(group, dist.get_rank(group)) if rank is None else rank
         name = group._get_backend(torch.device("npu")).get_hccl_comm_name(r)
     else:
         name = group.group_name

@@ -83,12 +83,16 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
     from optimized.ops.registry import inline_in_inductor, kernels_source_hash
 
     parallel = model.groups.parallel
+    # Inductor traces the portable kernels into the graph (their code is part of it); torchair's GE graph calls
+    # torch_npu's kernels, so a portable kernel's source never invalidates an NPU entry.
+    inductor = platform.backend_name() != "npu"
     return {
         "model_config": json.loads(model.config.to_json_string(use_diff=False)),
         "parallel_layout": {k: getattr(parallel, k) for k in sorted(vars(parallel))},
         "rank": model.groups.rank,
         "dtype": str(model.dtype).removeprefix("torch."),
         "force_eplb": bool(model.force_eplb),      # the balanced expert ids are built inside the traced step
+        "weight_nz": bool(getattr(model, "weight_nz", False)),   # frozen parameters in the NZ or the ND layout
         "batch_bucket": batch_bucket,
         "block_size": block_size,
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
@@ -97,8 +101,8 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
         "torch": torch.__version__,
         "torch_npu": torch_npu_version(),
         "python": sys.version.split()[0],
-        "inlined_kernels": inline_in_inductor(),   # what the graph traces through instead of calling
-        "kernels_source": kernels_source_hash(),  # and their code
+        "inlined_kernels": inline_in_inductor() if inductor else [],   # what the graph traces through
+        "kernels_source": kernels_source_hash() if inductor else None,  # and their code
     }
 
 

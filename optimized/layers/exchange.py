@@ -105,6 +105,14 @@ class MoeInferAG(MoeExchange):
         return comm.reduce_scatter(out, ep)                                        # this rank's partial sum of all
 
 
+def split_sizes(sent: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The all_to_all_v split sizes on the host (rows this rank sends to / receives from each rank) from the slot
+    counts [P, L] it sends and receives: both stacked on the device and read in one device -> host transfer, the
+    one host read of a double-routing exchange."""
+    send, recv = torch.stack([sent.sum(1), received.sum(1)]).tolist()          # [2, P]: the one read
+    return send, recv
+
+
 class MoeInferDoubleRouting(MoeExchange):
     name = "alltoall"
 
@@ -114,8 +122,7 @@ class MoeInferDoubleRouting(MoeExchange):
         expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x, topk_idx, [0, self.num_experts])
         # Counts [P*L]: how many slots each source rank sends to each of this rank's local experts.
         tokens_per_expert_group = comm.all_to_all_single(tokens_per_expert, ep)
-        send = tokens_per_expert.view(ranks, local).sum(1).tolist()               # split sizes to the host
-        recv = tokens_per_expert_group.view(ranks, local).sum(1).tolist()
+        send, recv = split_sizes(tokens_per_expert.view(ranks, local), tokens_per_expert_group.view(ranks, local))
         gathered = map_rows(expanded_x, lambda t: comm.all_to_all_single(t, ep, output_split_sizes=recv,
                                                                           input_split_sizes=send))
         if sum(recv):

@@ -64,6 +64,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         # The router runs in float32 (as the NPU recipe does), whatever the activation dtype.
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, torch.float32)
+        self.gate.router = True   # kept ND and contiguous when the weights go NZ (process_weights_after_loading)
         self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                    moe_tp, moe_ep, dtype, moe_method(quant_scheme(config)))
         self.moe_infer_tp = MoeInferTP(config.num_experts, config.num_experts_per_tok, moe_tp, moe_ep)

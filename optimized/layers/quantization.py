@@ -298,12 +298,27 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
+ACL_FORMAT_FRACTAL_NZ = 29   # npu_format_cast's acl_format for the NZ weight layout
+GMM_TUNING_CONFIG = [0]      # the grouped matmuls' tuning_config (a tiling hint: the expected rows per expert)
+
+
+def _nz(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as the kernels read it: with `layer.weight_nz` (model_config.enable_weight_nz, set by
+    `process_weights_after_loading(model, weight_nz=...)`) made contiguous, then cast once to FRACTAL_NZ (on the CPU
+    the cast is the identity); without it, as it is."""
+    if not getattr(layer, "weight_nz", False):
+        return weight
+    return torch.ops.npu.npu_format_cast(weight.contiguous(), ACL_FORMAT_FRACTAL_NZ)
+
+
+def process_weights_after_loading(model: nn.Module, weight_nz: bool = False) -> None:
     """Each layer with a quant method in `model` (itself included) prepares its runtime layouts: once, after every
-    weight is loaded. `modules()` yields a module held twice once."""
+    weight is loaded. `modules()` yields a module held twice once. weight_nz: every linear, expert and MX weight is
+    cast to the NZ layout (contiguous first) except the router gate (`router`: made contiguous, kept ND)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
+            module.weight_nz = weight_nz and not getattr(module, "router", False)
             method.process_weights_after_loading(module)
 
 
@@ -333,8 +348,11 @@ class UnquantizedLinearMethod:
         layer.weight[rows].copy_(t)
 
     def process_weights_after_loading(self, layer) -> None:
-        """Nothing to prepare: F.linear takes the [N, K] weight as loaded (the CPU's oneDNN packing is the portable
+        """The [N, K] weight contiguous, cast to NZ with `layer.weight_nz` (the CPU's oneDNN packing is the portable
         kernel's own, cpu_gemm.py)."""
+        weight = layer.weight.contiguous()
+        if weight is not layer.weight or getattr(layer, "weight_nz", False):
+            layer.weight = _param(_nz(layer, weight))
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         _no_mx(x, "an unquantized linear")
@@ -371,7 +389,7 @@ class MxFp8LinearMethod:
         """npu_quant_matmul's layouts, in place of the checkpoint's: weight [K, N] (the transposed view: no copy),
         weight_scale pairs [nb/2, N, 2] (contiguous; the [N, nb] bytes freed)."""
         _start_processing(layer)
-        layer.weight = _param(layer.weight.t())
+        layer.weight = _param(_nz(layer, layer.weight.t()))
         layer.weight_scale = _param(_runtime_scale(layer.weight_scale))
         layer.runtime_layout = True
 
@@ -426,15 +444,20 @@ class UnquantizedFusedMoEMethod:
         layer.w2[local].copy_(down.t())
 
     def process_weights_after_loading(self, layer) -> None:
-        """Nothing to prepare: w13 / w2 are created as the grouped matmul's transposed views."""
+        """w13 / w2 are created as the grouped matmul's transposed views; with `layer.weight_nz` cast to NZ
+        (contiguous first)."""
+        if getattr(layer, "weight_nz", False):
+            layer.w13, layer.w2 = _param(_nz(layer, layer.w13)), _param(_nz(layer, layer.w2))
 
     def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         _no_mx(x, "the unquantized experts")
         h = torch.ops.npu.npu_grouped_matmul([x], [layer.w13], group_list=tokens_per_expert, group_type=0,
-                                             group_list_type=1, split_item=3)[0]      # [M, 2*I_r]
+                                             group_list_type=1, split_item=3,
+                                             tuning_config=GMM_TUNING_CONFIG)[0]      # [M, 2*I_r]
         h = torch.ops.npu.npu_swiglu(h)                                                # [M, I_r]
         return torch.ops.npu.npu_grouped_matmul([h], [layer.w2], group_list=tokens_per_expert, group_type=0,
-                                                group_list_type=1, split_item=3)[0]   # [M, H]
+                                                group_list_type=1, split_item=3,
+                                                tuning_config=GMM_TUNING_CONFIG)[0]   # [M, H]
 
 
 class _MxExpertLoading:
@@ -457,7 +480,7 @@ class _MxExpertLoading:
         transposed views: no copy), their scales pairs [L, nb/2, N, 2] (contiguous; the [L, N, nb] bytes freed)."""
         _start_processing(layer)
         for w in ("w13_weight", "w2_weight"):
-            setattr(layer, w, _param(getattr(layer, w).transpose(1, 2)))
+            setattr(layer, w, _param(_nz(layer, getattr(layer, w).transpose(1, 2))))
             setattr(layer, f"{w}_scale", _param(_runtime_scale(getattr(layer, f"{w}_scale"))))
         layer.runtime_layout = True
 
@@ -506,7 +529,8 @@ class W4A8MxFp4MoEGMMMethod(_MxExpertLoading):
         return torch.ops.npu.npu_grouped_matmul(
             [x], [weight], antiquant_scale=[weight_scale],
             per_token_scale=[x_scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
-            split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype), weight_dtype=FLOAT4_E2M1,
+            split_item=3, tuning_config=GMM_TUNING_CONFIG, output_dtype=mxf.dtype_code(layer.output_dtype),
+            weight_dtype=FLOAT4_E2M1,
             per_token_scale_dtype=FLOAT8_E8M0)[0]
 
     def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -555,7 +579,8 @@ class MxFp8MoEGMMMethod(_MxExpertLoading):
         return torch.ops.npu.npu_grouped_matmul(
             [x.data], [weight], scale=[weight_scale],
             per_token_scale=[x.scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
-            split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype), scale_dtype=FLOAT8_E8M0,
+            split_item=3, tuning_config=GMM_TUNING_CONFIG, output_dtype=mxf.dtype_code(layer.output_dtype),
+            scale_dtype=FLOAT8_E8M0,
             per_token_scale_dtype=FLOAT8_E8M0)[0]
 
     def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,15 @@ from optimized.ops.required import check_operators, required_operators
 def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None = None,
                dtype: torch.dtype = torch.bfloat16, random_weights: bool = False, seed: int = 0,
                num_hidden_layers: int | None = None, device: torch.device | str | None = None,
-               check_weights: bool = True, force_eplb: bool = False) -> Qwen3MoeForCausalLM:
+               check_weights: bool = True, force_eplb: bool = False, weight_nz: bool = True) -> Qwen3MoeForCausalLM:
     """Build the optimized Qwen3MoeForCausalLM for this rank and load this rank's weight shards.
 
     model_path: a directory with config.json (+ safetensors unless random_weights). parallel: the process
     groups (default: a single process). num_hidden_layers: keep only the first N layers. device: where the
     model lives, default this process's accelerator (`platform.device()`: the CPU only on a host without one).
     check_weights: every tensor read is checked finite (a CheckpointError names a NaN / inf weight or an E8M0
-    scale byte 0xFF). force_eplb: model_config.force_eplb, the recipe's forced balanced routing.
+    scale byte 0xFF). force_eplb: model_config.force_eplb, the recipe's forced balanced routing. weight_nz:
+    model_config.enable_weight_nz, every linear, expert and MX weight cast once to the NPU's NZ layout after loading.
     """
     config = load_hf_config(model_path)  # ModelConfigError for another model_type, missing counts, ...
     full_layers = config.num_hidden_layers
@@ -45,12 +46,14 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
         for name in source.names():
             if _layer_of(name) >= config.num_hidden_layers:
                 source.skip(name)
-    return model_from_source(config, source, parallel=parallel, dtype=dtype, device=device, force_eplb=force_eplb)
+    return model_from_source(config, source, parallel=parallel, dtype=dtype, device=device, force_eplb=force_eplb,
+                             weight_nz=weight_nz)
 
 
 def model_from_source(config, source, *, parallel: ParallelState | None = None,
                       dtype: torch.dtype = torch.bfloat16,
-                      device: torch.device | str | None = None, force_eplb: bool = False) -> Qwen3MoeForCausalLM:
+                      device: torch.device | str | None = None, force_eplb: bool = False,
+                      weight_nz: bool = True) -> Qwen3MoeForCausalLM:
     """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...)."""
     parallel = parallel or ParallelState.single()
     InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
@@ -59,10 +62,12 @@ def model_from_source(config, source, *, parallel: ParallelState | None = None,
     check_operators(required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
         w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, sp_ep_scheme=model.ep_scheme,
         mc2_decode=model.decode.step.exchange is not None, dp_prefill=parallel.parallel.attn_dp_size > 1,
-        dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))))
+        dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)), weight_nz=weight_nz))
     model.load_weights(source)
-    # Once, after every weight is in: the quant methods' runtime layouts, so no forward call re-lays them out.
-    process_weights_after_loading(model)
+    # Once, after every weight is in: the quant methods' runtime layouts (NZ with weight_nz), so no forward call
+    # re-lays them out.
+    process_weights_after_loading(model, weight_nz=weight_nz)
+    model.weight_nz = weight_nz
     model.weight_source = source
     return model.eval()
 

@@ -29,6 +29,7 @@ MX_SP_PREFILL = frozenset({"npu_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_dy
 DOUBLE_ROUTING = frozenset({"npu_moe_re_routing"})
 MC2_DECODE = frozenset({"npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"})   # EP decode
 FP8_KV_CACHE = frozenset({"npu_dynamic_quant"})     # per-token K/V quantization (checked by the runner)
+WEIGHT_NZ = frozenset({"npu_format_cast"})          # model_config.enable_weight_nz: each weight cast once at load
 
 
 class MissingNpuOperatorError(RuntimeError):
@@ -36,12 +37,16 @@ class MissingNpuOperatorError(RuntimeError):
 
 
 def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
-                       mc2_decode: bool = False, w8a8: bool = False, dp_prefill: bool = False) -> frozenset[str]:
+                       mc2_decode: bool = False, w8a8: bool = False, dp_prefill: bool = False,
+                       weight_nz: bool = True) -> frozenset[str]:
     """The operators a model calls: W4A8, W8A8 or unquantized, with a dense (non-MoE) MLP layer or not, its SP
     prefill's EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall'), whether decode runs
-    MC2 and whether the prefill is attention data parallel (its MoE by double routing, 16-bit on the wire).
+    MC2 and whether the prefill is attention data parallel (its MoE by double routing, 16-bit on the wire), and
+    whether the weights are cast to NZ at load (enable_weight_nz).
     (W8A8's SP prefill moves 16-bit activations: no MX norms.)"""
     ops = set(COMMON)
+    if weight_nz:
+        ops |= WEIGHT_NZ
     if mc2_decode:
         ops |= MC2_DECODE
     if w4a8 or w8a8:
