@@ -3,8 +3,8 @@
 Both commands go through `optimized.executor.assembly` (prepare -> start -> runner / engine). For each row of the
 table a config is written, `generate` is run in-process (its started run captured at `Launch.start`) and `serve`'s
 own start-up (`cli.serve.start`, what `serve` runs before opening its port) is called; the same check then runs on
-both: the runner's exe_mode and graph buckets, the compile cache, the KV cache dtype, the block size, the scheduler's
-batch and prefill budget, the KV pool of the plan, mem_fraction_static (refused alike), the profiler (a trace written
+both: the runner's exe_mode and graph buckets, the compile cache, the NZ weight cast, the KV cache dtype, the block size,
+the scheduler's batch and prefill budget, the KV pool of the plan, mem_fraction_static (refused alike), the profiler (a trace written
 alike). A key that one entry point dropped fails its row.
 """
 from __future__ import annotations
@@ -91,7 +91,19 @@ def _scheduler(run, engine, command):
         assert run.plan.kv_pool_blocks == engine.cache.num_blocks == 1 + 2 * 2   # 2 requests of 32 + 2 tokens
 
 
+def _nz_off(run, engine, command):
+    layers = [m for m in run.model.modules() if getattr(m, "quant_method", None) is not None]
+    assert layers and not any(m.weight_nz for m in layers), "model_config.enable_weight_nz: false was not honoured"
+
+
+def _nz_on(run, engine, command):
+    layers = [m for m in run.model.modules() if getattr(m, "quant_method", None) is not None]
+    assert any(m.weight_nz for m in layers) and not any(m.weight_nz for m in layers if getattr(m, "router", False))
+
+
 ROWS = {
+    "enable_weight_nz false": ({"model_config.enable_weight_nz": False}, _nz_off),
+    "enable_weight_nz true": ({"model_config.enable_weight_nz": True}, _nz_on),
     "exe_mode": ({"model_config.exe_mode": "ge_graph"}, _graph),
     "enable_cache_compile": ({"model_config.exe_mode": "ge_graph", "model_config.enable_cache_compile": True},
                              _cache),

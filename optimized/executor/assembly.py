@@ -130,11 +130,15 @@ class Launch:
             timeout_s = collective_timeout_s(p.collective_timeout_s)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        from optimized import platform
+        settings = platform.PlatformSettings(m.platform, m.exe_mode)    # model_config.platform_version, here only
         try:  # a rank that never joins (it failed before) makes the rendezvous time out: named
             with named_collective_errors(timeout_s):
-                env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+                env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s), settings=settings)
         except CollectiveTimeoutError as e:
             raise UsageError(f"joining the job: {e}") from None
+        if env.world_size == 1:     # no process group: the settings are applied here
+            settings.apply()
         run = Assembly(self, env, timeout_s)
         try:
             with run.named_errors():
@@ -143,7 +147,7 @@ class Launch:
                 run.plan = ExecutionPlan.build(cfg, self.hf_config, batch=batch, prefill_tokens=prefill_tokens,
                                                kv_pool_blocks=kv_pool_blocks)
                 if env.rank == 0:
-                    print(run.plan.describe(), flush=True)
+                    print(f"{run.plan.describe()}\n  {settings.describe()}", flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env)
                 run.runner = self._runner(run.model)
@@ -168,7 +172,7 @@ class Launch:
             return load_model(self.model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
                               seed=self.cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers,
                               device=platform.device(env.local_rank), check_weights=self.check_weights,
-                              force_eplb=m.eplb)
+                              force_eplb=m.eplb, weight_nz=m.enable_weight_nz)
         except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint if not
             raise UsageError(str(e) if str(self.model_dir) in str(e) else f"checkpoint {self.model_dir}: {e}") from None
 
