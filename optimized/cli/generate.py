@@ -90,7 +90,7 @@ def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
     elif data.dataset == "LongBench":
         if tokenizer is None:
             raise UsageError("data_config.dataset LongBench needs the checkpoint's tokenizer, and it has none")
-        contexts = datasets.load_longbench(data.dataset_path, log=_say)
+        contexts = datasets.load_longbench(data.dataset_path, log=say)
         prompts = [datasets.longbench_prompt(tokenizer, contexts[i % len(contexts)], data.truncation,
                                              cfg.scheduler_config.max_new_tokens) for i in range(batch)]
     else:   # prompts, or default: its default_prompt.json when dataset_path is set

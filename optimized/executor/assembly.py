@@ -147,7 +147,7 @@ class Launch:
                 run.plan = ExecutionPlan.build(cfg, self.hf_config, batch=batch, prefill_tokens=prefill_tokens,
                                                kv_pool_blocks=kv_pool_blocks)
                 if env.rank == 0:
-                    print(f"{run.plan.describe()}\n  {settings.describe()}", flush=True)
+                    print(f"{run.plan.describe()}\n{settings.describe()}", flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env)
                 run.runner = self._runner(run.model)

@@ -199,7 +199,8 @@ class Engine:
         own = groups[self.dp_rank]
         if own:
             table = self.batch.table[span[0]:span[1]]
-            table = table[:, :max(math.ceil(len(r.prompt) / self.runner.block_size) for r in own)]
+            # the columns the prompts use, contiguous as the attention kernel takes it (a device copy)
+            table = table[:, :max(math.ceil(len(r.prompt) / self.runner.block_size) for r in own)].contiguous()
             ids, meta, indices = self.runner.prefill_inputs([r.prompt for r in own], table,
                                                             keep=[r.kept_prompt_positions for r in own])
         else:
@@ -219,7 +220,7 @@ class Engine:
         meta = ForwardMetadata(
             is_prefill=False, positions=b.positions[start:end], actual_seq_lengths_cu_q=list(range(1, end - start + 1)),
             actual_seq_lengths_kv=kv_lens, slot_mapping=b.slots(start, end, self.runner.block_size),
-            block_table=b.table[start:end, :width], block_size=self.runner.block_size,
+            block_table=b.table[start:end, :width].contiguous(), block_size=self.runner.block_size,
             dp=self._dp([len(g) or 1 for g in groups]))
         return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
 

@@ -95,8 +95,8 @@ class ExecutionPlan:
                   if self.mc2 else "no MC2 decode")
         return "\n".join([
             f"plan: batch {self.batch}{dp}",
-            f"  {self.prefill}",
-            f"  {self.decode}",
-            f"  {graph}; {window}",
-            f"  KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
+            self.prefill,
+            self.decode,
+            f"{graph}; {window}",
+            f"KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
             f"{' per DP group' if self.dp_groups > 1 else ''} (null block included)"])
