@@ -135,7 +135,7 @@ def attach(model: nn.Module, path, attn_tp_size: int) -> None:
             if not isinstance(linear.quant_method, MxFp4LinearMethod):
                 raise RotationError(f"layer {i}: the Hadamard rotation applies to W4A4 (MXFP4) attention linears; "
                                     f"this one runs {type(linear.quant_method).__name__}")
-            linear.register_buffer("input_rotation", t, persistent=False)
+            linear.input_rotation = t                      # a non-persistent buffer: not in the state dict
 
 
 def describe(scheme: str | None, path) -> str:

@@ -445,7 +445,7 @@ class MxFp4LinearMethod:
         layer.in_features_per_rank = in_features
         layer.output_dtype = dtype
         layer.runtime_layout = False
-        layer.input_rotation = None
+        layer.register_buffer("input_rotation", None, persistent=False)   # the Hadamard T, when loaded (hadamard.py)
 
     def load(self, layer, source, name: str, full_shape: tuple, index: tuple = (), rows: slice = slice(None)) -> None:
         n, k = full_shape
