@@ -21,8 +21,8 @@ import torch
 
 from equivalence.compare import assert_close, describe, rel_l2, tolerance
 from equivalence.dist import get_pool
-from equivalence.parallel_support import on_host, paged_cache, reference_model, runner_of, same_on_all_ranks, \
-    test_device
+from equivalence.parallel_support import on_host, paged_cache, reference_model, runner_of, same_on_all_ranks
+from equivalence.parallel_support import test_device as worker_device
 from equivalence.strategies import describe_layout, layout
 from equivalence.test_e2e_parallel import (_draw_forced, _reference_logits, assert_bf16_logits_match_replayed_reference,
                                            teacher_forced_run)
@@ -44,7 +44,7 @@ def rotated_logits_task(rank, world, path, lay, rotation_path, prompts, forced):
     """`teacher_forced_run` of the W4A4 checkpoint `path` with the rotation directory `rotation_path`."""
     from optimized.distributed import ParallelState
     from optimized.model_loader.build import load_model
-    model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.bfloat16, device=test_device(),
+    model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.bfloat16, device=worker_device(),
                        hadamard_weight_path=rotation_path)
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
     return on_host(teacher_forced_run(model, runner_of(model), prompts, forced, cache, table))
