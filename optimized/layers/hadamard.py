@@ -55,13 +55,14 @@ def check_directory(path) -> Path:
 
 
 def load_layer(path, layer_idx: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T_in, T_out) of decoder layer `layer_idx`, float32 [128, 128] on `device` (`torch.load`, weights_only)."""
+    """(T_in, T_out) of decoder layer `layer_idx`, float32 [128, 128] on `device`: read on the host
+    (`torch.load(map_location="cpu", weights_only=True)`, as the recipe reads it), checked, then copied over once."""
     file = layer_file(check_directory(path), layer_idx)
     if not file.is_file():
         raise RotationError(f"layer {layer_idx}: rotation file {file} not found (hadamard_weight_path needs "
                             f"layer_0_self_attn.pt .. layer_{{L-1}}_self_attn.pt, one per decoder layer)")
     try:
-        data = torch.load(file, map_location=device, weights_only=True)
+        data = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:   # a pickle with custom classes, a truncated or foreign file: one line, named
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RotationError(f"layer {layer_idx}: cannot load {file} as a plain mapping of tensors "
@@ -69,7 +70,7 @@ def load_layer(path, layer_idx: int, device=None) -> tuple[torch.Tensor, torch.T
     if not isinstance(data, dict):
         raise RotationError(f"layer {layer_idx}: {file} holds a {type(data).__name__}; a mapping with the keys "
                             f"{INPUT_KEY!r} and {OUTPUT_KEY!r} is expected")
-    return tuple(_matrix(data, key, layer_idx, file) for key in (INPUT_KEY, OUTPUT_KEY))
+    return tuple(_matrix(data, key, layer_idx, file).to(device) for key in (INPUT_KEY, OUTPUT_KEY))
 
 
 def _matrix(data: dict, key: str, layer_idx: int, file: Path) -> torch.Tensor:
