@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from equivalence.compare import assert_bitwise_equal, assert_close
-from equivalence.parallel_support import runner_of
+from equivalence.parallel_support import run_property, runner_of
 from fixtures.checkpoints import (ROTATION_KINDS, bf16_checkpoint, rotation_dir, rotation_matrix, w4a4_checkpoint)
 from optimized.layers import hadamard
 from reference.fake_quant import load_fake_quant_model
@@ -60,17 +60,17 @@ def test_rotation_cancels_in_float_algebra(kind, blocks, seed):
 
 # ------------------------------------------------------------------------------------ layers vs the oracle
 
-def linear_mismatches(model, ref, seed: int = 0) -> list[str]:
-    """Every layer's merged_qkv_proj / o_proj vs the reference's q|k|v / o on the same bf16 input: the layers whose
-    outputs differ in any bit (empty: all bitwise equal)."""
+def linear_mismatches(model, ref, seed: int = 0, rows: int = 9, scale: float = 1.0) -> list[str]:
+    """Every layer's merged_qkv_proj / o_proj vs the reference's q|k|v / o on the same bf16 input (`rows` tokens of
+    randn * scale): the layers whose outputs differ in any bit (empty: all bitwise equal)."""
     g = torch.Generator().manual_seed(seed)
     config = model.config
     bad = []
     with torch.no_grad():
         for i, (layer, ref_layer) in enumerate(zip(model.layers, ref.model.layers)):
             attn, r = layer.self_attn, ref_layer.self_attn
-            x = torch.randn(9, config.hidden_size, generator=g).bfloat16()
-            o_in = torch.randn(9, config.num_attention_heads * config.head_dim, generator=g).bfloat16()
+            x = (torch.randn(rows, config.hidden_size, generator=g) * scale).bfloat16()
+            o_in = (torch.randn(rows, config.num_attention_heads * config.head_dim, generator=g) * scale).bfloat16()
             want = torch.cat([r.q_proj(x), r.k_proj(x), r.v_proj(x)], dim=-1)
             for what, got, expected in (("merged_qkv_proj", attn.merged_qkv_proj(x), want),
                                         ("o_proj", attn.o_proj(o_in), r.o_proj(o_in))):
@@ -86,6 +86,16 @@ def linear_mismatches(model, ref, seed: int = 0) -> list[str]:
 def test_w4a4_attention_linears_equal_fake_quant_reference_bitwise(name, rotation):
     bad = linear_mismatches(optimized_model(name, rotation), fake_quant_reference(name, rotation))
     assert not bad, f"{name} rotation {rotation}: {bad}"
+
+
+def test_w4a4_attention_linears_are_bitwise_for_drawn_inputs():
+    """Drawn rotation kind, token count (1: the row the recipe duplicates on the NPU), input scale and seed."""
+    def check(kind, rows, log_scale, seed):
+        bad = linear_mismatches(optimized_model(NAME, kind), fake_quant_reference(NAME, kind), seed, rows,
+                                10.0 ** log_scale)
+        assert not bad, f"{kind} rows {rows} scale 1e{log_scale} seed {seed}: {bad}"
+    run_property(check, 20, kind=st.sampled_from(ROTATION_KINDS), rows=st.integers(1, 24),
+                 log_scale=st.integers(-4, 4), seed=st.integers(0, 2**16))
 
 
 def test_rotation_buffers_are_replicated_float32_and_not_in_the_state_dict():
