@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from equivalence.compare import assert_bitwise_equal, assert_close
+from equivalence.compare import assert_bitwise_equal, assert_close, describe, rel_l2, tolerance
 from equivalence.parallel_support import run_property, runner_of
 from fixtures.checkpoints import (ROTATION_KINDS, bf16_checkpoint, rotation_dir, rotation_matrix, w4a4_checkpoint)
 from optimized.layers import hadamard
@@ -174,3 +174,32 @@ def test_planted_converter_orientation_bug_is_caught(bug, tmp_path, monkeypatch)
                        hadamard_weight_path=rotation_dir("invertible"))
     bad = linear_mismatches(model, fake_quant_reference(NAME, "invertible"))
     assert len(bad) == 2 * len(model.layers), f"{bug}: only {bad} caught"
+
+
+def test_w4a4_dense_mlp_equals_fake_quant_reference_bitwise():
+    """A W4A4 conversion's dense MLP layers (tiny-dense: layers 0-2) run MXFP4 too and equal the oracle bitwise."""
+    model, ref = optimized_model("tiny-dense", None), fake_quant_reference("tiny-dense", None)
+    x = torch.randn(13, model.config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with torch.no_grad():
+        for i in range(3):
+            assert_bitwise_equal(model.layers[i].mlp(x), ref.model.layers[i].mlp(x), f"dense layer {i}")
+
+
+@pytest.mark.parametrize("name,layers", [("tiny-h128", (0, 1)), ("tiny-h256", (0, 1)), ("tiny-dense", (3,))])
+def test_w4a4_moe_block_equals_fake_quant_reference(name, layers):
+    """The W4A4 experts vs the oracle replaying the optimized expert ids, within `layer.w4a4.bfloat16`, and at least
+    `min_separation` times closer to it than to the BF16 reference replaying the same ids."""
+    from equivalence.parallel_support import reference_model
+    model, ref, plain = optimized_model(name, None), fake_quant_reference(name, None), reference_model(name, "bfloat16")
+    tol = tolerance("layer.w4a4.bfloat16")
+    for seed in range(3):
+        x = (torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)) * 4).bfloat16()
+        for i in layers:
+            with torch.no_grad():
+                block = model.layers[i].mlp
+                ids = block.route(x)[1].long()
+                got, want = block(x), ref.model.layers[i].mlp(x, expert_ids=ids)
+                unquantized = plain.model.layers[i].mlp(x, expert_ids=ids)
+            what = f"{name} layer {i} seed {seed}: {describe(got, want)}; BF16 rel_l2 {rel_l2(got, unquantized):.3e}"
+            assert_close(got, want, tol, what)
+            assert rel_l2(got, want) * tol.min_separation < rel_l2(got, unquantized), what
