@@ -633,12 +633,7 @@ class InferenceConfig:
             div("moe_tp_size", "intermediate_size", p.moe_tp_size,
                 " (the dense MLP layers are sharded over the moe_tp group)")
         if m.enable_hadamard is True:   # every rotated width a multiple of 128 (spec a4w4_hadamard.md §4.2)
-            from optimized.layers.quantization import W4A4, QuantConfigError, quant_scheme   # (imports torch)
-            try:
-                w4a4 = quant_scheme(hf_config) == W4A4
-            except QuantConfigError:     # the loader names a bad quantization_config
-                w4a4 = False
-            if w4a4:
+            if mx_activation_bits(hf_config) == 4:       # a W4A4 checkpoint (else the rotation is ignored)
                 width = hf_config.num_attention_heads // p.attn_tp_size * head_dim_of(hf_config)
                 for what, value in (("hidden_size", hf_config.hidden_size),
                                     (f"num_attention_heads / attn_tp_size * head_dim ({hf_config.num_attention_heads} "
@@ -686,6 +681,15 @@ def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
     """Indices of decoder layers with a dense MLP."""
     n = num_layers if num_layers is not None else hf_config.num_hidden_layers
     return [i for i in range(n) if not is_sparse_layer(hf_config, i)]
+
+
+def mx_activation_bits(hf_config) -> int | None:
+    """The activation bits of the checkpoint's MX `quantization_config` (4: W4A4, 8: W4A8 / W8A8), None without one
+    or when its groups disagree; read from the dict (the loader, optimized/layers/quantization.py, validates it)."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    groups = (qc if isinstance(qc, dict) else qc.to_dict()).get("config_groups") or {}
+    bits = {(g.get("input_activations") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
+    return bits.pop() if len(bits) == 1 else None
 
 
 def head_dim_of(hf_config) -> int:

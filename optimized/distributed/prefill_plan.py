@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimized.config import ParallelConfig
+from optimized.config import ParallelConfig, mx_activation_bits
 
 INDEX_BYTES = 4      # int32 expert ids
 WEIGHT_BYTES = 4     # float32 routing weights
@@ -102,22 +102,13 @@ def ep_comm_volumes(hf_config, parallel: ParallelConfig, num_tokens: int, act_by
             "alltoall": alltoall_volume(n, h, k, ep, e, act_bytes, mx=mx)}
 
 
-def _mx_activation_bits(hf_config) -> int | None:
-    """The activation bits of the checkpoint's MX quantization_config (4: W4A4, whose prefill is never sequence
-    parallel: optimized/phases.py `sp_prefill`), None without one; read from the dict, as this floor sees no layers."""
-    qc = getattr(hf_config, "quantization_config", None) or {}
-    groups = (qc if isinstance(qc, dict) else qc.to_dict()).get("config_groups") or {}
-    bits = {(g.get("input_activations") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
-    return bits.pop() if len(bits) == 1 else None
-
-
 def describe(hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: int, mx: bool = False) -> str:
     """One line for the start of a run: the prefill path, the MoE EP scheme and both schemes' volumes."""
     if parallel.attn_dp_size > 1:
         return (f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
                 f"{parallel.attn_tp_size}: each group prefills its own requests, all-gather before QKV, reduce-scatter "
                 f"after o_proj), MoE EP {parallel.moe_ep_size} by double routing (alltoall) of each rank's tokens")
-    if not parallel.sp_prefill or _mx_activation_bits(hf_config) == 4:
+    if not parallel.sp_prefill or mx_activation_bits(hf_config) == 4:
         why = "W4A4 checkpoint: the recipe's prefill_opt excludes it" if parallel.sp_prefill else \
             f"prefill_opt {parallel.prefill_opt}"
         return (f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); "

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from optimized.config import head_dim_of
 from optimized.errors import CheckpointError
 
 SIZE = 128                                              # the recipe's hard-coded block; independent of head_dim
@@ -101,7 +102,6 @@ def check_width(width: int, what: str) -> None:
 
 def check_widths(config, attn_tp_size: int) -> None:
     """hidden_size (q/k/v input) and this rank's attention width (o_proj input) are multiples of 128 (spec §4.2)."""
-    from optimized.config import head_dim_of
     check_width(config.hidden_size, "hidden_size (the q/k/v input)")
     heads, d = config.num_attention_heads, head_dim_of(config)
     check_width(heads // attn_tp_size * d, f"num_attention_heads / attn_tp_size * head_dim ({heads} / {attn_tp_size} "
@@ -124,7 +124,6 @@ def weight_rotation(t: torch.Tensor) -> torch.Tensor:
 def attach(model: nn.Module, path, attn_tp_size: int) -> None:
     """Loads every decoder layer's (T_in, T_out) from `path` onto its merged_qkv_proj / o_proj (and the SP prefill's
     replicated o_proj) as the non-persistent buffer `input_rotation`, on the layer's device."""
-    from optimized.layers.quantization import MxFp4LinearMethod
     check_directory(path)
     check_widths(model.config, attn_tp_size)
     for i, layer in enumerate(model.layers):
@@ -133,7 +132,7 @@ def attach(model: nn.Module, path, attn_tp_size: int) -> None:
         for linear, t in ((attn.merged_qkv_proj, t_in), (attn.o_proj, t_out), (attn.o_proj_replicated, t_out)):
             if linear is None:
                 continue
-            if not isinstance(linear.quant_method, MxFp4LinearMethod):
+            if "input_rotation" not in linear._buffers:        # only MxFp4LinearMethod gives a linear the slot
                 raise RotationError(f"layer {i}: the Hadamard rotation applies to W4A4 (MXFP4) attention linears; "
                                     f"this one runs {type(linear.quant_method).__name__}")
             linear.input_rotation = t                      # a non-persistent buffer: not in the state dict

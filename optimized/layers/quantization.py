@@ -32,6 +32,7 @@ from torch import nn
 
 from optimized.config import KV_CACHE_DTYPES
 from optimized.errors import CheckpointError
+from optimized.layers.hadamard import rotate
 from optimized.ops import cpu_gemm, mx_format as mxf
 
 W4A8 = "w4a8"
@@ -474,7 +475,6 @@ class MxFp4LinearMethod:
         _check_processed(layer)
         _no_mxfp8_rows(x, "a W4A4 linear (it rotates and quantizes its own input to MXFP4)")
         if layer.input_rotation is not None:
-            from optimized.layers.hadamard import rotate
             x = rotate(x, layer.input_rotation)                                   # bf16(fp32(x) @ B(T))
         x2 = x.reshape(-1, x.shape[-1])                                           # [M, K]
         xq, xs = fp4_quant(x2)                                                    # [M, K/2] uint8, [M, K/64, 2]
