@@ -165,7 +165,7 @@ def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
 def _expect_same(got, want, path: str) -> None:
     def fail(what: str):
         raise QuantConfigError(f"config.json {path}{what}; this model runs the quantization_config the recipe's "
-                               f"converter (and `python -m optimized convert --quant w4a8|w8a8`) writes")
+                               f"converter (and `python -m optimized convert --quant w4a8|w8a8|w4a4`) writes")
     if isinstance(want, dict):
         if not isinstance(got, dict):
             fail(f"={got!r} must be an object")
