@@ -68,6 +68,15 @@ def test_converter_names_each_bad_directory_exit_2(tmp_path, capsys):
         assert not (tmp_path / f"out{i}").exists() or not any((tmp_path / f"out{i}").iterdir()), case
 
 
+def test_converter_names_a_singular_matrix(tmp_path, capsys):
+    rot = write_rotation_dir(tmp_path / "rot", "orthogonal", 2)
+    torch.save({ROTATION_INPUT_KEY: torch.eye(128), ROTATION_OUTPUT_KEY: torch.zeros(128, 128)},
+               rot / "layer_1_self_attn.pt")
+    err = run_error(["convert", "--quant", "w4a4", "--hadamard-weight-path", str(rot), "--no-progress",
+                     str(bf16_checkpoint("tiny-h128")), str(tmp_path / "out")], capsys)
+    assert "layer 1" in err and ROTATION_OUTPUT_KEY in err and "not invertible" in err, err
+
+
 def test_width_not_a_multiple_of_128_is_refused_with_the_numbers(tmp_path, capsys):
     # tiny: hidden 64 (the converter and the runtime); tiny-h128 at attention TP 4: 8 / 4 * 32 = 64 per rank
     err = run_error(["convert", "--quant", "w4a4", "--hadamard-weight-path", str(rotation_dir("identity")),

@@ -180,8 +180,13 @@ class _Rotations:
             return None
         from optimized.layers import hadamard
         if layer not in self.cache:
-            t_in, t_out = hadamard.load_layer(self.path, layer)
-            self.cache[layer] = (hadamard.weight_rotation(t_in), hadamard.weight_rotation(t_out))
+            pair = hadamard.load_layer(self.path, layer)
+            for t, key in zip(pair, (hadamard.INPUT_KEY, hadamard.OUTPUT_KEY)):
+                inverse, info = torch.linalg.inv_ex(t)
+                if info or not torch.isfinite(inverse).all():
+                    raise hadamard.RotationError(f"layer {layer}: {hadamard.layer_file(self.path, layer)} key {key!r} "
+                                                 f"is not invertible (the weights are rotated by its inverse)")
+            self.cache[layer] = tuple(hadamard.weight_rotation(t) for t in pair)
         return self.cache[layer][1 if proj == "o" else 0]
 
     def apply(self, name: str, w: torch.Tensor) -> torch.Tensor:
