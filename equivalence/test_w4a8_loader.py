@@ -181,7 +181,7 @@ def test_unsupported_quantization_config_names_the_key(w4a8_copy):
 
 
 def test_w4a8_checkpoint_in_float32_is_an_error():
-    with pytest.raises(QuantConfigError, match="W4A8 / W8A8 / W4A4 checkpoints run with bfloat16 or float16 activations"):
+    with pytest.raises(QuantConfigError, match="W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations"):
         load_model(w4a8_checkpoint("tiny"), dtype=torch.float32)
 
 

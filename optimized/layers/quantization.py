@@ -216,8 +216,9 @@ def _expect_float(source, name: str, tensor: torch.Tensor) -> None:
 
 def _check_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
-        raise QuantConfigError(f"W4A8 / W8A8 / W4A4 checkpoints run with bfloat16 or float16 activations (the MX matmuls "
-                               f"write no float32, the fused SwiGLU + MX quantization takes none); got dtype {dtype}")
+        raise QuantConfigError(f"W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations, W4A4 ones too (the "
+                               f"MX matmuls write no float32, the fused SwiGLU + MX quantization takes none); got dtype "
+                               f"{dtype}")
 
 
 def even_blocks(k: int) -> int:
