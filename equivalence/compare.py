@@ -145,6 +145,39 @@ TOLERANCES: dict[str, Tolerance] = {
             "K/V: |err| <= 2^-4 * max|v| (~4 for randn) plus the softmax shift from K's rounding; measured over "
             "1200 paged decode cases max_abs 0.109; no rel-L2 bound: averaged outputs can be near 0 (seen 8.6e-2)",
     ),
+    "op.rotation.float32": Tolerance(
+        atol=5e-4, rtol=1e-4, max_rel_l2=1e-5,
+        why="the Hadamard rotation's algebra in fp32 (equivalence/test_w4a4_rotation.py): (x B(T)) (W B(T^-1)^T)^T "
+            "vs x W^T in float64, randn x [5, K], W [7, K], K 128-384, 60 seeds per kind: max_abs 1.4e-5 "
+            "(identity), 1.4e-4 (orthogonal), 1.2e-4 (invertible, condition <= 4), rel_l2 <= 2.6e-6; three fp32 "
+            "products of K terms (outputs ~sqrt(K) = 20, so op.float32's atol 1e-5 is below one fp32 ulp-sum); a "
+            "wrong orientation gives rel_l2 ~1",
+    ),
+    "layer.w4a4.bfloat16": Tolerance(
+        atol=0.25, rtol=2e-2, max_rel_l2=1e-2, min_separation=10,
+        why="optimized W4A4 MoE block (FP4 x FP4 grouped matmuls, npu_swiglu, FP4 re-quantization) vs the fake-quant "
+            "W4A4 reference replaying its expert ids (equivalence/test_w4a4_rotation.py), randn*4 inputs of 37 tokens, "
+            "8 seeds on tiny-h128 / tiny-h256 (2 layers) and tiny-dense (1 sparse layer): each expert's output is "
+            "bitwise equal (same operands, fp32 accumulation, one rounding); the rest is the bf16 weighting and sum "
+            "(layer.bfloat16) on outputs up to |171|: rel_l2 <= 3.9e-3, max_abs 1.0, at most 0.18 beyond 2% rel; the "
+            "BF16 reference replaying the same ids is >= 70x farther; required: 10x",
+    ),
+    "model.w4a4.bfloat16": Tolerance(
+        atol=4.0, rtol=5e-2, max_rel_l2=0.35, min_separation=1.4,
+        why="optimized W4A4 model with the learned Hadamard rotation (equivalence/test_w4a4_model.py: tiny-h128 / "
+            "tiny-h256 in bf16, orthogonal and invertible rotations, attention TP 1/2/4, EP = world) vs the fake-quant "
+            "W4A4 reference with the same rotations replaying its routing, 2 prompts + 2 decode steps, 4 cases: "
+            "rel_l2 0.215-0.302, max_abs 1.20-2.44 (logits up to ~10); attention TP 2 / 4 vs TP 1 on their own "
+            "routing (sharding invariance, 3 comparisons x 3 steps): rel_l2 0.105-0.246, max_abs <= 3.17; the recipe's "
+            "mxfp4_hadamard layout (test_w4a4_recipe: world 4, attn_tp 4, EP 4, MC2 decode): rel_l2 0.280, max_abs 2.25. "
+            "This wide because every attention linear and expert is bitwise equal to the oracle's (test_w4a4_rotation "
+            "checks each layer bitwise), while the unquantized bf16 paths (fused norms, fp32-internal attention: "
+            "model.parallel.bfloat16, 2.4e-2) differ by ulps, which MXFP4 activations (1 mantissa bit, 4 points per "
+            "layer) re-round to a neighbouring FP4 code: about 3x the E4M3 amplification of model.w4a8.bfloat16. "
+            "The discriminating bounds are rel_l2 and min_separation: the BF16 reference replaying the same routing "
+            "is 1.60-1.81x farther (rel_l2 0.368-0.543), 1.4 required; a model whose rotation is missing or "
+            "mis-oriented on either side computes garbage (rel_l2 ~1), and the identity rotation is bitwise",
+    ),
     # --- W4A8 (MXFP4 experts, MXFP8 attention; equivalence/test_e2e_w4a8.py) ---
     "layer.w4a8.bfloat16": Tolerance(
         atol=0.0625, rtol=2e-2, max_rel_l2=1.5e-2, min_separation=10,

@@ -7,7 +7,9 @@ through `ModelRunner.generate` (prefill and greedy decode), single process in fp
 the per-token FP8 KV cache, the sequence-parallel prefill over 2 gloo ranks (both EP schemes, bf16, W4A8, W8A8,
 W4A8 + FP8 KV; MC2 decode), and attention DP over 4 (attention TP 2 x DP 2, MoE EP 4: double-routing prefill, MC2
 decode; bf16, W4A8 + FP8 KV, W8A8), and the SP and DP bf16 runs again on `tiny-h1024`, whose hidden size the
-NPU's MC2 kernels take. Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
+NPU's MC2 kernels take; W4A4 (MXFP4 attention and experts) single process on `tiny-h128` and in the recipe's
+mxfp4_hadamard layout over 4 ranks on `tiny-h256` (attention TP 4, MoE EP 4: TP prefill, MC2 decode). The Hadamard
+rotation is plain torch arithmetic (no `torch.ops.npu` call), so the W4A4 runs record the unrotated conversion. Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
 `equivalence/spec/recorded_npu_calls.json`; regenerate it after a change to what the model calls with
 
     PYTHONPATH=. python -m equivalence.record_npu_calls
@@ -42,6 +44,8 @@ class Configuration:
     w8a8: bool = False          # the W8A8 conversion (MXFP8 experts) instead of w4a8 / bf16
     attn_dp: bool = False       # attention TP world/2 x DP 2, MoE EP over the world (MC2 decode, double routing)
     kv_cache: str = "bf16"      # "fp8": the checkpoint's per-token FP8 KV cache scheme (quantized checkpoints)
+    w4a4: bool = False          # the W4A4 conversion (MXFP4 attention and experts, MXFP4 activations)
+    attn_tp: int = 0            # > 0: attention TP of this size with the TP prefill (the recipe's mxfp4_hadamard)
 
     def __post_init__(self):
         if self.kv_cache != "bf16" and not (self.w4a8 or self.w8a8):
@@ -53,10 +57,14 @@ class Configuration:
         from equivalence.strategies import layout, sp_layout
         if self.attn_dp:
             return layout(self.world, attn_tp_size=self.world // 2, attn_dp=True)
+        if self.attn_tp:
+            return layout(self.world, attn_tp_size=self.attn_tp)
         return layout(1) if self.scheme is None else sp_layout(self.world, self.scheme)
 
     def checkpoint(self) -> Path:
-        from fixtures.checkpoints import checkpoint, w4a8_checkpoint, w8a8_checkpoint
+        from fixtures.checkpoints import checkpoint, w4a4_checkpoint, w4a8_checkpoint, w8a8_checkpoint
+        if self.w4a4:
+            return w4a4_checkpoint(self.fixture)
         if self.w4a8 or self.w8a8:
             return (w8a8_checkpoint if self.w8a8 else w4a8_checkpoint)(self.fixture, kv_cache=self.kv_cache)
         return checkpoint(self.fixture)
@@ -79,6 +87,9 @@ CONFIGURATIONS = (
     # hidden 1024: within the A3 MC2 kernels' 1024 <= H <= 8192, so an NPU can replay these MC2 calls
     Configuration("sp2-alltoall-bfloat16-h1024", 2, "tiny-h1024", False, "bfloat16", "alltoall"),
     Configuration("dp-tp2x2-ep4-bfloat16-h1024", 4, "tiny-h1024", False, "bfloat16", attn_dp=True),
+    # W4A4 (MXFP4 x MXFP4 npu_quant_matmul, A4W4 npu_grouped_matmul, npu_swiglu); widths multiples of 128
+    Configuration("tp1-w4a4", 1, "tiny-h128", False, "bfloat16", w4a4=True),
+    Configuration("recipe-tp4-ep4-w4a4", 4, "tiny-h256", False, "bfloat16", w4a4=True, attn_tp=4),
 )
 SINGLE_PROCESS = tuple(c for c in CONFIGURATIONS if c.world == 1)
 

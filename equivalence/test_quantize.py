@@ -294,8 +294,8 @@ def test_converted_w8a8_checkpoint_quantizes_every_linear_to_mxfp8(tmp_path, sha
 
 
 def test_converter_rejects_an_unknown_quant_naming_the_allowed_values(tmp_path):
-    with pytest.raises(ConversionError, match=r"--quant 'w4a4' is not supported; supported: w4a8, w8a8"):
-        convert_checkpoint(checkpoint("tiny"), tmp_path / "x", "w4a4", progress=False)
+    with pytest.raises(ConversionError, match=r"--quant 'w2a2' is not supported; supported: w4a8, w8a8, w4a4"):
+        convert_checkpoint(checkpoint("tiny"), tmp_path / "x", "w2a2", progress=False)
     assert not (tmp_path / "x").exists()
 
 

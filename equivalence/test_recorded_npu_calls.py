@@ -70,7 +70,7 @@ def test_build_time_operator_check_requires_exactly_the_recorded_operators(confi
     recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
     mc2 = uses_mc2_decode(ParallelConfig(**config.layout()))
     checked = required_operators(w4a8=config.w4a8, w8a8=config.w8a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
-                                 mc2_decode=mc2, dp_prefill=bool(config.attn_dp)) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
+                                 mc2_decode=mc2, dp_prefill=bool(config.attn_dp), w4a4=config.w4a4) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
     assert checked == recorded, f"checked, not called: {sorted(checked - recorded)}; " \
                                 f"called, not checked: {sorted(recorded - checked)}"
 

@@ -175,8 +175,8 @@ def test_unsupported_quantization_config_names_the_key(w4a8_copy):
     config = json.loads((w4a8_copy / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     (w4a8_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantConfigError, match=r"quantization_config\.config_groups \(weight bits per target; w4a8: .*, w8a8: .*\)="
-                                               r"\{'Linear': 4, 'MoEGMM': 4\} is not supported"):
+    with pytest.raises(QuantConfigError, match=r"quantization_config\.config_groups \(\(weight, activation\) bits per target; w4a8: .*, w8a8: .*\)="
+                                               r"\{'Linear': \(4, 8\), 'MoEGMM': \(4, 8\)\} is not supported"):
         load_model(w4a8_copy)
 
 

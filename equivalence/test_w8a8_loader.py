@@ -98,5 +98,5 @@ def test_w8a8_config_with_an_8_bit_moe_group_is_an_error_naming_the_key(w8a8_cop
     groups = config["quantization_config"]["config_groups"]
     groups["group_1"] = dict(groups["group_0"], targets=["MoEGMM"])
     (w8a8_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantConfigError, match=r"config_groups \(weight bits per target.*\{'Linear': 8, 'MoEGMM': 8\}"):
+    with pytest.raises(QuantConfigError, match=r"config_groups \(\(weight, activation\) bits per target.*\{'Linear': \(8, 8\), 'MoEGMM': \(8, 8\)\}"):
         load_model(w8a8_copy, dtype=torch.bfloat16)

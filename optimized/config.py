@@ -201,11 +201,16 @@ class ModelConfig:
     force_eplb: bool | None = None       # the recipe's forced balanced routing (benchmarks); null: not given (false)
     enable_static_kernel: bool = False   # npugraph_ex static kernels: refused when true
     enable_weight_nz: bool = True        # every linear, expert and MX weight cast once to FRACTAL_NZ after loading
-    enable_hadamard: bool = False        # W4A4 Hadamard rotation: refused when true
-    hadamard_weight_path: str = ""
+    enable_hadamard: bool = False        # W4A4 checkpoints: the learned Hadamard rotation of hadamard_weight_path
+    hadamard_weight_path: str = ""       # its directory of layer_{i}_self_attn.pt (optimized/layers/hadamard.py)
     custom_params: dict = field(default_factory=dict)   # model-specific switches: none are defined for Qwen3-MoE
     enable_online_split_weight: bool = True   # older recipe files: each rank splits the HF checkpoint as it loads
     perfect_eplb: bool | None = None          # older recipe files' name of force_eplb (both given: must agree)
+
+    @property
+    def hadamard(self) -> str | None:
+        """load_model's hadamard_weight_path: the rotation directory with enable_hadamard, else None."""
+        return self.hadamard_weight_path if self.enable_hadamard is True else None
 
     @property
     def platform(self) -> str:
@@ -277,13 +282,12 @@ class ModelConfig:
                                  f"or the same value")
         if self.enable_static_kernel is True:
             c.fail("enable_static_kernel", "static kernels of npugraph_ex are not implemented; set it false")
-        if self.enable_hadamard is True:
-            c.fail("enable_hadamard", "the W4A4 Hadamard-rotated checkpoints are not implemented: their rotation "
-                                      "parameters (hadamard_weight_path) are outside the operator spec this build "
-                                      "follows (W4A8 / W8A8 are implemented: `python -m optimized convert`); set it "
-                                      "false")
-        elif isinstance(self.hadamard_weight_path, str) and self.hadamard_weight_path:
-            c.fail("hadamard_weight_path", "is only read with enable_hadamard: true (which is not implemented)")
+        if self.enable_hadamard is True and self.hadamard_weight_path == "":
+            c.fail("hadamard_weight_path", "is empty, but enable_hadamard is true: give the directory of the "
+                                           "layer_{i}_self_attn.pt rotation files")
+        elif self.enable_hadamard is not True and isinstance(self.hadamard_weight_path, str) \
+                and self.hadamard_weight_path:
+            c.fail("hadamard_weight_path", "is only read with enable_hadamard: true; set that, or remove the path")
         if self.enable_online_split_weight is False:
             c.fail("enable_online_split_weight", "false means checkpoints split offline per rank, which is not "
                                                  "implemented: every rank reads its shard of the HF checkpoint")
@@ -628,6 +632,16 @@ class InferenceConfig:
         if dense_layers(hf_config, n_layers):
             div("moe_tp_size", "intermediate_size", p.moe_tp_size,
                 " (the dense MLP layers are sharded over the moe_tp group)")
+        if m.enable_hadamard is True:   # every rotated width a multiple of 128 (spec a4w4_hadamard.md §4.2)
+            if mx_activation_bits(hf_config) == 4:       # a W4A4 checkpoint (else the rotation is ignored)
+                width = hf_config.num_attention_heads // p.attn_tp_size * head_dim_of(hf_config)
+                for what, value in (("hidden_size", hf_config.hidden_size),
+                                    (f"num_attention_heads / attn_tp_size * head_dim ({hf_config.num_attention_heads} "
+                                     f"/ {p.attn_tp_size} * {head_dim_of(hf_config)})", width)):
+                    if value % 128:
+                        errors.append((f"{mc}.enable_hadamard",
+                                       f"the rotation acts on 128-feature blocks: {what} = {value} is not a multiple "
+                                       f"of 128"))
         if m.eplb:
             batch = self.scheduler_config.batch_size
             if m.exe_mode in GRAPH_MODES:   # graph decode pads the batch to its bucket
@@ -667,6 +681,15 @@ def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
     """Indices of decoder layers with a dense MLP."""
     n = num_layers if num_layers is not None else hf_config.num_hidden_layers
     return [i for i in range(n) if not is_sparse_layer(hf_config, i)]
+
+
+def mx_activation_bits(hf_config) -> int | None:
+    """The activation bits of the checkpoint's MX `quantization_config` (4: W4A4, 8: W4A8 / W8A8), None without one
+    or when its groups disagree; read from the dict (the loader, optimized/layers/quantization.py, validates it)."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    groups = (qc if isinstance(qc, dict) else qc.to_dict()).get("config_groups") or {}
+    bits = {(g.get("input_activations") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
+    return bits.pop() if len(bits) == 1 else None
 
 
 def head_dim_of(hf_config) -> int:

@@ -49,8 +49,8 @@ from optimized.distributed.decode_plan import uses_mc2_decode
 from optimized.distributed.prefill_plan import choose_ep_scheme
 from optimized.layers.exchange import build_exchange
 from optimized.layers.force_eplb import EP_SPLIT, JOB, OWN, EplbRows
-from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A8, MxRows, map_rows, mx_quant, num_rows, \
-    quant_scheme
+from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A4, W4A8, MxRows, QuantConfigError, map_rows, \
+    mx_quant, num_rows, quant_scheme
 from optimized.ops import mx_format as mxf
 
 
@@ -289,6 +289,17 @@ def uses_mx_prefill(config, parallel) -> bool:
     return True
 
 
+def sp_prefill(config, parallel) -> bool:
+    """Whether prefill runs sequence parallel: prefill_opt (or its default), never for a W4A4 checkpoint, as the
+    recipe's prefill_opt requires mm_quant_mode != w4a4mxfloat4 (spec a4w4_hadamard.md §1.4)."""
+    if quant_scheme(config) != W4A4:
+        return parallel.sp_prefill
+    if parallel.prefill_opt:
+        raise QuantConfigError("parallel_config.prefill_opt: true is not supported with a W4A4 checkpoint (the "
+                               "recipe's sequence-parallel prefill excludes W4A4); set it false or null")
+    return False
+
+
 def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPhase]:
     """(prefill, decode) for this layout and checkpoint, chosen once."""
     if groups.parallel.attn_dp_size > 1:
@@ -302,7 +313,7 @@ def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPha
     # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
     mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
     decode = TensorParallelPhase(TensorParallelStep(mc2, decode=True))
-    if not groups.parallel.sp_prefill:
+    if not sp_prefill(config, groups.parallel):
         return TensorParallelPhase(), decode
     scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
     exchange = build_exchange(scheme, config, groups)

@@ -21,11 +21,17 @@ same tensors (the normed hidden state before the QKV gather, the attention outpu
 expert input before the EP exchange), so it needs no further point here.
 Norms, router, embeddings and lm_head stay unquantized. Dense MLP layers (none in released Qwen3-MoE) are
 MXFP8 like attention.
+W4A4 (the converter's `w4a4c16`, spec a4w4_hadamard.md §3): q/k/v/o and expert weights MXFP4 E2M1, and every one
+of their inputs MXFP4 E2M1 at run time (scale exponent floor(log2 amax) - 2, half to even, saturated at 6, tiny
+blocks zero). With the learned Hadamard rotation (§2): each layer's file `layer_{i}_self_attn.pt` holds T_in (q/k/v)
+and T_out (o); the input of those linears is rotated online, x -> round(fp32(x) @ T) per 128 features, and their
+weights offline before quantization, W -> round_to_source_dtype(fp32(W) @ inverse(T)^T) per 128 in-features.
 
     from reference.fake_quant import fake_quantize, load_fake_quant_model
     fake_quantize(model)        # in place; the model then computes what a W4A8 checkpoint computes ("w8a8": W8A8)
     model = load_fake_quant_model(path, torch.bfloat16)   # quantizes the checkpoint's own values, then casts
     fake_quantize_kv_cache(model)  # and the per-token FP8 KV cache (needs use_cache: what later steps read)
+    model = load_fake_quant_model(path, torch.bfloat16, scheme="w4a4", hadamard_weight_path=DIR)  # W4A4, rotated
 """
 from __future__ import annotations
 
@@ -102,17 +108,18 @@ def quantize_weight(w: torch.Tensor, fmt: ElementFormat) -> MXTensor:
     return MXTensor(q.flatten(-2)[..., :w.shape[-1]], (shared + 127).to(torch.uint8))
 
 
-def quantize_activation(x: torch.Tensor) -> MXTensor:
-    """Run-time MXFP8 E4M3 quantization (§3.1 scale_alg 0, round half to even, §4.4 non-finite blocks)."""
+def quantize_activation(x: torch.Tensor, fmt: ElementFormat = E4M3) -> MXTensor:
+    """Run-time MX quantization, MXFP8 E4M3 or MXFP4 E2M1 (§3.1 scale_alg 0, round half to even, §4.4 non-finite
+    blocks)."""
     b = _blocks(x)
     amax = b.abs().amax(-1)
     finite = torch.isfinite(b).all(-1)
     exponent = torch.where(amax > 0, _floor_log2(torch.where(finite, amax, 1.0)), torch.full_like(amax, -1000.0))
-    byte = (exponent + 127 - E4M3.emax).clamp(0, 254)             # fp32-exponent of amax minus emax, >= 0
+    byte = (exponent + 127 - fmt.emax).clamp(0, 254)              # fp32-exponent of amax minus emax, >= 0
     byte = torch.where(finite, byte, torch.full_like(byte, 255))
     flush = (byte == 0) | (byte == 255)                           # tiny blocks -> signed zeros; NaN blocks -> 0
     scaled = torch.where(finite[..., None], b, 0.0) / torch.exp2(byte - 127)[..., None]
-    q = round_to_grid(scaled, E4M3, ties="even")
+    q = round_to_grid(scaled, fmt, ties="even")
     q = torch.where(flush[..., None], q * 0.0, q)
     return MXTensor(q.flatten(-2)[..., :x.shape[-1]], byte.to(torch.uint8))
 
@@ -121,52 +128,90 @@ def fake_quant_weight(w: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     return quantize_weight(w, fmt).dequantize(w.dtype)
 
 
-def fake_quant_activation(x: torch.Tensor) -> torch.Tensor:
-    return quantize_activation(x).dequantize(x.dtype)
+def fake_quant_activation(x: torch.Tensor, fmt: ElementFormat = E4M3) -> torch.Tensor:
+    return quantize_activation(x, fmt).dequantize(x.dtype)
+
+
+ROTATION = 128   # the rotation's block: 128 consecutive features of a linear's input (not a head)
+
+
+def rotate(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times t [128, 128] on every 128-feature block, in float32, rounded back to x's dtype."""
+    if x.shape[-1] % ROTATION:
+        raise ValueError(f"the rotation needs a multiple of {ROTATION} features, got {x.shape[-1]}")
+    return (x.float().reshape(-1, ROTATION) @ t.float()).reshape(x.shape).to(x.dtype)
 
 
 class FakeQuantLinear(nn.Module):
-    """y = MXFP8(x) @ MX(W)^T, both operands quantize-dequantized (exact in bf16 and fp32)."""
+    """y = MX(x) @ MX(W)^T, both operands quantize-dequantized (exact in bf16 and fp32); activations MXFP8 (`act`
+    E4M3) or MXFP4 (E2M1). With `rotation` T: x is rotated first, and W (stored as `source_dtype`) was rotated by
+    inverse(T)^T and rounded to that dtype before its quantization, as the converter does."""
 
-    def __init__(self, linear: nn.Linear, fmt: ElementFormat):
+    def __init__(self, linear: nn.Linear, fmt: ElementFormat, act: ElementFormat = E4M3,
+                 rotation: torch.Tensor | None = None, source_dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(fake_quant_weight(linear.weight.detach(), fmt), requires_grad=False)
+        w = linear.weight.detach()
+        if rotation is not None:
+            w = rotate(w.to(source_dtype or w.dtype), torch.linalg.inv(rotation.float()).T).to(w.dtype)
+        self.weight = nn.Parameter(fake_quant_weight(w, fmt), requires_grad=False)
+        self.act = act
+        self.rotation = rotation   # a plain attribute: stays float32 when the model is cast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(fake_quant_activation(x), self.weight)
+        if self.rotation is not None:
+            x = rotate(x, self.rotation)
+        return F.linear(fake_quant_activation(x, self.act), self.weight)
 
 
 class FakeQuantMLP(nn.Module):
     """SwiGLU with quantized linears; the product silu(gate) * up is formed in fp32 and rounded once to the
     activation dtype before down_proj quantizes it (the W4A8 path's fused SwiGLU + MX quantization, §6.4)."""
 
-    def __init__(self, mlp: nn.Module, fmt: ElementFormat):
+    def __init__(self, mlp: nn.Module, fmt: ElementFormat, act: ElementFormat = E4M3):
         super().__init__()
-        self.gate_proj = FakeQuantLinear(mlp.gate_proj, fmt)
-        self.up_proj = FakeQuantLinear(mlp.up_proj, fmt)
-        self.down_proj = FakeQuantLinear(mlp.down_proj, fmt)
+        self.gate_proj = FakeQuantLinear(mlp.gate_proj, fmt, act)
+        self.up_proj = FakeQuantLinear(mlp.up_proj, fmt, act)
+        self.down_proj = FakeQuantLinear(mlp.down_proj, fmt, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
         return self.down_proj(product.to(x.dtype))
 
 
-SCHEMES = {"w4a8": E2M1, "w8a8": E4M3}   # scheme -> the expert weights' element format
+# scheme -> (attention weights, expert weights, activations) element formats
+SCHEMES = {"w4a8": (E4M3, E2M1, E4M3), "w8a8": (E4M3, E4M3, E4M3), "w4a4": (E2M1, E2M1, E2M1)}
+ROTATION_KEYS = ("input_transform.transform.linear.weight", "out_transform.transform.linear.weight")
 
 
-def fake_quantize(model: nn.Module, scheme: str = "w4a8") -> nn.Module:
+def load_rotations(directory, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(T_in, T_out) float32 of each decoder layer from `directory/layer_{i}_self_attn.pt` (§1.2)."""
+    from pathlib import Path
+    out = []
+    for i in range(num_layers):
+        data = torch.load(Path(directory) / f"layer_{i}_self_attn.pt", map_location="cpu", weights_only=True)
+        out.append(tuple(data[key].float() for key in ROTATION_KEYS))
+    return out
+
+
+def fake_quantize(model: nn.Module, scheme: str = "w4a8", rotations=None,
+                  source_dtype: torch.dtype | None = None) -> nn.Module:
     """Replace the reference model's quantized linears by FakeQuantLinear, in place (W4A8 / W8A8 placement,
-    §8.1/§9)."""
+    §8.1/§9; W4A4 with optional per-layer rotations (T_in, T_out), the weights stored as `source_dtype`)."""
     if scheme not in SCHEMES:
         raise ValueError(f"fake-quant scheme {scheme!r} is not supported; supported: {', '.join(SCHEMES)}")
-    for layer in model.model.layers:
+    if rotations is not None and scheme != "w4a4":
+        raise ValueError(f"the Hadamard rotation applies to W4A4 only, not {scheme}")
+    attn_fmt, expert_fmt, act = SCHEMES[scheme]
+    for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
+        t_in, t_out = rotations[i] if rotations is not None else (None, None)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(attn, name, FakeQuantLinear(getattr(attn, name), E4M3))
+            t = t_out if name == "o_proj" else t_in
+            setattr(attn, name, FakeQuantLinear(getattr(attn, name), attn_fmt, act, t, source_dtype))
         if hasattr(layer.mlp, "experts"):
-            layer.mlp.experts = nn.ModuleList(FakeQuantMLP(expert, SCHEMES[scheme]) for expert in layer.mlp.experts)
+            layer.mlp.experts = nn.ModuleList(FakeQuantMLP(expert, expert_fmt, act) for expert in layer.mlp.experts)
         else:
-            layer.mlp = FakeQuantMLP(layer.mlp, E4M3)
+            layer.mlp = FakeQuantMLP(layer.mlp, attn_fmt, act)
     return model
 
 
@@ -224,11 +269,28 @@ def fake_quantize_kv_cache(model: nn.Module, heads_per_scale: int | None = None)
     return model
 
 
+def _stored_dtype(path) -> torch.dtype:
+    """The dtype the checkpoint stores its attention weights in (the converter's rotation rounds back to it)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            if "model.layers.0.self_attn.q_proj.weight" in f.keys():
+                return names[f.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype()]
+    raise ValueError(f"{path}: no model.layers.0.self_attn.q_proj.weight in its safetensors files")
+
+
 def load_fake_quant_model(path, dtype: torch.dtype = torch.bfloat16, router_dtype: str = "activation",
-                          scheme: str = "w4a8") -> nn.Module:
-    """The reference model of checkpoint `path`, fake-quantized (`scheme` w4a8 | w8a8) from the checkpoint's
+                          scheme: str = "w4a8", hadamard_weight_path=None) -> nn.Module:
+    """The reference model of checkpoint `path`, fake-quantized (`scheme` w4a8 | w8a8 | w4a4) from the checkpoint's
     stored values (as the converter quantizes them, whatever their dtype), then cast to `dtype` (dequantized MX
-    values are exact in bf16 and fp32)."""
+    values are exact in bf16 and fp32). hadamard_weight_path (w4a4): the rotation directory."""
     from reference.checkpoint import load_model
 
-    return fake_quantize(load_model(path, torch.float32, router_dtype), scheme).to(dtype)
+    model = load_model(path, torch.float32, router_dtype)
+    rotations = None
+    if hadamard_weight_path is not None:
+        rotations = load_rotations(hadamard_weight_path, model.config.num_hidden_layers)
+    return fake_quantize(model, scheme, rotations, _stored_dtype(path) if rotations else None).to(dtype)

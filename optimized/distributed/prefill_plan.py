@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimized.config import ParallelConfig
+from optimized.config import ParallelConfig, mx_activation_bits
 
 INDEX_BYTES = 4      # int32 expert ids
 WEIGHT_BYTES = 4     # float32 routing weights
@@ -108,9 +108,11 @@ def describe(hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: in
         return (f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
                 f"{parallel.attn_tp_size}: each group prefills its own requests, all-gather before QKV, reduce-scatter "
                 f"after o_proj), MoE EP {parallel.moe_ep_size} by double routing (alltoall) of each rank's tokens")
-    if not parallel.sp_prefill:
+    if not parallel.sp_prefill or mx_activation_bits(hf_config) == 4:
+        why = "W4A4 checkpoint: the recipe's prefill_opt excludes it" if parallel.sp_prefill else \
+            f"prefill_opt {parallel.prefill_opt}"
         return (f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); "
-                f"prefill_opt {parallel.prefill_opt}")
+                f"{why}")
     k, ep = hf_config.num_experts_per_tok, parallel.moe_ep_size
     scheme = choose_ep_scheme(parallel, k)
     why = (f"auto: top_k {k} {'>=' if k >= ep else '<'} moe_ep_size {ep}" if parallel.moe_ep_scheme == "auto"

@@ -148,6 +148,10 @@ class Launch:
                                                kv_pool_blocks=kv_pool_blocks)
                 if env.rank == 0:
                     print(f"{run.plan.describe()}\n{settings.describe()}", flush=True)
+                    if m.enable_hadamard:
+                        from optimized.layers import hadamard
+                        from optimized.layers.quantization import quant_scheme
+                        print(hadamard.describe(quant_scheme(self.hf_config), m.hadamard_weight_path), flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env)
                 run.runner = self._runner(run.model)
@@ -172,7 +176,7 @@ class Launch:
             return load_model(self.model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
                               seed=self.cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers,
                               device=platform.device(env.local_rank), check_weights=self.check_weights,
-                              force_eplb=m.eplb, weight_nz=m.enable_weight_nz)
+                              force_eplb=m.eplb, weight_nz=m.enable_weight_nz, hadamard_weight_path=m.hadamard)
         except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint if not
             raise UsageError(str(e) if str(self.model_dir) in str(e) else f"checkpoint {self.model_dir}: {e}") from None
 

@@ -14,6 +14,8 @@ only what later steps read passes through the cache (equivalence/test_e2e_fp8_kv
 bitwise across cache dtypes).
 
 The sequence-parallel prefill's data movement around these pieces is the phase's (optimized/phases.py).
+W4A4 checkpoints with the learned Hadamard rotation: merged_qkv_proj and o_proj rotate their own input before its
+MXFP4 quantization (`MxFp4LinearMethod`, optimized/layers/hadamard.py), so q/k norm, RoPE and the cache see it undone.
 """
 from __future__ import annotations
 

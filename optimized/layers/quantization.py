@@ -5,7 +5,9 @@ the layer. `quant_scheme(hf_config)` reads the checkpoint's `quantization_config
 absent -> unquantized; the compressed-tensors W4A8 config (group_0 Linear 8-bit, group_1 MoEGMM 4-bit) -> "w4a8",
 where attention (and dense-MLP) linears use `MxFp8LinearMethod` and the routed experts `W4A8MxFp4MoEGMMMethod`;
 the W8A8 config (group_0 Linear 8-bit alone: the recipe's `w8a8c16`, whose experts fall to the Linear group) ->
-"w8a8", every linear `MxFp8LinearMethod` and the experts `MxFp8MoEGMMMethod` (the recipe's names).
+"w8a8", every linear `MxFp8LinearMethod` and the experts `MxFp8MoEGMMMethod` (the recipe's names); the W4A4 config
+(both groups 4-bit weights and 4-bit activations: the recipe's `w4a4c16`, spec a4w4_hadamard.md §3) -> "w4a4",
+attention linears `MxFp4LinearMethod` and experts `W4A4MxFp4MoEGMMMethod`, MXFP4 activations, a 16-bit KV cache.
 
 MX parameters are created and loaded in the checkpoint layouts (§7): MXFP8 `weight [N, K]` float8_e4m3fn, MXFP4
 expert weights uint8 `[N, K/2]` (two E2M1 codes per byte, packed along K), `weight_scale [N, nb]` one E8M0 byte
@@ -30,13 +32,16 @@ from torch import nn
 
 from optimized.config import KV_CACHE_DTYPES
 from optimized.errors import CheckpointError
+from optimized.layers.hadamard import rotate
 from optimized.ops import cpu_gemm, mx_format as mxf
 
 W4A8 = "w4a8"
 W8A8 = "w8a8"
-MX_SCHEMES = (W4A8, W8A8)
-# weight bits per compressed-tensors target -> scheme (the recipe's converter writes exactly these groups)
-_BITS = {W4A8: {"Linear": 8, "MoEGMM": 4}, W8A8: {"Linear": 8}}
+W4A4 = "w4a4"
+MX_SCHEMES = (W4A8, W8A8, W4A4)
+# (weight bits, activation bits) per compressed-tensors target -> scheme (the recipe's converter writes exactly these)
+_BITS = {W4A8: {"Linear": (8, 8), "MoEGMM": (4, 8)}, W8A8: {"Linear": (8, 8)},
+         W4A4: {"Linear": (4, 4), "MoEGMM": (4, 4)}}
 BLOCK = mxf.BLOCK_SIZE
 FLOAT8_E4M3FN = 24        # torch ScalarType code (== torch_npu 292)
 FLOAT4_E2M1 = mxf.float4_e2m1fn_x2   # uint8 holding two codes
@@ -48,7 +53,7 @@ class QuantConfigError(ValueError):
 
 
 def quant_scheme(hf_config) -> str | None:
-    """None (unquantized), "w4a8" or "w8a8", from config.json's `quantization_config`; anything else is an error."""
+    """None (unquantized), "w4a8", "w8a8" or "w4a4", from config.json's `quantization_config`; anything else is an error."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
         return None
@@ -56,13 +61,13 @@ def quant_scheme(hf_config) -> str | None:
 
 
 def scheme_of(qc: dict) -> str:
-    """W4A8 or W8A8 for a compressed-tensors MX `quantization_config` dict; anything else is an error."""
+    """W4A8, W8A8 or W4A4 for a compressed-tensors MX `quantization_config` dict; anything else is an error."""
 
     def need(ok: bool, key: str, value) -> None:
         if not ok:
             raise QuantConfigError(f"config.json quantization_config.{key}={value!r} is not supported; this model "
-                                   "runs BF16 checkpoints and the W4A8 / W8A8 MX checkpoints of `python -m optimized "
-                                   "convert --quant w4a8|w8a8`")
+                                   "runs BF16 checkpoints and the W4A8 / W8A8 / W4A4 MX checkpoints of `python -m "
+                                   "optimized convert --quant w4a8|w8a8|w4a4`")
 
     need(qc.get("quant_method") == "compressed-tensors", "quant_method", qc.get("quant_method"))
     need(list(qc.get("weight_block_size") or []) == [1, BLOCK], "weight_block_size", qc.get("weight_block_size"))
@@ -70,13 +75,14 @@ def scheme_of(qc: dict) -> str:
     for name, group in (qc.get("config_groups") or {}).items():
         w, a = group.get("weights") or {}, group.get("input_activations") or {}
         need(w.get("type") == "float", f"config_groups.{name}.weights.type", w.get("type"))
-        need(a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True,
+        need(a.get("type") == "float" and a.get("num_bits") in (4, 8) and a.get("dynamic") is True,
              f"config_groups.{name}.input_activations", a)
         for target in group.get("targets") or []:
-            bits[target] = w.get("num_bits")
+            bits[target] = (w.get("num_bits"), a.get("num_bits"))
     scheme = next((name for name, want in _BITS.items() if bits == want), None)
-    need(scheme is not None, "config_groups (weight bits per target; w4a8: {'Linear': 8, 'MoEGMM': 4}, w8a8: "
-                             "{'Linear': 8})", bits)
+    need(scheme is not None, "config_groups ((weight, activation) bits per target; w4a8: {'Linear': (8, 8), "
+                             "'MoEGMM': (4, 8)}, w8a8: {'Linear': (8, 8)}, w4a4: {'Linear': (4, 4), 'MoEGMM': (4, 4)})",
+         bits)
     kv_cache_scheme(qc)
     return scheme
 
@@ -115,26 +121,31 @@ def kv_cache_scheme(qc: dict | None) -> str | None:
 
 def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8", scheme: str = W4A8) -> dict:
     """The compressed-tensors `quantization_config` the recipe's converter writes for w4a8c16 (§8.3, key order as
-    written) or w8a8c16 (the same without group_1: the experts fall to group_0's 8-bit Linear scheme);
-    kv_cache "bf16": kv_cache_scheme null."""
+    written), w8a8c16 (the same without group_1: the experts fall to group_0's 8-bit Linear scheme) or w4a4c16
+    (both groups 4-bit weights and activations, `global_compression_ratio` a JSON null, no KV scheme: spec
+    a4w4_hadamard.md §3.4); kv_cache "bf16": kv_cache_scheme null."""
     if scheme not in MX_SCHEMES:
         raise ValueError(f"quantization scheme {scheme!r} is not one of {', '.join(MX_SCHEMES)}")
+    if scheme == W4A4 and kv_cache != "bf16":
+        raise QuantConfigError("quantization_config.kv_cache_scheme: the recipe's w4a4c16 writes none (a 16-bit KV "
+                               "cache); a W4A4 checkpoint with an FP8 KV scheme is not one it writes")
+    act_bits = 4 if scheme == W4A4 else 8
     def args(bits: int, dynamic: bool) -> dict:
         return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
                 "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
 
     def group(weight_bits: int, target: str) -> dict:
-        return {"input_activations": args(8, True), "activation_use_clip": False, "output_activations": None,
+        return {"input_activations": args(act_bits, True), "activation_use_clip": False, "output_activations": None,
                 "targets": [target], "weights": args(weight_bits, False)}
 
     ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
               for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
                         "self_attn.q_norm")]
-    groups = {"group_0": group(8, "Linear")}
-    if scheme == W4A8:
+    groups = {"group_0": group(4 if scheme == W4A4 else 8, "Linear")}
+    if scheme in (W4A8, W4A4):
         groups["group_1"] = group(4, "MoEGMM")
     return {"config_groups": groups,
-            "format": "float-quantized", "global_compression_ratio": "null",
+            "format": "float-quantized", "global_compression_ratio": None if scheme == W4A4 else "null",
             "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
             "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
             "quant_method": "compressed-tensors", "quantization_status": "compressed",
@@ -154,7 +165,7 @@ def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
 def _expect_same(got, want, path: str) -> None:
     def fail(what: str):
         raise QuantConfigError(f"config.json {path}{what}; this model runs the quantization_config the recipe's "
-                               f"converter (and `python -m optimized convert --quant w4a8|w8a8`) writes")
+                               f"converter (and `python -m optimized convert --quant w4a8|w8a8|w4a4`) writes")
     if isinstance(want, dict):
         if not isinstance(got, dict):
             fail(f"={got!r} must be an object")
@@ -205,8 +216,9 @@ def _expect_float(source, name: str, tensor: torch.Tensor) -> None:
 
 def _check_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
-        raise QuantConfigError(f"W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations (the MX matmuls "
-                               f"write no float32, the fused SwiGLU + MX quantization takes none); got dtype {dtype}")
+        raise QuantConfigError(f"W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations, W4A4 ones too (the "
+                               f"MX matmuls write no float32, the fused SwiGLU + MX quantization takes none); got dtype "
+                               f"{dtype}")
 
 
 def even_blocks(k: int) -> int:
@@ -251,6 +263,11 @@ def _no_mx(x, what: str) -> None:
     if isinstance(x, MxRows):
         raise TypeError(f"{what} holds 16-bit weights and cannot take MXFP8 rows (a payload is quantized only for "
                         f"MX layers: W4A8 checkpoints)")
+
+
+def _no_mxfp8_rows(x, what: str) -> None:
+    if isinstance(x, MxRows):
+        raise TypeError(f"{what} cannot take MXFP8 rows (the MXFP8 wire of the W4A8 sequence-parallel prefill)")
 
 
 # ------------------------------------------------------------------------ weights prepared after loading
@@ -411,7 +428,85 @@ class MxFp8LinearMethod:
             pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])
 
 
+def transpose_packed_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., N, K/2] packed along K -> [..., K, N/2] packed along N, contiguous (the recipe's transpose_packed_fp4)."""
+    if packed.shape[-2] % 2:
+        raise ValueError(f"MXFP4 A4W4 weights are packed along N after loading: N={packed.shape[-2]} must be even")
+    return mxf.pack_fp4(mxf.unpack_fp4(packed).transpose(-1, -2)).contiguous()
+
+
+def untranspose_packed_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `transpose_packed_fp4`: [..., K, N/2] -> [..., N, K/2] (a copy)."""
+    return mxf.pack_fp4(mxf.unpack_fp4(packed).transpose(-1, -2))
+
+
+def fp4_quant(x: torch.Tensor):
+    """MXFP4 E2M1 activations as the recipe's W4A4 path quantizes them (scale_alg 0, rint, block 32): uint8 [M, K/2]
+    (two codes per byte), scale pairs [M, K/64, 2]."""
+    return torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=FLOAT4_E2M1)
+
+
+class MxFp4LinearMethod:
+    """MXFP4 W4A4 (the recipe's `MxFp4LinearMethod`, spec a4w4_hadamard.md §3.1): weight uint8 [N, K/2] (packed along
+    K) + weight_scale [N, nb] as loaded, then (process_weights_after_loading) weight [K, N/2] packed along N
+    (unpacked, transposed, repacked: contiguous) and weight_scale [nb/2, N, 2]. Per call: the layer's
+    `input_rotation` (the Hadamard T of optimized/layers/hadamard.py, when loaded) on x, npu_dynamic_mx_quant to
+    FP4, then the FP4 x FP4 npu_quant_matmul (fp32 accumulation, output in the activation dtype). The recipe's
+    single-row duplication (an NPU kernel limit, spec §5 A11) is not needed by the portable kernel and not done."""
+
+    def create_weights(self, layer: nn.Module, out_rows: int, in_features: int, dtype: torch.dtype) -> None:
+        _check_activation_dtype(dtype)
+        if in_features % 2:
+            raise ValueError(f"MXFP4 packs two values per byte along K: this rank's in_features={in_features} "
+                             f"must be even")
+        layer.weight = nn.Parameter(torch.empty(out_rows, in_features // 2, dtype=torch.uint8), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.zeros(out_rows, even_blocks(in_features), dtype=torch.uint8),
+                                          requires_grad=False)
+        layer.in_features_per_rank = in_features
+        layer.output_dtype = dtype
+        layer.runtime_layout = False
+        layer.register_buffer("input_rotation", None, persistent=False)   # the Hadamard T, when loaded (hadamard.py)
+
+    def load(self, layer, source, name: str, full_shape: tuple, index: tuple = (), rows: slice = slice(None)) -> None:
+        n, k = full_shape
+        _note_load(layer, name)
+        packed = index if len(index) < 2 else (index[0], block_slice(index[1], k, name, per=2))
+        w = source.read(name, (n, k // 2), packed)
+        _expect_dtype(source, name, w, torch.uint8, "W4A4 (MXFP4)")
+        layer.weight[rows].copy_(w)
+        scales = index if len(index) < 2 else (index[0], block_slice(index[1], k, name))
+        s = source.read(mxf.scale_name(name), (n, -(-k // BLOCK)), scales)
+        _expect_dtype(source, mxf.scale_name(name), s, torch.uint8, "W4A4 (MXFP4)")
+        layer.weight_scale[rows, :s.shape[1]].copy_(s)
+
+    def process_weights_after_loading(self, layer) -> None:
+        """npu_quant_matmul's A4W4 layouts: weight [K, N/2] packed along N (contiguous), scale pairs [nb/2, N, 2]."""
+        _start_processing(layer)
+        layer.weight = _param(transpose_packed_fp4(layer.weight))
+        layer.weight_scale = _param(_runtime_scale(layer.weight_scale))
+        layer.runtime_layout = True
+
+    def checkpoint_layout(self, layer) -> dict[str, torch.Tensor]:
+        return {"weight": untranspose_packed_fp4(layer.weight), "weight_scale": _checkpoint_scale(layer.weight_scale)}
+
+    def apply(self, layer, x) -> torch.Tensor:
+        """x: [..., K] in the activation dtype -> [..., N]; rotated (when the layer has a rotation), then quantized."""
+        _check_processed(layer)
+        _no_mxfp8_rows(x, "a W4A4 linear (it rotates and quantizes its own input to MXFP4)")
+        if layer.input_rotation is not None:
+            x = rotate(x, layer.input_rotation)                                   # bf16(fp32(x) @ B(T))
+        x2 = x.reshape(-1, x.shape[-1])                                           # [M, K]
+        xq, xs = fp4_quant(x2)                                                    # [M, K/2] uint8, [M, K/64, 2]
+        out = torch.ops.npu.npu_quant_matmul(
+            xq, layer.weight, layer.weight_scale, pertoken_scale=xs,
+            output_dtype=mxf.dtype_code(layer.output_dtype), x1_dtype=FLOAT4_E2M1, x2_dtype=FLOAT4_E2M1,
+            scale_dtype=FLOAT8_E8M0, pertoken_scale_dtype=FLOAT8_E8M0, group_sizes=[1, 1, BLOCK])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def linear_method(scheme: str | None):
+    if scheme == W4A4:
+        return MxFp4LinearMethod()
     return MxFp8LinearMethod() if scheme in MX_SCHEMES else UnquantizedLinearMethod()
 
 
@@ -592,7 +687,54 @@ class MxFp8MoEGMMMethod(_MxExpertLoading):
         return self._gmm(layer, mx_quant(h), layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]
 
 
+class W4A4MxFp4MoEGMMMethod(W4A8MxFp4MoEGMMMethod):
+    """MXFP4 expert weights x MXFP4 activations (the recipe's W4A4MxFp4MoEGMMMethod, spec a4w4_hadamard.md §3.2, §6.6
+    A4W4 row): loaded as the W4A8 experts are ([L, N, K/2] packed along K, scales [L, N, nb]); after loading
+    w13_weight [L, H, 2*I_r/2] and w2_weight [L, I_r, H/2] packed along N (contiguous), scales [L, K/64, N, 2].
+    x -> npu_dynamic_mx_quant FP4 -> A4W4 grouped matmul -> npu_swiglu -> FP4 -> A4W4 grouped matmul. Not rotated."""
+
+    def _read(self, source, name: str, shape: tuple, index: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return super()._read(source, name, shape, index)
+        except CheckpointError as e:
+            raise CheckpointError(str(e).replace("W4A8 (MXFP4 experts)", "W4A4 (MXFP4 experts)")) from None
+
+    def process_weights_after_loading(self, layer) -> None:
+        """npu_grouped_matmul's A4W4 layouts: weights [L, K, N/2] packed along N (contiguous), scales [L, K/64, N, 2]."""
+        _start_processing(layer)
+        for w in ("w13_weight", "w2_weight"):
+            setattr(layer, w, _param(transpose_packed_fp4(getattr(layer, w))))
+            setattr(layer, f"{w}_scale", _param(_runtime_scale(getattr(layer, f"{w}_scale"))))
+        layer.runtime_layout = True
+
+    def checkpoint_layout(self, layer) -> dict[str, torch.Tensor]:
+        out = {}
+        for w in ("w13_weight", "w2_weight"):
+            out[w] = untranspose_packed_fp4(getattr(layer, w))
+            out[f"{w}_scale"] = _checkpoint_scale(getattr(layer, f"{w}_scale"))
+        return out
+
+    def _gmm(self, layer, x, x_scale, weight, weight_scale, tokens_per_expert):
+        return torch.ops.npu.npu_grouped_matmul(
+            [x], [weight], scale=[weight_scale], per_token_scale=[x_scale], group_list=tokens_per_expert,
+            group_type=0, group_list_type=1, split_item=3, output_dtype=mxf.dtype_code(layer.output_dtype),
+            x_dtype=FLOAT4_E2M1, weight_dtype=FLOAT4_E2M1, scale_dtype=FLOAT8_E8M0,
+            per_token_scale_dtype=FLOAT8_E8M0)[0]
+
+    def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: rows [M, H] in the activation dtype (quantized here) -> [M, H]."""
+        _check_processed(layer)
+        _no_mxfp8_rows(x, "the W4A4 experts (they quantize their own input to MXFP4)")
+        xq, xs = fp4_quant(x)                                                               # [M, H/2] fp4
+        h = self._gmm(layer, xq, xs, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
+        h = torch.ops.npu.npu_swiglu(h)                                                     # [M, I_r]
+        hq, hs = fp4_quant(h)
+        return self._gmm(layer, hq, hs, layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]
+
+
 def moe_method(scheme: str | None):
+    if scheme == W4A4:
+        return W4A4MxFp4MoEGMMMethod()
     if scheme == W4A8:
         return W4A8MxFp4MoEGMMMethod()
     return MxFp8MoEGMMMethod() if scheme == W8A8 else UnquantizedFusedMoEMethod()

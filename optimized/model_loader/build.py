@@ -8,7 +8,7 @@ import torch
 from optimized import platform
 from optimized.distributed import ParallelState
 from optimized.config import InferenceConfig, is_sparse_layer
-from optimized.layers.quantization import W4A8, W8A8, process_weights_after_loading, quant_scheme
+from optimized.layers.quantization import W4A4, W4A8, W8A8, process_weights_after_loading, quant_scheme
 from optimized.model_loader.hf_config import load_hf_config
 from optimized.model_loader.loader import CheckpointReader, RandomWeights
 from optimized.model import Qwen3MoeForCausalLM
@@ -18,7 +18,8 @@ from optimized.ops.required import check_operators, required_operators
 def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None = None,
                dtype: torch.dtype = torch.bfloat16, random_weights: bool = False, seed: int = 0,
                num_hidden_layers: int | None = None, device: torch.device | str | None = None,
-               check_weights: bool = True, force_eplb: bool = False, weight_nz: bool = True) -> Qwen3MoeForCausalLM:
+               check_weights: bool = True, force_eplb: bool = False, weight_nz: bool = True,
+               hadamard_weight_path: str | os.PathLike | None = None) -> Qwen3MoeForCausalLM:
     """Build the optimized Qwen3MoeForCausalLM for this rank and load this rank's weight shards.
 
     model_path: a directory with config.json (+ safetensors unless random_weights). parallel: the process
@@ -27,6 +28,9 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
     check_weights: every tensor read is checked finite (a CheckpointError names a NaN / inf weight or an E8M0
     scale byte 0xFF). force_eplb: model_config.force_eplb, the recipe's forced balanced routing. weight_nz:
     model_config.enable_weight_nz, every linear, expert and MX weight cast once to the NPU's NZ layout after loading.
+    hadamard_weight_path: model_config.enable_hadamard's directory of per-layer rotations (None: enable_hadamard off;
+    "" is an error): loaded onto a W4A4 checkpoint's attention linears (optimized/layers/hadamard.py), ignored for
+    any other checkpoint as the recipe does (`hadamard.describe` says so).
     """
     config = load_hf_config(model_path)  # ModelConfigError for another model_type, missing counts, ...
     full_layers = config.num_hidden_layers
@@ -47,22 +51,31 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
             if _layer_of(name) >= config.num_hidden_layers:
                 source.skip(name)
     return model_from_source(config, source, parallel=parallel, dtype=dtype, device=device, force_eplb=force_eplb,
-                             weight_nz=weight_nz)
+                             weight_nz=weight_nz, hadamard_weight_path=hadamard_weight_path)
 
 
 def model_from_source(config, source, *, parallel: ParallelState | None = None,
                       dtype: torch.dtype = torch.bfloat16,
                       device: torch.device | str | None = None, force_eplb: bool = False,
-                      weight_nz: bool = True) -> Qwen3MoeForCausalLM:
+                      weight_nz: bool = True,
+                      hadamard_weight_path: str | os.PathLike | None = None) -> Qwen3MoeForCausalLM:
     """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...)."""
     parallel = parallel or ParallelState.single()
     InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
+    rotated = hadamard_weight_path is not None and quant_scheme(config) == W4A4   # else ignored, as the recipe does
+    if rotated:   # before the build: a bad directory or width costs no weight read
+        from optimized.layers import hadamard
+        hadamard.check_directory(hadamard_weight_path)
+        hadamard.check_widths(config, parallel.parallel.attn_tp_size)
     with torch.device(platform.device() if device is None else device):
         model = Qwen3MoeForCausalLM(config, parallel, dtype, force_eplb)
     check_operators(required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
-        w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, sp_ep_scheme=model.ep_scheme,
+        w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, w4a4=quant_scheme(config) == W4A4,
+        sp_ep_scheme=model.ep_scheme,
         mc2_decode=model.decode.step.exchange is not None, dp_prefill=parallel.parallel.attn_dp_size > 1,
         dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)), weight_nz=weight_nz))
+    if rotated:
+        hadamard.attach(model, hadamard_weight_path, parallel.parallel.attn_tp_size)
     model.load_weights(source)
     # Once, after every weight is in: the quant methods' runtime layouts (NZ with weight_nz), so no forward call
     # re-lays them out.

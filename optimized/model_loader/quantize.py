@@ -1,12 +1,18 @@
-"""Offline BF16 -> W4A8 / W8A8 checkpoint conversion (spec mx_quant.md §8), streamed tensor by tensor.
+"""Offline BF16 -> W4A8 / W8A8 / W4A4 checkpoint conversion (spec mx_quant.md §8), streamed tensor by tensor.
 
     python -m optimized convert --quant w4a8|w8a8 SRC DST
+    python -m optimized convert --quant w4a4 [--hadamard-weight-path DIR] SRC DST
 
 W4A8 (the recipe's `w4a8c16`): routed experts' gate/up/down weights MXFP4 E2M1 (uint8, two codes per byte
 packed along K, low nibble first), attention q/k/v/o (and dense-MLP) weights MXFP8 E4M3, each with a
 `<name>_scale` uint8 tensor of one E8M0 byte per 32-block of K, shape [N, ceil(K/32)].
 W8A8 (the recipe's `w8a8c16`, §8.1 "no 4-bit set"): every one of those weights MXFP8 E4M3, the experts too
-(float8_e4m3fn [N, K] + the same scale tensor). Norms, the router, embeddings and lm_head are copied unchanged.
+(float8_e4m3fn [N, K] + the same scale tensor). W4A4 (the recipe's `w4a4c16`, spec a4w4_hadamard.md §2.3, §3.3):
+every one of those weights MXFP4 E2M1; with a rotation directory (optimized/layers/hadamard.py) each layer's
+q/k/v weights are first rotated by its input_transform T_in and o_proj by out_transform T_out, as
+`cast(fp32(W) @ B(inverse(T))^T)` back to the source dtype (the bf16 round trip of the recipe), then quantized;
+config.json gets the W4A4 quantization_config (both groups 4-bit, no KV scheme) and nothing about the rotation
+(the runtime must be given the same directory). Norms, the router, embeddings and lm_head are copied unchanged.
 config.json gets the compressed-tensors `quantization_config` of §8.3 (W8A8: group_0 alone, 8-bit `Linear`,
 which the recipe's loader also applies to the experts); other files are copied; an index is rewritten with the same shard file names. `kv_cache="fp8"` (the
 default, as the recipe's converter writes it for qwen3_moe) adds its per-token FP8 `kv_cache_scheme`, which
@@ -34,13 +40,14 @@ from pathlib import Path
 
 import torch
 
+from optimized.errors import CheckpointError
 from optimized.model_loader.checkpoint_files import INDEX_FILE, open_file, read_json, weight_files
 from optimized.ops import mx_format as mxf
 # config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
 from optimized.layers.quantization import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
-QUANT_TYPES = ("w4a8", "w8a8")
+QUANT_TYPES = ("w4a8", "w8a8", "w4a4")
 KV_CACHE_CHOICES = ("fp8", "bf16")
 BLOCK = mxf.BLOCK_SIZE
 KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
@@ -49,6 +56,7 @@ QUANT_CHUNK_VALUES = 1 << 20  # quantized tensors are converted in row chunks of
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 _DENSE_GATE = re.compile(r"^model\.layers\.\d+\.mlp\.gate_proj\.weight$")
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight$")
 _KEPT = re.compile(r"^(model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm|mlp\.gate)"
                    r"\.weight|model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)$")
 
@@ -67,11 +75,11 @@ def quant_format(name: str, quant: str = "w4a8", keep_dense_gate_proj: bool = Fa
     """The format of checkpoint tensor `name` under `quant` (None: copied unchanged); unknown tensors are an
     error. keep_dense_gate_proj: a dense MLP's gate_proj is copied unchanged, as the recipe's converter does."""
     if _EXPERT.match(name):
-        return MXFP4 if quant == "w4a8" else MXFP8
+        return MXFP4 if quant in ("w4a8", "w4a4") else MXFP8
     if keep_dense_gate_proj and _DENSE_GATE.match(name):
         return None
     if _FP8_LINEAR.match(name):
-        return MXFP8
+        return MXFP4 if quant == "w4a4" else MXFP8
     if _KEPT.match(name):
         return None
     raise ConversionError(f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the MX converter knows "
@@ -149,7 +157,48 @@ class _Stats:
         self.tensors_in = self.bytes_in = self.bytes_out = 0
 
 
-def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, progress) -> None:
+class _Rotations:
+    """The converter's weight rotations (spec a4w4_hadamard.md §2.3): inverse(T)^T per (layer, kind), cached; None
+    (no directory) rotates nothing."""
+
+    def __init__(self, path, num_layers: int):
+        self.path, self.num_layers, self.cache = path, num_layers, {}
+
+    def check(self, hidden_size: int, attn_width: int) -> None:
+        """Before anything is written: the directory, every layer's file and keys, and the rotated widths."""
+        if self.path is None:
+            return
+        from optimized.layers import hadamard
+        hadamard.check_directory(self.path)
+        hadamard.check_width(hidden_size, "hidden_size (the q/k/v in-features)")
+        hadamard.check_width(attn_width, "num_attention_heads * head_dim (the o_proj in-features)")
+        for i in range(self.num_layers):
+            self.matrix(i, "o")
+
+    def matrix(self, layer: int, proj: str) -> torch.Tensor | None:
+        if self.path is None:
+            return None
+        from optimized.layers import hadamard
+        if layer not in self.cache:
+            pair = hadamard.load_layer(self.path, layer)
+            for t, key in zip(pair, (hadamard.INPUT_KEY, hadamard.OUTPUT_KEY)):
+                inverse, info = torch.linalg.inv_ex(t)
+                if info or not torch.isfinite(inverse).all():
+                    raise hadamard.RotationError(f"layer {layer}: {hadamard.layer_file(self.path, layer)} key {key!r} "
+                                                 f"is not invertible (the weights are rotated by its inverse)")
+            self.cache[layer] = tuple(hadamard.weight_rotation(t) for t in pair)
+        return self.cache[layer][1 if proj == "o" else 0]
+
+    def apply(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        m = _ATTN.match(name) if self.path is not None else None
+        if m is None:
+            return w
+        from optimized.layers.hadamard import rotate
+        return rotate(w, self.matrix(int(m.group(1)), m.group(2)))      # cast(fp32(W) @ B(inverse(T))^T)
+
+
+def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, progress,
+                rotations: _Rotations | None = None) -> None:
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with open(out_path, "wb") as out:
         out.write(_header(entries))
@@ -175,6 +224,8 @@ def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, pr
                 scales = []
                 for start in range(0, rows, step):
                     w = meta[start:start + step]
+                    if rotations is not None:
+                        w = rotations.apply(e.source, w)             # per row: chunks rotate as the whole tensor
                     q, s = mx_quantize_weight(w, fmt)
                     out.write(_raw(q))
                     scales.append(s)
@@ -195,16 +246,25 @@ class ConversionReport:
     files: list[str]
 
 
-def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str = "fp8",
-                       keep_dense_gate_proj: bool = False) -> ConversionReport:
-    """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a `quant` (w4a8 | w8a8)
-    checkpoint at `dst` (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none;
-    keep_dense_gate_proj: dense MLPs' gate_proj stay 16-bit, as the recipe's converter leaves them)."""
+def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str | None = None,
+                       keep_dense_gate_proj: bool = False, hadamard_weight_path=None) -> ConversionReport:
+    """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a `quant` (w4a8 | w8a8 | w4a4)
+    checkpoint at `dst` (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none; None: the
+    recipe's choice, fp8 for w4a8 / w8a8, bf16 for w4a4; keep_dense_gate_proj: dense MLPs' gate_proj stay 16-bit,
+    as the recipe's converter leaves them; hadamard_weight_path: w4a4 only, the rotation directory whose matrices
+    rotate the attention weights before quantization)."""
     src, dst = Path(src), Path(dst)
     if quant not in QUANT_TYPES:
         raise ConversionError(f"--quant {quant!r} is not supported; supported: {', '.join(QUANT_TYPES)}")
+    kv_cache = kv_cache if kv_cache is not None else ("bf16" if quant == "w4a4" else "fp8")
     if kv_cache not in KV_CACHE_CHOICES:
         raise ConversionError(f"--kv-cache {kv_cache!r} is not supported; supported: {', '.join(KV_CACHE_CHOICES)}")
+    if quant == "w4a4" and kv_cache != "bf16":
+        raise ConversionError("--kv-cache fp8 is not supported with --quant w4a4: the recipe's w4a4c16 writes no "
+                              "kv_cache_scheme (a 16-bit KV cache)")
+    if hadamard_weight_path is not None and quant != "w4a4":
+        raise ConversionError(f"--hadamard-weight-path rotates W4A4 attention weights; it is not read with --quant "
+                              f"{quant}")
     config_path = src / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{src} has no config.json")
@@ -224,12 +284,19 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
     if dst.exists() and any(dst.iterdir()):
         raise ConversionError(f"destination {dst} exists and is not empty")
 
-    # Plan every file first: a bad tensor anywhere fails before anything is written.
+    # Plan every file first: a bad tensor or rotation anywhere fails before anything is written.
+    rotations = _Rotations(hadamard_weight_path, config.get("num_hidden_layers", 0))
+    try:
+        heads, dim = config.get("num_attention_heads", 0), config.get("head_dim") or (
+            config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1))
+        rotations.check(config.get("hidden_size", 0), heads * dim)
+    except CheckpointError as e:                            # hadamard.RotationError: directory, file, key, width
+        raise ConversionError(str(e)) from None
     handles = {file: open_file(src / file) for file in files}
     plans = {file: _plan_file(handles[file], file, lambda name: quant_format(name, quant, keep_dense_gate_proj))
              for file in files}
     try:
-        stats = _write(src, dst, quant, kv_cache, config, files, handles, plans, indexed, progress)
+        stats = _write(src, dst, quant, kv_cache, config, files, handles, plans, indexed, progress, rotations)
     except OSError as e:   # a read-only or full destination: name it, never a traceback
         where = Path(e.filename) if e.filename else dst
         verb = "write the converted checkpoint to" if where.resolve().is_relative_to(dst.resolve()) else "read"
@@ -238,7 +305,7 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
 
 
 def _write(src: Path, dst: Path, quant: str, kv_cache: str, config: dict, files, handles, plans, indexed: bool,
-           progress) -> _Stats:
+           progress, rotations: _Rotations | None = None) -> _Stats:
     """Every output file of the planned conversion (the streamed shards, the copies, the index, config.json)."""
     from tqdm import tqdm
 
@@ -248,7 +315,7 @@ def _write(src: Path, dst: Path, quant: str, kv_cache: str, config: dict, files,
     with tqdm(total=total, unit="tensor", desc=f"convert {quant}", disable=not progress) as bar:
         for file in files:
             bar.set_postfix_str(file)
-            _write_file(handles.pop(file), plans[file], dst / file, stats, bar)   # pop: unmap it when done
+            _write_file(handles.pop(file), plans[file], dst / file, stats, bar, rotations)   # pop: unmap when done
 
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name not in ("config.json", INDEX_FILE):

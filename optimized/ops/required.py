@@ -38,7 +38,7 @@ class MissingNpuOperatorError(RuntimeError):
 
 def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
                        mc2_decode: bool = False, w8a8: bool = False, dp_prefill: bool = False,
-                       weight_nz: bool = True) -> frozenset[str]:
+                       weight_nz: bool = True, w4a4: bool = False) -> frozenset[str]:
     """The operators a model calls: W4A8, W8A8 or unquantized, with a dense (non-MoE) MLP layer or not, its SP
     prefill's EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall'), whether decode runs
     MC2 and whether the prefill is attention data parallel (its MoE by double routing, 16-bit on the wire), and
@@ -49,8 +49,8 @@ def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
         ops |= WEIGHT_NZ
     if mc2_decode:
         ops |= MC2_DECODE
-    if w4a8 or w8a8:
-        ops |= MXFP8
+    if w4a8 or w8a8 or w4a4:
+        ops |= MXFP8            # W4A4: the same two operators with FP4 operands
     if w4a8:
         ops |= W4A8_EXPERTS
         if sp_ep_scheme is not None:
