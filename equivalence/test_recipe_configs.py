@@ -1,9 +1,9 @@
 """The recipe's own Qwen3-MoE configs (fixtures/recipe_configs.py: the keys of its eight YAML files at fbc225d) run
 through `torchrun -m optimized generate` as the recipe means them, pointed at a tiny fixture with the world size scaled
 to 4 or 8 (attention TP kept, the DP degree scaled), and give the reference's greedy tokens (fp32; the W4A8 file: the
-fake-quant reference's, within the W4A8 table entry); the ge_graph files decode in graph mode. The files this build
-cannot run as the recipe means them are refused at start-up with an error naming the key and why, never run as
-another layout. With $QWEN3_MOE_RECIPE_CONFIG_DIR naming a checkout's `models/qwen3_moe/config`, its YAML files are
+fake-quant reference's, within the W4A8 table entry); the ge_graph files decode in graph mode. The W4A4 + Hadamard
+file runs on the W4A4 fixture with its rotation directory and prints the tokens of the library's run, whose logits
+equivalence/test_w4a4_recipe.py proves against the fake-quant W4A4 reference: all eight files run, none refused. With $QWEN3_MOE_RECIPE_CONFIG_DIR naming a checkout's `models/qwen3_moe/config`, its YAML files are
 compared with the transcription and run as they are.
 """
 from __future__ import annotations
@@ -20,7 +20,9 @@ import yaml
 from hypothesis import given, strategies as st
 
 from equivalence.compare import token_agreement, tolerance
-from fixtures.checkpoints import checkpoint, w4a8_checkpoint
+from equivalence.dist import get_pool
+from equivalence.parallel_support import same_on_all_ranks
+from fixtures.checkpoints import checkpoint, rotation_dir, w4a4_checkpoint, w4a8_checkpoint
 from fixtures.recipe_configs import RECIPE_CONFIGS, RECIPE_DIR_ENV, recipe_files, scaled, scaled_sizes
 from reference.checkpoint import load_model
 from reference.fake_quant import load_fake_quant_model
@@ -199,14 +201,27 @@ def test_recipe_mxfp48_config_runs_w4a8_within_the_fake_quant_reference(longbenc
         assert token_agreement(got[None], want[None]) >= tolerance("model.w4a8.bfloat16").min_greedy, (got, want)
 
 
-@pytest.mark.parametrize("name, key, why", [
-    ("qwen3_235b_mxfp4_hadamard", "model_config.enable_hadamard", "Hadamard-rotated checkpoints are not implemented"),
-])
-def test_recipe_config_this_build_cannot_run_is_refused_naming_the_key(name, key, why, longbench, tmp_path):
-    """Refused before any process group exists (one line, exit 2), not run as another layout."""
-    config = scaled(name, 4, "fixture:tiny", max_new_tokens=NEW_TOKENS, dataset_path=longbench)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    out = subprocess.run([sys.executable, "-m", "optimized", "generate", "--config", str(path)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and key in out.stderr and why in out.stderr, out.stderr
+@torch.no_grad()
+def _library_tokens(rank, world, cfg_dict, prompts, n):
+    """The same file through the library (as equivalence/test_w4a4_recipe.py runs it, its logits proven there
+    against the fake-quant W4A4 reference with the same rotations): the greedy tokens of `prompts`."""
+    from equivalence.test_w4a4_recipe import recipe_task
+    return recipe_task(rank, world, cfg_dict, prompts, [[0]] * len(prompts))["tokens"]
+
+
+def test_recipe_mxfp4_hadamard_config_runs_as_the_library_proves_it(longbench, tmp_path):
+    """qwen3_235b_mxfp4_hadamard (world 4: attention TP 4, MoE EP 4, MC2 decode; platform 950; enable_hadamard):
+    `generate` on the W4A4 fixture converted with the non-symmetric orthogonal rotations runs it (nothing refused),
+    says what enable_hadamard does, and prints the tokens the library's run of the same config gives."""
+    path, rotations = w4a4_checkpoint("tiny-h256", "orthogonal"), rotation_dir("orthogonal")
+    config = scaled("qwen3_235b_mxfp4_hadamard", 4, str(path), max_new_tokens=NEW_TOKENS, dataset_path=longbench,
+                    dtype="bfloat16")
+    config["model_config"]["hadamard_weight_path"] = str(rotations)
+    config["data_config"] = {"dataset": "prompts", "prompts": ["x"], "input_max_len": 64}
+    out = _generate(config, 4, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"hadamard rotation: layer_{{i}}_self_attn.pt from {rotations}" in out.stdout, out.stdout
+    (prompt, generated), = _requests(out.stdout)
+    want = same_on_all_ranks(get_pool(4).run(_library_tokens, config, [prompt], NEW_TOKENS, timeout=240),
+                             "library run")[0]
+    assert generated == want[:len(generated)] and len(generated) == NEW_TOKENS, (generated, want)

@@ -78,7 +78,7 @@ def test_no_mc2_no_window_and_the_block_names_each_decision():
     plan = _plan(_cfg("eager", 4, world_size=2, attn_tp_size=2, moe_tp_size=2))
     assert plan.mc2_window_mb is None and plan.buckets == ()
     text = plan.describe()
-    for line in ("plan: batch 4", "prefill path:", "decode MoE path: moe_infer_tp", "eager decode; no MC2 decode",
+    for line in ("plan: batch 4", "prefill path:", "decode MoE path: moe_infer_tp", "decode steps eager; no MC2 decode",
                  "KV pool: 9 blocks"):
         assert line in text, text
 

@@ -87,10 +87,10 @@ class ExecutionPlan:
         dp = f", {self.dp_groups} attention-DP groups of up to {group_batch(self.batch, self.dp_groups)}" \
             if self.dp_groups > 1 else ""
         if self.graph:
-            graph = (f"graph mode {self.exe_mode}: decode buckets {list(self.buckets)}; a step dispatches up to "
-                     f"{self.dispatch_batch} rows (padded)")
+            graph = (f"decode steps as {self.exe_mode} graphs: buckets {list(self.buckets)}; a step dispatches up "
+                     f"to {self.dispatch_batch} rows (padded)")
         else:
-            graph = "eager decode"
+            graph = "decode steps eager"
         window = (f"MC2 window {self.mc2_window_mb} MB (sized for {self.dispatch_batch} dispatched rows)"
                   if self.mc2 else "no MC2 decode")
         return "\n".join([
