@@ -224,16 +224,17 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     import torch.distributed as dist
 
     from optimized.benchmarks.common import DTYPES
-    from optimized.distributed import ParallelState, decode_plan
+    from optimized.distributed import ParallelState
     from optimized.distributed import collectives as comm
     from optimized.executor.model_runner import ModelRunner
+    from optimized.executor.plan import mc2_window
     from optimized.model_loader.build import model_from_source
     from optimized.model_loader.loader import RandomWeights
 
     dtype = DTYPES[args["dtype"]]
     parallel = layout.config(world)
-    state = ParallelState.build(parallel, mc2_window_mb=decode_plan.window_for(config, parallel, args["batch"],
-                                                                               dtype.itemsize))
+    state = ParallelState.build(parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager",
+                                                                   dtype.itemsize))
     t0 = time.perf_counter()
     model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
     runner = ModelRunner(model, args["block_size"], device)
@@ -303,9 +304,10 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
     from optimized.distributed import collectives as comm
     from optimized.benchmarks.common import DTYPES, bench_config
     from optimized.model_loader.build import model_from_source
-    from optimized.distributed import ParallelState, decode_plan, init_distributed
+    from optimized.distributed import ParallelState, init_distributed
     from optimized.model_loader.loader import RandomWeights
     from optimized.executor.model_runner import ModelRunner
+    from optimized.executor.plan import mc2_window
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_distributed(init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -319,8 +321,8 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
         report = {}
         for name in args["layouts"]:
             parallel = layout_config(name, world)
-            state = ParallelState.build(parallel, mc2_window_mb=decode_plan.window_for(config, parallel, args["batch"],
-                                                                                       dtype.itemsize))
+            state = ParallelState.build(parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager",
+                                                                           dtype.itemsize))
             t0 = time.perf_counter()
             model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype,
                                       device=device)

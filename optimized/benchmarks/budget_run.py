@@ -235,7 +235,9 @@ def run(args) -> int:
     dtype = DTYPES[budget.dtype]
     env = init_distributed()
     try:
-        state = ParallelState.build(cfg.parallel_config)
+        from optimized.executor.plan import mc2_window
+        state = ParallelState.build(cfg.parallel_config, mc2_window_mb=mc2_window(
+            budget.hf_config(), cfg.parallel_config, budget.batch, budget.exe_mode, dtype.itemsize))
         dev = device(env.local_rank)
         if model_path:
             model = load_model(model_path, parallel=state, dtype=dtype, device=dev)

@@ -37,6 +37,14 @@ def dispatch_batch(batch: int, dp_groups: int, graph: bool) -> int:
     return dp_groups * batch_bucket(group_batch(batch, dp_groups))
 
 
+def mc2_window(hf_config, parallel, batch: int, exe_mode: str, act_bytes: int) -> int | None:
+    """The MC2 group's HCCL window (MB) for decode batches up to `batch` as a step dispatches them (padded to the
+    graph bucket in a graph mode, per DP group under attention DP); None without an MC2 decode. Every builder of
+    process groups (the assembly, the parallel bench, the latency harness) sizes the window here."""
+    dispatched = dispatch_batch(batch, parallel.attn_dp_size, exe_mode in GRAPH_MODES)
+    return decode_plan.window_for(hf_config, parallel, dispatched, act_bytes)
+
+
 def pool_blocks(lengths: list[int], block_size: int, dp_groups: int = 1) -> int:
     """KV blocks per DP group (the null block included) for requests of these token budgets added together (the
     engine deals them round robin, request i to group i mod D)."""
@@ -77,7 +85,7 @@ class ExecutionPlan:
         dispatched = dispatch_batch(batch, dp, graph)
         return cls(batch=batch, dp_groups=dp, exe_mode=m.exe_mode,
                    buckets=graph_buckets(batch, dp) if graph else (), dispatch_batch=dispatched,
-                   mc2_window_mb=decode_plan.window_for(hf_config, p, dispatched, act),
+                   mc2_window_mb=mc2_window(hf_config, p, batch, m.exe_mode, act),
                    kv_pool_blocks=kv_pool_blocks, block_size=s.block_size,
                    prefill=prefill_plan.describe(hf_config, p, prefill_tokens, act, mx=uses_mx_prefill(hf_config, p)),
                    decode=decode_plan.describe(hf_config, p, dispatched, act))
