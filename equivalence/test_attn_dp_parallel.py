@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from equivalence.compare import assert_close, max_abs, tolerance, top1_agreement
+from equivalence.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement
 from equivalence.dist import get_pool
 from equivalence.parallel_support import RoutingStats, dtype_of, generation_with_phase_log, on_host, rank_model, reference_model, \
     run_property, same_on_all_ranks
@@ -183,7 +183,7 @@ def test_attn_dp_non_finite_logits_stop_generation_naming_step_and_request():
 
 
 @torch.no_grad()
-def _generate_bf16_task(rank, world, path, lay, prompts, n):
+def _generate_bf16_task(rank, world, path, lay, prompts, n, kv_cache_dtype="auto"):
     """bf16 `generate`, with every sparse layer's expert ids and router inputs per forward gathered over the job: the
     real rows of every DP group, group by group in packed order (what the reference replays; the router inputs bound
     which flips are near-ties, `input_tie_margins`)."""
@@ -202,8 +202,8 @@ def _generate_bf16_task(rank, world, path, lay, prompts, n):
         mlp.route = recorded
     try:
         with generation_with_phase_log(model, lambda meta, ids: steps.append(meta.dp)):
-            res = ModelRunner(model, BLOCK_SIZE).generate(prompts, n, return_logits=True,
-                                                          prompt_logits_positions=[list(range(len(p))) for p in prompts])
+            res = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype).generate(
+                prompts, n, return_logits=True, prompt_logits_positions=[list(range(len(p))) for p in prompts])
     finally:
         for _, mlp in blocks:
             del mlp.route
@@ -219,7 +219,8 @@ def _generate_bf16_task(rank, world, path, lay, prompts, n):
                 out.setdefault(i, []).append(torch.cat([c[:dp.active(r // a, r % a)] for r, c in enumerate(chunks)]))
         return out
     return on_host({"tokens": res.tokens, "logits": res.logits, "prompt_logits": res.prompt_logits,
-                    "routes": real_rows(ids_log), "router_inputs": real_rows(inputs_log)})
+                    "routes": real_rows(ids_log), "router_inputs": real_rows(inputs_log),
+                    "kv_heads": model.layers[0].self_attn.num_kv_heads})
 
 
 def _request_routes(routes: dict, prompts, tokens, world: int, lay: dict) -> list[dict]:
@@ -324,3 +325,85 @@ def test_attn_dp_shares_chosen_ids_not_logits():
         assert ids and all(size == 2 and dtype == "torch.float32" and shape[0] <= 2 for size, dtype, shape in ids), \
             f"rank {rank}: id shares {ids} (DP 2: a group of 2, at most 2 rows per group)"
     same_on_all_ranks([r["tokens"] for r in out], "tokens")
+
+
+def _cached_reference(ref, prompt, tokens, ids_of_layer, near_tie, stats, kv_heads_per_scale):
+    """The reference through its own cache (per-token FP8 with `kv_heads_per_scale`, None: 16-bit): the prompt in
+    one forward, then each generated token, replaying the DP run's routing; the logits each token was chosen from."""
+    from reference.fake_quant import fake_quantize_kv_cache
+    model = ref if kv_heads_per_scale is None else fake_quantize_kv_cache(ref, kv_heads_per_scale)
+    cache, out, at = model.new_cache(), [], 0
+    try:
+        for ids in [prompt] + [[t] for t in tokens[:-1]]:
+            rows = {i: r[at:at + len(ids)] for i, r in ids_of_layer.items()}
+            with torch.no_grad(), replayed_routing(ref, rows, near_tie, stats):
+                out.append(model(torch.tensor([ids]), cache)[0][-1:].float())
+            at += len(ids)
+    finally:
+        if kv_heads_per_scale is not None:
+            del ref.new_cache
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("world, lay", [CASES[0]])
+def test_attn_dp_fp8_kv_cache_within_the_fp8_kv_reference(world, lay):
+    """The per-token FP8 KV cache under attention DP (TP 2 x DP 2, EP 4, MC2 decode; bf16 weights): every generated
+    token's logits within `model.parallel.bfloat16` of the reference with the same FP8 KV cache rule (one scale per
+    token over the KV heads a rank holds) replaying the DP routing, and `model.fp8_kv.bfloat16` min_separation times
+    closer to it than to the 16-bit-cache reference (a cache that silently stayed 16-bit under DP fails here)."""
+    path = str(checkpoint("tiny"))
+    ref = reference_model("tiny", "bfloat16")
+    near_tie = tolerance("router_tie.model.bfloat16").rtol
+    prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(20, 39)), [9, 8, 7]]
+    got = same_on_all_ranks(get_pool(world).run(_generate_bf16_task, path, lay, prompts, GEN_TOKENS, "float8",
+                                                timeout=240), "attn DP fp8 kv generation")
+    stats: list[RoutingStats] = []
+    near = far = 0.0
+    for b, (prompt, ids_of_layer) in enumerate(zip(prompts, _request_routes(got["routes"], prompts, got["tokens"],
+                                                                             world, lay))):
+        tokens = got["tokens"][b]
+        fp8 = _cached_reference(ref, prompt, tokens, ids_of_layer, near_tie, stats, got["kv_heads"])
+        plain = _cached_reference(ref, prompt, tokens, ids_of_layer, near_tie, [], None)
+        mine = got["logits"][b].float()
+        assert_close(mine[1:], fp8[1:], "model.parallel.bfloat16", f"{_describe(lay)} FP8 KV request {b}")
+        near, far = max(near, rel_l2(mine[1:], fp8[1:])), max(far, rel_l2(mine[1:], plain[1:]))
+    total = sum(stats, RoutingStats())
+    report = f"{_describe(lay)} FP8 KV: {total}; decode rel_l2 vs FP8-KV reference {near:.3e}, vs 16-bit {far:.3e}"
+    print(report)
+    assert total.clear_flips == 0, report
+    assert far >= tolerance("model.fp8_kv.bfloat16").min_separation * near, report
+
+
+def test_attn_dp_kv_pool_blocks_is_per_dp_group_and_refused_when_too_small():
+    """kv_pool_blocks under attention DP: each DP group's own pool (requests dealt round robin), a pool too small
+    for a group's requests refused naming the per-group need."""
+    out = get_pool(4).run(_pool_task, str(checkpoint("tiny")), dp_layout(4, 2), timeout=180)
+    for rank, (blocks, error) in enumerate(out):
+        assert blocks == 6, f"rank {rank}: pool of {blocks} blocks, kv_pool_blocks 6 asked"
+        assert error.startswith("kv_pool_blocks=3 is too small: these requests need 5 blocks of 16 tokens per DP "
+                                "group"), error
+
+
+@torch.no_grad()
+def _pool_task(rank, world, path, lay):
+    from optimized.executor.engine import Engine
+    from optimized.executor.model_runner import ModelRunner
+    model = rank_model(path, lay, torch.float32)
+    sizes = []
+    init = Engine.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        sizes.append(self.cache.num_blocks)
+    Engine.__init__ = record
+    try:
+        prompts = [[1] * 20, [2] * 5, [3] * 20]     # group 0: requests 0 and 2 (2 + 2 blocks + null); group 1: 1
+        ModelRunner(model, BLOCK_SIZE, kv_pool_blocks=6).generate(prompts, 3)
+        try:
+            ModelRunner(model, BLOCK_SIZE, kv_pool_blocks=3).generate(prompts, 3)
+            error = None
+        except ValueError as e:
+            error = str(e)
+    finally:
+        Engine.__init__ = init
+    return sizes[0], error
