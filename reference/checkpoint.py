@@ -176,7 +176,7 @@ def model_from_state_dict(config: Qwen3MoeConfig, state_dict: dict[str, torch.Te
                                   "(quantized checkpoints are not read by the reference)")
         bad = int((~torch.isfinite(t)).sum())     # NaN, +inf and -inf alike
         if bad:
-            raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite value(s) (NaN or inf); the "
+            raise CheckpointError(f"{source}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); the "
                                   "checkpoint is corrupt: re-download or re-convert it")
     # Fresh (aligned, contiguous) copies: results must not depend on where a tensor sat in its file
     # (CPU kernels take different vector paths for differently aligned memory).

@@ -9,16 +9,7 @@ from pathlib import Path
 from equivalence.endpoint.check import NOT_CALIBRATED, PRECISIONS, run_check
 from equivalence.endpoint.client import EndpointError
 from equivalence.endpoint.html import render_html
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3; got {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError(f"token ids must be >= 0; got {text!r}")
-    return ids
+from optimized.cli.common import parse_prompt_ids
 
 
 def parse_args(argv=None):
@@ -30,7 +21,7 @@ def parse_args(argv=None):
     ap.add_argument("--served-model", help="the model name the server serves (default: its only one)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", metavar="FILE", help="text prompts, one per line")
-    src.add_argument("--prompt-ids", action="append", type=_ids, metavar="IDS", help="token ids; repeat")
+    src.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS", help="token ids; repeat")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt (default 8)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent requests for batch invariance")
     ap.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS) + list(NOT_CALIBRATED),

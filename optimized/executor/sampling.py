@@ -126,8 +126,11 @@ def choose(logits: torch.Tensor, sampling: BatchSampling | None) -> torch.Tensor
 
     sampling None: every row greedy (no sampling work at all). Otherwise sampled rows draw with their own
     (key, draw) and greedy rows (temperature 0) take the argmax, in one batched computation."""
-    finite = torch.isfinite(logits).all(-1)                                          # [B]
-    chosen = logits.float().argmax(-1)
+    scores = logits.float()
+    # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; a finite row would have to reach
+    # |logit| ~ 1e33 to overflow it): one cheap reduction instead of an elementwise isfinite over [B, V].
+    finite = torch.isfinite(scores.sum(-1))                                          # [B]
+    chosen = scores.argmax(-1)
     if sampling is not None:
         safe = logits.masked_fill(~finite.unsqueeze(-1), 0.0)     # a NaN row would poison the row's cumsum only
         probs, order = sorted_filtered_probs(safe, sampling.temperature, sampling.top_k, sampling.top_p)
