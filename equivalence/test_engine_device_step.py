@@ -4,8 +4,12 @@ with its transfer counter around `Engine.step`, prefill and decode, single proce
 The documented budget of an engine step (optimized/executor/engine.py):
 - one device-to-host read by the engine (`Engine._read`: the chosen ids and the logprobs asked for, packed), plus
   the reads the model itself documents (the double routing's split sizes in a DP / SP prefill);
-- no host-to-device copy in a decode step; in a prefill step only the step's metadata build (the prompts' ids,
-  positions and slots in `ModelRunner.prefill_inputs`) and the admitted requests' rows (`DeviceBatch.admit`).
+- no host-to-device copy in a decode step, but in the decode steps where running requests of this rank's DP group
+  took a KV block (their next token starts one): one copy of the new (row, column, block) entries of their table
+  rows (`DeviceBatch.grow`); a preemption in that step only drops the last rows (no copy);
+- in a prefill step only the step's metadata build (the prompts' ids, positions and slots in
+  `ModelRunner.prefill_inputs`) and the admitted requests' rows (`DeviceBatch.admit`), a request recomputed after
+  a preemption included.
 A decode step that rebuilt its block table, ids or positions on the host, or a sampler that moved logits to the
 host, fails here, naming the line.
 """
@@ -22,11 +26,14 @@ from equivalence.strategies import BLOCK_SIZE
 ENGINE_READ = "optimized/executor/engine.py"
 METADATA_BUILD = ("optimized/executor/model_runner.py", "optimized/executor/device_batch.py")
 MODEL_READS = ("optimized/layers/exchange.py",)   # the double routing's all_to_all_v split sizes (host lists)
-PROMPTS = [[1, 2, 3], list(range(4, 21)), [9, 10, 11, 12, 13]]       # an odd batch; one crosses a block
+# an odd batch; one crosses a block at admission, one takes its second block in its second decode
+PROMPTS = [[1, 2, 3], list(range(4, 21)), [9, 10, 11, 12, 13], list(range(30, 45))]
+GROW = "optimized/executor/device_batch.py"
 
 
-def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_cache_dtype="auto"):
-    """Run an engine to completion on the fake device; per step: (kind, host reads, host -> device copies)."""
+def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_cache_dtype="auto", num_blocks=12):
+    """Run an engine to completion on the fake device; per step: (kind, host reads, host -> device copies, rows of
+    this rank's group that took a block, requests preempted)."""
     from equivalence.fake_device import on_fake_device
     from optimized.executor.engine import Engine
     from optimized.executor.model_runner import ModelRunner
@@ -36,7 +43,7 @@ def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_c
     runner = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype)
     steps, tokens = [], []
     with on_fake_device() as mode:
-        engine = Engine(runner, batch_size=4, num_blocks=12)
+        engine = Engine(runner, batch_size=4, num_blocks=num_blocks)
         requests = [Request(f"r{i}", p, max_tokens, sampling or GREEDY, logprobs=logprobs, stream=i)
                     for i, p in enumerate(prompts)]
         for r in requests:
@@ -44,20 +51,24 @@ def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_c
         while not engine.idle:
             reads, transfers = len(mode.host_reads), len(mode.transfers)
             step, _ = engine.step()
-            steps.append((step.kind, mode.host_reads[reads:], mode.transfers[transfers:]))
+            grown = sum(r.dp_group == engine.dp_rank for r, _ in step.grown)
+            steps.append((step.kind, mode.host_reads[reads:], mode.transfers[transfers:], grown, len(step.preempted)))
         tokens = [r.tokens for r in requests]
     return steps, tokens
 
 
 def check_budget(steps) -> None:
-    kinds = {kind for kind, _, _ in steps}
+    kinds = {kind for kind, *_ in steps}
     assert kinds == {"prefill", "decode"}, kinds
-    for i, (kind, reads, transfers) in enumerate(steps):
+    for i, (kind, reads, transfers, grown, _) in enumerate(steps):
         mine = [r for r in reads if ENGINE_READ in r]
         others = [r for r in reads if ENGINE_READ not in r and not any(m in r for m in MODEL_READS)]
         assert len(mine) == 1, f"step {i} ({kind}): the engine read the device {len(mine)} times: {mine}"
         assert not others, f"step {i} ({kind}): undocumented device reads: {others}"
-        if kind == "decode":
+        if kind == "decode" and grown:
+            assert len(transfers) == 1 and GROW in transfers[0], \
+                f"step {i} (decode, {grown} row(s) took a block) copied more than the new table entries: {transfers}"
+        elif kind == "decode":
             assert not transfers, f"step {i} (decode) copied host data onto the device: {transfers}"
         else:
             stray = [t for t in transfers if not any(m in t for m in METADATA_BUILD)]
@@ -80,6 +91,32 @@ def test_engine_steps_read_once_and_copy_only_their_metadata(sampled):
     sampling = SamplingParams(0.8, 5, 0.9, seed=7) if sampled else None
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 4, sampling, logprobs=2 if sampled else None)
     check_budget(steps)
+    assert any(grown for *_, grown, _ in steps), "no step took a block: the budget's growth rule is untested"
+
+
+@pytest.mark.equivalence
+def test_steps_that_preempt_and_recompute_keep_the_budget():
+    """A pool too small for the batch (3 blocks; three requests of one block at admission and two at the end):
+    decode steps preempt and take blocks, and the recomputes are prefills; each keeps the budget."""
+    prompts = [list(range(30, 45)), list(range(50, 64)), list(range(70, 85))]
+    steps, _ = _engine_steps(_fake_model("tiny"), prompts, 6, num_blocks=4)
+    check_budget(steps)
+    assert any(preempted for *_, preempted in steps) and any(grown for *_, grown, _ in steps)
+
+
+@pytest.mark.equivalence
+def test_a_growth_copied_row_by_row_fails_the_budget(monkeypatch):
+    """The proof can fail: blocks written into the table with one copy per entry are caught."""
+    from optimized.executor.device_batch import DeviceBatch
+
+    def row_by_row(self, blocks):
+        for row, column, block in blocks:
+            self.table[row, column:column + 1] = torch.tensor([block], dtype=self.table.dtype, device=self.device)
+            self.table[row, column:column + 1] = torch.tensor([block], dtype=self.table.dtype, device=self.device)
+    monkeypatch.setattr(DeviceBatch, "grow", row_by_row)
+    steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 4)
+    with pytest.raises(AssertionError, match="copied more than the new table entries"):
+        check_budget(steps)
 
 
 @pytest.mark.equivalence

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from optimized.benchmarks.serve_bench import percentile
+from optimized.executor.kv_cache import BlockPool
 from optimized.executor.scheduler import Request, Scheduler
 from optimized.serving.text import TextStream
 
@@ -23,24 +24,27 @@ def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budge
             requests.append(r)
         except ValueError:      # can never fit: refused at once, never queued
             assert (budget and p > budget) or s.blocks_needed(r) > blocks
-    free, order, steps = blocks, [], 0
+    pool, order, steps = BlockPool(blocks + 1, 16), [], 0
     while not s.idle:
-        step = s.schedule([free])
+        free = pool.free_blocks
+        step = s.schedule([pool])
         steps += 1
         assert steps < 1000
         if step.kind == "prefill":
             assert s.num_running() <= batch
             assert not budget or sum(len(r.prompt) for r in step.requests) <= budget
-            need = sum(s.blocks_needed(r) for r in step.requests)
-            assert need <= free
-            free -= need
+            # the prompt's blocks and the first decode token's, never the whole budget
+            assert [len(r.blocks) for r in step.requests] == [
+                math.ceil(min(len(r.prompt) + 1, r.budget - 1) / 16) for r in step.requests]
+            assert free - pool.free_blocks == sum(len(r.blocks) for r in step.requests)
             order += [r.request_id for r in step.requests]
         else:
             assert step.kind == "decode" and step.requests   # nothing admissible: decode, then finish one
             done = step.requests[0]
             s.remove(done)
-            free += s.blocks_needed(done)
+            pool.release(done.blocks)
     assert order == [r.request_id for r in requests]   # first come, first served
+    assert pool.free_blocks == blocks
 
 
 @given(n=st.integers(1, 9), dp=st.integers(1, 4), batch=st.integers(1, 8))
@@ -52,7 +56,7 @@ def test_scheduler_deals_requests_to_the_least_loaded_dp_group(n, dp, batch):
     for r in requests:
         s.add(r)
     assert [r.dp_group for r in requests] == [i % dp for i in range(n)]
-    step = s.schedule([100] * dp)
+    step = s.schedule([BlockPool(101, 16) for _ in range(dp)])
     assert step.kind == "prefill"
     assert all(len(g) <= -(-batch // dp) for g in s.running)
     assert [r.dp_group for r in step.requests] == sorted(r.dp_group for r in step.requests)   # group by group

@@ -5,6 +5,11 @@ token ids (lengths drawn uniformly in [input_len * (1 - r), input_len * (1 + r)]
 given by --prompt-lens) generating exactly --output-len tokens (ignore_eos). Per request, from the SSE stream:
 TTFT (send to first token), ITL (gaps between tokens), TPOT ((last - first) / (tokens - 1)); the report gives
 p50 / p90 / p99 of each, and request and output-token throughput over the whole run.
+
+`--max-concurrency N` caps the requests in flight: an arrival past the cap waits for one to finish before it is
+sent (its TTFT counts from the send). `--goodput ttft:MS tpot:MS` (either or both) adds goodput: the requests that
+completed within every target given (a one-token request has no TPOT and meets that target), as a share of all
+requests sent and as a rate over the run.
 """
 from __future__ import annotations
 
@@ -30,6 +35,10 @@ def add_arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default 16)")
     p.add_argument("--max-token-id", type=int, default=255, help="prompt ids are drawn from [0, this] (default 255)")
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight; later arrivals wait for a free slot (default: no cap)")
+    p.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
+                   help="goodput targets, e.g. ttft:500 tpot:50: requests meeting every target given")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     p.add_argument("--json", help="also write the report as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -118,9 +127,17 @@ async def _run(args, rate: float, lengths: list[int], rng: random.Random) -> tup
                 bar = "#" * (30 * done // len(prompts))
                 print(f"\r[{bar:<30}] {done}/{len(prompts)}", end="", file=sys.stderr, flush=True)
 
+        slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def send(prompt) -> Outcome:
+            if slots is None:
+                return await _one(client, args.url, model, prompt, args.output_len, args.timeout)
+            async with slots:
+                return await _one(client, args.url, model, prompt, args.output_len, args.timeout)
+
         start = time.perf_counter()
         for prompt in prompts:
-            task = asyncio.create_task(_one(client, args.url, model, prompt, args.output_len, args.timeout))
+            task = asyncio.create_task(send(prompt))
             task.add_done_callback(tick)
             tasks.append(task)
             if math.isfinite(rate):
@@ -131,17 +148,60 @@ async def _run(args, rate: float, lengths: list[int], rng: random.Random) -> tup
         return outcomes, time.perf_counter() - start
 
 
-def report(outcomes: list[Outcome], duration: float) -> dict:
+GOODPUT_METRICS = ("ttft", "tpot")
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """`["ttft:500", "tpot:50"]` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds); UsageError naming a bad item."""
+    targets: dict[str, float] = {}
+    for item in items or []:
+        name, sep, value = item.partition(":")
+        name = name.strip().lower()
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not sep or name not in GOODPUT_METRICS or not math.isfinite(ms) or ms <= 0:
+            raise UsageError(f"--goodput {item!r}: give METRIC:MS with METRIC one of {', '.join(GOODPUT_METRICS)} "
+                             f"and MS a positive number of milliseconds, e.g. ttft:500 tpot:50")
+        if name in targets:
+            raise UsageError(f"--goodput gives {name} twice")
+        targets[name] = ms
+    return targets
+
+
+def tpot(o: Outcome) -> float | None:
+    """Seconds per output token after the first; None for a one-token request."""
+    return (o.latency - o.ttft) / (o.tokens - 1) if o.tokens > 1 else None
+
+
+def meets(o: Outcome, targets: dict[str, float]) -> bool:
+    """A completed request within every target (milliseconds)."""
+    if not o.ok:
+        return False
+    if "ttft" in targets and 1000 * o.ttft > targets["ttft"]:
+        return False
+    t = tpot(o)
+    return not ("tpot" in targets and t is not None and 1000 * t > targets["tpot"])
+
+
+def report(outcomes: list[Outcome], duration: float, goodput: dict[str, float] | None = None,
+           max_concurrency: int | None = None) -> dict:
     ok = [o for o in outcomes if o.ok]
     ms = lambda xs: {f"p{q}": 1000 * percentile(xs, q) for q in (50, 90, 99)}   # noqa: E731
-    return {
+    extra = {"max_concurrency": max_concurrency}
+    if goodput:
+        good = sum(meets(o, goodput) for o in outcomes)
+        extra["goodput"] = {"targets_ms": dict(goodput), "good": good, "share": good / max(len(outcomes), 1),
+                            "rate": good / duration}
+    return {**extra,
         "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
         "duration_s": duration,
         "request_throughput": len(ok) / duration, "output_token_throughput": sum(o.tokens for o in ok) / duration,
         "total_input_tokens": sum(o.prompt_len for o in ok), "total_output_tokens": sum(o.tokens for o in ok),
         "ttft_ms": ms([o.ttft for o in ok]),
-        "tpot_ms": ms([(o.latency - o.ttft) / (o.tokens - 1) for o in ok if o.tokens > 1]),
+        "tpot_ms": ms([tpot(o) for o in ok if o.tokens > 1]),
         "itl_ms": ms([g for o in ok for g in o.itl]),
         "e2e_ms": ms([o.latency for o in ok]),
     }
@@ -155,6 +215,13 @@ def format_report(r: dict) -> str:
     for name in ("ttft", "tpot", "itl", "e2e"):
         v = r[f"{name}_ms"]
         rows.append(f"{name.upper():<10}{v['p50']:>10.2f}{v['p90']:>10.2f}{v['p99']:>10.2f}")
+    if r.get("max_concurrency"):
+        rows.insert(1, f"max concurrency: {r['max_concurrency']} requests in flight")
+    if r.get("goodput"):
+        g = r["goodput"]
+        targets = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in g["targets_ms"].items())
+        rows.append(f"goodput ({targets}): {g['good']} of {r['requests']} requests ({100 * g['share']:.1f} %), "
+                    f"{g['rate']:.2f} req/s")
     rows += [f"error: {e}" for e in r["errors"]]
     return "\n".join(rows)
 
@@ -175,9 +242,12 @@ def run(args) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if not 0 <= args.range_ratio < 1:
         raise UsageError(f"--range-ratio={args.range_ratio} must be in [0, 1)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise UsageError(f"--max-concurrency must be >= 1; got {args.max_concurrency}")
+    goodput = parse_goodput(args.goodput)
     rng = random.Random(args.seed)
     outcomes, duration = asyncio.run(_run(args, rate, prompt_lengths(args, rng), rng))
-    r = report(outcomes, duration)
+    r = report(outcomes, duration, goodput, args.max_concurrency)
     print(format_report(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:

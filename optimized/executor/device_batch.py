@@ -3,10 +3,14 @@ the scheduler runs them, from when it is admitted until it finishes.
 
 A row holds the request's block table, the position its next input token is written at, its last chosen id and
 its sampling parameters. They are written once, when the request is admitted (`admit`: the one host-to-device
-copy of a request's blocks and parameters), and from then on change on the device only: a decode step reads rows
-[0, n) as views, the chosen ids are written back in place, positions and draw counters step by one. A finished
-request's row is closed up by shifting the later rows one place (device copies, order kept). The last row is the
-dummy row: the null block at position 0, token 0, for a DP group with nothing to run in a step.
+copy of a request's blocks and parameters; a request recomputed after a preemption is admitted again, its position
+past its generated tokens and its draw counter at their count), and from then on change on the device only: a
+decode step reads rows [0, n) as views, the chosen ids are written back in place, positions and draw counters step
+by one. The blocks a running request takes when its next token starts a new block are written into its row when
+taken (`grow`: one small copy for all the rows that took one in a step). A finished request's row is closed up by
+shifting the later rows one place (device copies, order kept); a preempted one is always the last row. The last row
+of the tensors is the dummy row: the null block at position 0, token 0, for a DP group with nothing to run in a
+step.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ class DeviceBatch:
         if len(requests):
             table = [r.blocks + [NULL_BLOCK] * (self.width - len(r.blocks)) for r in requests]
             self.table[start:end] = torch.tensor(table, dtype=torch.int32, device=self.device)
-            self.positions[start:end] = torch.tensor([len(r.prompt) for r in requests], device=self.device)
+            self.positions[start:end] = torch.tensor([len(r.prefill_ids) for r in requests], device=self.device)
             s = self.sampling
             params = [r.sampling for r in requests]
             s.temperature[start:end] = torch.tensor([float(p.temperature) for p in params], device=self.device)
@@ -53,9 +57,21 @@ class DeviceBatch:
             s.top_p[start:end] = torch.tensor([float(p.top_p) for p in params], device=self.device)
             s.keys[start:end] = torch.tensor([seed_key(p.seed or 0, r.stream) for p, r in zip(params, requests)],
                                              device=self.device)
-            s.draws[start:end] = 0
+            if any(r.tokens for r in requests):      # recomputed: their draws go on from the tokens they have
+                s.draws[start:end] = torch.tensor([len(r.tokens) for r in requests], device=self.device)
+            else:
+                s.draws[start:end] = 0
         self.n = end
         return start, end
+
+    def grow(self, blocks: list[tuple[int, int, int]]) -> None:
+        """(row, column, block) entries written into the block table: one host-to-device copy of the triples."""
+        for row, column, _ in blocks:
+            if not (0 <= row < self.n and 0 <= column < self.width):
+                raise IndexError(f"table entry ({row}, {column}) is outside the running rows 0..{self.n - 1} or the "
+                                 f"table's {self.width} columns")
+        entries = torch.tensor(blocks, dtype=torch.int64, device=self.device)        # [k, 3]
+        self.table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(self.table.dtype)
 
     def remove(self, row: int) -> None:
         """Close up row `row`: later rows move one place up (device copies; the order is kept)."""

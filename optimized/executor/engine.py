@@ -6,7 +6,10 @@ decode_forward`: eager, or the compiled graph buckets). `generate` is the engine
 (`ModelRunner.generate`), `serve` feeds it from HTTP (serving/driver.py), `bench` and `latency` time it.
 
 The batch lives on the device (executor/device_batch.py): block tables, positions, last ids and sampling parameters
-are written when a request is admitted and change on the device only. All rows are chosen in one batched call
+are written when a request is admitted and change on the device only, but for the KV blocks taken on demand: a
+request takes the blocks of its prompt (and first decode token) at admission and one more block when its next token
+starts one, written into its table row in that step (one small copy); when its group's pool has none left, the
+group's most recently admitted request is preempted and later recomputed (executor/scheduler.py). All rows are chosen in one batched call
 (executor/sampling.py) and each step has one device-to-host read (`_read`): the chosen ids and the logprobs asked
 for, packed into one float32 vector. A request that asked for raw logits rows (record_logits, prompt_positions:
 tests, `generate --save-logits`) costs one more read in the steps that produce them.
@@ -161,18 +164,17 @@ class Engine:
     @torch.no_grad()
     def step(self) -> tuple[Step, list[TokenEvent]]:
         start = self.runner.clock()    # the step's wall time: scheduling to bookkeeping (the host overhead's base)
-        step = self.scheduler.schedule([p.free_blocks for p in self.pools])
+        step = self.scheduler.schedule(self.pools)     # admitted requests take their blocks, running ones grow
         self.steps += 1
         if step.kind == "idle":
             return step, []
         groups = self._by_group(step)
         if step.kind == "prefill":
-            for request in step.requests:
-                request.blocks = self.pools[request.dp_group].allocate(request.budget)
             own = groups[self.dp_rank]
             span = self.batch.admit(own)
             logits, kept, ids = self._prefill(groups, span)
         else:
+            self._apply_blocks(step)
             span = (0, self.batch.n)
             logits, kept, ids = self._decode(groups), None, None
         events = self._events(step, groups, self._read(groups, logits, span, step.kind, kept, ids))
@@ -181,6 +183,19 @@ class Engine:
                 self._finish(event.request)
         self.timings.append(StepTiming(step.kind, self.runner.clock() - start))
         return step, events
+
+    def _apply_blocks(self, step: Step) -> None:
+        """This group's rows follow the decode step's block changes: a preempted request's row leaves (the last row:
+        the most recently admitted), and the blocks running requests took are written into their table rows, all
+        in one small host-to-device copy."""
+        running = self.scheduler.running[self.dp_rank]
+        for request, row in step.preempted:
+            if request.dp_group == self.dp_rank:
+                self.batch.remove(row)
+        grown = [(running.index(r), column, r.blocks[column]) for r, column in step.grown
+                 if r.dp_group == self.dp_rank]
+        if grown:
+            self.batch.grow(grown)
 
     def _by_group(self, step: Step) -> list[list[Request]]:
         groups = [[] for _ in range(self.dp_size)]
@@ -200,14 +215,14 @@ class Engine:
         if own:
             table = self.batch.table[span[0]:span[1]]
             # the columns the prompts use, contiguous as the attention kernel takes it (a device copy)
-            table = table[:, :max(math.ceil(len(r.prompt) / self.runner.block_size) for r in own)].contiguous()
-            ids, meta, indices = self.runner.prefill_inputs([r.prompt for r in own], table,
+            table = table[:, :max(math.ceil(len(r.prefill_ids) / self.runner.block_size) for r in own)].contiguous()
+            ids, meta, indices = self.runner.prefill_inputs([r.prefill_ids for r in own], table,
                                                             keep=[r.kept_prompt_positions for r in own])
         else:
             dummy = self.batch.dummy
             ids, meta, indices = self.runner.prefill_inputs([[0]], self.batch.table[dummy:dummy + 1, :1])
         n_kept = sum(len(r.kept_prompt_positions) for r in own)
-        meta.dp = self._dp([sum(len(r.prompt) for r in g) or 1 for g in groups],
+        meta.dp = self._dp([sum(len(r.prefill_ids) for r in g) or 1 for g in groups],
                            [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups])
         logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
         return logits[n_kept:], logits[:n_kept], ids
@@ -235,7 +250,7 @@ class Engine:
         n = len(rows)
         sizes = [n, n if k >= 0 else 0, 2 * n * max(k, 0)]
         if kind == "prefill":
-            echo = [r for r in rows if r.prompt_logprobs]
+            echo = [r for r in rows if r.echo]
             k_echo = max((r.logprobs or 0 for r in echo), default=0)
             n_echo = sum(len(r.prompt) - 1 for r in echo)
             sizes += [n_echo, 2 * n_echo * k_echo]
@@ -256,16 +271,16 @@ class Engine:
             if k:
                 top = torch.topk(lp, k, dim=-1)
                 parts += [top.values.flatten(), top.indices.float().flatten()]
-        if kind == "prefill" and any(r.prompt_logprobs for r in rows):
-            k = max(r.logprobs or 0 for r in rows if r.prompt_logprobs)
+        if kind == "prefill" and any(r.echo for r in rows):
+            k = max(r.logprobs or 0 for r in rows if r.echo)
             lp, targets, offset, token = [], [], 0, 0
             for r in rows:
                 n = len(r.kept_prompt_positions)
-                if r.prompt_logprobs:    # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
+                if r.echo:    # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
                     lp.append(torch.log_softmax(kept[offset:offset + n].float(), dim=-1))
                     targets.append(ids[token + 1:token + len(r.prompt)])
                 offset += n
-                token += len(r.prompt)
+                token += len(r.prefill_ids)
             lp = torch.cat(lp)
             parts.append(lp.gather(1, torch.cat(targets).long().unsqueeze(1)).squeeze(1))
             if k:
@@ -302,7 +317,7 @@ class Engine:
         """Raw fp32 rows for the requests that asked (record_logits, prompt_positions): gathered over DP groups
         when any request of the step asked, then copied to the host."""
         asks = [[r.record_logits for r in g] for g in groups]
-        prompt = kind == "prefill" and any(r.prompt_positions is not None for g in groups for r in g)
+        prompt = kind == "prefill" and any(r.prompt_positions is not None and not r.tokens for g in groups for r in g)
         if not prompt and not any(map(any, asks)):
             return
         own = groups[self.dp_rank]
@@ -325,7 +340,7 @@ class Engine:
             for i, r in enumerate(g):
                 if kind == "prefill":
                     n = len(r.kept_prompt_positions)
-                    if r.prompt_positions is not None:
+                    if r.prompt_positions is not None and not r.tokens:
                         r.prompt_logits = prompt_rows[offset:offset + n]
                     offset += n
                 if r.record_logits:
@@ -352,7 +367,7 @@ class Engine:
         return events
 
     def _prompt_logprobs(self, rows, v) -> None:
-        echo = [r for r in rows if r.prompt_logprobs]
+        echo = [r for r in rows if r.echo]
         if not echo:
             return
         k = max(r.logprobs or 0 for r in echo)

@@ -48,7 +48,14 @@ class BlockPool:
         if needed > len(self._free):
             raise RuntimeError(f"KV cache out of blocks: a request of {num_tokens} tokens needs {needed} blocks of "
                                f"{self.block_size}, {len(self._free)} free of {self.num_blocks - 1}")
-        return [self._free.pop() for _ in range(needed)]
+        return self.take(needed)
+
+    def take(self, count: int) -> list[int]:
+        """`count` more blocks (a running request whose next token starts a new block)."""
+        if count > len(self._free):
+            raise RuntimeError(f"KV cache out of blocks: {count} asked, {len(self._free)} free of "
+                               f"{self.num_blocks - 1}")
+        return [self._free.pop() for _ in range(count)]
 
     def release(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))

@@ -1,4 +1,5 @@
-"""Continuous batching: which requests the next engine step runs (host bookkeeping only, no tensors).
+"""Continuous batching: which requests the next engine step runs, and the KV blocks each holds (host bookkeeping
+only, no tensors).
 
 Rules, in order, every step:
 - each request belongs to one attention-DP group (one group without DP), chosen when it is added: the group with
@@ -9,14 +10,25 @@ Rules, in order, every step:
   group's admission). If any group admitted a request the step is a prefill (groups that admitted none run a
   one-token dummy prefill, so the collectives stay in lockstep);
 - a request fits when its group's batch has room (running + admitted < the group's share of `batch_size`), the
-  group's prompt tokens stay within `max_prefill_tokens` (0: no token budget) and the group's paged KV pool has
-  the blocks for its whole budget (prompt + max_tokens) free: a running request never waits for memory;
-- otherwise the step decodes every running request of every group (a group with none runs a dummy decode);
+  group's prefill tokens stay within `max_prefill_tokens` (0: no token budget) and the group's paged KV pool has
+  the blocks its prefill writes plus the block its first decode token is written to free, beyond the blocks the
+  group's running requests take at their next decode (so the decode after a prefill never preempts);
+- otherwise the step decodes every running request of every group (a group with none runs a dummy decode). A
+  running request whose next token starts a new block takes one block then (`Step.grown`). When its group's pool
+  has none free, the group's most recently admitted running request is preempted (`Step.preempted`; it may be the
+  request itself): its blocks go back to the pool and it goes back to the head of its group's waiting queue,
+  keeping the tokens it generated;
 - nothing to do: an idle step (a multi-rank server still steps all ranks together, see serving/ranks.py).
 
-Every rank runs the same scheduler over the same requests, so every rank takes the same decisions with no
-communication. Blocks are taken at admission and given back when a request finishes or is aborted (a client
-disconnect), which is what admits the next waiting request.
+A preempted request is admitted again like any other and recomputed: its prefill writes its prompt and the tokens
+it generated (`Request.prefill_ids`; counted against `max_prefill_tokens`, and admitted alone when longer) and
+chooses its next token, its sampling going on with the same key and draw counter. A request is refused at once
+(`check_admissible`) when its whole budget (prompt + max_tokens) does not fit its group's pool alone, so a request
+that was admitted can always finish.
+
+Every rank runs the same scheduler over the same requests and keeps every group's block bookkeeping, so every rank
+takes the same decisions with no communication. Blocks are given back when a request finishes or is aborted (a
+client disconnect), or preempted, which is what admits the next waiting request.
 """
 from __future__ import annotations
 
@@ -51,6 +63,7 @@ class Request:
     logits: list = field(default_factory=list)     # with record_logits: [V] fp32 host rows, one per token
     prompt_logits: object = None                   # with prompt_positions: [len(prompt_positions), V] fp32 host rows
     prompt_logprob_values: list | None = None      # with prompt_logprobs: (logprob, top) per prompt token 1..
+    preemptions: int = 0                           # times its blocks were taken back (it was recomputed after)
 
     @property
     def budget(self) -> int:
@@ -63,8 +76,22 @@ class Request:
         return len(self.prompt) + len(self.tokens) - 1
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """What its next prefill writes to the KV cache: the prompt, then (recomputed after a preemption) the tokens
+        it generated; the prefill's last row chooses its next token."""
+        return self.prompt + self.tokens
+
+    @property
+    def echo(self) -> bool:
+        """Its prefill returns the prompt's logprobs (asked for, and not already returned before a preemption)."""
+        return self.prompt_logprobs and not self.tokens
+
+    @property
     def kept_prompt_positions(self) -> list[int]:
-        """Prompt positions whose logits the prefill returns besides the last: echo's and prompt_positions'."""
+        """Prompt positions whose logits the prefill returns besides the last: echo's and prompt_positions'
+        (none when it is recomputed: the first prefill returned them)."""
+        if self.tokens:
+            return []
         if self.prompt_positions is not None:
             return list(self.prompt_positions)
         return list(range(len(self.prompt) - 1)) if self.prompt_logprobs else []
@@ -74,6 +101,10 @@ class Request:
 class Step:
     kind: str                 # "prefill" | "decode" | "idle"
     requests: tuple[Request, ...] = ()   # every group's, group by group (a group's in its batch order)
+    # a decode step's block changes, in the order taken: (request, its row in its group's batch before it left)
+    # for each preempted request, (request, table column) for each block a running request took
+    preempted: tuple[tuple[Request, int], ...] = ()
+    grown: tuple[tuple[Request, int], ...] = ()
 
 
 class Scheduler:
@@ -93,8 +124,21 @@ class Scheduler:
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_groups)]
         self.running: list[list[Request]] = [[] for _ in range(dp_groups)]
 
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
     def blocks_needed(self, request: Request) -> int:
-        return math.ceil(request.budget / self.block_size)
+        """The most blocks the request can ever hold: its whole budget's."""
+        return self.blocks_for(request.budget)
+
+    def blocks_at_admission(self, request: Request) -> int:
+        """Blocks its prefill writes (prompt and tokens so far) and the one its first decode token is written to
+        (none past the last token it may write: budget - 1, the last generated token is never fed back)."""
+        return self.blocks_for(min(len(request.prefill_ids) + 1, request.budget - 1))
+
+    def _growth(self, request: Request) -> int:
+        """Blocks a running request takes at its next decode: the one its next token starts, if it does."""
+        return max(0, self.blocks_for(request.length + 1) - len(request.blocks))
 
     def check_admissible(self, request: Request) -> None:
         """ValueError when the request could never run (so it is refused, never left waiting forever)."""
@@ -112,31 +156,66 @@ class Scheduler:
         request.dp_group = load.index(min(load))
         self.waiting[request.dp_group].append(request)
 
-    def schedule(self, free_blocks: list[int]) -> Step:
-        """The next step; admitted requests move from waiting to running (the engine allocates their blocks).
-        free_blocks: each group's free blocks."""
-        admitted = [self._admit(g, free_blocks[g]) for g in range(self.dp_groups)]
+    def schedule(self, pools) -> Step:
+        """The next step. pools: each group's `BlockPool` (kv_cache.py), from which admitted requests take their
+        blocks here (`Request.blocks`) and running requests their next one; admitted requests move from waiting to
+        running, preempted ones back to waiting."""
+        admitted = [self._admit(g, pools[g]) for g in range(self.dp_groups)]
         if any(admitted):
             for g, new in enumerate(admitted):
+                for r in new:
+                    r.blocks = pools[g].take(self.blocks_at_admission(r))
                 self.running[g].extend(new)
             return Step("prefill", tuple(r for new in admitted for r in new))
         if any(self.running):
-            return Step("decode", tuple(r for group in self.running for r in group))
+            preempted, grown = [], []
+            for g in range(self.dp_groups):
+                self._grow(g, pools[g], preempted, grown)
+            return Step("decode", tuple(r for group in self.running for r in group), tuple(preempted), tuple(grown))
         return Step("idle")
 
-    def _admit(self, group: int, free: int) -> list[Request]:
-        admitted, tokens, waiting = [], 0, self.waiting[group]
+    def _admit(self, group: int, pool) -> list[Request]:
+        running, waiting = self.running[group], self.waiting[group]
+        admitted, tokens = [], 0
+        free = pool.free_blocks - sum(self._growth(r) for r in running)
         while waiting:
             head = waiting[0]
-            room = len(self.running[group]) + len(admitted) < self.group_batch
-            within = not self.max_prefill_tokens or tokens + len(head.prompt) <= self.max_prefill_tokens
-            need = self.blocks_needed(head)
+            n = len(head.prefill_ids)
+            room = len(running) + len(admitted) < self.group_batch
+            within = (not self.max_prefill_tokens or tokens + n <= self.max_prefill_tokens
+                      or (not admitted and head.tokens))     # a recompute past the budget: alone
+            need = self.blocks_at_admission(head)
             if not (room and within and need <= free):
                 break
             admitted.append(waiting.popleft())
-            tokens += len(head.prompt)
+            tokens += n
             free -= need
         return admitted
+
+    def _grow(self, group: int, pool, preempted: list, grown: list) -> None:
+        """Every running request of the group gets the block its next token needs, in batch order; when none is
+        free, the most recently admitted running request is preempted, until one is (or the request itself was)."""
+        running, i = self.running[group], 0
+        while i < len(running):
+            request = running[i]
+            need = self._growth(request)
+            while need > pool.free_blocks and running[-1] is not request:
+                self._preempt(group, pool, preempted)
+            if need > pool.free_blocks:              # it is the most recent itself
+                self._preempt(group, pool, preempted)
+                break
+            for block in pool.take(need):
+                grown.append((request, len(request.blocks)))
+                request.blocks.append(block)
+            i += 1
+
+    def _preempt(self, group: int, pool, preempted: list) -> None:
+        victim = self.running[group].pop()
+        pool.release(victim.blocks)
+        victim.blocks = []
+        victim.preemptions += 1
+        self.waiting[group].appendleft(victim)
+        preempted.append((victim, len(self.running[group])))
 
     def remove(self, request: Request) -> None:
         """A finished or aborted request leaves the batch (or the queue, if it never ran)."""

@@ -149,8 +149,9 @@ class Driver:
     def _account(self, step, events, now: float) -> None:
         m = self.metrics
         with m.lock:
-            if step.kind == "prefill":
-                m.prompt_tokens += sum(len(r.prompt) for r in step.requests)
+            if step.kind == "prefill":     # a request recomputed after a preemption is not a new prompt
+                m.prompt_tokens += sum(len(r.prompt) for r in step.requests if not r.preemptions)
+            m.preemptions += len(step.preempted)
             m.generation_tokens += len(events)
             for event in events:
                 t = self.times.get(event.request.request_id)

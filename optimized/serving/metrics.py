@@ -32,6 +32,7 @@ class Metrics:
         self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
         self.finished: dict[str, int] = {}
         self.prompt_tokens = self.generation_tokens = 0
+        self.preemptions = 0
         self.waiting = self.running = 0
         self.kv_usage = 0.0
 
@@ -63,6 +64,9 @@ class Metrics:
                 "# HELP qwen3_moe_generation_tokens_total Tokens generated.",
                 "# TYPE qwen3_moe_generation_tokens_total counter",
                 f"qwen3_moe_generation_tokens_total {self.generation_tokens}",
+                "# HELP qwen3_moe_preemptions_total Running requests preempted (KV blocks taken back when the pool ran "
+                "out; recomputed later).",
+                "# TYPE qwen3_moe_preemptions_total counter", f"qwen3_moe_preemptions_total {self.preemptions}",
                 "# HELP qwen3_moe_requests_finished_total Finished requests by reason: stop (EOS or a stop string), "
                 "length, abort (the client left), error (the request failed).",
                 "# TYPE qwen3_moe_requests_finished_total counter",
