@@ -39,6 +39,30 @@ def _alone(request) -> list[int]:
     return copy.tokens
 
 
+def check_tables(engine) -> None:
+    """The device batch's table rows are the running requests' blocks (the rest of each row the null block): a
+    block taken but not written into the row would send the request's keys to the null block."""
+    from optimized.executor.kv_cache import NULL_BLOCK
+    running = engine.scheduler.running[engine.dp_rank]
+    assert engine.batch.n == len(running)
+    for row, r in enumerate(running):
+        want = r.blocks + [NULL_BLOCK] * (engine.batch.width - len(r.blocks))
+        assert engine.batch.table[row].tolist() == want, f"{r.request_id}'s table row is not its blocks {r.blocks}"
+
+
+def run_checked(engine, arrivals, max_steps: int = 500):
+    """`run_engine` with the table rows checked after every step; returns the number of preemptions."""
+    pending, step, preemptions = sorted(arrivals, key=lambda a: a[0]), 0, 0
+    while pending or not engine.idle:
+        while pending and pending[0][0] <= step:
+            engine.add(pending.pop(0)[1])
+        preemptions += len(engine.step()[0].preempted)
+        check_tables(engine)
+        step += 1
+        assert step < max_steps, "the engine did not finish its requests"
+    return preemptions
+
+
 def _check(done, ref) -> None:
     for r in done:
         assert r.finish_reason == "length"
@@ -70,9 +94,10 @@ def test_preempted_requests_end_with_the_tokens_they_would_have_had(specs, batch
                 for i, (p, (_, n, s)) in enumerate(zip(prompts, specs))]
     num_blocks = 1 + max(map(_blocks, requests)) + spare_blocks      # too small for all of them at once
     engine = Engine(runner, batch_size=batch_size, num_blocks=num_blocks)
-    done = run_engine(engine, list(zip(arrivals, requests)))
+    preemptions = run_checked(engine, list(zip(arrivals, requests)))
     assert engine.cache.free_blocks == num_blocks - 1, "the pool did not return to full"
-    _check(done, ref)
+    assert preemptions == sum(r.preemptions for r in requests)
+    _check(requests, ref)
 
 
 def _fixed_case():
@@ -101,6 +126,7 @@ def test_a_pool_too_small_for_all_preempts_and_recomputes_every_request_right():
         preempted += [r.request_id for r, _ in step.preempted]
         for e in step_events:
             events[e.request.request_id].append(e)
+        check_tables(engine)
     assert preempted and sum(r.preemptions for r in requests) == len(preempted)
     assert engine.cache.free_blocks == 3
     _check(requests, ref)
@@ -144,3 +170,55 @@ def test_metrics_count_the_preemptions():
     assert count > 0 and f"qwen3_moe_preemptions_total {count}\n" in text
     # a recompute is not a new prompt
     assert f"qwen3_moe_prompt_tokens_total {sum(len(r.prompt) for r in requests)}\n" in text
+
+
+# ---------------------------------------------------------------------------------------------- attention DP
+
+DP_PROMPTS = [list(range(40, 55)), list(range(100, 114)), list(range(7, 22)), list(range(60, 75))]
+
+
+@torch.no_grad()
+def _dp_task(rank, world, path, lay):
+    from equivalence.parallel_support import dtype_of, rank_model
+    from equivalence.strategies import BLOCK_SIZE
+    from optimized.executor.engine import Engine
+    from optimized.executor.model_runner import ModelRunner
+    from optimized.executor.sampling import GREEDY, SamplingParams
+    from optimized.executor.scheduler import Request
+    engine = Engine(ModelRunner(rank_model(path, lay, dtype_of("float32")), BLOCK_SIZE), batch_size=4, num_blocks=4)
+    params = [GREEDY, GREEDY, GREEDY, SamplingParams(1.0, 20, 0.9, seed=5)]
+    requests = [Request(f"r{i}", p, 10, q, stream=i) for i, (p, q) in enumerate(zip(DP_PROMPTS, params))]
+    log = []
+    for r in requests:
+        engine.add(r)
+    while not engine.idle:
+        step, _ = engine.step()
+        log.append((step.kind, [r.request_id for r in step.requests], [(r.request_id, row) for r, row in step.preempted],
+                    [(r.request_id, c) for r, c in step.grown]))
+    return {"tokens": [r.tokens for r in requests], "groups": [r.dp_group for r in requests], "log": log,
+            "free": [p.free_blocks for p in engine.pools]}
+
+
+@pytest.mark.distributed
+def test_attn_dp_preempts_within_each_group_the_same_on_every_rank():
+    """TP 1 x DP 2 (EP 2), a pool of 3 blocks per DP group and two requests per group that outgrow it: each group
+    preempts its own most recent request, every rank takes the same decisions (the whole step log), and the tokens
+    are the reference's greedy tokens (the seeded request's: its own alone on one process)."""
+    from equivalence.dist import get_pool
+    from equivalence.parallel_support import same_on_all_ranks
+    from equivalence.test_attn_dp_parallel import dp_layout
+    from fixtures.checkpoints import checkpoint
+    got = same_on_all_ranks(get_pool(2).run(_dp_task, str(checkpoint("tiny")), dp_layout(2, 1), timeout=180),
+                            "attn DP preemption")
+    assert got["groups"] == [0, 1, 0, 1] and got["free"] == [3, 3]
+    preempted = [p for _, _, step, _ in got["log"] for p in step]
+    assert {r for r, _ in preempted} >= {"r2", "r3"}, f"no preemption in both groups: {preempted}"
+    ref = _models()[1]
+    from optimized.executor.sampling import SamplingParams
+    from optimized.executor.scheduler import Request
+    for i, (prompt, tokens) in enumerate(zip(DP_PROMPTS, got["tokens"])):
+        if i < 3:
+            want = greedy_generate(ref, torch.tensor([prompt]), 10)[0].tolist()
+        else:
+            want = _alone(Request(f"r{i}", prompt, 10, SamplingParams(1.0, 20, 0.9, seed=5), stream=i))
+        assert tokens == want, f"r{i}: {tokens} != {want}"
