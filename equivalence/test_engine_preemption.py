@@ -79,7 +79,7 @@ sampling_st = st.one_of(st.none(), st.tuples(st.sampled_from([0.8, 1.0]), st.sam
                                              st.sampled_from([1.0, 0.9]), st.integers(0, 2**64 - 1)))
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(specs=st.lists(st.tuples(st.integers(8, 30), st.integers(4, 20), sampling_st), min_size=2, max_size=4),
        batch_size=st.integers(2, 4), spare_blocks=st.integers(0, 1), data=st.data())
 def test_preempted_requests_end_with_the_tokens_they_would_have_had(specs, batch_size, spare_blocks, data):

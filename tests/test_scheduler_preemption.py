@@ -82,6 +82,22 @@ def test_the_most_recent_request_preempts_itself():
     assert step.requests == (a,) and list(s.waiting[0]) == [b] and pool.free_blocks == 1
 
 
+def test_admission_leaves_the_block_a_running_request_takes_at_its_next_decode():
+    """a's next token starts its second block: x (two blocks at admission) is not admitted into the last two free
+    blocks, which would make the next decode preempt it at once; a decodes and takes its block, x waits."""
+    s, pool = Scheduler(4, 0, BLOCK, 3), BlockPool(4, BLOCK)
+    a = Request("a", [1] * 15, 10)
+    s.add(a)
+    for _ in range(2):
+        _take_tokens(s.schedule([pool]), s, [pool], [])
+    x = Request("x", [1] * 20, 4)
+    s.add(x)
+    step = s.schedule([pool])
+    assert step.kind == "decode" and step.requests == (a,) and not step.preempted
+    assert [(r.request_id, column) for r, column in step.grown] == [("a", 1)]
+    assert list(s.waiting[0]) == [x] and pool.free_blocks == 1
+
+
 def test_preemption_stays_within_the_dp_group_that_ran_out():
     """Under attention DP each group has its own pool: group 0 running out preempts group 0's most recent request,
     not the last admitted of all (r3, in group 1)."""
@@ -152,8 +168,8 @@ def _simulate(specs, batch, budget, blocks, dp):
 
 
 @settings(max_examples=60, deadline=None)
-@given(specs=st.lists(request_st, min_size=1, max_size=8), batch=st.integers(1, 4),
-       budget=st.sampled_from([0, 40, 64]), spare=st.integers(0, 4), dp=st.integers(1, 2))
+@given(specs=st.lists(request_st, min_size=2, max_size=8), batch=st.integers(2, 4),
+       budget=st.sampled_from([0, 40, 64]), spare=st.integers(0, 2), dp=st.integers(1, 2))
 def test_blocks_on_demand_keep_the_books_and_finish_every_request_deterministically(specs, batch, budget, spare,
                                                                                      dp):
     largest = max(-(-(p + n) // BLOCK) for p, n, _ in specs)
