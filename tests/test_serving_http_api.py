@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from optimized.executor.engine import TokenEvent
+from optimized.executor.scheduler import Step
 from optimized.serving import protocol
 
 fastapi = pytest.importorskip("fastapi")
@@ -86,7 +87,7 @@ class ScriptedEngine:
                 self.scheduler.running.remove(r)
             events.append(TokenEvent(r, item, -0.5 if r.logprobs is not None else None,
                                      [] if r.logprobs is not None else None, r.finish_reason is not None))
-        return SimpleNamespace(kind="decode", requests=tuple(e.request for e in events)), events
+        return Step("decode", tuple(e.request for e in events)), events
 
 
 @pytest.fixture(scope="module")
