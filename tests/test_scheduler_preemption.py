@@ -136,15 +136,16 @@ def _simulate(specs, batch, budget, blocks, dp):
     pools = [BlockPool(blocks + 1, BLOCK) for _ in range(dp)]
     requests = [Request(f"r{i}", [1] * p, n) for i, (p, n, _) in enumerate(specs)]
     pending = sorted(zip((a for _, _, a in specs), range(len(specs))))
-    log, finished, step_no, last = [], [], 0, "idle"
+    log, finished, step_no, admitted_groups = [], [], 0, set()
     while pending or not s.idle:
         while pending and pending[0][0] <= step_no:
             s.add(requests[pending.pop(0)[1]])
         step = s.schedule(pools)
         step_no += 1
         assert step_no < 2000, "the scheduler did not finish its requests"
-        if step.kind == "decode" and last == "prefill":
-            assert not step.preempted, "the decode right after a prefill preempted (admission left no headroom)"
+        if step.kind == "decode":       # a group that admitted in the prefill before: its admission left headroom
+            assert not [r for r, _ in step.preempted if r.dp_group in admitted_groups], \
+                "the decode right after a prefill preempted in a group that admitted"
         for g in range(dp):
             held = [b for r in s.running[g] for b in r.blocks]
             assert len(held) == len(set(held)) and 0 not in held
@@ -161,7 +162,7 @@ def _simulate(specs, batch, budget, blocks, dp):
         log.append((step.kind, [r.request_id for r in step.requests],
                     [(r.request_id, row) for r, row in step.preempted], [(r.request_id, c) for r, c in step.grown]))
         _take_tokens(step, s, pools, finished)
-        last = step.kind
+        admitted_groups = {r.dp_group for r in step.requests} if step.kind == "prefill" else set()
     assert all(len(r.tokens) == r.max_tokens for r in requests)
     assert all(p.free_blocks == blocks for p in pools), "the pool did not return to full"
     return log
