@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from equivalence.endpoint.check import NOT_CALIBRATED, PRECISIONS, run_check
+from equivalence.endpoint.check import PRECISIONS, run_check
 from equivalence.endpoint.client import EndpointError
 from equivalence.endpoint.html import render_html
 from optimized.cli.common import parse_prompt_ids
@@ -24,7 +24,7 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS", help="token ids; repeat")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt (default 8)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent requests for batch invariance")
-    ap.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS) + list(NOT_CALIBRATED),
+    ap.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                     help="the endpoint's precision: picks the tolerance table entry (default fp32)")
     ap.add_argument("--top-k", type=int, default=5, help="logprobs top-k asked for (default 5)")
     ap.add_argument("--out", default="endpoint_report", help="output directory (report.json, report.html)")
