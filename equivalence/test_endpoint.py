@@ -221,7 +221,7 @@ def test_our_w4a8_server_agrees_with_the_fake_quant_reference(planted_w4a8):
 
 def test_planted_bug_fails_at_w4a8_on_all_positions(planted_w4a8):
     """A rotary error in one layer stays within W4A8's per-position bound (about 1 nat) on most positions; the
-    position-aggregate relative error catches it (check.QUANTIZED_NOTE)."""
+    position-aggregate relative error catches it (the note at check.QUANTIZED)."""
     url, bug = planted_w4a8
     bug.write_text("rotary 1")
     try:

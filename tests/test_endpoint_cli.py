@@ -36,7 +36,8 @@ def test_bad_input_is_one_line_and_exit_2(args, says, capsys, tmp_path):
 
 
 def test_quantized_checkpoint_as_model_path_is_named(capsys, tmp_path):
-    """At --precision w4a8 / w8a8 / fp8kv the reference fake-quantizes the BF16 checkpoint: its conversion is refused."""
+    """At --precision w4a8 / w8a8 / fp8kv the reference fake-quantizes the BF16 checkpoint: a converted one is
+    refused."""
     from fixtures.checkpoints import w4a8_checkpoint
     quantized = w4a8_checkpoint("tiny")
     assert main(["--url", f"http://127.0.0.1:{free_port()}/v1", "--model-path", str(quantized), "--precision", "w4a8",
