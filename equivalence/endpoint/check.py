@@ -60,7 +60,7 @@ CALIBRATION = {
              "command": "python -m equivalence.endpoint.calibrate --precision bf16 --prompts 24 --max-tokens 8"},
     # the quantized precisions (--model-path the BF16 checkpoint, our server on its conversion): the per-position
     # figures, the aggregate over the whole run, and over every pair of prompts (each alone: 19-80 positions, as a
-    # 2-prompt check): rel_l2 stays below 0.15 on all 276 pairs, the separation does not (hence MIN_SEPARATION_POSITIONS)
+    # 2-prompt check): rel_l2 stays below 0.15 on all 276 pairs, the separation does not (MIN_SEPARATION_POSITIONS)
     "w8a8": {"positions": 1470, "max_ratio": 0.3379, "false_alarms": 0, "near_ties": 16, "divergences": 0,
              "rel_l2": 0.0682, "separation": 1.684, "pairs": 276, "pair_false_alarms": 21, "pair_min_positions": 19,
              "pair_max_rel_l2": 0.1041, "pair_min_separation": 0.795, "pair_false_alarm_min_positions": 23,
