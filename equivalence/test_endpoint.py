@@ -205,9 +205,11 @@ def _quantized_agrees(r, precision):
     agg = r.meta["aggregate"]
     assert r.meta["precision"] == precision and agg["judged"] and not agg["separation_judged"]
     assert agg["positions"] == sum(len(x.positions) for x in r.requests + r.concurrent) > 30
-    # within the table's max_rel_l2 with room, and nearer the fake-quant reference than the unquantized one
+    # within the table's max_rel_l2 with room; and the entry's min_separation from the unquantized reference, which
+    # the checker itself judges only from 1000 positions (other prompt pairs dip to 0.80) but these two prompts hold
+    # with room (measured 2.3-3.6; the same runs against the unquantized reference as the oracle: 1.0-1.18)
     assert 0.01 < agg["rel_l2"] < 0.75 * agg["max_rel_l2"], agg
-    assert agg["separation"] > 1.0, agg
+    assert agg["separation"] >= agg["min_separation"], agg
 
 
 def test_our_w4a8_server_agrees_with_the_fake_quant_reference(planted_w4a8):

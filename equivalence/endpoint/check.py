@@ -459,8 +459,9 @@ def aggregate(positions: list[dict], precision: str, always_separation: bool = F
         if out["rel_l2"] > tol.max_rel_l2:
             bad.append(f"logit rel_l2 estimated over {len(positions)} positions {out['rel_l2']:.3g} > {name} "
                        f"max_rel_l2 {tol.max_rel_l2:.3g}")
-        out["separation_judged"] = always_separation or len(positions) >= MIN_SEPARATION_POSITIONS
-        if out["separation_judged"] and out["separation"] < tol.min_separation:
+        enough = always_separation or len(positions) >= MIN_SEPARATION_POSITIONS
+        out["separation_judged"] = "separation" in out and enough
+        if out["separation_judged"] and out.get("separation", math.inf) < tol.min_separation:
             bad.append(f"only {out['separation']:.3g}x farther from the unquantized reference than from the fake-quant "
                        f"one over {len(positions)} positions (< {name} min_separation {tol.min_separation:.3g})")
         if bad:
