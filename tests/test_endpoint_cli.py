@@ -26,7 +26,6 @@ def one_line_error(capsys) -> str:
 @pytest.mark.parametrize("args, says", [
     (["--url", "http://127.0.0.1:{port}/v1"], "cannot reach http://127.0.0.1:{port}/v1/models"),
     (["--url", "127.0.0.1:8000/v1"], "is not an http(s) URL"),
-    (["--url", "http://127.0.0.1:{port}/v1", "--precision", "w4a8"], "--precision w4a8: no per-position tolerance"),
     (["--url", "http://127.0.0.1:{port}/v1", "--max-tokens", "0"], "must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says, capsys, tmp_path):
@@ -34,6 +33,16 @@ def test_bad_input_is_one_line_and_exit_2(args, says, capsys, tmp_path):
     argv = [a.format(port=port) for a in args] + ["--model-path", str(checkpoint("tiny")), "--out", str(tmp_path)]
     assert main(argv) == 2
     assert says.format(port=port) in one_line_error(capsys)
+
+
+def test_quantized_checkpoint_as_model_path_is_named(capsys, tmp_path):
+    """At --precision w4a8 / w8a8 / fp8kv the reference fake-quantizes the BF16 checkpoint: a converted one is
+    refused."""
+    from fixtures.checkpoints import w4a8_checkpoint
+    quantized = w4a8_checkpoint("tiny")
+    assert main(["--url", f"http://127.0.0.1:{free_port()}/v1", "--model-path", str(quantized), "--precision", "w4a8",
+                 "--out", str(tmp_path)]) == 2
+    assert f"--model-path {quantized} is a quantized checkpoint; give the BF16 checkpoint" in one_line_error(capsys)
 
 
 def test_missing_checkpoint_and_prompts_file(capsys, tmp_path):

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from equivalence.endpoint.check import NOT_CALIBRATED, PRECISIONS, run_check
+from equivalence.endpoint.check import PRECISIONS, run_check
 from equivalence.endpoint.client import EndpointError
 from equivalence.endpoint.html import render_html
 from optimized.cli.common import parse_prompt_ids
@@ -17,15 +17,20 @@ def parse_args(argv=None):
                                  description="compare an OpenAI-compatible endpoint with the reference per position "
                                              "(exit 0 agree, 1 diverged, 2 bad input)")
     ap.add_argument("--url", required=True, help="the server's OpenAI base, e.g. http://127.0.0.1:8000/v1")
-    ap.add_argument("--model-path", required=True, help="the checkpoint directory the endpoint serves")
+    ap.add_argument("--model-path", required=True,
+                    help="the checkpoint directory the endpoint serves; at w8a8 / w4a8 / fp8kv the BF16 checkpoint the "
+                         "served one was converted from (the reference fake-quantizes it)")
     ap.add_argument("--served-model", help="the model name the server serves (default: its only one)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompts", metavar="FILE", help="text prompts, one per line")
     src.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS", help="token ids; repeat")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt (default 8)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent requests for batch invariance")
-    ap.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS) + list(NOT_CALIBRATED),
-                    help="the endpoint's precision: picks the tolerance table entry (default fp32)")
+    ap.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                    help="the endpoint's precision, which picks the reference and the tolerance table entry "
+                         "(default fp32): fp32, bf16 (the plain reference); w8a8, w4a8 (the fake-quant reference of "
+                         "that scheme, judged on all positions together: the per-position bound is about 1 nat "
+                         "there); fp8kv (W4A8 with the per-token FP8 KV cache, the recipe's default conversion)")
     ap.add_argument("--top-k", type=int, default=5, help="logprobs top-k asked for (default 5)")
     ap.add_argument("--out", default="endpoint_report", help="output directory (report.json, report.html)")
     return ap.parse_args(argv)
