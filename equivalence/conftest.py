@@ -22,7 +22,7 @@ def pytest_addoption(parser):
     group.addoption("--endpoint", metavar="URL", help="check this server's /v1 against the reference "
                     "(equivalence/test_endpoint.py::test_a_given_endpoint_agrees)")
     group.addoption("--endpoint-model-path", metavar="CKPT", help="the checkpoint directory the endpoint serves")
-    group.addoption("--endpoint-precision", default="fp32", help="the endpoint's precision (fp32, bf16)")
+    group.addoption("--endpoint-precision", default="fp32", help="the endpoint's precision (fp32, bf16, w8a8, w4a8, fp8kv)")
 
 
 def pytest_collection_modifyitems(config, items):
