@@ -14,10 +14,7 @@ Bounded: 48 requests of at most 6 tokens on the tiny model, 6 clients at a time.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from equivalence.endpoint import servers
 from equivalence.test_e2e_serving_http import ref_greedy
 from fixtures.checkpoints import checkpoint
 
@@ -32,13 +30,12 @@ pytestmark = pytest.mark.equivalence
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = """model_config: {model_path: "fixture:tiny", dtype: float32}
 data_config: {input_max_len: 32}
 scheduler_config: {batch_size: 4, max_new_tokens: 6, block_size: 16, max_prefill_tokens: 96}
 """
 HEALTH_S = 1.0          # the liveness bound of a /health probe
-START_S, TIMEOUT_S = 180, 60
+TIMEOUT_S = 60
 
 
 def _rss_bytes(pid: int) -> int:
@@ -46,13 +43,6 @@ def _rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS in /proc")
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metric(text: str, name: str) -> float:
@@ -64,23 +54,10 @@ def test_loopback_load_with_disconnects_bad_and_oversized_requests(tmp_path):
     checkpoint("tiny")
     config = tmp_path / "load.yaml"
     config.write_text(CONFIG)
-    port, log = _free_port(), open(tmp_path / "server.log", "w+")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.Popen([sys.executable, "-m", "optimized", "serve", "--config", str(config), "--port", str(port),
-                             "--kv-pool-blocks", "6"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    http = httpx.Client(base_url=url, timeout=TIMEOUT_S)
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.poll() is None, f"the server exited: {(tmp_path / 'server.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if http.get("/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+    port = servers.free_port()
+    cmd = servers.ours(config, port) + ["--kv-pool-blocks", "6"]
+    with servers.server_process(cmd, port, tmp_path / "server.log") as (url, proc), \
+            httpx.Client(base_url=url, timeout=TIMEOUT_S) as http:
         warm = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
         assert warm.status_code == 200, warm.text
         rss_before = _rss_bytes(proc.pid)
@@ -160,12 +137,3 @@ def test_loopback_load_with_disconnects_bad_and_oversized_requests(tmp_path):
         assert rss_after <= 1.2 * rss_before, f"RSS {rss_before >> 20} MiB before the load, {rss_after >> 20} after"
         print(f"load: {len(results)} requests, {len(health)} health probes (max {max(s for _, s in health):.3f} s), "
               f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
-    finally:
-        http.close()
-        proc.terminate()
-        try:
-            proc.wait(TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(TIMEOUT_S)
-        log.close()

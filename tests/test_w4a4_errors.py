@@ -16,15 +16,7 @@ from fixtures.checkpoints import (ROTATION_INPUT_KEY, ROTATION_OUTPUT_KEY, bf16_
                                   w4a4_checkpoint, write_rotation_dir)
 from optimized.cli.main import main as cli_main
 from optimized.layers import hadamard
-
-
-def run_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as info:
-        cli_main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("python -m optimized: error: "), err
-    return err
+from test_optimized_cli import run_error   # the one CLI-error helper (tests/ is on sys.path)
 
 
 def broken_dirs(tmp_path) -> dict[str, tuple[str, list[str]]]:

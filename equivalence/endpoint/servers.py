@@ -35,6 +35,14 @@ def config_yaml(dtype: str = "float32", parallel: str | None = None, model: str 
 @contextlib.contextmanager
 def serving(cmd: list[str], port: int, log_path: Path, health: str = "/health"):
     """Run `cmd` (a server on 127.0.0.1:port) until the block ends; yields the /v1 base URL."""
+    with server_process(cmd, port, log_path, health) as (base, _):
+        yield base + "/v1"
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], port: int, log_path: Path, health: str = "/health"):
+    """Run `cmd` (a server on 127.0.0.1:port) until the block ends, once `health` answers; yields (its base URL,
+    its process)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     with open(log_path, "w+") as log:
@@ -54,7 +62,7 @@ def serving(cmd: list[str], port: int, log_path: Path, health: str = "/health"):
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.5)
-            yield base + "/v1"
+            yield base, proc
         finally:
             proc.terminate()
             try:
