@@ -14,7 +14,6 @@ import torch
 
 from fixtures.checkpoints import (ROTATION_INPUT_KEY, ROTATION_OUTPUT_KEY, bf16_checkpoint, checkpoint, rotation_dir,
                                   w4a4_checkpoint, write_rotation_dir)
-from optimized.cli.main import main as cli_main
 from optimized.layers import hadamard
 from test_optimized_cli import run_error   # the one CLI-error helper (tests/ is on sys.path)
 
