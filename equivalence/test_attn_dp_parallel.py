@@ -5,10 +5,11 @@ equals the reference, over real gloo ranks.
 
 Layouts: world 4 as attention TP 2 x DP 2 (EP 4), world 8 as TP 4 x DP 2 (KV heads replicated) and TP 2 x DP 4 (EP 8),
 TP 2 x DP 2 with a vocab-parallel embedding inside each DP group and an lm_head vocab-parallel over all four ranks,
-and pure DP (TP 1 x DP 4, no gather at all) with a vocab-parallel lm_head spanning two DP groups. Every case runs the runner's `generate`:
-- fp32: batches of 1-5 requests (dividing the DP size and not: the batch is padded with dummy requests), a drawn EOS
-  id (a token the reference generates for a drawn request at a drawn step) so requests finish at different steps and
-  DP groups run uneven batches or keep-alive rows; the generated tokens are exactly the reference's greedy tokens
+and pure DP (TP 1 x DP 4, no gather at all) with a vocab-parallel lm_head spanning two DP groups. Every case runs the
+engine through `ModelRunner.generate`:
+- fp32: batches of 1-5 requests (dividing the DP size and not: request i runs in DP group i mod D, a group with nothing
+  to run steps a dummy token into the null block), a drawn EOS id (a token the reference generates for a drawn request
+  at a drawn step) so requests finish at different steps and DP groups run uneven batches or dummy rows; the generated tokens are exactly the reference's greedy tokens
   (16 unless EOS), the finish reasons match, and every returned logit (each prompt position, and each generated
   token's) is within `model.float32` of the reference's;
 - every decode step of every MoE layer went through one MC2 dispatch / combine pair and the prefill through none

@@ -8,7 +8,7 @@ import torch
 
 @dataclass(frozen=True)
 class DataParallelBatch:
-    """Host data of one attention-DP step, the same on every rank (the runner knows every DP group's request counts).
+    """Host data of one attention-DP step, the same on every rank (the engine knows every DP group's request counts).
 
     DP group d runs `tokens[d]` packed tokens this step; each of its `tp_size` attention TP ranks holds `rows` of them
     (rank i: tokens [i*rows, (i+1)*rows), past tokens[d] padding), `rows` the same on every rank of the job so every
