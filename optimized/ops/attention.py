@@ -305,8 +305,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor
     group = nq // nkv
     if lkv == 0 or lq == 0:
         return q.new_zeros(reqs, lq, nq, dv), torch.full((reqs, nq, lq), math.inf, device=q.device)
-    qg = q.reshape(reqs, lq, nkv, group, q.shape[-1])
-    s = torch.einsum("nigrd,njgd->ngrij", qg, k) * scale  # (R, Nkv, G, Lq, Lkv), fp32
+    # Batched matmuls over contiguous operands of fixed per-request shapes, (G*Lq, D) @ (D, Lkv) per (request, KV
+    # head): an einsum, or a strided operand, lets the GEMM path depend on how many requests share the call, and a
+    # request batched with others would round differently from the same request alone.
+    # torch.bmm on 3-D operands: torch.matmul folds a batch of one into a plain mm, another GEMM path.
+    qg = q.reshape(reqs, lq, nkv, group, q.shape[-1]).permute(0, 2, 3, 1, 4).reshape(reqs * nkv, group * lq, -1)
+    kt = k.permute(0, 2, 3, 1).reshape(reqs * nkv, -1, lkv)                                   # (R*Nkv, D, Lkv)
+    s = torch.bmm(qg.contiguous(), kt.contiguous()).reshape(reqs, nkv, group, lq, lkv) * scale  # (R, Nkv, G, Lq, Lkv)
     if vis is not None:
         s = s.masked_fill(~vis, -math.inf)
     m = s.amax(-1, keepdim=True)
@@ -314,7 +319,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor
     p = torch.exp(s - torch.where(valid, m, torch.zeros_like(m)))
     l = p.sum(-1, keepdim=True)
     probs = (p / torch.where(valid, l, torch.ones_like(l))).to(p_dtype).float()
-    out = torch.einsum("ngrij,njgd->nigrd", probs, v).reshape(reqs, lq, nq, dv)
+    out = torch.bmm(probs.reshape(reqs * nkv, group * lq, lkv).contiguous(),
+                    v.permute(0, 2, 1, 3).reshape(reqs * nkv, lkv, dv).contiguous())           # (R*Nkv, G*Lq, Dv)
+    out = out.reshape(reqs, nkv, group, lq, dv).permute(0, 3, 1, 2, 4).reshape(reqs, lq, nq, dv)
     lse = torch.where(valid, m + torch.log(l), torch.full_like(m, math.inf)).reshape(reqs, nq, lq)
     return out, lse
 
