@@ -91,6 +91,18 @@ def _send(conn, obj) -> None:
     conn.send_bytes(data)
 
 
+def _compile_in_process() -> None:
+    """A rank forked from a test process that already compiled a graph inherits inductor's compile pools without
+    their threads, and a compile in the rank would wait on them forever: each rank compiles in-process instead."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import async_compile
+    inductor_config.compile_threads = 1
+    for name in ("pool", "process_pool"):
+        cached = getattr(async_compile.AsyncCompile, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
@@ -103,6 +115,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _compile_in_process()
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=600))
