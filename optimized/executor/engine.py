@@ -27,7 +27,6 @@ finish_reason "error" (its event carries the message), never the engine.
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass, replace
 
 import torch
@@ -402,7 +401,7 @@ class Engine:
 def shared_seed(device: torch.device) -> int:
     """A fresh random seed, the same on every rank (rank 0's, broadcast) when the model is sharded."""
     import torch.distributed as dist
-    seed = torch.tensor([secrets.randbits(62)], device=device)   # hccl / nccl broadcast device tensors only
+    seed = torch.tensor([fresh_seed()], device=device)   # hccl / nccl broadcast device tensors only
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(seed, src=0)
     return int(seed)
