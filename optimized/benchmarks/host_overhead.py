@@ -2,7 +2,7 @@
 
 `python -m optimized bench --host-overhead [--host-overhead-batches 1,16]` builds the optimized model alone (random
 weights of the preset's shapes, `--layers` layers) and runs the engine (`ModelRunner.generate`) at each batch. Each
-decode step's wall time is the engine's own (`Engine.timings`: from scheduling to the step's one host read); the
+decode step's wall time is the engine's own (`Engine.last_timing`: from scheduling to the step's bookkeeping); the
 forward's is timed around `runner.decode_forward` with a device sync. What is left is the engine's work on the host:
 scheduling, metadata, sampling, the read back, the bookkeeping. Reported as medians over the timed steps, and as a
 share of the step (the target: at most 5 %).

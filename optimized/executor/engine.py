@@ -84,7 +84,10 @@ class Engine:
         self.batch = DeviceBatch(self.scheduler.group_batch, width, self.device)
         self.requests: dict[str, Request] = {}
         self.steps = 0
-        self.timings: list[StepTiming] = []    # kind and wall time of every step that ran (cleared by the caller)
+        # The last step's kind and wall time (a serving engine runs for days: one value, not a growing log), and
+        # each warm-up bucket's.
+        self.last_timing: StepTiming | None = None
+        self.warm_up_timings: dict[int, float] = {}
 
     # ---- requests in and out
     def check(self, request: Request) -> None:
@@ -157,7 +160,7 @@ class Engine:
                 block_table=torch.zeros(bucket, 1, dtype=torch.int32, device=self.device),
                 block_size=self.runner.block_size, dp=self._dp([bucket] * self.dp_size))
             self.runner.decode_forward(zeros, meta, self.cache.layers).float().sum().item()
-            self.timings.append(StepTiming("warm_up", self.runner.clock() - start))
+            self.warm_up_timings[bucket] = self.runner.clock() - start
 
     # ---- one step
     @torch.no_grad()
@@ -166,6 +169,7 @@ class Engine:
         step = self.scheduler.schedule(self.pools)     # admitted requests take their blocks, running ones grow
         self.steps += 1
         if step.kind == "idle":
+            self.last_timing = StepTiming("idle", 0.0)
             return step, []
         groups = self._by_group(step)
         if step.kind == "prefill":
@@ -180,7 +184,7 @@ class Engine:
         for event in events:
             if event.finished:
                 self._finish(event.request)
-        self.timings.append(StepTiming(step.kind, self.runner.clock() - start))
+        self.last_timing = StepTiming(step.kind, self.runner.clock() - start)
         return step, events
 
     def _apply_blocks(self, step: Step) -> None:

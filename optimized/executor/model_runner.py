@@ -158,10 +158,10 @@ class ModelRunner:
         result = GenerationResult(tokens=[r.tokens for r in requests], finish_reasons=["length"] * len(prompts))
         while not engine.idle:
             _, events = engine.step()
-            timing = engine.timings.pop()
+            timing = engine.last_timing
             if timing.kind == "prefill":
                 result.prefill_seconds += timing.seconds
-            else:
+            elif timing.kind == "decode":
                 result.decode_seconds.append(timing.seconds)
             failed = next((e for e in events if e.error is not None), None)
             if failed is not None:
