@@ -25,7 +25,6 @@ from pathlib import Path
 
 from optimized.errors import UsageError
 
-BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)
 
 
 def load_config(path, *, model_path: str | None = None, dtype: str | None = None, max_new_tokens: int | None = None,
@@ -198,6 +197,7 @@ def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
     from optimized.model_loader.hf_config import ModelConfigError, load_hf_config
     from optimized.model_loader.model_path import resolve_model_path
     from optimized.model_loader.tokenizer import CheckpointTokenizer
+    from optimized.executor.model_runner import BLOCK_GRANULARITY
     m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
     if s.block_size < 1 or s.block_size % BLOCK_GRANULARITY:
         raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
