@@ -77,12 +77,13 @@ def test_sampled_rows_draw_from_their_own_logits():
 def test_the_draw_follows_the_counter_based_uniforms():
     """The sampled token is the inverse CDF of the filtered distribution at u = hash(seed, stream, draw): computed
     here by hand for one row, in vocabulary-sorted order."""
-    from optimized.executor.sampling import SamplingParams, Sampler, filtered_probs, seed_key, uniforms
+    from optimized.executor.sampling import BatchSampling, SamplingParams, choose, filtered_probs, seed_key, uniforms
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)) * 2
     params = SamplingParams(0.9, 0, 0.8, seed=2**63 + 5)          # a 64-bit seed
-    sampler = Sampler(params, 1)
     for draw in range(6):
-        got = int(sampler(logits, [0]))
+        row = BatchSampling(torch.tensor([0.9]), torch.tensor([0]), torch.tensor([0.8]),
+                            torch.tensor([seed_key(params.seed, 0)]), torch.tensor([draw]))
+        got = int(choose(logits, row))
         probs = filtered_probs(logits, params)[0]
         order = torch.sort(logits[0].float() / 0.9, descending=True, stable=True).indices
         cdf = torch.cumsum(probs[order], 0)

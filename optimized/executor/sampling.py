@@ -140,32 +140,3 @@ def choose(logits: torch.Tensor, sampling: BatchSampling | None) -> torch.Tensor
         drawn = order.gather(-1, index).squeeze(-1)
         chosen = torch.where(sampling.temperature > 0, drawn, chosen)
     return torch.where(finite, chosen, -1)
-
-
-class Sampler:
-    """One-call sampling for a fixed list of requests (the library's simple form of `choose`): request i of the
-    list samples with stream i of `params.seed` (or of `seed` when params has none)."""
-
-    def __init__(self, params: SamplingParams, num_requests: int, seed: int | None = None):
-        self.params = params
-        self.keys = None
-        if not params.greedy:
-            base = params.seed if params.seed is not None else seed
-            if base is None:
-                raise ValueError("sampling without SamplingParams.seed needs a seed from the caller")
-            self.keys = [seed_key(base, i) for i in range(num_requests)]
-            self.draws = [0] * num_requests
-
-    def __call__(self, logits: torch.Tensor, requests: list[int]) -> torch.Tensor:
-        """logits [len(requests), V] -> token ids [len(requests)] (int64, on the logits' device)."""
-        if self.params.greedy:
-            return logits.float().argmax(-1)
-        device, n = logits.device, len(requests)
-        rows = BatchSampling(torch.full((n,), float(self.params.temperature), device=device),
-                             torch.full((n,), self.params.top_k, device=device),
-                             torch.full((n,), float(self.params.top_p), device=device),
-                             torch.tensor([self.keys[r] for r in requests], device=device),
-                             torch.tensor([self.draws[r] for r in requests], device=device))
-        for r in requests:
-            self.draws[r] += 1
-        return choose(logits, rows)
