@@ -1,69 +1,11 @@
-"""Inference configuration: one YAML file with the cann-recipes-infer sections, validated with clear errors.
+"""Inference configuration: one YAML file with the cann-recipes-infer sections (model_config, data_config,
+parallel_config, scheduler_config), validated with clear errors.
 
-```yaml
-model_config:        # what to run
-  model_path: fixture:tiny      # see "model_path" below
-  exe_mode: eager               # eager | ge_graph | acl_graph: decode as one compiled graph (optimized/executor/graph.py)
-  dtype: bfloat16               # bfloat16 | float32
-  with_ckpt: true               # false: random weights of the real shapes (benchmarks without a checkpoint)
-  enable_cache_compile: false   # graph modes: cache compiled decode graphs under compile_cache/<CASE_NAME>
-  trust_compile_cache: false    # load cache entries this user did not write (copied from another node): a
-                                # compile cache is code; see optimized/executor/compile_cache.py
-  num_hidden_layers: null       # optional override: build only the first N decoder layers
-  tokenizer_mode: default       # default: prompts encoded as they are | chat: through the chat template
-  kv_cache_dtype: auto          # auto: the checkpoint's kv_cache_scheme (per-token FP8 or 16-bit) | bfloat16 | float8
-  force_eplb: null              # true: the recipe's forced balanced routing (benchmarks: every MoE layer's expert ids
-                                # replaced by a balanced list per rank, the gate's top-k weights kept;
-                                # optimized/layers/force_eplb.py); perfect_eplb: its older name; null: false
-data_config:         # what to feed it
-  dataset: prompts              # prompts: the `prompts` list | random: random token ids (benchmarks)
-  prompts: ["The capital of France is"]
-  input_max_len: 1024           # longest prompt accepted (longer is an error) / random inputs are this long
-  seed: 0                       # seed of the random dataset (and of random weights)
-parallel_config:     # how to shard it (every *_size divides world_size)
-  world_size: 1
-  attn_tp_size: 1               # attention tensor parallel (contiguous ranks)
-  moe_tp_size: 1                # MoE (and dense MLP) tensor parallel (contiguous ranks)
-  moe_ep_size: null             # MoE expert parallel (strided ranks); moe_tp_size * moe_ep_size == world_size;
-                                # null: world_size / moe_tp_size (as the recipe derives it)
-  embed_tp_size: 1              # vocab-parallel embedding (contiguous ranks)
-  lmhead_tp_size: 1             # vocab-parallel lm_head (contiguous ranks)
-  collective_timeout_s: 120     # a collective waiting longer fails, naming this key (env override:
-                                # QWEN3_MOE_COLLECTIVE_TIMEOUT_S); torch's default would wait 30 minutes
-  prefill_opt: null             # sequence-parallel prefill (Attention SP+TP, MoE EP); null: on when
-                                # attn_tp_size == moe_ep_size == world_size > 1 (needs moe_tp_size 1)
-  moe_ep_scheme: auto           # MoE EP of the SP prefill: auto | allgather | alltoall (double routing);
-                                # auto: allgather when top_k >= moe_ep_size (optimized/distributed/prefill_plan.py)
-  attn_dp: null                 # attention data parallel (the recipe's attn_tp_size < world_size layouts):
-                                # attn_dp_size = world_size / attn_tp_size groups of attn_tp_size ranks, each with
-                                # its share of the batch; needs moe_tp_size 1 (MoE EP over every rank), embed_tp_size
-                                # dividing attn_tp_size, batch_size a multiple of attn_dp_size;
-                                # null: on whenever attn_tp_size < world_size (the recipe's rule); false: every
-                                # attention TP group runs the whole batch (replicated attention)
-scheduler_config:    # how to schedule it
-  batch_size: 1
-  max_new_tokens: 32
-  block_size: 128               # paged KV cache block size (tokens per block)
-```
-
-Every key is optional (the dataclass defaults above); unknown keys are rejected, and so is a mapping that
-repeats a key (PyYAML would keep the last value silently): the error names the key and both lines.
-
-`model_path` convention:
-- a directory with an HF `config.json` (and safetensors when `with_ckpt` is true);
-- `fixture:NAME`: the tiny deterministic checkpoint `NAME` built (and cached) by the `fixtures/` builder,
-  e.g. `fixture:tiny`;
-- `preset:NAME`: a released model's config.json (real shapes, no weights) from `fixtures.presets`, written
-  once into the fixture cache by the CLI; meant for `with_ckpt: false` benchmarks, e.g. `preset:qwen3_30b_a3b`.
-This module only checks the syntax; the loader resolves the path.
-
-`num_hidden_layers` overrides the model's layer count (benchmarks with real shapes but few layers). With a
-checkpoint it keeps the first N layers, so it may not exceed the checkpoint's count.
-
-Validation happens in two steps. `from_dict` / `from_yaml` check what the file alone decides (keys, types,
-positive sizes, world_size divisible by every parallel size, moe_tp_size * moe_ep_size == world_size).
-`validate_for_model(hf_config)` checks what needs the model (head, expert, vocab and MLP divisibility).
-All violations are reported together in one `ConfigError`, one line each, starting with the dotted key.
+Every key is optional (the dataclass defaults below); unknown keys and repeated keys are rejected. `from_dict` /
+`from_yaml` check what the file alone decides; `validate_for_model(hf_config)` what needs the model. All
+violations are reported together in one `ConfigError`, one line each, starting with the dotted key. `model_path`
+is `fixture:NAME`, `preset:NAME` (the product's presets, optimized/model_loader/presets.py) or a directory; this
+module only checks its syntax. See docs/config.md for every key, what it does and whether it is honoured.
 """
 from __future__ import annotations
 

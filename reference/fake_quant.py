@@ -16,7 +16,7 @@ those linears (the normed hidden state, the attention output, the expert input, 
 The SwiGLU product is formed in fp32 and rounded once, as the fused SwiGLU + quantization does.
 W8A8 (the converter's `w8a8c16`, §8.1): the same points, the expert weights MXFP8 E4M3 too; its SwiGLU
 (npu_swiglu, then the MX quantization) also rounds the fp32 product once to the activation dtype.
-The sequence-parallel prefill's MXFP8 communication (optimized/layers/mx_prefill.py) quantizes the
+The sequence-parallel prefill's MXFP8 communication (optimized/phases.py, MxSequenceParallelStep) quantizes the
 same tensors (the normed hidden state before the QKV gather, the attention output before the all_to_all, the
 expert input before the EP exchange), so it needs no further point here.
 Norms, router, embeddings and lm_head stay unquantized. Dense MLP layers (none in released Qwen3-MoE) are

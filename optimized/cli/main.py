@@ -1,4 +1,4 @@
-"""Command line: `python -m optimized generate | bench | latency | convert`, one module per subcommand.
+"""Command line: `python -m optimized generate | serve | bench | latency | convert`, one module per subcommand.
 
     python -m optimized generate --config YAML [--model-path P] [--prompt TEXT ... | --prompt-ids 1,2,3 ...]
                                  [--chat] [--max-new-tokens N] [--dtype bfloat16|float32]
