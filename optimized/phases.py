@@ -1,42 +1,6 @@
 """How a phase (prefill, decode) moves activations through the decoder layers: strategies chosen once at build time.
 
-A phase owns the layer loop (`run`); its step says, for each piece of the decoder layer (input norm, attention,
-post-attention norm, MLP), how the activations move between ranks. The decoder layer (model.py) calls the step
-and names no layout.
-
-- `TensorParallelPhase` + `TensorParallelStep`: every rank runs every token; attention TP with a row-parallel
-  o_proj, the MoE block's own `moe_infer_tp`, or in decode with moe_tp 1 and EP > 1 `moe_infer_dispatch_combine`
-  (MC2, `decode_plan.uses_mc2_decode`). Decode always; prefill without `prefill_opt`.
-- `SequenceParallelPrefill` + `SequenceParallelStep` (the recipe's Attention SP+TP with MoE EP): rank r of the
-  attention TP group runs packed tokens [r*n, (r+1)*n), n = ceil(T / P) (the last slice padded; the padding is
-  created and stripped in `SequenceParallelPrefill.run` alone and never reaches the KV cache). Attention gathers
-  the whole sequence before merged_qkv_proj, runs the rank's heads, and an all_to_all hands each rank its own
-  tokens with every head for the replicated o_proj; the MoE reaches its experts through the EP exchange chosen by
-  `prefill_plan.choose_ep_scheme` (`moe_infer_ag` / `moe_infer_double_routing`, layers/exchange.py).
-- `MxSequenceParallelStep` (W4A8 checkpoints under the SP prefill, spec mx_quant.md §9.2, the recipe's
-  `prefill_opt` with `gmm_quant_mode` w4a8mxfloat4): the same data flow, but each activation is quantized once,
-  on the rank that owns the tokens, and moves as MXFP8 rows (E4M3 data + E8M0 scales: (1 + 1/32) bytes per
-  element instead of 2): the input norm fuses the MX quantization (`npu_(add_)rms_norm_dynamic_mx_quant`), the
-  attention output is quantized before its all_to_all, the post-attention norm is `npu_add_rms_norm_cast`
-  (fp32 router input, bf16 expert input) and the expert input is quantized before the EP exchange.
-  Every MX quantization is per row and per 32-block along the last axis, so quantizing before a row gather /
-  exchange gives the bytes quantizing after it would; the attention output's blocks stay inside one rank's heads
-  (each rank's width is a multiple of 32, checked by `uses_mx_prefill`). Only arithmetic differs from the bf16
-  step: the fused norms round once from the fp32 residual sum, and the router reads the norm's fp32 output.
-
-- `DataParallelPhase` + `DataParallelStep` (attention data parallel, `parallel_config.attn_dp`, the recipe's
-  attn_tp x dp layouts with MoE EP over every rank), prefill and decode alike as in the recipe: each DP group (an
-  attention TP group) runs only its own requests over its own paged KV cache, and each of its ranks holds `rows` of
-  the group's packed tokens (`ForwardMetadata.dp`, the same count on every rank of the job: the tail padded).
-  Embedding per DP group; attention all-gathers the group's tokens before merged_qkv_proj and reduce-scatters the
-  row-parallel o_proj's partial sums back to each rank's rows; the MoE reaches its experts over the whole EP group
-  with each rank's own rows (decode: MC2 with the padding masked out, `own_rows`; prefill: double routing, the
-  recipe's path B); the final hidden states are gathered over the DP group's attention TP ranks for lm_head, and
-  each DP group samples its own requests: the runner shares only the chosen ids, which keep every rank in lockstep.
-  W4A8 / W8A8 checkpoints take the same step with 16-bit rows on every exchange, as the recipe's paths B and D do
-  (the MXFP8 wire is the SP prefill's alone): each MXFP8 linear and the experts quantize their own input per row.
-
-Phases and steps hold only exchanges (sizes and process groups), never a module: the model is passed to `run`.
+See docs/parallel.md, "Notes from the code", optimized/phases.py.
 """
 from __future__ import annotations
 

@@ -1,37 +1,6 @@
 """MX fake quantization for the reference model: quantize, then dequantize, at the W4A8 points.
 
-A plain restatement of the MX rules (spec mx_quant.md), in float64 so every step is exact, used as the
-tight oracle of the quantized optimized model. Nothing here comes from `optimized/`.
-
-MX block: 32 consecutive values along the last axis share one power-of-two scale 2^(byte - 127).
-Two scale rules, two element tie rules:
-- weights, as the offline converter writes them (§8.2): scale exponent = floor(log2 amax), +1 if the
-  mantissa of amax exceeds 1.75, minus the element format's emax; elements rounded half away from zero;
-- activations, as the model quantizes them at run time (§3.1, scale_alg 0, E4M3): scale exponent =
-  floor(log2 amax) - 8; elements rounded half to even, saturated at 448; a block whose scale byte would be
-  0 (amax below 2^-118) is written as zeros.
-
-W4A8 (§9): attention q/k/v/o weights MXFP8 E4M3, expert gate/up/down weights MXFP4 E2M1, and the inputs of
-those linears (the normed hidden state, the attention output, the expert input, the SwiGLU product) MXFP8.
-The SwiGLU product is formed in fp32 and rounded once, as the fused SwiGLU + quantization does.
-W8A8 (the converter's `w8a8c16`, §8.1): the same points, the expert weights MXFP8 E4M3 too; its SwiGLU
-(npu_swiglu, then the MX quantization) also rounds the fp32 product once to the activation dtype.
-The sequence-parallel prefill's MXFP8 communication (optimized/phases.py, MxSequenceParallelStep) quantizes the
-same tensors (the normed hidden state before the QKV gather, the attention output before the all_to_all, the
-expert input before the EP exchange), so it needs no further point here.
-Norms, router, embeddings and lm_head stay unquantized. Dense MLP layers (none in released Qwen3-MoE) are
-MXFP8 like attention.
-W4A4 (the converter's `w4a4c16`, spec a4w4_hadamard.md §3): q/k/v/o and expert weights MXFP4 E2M1, and every one
-of their inputs MXFP4 E2M1 at run time (scale exponent floor(log2 amax) - 2, half to even, saturated at 6, tiny
-blocks zero). With the learned Hadamard rotation (§2): each layer's file `layer_{i}_self_attn.pt` holds T_in (q/k/v)
-and T_out (o); the input of those linears is rotated online, x -> round(fp32(x) @ T) per 128 features, and their
-weights offline before quantization, W -> round_to_source_dtype(fp32(W) @ inverse(T)^T) per 128 in-features.
-
-    from reference.fake_quant import fake_quantize, load_fake_quant_model
-    fake_quantize(model)        # in place; the model then computes what a W4A8 checkpoint computes ("w8a8": W8A8)
-    model = load_fake_quant_model(path, torch.bfloat16)   # quantizes the checkpoint's own values, then casts
-    fake_quantize_kv_cache(model)  # and the per-token FP8 KV cache (needs use_cache: what later steps read)
-    model = load_fake_quant_model(path, torch.bfloat16, scheme="w4a4", hadamard_weight_path=DIR)  # W4A4, rotated
+See docs/quantization.md, "Notes from the code", reference/fake_quant.py.
 """
 from __future__ import annotations
 

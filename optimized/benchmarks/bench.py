@@ -1,29 +1,7 @@
 """Latency of one device: the reference, the optimized model and HF transformers on the same weights,
 beside the memory-bandwidth floor. `python -m optimized bench --help`.
 
-What is measured (single process, greedy, batch B of random prompts of `--prompt-len` ids):
-- prefill: one forward over the B prompts (to the first token's logits), with a device sync;
-- decode: each of `--decode-steps` steps (one new token per request), with a device sync.
-Each model runs `--warmup` discarded rounds and `--repeats` timed ones, interleaved round by round so a
-change of background load hits all models alike; prefill reports one sample per round, decode one per
-step. Median, p90 and best (minimum) are printed; the ratios are computed from the medians and from the
-best samples of this one run (CPU numbers are only meaningful relative to each other: the machine is
-shared and has few cores, and background load shifts medians; the best samples are the robust estimate).
-
-Weights: `optimized.model_loader.loader.RandomWeights(seed)` (N(0, 0.02), norm weights 1) at the preset's shapes, in
-`--dtype`, loaded into the reference; the optimized model reads the reference's state_dict
-(`StateDictSource`), transformers gets the same tensors (the experts stacked into its fused
-`gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]`; every other tensor is shared, not copied).
-
-Floor: decode must read every active weight once per step: per layer the attention projections and norms,
-the router and the experts the batch routes to (top_k for batch 1; E * (1 - (1 - k/E)^B) expected for
-batch B under uniform routing) or the dense MLP, plus the final norm, lm_head and B embedding rows, plus
-the KV cache read at the mean context. floor = those bytes / copy bandwidth, the bandwidth being
-measured in every timed round, beside the timings and under the same load, as (bytes read + bytes written) / time
-of a large tensor copy (median over the rounds). The arithmetic is `optimized.benchmarks.floor` (one rank), which
-the NPU latency budgets share. Beside it, the kernel ceiling: the lm_head GEMV (most of a decode step's bytes) timed
-alone in each round, its bytes over its time, and the floor at that bandwidth: how near a step can get with the
-GEMV kernel it has.
+See docs/testing.md, "Notes from the code", optimized/benchmarks/bench.py.
 """
 from __future__ import annotations
 

@@ -2,34 +2,7 @@
 tensor-parallel prefill beside the sequence-parallel one with each MoE EP scheme, then the tensor-parallel decode
 beside the expert-parallel MC2 decode and the attention data-parallel one.
 
-Prefill layouts (`PREFILL_LAYOUTS`), all over N ranks with attention TP N, MoE EP N, embedding and lm_head TP N:
-- `tp`: prefill_opt off (every rank runs every token; MoE by expert range + all_reduce);
-- `sp-allgather`, `sp-alltoall`: prefill_opt on with moe_ep_scheme allgather / alltoall.
-N processes (spawned, gloo or the platform's backend through a file rendezvous) build each layout's model
-in turn with `RandomWeights(seed)` at the preset's shapes (every rank draws only its shards), run
-`--warmup` discarded and `--repeats` timed prefills of a batch of random prompts, and report the slowest
-rank's time per prefill. One more prefill per SP layout counts the bytes each rank's collectives send
-(`comm.count_bytes`) in the whole step and in each MoE layer, where it is set beside the formula of
-`prefill_plan` (with the slot counts of the actual routing, and under uniform routing).
-
-Decode layouts (`DECODE_LAYOUTS`), over N ranks with attention, embedding and lm_head TP N and the TP prefill:
-- `tp`: moe_tp N, moe_ep 1, every expert split N ways (`moe_infer_tp`: the partial sums all-reduced);
-- `mc2`: moe_tp 1, moe_ep N (`moe_infer_dispatch_combine`: npu_moe_distribute_dispatch_v2 / combine_v2, then the
-  all_gather of each rank's share of the batch).
-Each runs `--warmup` discarded and `--repeats` timed generations of `--decode-steps` decode steps over the same
-prompts and reports the slowest rank's time per step. One more generation counts one decode step: the bytes of
-every collective of the step, and per MoE layer the bytes of each collective of the exchange beside
-`decode_plan.decode_volume` (with the routing's slot counts: equal to the byte, checked on every rank) and beside
-it under uniform routing. The formula alone, at the preset's full depth, comes with the report (and with
-`--formula-only`, which runs nothing).
-- `dp`: attention data parallel (attention TP N/2 x DP 2, embedding and lm_head TP 1, moe_tp 1, moe_ep N): MC2 on
-  each rank's own rows (padding masked), no all_gather after the combine; per layer an all_gather before
-  merged_qkv_proj and a reduce_scatter after o_proj inside the DP group; lm_head's hidden rows gathered once more
-  inside it (no logits cross ranks). Its
-  step is counted at the decode phase (the DP runner calls the model itself), the attention's collectives
-  separately, and the whole step is set beside `decode_plan.dp_step_volume` too. Offered at even N >= 4 (at N = 2
-  attention TP would be 1, nothing to compare on the attention side) with `--batch` a multiple of the 2 DP groups;
-  otherwise its report line says why it is skipped.
+See docs/parallel.md, "Notes from the code", optimized/benchmarks/bench_parallel.py.
 """
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
 """`python -m optimized bench serve`: load a running `python -m optimized serve` with streaming completions.
 
-Requests arrive as a Poisson process of `--request-rate` per second (`inf`: all at once), each a prompt of random
-token ids (lengths drawn uniformly in [input_len * (1 - r), input_len * (1 + r)], r = --range-ratio, or the lengths
-given by --prompt-lens) generating exactly --output-len tokens (ignore_eos). Per request, from the SSE stream:
-TTFT (send to first token), ITL (gaps between tokens), TPOT ((last - first) / (tokens - 1)); the report gives
-p50 / p90 / p99 of each, and request and output-token throughput over the whole run.
-
-`--max-concurrency N` caps the requests in flight: an arrival past the cap waits for one to finish before it is
-sent (its TTFT counts from the send). `--goodput ttft:MS tpot:MS` (either or both) adds goodput: the requests that
-completed within every target given (a one-token request has no TPOT and meets that target), as a share of all
-requests sent and as a rate over the run.
+See docs/serving.md, "Notes from the code", optimized/benchmarks/serve_bench.py.
 """
 from __future__ import annotations
 

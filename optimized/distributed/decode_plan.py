@@ -1,44 +1,6 @@
 """The decode's MoE plan: when decode uses MC2 dispatch / combine, what it moves, and the HCCL window its group needs.
 
-The recipe's rule (`uses_mc2_decode`): decode runs `moe_infer_dispatch_combine` (npu_moe_distribute_dispatch_v2 /
-combine_v2) whenever the experts are not tensor-split (moe_tp_size == 1) and spread over more than one rank
-(moe_ep_size > 1); otherwise the MoE block's own `moe_infer_tp` (expert range + all_reduce).
-
-Decode holds every token on every rank of the attention TP group, so the MC2 exchange hands each EP rank its
-n = ceil(B / P) of the B tokens (the tail masked with `x_active_mask`), dispatches, combines and all-gathers the
-results. Per rank and MoE layer (exactly what the portable kernels send, `mc2_volume`):
-
-- dispatch: the counts of its L local experts plus its BS, (P - 1) * (L + 1) * 8 bytes, and every slot routed to
-  another rank's expert as one row of H activations plus its (token, k slot), H * act_bytes + 8 bytes;
-- combine: every row it received from another rank goes back, H * act_bytes bytes;
-- all_gather: its n combined rows to the P - 1 others, (P - 1) * n * H * act_bytes.
-
-Under uniform routing a rank sends and receives n * top_k * (P - 1) / P slots. A decode step sends that per MoE
-layer (`decode_volume`, `step_volume`).
-
-Under attention data parallel (`attn_dp`, D groups of attention TP T, MoE EP P = world) DP group d decodes its
-m = ceil(B / D) requests and each of its ranks holds n = ceil(m / T) of them (`dp_rows`; the tail padding, masked
-with `x_active_mask`, never sent). MC2 runs on those own rows with the dispatch and combine above and no all_gather.
-Per layer, attention all-gathers the group's T * n rows before merged_qkv_proj and reduce-scatters o_proj's
-partial sums back: (T - 1) * n * H * act_bytes bytes each (`attention_dp_volume`); as in the recipe, the final
-hidden states are gathered once more over the attention TP group for lm_head (TP 1), the same (T - 1) * n * H *
-act_bytes (`lm_head_dp_volume`): no logits cross ranks, only the chosen ids (8 bytes a request, shared over the DP
-group by the runner, not counted here). `dp_step_volume` adds them up for one decode step. The tensor-parallel decode (`moe_infer_tp`, experts split over MoE TP T
-and EP E) instead all-reduces every rank's [B, H] partial sums over MoE TP, then over MoE EP:
-2 * (T - 1) * B * H * act_bytes / T + 2 * (E - 1) * B * H * act_bytes / E bytes (`tp_volume`).
-
-HCCL window (`mc2_window_mb`, the recipe's `calc_moe_hccl_buffer_size` rule for the fullmesh_v2 dispatch this
-model calls): every MC2 peer writes into a window on the receiving rank, sized for the worst case. Dispatch: each of
-the L local experts may receive every one of the P ranks' n tokens, each token a slot of
-ceil(H * act_bytes / 480) * 512 bytes (data in 480-byte pieces, each in a 512-byte aligned slot); combine: n * top_k
-rows of align512(H * act_bytes). Both double-buffered, plus an 11 MB reserve for the window's own areas; never below
-HCCL's 200 MB default. n is the most tokens one rank dispatches in a step (`tokens_per_rank`, `dp_rows`); the
-recipe's batch // world_size would under-size a batch that does not divide evenly.
-
-The window belongs to the MC2 group only: `ParallelState.build(..., mc2_window_mb=...)` creates a process group of
-its own for the dispatch / combine (`moe_ep_mc2`, never the default group or another kind's) with the HCCL option
-`hccl_buffer_size` set to it (`mc2_group_options`), so the other groups keep HCCL's default window. A run whose
-decode batch needs more than the window it was built with stops at start-up (`check_mc2_window`), naming both.
+See docs/parallel.md, "Notes from the code", optimized/distributed/decode_plan.py.
 """
 from __future__ import annotations
 

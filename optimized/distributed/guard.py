@@ -1,16 +1,7 @@
 """Fail fast in multi-rank runs: a collective timeout suited to inference, and a start-up check that every
 rank holds the same config, model and prompts.
 
-- Timeout: `parallel_config.collective_timeout_s` (YAML), overridden by the environment variable
-  QWEN3_MOE_COLLECTIVE_TIMEOUT_S, default 120 s (torch's own default, 30 minutes, is for training jobs
-  whose collectives can legitimately wait that long). `init_distributed()` passes it to the process group.
-  When it fires, `named_collective_errors()` turns the backend's "timed out" error into a
-  CollectiveTimeoutError that names the setting and the likely cause (a rank stopped or stuck). Joining the
-  job's rendezvous store is bounded by the same setting (StoreTimeoutError, from `init_distributed`).
-- Agreement: `check_ranks_agree(fields)` all-gathers every rank's small `{key: value}` dict (one
-  collective) and raises RankMismatchError naming the first key on which a rank differs from rank 0, with
-  both values. `run_fingerprint(...)` builds that dict for a generate run: the whole inference config, the
-  checkpoint's config.json and weight files (digests), the prompt batch (digest) and the generation options.
+See docs/errors.md, "Notes from the code", optimized/distributed/guard.py.
 """
 from __future__ import annotations
 

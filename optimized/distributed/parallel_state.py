@@ -1,26 +1,6 @@
 """Process groups: the rank layouts of a parallel config, the groups built from them, and joining the job.
 
-Group layouts for world size W (all sizes divide W; `moe_tp_size * moe_ep_size == W`):
-
-- `attn_tp`   (size A): contiguous ranks `[i*A, (i+1)*A)`; ranks with the same `rank // A` shard one
-  attention replica (the W/A replicas are attention data parallel).
-- `moe_tp`    (size T): contiguous ranks `[i*T, (i+1)*T)`; also shards the dense MLP layers.
-- `moe_ep`    (size E = W/T): strided, the ranks with the same `rank % T` (`[j, j+T, j+2T, ...]`);
-  each holds `num_experts / E` experts, split T ways by its moe_tp group.
-- `embed_tp`  (size V): contiguous ranks `[i*V, (i+1)*V)`.
-- `lmhead_tp` (size L): contiguous ranks `[i*L, (i+1)*L)`.
-
-With `attn_dp` (attention data parallel, the recipe's attn_tp x dp layouts) the W/A attention replicas hold different
-requests: DP rank d is the attention TP group `[d*A, (d+1)*A)` (its `attn_tp` group: the TP group within the DP
-group), and `ParallelState.attn_dp` is the strided group of the ranks with the same attention TP rank
-(`[j, j+A, j+2A, ...]`, its rank = the DP rank); the MoE EP group stays whole (moe_ep_size == W). `world` is the
-whole job (the DP logits gather).
-
-`layout_ranks(...)` computes these lists without any process group (pure, testable);
-`ParallelState.build(...)` creates the `torch.distributed` groups. Every rank calls `new_group` for every
-group of every kind in the same order (a torch.distributed requirement), groups of size 1 are `None`, a
-group spanning the whole world is the default group, and identical rank lists share one group.
-
+See docs/parallel.md, "Notes from the code", optimized/distributed/parallel_state.py.
 """
 from __future__ import annotations
 

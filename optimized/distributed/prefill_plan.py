@@ -1,23 +1,6 @@
 """The sequence-parallel prefill's plan: which MoE EP scheme runs, and what each scheme moves.
 
-With `prefill_opt` on, the P = attn_tp_size = moe_ep_size ranks each hold n = ceil(S / P) of the S packed
-prompt tokens (the last rank's tail padded). The MoE then needs each token's hidden state at the ranks
-holding its top_k experts, in one of two ways (the recipe's rule in `choose_ep_scheme`):
-
-- allgather: every rank gathers all hidden states, expert ids and weights, computes its experts' share
-  of every token and reduce-scatters the partial sums: 2 x (P - 1) * n * H activations per rank
-  (plus the ids and fp32 weights, (P - 1) * n * top_k * 4 bytes each);
-- alltoall (double routing): every rank sends each of its n * top_k expert slots to the rank holding the
-  expert and gets the result back: per rank, the slots routed to other ranks' experts out and the slots
-  other ranks route to its experts in, 2 x n * top_k * (P - 1) / P rows of H under uniform routing, plus
-  the per-expert counts ((P - 1) * E / P int64).
-
-The ratio is P / top_k, hence the recipe's rule: allgather when top_k >= moe_ep_size.
-
-A W4A8 checkpoint sends the activations that go into a quantized matmul as MXFP8 (optimized/
-phases.py): E4M3 bytes plus one E8M0 byte per 32-block, `mx_row_bytes(H)` per row instead of H * 2 (the
-gathered tokens, the dispatched expert slots, attention's QKV input and o_proj input); what comes back out
-of the experts (reduce_scatter, the combine all_to_all) stays bf16.
+See docs/parallel.md, "Notes from the code", optimized/distributed/prefill_plan.py.
 """
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """The one assembly: an inference config (and the launch environment) to a running model and engine.
 
-Every entry point (`generate`, `serve`, the parallel bench, the latency harness, the library) goes through it, in
-two stages:
-
-    launch = prepare(cfg, command="generate")      # host only: launch checks, compile cache, model config, tokenizer
-    ...                                            # the caller builds its prompts from launch.hf_config / tokenizer
-    run = launch.start(batch=..., prefill_tokens=..., agree={...})   # the job, the plan, the groups, the model
-    run.runner.generate(...)  or  run.engine()     # the engine run to completion, or fed by a server
-    run.close()
-
-`start` joins the job (a collective timeout from parallel_config), checks that every rank holds the same config,
-model and inputs, computes the `ExecutionPlan` (printed by rank 0 as one block), builds the process groups with the
-plan's MC2 window, loads the model (weights prepared once) and the runner (exe_mode, compile cache, KV cache dtype,
-max_prefill_tokens, mem_fraction_static). So a YAML key is honoured or refused here, once, for every entry point.
-Every error a user can fix is a `UsageError` naming the key, file or option.
+See docs/architecture.md, "Notes from the code", optimized/executor/assembly.py.
 """
 from __future__ import annotations
 

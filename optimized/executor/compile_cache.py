@@ -1,39 +1,6 @@
 """Compile cache: compiled decode graphs kept under `compile_cache/<CASE_NAME>/` between runs.
 
-Layout (as the recipe: `compile_cache/$CASE_NAME` next to the run's working directory):
-
-    compile_cache/<CASE_NAME>/<key hash>/key.json        the full key, every file's sha256, the entry's MAC
-    compile_cache/<CASE_NAME>/<key hash>/artifacts.bin   torch.compiler.save_cache_artifacts() bytes
-    compile_cache/<CASE_NAME>/<key hash>/inductor/       inductor's cache while this graph compiles
-
-One entry (and one directory) per compiled graph, i.e. per rank and batch bucket. The key (`cache_key`) holds
-everything a compiled decode graph depends on: the model config, parallel layout and this rank, dtype, batch
-bucket, KV block size, KV cache dtype, exe_mode, backend, and the torch / torch_npu / Python versions; a changed
-key is another directory, so a stale artefact is never loaded. On CPU / CUDA an entry is inductor's cache (FX
-graph + AOTAutograd entries, the compiled kernels) as `torch.compiler.save_cache_artifacts` serializes it;
-loading it hot-loads inductor's cache, so the next compile skips code generation (dynamo still traces the step).
-The artefacts hold generated source, not the compiled C++ kernels, so each entry also keeps inductor's own cache
-directory (where the kernels' shared objects live): a restart on the same machine then skips the C++ compiler
-too, while the artefact file alone still spares code generation on another machine. On NPU torchair's
-`cache_compile` writes its files into the entry's directory, one per bucket (`platform.graph_compiler`).
-
-The cache is code: loading an entry unpickles its artefacts and imports its generated modules and shared
-objects. So:
-- directories are created owner-only (0o700), and a case directory or entry that is not owned by this user, or
-  is writable by group or others, is refused with a CompileCacheError (anyone who can write there could run
-  code in this process);
-- every entry is authenticated: key.json holds the sha256 of every file of the entry (inductor/ included) and
-  an HMAC-SHA256 of them under a per-user key kept outside the cache (`key_path()`: $QWEN3_MOE_COMPILE_CACHE_KEY,
-  else ~/.config/qwen3-moe-npu/compile_cache.key, created owner-only on first use). An entry this user did
-  not write (bad or missing MAC) is discarded with a CompileCacheWarning and compiled fresh, unless the cache
-  is opened with `trust=True` (model_config.trust_compile_cache: an entry copied from another node of the
-  cluster, written under another key, is then loaded; its checksums must still hold).
-
-An entry that cannot be read (missing or garbled key.json, another key, a file missing, added or differing
-from its checksum, a symbolic link inside it, bytes torch cannot deserialize) is discarded with a
-`CompileCacheWarning` and the graph is compiled fresh, then saved again. Entries are written artefact first,
-key.json last, each through a temporary file and an atomic rename, so a crash mid-write leaves an entry that is
-discarded, not loaded.
+See docs/graph_mode.md, "Notes from the code", optimized/executor/compile_cache.py.
 """
 from __future__ import annotations
 

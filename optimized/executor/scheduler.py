@@ -1,34 +1,7 @@
 """Continuous batching: which requests the next engine step runs, and the KV blocks each holds (host bookkeeping
 only, no tensors).
 
-Rules, in order, every step:
-- each request belongs to one attention-DP group (one group without DP), chosen when it is added: the group with
-  the fewest requests (waiting or running), the lowest-numbered on a tie, so a batch added together is dealt round
-  robin;
-- prefill has priority: in every group, if the head of its FIFO waiting queue fits, it is admitted, with as many
-  of the group's waiting requests as fit, in arrival order (no overtaking: the first that does not fit stops the
-  group's admission). If any group admitted a request the step is a prefill (groups that admitted none run a
-  one-token dummy prefill, so the collectives stay in lockstep);
-- a request fits when its group's batch has room (running + admitted < the group's share of `batch_size`), the
-  group's prefill tokens stay within `max_prefill_tokens` (0: no token budget) and the group's paged KV pool has
-  the blocks its prefill writes plus the block its first decode token is written to free, beyond the blocks the
-  group's running requests take at their next decode (so the decode after a prefill never preempts);
-- otherwise the step decodes every running request of every group (a group with none runs a dummy decode). A
-  running request whose next token starts a new block takes one block then (`Step.grown`). When its group's pool
-  has none free, the group's most recently admitted running request is preempted (`Step.preempted`; it may be the
-  request itself): its blocks go back to the pool and it goes back to the head of its group's waiting queue,
-  keeping the tokens it generated;
-- nothing to do: an idle step (a multi-rank server still steps all ranks together, see serving/ranks.py).
-
-A preempted request is admitted again like any other and recomputed: its prefill writes its prompt and the tokens
-it generated (`Request.prefill_ids`; counted against `max_prefill_tokens`, and admitted alone when longer) and
-chooses its next token, its sampling going on with the same key and draw counter. A request is refused at once
-(`check_admissible`) when its whole budget (prompt + max_tokens) does not fit its group's pool alone, so a request
-that was admitted can always finish.
-
-Every rank runs the same scheduler over the same requests and keeps every group's block bookkeeping, so every rank
-takes the same decisions with no communication. Blocks are given back when a request finishes or is aborted (a
-client disconnect), or preempted, which is what admits the next waiting request.
+See docs/architecture.md, "Notes from the code", optimized/executor/scheduler.py.
 """
 from __future__ import annotations
 

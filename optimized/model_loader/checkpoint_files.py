@@ -1,18 +1,6 @@
 """The files of a safetensors checkpoint, opened with a named error for every way they can be broken.
 
-- `weight_files(path)`: tensor name -> file, from `model.safetensors.index.json` (its `weight_map`) or the
-  single `model.safetensors`. Bad JSON, an index without `weight_map`, a shard the index lists but the
-  directory lacks, and a truncated / empty / corrupt-header file each raise CheckpointError naming the file
-  and the fix.
-- `declared_dtype(path, names)`: the dtype config.json declares (`dtype`, or the older `torch_dtype`); every tensor
-  read must have it (an int32 tensor in a float checkpoint is a corrupt file, not weights). A checkpoint holding
-  MX scale tensors (`*weight_scale`) whose config.json has no `quantization_config` lost that key: named as such.
-- `read_json(file, error, fix)`: a JSON file, or `error` naming it (unreadable, not UTF-8, invalid, or nested
-  too deeply: json recurses per level, so a file nested 100 000 levels raises RecursionError at once).
-- Fused experts: transformers v5 may write one tensor per layer for all experts,
-  `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, H] and `...experts.down_proj` [E, H, I]. `FusedExpertView`
-  presents one expert's gate / up / down slice of it under the per-expert name, and reads only the
-  requested slice (`get_slice` on the fused tensor), so no rank materializes the fused tensor.
+See docs/architecture.md, "Notes from the code", optimized/model_loader/checkpoint_files.py.
 """
 from __future__ import annotations
 

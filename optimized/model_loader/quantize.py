@@ -1,33 +1,6 @@
 """Offline BF16 -> W4A8 / W8A8 / W4A4 checkpoint conversion (spec mx_quant.md §8), streamed tensor by tensor.
 
-    python -m optimized convert --quant w4a8|w8a8 SRC DST
-    python -m optimized convert --quant w4a4 [--hadamard-weight-path DIR] SRC DST
-
-W4A8 (the recipe's `w4a8c16`): routed experts' gate/up/down weights MXFP4 E2M1 (uint8, two codes per byte
-packed along K, low nibble first), attention q/k/v/o (and dense-MLP) weights MXFP8 E4M3, each with a
-`<name>_scale` uint8 tensor of one E8M0 byte per 32-block of K, shape [N, ceil(K/32)].
-W8A8 (the recipe's `w8a8c16`, §8.1 "no 4-bit set"): every one of those weights MXFP8 E4M3, the experts too
-(float8_e4m3fn [N, K] + the same scale tensor). W4A4 (the recipe's `w4a4c16`, spec a4w4_hadamard.md §2.3, §3.3):
-every one of those weights MXFP4 E2M1; with a rotation directory (optimized/layers/hadamard.py) each layer's
-q/k/v weights are first rotated by its input_transform T_in and o_proj by out_transform T_out, as
-`cast(fp32(W) @ B(inverse(T))^T)` back to the source dtype (the bf16 round trip of the recipe), then quantized;
-config.json gets the W4A4 quantization_config (both groups 4-bit, no KV scheme) and nothing about the rotation
-(the runtime must be given the same directory). Norms, the router, embeddings and lm_head are copied unchanged.
-config.json gets the compressed-tensors `quantization_config` of §8.3 (W8A8: group_0 alone, 8-bit `Linear`,
-which the recipe's loader also applies to the experts); other files are copied; an index is rewritten with the same shard file names. `kv_cache="fp8"` (the
-default, as the recipe's converter writes it for qwen3_moe) adds its per-token FP8 `kv_cache_scheme`, which
-makes the model run an FP8 KV cache; `kv_cache="bf16"` writes `kv_cache_scheme: null` (a 16-bit cache).
-
-Dense-MLP gate_proj (layers in mlp_only_layers / off decoder_sparse_step): quantized to MXFP8 with up/down by
-default. The recipe's converter leaves it 16-bit (its ignore pattern `mlp.gate`, meant for the router, is a
-substring of `mlp.gate_proj`); `keep_dense_gate_proj=True` (`convert --keep-dense-gate-proj`) does the same, and
-the loader takes either checkpoint (optimized/layers/moe.py `Qwen3MoeMLP`). The default stays MXFP8 because the
-fake-quant reference and the W4A8 tolerances (`model.w4a8.bfloat16`) are measured with every dense projection
-MXFP8.
-
-Streaming: every output shard's header is computed from the source's tensor metadata before any data is
-read, then each tensor is read (through `get_slice`), quantized and appended in row chunks, so memory holds
-a few MB of one tensor at a time, never a whole tensor, shard or model.
+See docs/quantization.md, "Notes from the code", optimized/model_loader/quantize.py.
 """
 from __future__ import annotations
 
