@@ -21,10 +21,11 @@ from optimized.ops import registry
 from optimized.executor.kv_cache import NULL_BLOCK
 
 # Off NPU the compiler is inductor: it inlines the portable kernels that read no tensor data on the host, so they
-# fuse instead of running as Python operators at every step (ops/registry.py `inline_in_inductor`). Registered on
-# import, before anything in the process compiles a decode step: inductor's caches key on the traced graph, not on
-# its decomposition table, so a graph compiled before the registration would be reused without the inlining.
-INLINED = registry.inline_in_inductor()
+# fuse instead of running as Python operators at every step (ops/registry.py `inline_in_inductor`). Registered when
+# a GraphDecoder is built and again on entering `compile_settings` (idempotent), so before anything in the process
+# compiles a decode step: inductor's caches key on the traced graph, not on its decomposition table, so a graph
+# compiled before the registration would be reused without the inlining. Not on import: importing inductor's
+# decompositions costs about 2 s of CPU, which every eager process (each rank of a torchrun job) would pay.
 
 PAD_KV_LEN = 2   # KV length of a padding slot (see the module docstring): never 1, which the compiler specializes
 
@@ -41,6 +42,7 @@ def compile_settings():
     cache keys also carry the kernels' source hash (its caches do not see a decomposition's code)."""
     import torch._inductor.config as inductor_config
 
+    registry.inline_in_inductor()
     ours, tag = f"qwen3_moe_kernels={registry.kernels_source_hash()}", torch.compiler.config.cache_key_tag
     tag = tag if ours in tag.split("|") else "|".join(filter(None, (tag, ours)))
     with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(**INDUCTOR_SETTINGS), \
@@ -90,7 +92,7 @@ class GraphDecoder:
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
-        self.inlined = INLINED
+        self.inlined = registry.inline_in_inductor()   # before any step of this decoder compiles
         # On NPU torchair's cache_compile owns the cache: one directory and one compiled step per batch bucket (its
         # saver treats a second input shape as a recompile, and a loaded cache replays without shape guards); that
         # directory is the bucket's cache entry, verified before torchair reads it and signed after its first call.
