@@ -5,5 +5,5 @@ class UsageError(Exception):
     """A problem the user can fix: `python -m optimized` prints it as one line and exits with status 2."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError, ValueError):
     """A checkpoint that does not match the model or cannot be read (the message names file / tensor)."""
