@@ -7,6 +7,8 @@ callers) naming the variable, the value and what is allowed:
 
     environment variable NPU_GOLDEN_SOC='910'; allowed: 'a2a3', '950'
 
+(torchrun's WORLD_SIZE / RANK / LOCAL_RANK keep the launch's wording, `LaunchEnvError`, also a RuntimeError.)
+
 `READ` is the table of the variables read (name, type, default, meaning, readers); `WRITTEN` those the package sets
 for the NPU runtime (never overriding the user's value: `set_default`).
 """
@@ -25,6 +27,18 @@ class EnvError(UsageError, ValueError):
     def __init__(self, name: str, value: str, allowed: str, message: str | None = None):
         self.name, self.value, self.allowed = name, value, allowed
         super().__init__(message or f"environment variable {name}={value!r}; allowed: {allowed}")
+
+
+class LaunchEnvError(EnvError, RuntimeError):
+    """A bad WORLD_SIZE / RANK / LOCAL_RANK (torchrun's variables): also a RuntimeError, like the launch's other errors
+    (distributed/parallel_state.py's LaunchError), worded as they always were:
+
+        environment variable RANK must be an integer >= 0, got 'x' (torchrun sets it)
+    """
+
+    def __init__(self, name: str, value: str, allowed: str):
+        super().__init__(name, value, allowed, f"environment variable {name} must be {allowed}, got {value!r} "
+                                               f"(torchrun sets it)")
 
 
 @dataclass(frozen=True)
@@ -114,16 +128,16 @@ def _raw(name: str) -> str | None:
     return value if value else None
 
 
-def _int(name: str, minimum: int, allowed: str) -> int | None:
+def _launch_int(name: str, minimum: int) -> int | None:
     raw = _raw(name)
     if raw is None:
         return None
     try:
         value = int(raw.strip())
     except ValueError:
-        raise EnvError(name, raw, allowed) from None
+        value = minimum - 1
     if value < minimum:
-        raise EnvError(name, raw, allowed)
+        raise LaunchEnvError(name, raw, f"an integer >= {minimum}")
     return value
 
 
@@ -157,17 +171,17 @@ def set_default(name: str, value: str) -> str:
 
 def world_size() -> int | None:
     """WORLD_SIZE (None: unset, a single process)."""
-    return _int(WORLD_SIZE, 1, "a positive integer (torchrun sets it), or unset for a single process")
+    return _launch_int(WORLD_SIZE, 1)
 
 
 def rank() -> int | None:
     """RANK (None: unset)."""
-    return _int(RANK, 0, "an integer >= 0 (torchrun sets it)")
+    return _launch_int(RANK, 0)
 
 
 def local_rank() -> int | None:
     """LOCAL_RANK (None: unset)."""
-    return _int(LOCAL_RANK, 0, "an integer >= 0 (torchrun sets it)")
+    return _launch_int(LOCAL_RANK, 0)
 
 
 def master_addr() -> str | None:
@@ -199,10 +213,12 @@ def collective_timeout_s() -> float | None:
 
 # The platform and the kernels
 
+PLATFORM_VERSIONS = ("A2", "A3", "950")           # the recipe's platform_version values (config.py's too)
+
+
 def platform_version() -> str:
     """PLATFORM_VERSION (default A3): the NPU generation when the config names none."""
-    from optimized.config import PLATFORM_VERSIONS
-    return _choice(PLATFORM_VERSION, "A3", tuple(PLATFORM_VERSIONS))
+    return _choice(PLATFORM_VERSION, "A3", PLATFORM_VERSIONS)
 
 
 def force_portable() -> bool:
@@ -239,15 +255,8 @@ def compile_cache_key() -> Path:
 
 
 def case_name() -> str | None:
-    """CASE_NAME (None: unset), a plain directory name (the compile cache's rule, with its own wording)."""
-    raw = _raw(CASE_NAME)
-    if raw is None:
-        return None
-    from optimized.executor.compile_cache import check_case_name
-    try:
-        return check_case_name(raw)
-    except ValueError as e:
-        raise EnvError(CASE_NAME, raw, "a plain directory name", f"environment variable {e}") from None
+    """CASE_NAME (None: unset); executor/assembly.py checks it is a plain directory name (compile_cache's rule)."""
+    return _raw(CASE_NAME)
 
 
 def latency_checkpoint() -> str | None:

@@ -96,10 +96,6 @@ def test_values(clean, name, value, accessor, expected):
 
 
 @pytest.mark.parametrize("name, value, accessor, allowed", [
-    ("WORLD_SIZE", "two", envs.world_size, "a positive integer"),
-    ("WORLD_SIZE", "0", envs.world_size, "a positive integer"),
-    ("RANK", "-1", envs.rank, "an integer >= 0"),
-    ("LOCAL_RANK", "x", envs.local_rank, "an integer >= 0"),
     ("TORCHELASTIC_USE_AGENT_STORE", "yes", envs.torchelastic_agent_store, "'True', 'False'"),
     ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "0", envs.collective_timeout_s, "a positive number of seconds"),
     ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "soon", envs.collective_timeout_s, "a positive number of seconds"),
@@ -120,11 +116,26 @@ def test_bad_values_name_variable_value_and_what_is_allowed(clean, name, value, 
     assert (e.value.name, e.value.value) == (name, value)
 
 
+@pytest.mark.parametrize("name, value, accessor, allowed", [
+    ("WORLD_SIZE", "two", envs.world_size, "an integer >= 1"), ("WORLD_SIZE", "0", envs.world_size, "an integer >= 1"),
+    ("RANK", "-1", envs.rank, "an integer >= 0"), ("LOCAL_RANK", "x", envs.local_rank, "an integer >= 0"),
+])
+def test_bad_launch_values_keep_the_launch_wording(clean, name, value, accessor, allowed):
+    clean.setenv(name, value)
+    with pytest.raises(envs.LaunchEnvError) as e:
+        accessor()
+    assert str(e.value) == f"environment variable {name} must be {allowed}, got {value!r} (torchrun sets it)"
+    assert isinstance(e.value, UsageError) and isinstance(e.value, RuntimeError) and isinstance(e.value, ValueError)
+
+
 def test_case_name_keeps_the_compile_cache_rule(clean):
+    from optimized.config import InferenceConfig
+    from optimized.executor.assembly import open_compile_cache
+    cfg = InferenceConfig.from_dict({"model_config": {"exe_mode": "ge_graph", "enable_cache_compile": True}})
     clean.setenv("CASE_NAME", "../elsewhere")
     with pytest.raises(envs.EnvError, match=r"^environment variable CASE_NAME '\.\./elsewhere' must be a plain "
                                             r"directory name"):
-        envs.case_name()
+        open_compile_cache(cfg)
 
 
 def test_world_size_is_one_rule_for_every_reader(clean):
@@ -133,7 +144,7 @@ def test_world_size_is_one_rule_for_every_reader(clean):
     from optimized.distributed.parallel_state import ParallelState, init_distributed
     from optimized.executor.assembly import check_launch
     clean.setenv("WORLD_SIZE", "two")
-    message = "environment variable WORLD_SIZE='two'; allowed: a positive integer"
+    message = r"^environment variable WORLD_SIZE must be an integer >= 1, got 'two' \(torchrun sets it\)$"
     for call in (lambda: check_launch(1, "generate"), init_distributed,
                  lambda: ParallelState.build(ParallelConfig(), 0)):
         with pytest.raises(envs.EnvError, match=message):

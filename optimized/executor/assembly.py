@@ -79,8 +79,12 @@ def open_compile_cache(cfg):
     if not m.enable_cache_compile:
         return None
     from optimized.executor.compile_cache import CompileCache, case_dir, default_case_name
-    case = envs.case_name() or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)   # EnvError: a bad CASE_NAME
-    return CompileCache(case_dir(case), trust=m.trust_compile_cache)    # CompileCacheError: a UsageError
+    case = envs.case_name()
+    try:
+        root = case_dir(case or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode))
+    except ValueError as e:     # only a CASE_NAME can break the rule (a derived name follows it)
+        raise envs.EnvError(envs.CASE_NAME, case, "a plain directory name", f"environment variable {e}") from None
+    return CompileCache(root, trust=m.trust_compile_cache)    # CompileCacheError: a UsageError
 
 
 def say(message: str) -> None:
