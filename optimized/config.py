@@ -16,21 +16,24 @@ from typing import Any
 
 import yaml
 
+from optimized import envs
+from optimized.errors import UsageError
+
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0   # parallel_config.collective_timeout_s (distributed/guard.py applies it)
 
 EXE_MODES = ("eager", "ge_graph", "acl_graph", "npugraph_ex")   # the recipe's names (npugraph_ex: its aclgraph mode)
 GRAPH_MODES = EXE_MODES[1:]                       # decode as one compiled graph
 DTYPES = ("bfloat16", "float32")
 DATASETS = ("prompts", "random", "default", "LongBench")
-PLATFORM_VERSIONS = ("A2", "A3", "950")           # the recipe's platform_version values
-PLATFORM_VERSION_ENV = "PLATFORM_VERSION"         # the recipe's fallback when the YAML sets none
+PLATFORM_VERSIONS = envs.PLATFORM_VERSIONS        # the recipe's platform_version values
+PLATFORM_VERSION_ENV = envs.PLATFORM_VERSION     # the recipe's fallback when the YAML sets none
 TOKENIZER_MODES = ("default", "chat")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float8")   # float8: the recipe's per-token FP8 KV cache
 MODEL_PATH_SCHEMES = ("fixture", "preset")
 RECIPE_INPUT_TRUNCATED_LEN = 256   # the recipe's data_config.input_truncated_len default
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """One or more invalid config entries. `errors` holds (dotted key, message) pairs."""
 
     def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
@@ -42,7 +45,7 @@ class ConfigError(ValueError):
 
 # ------------------------------------------------------------------------------------------------- YAML
 
-class DuplicateKeyError(yaml.constructor.ConstructorError):
+class DuplicateKeyError(UsageError, yaml.constructor.ConstructorError):
     """A YAML mapping that repeats a key."""
 
 
@@ -157,9 +160,8 @@ class ModelConfig:
     @property
     def platform(self) -> str:
         """platform_version as the recipe resolves it: the YAML's, else env PLATFORM_VERSION, else A3."""
-        import os
-        return str(self.platform_version if self.platform_version is not None
-                   else os.environ.get(PLATFORM_VERSION_ENV, "A3"))
+        from optimized import envs
+        return str(self.platform_version if self.platform_version is not None else envs.platform_version())
 
     @property
     def eplb(self) -> bool:
@@ -208,9 +210,8 @@ class ModelConfig:
         for key in ("model_name", "output_path", "hadamard_weight_path"):
             if not isinstance(getattr(self, key), str):
                 c.fail(key, f"must be a string, got {_describe(getattr(self, key))}")
-        if self.platform not in PLATFORM_VERSIONS:
-            origin = "" if self.platform_version is not None else f" (from environment variable {PLATFORM_VERSION_ENV})"
-            c.fail("platform_version", f"must be one of {', '.join(PLATFORM_VERSIONS)}; got {self.platform!r}{origin}")
+        if self.platform not in PLATFORM_VERSIONS:     # the YAML's (envs.platform_version() refuses a bad $PLATFORM_VERSION)
+            c.fail("platform_version", f"must be one of {', '.join(PLATFORM_VERSIONS)}; got {self.platform!r}")
         if c.non_negative_int(self, "next_n") and self.next_n:
             c.fail("next_n", f"({self.next_n}) must be 0: speculative decoding (MTP) is not implemented, and "
                              f"Qwen3-MoE checkpoints have no MTP layers")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from optimized.errors import UsageError
 
 DEFAULT_PROMPT_FILE = "default_prompt.json"
 # The recipe's LongBench subsets, in the order it reads them (the "_e" ones are LongBench-E).
@@ -29,7 +30,7 @@ LONGBENCH_HEAD = "Read the following passage, then summarise it.\n[passage]\n"
 LONGBENCH_TAIL = "\n[end of passage]\n\nSummarise the passage above in at most {words} words.\n"
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError, ValueError):
     """A dataset directory or file that cannot be read (the message names the key, the path and the fix)."""
 
 

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from optimized import envs
+
 
 @functools.cache
 def torch_npu_available() -> bool:
@@ -18,7 +20,7 @@ def torch_npu_available() -> bool:
 
     Set QWEN3_MOE_FORCE_PORTABLE=1 to ignore an installed torch_npu and use the portable kernels.
     """
-    if os.environ.get("QWEN3_MOE_FORCE_PORTABLE") == "1":
+    if envs.force_portable():
         return False
     if importlib.util.find_spec("torch_npu") is None:
         return False
@@ -132,7 +134,7 @@ def set_device(local_rank: int) -> None:
 # ------------------------------------------------------------------------------------------ per-platform settings
 
 HCCL_OP_EXPANSION_AIV = 3     # HCCL's op expansion mode code for AIV (hccl_config "hccl_op_expansion_mode")
-PLATFORM_VERSION_ENV = "PLATFORM_VERSION"
+PLATFORM_VERSION_ENV = envs.PLATFORM_VERSION
 
 
 class PlatformSettings:
@@ -164,7 +166,7 @@ class PlatformSettings:
     @classmethod
     def from_environment(cls, exe_mode: str = "eager") -> "PlatformSettings":
         """The settings for $PLATFORM_VERSION (default A3, the recipe's order) when no config names the platform."""
-        return cls(os.environ.get(PLATFORM_VERSION_ENV, "A3"), exe_mode)
+        return cls(envs.platform_version(), exe_mode)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, PlatformSettings) and vars(self) == vars(other)
@@ -176,9 +178,7 @@ class PlatformSettings:
         _APPLIED = self
         if (backend or backend_name()) != "npu":
             return {}
-        for name, value in self.env.items():
-            os.environ.setdefault(name, value)
-        return {name: os.environ[name] for name in self.env}
+        return {name: envs.set_default(name, value) for name, value in self.env.items()}
 
     def hccl_config(self, hccl_buffer_size_mb: int | None = None, *, default_group: bool = False) -> dict:
         """A group's hccl_config: the default group's op expansion mode (950), its hccl_buffer_size if given (on 950
@@ -187,7 +187,7 @@ class PlatformSettings:
         if hccl_buffer_size_mb is not None:
             config["hccl_buffer_size"] = int(hccl_buffer_size_mb)
             if self.mirror_buffer_size and backend_name() == "npu":
-                os.environ.setdefault("HCCL_BUFFSIZE", str(int(hccl_buffer_size_mb)))
+                envs.set_default("HCCL_BUFFSIZE", str(int(hccl_buffer_size_mb)))
         return config
 
     def group_options(self, backend: str, hccl_buffer_size_mb: int | None = None, *, default_group: bool = False):

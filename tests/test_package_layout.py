@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "optimized"
 
 # Lowest first: a module may import its own floor or lower ones, never a higher one.
 FLOORS = [
-    ("optimized.errors", "optimized.config", "optimized.forward_metadata"),
+    ("optimized.errors", "optimized.envs", "optimized.config", "optimized.forward_metadata"),
     ("optimized.platform",),
     ("optimized.ops",),
     ("optimized.distributed",),

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from optimized.benchmarks.budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, BudgetError, load_budgets, \
+from optimized.benchmarks.budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, load_budgets, \
     phase_report, this_host
 from optimized.benchmarks.reference_timing import reference_model, time_reference
 from optimized.benchmarks.latency import CLOCKS, collective_latency, copy_bandwidth, interleave
@@ -222,11 +222,12 @@ def run(args) -> int:
         budget = load_budgets(args.budgets)[args.budget]
     except KeyError:
         raise UsageError(f"--budget: no budget named {args.budget!r} in {args.budgets}") from None
-    except (BudgetError, OSError) as e:
+    except OSError as e:    # (a BudgetError is a UsageError already)
         raise UsageError(str(e)) from None
     if budget.kind != "absolute":
         raise UsageError(f"--budget {budget.name} is a relative budget: it runs in-process under pytest -m latency")
-    model_path = args.model_path or os.environ.get(CHECKPOINT_ENV)
+    from optimized import envs
+    model_path = args.model_path or envs.latency_checkpoint()
     missing = budget.missing_checkpoint(model_path)
     if missing:   # never measure random weights under the name of a checkpoint's budget
         raise UsageError(missing)

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from optimized import envs
+from optimized.errors import UsageError
+
 from optimized.benchmarks.common import DTYPES
 from optimized.benchmarks.latency import CLOCKS, summarize
 from optimized.model_loader.model_path import fixture_config
@@ -27,12 +30,12 @@ from optimized.model_loader.presets import preset_config
 PHASES = ("prefill", "decode")
 KINDS = ("absolute", "relative")
 DEFAULT_BUDGETS = Path(__file__).with_name("budgets.yaml")   # package data
-CHECKPOINT_ENV = "QWEN3_MOE_LATENCY_CHECKPOINT"
+CHECKPOINT_ENV = envs.LATENCY_CHECKPOINT
 
 
 # --------------------------------------------------------------------------------------------- budgets
 
-class BudgetError(ValueError):
+class BudgetError(UsageError, ValueError):
     """A malformed budget file: names the budget and key."""
 
 

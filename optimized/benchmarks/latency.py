@@ -9,7 +9,6 @@ that use it are in `optimized.benchmarks.budgets` (the table) and `optimized.ben
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from typing import Callable
@@ -102,7 +101,8 @@ def collective_latency(group=None, repeats: int = 50) -> float:
 
     from optimized.platform import device
     from optimized.platform import synchronize
-    dev = device(int(os.environ.get("LOCAL_RANK", 0)))
+    from optimized import envs
+    dev = device(envs.local_rank() or 0)
     x = torch.ones(4096, dtype=torch.bfloat16, device=dev)
     return statistics.median(measure(lambda: dist.all_reduce(x, group=group), warmup=5, repeats=repeats,
                                      sync=lambda: synchronize(dev)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-from optimized.errors import UsageError
 
 QUANT_TYPES = ["w4a8", "w8a8", "w4a4"]   # optimized.model_loader.quantize.QUANT_TYPES (not imported: usage errors stay instant)
 
@@ -38,16 +37,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from optimized.errors import CheckpointError
-    from optimized.model_loader.quantize import ConversionError, convert_checkpoint
+    from optimized.model_loader.quantize import convert_checkpoint
 
-    start = time.perf_counter()
-    try:
-        report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress,
-                                    kv_cache=args.kv_cache, keep_dense_gate_proj=args.keep_dense_gate_proj,
-                                    hadamard_weight_path=args.hadamard_weight_path)
-    except (ConversionError, CheckpointError) as e:   # the message names the file, tensor or key
-        raise UsageError(str(e)) from None
+    start = time.perf_counter()    # ConversionError, CheckpointError: UsageErrors naming the file, tensor or key
+    report = convert_checkpoint(args.src, args.dst, args.quant, progress=not args.no_progress,
+                                kv_cache=args.kv_cache, keep_dense_gate_proj=args.keep_dense_gate_proj,
+                                hadamard_weight_path=args.hadamard_weight_path)
     print(f"converted {args.src} -> {args.dst} ({args.quant}): {report.tensors} tensors, "
           f"{report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB in "
           f"{time.perf_counter() - start:.1f} s")

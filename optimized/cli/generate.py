@@ -120,14 +120,16 @@ def run(args) -> int:
     s = cfg.scheduler_config
     launch = assembly.prepare(cfg, "generate", check_weights=not args.no_weight_check)
     hf_config, model_dir, tokenizer = launch.hf_config, launch.model_dir, launch.tokenizer
-    try:
+    try:   # the library's ValueErrors about what the command line gave: --temperature / --top-k / --top-p / --seed,
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
         prompts = build_prompts(args, cfg, hf_config.vocab_size, tokenizer)
         # before loading the model: a bad prompt should not cost a checkpoint load
         check_prompts(prompts, s.max_new_tokens, hf_config.vocab_size, hf_config.max_position_embeddings)
-        eos = [] if args.ignore_eos else eos_token_ids(model_dir)
-    except ValueError as e:  # PromptError, DatasetError, bad sampling options, prompt ids outside the vocabulary, ...
+    except UsageError:      # PromptError, DatasetError: already named
+        raise
+    except ValueError as e:  # ... and the prompts (empty, ids outside the vocabulary, too long)
         raise UsageError(str(e)) from None
+    eos = [] if args.ignore_eos else eos_token_ids(model_dir)     # PromptError naming the file
 
     from optimized.executor.plan import pool_blocks
     blocks = pool_blocks([len(q) + s.max_new_tokens for q in prompts], s.block_size, cfg.parallel_config.attn_dp_size)

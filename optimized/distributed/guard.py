@@ -9,16 +9,17 @@ import contextlib
 import datetime
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from optimized import envs
 from optimized.config import DEFAULT_COLLECTIVE_TIMEOUT_S
+from optimized.errors import UsageError
 
-TIMEOUT_ENV = "QWEN3_MOE_COLLECTIVE_TIMEOUT_S"
+TIMEOUT_ENV = envs.COLLECTIVE_TIMEOUT_S
 TIMEOUT_KEY = "parallel_config.collective_timeout_s"
 
 
-class CollectiveTimeoutError(RuntimeError):
+class CollectiveTimeoutError(UsageError, RuntimeError):
     """A collective did not complete within the configured timeout (a peer rank stopped or is stuck)."""
 
 
@@ -26,20 +27,14 @@ class StoreTimeoutError(CollectiveTimeoutError):
     """The job's rendezvous store did not answer within the collective timeout (`init_distributed`)."""
 
 
-class RankMismatchError(RuntimeError):
+class RankMismatchError(UsageError, RuntimeError):
     """The ranks of one job were started with different configs, models or prompts."""
 
 
 def collective_timeout_s(configured: float | None = None) -> float:
     """The collective timeout in seconds: the environment variable, else `configured`, else the default."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is not None:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ValueError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    value = envs.collective_timeout_s()   # an EnvError (a ValueError) unless a positive number
+    if value is not None:
         return value
     return float(configured) if configured is not None else DEFAULT_COLLECTIVE_TIMEOUT_S
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import copy
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from optimized import platform
+from optimized import envs, platform
 from optimized.config import PARALLEL_OPTIONS, PARALLEL_SIZES, ParallelConfig
 from optimized.errors import UsageError
 # The name registry sits on the operators' floor (the MC2 kernels resolve `group_ep` there); filled from here.
@@ -35,18 +34,13 @@ class LaunchError(UsageError, RuntimeError):
     matches the config, a free MASTER_PORT): one line from the CLIs, a RuntimeError for library callers."""
 
 
-def _env_int(name: str, default: int | None = None) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        if default is None:
-            raise LaunchError(f"environment variable {name} is not set (WORLD_SIZE={os.environ.get('WORLD_SIZE')}); "
-                              f"start multi-process runs with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, "
-                              f"MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE for a single process")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise LaunchError(f"environment variable {name} must be an integer, got {raw!r}") from None
+def _required(name: str, value):
+    """torchrun's `value` of variable `name` (an envs accessor's), or a LaunchError saying it is missing."""
+    if value is None:
+        raise LaunchError(f"environment variable {name} is not set (WORLD_SIZE={envs.world_size()}); "
+                          f"start multi-process runs with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, "
+                          f"MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE for a single process")
+    return value
 
 
 def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") -> None:
@@ -56,7 +50,7 @@ def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") 
     the recipe's low-latency setting) unless the environment already sets it; None leaves it alone.
     """
     if backend == "npu" and hccl_op_expansion_mode is not None:
-        os.environ.setdefault("HCCL_OP_EXPANSION_MODE", hccl_op_expansion_mode)
+        envs.set_default("HCCL_OP_EXPANSION_MODE", hccl_op_expansion_mode)
 
 
 def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: datetime.timedelta | None = None,
@@ -76,15 +70,17 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
     in eager mode. hccl_op_expansion_mode overrides the A2 / A3 HCCL_OP_EXPANSION_MODE (None: leave it unset).
     """
     if dist.is_available() and dist.is_initialized():
-        return DistEnv(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", dist.get_rank()))
+        local = envs.local_rank()
+        return DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_rank() if local is None else local)
     if init_method is None:
-        world_size = _env_int("WORLD_SIZE", 1)
+        world_size = envs.world_size() or 1     # an EnvError (a UsageError) for a value that is not an integer >= 1
         if world_size <= 1:
             return DistEnv(0, 1, 0)
-        rank = _env_int("RANK")
-        local_rank = _env_int("LOCAL_RANK", rank)
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if not os.environ.get(name):
+        rank = _required(envs.RANK, envs.rank())
+        local = envs.local_rank()
+        local_rank = rank if local is None else local
+        for name, value in ((envs.MASTER_ADDR, envs.master_addr()), (envs.MASTER_PORT, envs.master_port())):
+            if value is None:
                 raise LaunchError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
                                   f"start multi-process runs with torchrun")
         init_method = "env://"
@@ -135,7 +131,7 @@ def _join_store(init_method: str, rank: int, world_size: int, timeout: datetime.
     thread = threading.Thread(target=join, name="rendezvous store", daemon=True)
     thread.start()
     thread.join(timeout.total_seconds())
-    where = (f"MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    where = (f"MASTER_ADDR:MASTER_PORT={envs.master_addr()}:{envs.master_port()}"
              if init_method == "env://" else init_method)
     error = joined.get("error")
     if error is not None and "EADDRINUSE" in str(error):
@@ -143,7 +139,7 @@ def _join_store(init_method: str, rank: int, world_size: int, timeout: datetime.
                           f"use by another program; choose a free MASTER_PORT (torchrun --master-port PORT, or "
                           f"--standalone)") from None
     if thread.is_alive() or (error is not None and "timed out" in str(error).lower()):
-        host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        host = rank == 0 and not envs.torchelastic_agent_store()
         why = ("the other ranks did not connect: were they started, with the same MASTER_ADDR and MASTER_PORT?"
                if host else "rank 0 did not start it (check rank 0's output, e.g. MASTER_PORT already in use) or "
                             "another program answers on that port")
@@ -353,8 +349,8 @@ class ParallelState:
 
 
 def _check_launch(world_size: int, initialized: bool) -> None:
-    env = os.environ.get("WORLD_SIZE")
-    if env is not None and env.strip() != str(world_size):
+    env = envs.world_size()     # an EnvError for a value that is not a positive integer
+    if env is not None and env != world_size:
         raise LaunchError(f"parallel_config.world_size is {world_size} but the environment says WORLD_SIZE={env}; "
                           f"launch with `torchrun --nproc-per-node {world_size}` or fix parallel_config.world_size")
     if world_size > 1 and not initialized:

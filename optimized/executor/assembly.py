@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optimized import envs
 from optimized.errors import UsageError
 
 
@@ -48,8 +48,8 @@ def load_config(path, *, model_path: str | None = None, dtype: str | None = None
 
 def check_launch(world_size: int, command: str) -> None:
     """parallel_config.world_size against the launcher, before any process group exists."""
-    env_world = os.environ.get("WORLD_SIZE")
-    launched = int(env_world) if env_world and env_world.isdigit() else 1
+    env_world = envs.world_size()   # an EnvError for a value that is not a positive integer
+    launched = env_world or 1
     if launched == world_size:
         return
     how = f"launched with WORLD_SIZE={launched}" if env_world else "launched as a single process"
@@ -65,21 +65,18 @@ def open_compile_cache(cfg):
     m, p = cfg.model_config, cfg.parallel_config
     if not m.enable_cache_compile:
         return None
-    from optimized.executor.compile_cache import CompileCache, CompileCacheError, case_dir, default_case_name
-    case = os.environ.get("CASE_NAME") or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode)
+    from optimized.executor.compile_cache import CompileCache, case_dir, default_case_name
+    case = envs.case_name()
     try:
-        root = case_dir(case)
-    except ValueError as e:
-        raise UsageError(f"environment variable {e}") from None
-    try:
-        return CompileCache(root, trust=m.trust_compile_cache)
-    except CompileCacheError as e:
-        raise UsageError(str(e)) from None
+        root = case_dir(case or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode))
+    except ValueError as e:     # only a CASE_NAME can break the rule (a derived name follows it)
+        raise envs.EnvError(envs.CASE_NAME, case, "a plain directory name", f"environment variable {e}") from None
+    return CompileCache(root, trust=m.trust_compile_cache)    # CompileCacheError: a UsageError
 
 
 def say(message: str) -> None:
     """A start-up line, printed once (by rank 0 under torchrun)."""
-    if os.environ.get("RANK", "0") == "0":
+    if not envs.rank():     # unset or 0
         print(message, flush=True)
 
 
@@ -112,10 +109,7 @@ class Launch:
         if kv_pool_blocks < 2:
             raise UsageError(f"the KV pool of {kv_pool_blocks} block(s) must hold at least 2 (block 0 is the null "
                              f"block)")
-        try:
-            timeout_s = collective_timeout_s(p.collective_timeout_s)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        timeout_s = collective_timeout_s(p.collective_timeout_s)     # EnvError: a bad QWEN3_MOE_COLLECTIVE_TIMEOUT_S
         from optimized import platform
         settings = platform.PlatformSettings(m.platform, m.exe_mode)    # model_config.platform_version, here only
         try:  # a rank that never joins (it failed before) makes the rendezvous time out: named
@@ -181,7 +175,7 @@ class Launch:
 def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
     """The launch checks and host reads, before any process group exists (see the module docstring)."""
     from optimized.config import ConfigError
-    from optimized.model_loader.hf_config import ModelConfigError, load_hf_config
+    from optimized.model_loader.hf_config import load_hf_config
     from optimized.model_loader.model_path import resolve_model_path
     from optimized.model_loader.tokenizer import CheckpointTokenizer
     from optimized.executor.model_runner import BLOCK_GRANULARITY
@@ -194,8 +188,8 @@ def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
     model_dir = resolve_model_path(m.model_path, *m.scheme)
     try:
         hf_config = load_hf_config(model_dir)
-    except ModelConfigError as e:
-        raise UsageError(str(e)) from None
+    except UsageError:      # ModelConfigError, CheckpointError: they name the file and the key
+        raise
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
     try:
@@ -204,10 +198,7 @@ def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
         source = getattr(cfg, "source", None)
         raise UsageError(f"inference config {source or ''} does not fit the model {m.model_path}: ".replace("  ", " ")
                          + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
-    try:
-        tokenizer = CheckpointTokenizer.load(model_dir)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    tokenizer = CheckpointTokenizer.load(model_dir)     # PromptError naming the tokenizer file
     return Launch(cfg, command, model_dir, hf_config, tokenizer, compile_cache, check_weights)
 
 
@@ -252,19 +243,21 @@ class Assembly:
             with named_collective_errors(self.timeout_s):
                 yield
         except (CollectiveTimeoutError, RankMismatchError, NonFiniteLogitsError, CompileCacheError) as e:
-            raise UsageError(f"rank {self.env.rank}: {e}" if self.env.world_size > 1 else str(e)) from None
+            if self.env.world_size > 1:     # which rank says it
+                raise UsageError(f"rank {self.env.rank}: {e}") from None
+            if isinstance(e, UsageError):
+                raise
+            # non-finite logits are not a usage error, but `generate` reports them as one line naming step and request
+            raise UsageError(str(e)) from None
 
     def profiled(self, config_file):
         """model_config.enable_profiler: a trace of what runs inside, one file per rank."""
         m = self.cfg.model_config
         if not m.enable_profiler:
             return contextlib.nullcontext(None)
-        from optimized.executor.profiling import ProfilerError, ensure_writable, profiled, trace_directory
+        from optimized.executor.profiling import ensure_writable, profiled, trace_directory
         directory = trace_directory(m.output_path, config_file)
-        try:
-            ensure_writable(directory)
-        except ProfilerError as e:
-            raise UsageError(str(e)) from None
+        ensure_writable(directory)      # ProfilerError naming the directory
         return profiled(directory, self.env.rank)
 
     def close(self) -> None:

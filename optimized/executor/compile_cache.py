@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 
+from optimized import envs
+from optimized.errors import UsageError
+
 CACHE_ROOT = "compile_cache"
 KEY_FILE, ARTIFACT_FILE = "key.json", "artifacts.bin"
-KEY_ENV = "QWEN3_MOE_COMPILE_CACHE_KEY"          # where the per-user MAC key lives (tests: a tmp_path)
+KEY_ENV = envs.COMPILE_CACHE_KEY                 # where the per-user MAC key lives (tests: a tmp_path)
 _CASE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -30,7 +33,7 @@ class CompileCacheWarning(UserWarning):
     """A compile-cache entry was unusable and is being replaced by a fresh compile."""
 
 
-class CompileCacheError(ValueError):
+class CompileCacheError(UsageError, ValueError):
     """The compile cache cannot be used safely (a directory or key of another user, or writable by others) or at
     all (it cannot be created): the message names the path and the fix."""
 
@@ -135,7 +138,7 @@ def check_private(path: Path, what: str) -> Path:
 
 def key_path() -> Path:
     """The per-user MAC key: $QWEN3_MOE_COMPILE_CACHE_KEY, else ~/.config/qwen3-moe-npu/compile_cache.key."""
-    return Path(os.environ.get(KEY_ENV) or Path.home() / ".config" / "qwen3-moe-npu" / "compile_cache.key")
+    return envs.compile_cache_key()
 
 
 def user_key(path: Path | None = None) -> bytes:

@@ -36,10 +36,11 @@ from optimized.executor.device_batch import PAD_KV_LEN, DeviceBatch
 from optimized.executor.kv_cache import BlockPool, PagedKVCache
 from optimized.executor.sampling import fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
+from optimized.errors import UsageError
 from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
 
 
-class RequestTooLarge(ValueError):
+class RequestTooLarge(UsageError, ValueError):
     """A request that can never fit (context length, KV pool, prefill token budget): HTTP 413."""
 
 

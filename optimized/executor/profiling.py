@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from optimized import platform
+from optimized.errors import UsageError
 
 
-class ProfilerError(OSError):
+class ProfilerError(UsageError, OSError):
     """The trace directory cannot be written (the message names it)."""
 
 

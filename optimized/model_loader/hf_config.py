@@ -14,12 +14,13 @@ from pathlib import Path
 from transformers import Qwen3MoeConfig
 
 from optimized.model_loader.checkpoint_files import read_json
+from optimized.errors import UsageError
 
 REQUIRED_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UsageError, ValueError):
     """config.json describes a model this project cannot run (the message names the key)."""
 
 

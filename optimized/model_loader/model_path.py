@@ -11,10 +11,11 @@ import json
 import os
 from pathlib import Path
 
+from optimized import envs
 from optimized.errors import UsageError
 from optimized.model_loader.presets import PRESETS, preset_key
 
-PRESET_CACHE_ENV = "QWEN3_MOE_PRESET_CACHE"   # where preset:NAME writes its config.json (default ~/.cache)
+PRESET_CACHE_ENV = envs.PRESET_CACHE   # where preset:NAME writes its config.json (default ~/.cache)
 
 
 def fixtures_module(module: str, what: str):
@@ -41,7 +42,7 @@ def preset_dir(name: str) -> Path:
         key = preset_key(name)
     except KeyError as e:
         raise UsageError(f"unknown preset {name!r}: {e.args[0]}") from None
-    root = Path(os.environ.get(PRESET_CACHE_ENV) or Path.home() / ".cache" / "qwen3-moe-npu" / "presets")
+    root = envs.preset_cache()
     final = root / key
     if not (final / "config.json").is_file():
         final.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from optimized.errors import CheckpointError
+from optimized.errors import CheckpointError, UsageError
 from optimized.model_loader.checkpoint_files import INDEX_FILE, open_file, read_json, weight_files
 from optimized.ops import mx_format as mxf
 # config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
@@ -34,7 +34,7 @@ _KEPT = re.compile(r"^(model\.layers\.\d+\.(input_layernorm|post_attention_layer
                    r"\.weight|model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)$")
 
 
-class ConversionError(ValueError):
+class ConversionError(UsageError, ValueError):
     """The source cannot be converted (the message names the file, tensor or config key)."""
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from optimized.model_loader.checkpoint_files import read_json
+from optimized.errors import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_MODES = ("default", "chat")
 EOS_SOURCES = ("generation_config.json", "config.json")   # the first that names eos_token_id wins
 
 
-class PromptError(ValueError):
+class PromptError(UsageError, ValueError):
     """A prompt or tokenizer file that cannot be used (the message names it and the fix)."""
 
 

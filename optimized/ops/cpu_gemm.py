@@ -4,21 +4,22 @@ See docs/devices.md, "Notes from the code", optimized/ops/cpu_gemm.py.
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
+from optimized import envs
+
 # (data_ptr, shape, strides) -> (weak reference to the weight's owning tensor, its version when packed, the packed copy)
 _PACKED: dict[tuple, tuple] = {}
 
 
-PREPACK_ENV = "QWEN3_MOE_CPU_PREPACK"   # "0": plain F.linear, no packed copies (half the CPU weight memory)
+PREPACK_ENV = envs.CPU_PREPACK   # "0": plain F.linear, no packed copies (half the CPU weight memory)
 
 
 def _onednn_bf16() -> bool:
-    if os.environ.get(PREPACK_ENV, "1") == "0":
+    if not envs.cpu_prepack():
         return False
     try:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from ..platform import torch_npu_available
+from optimized.errors import UsageError
 from .registry import NAMESPACE
 from .schemas import SCHEMAS
 
@@ -32,7 +33,7 @@ FP8_KV_CACHE = frozenset({"npu_dynamic_quant"})     # per-token K/V quantization
 WEIGHT_NZ = frozenset({"npu_format_cast"})          # model_config.enable_weight_nz: each weight cast once at load
 
 
-class MissingNpuOperatorError(RuntimeError):
+class MissingNpuOperatorError(UsageError, RuntimeError):
     """torch_npu lacks operators this model calls, or has them under other schemas (the message lists them)."""
 
 

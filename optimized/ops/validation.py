@@ -4,10 +4,11 @@ Errors always name the operator and the argument, and say what was expected and 
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import torch
+
+from optimized import envs
 
 # torch_npu passes `int? *_dtype` arguments as c10::ScalarType codes; its private low-bit types are
 # carried in uint8 storage (op-plugin's TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP).
@@ -43,7 +44,7 @@ def dtype_from_code(op: str, arg: str, code: int) -> torch.dtype:
 # DIMS caps on the checkpoint's dimensions (head dims the tiny fixtures do not have); FP32 caps reject float32
 # where the NPU takes 16-bit (the fp32 exact-path proofs run float32 on purpose).
 ROUTE, DIMS, FP32 = "route", "dims", "fp32"
-STRICT_ENV = "QWEN3_MOE_STRICT_NPU_LIMITS"
+STRICT_ENV = envs.STRICT_NPU_LIMITS
 STRICT_LEVELS = {"0": (), "1": (ROUTE, DIMS, FP32), "route": (ROUTE,)}
 
 
@@ -51,18 +52,12 @@ def strict_npu_limits(kind: str = ROUTE) -> bool:
     """Whether caps of `kind` are enforced. QWEN3_MOE_STRICT_NPU_LIMITS: 0 (default) none, 1 every cap,
     `route` only the route caps (how the equivalence suite runs its tiny-model tests: what the model passes is
     what an NPU accepts, at any fixture size and also in the fp32 proofs)."""
-    value = os.environ.get(STRICT_ENV, "0")
-    if value not in STRICT_LEVELS:
-        raise ValueError(f"{STRICT_ENV}={value!r}; allowed: {', '.join(map(repr, STRICT_LEVELS))}")
-    return kind in STRICT_LEVELS[value]
+    return kind in STRICT_LEVELS[envs.strict_npu_limits()]   # an EnvError (a ValueError) for another value
 
 
 def soc_variant() -> str:
     """Which SoC's rounding the norm kernels reproduce: 'a2a3' (Atlas A2/A3, default) or '950'."""
-    value = os.environ.get("NPU_GOLDEN_SOC", "a2a3")
-    if value not in ("a2a3", "950"):
-        raise ValueError(f"NPU_GOLDEN_SOC={value!r}; allowed: 'a2a3', '950'")
-    return value
+    return envs.npu_golden_soc()
 
 
 def fail(op: str, message: str) -> None:
