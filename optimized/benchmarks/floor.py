@@ -22,7 +22,7 @@ fully overlapped); a measured latency is reported beside it as "measured / floor
 Rank layouts follow `optimized.distributed`: attention TP A (KV heads replicated when A > KV heads), MoE TP T x
 EP, embedding TP, lm_head TP. Precisions give bytes per element by weight kind (MX formats carry one E8M0
 scale byte per 32 elements). The same functions serve `python -m optimized bench` (this CPU, measured copy
-bandwidth, one rank) and the NPU latency budgets (`equivalence/test_latency.py`).
+bandwidth, one rank) and the NPU latency budgets (`equivalence/latency/test_latency.py`).
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ own tokens before j, so one flip does not end the comparison) and the candidate'
 
 One implementation for every comparison of generated tokens: `bench` (optimized vs reference) and
 `equivalence.endpoint` (any OpenAI-compatible server vs the reference). The caller gives (atol, rtol): the endpoint
-check takes them from the tolerance table (equivalence/compare.py); `bench` uses LOGIT_NOISE, which
-equivalence/test_endpoint_judge.py pins to that table's entries.
+check takes them from the tolerance table (equivalence/support/compare.py); `bench` uses LOGIT_NOISE, which
+tests/test_endpoint_judge.py pins to that table's entries.
 """
 from __future__ import annotations
 

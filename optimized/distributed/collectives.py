@@ -4,7 +4,7 @@ Collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all_single`) 
 `GroupInfo` or None, and are the identity when the group is None or of size 1, so single-process runs need
 no `torch.distributed` initialization at all.
 
-Backend findings (torch 2.13, gloo on CPU; checked by equivalence/test_dist_harness.py):
+Backend findings (torch 2.13, gloo on CPU; checked by tests/test_dist_harness.py):
 - bfloat16 / float16: gloo supports all_reduce, all_gather, reduce_scatter and all_to_all natively, so
   they travel as they are (no upcast by default: the same dtype on the wire as with HCCL/NCCL). The sum
   is then rounded to bf16 at every reduction step: measured on randn bf16 inputs, the result differs from

@@ -14,7 +14,7 @@ tensors and one host int list, so nothing inside it syncs with the host:
 Collectives trace through `comm` (functional collectives while compiling). The paged-cache write
 `npu_scatter_nd_update_` carries torch.Tag.inplace (optimized/ops/cache.py): torch.compile auto-functionalizes it
 and inductor re-inplaces it on the cache inputs, so the compiled step writes only its tokens' slots, with no copy
-of a layer's cache: decode cost does not depend on the KV pool size (equivalence/test_graph.py checks the
+of a layer's cache: decode cost does not depend on the KV pool size (equivalence/graph/test_graph.py checks the
 generated code and the bytes a step allocates at two pool sizes).
 
 Attention DP (the recipe's DP + MC2 decode in ge_graph): each DP group pads its own requests to the bucket of the

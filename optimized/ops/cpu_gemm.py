@@ -4,7 +4,7 @@ On CPU, F.linear with bf16 operands hands oneDNN the plain [N, K] weight on ever
 blocked layout inside the call, and a decode GEMV (one row of x) pays that on every weight byte it reads: the
 lm_head GEMV [1, 2048] x [151936, 2048]^T ran at ~13 GB/s against ~20 GB/s for a plain read of the same bytes. The
 prepacked copy (`mkldnn._reorder_linear_weight`, made once per weight) is read in oneDNN's own order: the same
-products in the same fp32 accumulation with one bf16 rounding, bitwise F.linear (equivalence/test_ops_cpu_gemm.py),
+products in the same fp32 accumulation with one bf16 rounding, bitwise F.linear (equivalence/ops/test_ops_cpu_gemm.py),
 about 1.4x faster for the lm_head and ~2x for attention's GEMVs on this machine.
 
 Cost: a second copy of every dense bf16 weight that runs on CPU (packed lazily at its first call);
