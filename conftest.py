@@ -34,7 +34,7 @@ torch.set_num_threads(int(os.environ.get("TORCH_NUM_THREADS", "1")))
 
 BACKEND = backend_name()
 
-pytest_plugins = ["equivalence.latency_report", "equivalence.report_plugin"]
+pytest_plugins = ["equivalence.latency.latency_report", "equivalence.report.plugin"]
 
 
 def pytest_addoption(parser):
@@ -53,7 +53,7 @@ def latency_selected(config) -> bool:
 def pytest_collection_modifyitems(config, items):
     # The default run asserts no timing: `latency` tests are collected only when `-m` names the marker.
     # Selected, they decide for themselves: the CPU relative budgets run anywhere with a CPU backend, each
-    # NPU budget skips naming the hardware it needs (equivalence/test_latency.py).
+    # NPU budget skips naming the hardware it needs (equivalence/latency/test_latency.py).
     if not latency_selected(config):
         timed = [item for item in items if item.get_closest_marker("latency")]
         if timed:

@@ -5,7 +5,7 @@
 # converter writes the recipe's kv_cache_scheme, so both run the per-token FP8 KV cache (`kv cache:` line).
 # Prints both and their token agreement; exits non-zero if a step fails or the first generated token differs.
 # (Later tokens may differ: bf16 rounding differences are re-rounded onto the FP8 grid at every layer, see
-# equivalence/compare.py "model.w4a8.bfloat16".) Usage: bash ci/demo_w4a8.sh
+# equivalence/support/compare.py "model.w4a8.bfloat16".) Usage: bash ci/demo_w4a8.sh
 set -euo pipefail
 source "$(dirname "$0")/setup.sh"   # sets $PY, cds to the repository root
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

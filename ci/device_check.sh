@@ -3,7 +3,7 @@
 # checkout, installing nothing. Needs a Python with a CUDA torch, transformers, pytest and hypothesis:
 #   PYTHON=/path/to/python bash ci/device_check.sh
 # 1. the single-process equivalence model tests with the optimized model on the device and the reference on
-#    the CPU (fp32 exact path, bf16 within equivalence/compare.py's tolerances); DEVICE overrides the device;
+#    the CPU (fp32 exact path, bf16 within equivalence/support/compare.py's tolerances); DEVICE overrides the device;
 # 2. the fake-device proof and graph mode: the decode step captured with CUDA graphs (exe_mode acl_graph);
 # 3. `python -m optimized bench` decode on the device beside its HBM floor.
 # pytest-xdist is needed too (pyproject.toml's addopts); -n 0 runs in this process. Without a GPU it runs the same steps on the CPU (DEVICE=cpu): the path it shares. Under 10 minutes.
@@ -16,10 +16,10 @@ echo "device_check: optimized model on $DEVICE ($("$PY" -c 'import torch; print(
 
 # 1. world-1 model tests (the pool's one rank builds the optimized model on $DEVICE).
 QWEN3_MOE_TEST_DEVICE="$DEVICE" "$PY" -m pytest -p no:cacheprovider -q -n 0 \
-    equivalence/test_e2e_parallel.py -k "w1"
+    equivalence/parallel/test_e2e_parallel.py -k "w1"
 
 # 2. device discipline (any host) and graph mode; on CUDA, acl_graph is inductor + CUDA graphs.
-"$PY" -m pytest -p no:cacheprovider -q -n 0 equivalence/test_device_discipline.py
+"$PY" -m pytest -p no:cacheprovider -q -n 0 equivalence/model/test_device_discipline.py
 "$PY" -m optimized bench --preset qwen3_30b_a3b --layers 1 --prompt-len 64 --decode-steps 4 --repeats 2 \
     --skip-hf --exe-mode acl_graph
 

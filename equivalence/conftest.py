@@ -20,7 +20,7 @@ def is_model_level(item) -> bool:
 def pytest_addoption(parser):
     group = parser.getgroup("endpoint", "equivalence of an OpenAI-compatible endpoint (equivalence/endpoint/)")
     group.addoption("--endpoint", metavar="URL", help="check this server's /v1 against the reference "
-                    "(equivalence/test_endpoint.py::test_a_given_endpoint_agrees)")
+                    "(equivalence/serving/test_endpoint.py::test_a_given_endpoint_agrees)")
     group.addoption("--endpoint-model-path", metavar="CKPT", help="the checkpoint directory the endpoint serves")
     group.addoption("--endpoint-precision", default="fp32", help="the endpoint's precision (fp32, bf16, w8a8, w4a8, fp8kv)")
 

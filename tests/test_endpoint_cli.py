@@ -1,6 +1,6 @@
 """`python -m equivalence.endpoint`: bad input is one line on stderr and exit status 2, before any model is loaded
 where it can be (the server's reachability is asked first). The checks against live servers are in
-equivalence/test_endpoint.py."""
+equivalence/serving/test_endpoint.py."""
 from __future__ import annotations
 
 import subprocess

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from equivalence.compare import assert_bitwise_equal
+from equivalence.support.compare import assert_bitwise_equal
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model

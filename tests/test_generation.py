@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from equivalence.compare import assert_close
+from equivalence.support.compare import assert_close
 from fixtures.checkpoints import checkpoint
 from optimized import ModelRunner, load_model
 from optimized.executor.sampling import SamplingParams, choose, filtered_probs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from equivalence.strategies import layout, sp_layout
+from equivalence.support.strategies import layout, sp_layout
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from optimized.config import ParallelConfig
 from optimized.model_loader.hf_config import load_hf_config

@@ -130,3 +130,20 @@ def test_the_layout_check_can_fail(tmp_path):
         assert floor_of("optimized.executor.model_runner") > floor_of(module_name(planted))
     finally:
         planted.unlink()
+
+
+# The proof suite by subsystem: proofs sit in these packages with their helpers beside them; the harness's own
+# tests and plain unit tests live in tests/ (their marker says what they prove, not where they sit).
+PROOF_PACKAGES = {"support", "ops", "model", "parallel", "graph", "quant", "serving", "npu", "latency"}
+TOOL_PACKAGES = {"endpoint", "report"}        # user-facing tools: the endpoint checker, the first-divergence report
+
+
+def test_equivalence_holds_proofs_by_subsystem():
+    equivalence = ROOT.parent / "equivalence"
+    loose = sorted(p.name for p in equivalence.glob("*.py") if p.name not in ("__init__.py", "conftest.py"))
+    assert not loose, f"equivalence/ keeps only subsystem packages; move {loose} into one of {sorted(PROOF_PACKAGES)}"
+    packages = {p.name for p in equivalence.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == PROOF_PACKAGES | TOOL_PACKAGES, packages ^ (PROOF_PACKAGES | TOOL_PACKAGES)
+    for name in ("support", *TOOL_PACKAGES):
+        tests = sorted(p.name for p in (equivalence / name).glob("test_*.py"))
+        assert not tests, f"equivalence/{name}/ holds helpers or a tool, not proofs: {tests}"

@@ -1,7 +1,7 @@
 """The HTTP layer through real HTTP (uvicorn on 127.0.0.1, httpx and the `openai` client) over the real `Driver`,
 with a scripted stand-in for the engine: each request's tokens (or a per-request error) are given by the test, so
 EOS endings, failures after the stream started, seeds and choices are checked exactly and fast. The same layer
-over the real engine: equivalence/test_e2e_serving_http.py."""
+over the real engine: equivalence/serving/test_e2e_serving_http.py."""
 from __future__ import annotations
 
 import json

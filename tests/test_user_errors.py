@@ -280,7 +280,7 @@ def test_non_finite_logits_stop_generation_naming_step_and_request(capsys, tmp_p
 
 
 def test_generate_and_model_name_bad_token_ids():
-    from equivalence.parallel_support import paged_cache
+    from equivalence.support.parallel_support import paged_cache
     from optimized.executor.model_runner import ModelRunner
     from optimized.model_loader.build import load_model
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from equivalence.compare import tolerance
+from equivalence.support.compare import tolerance
 from equivalence.endpoint.client import Capabilities, Endpoint, EndpointError, Reply
 from optimized.benchmarks.greedy_ties import TokenJudgement, judge_tokens, merge
 

@@ -1,12 +1,12 @@
 """The endpoint report as one self-contained HTML page (inline SVG, no script, no network), in the style of the
-equivalence report (equivalence/report_html.py, whose chart it draws with): |delta logprob| / bound per position,
+equivalence report (equivalence/report/html.py, whose chart it draws with): |delta logprob| / bound per position,
 one line per request (the bound at 1); the worst ratio per request, alone and under concurrency; the worst
 positions with their text; the generated tokens' near-ties and divergences."""
 from __future__ import annotations
 
 import html
 
-from equivalence.report_html import line_chart
+from equivalence.report.html import line_chart
 
 WORST = 15
 

@@ -10,7 +10,7 @@ at the cache write, their fp32 scales scattered into the scale caches through th
 decode reads them with key/value_quant_mode 4 (sparse_mode 0, no mask). Prefill attends to its own 16-bit
 K/V, as the recipe does (its `Qwen3MoeAttention.exec_qkv` runs the prefill FIA v2 on the fresh K/V, no quant
 mode, and only then writes the quantized cache; spec npu_ops_attention_norm.md §5.12, §9 "prefill attention");
-only what later steps read passes through the cache (equivalence/test_e2e_fp8_kv.py pins the prefill logits
+only what later steps read passes through the cache (equivalence/quant/test_e2e_fp8_kv.py pins the prefill logits
 bitwise across cache dtypes).
 
 The sequence-parallel prefill's data movement around these pieces is the phase's (optimized/phases.py).

@@ -265,7 +265,7 @@ def _run(op: str, mode: str, x, Ws, Bs, ends, split_item: int, out_dtype: torch.
 def _run_stacked(op: str, X: torch.Tensor, W: torch.Tensor, Bs, ends: list[int], out_dtype: torch.dtype):
     """Fast path of `_run` for one x grouped along M by one 3-D weight [G, K, N] with concatenated output (the
     MoE experts' call): only the non-empty groups are visited, each with the same `_mm` as `_run`, so the result
-    is bit-identical (equivalence/test_ops_gmm.py proves it); a decode step routes a few rows to few of many
+    is bit-identical (equivalence/ops/test_ops_gmm.py proves it); a decode step routes a few rows to few of many
     experts, where `_run`'s per-group slicing of every weight and row range is most of the time."""
     M = X.shape[0]
     check(not ends or ends[-1] <= M, op, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={M}")

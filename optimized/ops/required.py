@@ -4,7 +4,7 @@ With torch_npu present the registry registers nothing, so an older torch_npu tha
 MX norms, `npu_swiglu_mx_quant`) or has it under another schema would otherwise fail mid-forward. The check
 compares each required operator's schema with `SCHEMAS`: every argument the model may pass must be there with
 the same name, type and keyword-only-ness, in the same order; extra arguments need defaults; returns must match.
-(equivalence/test_recorded_npu_calls.py pins the sets below to the calls the model is recorded making.)
+(equivalence/npu/test_recorded_npu_calls.py pins the sets below to the calls the model is recorded making.)
 """
 from __future__ import annotations
 

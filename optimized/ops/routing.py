@@ -312,7 +312,7 @@ def moe_init_routing_v2_traced(x, expert_idx, *, scale=None, offset=None, active
                                expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
                                quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
     """The dropless kernel as a compiled graph inlines it: the same `_sorted_slots` and `_dropless_rows`, with the
-    in-range count kept a tensor and without the host reads of the id range (equivalence/test_ops_routing.py:
+    in-range count kept a tensor and without the host reads of the id range (equivalence/ops/test_ops_routing.py:
     bitwise the kernel). Drop/pad mode and key-value counts size their outputs by the data: NotImplemented keeps
     those calls operators."""
     if drop_pad_mode != 0 or expert_tokens_num_type == 2:

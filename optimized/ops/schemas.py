@@ -1,7 +1,7 @@
 """torch_npu operator schemas, character for character (the contract of the portable kernels).
 
 Keyed by qualified name without namespace, overload included (`npu_grouped_matmul.List`). The test
-`equivalence/test_ops_schemas.py` checks this table against the spec's schema lines.
+`equivalence/ops/test_ops_schemas.py` checks this table against the spec's schema lines.
 """
 
 SCHEMAS: dict[str, str] = {

@@ -1,0 +1,137 @@
+"""Multi-rank serving: `torchrun --nproc-per-node N -m optimized serve` answers concurrent openai clients, arriving
+mid-flight, with the reference's greedy tokens per prompt alone (fp32), under attention TP 2 with MoE EP 2, and under
+attention DP (TP 1 x DP 2 with EP 2, TP 2 x DP 2 with EP 4: MC2 decode, each request in one DP group, idle groups
+stepping dummy rows); and a driver whose rank broadcast fails (a rank that died) stops, telling every waiting request
+and the server."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from equivalence.serving.test_e2e_serving_http import PROMPTS, ref_greedy
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+REPO = Path(__file__).resolve().parents[2]
+START_S, TIMEOUT_S = 180, 60
+CONFIG = """model_config: {{model_path: "fixture:tiny", dtype: float32}}
+data_config: {{input_max_len: 48}}
+parallel_config: {{{parallel}}}
+scheduler_config: {{batch_size: {batch}, max_new_tokens: 8, block_size: 16, max_prefill_tokens: 32}}
+"""
+LAYOUTS = {   # name: (world size, parallel_config, batch_size)
+    "tp2_ep2": (2, "world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, "
+                   "lmhead_tp_size: 2", 2),
+    "tp1xdp2_ep2": (2, "world_size: 2, attn_tp_size: 1, moe_tp_size: 1, embed_tp_size: 1, lmhead_tp_size: 1", 2),
+    "tp2xdp2_ep4": (4, "world_size: 4, attn_tp_size: 2, moe_tp_size: 1, embed_tp_size: 2, lmhead_tp_size: 2", 4),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
+    from fixtures.checkpoints import checkpoint
+    checkpoint("tiny")                                   # built before the ranks race for it
+    world, parallel, batch = LAYOUTS[layout]
+    config = tmp_path / f"{layout}.yaml"
+    config.write_text(CONFIG.format(parallel=parallel, batch=batch))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                             "-m", "optimized", "serve", "--config", str(config), "--port", str(port)],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            assert proc.poll() is None, f"the server exited: {(tmp_path / 'server.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+        results, errors = {}, []
+
+        def one(i, prompt):
+            try:
+                time.sleep(0.05 * i)
+                if i % 2:
+                    ids = [t for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                                                 temperature=0, stream=True,
+                                                                 extra_body={"ignore_eos": True})
+                           for t in ch.choices[0].model_extra["token_ids"]]
+                else:
+                    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+                    ids = r.choices[0].model_extra["token_ids"]
+                results[i] = ids
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        log.seek(0)
+        started = log.read()
+        if "dp" in layout:     # the plan says the decode runs MC2 under attention DP
+            assert "under attention DP" in started and "MC2 window" in started, started
+        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS[:4])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        assert not errors, errors
+        for i, prompt in enumerate(PROMPTS[:4]):
+            assert results[i] == ref_greedy(prompt, 5), f"request {i}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(TIMEOUT_S)
+        log.close()
+
+
+class _DeadPeer:
+    """A broadcast whose peer is gone, as gloo reports it."""
+    def send(self, items):
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+
+@pytest.mark.equivalence
+def test_driver_stops_with_the_error_when_a_rank_fails():
+    from equivalence.serving.test_e2e_serving import _models
+    from optimized.executor.engine import Engine
+    from optimized.executor.scheduler import Request
+    from optimized.serving.driver import Driver, EngineStopped
+    fatal, got = [], []
+    driver = Driver(Engine(_models()[0], batch_size=2, num_blocks=4), on_fatal=fatal.append, broadcast=_DeadPeer())
+    driver.start()
+    done = threading.Event()
+    driver.submit(Request("r0", [1, 2, 3], 4), lambda item: (got.append(item), done.set()))
+    assert done.wait(TIMEOUT_S), "the waiting request was not told"
+    driver.stop()
+    assert isinstance(got[0], EngineStopped) and "Connection closed by peer" in str(got[0])
+    assert fatal and "Connection closed by peer" in str(driver.error)
+    with pytest.raises(EngineStopped, match="the engine stopped"):
+        driver.submit(Request("r1", [1], 1), got.append)
+    assert torch.is_tensor(driver.engine.cache.layers[0][0])
