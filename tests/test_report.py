@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from equivalence.report.divergence import divergence as R
+from equivalence.report import divergence as R
 from equivalence.support.checkpoints import KINDS
 from equivalence.support.parallel_support import rank_model, reference_model, run_property
 from equivalence.support.strategies import layout
