@@ -1,8 +1,9 @@
 """How a phase (prefill, decode) moves activations through the decoder layers: strategies chosen once at build time.
 
 A phase owns the layer loop (`run`); its step says, for each piece of the decoder layer (input norm, attention,
-post-attention norm, MLP), how the activations move between ranks. The decoder layer (model.py) calls the step
-and names no layout.
+post-attention norm, MoE block or dense MLP), how the activations move between ranks. The decoder layer (model.py)
+calls the step and names no layout; its MLP module picks the step's method that fits it (`step.moe` for the sparse
+block, which exchanges tokens; `step.dense_mlp` for a dense MLP, which runs on the rank's rows as they are).
 
 - `TensorParallelPhase` + `TensorParallelStep`: every rank runs every token; attention TP with a row-parallel
   o_proj, the MoE block's own `moe_infer_tp`, or in decode with moe_tp 1 and EP > 1 `moe_infer_dispatch_combine`
@@ -29,7 +30,8 @@ and names no layout.
   attention TP group) runs only its own requests over its own paged KV cache, and each of its ranks holds `rows` of
   the group's packed tokens (`ForwardMetadata.dp`, the same count on every rank of the job: the tail padded).
   Embedding per DP group; attention all-gathers the group's tokens before merged_qkv_proj and reduce-scatters the
-  row-parallel o_proj's partial sums back to each rank's rows; the MoE reaches its experts over the whole EP group
+  row-parallel o_proj's partial sums back to each rank's rows (the model builds that o_proj with
+  `reduce_results=False`: `DataParallelPhase.reduces_o_proj`); the MoE reaches its experts over the whole EP group
   with each rank's own rows (decode: MC2 with the padding masked out, `own_rows`; prefill: double routing, the
   recipe's path B); the final hidden states are gathered over the DP group's attention TP ranks for lm_head, and
   each DP group samples its own requests: the runner shares only the chosen ids, which keep every rank in lockstep.
@@ -49,8 +51,10 @@ from optimized.distributed.decode_plan import uses_mc2_decode
 from optimized.distributed.prefill_plan import choose_ep_scheme
 from optimized.layers.exchange import build_exchange
 from optimized.layers.force_eplb import EP_SPLIT, JOB, OWN, EplbRows
-from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A4, W4A8, MxRows, QuantConfigError, map_rows, \
-    mx_quant, num_rows, quant_scheme
+from optimized.layers.quantization.errors import QuantConfigError
+from optimized.layers.quantization.mx_layout import BLOCK
+from optimized.layers.quantization.mx_wire import FLOAT8_E4M3FN, MxRows, map_rows, mx_quant, num_rows
+from optimized.layers.quantization.schemes import W4A4, W4A8, quant_scheme
 from optimized.ops import mx_format as mxf
 
 
@@ -88,8 +92,13 @@ class TensorParallelStep:
         hidden, residual = norm(hidden, residual)
         return hidden, hidden, residual
 
-    def mlp(self, mlp, router_in, expert_in):
-        return mlp(expert_in, self.exchange, router_in, self.eplb_rows)
+    def moe(self, block, router_in, expert_in):
+        """The sparse MoE block: its tokens reach the experts through the step's exchange."""
+        return block(expert_in, self.exchange, router_in, self.eplb_rows)
+
+    def dense_mlp(self, mlp, hidden):
+        """A dense MLP: tensor parallel over the rank's rows as they are, in every step (no token exchange)."""
+        return mlp(hidden)
 
 
 class SequenceParallelStep(TensorParallelStep):
@@ -118,9 +127,8 @@ class SequenceParallelStep(TensorParallelStep):
         """`heads_to_owners` of the attention output as it travels (bf16: as it is)."""
         return heads_to_owners(out, group, ranks, n)
 
-    def mlp(self, mlp, router_in, expert_in):
-        return mlp(self.wire(expert_in) if mlp.exchanges_tokens else expert_in, self.exchange, router_in,
-                   self.eplb_rows)
+    def moe(self, block, router_in, expert_in):
+        return block(self.wire(expert_in), self.exchange, router_in, self.eplb_rows)
 
 
 class MxSequenceParallelStep(SequenceParallelStep):
@@ -173,17 +181,15 @@ class DataParallelStep(TensorParallelStep):
         q, k, v = attn.qkv(full, cos, sin)
         out = attn.attend(q, k, v, meta, kv_cache, atten_mask)
         out = F.pad(out.reshape(tokens, -1), (0, 0, 0, tp.size * x.shape[0] - tokens))   # [P*n, Nq_r*D]
-        partial = attn.o_proj.quant_method.apply(attn.o_proj, out)                # row-parallel, not yet summed
+        partial = attn.o_proj(out)                            # row-parallel, built not to reduce: partial sums
         return comm.reduce_scatter(partial, tp.group)                            # [n, H]: summed, own rows
 
-    def mlp(self, mlp, router_in, expert_in):
-        if not mlp.exchanges_tokens:
-            return mlp(expert_in)
+    def moe(self, block, router_in, expert_in):
         if self.masks_padding:                                                   # decode: MC2, padding masked
-            return mlp(expert_in, self.exchange.own_rows(self.active), router_in, self.eplb_rows)
+            return block(expert_in, self.exchange.own_rows(self.active), router_in, self.eplb_rows)
         # prefill: double routing of the real rows (at least one, so no kernel sees an empty input)
         real = max(self.active, 1)
-        out = mlp(expert_in[:real], self.exchange, router_in[:real], self.eplb_rows)
+        out = block(expert_in[:real], self.exchange, router_in[:real], self.eplb_rows)
         return F.pad(out, (0, 0, 0, expert_in.shape[0] - real))
 
 
@@ -191,7 +197,8 @@ class TensorParallelPhase:
     """Every rank runs every token: ids [T] -> final-normed hidden states [T, H]."""
 
     ep_scheme = None
-    replicated_o_proj = False
+    replicated_o_proj = False   # the layers build a replicated o_proj (the SP prefill's)
+    reduces_o_proj = True       # the row-parallel o_proj sums its partial products itself (all_reduce)
 
     def __init__(self, step: TensorParallelStep | None = None):
         self.step = step or TensorParallelStep()
@@ -234,6 +241,8 @@ class SequenceParallelPrefill(TensorParallelPhase):
 class DataParallelPhase(TensorParallelPhase):
     """Attention DP: ids [T] of this rank's DP group -> its rows [n, H]; `logits` returns the DP group's."""
 
+    reduces_o_proj = False      # the step reduce-scatters o_proj's partial sums to each rank's own rows
+
     def __init__(self, step: DataParallelStep):
         self.step = step
 
@@ -274,11 +283,12 @@ class DataParallelPhase(TensorParallelPhase):
         return logits[start:start + sizes[lm.rank]]
 
 
-def uses_mx_prefill(config, parallel) -> bool:
+def uses_mx_prefill(config, parallel, scheme: str | None = None) -> bool:
     """True for a W4A8 checkpoint under the SP prefill; raises if the layout splits an MX block across ranks.
     (The recipe's `prefill_opt` takes gmm_quant_mode w4a8mxfloat4 only, spec mx_quant.md §9.2: a W8A8 checkpoint
-    runs the SP step with 16-bit activations on the wire, each MXFP8 linear / expert quantizing its own input.)"""
-    if quant_scheme(config) != W4A8 or not parallel.sp_prefill:
+    runs the SP step with 16-bit activations on the wire, each MXFP8 linear / expert quantizing its own input.)
+    scheme: the model's, already parsed (default: read from `config`)."""
+    if (scheme or quant_scheme(config)) != W4A8 or not parallel.sp_prefill:
         return False
     width = config.num_attention_heads // parallel.attn_tp_size * head_dim_of(config)
     if width % BLOCK:
@@ -289,10 +299,11 @@ def uses_mx_prefill(config, parallel) -> bool:
     return True
 
 
-def sp_prefill(config, parallel) -> bool:
+def sp_prefill(config, parallel, scheme: str | None = None) -> bool:
     """Whether prefill runs sequence parallel: prefill_opt (or its default), never for a W4A4 checkpoint, as the
-    recipe's prefill_opt requires mm_quant_mode != w4a4mxfloat4 (spec a4w4_hadamard.md §1.4)."""
-    if quant_scheme(config) != W4A4:
+    recipe's prefill_opt requires mm_quant_mode != w4a4mxfloat4 (spec a4w4_hadamard.md §1.4). scheme: the model's,
+    already parsed (default: read from `config`)."""
+    if (scheme or quant_scheme(config)) != W4A4:
         return parallel.sp_prefill
     if parallel.prefill_opt:
         raise QuantConfigError("parallel_config.prefill_opt: true is not supported with a W4A4 checkpoint (the "
@@ -300,8 +311,8 @@ def sp_prefill(config, parallel) -> bool:
     return False
 
 
-def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPhase]:
-    """(prefill, decode) for this layout and checkpoint, chosen once."""
+def build_phases(config, groups, scheme: str | None = None) -> tuple[TensorParallelPhase, TensorParallelPhase]:
+    """(prefill, decode) for this layout and checkpoint (`scheme`: the model's QuantConfig's), chosen once."""
     if groups.parallel.attn_dp_size > 1:
         # Attention DP runs the prefill data parallel too, as the recipe does (each DP group prefills its own
         # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode. W4A8 / W8A8 run the
@@ -313,9 +324,10 @@ def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPha
     # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
     mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
     decode = TensorParallelPhase(TensorParallelStep(mc2, decode=True))
-    if not sp_prefill(config, groups.parallel):
+    if not sp_prefill(config, groups.parallel, scheme):
         return TensorParallelPhase(), decode
-    scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
-    exchange = build_exchange(scheme, config, groups)
-    step = MxSequenceParallelStep(exchange) if uses_mx_prefill(config, groups.parallel) else SequenceParallelStep(exchange)
-    return SequenceParallelPrefill(scheme, step), decode
+    ep_scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
+    exchange = build_exchange(ep_scheme, config, groups)
+    step_class = MxSequenceParallelStep if uses_mx_prefill(config, groups.parallel, scheme) else SequenceParallelStep
+    step = step_class(exchange)
+    return SequenceParallelPrefill(ep_scheme, step), decode

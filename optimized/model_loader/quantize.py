@@ -21,7 +21,7 @@ makes the model run an FP8 KV cache; `kv_cache="bf16"` writes `kv_cache_scheme: 
 Dense-MLP gate_proj (layers in mlp_only_layers / off decoder_sparse_step): quantized to MXFP8 with up/down by
 default. The recipe's converter leaves it 16-bit (its ignore pattern `mlp.gate`, meant for the router, is a
 substring of `mlp.gate_proj`); `keep_dense_gate_proj=True` (`convert --keep-dense-gate-proj`) does the same, and
-the loader takes either checkpoint (optimized/layers/moe.py `Qwen3MoeMLP`). The default stays MXFP8 because the
+the loader takes either checkpoint (optimized/layers/quantization/config.py). The default stays MXFP8 because the
 fake-quant reference and the W4A8 tolerances (`model.w4a8.bfloat16`) are measured with every dense projection
 MXFP8.
 
@@ -44,7 +44,7 @@ from optimized.errors import CheckpointError
 from optimized.model_loader.checkpoint_files import INDEX_FILE, open_file, read_json, weight_files
 from optimized.ops import mx_format as mxf
 # config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
-from optimized.layers.quantization import recipe_quantization_config as quantization_config
+from optimized.layers.quantization.converter_config import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
 QUANT_TYPES = ("w4a8", "w8a8", "w4a4")
