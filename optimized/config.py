@@ -628,7 +628,7 @@ def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
 
 def mx_activation_bits(hf_config) -> int | None:
     """The activation bits of the checkpoint's MX `quantization_config` (4: W4A4, 8: W4A8 / W8A8), None without one
-    or when its groups disagree; read from the dict (the loader, optimized/layers/quantization.py, validates it)."""
+    or when its groups disagree; read from the dict (the loader, optimized/layers/quantization/, validates it)."""
     qc = getattr(hf_config, "quantization_config", None) or {}
     groups = (qc if isinstance(qc, dict) else qc.to_dict()).get("config_groups") or {}
     bits = {(g.get("input_activations") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}

@@ -4,7 +4,9 @@ Tokens are packed (TND: all requests of a step concatenated). The weights are sh
 `distributed.ParallelState` (attention TP, MoE TP x EP, embedding TP, lm_head TP). The residual stream is carried
 between layers by `npu_add_rms_norm`. How each phase moves activations between ranks (tensor parallel, the
 sequence-parallel prefill in bf16 or with MXFP8 on the wire) is a strategy chosen once at build time
-(optimized/phases.py): the phase owns the layer loop and hands each layer its step.
+(optimized/phases.py): the phase owns the layer loop and hands each layer its step. The checkpoint's quantization is
+parsed once (`QuantConfig`, optimized/layers/quantization/config.py), which gives each linear and the experts their
+quant method by checkpoint prefix when the layers are built.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from optimized.layers.attention import Qwen3MoeAttention, causal_mask_template
 from optimized.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from optimized.layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 from optimized.layers.norm import RMSNorm
+from optimized.layers.quantization.config import QuantConfig
 from optimized.phases import build_phases
 
 UNSUPPORTED = {
@@ -46,15 +49,20 @@ def check_supported(config) -> None:
 
 class Qwen3MoeDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype, replicated_o_proj: bool = False,
-                 force_eplb: bool = False):
+                 force_eplb: bool = False, reduce_o_proj: bool = True, quant_config: QuantConfig | None = None):
+        """replicated_o_proj / reduce_o_proj: what the phases need of o_proj (optimized/phases.py); quant_config: the
+        model's, parsed once (default: from `config`)."""
         super().__init__()
+        quant, prefix = quant_config or QuantConfig.from_hf_config(config), f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Qwen3MoeAttention(config, groups.attn_tp, dtype, replicated_o_proj)
+        self.self_attn = Qwen3MoeAttention(config, groups.attn_tp, dtype, replicated_o_proj, reduce_o_proj, quant,
+                                           f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if is_sparse_layer(config, layer_idx):
-            self.mlp = Qwen3MoeSparseMoeBlock(config, groups.moe_tp, groups.moe_ep, dtype, force_eplb)
+            self.mlp = Qwen3MoeSparseMoeBlock(config, groups.moe_tp, groups.moe_ep, dtype, force_eplb, quant,
+                                              f"{prefix}.mlp")
         else:
-            self.mlp = Qwen3MoeMLP(config, groups.moe_tp, dtype)
+            self.mlp = Qwen3MoeMLP(config, groups.moe_tp, dtype, quant, f"{prefix}.mlp")
 
     def load(self, source, prefix: str) -> None:
         self.input_layernorm.load(source, f"{prefix}.input_layernorm.weight")
@@ -67,20 +75,26 @@ class Qwen3MoeDecoderLayer(nn.Module):
         hidden, residual = step.input_norm(self.input_layernorm, hidden, residual)
         hidden = step.attention(self.self_attn, hidden, cos, sin, meta, kv_cache, atten_mask)
         router_in, hidden, residual = step.post_attention_norm(self.post_attention_layernorm, hidden, residual)
-        return step.mlp(self.mlp, router_in, hidden), residual
+        return self.mlp.forward_step(step, router_in, hidden), residual     # step.moe or step.dense_mlp
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, config, groups, dtype: torch.dtype = torch.bfloat16, force_eplb: bool = False):
+    def __init__(self, config, groups, dtype: torch.dtype = torch.bfloat16, force_eplb: bool = False,
+                 quant_config: QuantConfig | None = None):
         """force_eplb: model_config.force_eplb, the recipe's balanced expert ids in every MoE layer
-        (optimized/layers/force_eplb.py)."""
+        (optimized/layers/force_eplb.py). quant_config: the checkpoint's quantization (the build passes one that
+        knows the checkpoint's 16-bit dense projections; default: parsed from `config`)."""
         super().__init__()
         check_supported(config)
         self.config, self.groups, self.dtype, self.force_eplb = config, groups, dtype, force_eplb
-        self.prefill, self.decode = build_phases(config, groups)         # the layout's strategies, chosen once
+        self.quant_config = quant = quant_config or QuantConfig.from_hf_config(config)       # parsed once
+        self.prefill, self.decode = build_phases(config, groups, quant.scheme)   # the layout's strategies, once
+        if self.prefill.reduces_o_proj != self.decode.reduces_o_proj:   # one o_proj serves both phases
+            raise ValueError("the prefill and decode phases disagree on whether o_proj reduces its partial sums")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups.embed_tp, dtype)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, groups, dtype, self.prefill.replicated_o_proj,
-                                                         force_eplb) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3MoeDecoderLayer(config, i, groups, dtype, self.prefill.replicated_o_proj, force_eplb,
+                                 self.decode.reduces_o_proj, quant) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, groups.lmhead_tp, dtype)
         # Created on the default device (a `with torch.device(...)` build puts them on the model's device).

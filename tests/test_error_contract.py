@@ -19,8 +19,6 @@ INTERNAL = {
     "optimized.serving.protocol.ApiError",                    # an HTTP error response to a client, never the CLI's
     "optimized.serving.driver.EngineStopped",                 # the engine thread died: a bug or a device failure
     "optimized.serving.driver.RequestFailed",                 # one request failed inside the engine
-    # optimized/layers/** is another owner's: QuantConfigError becomes a UsageError there
-    "optimized.layers.quantization.QuantConfigError",
 }
 
 

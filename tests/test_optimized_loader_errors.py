@@ -88,7 +88,8 @@ def _fp8_scheme() -> dict:
 @pytest.mark.parametrize("key, value", [("num_bits", 4), ("type", "int"), ("strategy", "tensor"), ("group_size", 128),
                                         ("dynamic", "false"), ("symmetric", False), ("num_bits", "8")])
 def test_kv_cache_scheme_other_than_the_recipes_names_the_key(key, value):
-    from optimized.layers.quantization import QuantConfigError, kv_cache_scheme
+    from optimized.layers.quantization.errors import QuantConfigError
+    from optimized.layers.quantization.kv_cache import kv_cache_scheme
     scheme = _fp8_scheme()
     scheme[key] = value
     with pytest.raises(QuantConfigError) as e:
@@ -97,7 +98,8 @@ def test_kv_cache_scheme_other_than_the_recipes_names_the_key(key, value):
 
 
 def test_kv_cache_scheme_extra_key_is_one_error_naming_it():
-    from optimized.layers.quantization import QuantConfigError, kv_cache_scheme
+    from optimized.layers.quantization.errors import QuantConfigError
+    from optimized.layers.quantization.kv_cache import kv_cache_scheme
     scheme = {**_fp8_scheme(), "observer": "minmax"}
     with pytest.raises(QuantConfigError) as e:
         kv_cache_scheme({"kv_cache_scheme": scheme})
@@ -105,7 +107,8 @@ def test_kv_cache_scheme_extra_key_is_one_error_naming_it():
 
 
 def test_kv_cache_scheme_recipe_null_and_absent():
-    from optimized.layers.quantization import FLOAT8, QuantConfigError, kv_cache_scheme
+    from optimized.layers.quantization.errors import QuantConfigError
+    from optimized.layers.quantization.kv_cache import FLOAT8, kv_cache_scheme
     assert kv_cache_scheme({"kv_cache_scheme": _fp8_scheme()}) == FLOAT8
     assert kv_cache_scheme({"kv_cache_scheme": None}) is None and kv_cache_scheme({}) is None
     with pytest.raises(QuantConfigError, match=r"kv_cache_scheme='fp8' must be an object or null"):

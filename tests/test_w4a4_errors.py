@@ -116,7 +116,7 @@ def test_config_refuses_a_width_not_a_multiple_of_128(tmp_path, capsys):
 
 def test_enable_hadamard_with_a_w4a8_checkpoint_is_ignored_and_said(tmp_path):
     from fixtures.checkpoints import w4a8_checkpoint
-    from optimized.layers.quantization import quant_scheme
+    from optimized.layers.quantization.schemes import quant_scheme
     from optimized.model_loader.build import load_model
     from optimized.model_loader.hf_config import load_hf_config
     path = w4a8_checkpoint("tiny")

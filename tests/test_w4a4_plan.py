@@ -9,7 +9,7 @@ import pytest
 from fixtures.checkpoints import w4a4_checkpoint, w4a8_checkpoint
 from optimized.config import ParallelConfig
 from optimized.distributed.prefill_plan import describe
-from optimized.layers.quantization import QuantConfigError
+from optimized.layers.quantization.errors import QuantConfigError
 from optimized.model_loader.hf_config import load_hf_config
 from optimized.phases import sp_prefill
 

@@ -13,7 +13,7 @@ from equivalence.support.compare import assert_bitwise_equal
 from equivalence.conftest import MODEL_LEVEL_STRICTNESS
 from equivalence.support.dist import get_pool
 from optimized.layers.exchange import re_routing
-from optimized.layers.quantization import MxRows
+from optimized.layers.quantization.mx_wire import MxRows
 from optimized.ops.validation import STRICT_ENV
 
 H = 64

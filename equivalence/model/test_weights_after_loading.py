@@ -23,6 +23,7 @@ import optimized  # noqa: F401  (registers torch.ops.npu.*)
 from equivalence.support.compare import assert_bitwise_equal
 from fixtures.checkpoints import w4a8_checkpoint, w8a8_checkpoint
 from optimized.layers import quantization as q
+from optimized.layers.quantization import mx_layout, mxfp8, w4a4, w4a8, w8a8
 from optimized.layers.linear import ReplicatedLinear
 from optimized.layers.moe import FusedMoEGMM
 from optimized.model_loader.build import load_model
@@ -170,7 +171,8 @@ def test_a_forward_re_lays_out_no_weight(kind, monkeypatch):
     q.process_weights_after_loading(layer)
     x = torch.randn(ROWS, K if kind == "mxfp8_linear" else H, generator=_gen(3)).to(BF16)
 
-    monkeypatch.setattr(q, "mxf", _NoPairing())       # the quant methods' view of mx_format only (not the kernels')
+    for module in (mx_layout, mxfp8, w4a4, w4a8, w8a8):   # the quant methods' view of mx_format only (not the kernels')
+        monkeypatch.setattr(module, "mxf", _NoPairing())
     params = dict(layer.named_parameters())
     with torch.no_grad(), _WeightTouches(params) as touches:
         forward(layer, x)

@@ -77,7 +77,8 @@ def _routing_recorded(mlp, log: dict, wire: str, forced: torch.Tensor | None):
 @torch.no_grad()
 def _wire_task(rank, world, path, unquantized_path, lay, layer_idx, lengths, x, residual):
     from optimized import distributed as comm
-    from optimized.layers.quantization import mx_quant
+    from optimized.layers.moe import Qwen3MoeSparseMoeBlock
+    from optimized.layers.quantization.mx_wire import mx_quant
     from optimized.phases import MxSequenceParallelStep, SequenceParallelStep
 
     soc = os.environ.get("NPU_GOLDEN_SOC")
@@ -89,7 +90,7 @@ def _wire_task(rank, world, path, unquantized_path, lay, layer_idx, lengths, x, 
         assert isinstance(step, MxSequenceParallelStep), \
             "a W4A8 checkpoint under the SP prefill must build the MXFP8-wire step"
         steps = {"bf16": SequenceParallelStep(step.exchange), "mx": step}      # the same exchange, two wires
-        sparse = layer.mlp.exchanges_tokens
+        sparse = isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)
         xm = _mine(x, sp.rank, sp.size)
         rm = None if residual is None else _mine(residual, sp.rank, sp.size)
         h = layer.input_layernorm(xm) if rm is None else layer.input_layernorm(xm, rm)[0]   # bf16 normed input
@@ -109,7 +110,7 @@ def _wire_task(rank, world, path, unquantized_path, lay, layer_idx, lengths, x, 
             caches[wire] = cache.layers[0]
             if sparse:
                 with comm.count_bytes() as moe_bytes:
-                    m = steps[wire].mlp(layer.mlp, h.float(), h)
+                    m = steps[wire].moe(layer.mlp, h.float(), h)
                 out[f"moe_{wire}"], out[f"moe_bytes_{wire}"] = gather(m), dict(moe_bytes.bytes)
         # The whole layer on each wire: the MXFP8 wire first, then the bf16 wire replaying its expert ids (the two
         # routers read the post-attention norm in fp32 and in bf16: a near-tie may pick another expert).

@@ -245,7 +245,7 @@ def test_converter_kv_cache_choice_writes_the_recipes_scheme_or_none(tmp_path, k
     "true", key order) and the model then runs the FP8 cache; `--kv-cache bf16` writes none (null) and a 16-bit
     cache runs. The tensors are the same bytes either way."""
     from optimized.cli.main import main as cli_main
-    from optimized.layers.quantization import kv_cache_dtype
+    from optimized.layers.quantization.kv_cache import kv_cache_dtype
     from optimized.model_loader.hf_config import load_hf_config
     dst = tmp_path / kv_cache
     assert cli_main(["convert", "--quant", "w4a8", "--no-progress", "--kv-cache", kv_cache, str(checkpoint("tiny")),

@@ -30,8 +30,9 @@ from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model
 from optimized.distributed import ParallelState
 from optimized.layers.moe import FusedMoEGMM
-from optimized.layers.quantization import (QuantConfigError, W4A8MxFp4MoEGMMMethod, checkpoint_layout_parameters,
-                                           process_weights_after_loading)
+from optimized.layers.quantization.errors import QuantConfigError
+from optimized.layers.quantization.lifecycle import checkpoint_layout_parameters, process_weights_after_loading
+from optimized.layers.quantization.w4a8 import W4A8MxFp4MoEGMMMethod
 from optimized.model_loader.loader import CheckpointError, StateDictSource
 from optimized.model_loader.quantize import MXFP4, mx_quantize_weight
 

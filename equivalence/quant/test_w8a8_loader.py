@@ -24,8 +24,10 @@ from equivalence.quant.test_w4a8_loader import RECIPE_LINEAR_GROUP, RECIPE_QUANT
 from fixtures.checkpoints import w4a8_checkpoint, w8a8_checkpoint
 from fixtures.tiny import tiny_config
 from optimized.distributed import ParallelState
-from optimized.layers.quantization import (MxFp8LinearMethod, MxFp8MoEGMMMethod, QuantConfigError,
-                                           checkpoint_layout_parameters)
+from optimized.layers.quantization.errors import QuantConfigError
+from optimized.layers.quantization.lifecycle import checkpoint_layout_parameters
+from optimized.layers.quantization.mxfp8 import MxFp8LinearMethod
+from optimized.layers.quantization.w8a8 import MxFp8MoEGMMMethod
 from optimized.model_loader.build import load_model
 from optimized.model_loader.loader import CheckpointError
 from equivalence.support.strategies import layout

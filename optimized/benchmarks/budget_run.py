@@ -195,7 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_applied(budget: Budget, model) -> None:
     """The built model runs what the budget names (precision, prefill path), or a UsageError saying what differs;
     exe_mode is applied by the runner."""
-    from optimized.layers.quantization import quant_scheme
+    from optimized.layers.quantization.schemes import quant_scheme
     from optimized.errors import UsageError
 
     quantized = quant_scheme(model.config) == "w4a8"

@@ -130,7 +130,7 @@ class Launch:
                     print(f"{run.plan.describe()}\n{settings.describe()}", flush=True)
                     if m.enable_hadamard:
                         from optimized.layers import hadamard
-                        from optimized.layers.quantization import quant_scheme
+                        from optimized.layers.quantization.schemes import quant_scheme
                         print(hadamard.describe(quant_scheme(self.hf_config), m.hadamard_weight_path), flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env)
@@ -148,7 +148,7 @@ class Launch:
 
     def _load_model(self, state, env):
         from optimized import platform
-        from optimized.layers.quantization import QuantConfigError
+        from optimized.layers.quantization.errors import QuantConfigError
         from optimized.model_loader.build import load_model
         from optimized.model_loader.loader import CheckpointError
         m = self.cfg.model_config
@@ -162,7 +162,7 @@ class Launch:
 
     def _runner(self, model):
         from optimized.executor.model_runner import ModelRunner
-        from optimized.layers.quantization import QuantConfigError
+        from optimized.layers.quantization.errors import QuantConfigError
         m, s = self.cfg.model_config, self.cfg.scheduler_config
         try:
             return ModelRunner(model, s.block_size, exe_mode=m.exe_mode, compile_cache=self.compile_cache,

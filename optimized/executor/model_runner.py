@@ -19,7 +19,7 @@ from optimized.forward_metadata import ForwardMetadata
 from optimized.executor.kv_cache import QUANTIZED_DTYPES, slot_mapping
 from optimized.executor.sampling import GREEDY, SamplingParams
 from optimized.executor.scheduler import Request
-from optimized.layers.quantization import kv_cache_dtype as resolve_kv_cache_dtype
+from optimized.layers.quantization.kv_cache import kv_cache_dtype as resolve_kv_cache_dtype
 from optimized.ops.required import FP8_KV_CACHE, check_operators
 
 BLOCK_GRANULARITY = 16  # the paged attention kernel's block size granularity (tokens)

@@ -2,7 +2,8 @@
 
 merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rotary_pos_emb (TND)
 -> npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache)
--> o_proj (row-parallel, all_reduce). New K/V go to the paged cache with npu_scatter_nd_update_.
+-> o_proj (row-parallel: all_reduce; under attention DP the phase reduce-scatters its partial sums instead).
+New K/V go to the paged cache with npu_scatter_nd_update_.
 
 A layer's cache is (k, v), or (k, v, k_scale, v_scale) for the per-token FP8 cache (the recipe's
 kv_cache_quant_mode "float8"): K and V are quantized per token over this rank's KV heads by npu_dynamic_quant
@@ -25,7 +26,7 @@ from torch import nn
 from optimized.config import head_dim_of
 from optimized.forward_metadata import ForwardMetadata
 from optimized.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from optimized.layers.quantization import linear_method, quant_scheme
+from optimized.layers.quantization.config import QuantConfig
 from optimized.layers.norm import RMSNorm
 
 # sparse_mode 3 reads this 2048x2048 template (True = masked) whatever the sequence length.
@@ -41,24 +42,29 @@ def causal_mask_template(device: torch.device | str | None = None) -> torch.Tens
 
 
 class Qwen3MoeAttention(nn.Module):
-    def __init__(self, config, tp, dtype: torch.dtype, replicated_o_proj: bool = False):
+    def __init__(self, config, tp, dtype: torch.dtype, replicated_o_proj: bool = False,
+                 reduce_o_proj: bool = True, quant_config: QuantConfig | None = None, prefix: str = "self_attn"):
+        """reduce_o_proj=False: o_proj returns its partial sums (attention DP sums them with a reduce-scatter).
+        quant_config: the model's (parsed once); prefix: this module's checkpoint prefix, for its linears' methods."""
         super().__init__()
         self.tp = tp
         self.head_dim = head_dim = head_dim_of(config)
-        scheme = quant_scheme(config)     # the linears' quant method, from the checkpoint's quantization_config
+        quant = quant_config or QuantConfig.from_hf_config(config)
         self.merged_qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                                 config.num_key_value_heads, tp, dtype, linear_method(scheme))
+                                                 config.num_key_value_heads, tp, dtype,
+                                                 quant.linear_method(f"{prefix}.q_proj"))  # q, k, v: one method
         self.num_heads = self.merged_qkv_proj.q_heads          # per rank
         self.num_kv_heads = self.merged_qkv_proj.kv_heads      # per rank
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, dtype,
-                                        linear_method(scheme))
+                                        quant.linear_method(f"{prefix}.o_proj"), reduce_results=reduce_o_proj)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.softmax_scale = head_dim ** -0.5
         # A weight the SP prefill needs (phases.py asks for it): o_proj over this rank's tokens with every head,
         # the full weight on every rank; decode keeps the row-parallel o_proj.
         self.o_proj_replicated = (ReplicatedLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                                   dtype, linear_method(scheme)) if replicated_o_proj else None)
+                                                   dtype, quant.linear_method(f"{prefix}.o_proj"))
+                                  if replicated_o_proj else None)
 
     def load(self, source, prefix: str) -> None:
         self.merged_qkv_proj.load(source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight",

@@ -24,7 +24,7 @@ import torch
 
 from optimized.distributed import collectives as comm
 from optimized.distributed.parallel_state import comm_name
-from optimized.layers.quantization import MxRows, map_rows
+from optimized.layers.quantization.mx_wire import MxRows, map_rows
 
 
 def _rows_and_scale(x) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -2,8 +2,8 @@
 
 Weights keep the checkpoint's `[out_features, in_features]` orientation. `tp` is any object with
 `group`, `size` and `rank` (a `comm.GroupInfo`); size 1 means no communication. Each layer owns a quant
-method (`quantization.py`: unquantized by default, MXFP8 for W4A8 / W8A8 checkpoints) that creates its parameters,
-loads its slices and applies the matmul.
+method (optimized/layers/quantization/: unquantized by default; the model's `QuantConfig` picks one per layer) that
+creates its parameters, loads its slices and applies the matmul.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from optimized.distributed import collectives as comm
-from optimized.layers.quantization import UnquantizedLinearMethod
+from optimized.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 def _split(total: int, parts: int, what: str) -> int:
@@ -59,11 +59,15 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Input features split across `tp`; partial products are summed with all_reduce over `tp`."""
+    """Input features split across `tp`; partial products are summed with all_reduce over `tp`.
 
-    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype, quant_method=None):
+    reduce_results=False: the layer returns this rank's partial product, for a caller that sums it its own way
+    (attention DP reduce-scatters o_proj's partial sums back to each rank's rows, optimized/phases.py)."""
+
+    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype, quant_method=None,
+                 reduce_results: bool = True):
         super().__init__()
-        self.tp = tp
+        self.tp, self.reduce_results = tp, reduce_results
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = _split(in_features, tp.size, "in_features")
         self.quant_method = quant_method or UnquantizedLinearMethod()
@@ -75,7 +79,8 @@ class RowParallelLinear(nn.Module):
         self.quant_method.load(self, source, name, (self.out_features, self.in_features), (slice(None), cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(self.quant_method.apply(self, x), self.tp.group)
+        y = self.quant_method.apply(self, x)
+        return comm.all_reduce(y, self.tp.group) if self.reduce_results else y
 
 
 class MergedColumnParallelLinear(nn.Module):

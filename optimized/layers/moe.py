@@ -14,8 +14,7 @@ from optimized.layers.exchange import MoeInferTP
 from optimized.layers.force_eplb import BalancedRouting, EplbRows
 from optimized.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
                                      RowParallelLinear, _split)
-from optimized.layers.quantization import W4A8, MxFp8LinearMethod, linear_method, moe_method, quant_scheme
-from optimized.ops.mx_format import scale_name
+from optimized.layers.quantization.config import QuantConfig, moe_method
 
 
 class FusedMoEGMM(nn.Module):
@@ -39,7 +38,7 @@ class FusedMoEGMM(nn.Module):
         i_r = self.inter_per_rank
         cols = slice(self.moe_tp.rank * i_r, (self.moe_tp.rank + 1) * i_r)
         for local in range(self.local_experts):
-            self.quant_method.load_expert(self, source, f"{prefix}.{self.first_expert + local}", local, cols)
+            self.quant_method.load(self, source, f"{prefix}.{self.first_expert + local}", local, cols)
         # The other EP ranks' experts are theirs to read: deliberately unused here, not unexpected.
         local_range = range(self.first_expert, self.first_expert + self.local_experts)
         for expert in set(range(self.num_experts)) - set(local_range):   # other EP ranks load these
@@ -56,17 +55,18 @@ class FusedMoEGMM(nn.Module):
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """Router and experts; the token exchange is the phase's (layers/exchange.py), tensor parallel by default."""
 
-    exchanges_tokens = True
-
-    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype, force_eplb: bool = False):
+    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype, force_eplb: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "mlp"):
+        """quant_config: the model's (parsed once); prefix: this block's checkpoint prefix (`model.layers.N.mlp`)."""
         super().__init__()
+        quant = quant_config or QuantConfig.from_hf_config(config)
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         # The router runs in float32 (as the NPU recipe does), whatever the activation dtype.
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, torch.float32)
         self.gate.router = True   # kept ND and contiguous when the weights go NZ (process_weights_after_loading)
         self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                   moe_tp, moe_ep, dtype, moe_method(quant_scheme(config)))
+                                   moe_tp, moe_ep, dtype, quant.moe_method(f"{prefix}.experts"))
         self.moe_infer_tp = MoeInferTP(config.num_experts, config.num_experts_per_tok, moe_tp, moe_ep)
         # model_config.force_eplb: the recipe's balanced expert ids replace the top-k ids (layers/force_eplb.py).
         self.balanced = BalancedRouting(config.num_experts, config.num_experts_per_tok, moe_tp.size, moe_ep) \
@@ -84,6 +84,10 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_weight, topk_idx.to(torch.int32)
 
+    def forward_step(self, step, router_in, expert_in):
+        """This block under a phase's step (optimized/phases.py): the step moves its tokens (`step.moe`)."""
+        return step.moe(self, router_in, expert_in)
+
     def forward(self, hidden, exchange=None, router_in: torch.Tensor | None = None,
                 eplb_rows: EplbRows | None = None) -> torch.Tensor:
         """hidden: the expert input (a tensor or MxRows); router_in: what the router reads (default: hidden);
@@ -97,39 +101,27 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 class Qwen3MoeMLP(nn.Module):
     """Dense SwiGLU MLP (mlp_only_layers / decoder_sparse_step), tensor-parallel over the MoE TP group.
 
-    W4A8: each projection's format is the checkpoint's (a weight with its `weight_scale` partner is MXFP8, one
-    without is 16-bit): the recipe's converter keeps a dense gate_proj 16-bit (its ignore pattern `mlp.gate` is a
-    substring of `mlp.gate_proj`) beside MXFP8 up/down, and such a layer loads as it is, gate and up then as two
-    column-parallel linears instead of the merged gate_up_proj."""
+    Each projection's quant method is the model's QuantConfig's for its prefix: in a W4A8 / W8A8 checkpoint a dense
+    gate_proj may be stored 16-bit beside MXFP8 up/down (the recipe's converter does so, config.py), and then gate
+    and up are two column-parallel linears instead of the merged gate_up_proj, each in its own format."""
 
-    exchanges_tokens = False
-
-    def __init__(self, config, moe_tp, dtype: torch.dtype):
+    def __init__(self, config, moe_tp, dtype: torch.dtype, quant_config: QuantConfig | None = None,
+                 prefix: str = "mlp"):
+        """quant_config: the model's (parsed once); prefix: this MLP's checkpoint prefix (`model.layers.N.mlp`)."""
         super().__init__()
-        inter, scheme = config.intermediate_size, quant_scheme(config)
-        self.hidden_size, self.inter, self.moe_tp, self.dtype = config.hidden_size, inter, moe_tp, dtype
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], moe_tp, dtype,
-                                                       linear_method(scheme))
-        self.gate_proj = self.up_proj = None
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, moe_tp, dtype, linear_method(scheme))
+        hidden, inter = config.hidden_size, config.intermediate_size
+        quant = quant_config or QuantConfig.from_hf_config(config)
+        gate, up, down = (quant.linear_method(f"{prefix}.{p}_proj") for p in ("gate", "up", "down"))
+        self.gate_up_proj = self.gate_proj = self.up_proj = None
+        if type(gate) is type(up):
+            self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], moe_tp, dtype, gate)
+        else:
+            self.gate_proj = ColumnParallelLinear(hidden, inter, moe_tp, dtype, quant_method=gate)
+            self.up_proj = ColumnParallelLinear(hidden, inter, moe_tp, dtype, quant_method=up)
+        self.down_proj = RowParallelLinear(inter, hidden, moe_tp, dtype, down)
 
     def load(self, source, prefix: str) -> None:
         gate, up, down = (f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down"))
-        if isinstance(self.gate_up_proj.quant_method, MxFp8LinearMethod):
-            mx = {name: source.has(scale_name(name)) for name in (gate, up, down)}
-            device = self.down_proj.weight.device
-            with torch.device(device):                 # rebuilt on the model's device, never a default one
-                if mx[gate] != mx[up]:
-                    self.gate_proj, self.up_proj = (
-                        ColumnParallelLinear(self.hidden_size, self.inter, self.moe_tp, self.dtype,
-                                             quant_method=linear_method(W4A8 if mx[n] else None)) for n in (gate, up))
-                    self.gate_up_proj = None
-                elif not mx[gate]:
-                    self.gate_up_proj = MergedColumnParallelLinear(self.hidden_size, [self.inter, self.inter],
-                                                                   self.moe_tp, self.dtype, linear_method(None))
-                if not mx[down]:
-                    self.down_proj = RowParallelLinear(self.inter, self.hidden_size, self.moe_tp, self.dtype,
-                                                       linear_method(None))
         if self.gate_up_proj is not None:
             self.gate_up_proj.load(source, [gate, up])
         else:
@@ -137,9 +129,11 @@ class Qwen3MoeMLP(nn.Module):
             self.up_proj.load(source, up)
         self.down_proj.load(source, down)
 
-    def forward(self, hidden: torch.Tensor, exchange=None, router_in=None, eplb_rows=None) -> torch.Tensor:
-        """A dense layer exchanges no tokens: `exchange`, `router_in` and `eplb_rows` (the MoE block's interface)
-        are unused."""
+    def forward_step(self, step, router_in, expert_in):
+        """This MLP under a phase's step (optimized/phases.py): it exchanges no tokens (`step.dense_mlp`)."""
+        return step.dense_mlp(self, expert_in)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(hidden)                                      # [T, 2*I_r]
         else:

@@ -8,7 +8,9 @@ import torch
 from optimized import platform
 from optimized.distributed import ParallelState
 from optimized.config import InferenceConfig, is_sparse_layer
-from optimized.layers.quantization import W4A4, W4A8, W8A8, process_weights_after_loading, quant_scheme
+from optimized.layers.quantization.config import QuantConfig
+from optimized.layers.quantization.lifecycle import process_weights_after_loading
+from optimized.layers.quantization.schemes import W4A4, W4A8, W8A8
 from optimized.model_loader.hf_config import load_hf_config
 from optimized.model_loader.loader import CheckpointReader, RandomWeights
 from optimized.model import Qwen3MoeForCausalLM
@@ -40,7 +42,7 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
         config.num_hidden_layers = num_hidden_layers
     if random_weights:
         if getattr(config, "quantization_config", None):
-            from optimized.layers.quantization import QuantConfigError
+            from optimized.layers.quantization.errors import QuantConfigError
             raise QuantConfigError(f"{model_path}/config.json has a quantization_config: random weights are drawn in "
                                    "the activation dtype, so run a quantized model from its checkpoint (with_ckpt: true)")
         source = RandomWeights(seed)
@@ -62,15 +64,18 @@ def model_from_source(config, source, *, parallel: ParallelState | None = None,
     """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...)."""
     parallel = parallel or ParallelState.single()
     InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
-    rotated = hadamard_weight_path is not None and quant_scheme(config) == W4A4   # else ignored, as the recipe does
+    # The checkpoint's quantization, parsed once: the method of each layer, by prefix (a dense projection the
+    # checkpoint stores 16-bit, without a scale partner, gets a 16-bit linear: the source is asked here).
+    quant = QuantConfig.from_hf_config(config, getattr(source, "has", None))
+    rotated = hadamard_weight_path is not None and quant.scheme == W4A4   # else ignored, as the recipe does
     if rotated:   # before the build: a bad directory or width costs no weight read
         from optimized.layers import hadamard
         hadamard.check_directory(hadamard_weight_path)
         hadamard.check_widths(config, parallel.parallel.attn_tp_size)
     with torch.device(platform.device() if device is None else device):
-        model = Qwen3MoeForCausalLM(config, parallel, dtype, force_eplb)
+        model = Qwen3MoeForCausalLM(config, parallel, dtype, force_eplb, quant)
     check_operators(required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
-        w4a8=quant_scheme(config) == W4A8, w8a8=quant_scheme(config) == W8A8, w4a4=quant_scheme(config) == W4A4,
+        w4a8=quant.scheme == W4A8, w8a8=quant.scheme == W8A8, w4a4=quant.scheme == W4A4,
         sp_ep_scheme=model.ep_scheme,
         mc2_decode=model.decode.step.exchange is not None, dp_prefill=parallel.parallel.attn_dp_size > 1,
         dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)), weight_nz=weight_nz))

@@ -80,7 +80,8 @@ def load_hf_config(path) -> Qwen3MoeConfig:
     config = Qwen3MoeConfig.from_pretrained(path)
     check_supported(config, file)
     if raw.get("quantization_config"):
-        from optimized.layers.quantization import check_recipe_quantization_config, quant_scheme
+        from optimized.layers.quantization.converter_config import check_recipe_quantization_config
+        from optimized.layers.quantization.schemes import quant_scheme
         quant_scheme(config)                     # the scheme's own errors first (bits, block size, method)
         check_recipe_quantization_config(raw["quantization_config"], raw["num_hidden_layers"])
     return config

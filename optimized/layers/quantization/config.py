@@ -1,0 +1,77 @@
+"""The model's quantization, parsed once per build: which quant method each layer gets, by checkpoint prefix.
+
+`QuantConfig.from_hf_config(hf_config, stored)` reads config.json's `quantization_config` once (schemes.py) and
+the model hands the result to every layer with the layer's checkpoint prefix (`model.layers.3.self_attn.o_proj`):
+
+- unquantized: every linear and the experts 16-bit;
+- W4A8: attention and dense-MLP linears MXFP8 (mxfp8.py), the routed experts MXFP4 x MXFP8 (w4a8.py);
+- W8A8: every linear MXFP8, the experts MXFP8 (w8a8.py);
+- W4A4: attention and dense-MLP linears and the experts MXFP4 x MXFP4 (w4a4.py).
+
+A dense MLP's projection stored without its `weight_scale` partner in an MXFP8 checkpoint (W4A8 / W8A8) is 16-bit:
+the recipe's converter keeps a dense gate_proj so (its ignore pattern `mlp.gate`, meant for the router, is a
+substring of `mlp.gate_proj`), and `python -m optimized convert --keep-dense-gate-proj` does the same. config.json
+cannot tell the two checkpoints apart, so `stored` (the weight source's `has`) is asked at build time; the MLP
+then builds the linears each projection needs (moe.py `Qwen3MoeMLP`), and loading only fills them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from optimized.config import dense_layers
+from optimized.layers.quantization.base import FusedMoEMethod, LinearMethod
+from optimized.layers.quantization.mxfp8 import MxFp8LinearMethod
+from optimized.layers.quantization.schemes import MX_SCHEMES, W4A4, W4A8, W8A8, quant_scheme
+from optimized.layers.quantization.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
+from optimized.layers.quantization.w4a4 import MxFp4LinearMethod, W4A4MxFp4MoEGMMMethod
+from optimized.layers.quantization.w4a8 import W4A8MxFp4MoEGMMMethod
+from optimized.layers.quantization.w8a8 import MxFp8MoEGMMMethod
+from optimized.ops.mx_format import scale_name
+
+DENSE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def linear_method(scheme: str | None) -> LinearMethod:
+    """A fresh linear method of `scheme` (None: unquantized)."""
+    if scheme == W4A4:
+        return MxFp4LinearMethod()
+    return MxFp8LinearMethod() if scheme in MX_SCHEMES else UnquantizedLinearMethod()
+
+
+def moe_method(scheme: str | None) -> FusedMoEMethod:
+    """A fresh routed-experts method of `scheme` (None: unquantized)."""
+    if scheme == W4A4:
+        return W4A4MxFp4MoEGMMMethod()
+    if scheme == W4A8:
+        return W4A8MxFp4MoEGMMMethod()
+    return MxFp8MoEGMMMethod() if scheme == W8A8 else UnquantizedFusedMoEMethod()
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """scheme: None, W4A8, W8A8 or W4A4. sixteen_bit: prefixes of linears the checkpoint stores 16-bit although the
+    scheme quantizes their kind (dense-MLP projections without a scale partner)."""
+
+    scheme: str | None = None
+    sixteen_bit: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_hf_config(cls, hf_config, stored: Callable[[str], bool] | None = None) -> "QuantConfig":
+        """Parses `hf_config.quantization_config` (a QuantConfigError names a key it cannot run). stored: whether the
+        checkpoint holds a tensor (the weight source's `has`; None: every tensor in its scheme's format)."""
+        scheme = quant_scheme(hf_config)
+        sixteen_bit = frozenset()
+        if stored is not None and isinstance(linear_method(scheme), MxFp8LinearMethod):
+            sixteen_bit = frozenset(prefix for i in dense_layers(hf_config)
+                                    for prefix in (f"model.layers.{i}.mlp.{p}" for p in DENSE_PROJECTIONS)
+                                    if not stored(scale_name(f"{prefix}.weight")))
+        return cls(scheme, sixteen_bit)
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """The method of the linear whose checkpoint weight is `{prefix}.weight`."""
+        return UnquantizedLinearMethod() if prefix in self.sixteen_bit else linear_method(self.scheme)
+
+    def moe_method(self, prefix: str) -> FusedMoEMethod:
+        """The method of the routed experts under `prefix` (`model.layers.N.mlp.experts`)."""
+        return moe_method(self.scheme)
