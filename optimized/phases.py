@@ -13,8 +13,10 @@ from optimized.distributed.decode_plan import uses_mc2_decode
 from optimized.distributed.prefill_plan import choose_ep_scheme
 from optimized.layers.exchange import build_exchange
 from optimized.layers.force_eplb import EP_SPLIT, JOB, OWN, EplbRows
-from optimized.layers.quantization import BLOCK, FLOAT8_E4M3FN, W4A4, W4A8, MxRows, QuantConfigError, map_rows, \
-    mx_quant, num_rows, quant_scheme
+from optimized.layers.quantization.errors import QuantConfigError
+from optimized.layers.quantization.mx_layout import BLOCK
+from optimized.layers.quantization.mx_wire import FLOAT8_E4M3FN, MxRows, map_rows, mx_quant, num_rows
+from optimized.layers.quantization.schemes import W4A4, W4A8, quant_scheme
 from optimized.ops import mx_format as mxf
 
 
@@ -52,8 +54,13 @@ class TensorParallelStep:
         hidden, residual = norm(hidden, residual)
         return hidden, hidden, residual
 
-    def mlp(self, mlp, router_in, expert_in):
-        return mlp(expert_in, self.exchange, router_in, self.eplb_rows)
+    def moe(self, block, router_in, expert_in):
+        """The sparse MoE block: its tokens reach the experts through the step's exchange."""
+        return block(expert_in, self.exchange, router_in, self.eplb_rows)
+
+    def dense_mlp(self, mlp, hidden):
+        """A dense MLP: tensor parallel over the rank's rows as they are, in every step (no token exchange)."""
+        return mlp(hidden)
 
 
 class SequenceParallelStep(TensorParallelStep):
@@ -82,9 +89,8 @@ class SequenceParallelStep(TensorParallelStep):
         """`heads_to_owners` of the attention output as it travels (bf16: as it is)."""
         return heads_to_owners(out, group, ranks, n)
 
-    def mlp(self, mlp, router_in, expert_in):
-        return mlp(self.wire(expert_in) if mlp.exchanges_tokens else expert_in, self.exchange, router_in,
-                   self.eplb_rows)
+    def moe(self, block, router_in, expert_in):
+        return block(self.wire(expert_in), self.exchange, router_in, self.eplb_rows)
 
 
 class MxSequenceParallelStep(SequenceParallelStep):
@@ -137,17 +143,15 @@ class DataParallelStep(TensorParallelStep):
         q, k, v = attn.qkv(full, cos, sin)
         out = attn.attend(q, k, v, meta, kv_cache, atten_mask)
         out = F.pad(out.reshape(tokens, -1), (0, 0, 0, tp.size * x.shape[0] - tokens))   # [P*n, Nq_r*D]
-        partial = attn.o_proj.quant_method.apply(attn.o_proj, out)                # row-parallel, not yet summed
+        partial = attn.o_proj(out)                            # row-parallel, built not to reduce: partial sums
         return comm.reduce_scatter(partial, tp.group)                            # [n, H]: summed, own rows
 
-    def mlp(self, mlp, router_in, expert_in):
-        if not mlp.exchanges_tokens:
-            return mlp(expert_in)
+    def moe(self, block, router_in, expert_in):
         if self.masks_padding:                                                   # decode: MC2, padding masked
-            return mlp(expert_in, self.exchange.own_rows(self.active), router_in, self.eplb_rows)
+            return block(expert_in, self.exchange.own_rows(self.active), router_in, self.eplb_rows)
         # prefill: double routing of the real rows (at least one, so no kernel sees an empty input)
         real = max(self.active, 1)
-        out = mlp(expert_in[:real], self.exchange, router_in[:real], self.eplb_rows)
+        out = block(expert_in[:real], self.exchange, router_in[:real], self.eplb_rows)
         return F.pad(out, (0, 0, 0, expert_in.shape[0] - real))
 
 
@@ -155,7 +159,8 @@ class TensorParallelPhase:
     """Every rank runs every token: ids [T] -> final-normed hidden states [T, H]."""
 
     ep_scheme = None
-    replicated_o_proj = False
+    replicated_o_proj = False   # the layers build a replicated o_proj (the SP prefill's)
+    reduces_o_proj = True       # the row-parallel o_proj sums its partial products itself (all_reduce)
 
     def __init__(self, step: TensorParallelStep | None = None):
         self.step = step or TensorParallelStep()
@@ -198,6 +203,8 @@ class SequenceParallelPrefill(TensorParallelPhase):
 class DataParallelPhase(TensorParallelPhase):
     """Attention DP: ids [T] of this rank's DP group -> its rows [n, H]; `logits` returns the DP group's."""
 
+    reduces_o_proj = False      # the step reduce-scatters o_proj's partial sums to each rank's own rows
+
     def __init__(self, step: DataParallelStep):
         self.step = step
 
@@ -238,11 +245,12 @@ class DataParallelPhase(TensorParallelPhase):
         return logits[start:start + sizes[lm.rank]]
 
 
-def uses_mx_prefill(config, parallel) -> bool:
+def uses_mx_prefill(config, parallel, scheme: str | None = None) -> bool:
     """True for a W4A8 checkpoint under the SP prefill; raises if the layout splits an MX block across ranks.
     (The recipe's `prefill_opt` takes gmm_quant_mode w4a8mxfloat4 only, spec mx_quant.md §9.2: a W8A8 checkpoint
-    runs the SP step with 16-bit activations on the wire, each MXFP8 linear / expert quantizing its own input.)"""
-    if quant_scheme(config) != W4A8 or not parallel.sp_prefill:
+    runs the SP step with 16-bit activations on the wire, each MXFP8 linear / expert quantizing its own input.)
+    scheme: the model's, already parsed (default: read from `config`)."""
+    if (scheme or quant_scheme(config)) != W4A8 or not parallel.sp_prefill:
         return False
     width = config.num_attention_heads // parallel.attn_tp_size * head_dim_of(config)
     if width % BLOCK:
@@ -253,10 +261,11 @@ def uses_mx_prefill(config, parallel) -> bool:
     return True
 
 
-def sp_prefill(config, parallel) -> bool:
+def sp_prefill(config, parallel, scheme: str | None = None) -> bool:
     """Whether prefill runs sequence parallel: prefill_opt (or its default), never for a W4A4 checkpoint, as the
-    recipe's prefill_opt requires mm_quant_mode != w4a4mxfloat4 (spec a4w4_hadamard.md §1.4)."""
-    if quant_scheme(config) != W4A4:
+    recipe's prefill_opt requires mm_quant_mode != w4a4mxfloat4 (spec a4w4_hadamard.md §1.4). scheme: the model's,
+    already parsed (default: read from `config`)."""
+    if (scheme or quant_scheme(config)) != W4A4:
         return parallel.sp_prefill
     if parallel.prefill_opt:
         raise QuantConfigError("parallel_config.prefill_opt: true is not supported with a W4A4 checkpoint (the "
@@ -264,8 +273,8 @@ def sp_prefill(config, parallel) -> bool:
     return False
 
 
-def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPhase]:
-    """(prefill, decode) for this layout and checkpoint, chosen once."""
+def build_phases(config, groups, scheme: str | None = None) -> tuple[TensorParallelPhase, TensorParallelPhase]:
+    """(prefill, decode) for this layout and checkpoint (`scheme`: the model's QuantConfig's), chosen once."""
     if groups.parallel.attn_dp_size > 1:
         # Attention DP runs the prefill data parallel too, as the recipe does (each DP group prefills its own
         # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode. W4A8 / W8A8 run the
@@ -277,9 +286,10 @@ def build_phases(config, groups) -> tuple[TensorParallelPhase, TensorParallelPha
     # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
     mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
     decode = TensorParallelPhase(TensorParallelStep(mc2, decode=True))
-    if not sp_prefill(config, groups.parallel):
+    if not sp_prefill(config, groups.parallel, scheme):
         return TensorParallelPhase(), decode
-    scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
-    exchange = build_exchange(scheme, config, groups)
-    step = MxSequenceParallelStep(exchange) if uses_mx_prefill(config, groups.parallel) else SequenceParallelStep(exchange)
-    return SequenceParallelPrefill(scheme, step), decode
+    ep_scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
+    exchange = build_exchange(ep_scheme, config, groups)
+    step_class = MxSequenceParallelStep if uses_mx_prefill(config, groups.parallel, scheme) else SequenceParallelStep
+    step = step_class(exchange)
+    return SequenceParallelPrefill(ep_scheme, step), decode

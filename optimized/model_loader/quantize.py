@@ -17,7 +17,7 @@ from optimized.errors import CheckpointError, UsageError
 from optimized.model_loader.checkpoint_files import INDEX_FILE, open_file, read_json, weight_files
 from optimized.ops import mx_format as mxf
 # config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
-from optimized.layers.quantization import recipe_quantization_config as quantization_config
+from optimized.layers.quantization.converter_config import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
 QUANT_TYPES = ("w4a8", "w8a8", "w4a4")
