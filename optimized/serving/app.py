@@ -21,14 +21,13 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from optimized.executor.engine import RequestTooLarge
-from optimized.executor.sampling import SamplingParams
 from optimized.executor.scheduler import Request
 from optimized.serving import protocol
 from optimized.serving.driver import EngineStopped
@@ -78,9 +77,13 @@ class Choices(list):
 
 
 def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_tokens: int = 16,
-              max_prompt_tokens=None, max_body_bytes: int = MAX_BODY_BYTES, max_choices: int = protocol.MAX_CHOICES):
+              max_prompt_tokens=None, max_body_bytes: int = MAX_BODY_BYTES, max_choices: int = protocol.MAX_CHOICES,
+              vocab_size: int | None = None):
     """max_prompt_tokens: the longest prompt accepted (data_config.input_max_len); longer ones get 413.
-    max_body_bytes: the largest request body (413). max_choices: prompts x n of one request (400)."""
+    max_body_bytes: the largest request body (413). max_choices: prompts x n of one request (400).
+    vocab_size: the model's (logit_bias token ids are checked against it); None: the driver's engine's."""
+    if vocab_size is None:
+        vocab_size = getattr(getattr(getattr(driver, "engine", None), "runner", None), "vocab_size", None)
     app = FastAPI(title="qwen3-moe-npu", docs_url=None, redoc_url=None)
     created = int(time.time())
     max_prompt_chars = max_prompt_tokens * max_chars_per_token(tokenizer) if max_prompt_tokens else None
@@ -142,7 +145,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        return body, protocol.check_common(body, model_name)
+        return body, protocol.check_common(body, model_name, vocab_size)
 
     def check_chars(n_chars: int, param: str) -> None:
         if max_prompt_chars is not None and n_chars > max_prompt_chars:
@@ -158,7 +161,10 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
     def requests_of(body: dict, prompts: list[list[int]], n: int, chat: bool) -> tuple[str, list[Request]]:
         keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         max_tokens = protocol.max_tokens_of(body, default_max_tokens, keys)
-        sampling = protocol.sampling_of(body)
+        sampling = protocol.sampling_of(body, vocab_size)
+        if sampling.min_tokens > max_tokens:
+            raise ApiError(400, f"'min_tokens' is {sampling.min_tokens}, more than the request's max tokens "
+                                f"({max_tokens})", "min_tokens")
         logprobs = protocol.logprobs_of(body, chat)
         echo = not chat and protocol._typed(body, "echo", bool, "a boolean", False)
         ignore_eos = protocol._typed(body, "ignore_eos", bool, "a boolean", False)
@@ -166,8 +172,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         out = []
         for p, prompt in enumerate(prompts):
             for j in range(n):
-                s = sampling if sampling.greedy else SamplingParams(
-                    sampling.temperature, sampling.top_k, sampling.top_p, protocol.choice_seed(sampling.seed, j))
+                s = sampling if sampling.greedy else replace(sampling, seed=protocol.choice_seed(sampling.seed, j))
                 out.append(Request(f"{base}-{p * n + j}", prompt, max_tokens, s,
                                    frozenset(() if ignore_eos else stop_ids), logprobs,
                                    prompt_logprobs=echo and logprobs is not None))
