@@ -218,6 +218,35 @@ def test_tokenizing_runs_off_the_event_loop(s, monkeypatch):
     assert waited < 0.5, f"/health waited {waited:.2f} s behind a tokenizing request"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_detokenizing_runs_off_the_event_loop(s, monkeypatch, stream):
+    """A token whose text takes 3 s to decode holds its own response, not /health (nor other streams). The bound is
+    loose (a loaded test machine delays a request by itself); a decode on the loop makes /health wait ~2.6 s."""
+    decode = s.tokenizer.decode
+    slow_token = s.tokenizer.hf.encode("Q")[0]
+
+    slept = []
+
+    def slow(ids):
+        if slow_token in ids and not slept:          # once
+            slept.append(threading.current_thread().name)
+            time.sleep(3.0)
+        return decode(ids)
+    monkeypatch.setattr(s.tokenizer, "decode", slow)
+    s.engine.script = lambda r: [slow_token] + s.tokenizer.hf.encode(" hello world")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": stream}
+    done = []
+    t = threading.Thread(target=lambda: done.append(post(s, "/v1/completions", body)))
+    t.start()
+    time.sleep(0.4)                                  # the response is inside the slow decode now
+    t0 = time.monotonic()
+    assert httpx.get(s.url + "/health", timeout=TIMEOUT_S).status_code == 200
+    waited = time.monotonic() - t0
+    t.join(TIMEOUT_S)
+    assert done and done[0].status_code == 200
+    assert waited < 1.5, f"/health waited {waited:.2f} s behind a detokenizing response (in thread {slept})"
+
+
 # ---- 3: the EOS token's text never ends the output
 @pytest.mark.parametrize("eos_index", [0, 1])
 def test_eos_text_is_not_in_the_output(s, eos_index):

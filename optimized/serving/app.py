@@ -10,6 +10,10 @@ text prompt's length in characters (413 when it cannot fit in `max_prompt_tokens
 token), and only then tokenizing, off the event loop (one worker thread: the tokenizer is not shared between
 threads), so a long prompt never stalls /health or the other streams.
 
+Detokenizing (each token's text, stop strings, the logprobs' token texts of a whole response) runs on that same
+worker thread too, the events waiting for a handler detokenized together, so a long completion never holds the
+event loop.
+
 One choice is one engine request: a list of prompts gives one choice per prompt, `n` gives n choices per prompt
 (choice index = prompt index * n + j), choice j sampling with `protocol.choice_seed(seed, j)`. A failure of one
 request (its detokenizing, an error the engine reports for it alone) fails that request and nothing else: a JSON
@@ -192,42 +196,64 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             raise error_of(e) from None
         return events
 
+    def detokenize(batch):
+        """On the worker thread: each token event's new text, in order ((offset, text, a stop string hit), an
+        exception when detokenizing failed, or None for an item that is not a token of a live choice)."""
+        out = []
+        for c, item in batch:
+            if c.ended or c.stream.stopped or isinstance(item, BaseException):
+                out.append(None)
+                continue
+            offset = c.stream.offset
+            try:
+                if item.finished and item.token in item.request.stop_ids:    # EOS: its text is not shown
+                    text = c.stream.finish()
+                else:
+                    text = c.stream.add(item.token, item.finished)
+            except Exception as e:  # noqa: BLE001 - this request fails, nothing else
+                out.append(e)
+                continue
+            out.append((offset, text, c.stream.stopped))
+        return out
+
     async def run(choices: list[Choice], events: asyncio.Queue, http: HttpRequest):
         """(choice, event, new text, finish reason or None) until every choice finished; aborts the unfinished ones
-        when the client leaves, a stop string hits, one fails or the handler is cancelled."""
+        when the client leaves, a stop string hits, one fails or the handler is cancelled. The events waiting on the
+        queue are detokenized together on the worker thread, never on the event loop."""
         left = len(choices)
         try:
             while left:
                 try:
-                    k, item = await asyncio.wait_for(events.get(), POLL_S)
+                    first = await asyncio.wait_for(events.get(), POLL_S)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
                         return
                     continue
-                c = choices[k]
-                if c.ended:
-                    continue
-                if isinstance(item, BaseException):     # the driver is done with it
-                    c.ended = True
-                    raise error_of(item)
-                c.request = item.request            # the engine's copy (with_seed): its prompt logprobs
-                c.offsets.append(c.stream.offset)
-                try:
-                    if item.finished and item.token in c.request.stop_ids:    # EOS: its text is not shown
-                        text = c.stream.finish()
-                    else:
-                        text = c.stream.add(item.token, item.finished)
-                except Exception as e:  # noqa: BLE001 - this request fails, nothing else
-                    raise ApiError(500, f"detokenizing failed: {type(e).__name__}: {e}", kind="server_error") \
-                        from None
-                # read here, on the event: the engine thread may already be past this token
-                reason = "stop" if c.stream.stopped else (item.request.finish_reason if item.finished else None)
-                if reason is not None:
-                    left -= 1
-                    c.ended = True
-                    if not item.finished:       # a stop string: the engine would go on
-                        driver.abort(c.request.request_id, "stop")
-                yield c, item, text, reason
+                batch = [first]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                batch = [(choices[k], item) for k, item in batch]
+                texts = await off_loop(detokenize, batch)
+                for (c, item), done in zip(batch, texts):
+                    if c.ended:
+                        continue
+                    if isinstance(item, BaseException):     # the driver is done with it
+                        c.ended = True
+                        raise error_of(item)
+                    if isinstance(done, Exception):
+                        raise ApiError(500, f"detokenizing failed: {type(done).__name__}: {done}",
+                                       kind="server_error") from None
+                    c.request = item.request            # the engine's copy (with_seed): its prompt logprobs
+                    offset, text, stopped = done
+                    c.offsets.append(offset)
+                    # read here, on the event: the engine thread may already be past this token
+                    reason = "stop" if stopped else (item.request.finish_reason if item.finished else None)
+                    if reason is not None:
+                        left -= 1
+                        c.ended = True
+                        if not item.finished:       # a stop string: the engine would go on
+                            driver.abort(c.request.request_id, "stop")
+                    yield c, item, text, reason
         finally:
             for c in choices:
                 if not c.ended:
@@ -336,9 +362,11 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             return sse(head, chunks())
 
         await collect(choices, events, http)
-        out = [{"index": c.index, "text": c.prompt_text + "".join(c.text), "finish_reason": c.reason,
-                "token_ids": ([*c.request.prompt] if echo else []) + [e.token for e in c.events],
-                "logprobs": completion_logprobs(c, c.events, c.offsets, echo)} for c in choices]
+        # the logprobs' token texts decode every token: off the event loop, like the completion's text
+        out = await off_loop(lambda: [
+            {"index": c.index, "text": c.prompt_text + "".join(c.text), "finish_reason": c.reason,
+             "token_ids": ([*c.request.prompt] if echo else []) + [e.token for e in c.events],
+             "logprobs": completion_logprobs(c, c.events, c.offsets, echo)} for c in choices])
         return {**head, "choices": out, "usage": usage(choices, sum(len(c.events) for c in choices))}
 
     # ---- /v1/chat/completions
@@ -392,9 +420,10 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             return sse(head, chunks())
 
         await collect(choices, events, http)
-        out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                "finish_reason": c.reason, "token_ids": [e.token for e in c.events],
-                "logprobs": chat_logprobs(c.request, c.events)} for c in choices]
+        out = await off_loop(lambda: [
+            {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+             "finish_reason": c.reason, "token_ids": [e.token for e in c.events],
+             "logprobs": chat_logprobs(c.request, c.events)} for c in choices])
         return {**head, "object": "chat.completion", "choices": out,
                 "usage": usage(choices, sum(len(c.events) for c in choices))}
 
