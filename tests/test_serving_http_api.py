@@ -44,6 +44,7 @@ class ScriptedEngine:
         self.plans, self.added, self.aborted = {}, [], []
         self.script = self.default_script
         self.step_s = 0.0
+        self.runner = SimpleNamespace(vocab_size=len(tokenizer.hf))    # what the app checks logit_bias ids against
 
     def default_script(self, request):
         return self.tokenizer.hf.encode(" hello world again and again") * 4
@@ -217,6 +218,35 @@ def test_tokenizing_runs_off_the_event_loop(s, monkeypatch):
     assert waited < 0.5, f"/health waited {waited:.2f} s behind a tokenizing request"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_detokenizing_runs_off_the_event_loop(s, monkeypatch, stream):
+    """A token whose text takes 3 s to decode holds its own response, not /health (nor other streams). The bound is
+    loose (a loaded test machine delays a request by itself); a decode on the loop makes /health wait ~2.6 s."""
+    decode = s.tokenizer.decode
+    slow_token = s.tokenizer.hf.encode("Q")[0]
+
+    slept = []
+
+    def slow(ids):
+        if slow_token in ids and not slept:          # once
+            slept.append(threading.current_thread().name)
+            time.sleep(3.0)
+        return decode(ids)
+    monkeypatch.setattr(s.tokenizer, "decode", slow)
+    s.engine.script = lambda r: [slow_token] + s.tokenizer.hf.encode(" hello world")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": stream}
+    done = []
+    t = threading.Thread(target=lambda: done.append(post(s, "/v1/completions", body)))
+    t.start()
+    time.sleep(0.4)                                  # the response is inside the slow decode now
+    t0 = time.monotonic()
+    assert httpx.get(s.url + "/health", timeout=TIMEOUT_S).status_code == 200
+    waited = time.monotonic() - t0
+    t.join(TIMEOUT_S)
+    assert done and done[0].status_code == 200
+    assert waited < 1.5, f"/health waited {waited:.2f} s behind a detokenizing response (in thread {slept})"
+
+
 # ---- 3: the EOS token's text never ends the output
 @pytest.mark.parametrize("eos_index", [0, 1])
 def test_eos_text_is_not_in_the_output(s, eos_index):
@@ -377,8 +407,7 @@ def test_model_by_id(s):
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}), ("suffix", "tail"), ("best_of", 3), ("logit_bias", {"5": 1}),
-    ("min_tokens", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
+    ("response_format", {"type": "json_object"}), ("suffix", "tail"), ("best_of", 3),
     ("functions", [{"name": "f"}]),
 ])
 def test_unsupported_fields_are_refused_naming_them(s, field, value):
@@ -393,6 +422,40 @@ def test_neutral_values_of_unsupported_fields_are_accepted(s):
                "n": 2, "logit_bias": {}, "min_tokens": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
                "repetition_penalty": 1}
     assert post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", **neutral}).status_code == 200
+
+
+def test_logits_processor_fields_reach_the_engine(s):
+    """presence/frequency/repetition penalties, logit_bias (token-id string keys) and min_tokens are accepted on both
+    routes, greedy or sampled, and every choice's engine request carries them (their effect on tokens:
+    equivalence/test_e2e_serving_http.py)."""
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+              "logit_bias": {"5": 1, "17": -100}, "min_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 3, "n": 2}):
+            r = post(s, path, {"model": MODEL, **body, **fields, **extra, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            for q in [x.sampling for x in s.engine.added[-extra.get("n", 1):]]:
+                assert (q.presence_penalty, q.frequency_penalty, q.repetition_penalty, q.min_tokens) == \
+                    (0.5, -1.0, 1.2, 2)
+                assert q.logit_bias == ((5, 1.0), (17, -100.0)) and q.penalized
+
+
+@pytest.mark.parametrize("field, value, status", [
+    ("presence_penalty", 2.5, 400), ("presence_penalty", -2.01, 400), ("frequency_penalty", -3, 400),
+    ("frequency_penalty", "1", 422), ("repetition_penalty", 0, 400), ("repetition_penalty", -1.5, 400),
+    ("repetition_penalty", True, 422), ("min_tokens", -1, 400), ("min_tokens", 5, 400), ("min_tokens", 1.5, 422),
+    ("logit_bias", {"abc": 1}, 400), ("logit_bias", {"-1": 1}, 400), ("logit_bias", {"5": 101}, 400),
+    ("logit_bias", {"5": -100.5}, 400), ("logit_bias", {"5": "x"}, 422), ("logit_bias", [5], 422),
+    ("logit_bias", {"99999999": 1}, 400), ("logit_bias", {str(i): 1 for i in range(301)}, 400),
+])
+def test_logits_processor_fields_out_of_range_name_the_field(s, field, value, status):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        added = len(s.engine.added)
+        err = error_of(post(s, path, {"model": MODEL, **body, "max_tokens": 4, field: value}), status, field)
+        assert field in err["message"]
+        assert len(s.engine.added) == added, "a refused request reached the engine"
 
 
 def test_chat_content_as_text_parts(s):

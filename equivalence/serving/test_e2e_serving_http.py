@@ -316,3 +316,45 @@ def test_text_offsets_index_the_real_completion(server):
     assert len(lp.text_offset) == len(PROMPTS[3]) + 6 and lp.text_offset[0] == 0
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
     assert lp.text_offset[len(PROMPTS[3])] == len(tokenizer.decode(PROMPTS[3]))    # generated text starts there
+
+
+def test_logits_processors_through_http_equal_the_reference_loop(server):
+    """presence / frequency / repetition penalties, logit_bias and min_tokens from the `openai` client (greedy,
+    completions streamed and not, and chat): the tokens equal the reference model's greedy loop with
+    reference/sampling.py's processors; logit_bias +100 forces its token; min_tokens holds EOS back; an
+    out-of-vocabulary logit_bias id is a 400 naming the field."""
+    from reference.sampling import greedy_generate_processed
+    from optimized.executor.sampling import SamplingParams
+    url, engine, _, _ = server
+    ref, tok, eos = _reference()
+    c = client(url)
+    plain = ref_greedy(PROMPTS[1], 6)
+    fields = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.4,
+              "logit_bias": {str(plain[1]): -100, "3": 2.5}}
+    want = greedy_generate_processed(ref, PROMPTS[1], 6, SamplingParams(**{**fields, "logit_bias": {
+        plain[1]: -100, 3: 2.5}}))
+    assert want != plain
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                             extra_body={"ignore_eos": True, **fields})
+    assert r.choices[0].model_extra["token_ids"] == want
+    streamed = [t for ch in c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True, **fields})
+                for t in ch.choices[0].model_extra["token_ids"]]
+    assert streamed == want
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logit_bias={"77": 100},
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].model_extra["token_ids"] == [77] * 5
+    # min_tokens: an EOS id biased by +100 ends the request at once; min_tokens=3 holds it back for 3 tokens
+    text, e = "Hello there", sorted(eos)[0]
+    prompt = ref_tok.encode(tok, text, "chat")
+    for m in (0, 3):
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=6,
+                                      temperature=0, logit_bias={str(e): 100}, extra_body={"min_tokens": m})
+        got = r.choices[0].model_extra["token_ids"]
+        assert got == greedy_generate_processed(ref, prompt, 6, SamplingParams(min_tokens=m, logit_bias={e: 100}),
+                                                frozenset(eos))
+        assert len(got) == m + 1 and got[-1] == e and r.choices[0].finish_reason == "stop", (m, got)
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logit_bias": {
+        str(engine.runner.vocab_size): 1}}, timeout=TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert engine.batch.penalties is None and engine.cache.free_blocks == engine.cache.num_blocks - 1

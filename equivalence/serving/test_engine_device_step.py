@@ -85,10 +85,14 @@ def _fake_model(name: str):
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled-with-logprobs"])
+@pytest.mark.parametrize("sampled", [False, True, "penalized"],
+                         ids=["greedy", "sampled-with-logprobs", "penalties-logit-bias-min-tokens"])
 def test_engine_steps_read_once_and_copy_only_their_metadata(sampled):
     from optimized.executor.sampling import SamplingParams
-    sampling = SamplingParams(0.8, 5, 0.9, seed=7) if sampled else None
+    sampling = SamplingParams(0.8, 5, 0.9, seed=7) if sampled is True else None
+    if sampled == "penalized":      # the processors' device state: written at admission, counts stepped on the device
+        sampling = SamplingParams(0.8, seed=7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                                  logit_bias={3: 1.0, 9: -2.0}, min_tokens=2)
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 4, sampling, logprobs=2 if sampled else None)
     check_budget(steps)
     assert any(grown for *_, grown, _ in steps), "no step took a block: the budget's growth rule is untested"

@@ -11,23 +11,33 @@ taken (`grow`: one small copy for all the rows that took one in a step). A finis
 shifting the later rows one place (device copies, order kept); a preempted one is always the last row. The last row
 of the tensors is the dummy row: the null block at position 0, token 0, for a DP group with nothing to run in a
 step.
+
+Logits processors (penalties, logit_bias, min_tokens: executor/sampling.py) keep per-row state on the device too
+(`penalties`, a `BatchPenalties`), allocated only while a running row has a processor on, so a batch without any pays
+nothing (`penalties` is None, and choosing skips them). Its cost per row: V * (4 bytes of int32 generated-token counts
++ 1 byte of prompt mask) + MAX_LOGIT_BIAS * 12 + MAX_STOP_IDS * 9 + 28 bytes, about 764 KB at Qwen3's V = 151936
+(49 MB for 64 rows). It is written at admission (a recomputed request's counts rebuilt from the tokens it generated),
+the counts step on the device with each step's chosen ids (`record`), and its rows close up with the others.
 """
 from __future__ import annotations
 
 import torch
 
 from optimized.executor.kv_cache import NULL_BLOCK, slot_mapping
-from optimized.executor.sampling import BatchSampling, seed_key
+from optimized.executor.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, BatchPenalties, BatchSampling, seed_key
 
 PAD_KV_LEN = 2   # KV length of a dummy or padding row: never 1, which a graph compiler specializes (executor/graph.py)
 
 
 class DeviceBatch:
-    def __init__(self, capacity: int, width: int, device: torch.device):
+    def __init__(self, capacity: int, width: int, device: torch.device, vocab_size: int = 0):
         """capacity: the most rows (the DP group's share of batch_size); width: block-table columns
-        (ceil(max_position_embeddings / block_size))."""
+        (ceil(max_position_embeddings / block_size)); vocab_size: the penalty state's width."""
         rows = capacity + 1                                    # + the dummy row
         self.capacity, self.width, self.device, self.n = capacity, width, device, 0
+        self.vocab_size = vocab_size
+        self.penalties: BatchPenalties | None = None
+        self.penalized: list[bool] = []                        # host: which running rows have a processor on
         self.table = torch.full((rows, width), NULL_BLOCK, dtype=torch.int32, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.last_ids = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -39,6 +49,66 @@ class DeviceBatch:
     @property
     def dummy(self) -> int:
         return self.capacity
+
+    def _new_penalties(self) -> BatchPenalties:
+        rows, v, d = self.capacity + 1, self.vocab_size, self.device
+        return BatchPenalties(
+            torch.zeros(rows, v, dtype=torch.int32, device=d), torch.zeros(rows, v, dtype=torch.bool, device=d),
+            torch.ones(rows, device=d), torch.zeros(rows, device=d), torch.zeros(rows, device=d),
+            torch.zeros(rows, dtype=torch.int64, device=d),
+            torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.int64, device=d), torch.zeros(rows, MAX_LOGIT_BIAS, device=d),
+            torch.zeros(rows, MAX_STOP_IDS, dtype=torch.int64, device=d),
+            torch.zeros(rows, MAX_STOP_IDS, dtype=torch.bool, device=d))
+
+    def _tensor_list(self):
+        return self._tensors + (tuple(vars(self.penalties).values()) if self.penalties is not None else ())
+
+    def _admit_penalties(self, requests, start: int, end: int) -> None:
+        """The processor rows of newly admitted requests: neutral for those without; for the others their
+        parameters, prompt mask and generated-token counts (one copy per tensor, of the penalized rows only)."""
+        flags = [r.sampling.penalized for r in requests]
+        self.penalized[start:end] = flags
+        if self.penalties is None and not any(flags):
+            return
+        if self.penalties is None:
+            self.penalties = self._new_penalties()
+        p = self.penalties
+        p.counts[start:end] = 0
+        p.prompt[start:end] = False
+        p.repetition[start:end] = 1.0
+        p.frequency[start:end] = 0.0
+        p.presence[start:end] = 0.0
+        p.min_tokens[start:end] = 0
+        p.bias_ids[start:end] = 0
+        p.bias[start:end] = 0.0
+        p.stop_ids[start:end] = 0
+        p.stop_valid[start:end] = False
+        rows = [(start + i, r) for i, r in enumerate(requests) if r.sampling.penalized]
+        if not rows:
+            return
+        d = self.device
+        at = torch.tensor([i for i, _ in rows], device=d)
+        params = [r.sampling for _, r in rows]
+        p.repetition[at] = torch.tensor([float(q.repetition_penalty) for q in params], device=d)
+        p.frequency[at] = torch.tensor([float(q.frequency_penalty) for q in params], device=d)
+        p.presence[at] = torch.tensor([float(q.presence_penalty) for q in params], device=d)
+        p.min_tokens[at] = torch.tensor([q.min_tokens for q in params], device=d)
+        bias_ids = [[t for t, _ in q.logit_bias] + [0] * (MAX_LOGIT_BIAS - len(q.logit_bias)) for q in params]
+        bias = [[float(b) for _, b in q.logit_bias] + [0.0] * (MAX_LOGIT_BIAS - len(q.logit_bias)) for q in params]
+        p.bias_ids[at] = torch.tensor(bias_ids, device=d)
+        p.bias[at] = torch.tensor(bias, device=d)
+        stops = [sorted(r.stop_ids) if r.sampling.min_tokens else [] for _, r in rows]
+        p.stop_ids[at] = torch.tensor([s + [0] * (MAX_STOP_IDS - len(s)) for s in stops], device=d)
+        p.stop_valid[at] = torch.tensor([[True] * len(s) + [False] * (MAX_STOP_IDS - len(s)) for s in stops],
+                                        device=d)
+        # the prompt mask and the counts of tokens already generated (a recompute), as (row, token) pairs
+        prompt = [(i, t) for i, r in rows for t in r.prompt]
+        pairs = torch.tensor(prompt + [(i, t) for i, r in rows for t in r.tokens], device=d)    # [k, 2]
+        p.prompt[pairs[:len(prompt), 0], pairs[:len(prompt), 1]] = True
+        if len(pairs) > len(prompt):
+            gen = pairs[len(prompt):]
+            p.counts.index_put_((gen[:, 0], gen[:, 1]), torch.ones_like(gen[:, 0], dtype=torch.int32),
+                                accumulate=True)
 
     def admit(self, requests) -> tuple[int, int]:
         """Rows for newly admitted requests (blocks allocated): their table rows, positions and sampling rows,
@@ -61,6 +131,7 @@ class DeviceBatch:
                 s.draws[start:end] = torch.tensor([len(r.tokens) for r in requests], device=self.device)
             else:
                 s.draws[start:end] = 0
+            self._admit_penalties(requests, start, end)
         self.n = end
         return start, end
 
@@ -78,18 +149,30 @@ class DeviceBatch:
         if not 0 <= row < self.n:
             raise IndexError(f"row {row} is not a running row (0..{self.n - 1})")
         if row < self.n - 1:
-            for t in self._tensors:
+            for t in self._tensor_list():
                 t[row:self.n - 1] = t[row + 1:self.n].clone()
+        del self.penalized[row]
         self.n -= 1
+        if self.penalties is not None and not any(self.penalized):
+            self.penalties = None                  # no running row has a processor on: free the state
 
     def sampling_rows(self, start: int, end: int) -> BatchSampling:
         s = self.sampling
         return BatchSampling(*(t[start:end] for t in vars(s).values()))
 
+    def penalty_rows(self, start: int, end: int) -> BatchPenalties | None:
+        """Rows [start, end) of the processor state; None when none of them has a processor on."""
+        if self.penalties is None or not any(self.penalized[start:end]):
+            return None
+        return BatchPenalties(*(t[start:end] for t in vars(self.penalties).values()))
+
     def record(self, start: int, end: int, chosen: torch.Tensor, decoded: bool) -> None:
         """After a step: rows [start, end) chose `chosen` (-1: non-finite); a decode step also moved them one
         position on."""
         self.last_ids[start:end] = chosen.clamp(min=0)
+        if self.penalties is not None:      # the generated-token counts (a row that chose -1 finishes: no count)
+            ones = (chosen >= 0).to(torch.int32).unsqueeze(-1)
+            self.penalties.counts[start:end].scatter_add_(1, chosen.clamp(min=0).unsqueeze(-1), ones)
         self.sampling.draws[start:end] += 1
         if decoded:
             self.positions[start:end] += 1

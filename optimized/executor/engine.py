@@ -23,6 +23,10 @@ tokens and takes the same decisions.
 A request's tokens depend only on its own prompt and sampling: its own block rows and its own seeded draws, so who
 else is in the batch changes nothing but float reassociation. Non-finite logits end that request with
 finish_reason "error" (its event carries the message), never the engine.
+
+Logits processors (penalties, logit_bias, min_tokens; executor/sampling.py) act on the choice, greedy or sampled, with
+per-row state on the device (executor/device_batch.py, only while a running row uses one); the logprobs a request asks
+for are those of the model's logits, before the processors.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import torch
 from optimized.distributed import collectives as comm
 from optimized.executor.device_batch import PAD_KV_LEN, DeviceBatch
 from optimized.executor.kv_cache import BlockPool, PagedKVCache
-from optimized.executor.sampling import fresh_seed
+from optimized.executor.sampling import MAX_STOP_IDS, fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
 from optimized.errors import UsageError
 from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
@@ -82,7 +86,7 @@ class Engine:
         self.pools = [self.cache if g == self.dp_rank else BlockPool(num_blocks, runner.block_size)
                       for g in range(self.dp_size)]
         width = math.ceil(runner.max_positions / runner.block_size)
-        self.batch = DeviceBatch(self.scheduler.group_batch, width, self.device)
+        self.batch = DeviceBatch(self.scheduler.group_batch, width, self.device, runner.vocab_size)
         self.requests: dict[str, Request] = {}
         self.steps = 0
         # The last step's kind and wall time (a serving engine runs for days: one value, not a growing log), and
@@ -104,6 +108,15 @@ class Engine:
         if len(request.prompt) + request.max_tokens > r.max_positions:
             raise RequestTooLarge(f"{len(request.prompt)} prompt tokens + max_tokens {request.max_tokens} exceed the "
                                   f"model's context length max_position_embeddings={r.max_positions}")
+        q = request.sampling
+        bad = [t for t, _ in q.logit_bias if t >= r.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {r.vocab_size})")
+        if q.min_tokens > request.max_tokens:
+            raise ValueError(f"min_tokens={q.min_tokens} is more than max_tokens={request.max_tokens}")
+        if q.min_tokens and len(request.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"min_tokens holds back at most {MAX_STOP_IDS} stop ids; the request has "
+                             f"{len(request.stop_ids)}")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         try:
@@ -294,7 +307,9 @@ class Engine:
 
     def _choose(self, logits: torch.Tensor, span, sampled: bool) -> torch.Tensor:
         from optimized.executor.sampling import choose
-        return choose(logits, self.batch.sampling_rows(*span) if sampled else None)
+        b = self.batch
+        return choose(logits, b.sampling_rows(*span) if sampled else None, b.penalty_rows(*span),
+                      b.sampling.draws[span[0]:span[1]])
 
     def _share(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every DP group's rows of `x`, group by group, gathered over the attention DP group (one rank per DP

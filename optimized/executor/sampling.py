@@ -12,6 +12,19 @@ request's own generated tokens. So a request's tokens depend only on its logits 
 batch around it, on the step it was admitted at, or on the backend (integer arithmetic is exact everywhere), and
 every rank of a sharded run draws the same token. Seeds take any value in [0, 2^64) (an OpenAI client's 63-bit
 seed included); unseeded requests get a random one (`fresh_seed`), the same on every rank.
+
+Logits processors (OpenAI's and vLLM's request fields), applied to a row's float32 logits BEFORE everything above
+(temperature, top-k, top-p, and the greedy argmax: greedy requests honour them too), in this order, each to the
+previous one's output:
+1. logit_bias: logit[t] += bias[t] (at most MAX_LOGIT_BIAS entries, values in [-100, 100]);
+2. min_tokens m: while fewer than m tokens were generated, logit[s] = -inf for each stop id s (the request's EOS
+   ids; stop strings are not affected);
+3. repetition_penalty r (> 0, 1: off), over every token seen in the prompt or the generated tokens:
+   logit / r if logit > 0 else logit * r;
+4. frequency_penalty f, presence_penalty p (each in [-2, 2]), over the GENERATED tokens only, c = the token's count
+   among them: logit - (f * c + p * (c > 0)), in float32 with f, p rounded to float32.
+reference/sampling.py applies the same steps to one row in plain per-token code; `apply_penalties` is the batched
+form and gives the same float32 values bit for bit (tests: equivalence/test_sampling_processors.py).
 """
 from __future__ import annotations
 
@@ -21,6 +34,9 @@ from dataclasses import dataclass
 import torch
 
 SEED_LIMIT = 1 << 64
+MAX_LOGIT_BIAS = 300        # logit_bias entries of one request
+MAX_BIAS = 100.0            # |bias| limit, as OpenAI's
+MAX_STOP_IDS = 8            # stop ids a request with min_tokens may have (its EOS ids)
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,11 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, bias), sorted by id; a dict is converted
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -41,10 +62,43 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2^64) or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name}={v!r} must be a number in [-2, 2] (0: off)")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+            raise ValueError(f"repetition_penalty={r!r} must be a finite number > 0 (1: off)")
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(sorted(bias.items()))
+        try:
+            bias = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to numbers") from None
+        for t, b in bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias token id {t!r} must be an integer >= 0")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise ValueError(f"logit_bias[{t}]={b!r} must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+        object.__setattr__(self, "logit_bias", bias)
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"min_tokens={m!r} must be an integer >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Any logits processor on (the engine keeps penalty state for the batch only while a row has one)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
 
 GREEDY = SamplingParams()
@@ -97,6 +151,35 @@ class BatchSampling:
     draws: torch.Tensor           # [B] int64, tokens the row's request has drawn so far
 
 
+@dataclass
+class BatchPenalties:
+    """Per-row logits-processor state of a batch, on the device (executor/device_batch.py keeps it, only while a
+    running row has a processor on; rows without one hold the neutral values, which change no logit)."""
+    counts: torch.Tensor          # [B, V] int32: each token's count among the row's generated tokens
+    prompt: torch.Tensor          # [B, V] bool: tokens of the row's prompt
+    repetition: torch.Tensor      # [B] float32, 1: off
+    frequency: torch.Tensor       # [B] float32
+    presence: torch.Tensor        # [B] float32
+    min_tokens: torch.Tensor      # [B] int64
+    bias_ids: torch.Tensor        # [B, MAX_LOGIT_BIAS] int64 (padding: token 0 with bias 0)
+    bias: torch.Tensor            # [B, MAX_LOGIT_BIAS] float32
+    stop_ids: torch.Tensor        # [B, MAX_STOP_IDS] int64 (padding: token 0, not valid)
+    stop_valid: torch.Tensor      # [B, MAX_STOP_IDS] bool
+
+
+def apply_penalties(logits: torch.Tensor, p: BatchPenalties, generated: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 logits -> the processed logits (module docstring, steps 1-4). generated: [B] int64, the
+    tokens each row generated so far (the draw counters)."""
+    x = logits.float().scatter_add(1, p.bias_ids, p.bias)                                   # 1. logit_bias
+    active = p.stop_valid & (generated < p.min_tokens).unsqueeze(-1)
+    x = x.scatter_add(1, p.stop_ids, torch.where(active, float("-inf"), 0.0))              # 2. min_tokens
+    seen = p.prompt | (p.counts > 0)
+    r = p.repetition.unsqueeze(-1)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)                              # 3. repetition
+    counts = p.counts.float()
+    return x - (p.frequency.unsqueeze(-1) * counts + p.presence.unsqueeze(-1) * (p.counts > 0).float())  # 4.
+
+
 def sorted_filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                           top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] logits -> (probabilities [B, V] in descending-score order after temperature, top-k and top-p,
@@ -121,18 +204,22 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.zeros_like(probs).scatter(-1, order, probs)
 
 
-def choose(logits: torch.Tensor, sampling: BatchSampling | None) -> torch.Tensor:
+def choose(logits: torch.Tensor, sampling: BatchSampling | None, penalties: BatchPenalties | None = None,
+           generated: torch.Tensor | None = None) -> torch.Tensor:
     """Chosen ids [B] (int64, on the logits' device), -1 where a row of logits is not finite.
 
     sampling None: every row greedy (no sampling work at all). Otherwise sampled rows draw with their own
-    (key, draw) and greedy rows (temperature 0) take the argmax, in one batched computation."""
+    (key, draw) and greedy rows (temperature 0) take the argmax, in one batched computation. penalties (with
+    `generated`, [B] tokens generated so far): the logits processors, applied first to every row."""
     scores = logits.float()
     # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; a finite row would have to reach
     # |logit| ~ 1e33 to overflow it): one cheap reduction instead of an elementwise isfinite over [B, V].
-    finite = torch.isfinite(scores.sum(-1))                                          # [B]
+    finite = torch.isfinite(scores.sum(-1))                                          # [B] (the model's logits)
+    if penalties is not None:
+        scores = apply_penalties(scores, penalties, generated)
     chosen = scores.argmax(-1)
     if sampling is not None:
-        safe = logits.masked_fill(~finite.unsqueeze(-1), 0.0)     # a NaN row would poison the row's cumsum only
+        safe = scores.masked_fill(~finite.unsqueeze(-1), 0.0)     # a NaN row would poison the row's cumsum only
         probs, order = sorted_filtered_probs(safe, sampling.temperature, sampling.top_k, sampling.top_p)
         cdf = torch.cumsum(probs, dim=-1)
         u = uniforms(sampling.keys, sampling.draws).unsqueeze(-1) * cdf[:, -1:]

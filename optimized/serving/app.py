@@ -10,6 +10,10 @@ text prompt's length in characters (413 when it cannot fit in `max_prompt_tokens
 token), and only then tokenizing, off the event loop (one worker thread: the tokenizer is not shared between
 threads), so a long prompt never stalls /health or the other streams.
 
+Detokenizing (each token's text, stop strings, the logprobs' token texts of a whole response) runs on that same
+worker thread too, the events waiting for a handler detokenized together, so a long completion never holds the
+event loop.
+
 One choice is one engine request: a list of prompts gives one choice per prompt, `n` gives n choices per prompt
 (choice index = prompt index * n + j), choice j sampling with `protocol.choice_seed(seed, j)`. A failure of one
 request (its detokenizing, an error the engine reports for it alone) fails that request and nothing else: a JSON
@@ -21,14 +25,13 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from optimized.executor.engine import RequestTooLarge
-from optimized.executor.sampling import SamplingParams
 from optimized.executor.scheduler import Request
 from optimized.serving import protocol
 from optimized.serving.driver import EngineStopped
@@ -78,9 +81,13 @@ class Choices(list):
 
 
 def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_tokens: int = 16,
-              max_prompt_tokens=None, max_body_bytes: int = MAX_BODY_BYTES, max_choices: int = protocol.MAX_CHOICES):
+              max_prompt_tokens=None, max_body_bytes: int = MAX_BODY_BYTES, max_choices: int = protocol.MAX_CHOICES,
+              vocab_size: int | None = None):
     """max_prompt_tokens: the longest prompt accepted (data_config.input_max_len); longer ones get 413.
-    max_body_bytes: the largest request body (413). max_choices: prompts x n of one request (400)."""
+    max_body_bytes: the largest request body (413). max_choices: prompts x n of one request (400).
+    vocab_size: the model's (logit_bias token ids are checked against it); None: the driver's engine's."""
+    if vocab_size is None:
+        vocab_size = getattr(getattr(getattr(driver, "engine", None), "runner", None), "vocab_size", None)
     app = FastAPI(title="qwen3-moe-npu", docs_url=None, redoc_url=None)
     created = int(time.time())
     max_prompt_chars = max_prompt_tokens * max_chars_per_token(tokenizer) if max_prompt_tokens else None
@@ -142,7 +149,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        return body, protocol.check_common(body, model_name)
+        return body, protocol.check_common(body, model_name, vocab_size)
 
     def check_chars(n_chars: int, param: str) -> None:
         if max_prompt_chars is not None and n_chars > max_prompt_chars:
@@ -158,7 +165,10 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
     def requests_of(body: dict, prompts: list[list[int]], n: int, chat: bool) -> tuple[str, list[Request]]:
         keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         max_tokens = protocol.max_tokens_of(body, default_max_tokens, keys)
-        sampling = protocol.sampling_of(body)
+        sampling = protocol.sampling_of(body, vocab_size)
+        if sampling.min_tokens > max_tokens:
+            raise ApiError(400, f"'min_tokens' is {sampling.min_tokens}, more than the request's max tokens "
+                                f"({max_tokens})", "min_tokens")
         logprobs = protocol.logprobs_of(body, chat)
         echo = not chat and protocol._typed(body, "echo", bool, "a boolean", False)
         ignore_eos = protocol._typed(body, "ignore_eos", bool, "a boolean", False)
@@ -166,8 +176,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         out = []
         for p, prompt in enumerate(prompts):
             for j in range(n):
-                s = sampling if sampling.greedy else SamplingParams(
-                    sampling.temperature, sampling.top_k, sampling.top_p, protocol.choice_seed(sampling.seed, j))
+                s = sampling if sampling.greedy else replace(sampling, seed=protocol.choice_seed(sampling.seed, j))
                 out.append(Request(f"{base}-{p * n + j}", prompt, max_tokens, s,
                                    frozenset(() if ignore_eos else stop_ids), logprobs,
                                    prompt_logprobs=echo and logprobs is not None))
@@ -187,42 +196,64 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             raise error_of(e) from None
         return events
 
+    def detokenize(batch):
+        """On the worker thread: each token event's new text, in order ((offset, text, a stop string hit), an
+        exception when detokenizing failed, or None for an item that is not a token of a live choice)."""
+        out = []
+        for c, item in batch:
+            if c.ended or c.stream.stopped or isinstance(item, BaseException):
+                out.append(None)
+                continue
+            offset = c.stream.offset
+            try:
+                if item.finished and item.token in item.request.stop_ids:    # EOS: its text is not shown
+                    text = c.stream.finish()
+                else:
+                    text = c.stream.add(item.token, item.finished)
+            except Exception as e:  # noqa: BLE001 - this request fails, nothing else
+                out.append(e)
+                continue
+            out.append((offset, text, c.stream.stopped))
+        return out
+
     async def run(choices: list[Choice], events: asyncio.Queue, http: HttpRequest):
         """(choice, event, new text, finish reason or None) until every choice finished; aborts the unfinished ones
-        when the client leaves, a stop string hits, one fails or the handler is cancelled."""
+        when the client leaves, a stop string hits, one fails or the handler is cancelled. The events waiting on the
+        queue are detokenized together on the worker thread, never on the event loop."""
         left = len(choices)
         try:
             while left:
                 try:
-                    k, item = await asyncio.wait_for(events.get(), POLL_S)
+                    first = await asyncio.wait_for(events.get(), POLL_S)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
                         return
                     continue
-                c = choices[k]
-                if c.ended:
-                    continue
-                if isinstance(item, BaseException):     # the driver is done with it
-                    c.ended = True
-                    raise error_of(item)
-                c.request = item.request            # the engine's copy (with_seed): its prompt logprobs
-                c.offsets.append(c.stream.offset)
-                try:
-                    if item.finished and item.token in c.request.stop_ids:    # EOS: its text is not shown
-                        text = c.stream.finish()
-                    else:
-                        text = c.stream.add(item.token, item.finished)
-                except Exception as e:  # noqa: BLE001 - this request fails, nothing else
-                    raise ApiError(500, f"detokenizing failed: {type(e).__name__}: {e}", kind="server_error") \
-                        from None
-                # read here, on the event: the engine thread may already be past this token
-                reason = "stop" if c.stream.stopped else (item.request.finish_reason if item.finished else None)
-                if reason is not None:
-                    left -= 1
-                    c.ended = True
-                    if not item.finished:       # a stop string: the engine would go on
-                        driver.abort(c.request.request_id, "stop")
-                yield c, item, text, reason
+                batch = [first]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                batch = [(choices[k], item) for k, item in batch]
+                texts = await off_loop(detokenize, batch)
+                for (c, item), done in zip(batch, texts):
+                    if c.ended:
+                        continue
+                    if isinstance(item, BaseException):     # the driver is done with it
+                        c.ended = True
+                        raise error_of(item)
+                    if isinstance(done, Exception):
+                        raise ApiError(500, f"detokenizing failed: {type(done).__name__}: {done}",
+                                       kind="server_error") from None
+                    c.request = item.request            # the engine's copy (with_seed): its prompt logprobs
+                    offset, text, stopped = done
+                    c.offsets.append(offset)
+                    # read here, on the event: the engine thread may already be past this token
+                    reason = "stop" if stopped else (item.request.finish_reason if item.finished else None)
+                    if reason is not None:
+                        left -= 1
+                        c.ended = True
+                        if not item.finished:       # a stop string: the engine would go on
+                            driver.abort(c.request.request_id, "stop")
+                    yield c, item, text, reason
         finally:
             for c in choices:
                 if not c.ended:
@@ -331,9 +362,11 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             return sse(head, chunks())
 
         await collect(choices, events, http)
-        out = [{"index": c.index, "text": c.prompt_text + "".join(c.text), "finish_reason": c.reason,
-                "token_ids": ([*c.request.prompt] if echo else []) + [e.token for e in c.events],
-                "logprobs": completion_logprobs(c, c.events, c.offsets, echo)} for c in choices]
+        # the logprobs' token texts decode every token: off the event loop, like the completion's text
+        out = await off_loop(lambda: [
+            {"index": c.index, "text": c.prompt_text + "".join(c.text), "finish_reason": c.reason,
+             "token_ids": ([*c.request.prompt] if echo else []) + [e.token for e in c.events],
+             "logprobs": completion_logprobs(c, c.events, c.offsets, echo)} for c in choices])
         return {**head, "choices": out, "usage": usage(choices, sum(len(c.events) for c in choices))}
 
     # ---- /v1/chat/completions
@@ -387,9 +420,10 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             return sse(head, chunks())
 
         await collect(choices, events, http)
-        out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                "finish_reason": c.reason, "token_ids": [e.token for e in c.events],
-                "logprobs": chat_logprobs(c.request, c.events)} for c in choices]
+        out = await off_loop(lambda: [
+            {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+             "finish_reason": c.reason, "token_ids": [e.token for e in c.events],
+             "logprobs": chat_logprobs(c.request, c.events)} for c in choices])
         return {**head, "object": "chat.completion", "choices": out,
                 "usage": usage(choices, sum(len(c.events) for c in choices))}
 

@@ -8,10 +8,11 @@ does not implement are refused unless they hold their neutral value (see `UNSUPP
 """
 from __future__ import annotations
 
+import math
 import numbers
 import re
 
-from optimized.executor.sampling import SamplingParams
+from optimized.executor.sampling import MAX_BIAS, MAX_LOGIT_BIAS, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 # Below this temperature sampling is greedy (argmax), as other OpenAI-compatible servers do: dividing logits by a
@@ -23,11 +24,6 @@ MAX_CHOICES = 64          # prompts x n of one request (each choice is one engin
 
 # field -> (is its value neutral?, what is allowed): refused with a 400 naming the field otherwise.
 UNSUPPORTED = {
-    "presence_penalty": (lambda v: v == 0, "0"),
-    "frequency_penalty": (lambda v: v == 0, "0"),
-    "repetition_penalty": (lambda v: v == 1, "1"),
-    "logit_bias": (lambda v: v == {}, "{} (no bias)"),
-    "min_tokens": (lambda v: v == 0, "0"),
     "suffix": (lambda v: v == "", "\"\" (no suffix)"),
     "tools": (lambda v: v == [], "[] (no tools)"),
     "tool_choice": (lambda v: v == "none", "\"none\""),
@@ -83,7 +79,48 @@ def check_unicode(body) -> None:
                             f"(UTF-16 halves must come in pairs)", path)
 
 
-def sampling_of(body: dict) -> SamplingParams:
+def processors_of(body: dict, vocab_size: int | None = None) -> dict:
+    """The logits processors' fields (optimized/executor/sampling.py states their meaning and order) as
+    SamplingParams keywords; 400 naming the field for a value out of range. vocab_size None: token ids unchecked
+    here (the engine checks them)."""
+    out = {}
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = _typed(body, key, numbers.Real, "a number", 0.0)
+        if not -2 <= v <= 2:
+            raise ApiError(400, f"'{key}' is {v}; allowed: -2 to 2", key)
+        out[key] = float(v)
+    r = _typed(body, "repetition_penalty", numbers.Real, "a number", 1.0)
+    if not (r > 0 and math.isfinite(r)):
+        raise ApiError(400, f"'repetition_penalty' is {r}; allowed: a finite number > 0 (1: off)", "repetition_penalty")
+    out["repetition_penalty"] = float(r)
+    m = _typed(body, "min_tokens", int, "an integer", 0)
+    if m < 0:
+        raise ApiError(400, f"'min_tokens' is {m}; allowed: an integer >= 0 (and <= max_tokens)", "min_tokens")
+    out["min_tokens"] = m
+    bias = _typed(body, "logit_bias", dict, "an object mapping token ids (strings) to numbers", {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' has {len(bias)} entries; allowed: at most {MAX_LOGIT_BIAS}", "logit_bias")
+    parsed = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ApiError(400, f"'logit_bias' key {key[:40]!r} is not a token id (a string of digits)", "logit_bias")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise ApiError(400, f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size})",
+                           "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ApiError(422, f"'logit_bias[{key}]' must be a number, got {type(value).__name__}", "logit_bias")
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise ApiError(400, f"'logit_bias[{key}]' is {value}; allowed: -{MAX_BIAS:g} to {MAX_BIAS:g}", "logit_bias")
+        if token in parsed:
+            raise ApiError(400, f"'logit_bias' names token id {token} twice", "logit_bias")
+        parsed[token] = float(value)
+    out["logit_bias"] = parsed
+    return out
+
+
+def sampling_of(body: dict, vocab_size: int | None = None) -> SamplingParams:
+    processors = processors_of(body, vocab_size)
     temperature = _typed(body, "temperature", numbers.Real, "a number", 1.0)
     top_p = _typed(body, "top_p", numbers.Real, "a number", 1.0)
     top_k = _typed(body, "top_k", int, "an integer", 0)
@@ -95,8 +132,8 @@ def sampling_of(body: dict) -> SamplingParams:
     if top_k < 0 and top_k != -1:
         raise ApiError(400, f"'top_k' is {top_k}; allowed: >= 0 (0 or -1: no limit)", "top_k")
     if temperature < GREEDY_TEMPERATURE:
-        return SamplingParams(0.0, 0, 1.0, seed)
-    return SamplingParams(float(temperature), max(top_k, 0), float(top_p), seed)
+        return SamplingParams(0.0, 0, 1.0, seed, **processors)
+    return SamplingParams(float(temperature), max(top_k, 0), float(top_p), seed, **processors)
 
 
 def seed_of(body: dict) -> int | None:
@@ -158,7 +195,7 @@ def include_usage_of(body: dict) -> bool:
     return usage
 
 
-def check_common(body, model_name: str) -> int:
+def check_common(body, model_name: str, vocab_size: int | None = None) -> int:
     """The checks every route shares; returns n (choices per prompt)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -187,7 +224,7 @@ def check_common(body, model_name: str) -> int:
             ok = False
         if not ok:
             raise ApiError(400, f"'{key}' is not supported by this server (allowed: {allowed} or absent)", key)
-    sampling_of(body)
+    sampling_of(body, vocab_size)
     return n
 
 
