@@ -24,7 +24,7 @@ previous one's output:
 4. frequency_penalty f, presence_penalty p (each in [-2, 2]), over the GENERATED tokens only, c = the token's count
    among them: logit - (f * c + p * (c > 0)), in float32 with f, p rounded to float32.
 reference/sampling.py applies the same steps to one row in plain per-token code; `apply_penalties` is the batched
-form and gives the same float32 values bit for bit (tests: equivalence/test_sampling_processors.py).
+form and gives the same float32 values bit for bit (tests: equivalence/serving/test_sampling_processors.py).
 """
 from __future__ import annotations
 
