@@ -3,8 +3,8 @@
 Model-level tests (every module here but the per-operator `test_ops_*`, which choose their own strictness) run
 the portable kernels with QWEN3_MOE_STRICT_NPU_LIMITS=route: a model call that a real kernel rejects by its
 dtypes, modes or layouts fails the test, at any fixture size and in the fp32 proofs too (the dims and fp32 caps
-stay off: the tiny fixtures' head dims and the fp32 exact path are deliberate). The worker pool forks from the
-test that first needs it, so its ranks inherit the setting (pools serve model-level tests only).
+stay off: the tiny fixtures' head dims and the fp32 exact path are deliberate). Every task of the multi-rank
+worker pool runs under its calling test's setting (`equivalence.support.dist` sends it with the task).
 """
 import pytest
 

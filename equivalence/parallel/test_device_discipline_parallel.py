@@ -117,8 +117,8 @@ def _planted_task(rank, world, where):
         def planted(self, attn, x, *a, **k):
             return original(self, attn, x + torch.zeros(x.shape[-1], dtype=x.dtype), *a, **k)
     else:
-        def planted(self, mlp, router_in, expert_in):
-            return original(self, mlp, router_in, expert_in + torch.zeros(expert_in.shape[-1], dtype=expert_in.dtype))
+        def planted(self, block, router_in, expert_in):
+            return original(self, block, router_in, expert_in + torch.zeros(expert_in.shape[-1], dtype=expert_in.dtype))
     setattr(DataParallelStep, where, planted)
     try:
         with on_fake_device():
@@ -225,7 +225,7 @@ def test_attention_dp_step_copies_no_host_data_onto_the_device__picked_rows_inde
                     f"rank {r} {phase} step {i} copied host data onto the device: {step['transfers']}"
 
 
-@pytest.mark.parametrize("where", ["attention", "mlp"])
+@pytest.mark.parametrize("where", ["attention", "moe"])
 def test_a_host_tensor_planted_in_the_data_parallel_step_is_caught(where):
     messages = get_pool(WORLD).run(_planted_task, where, timeout=120)
     for r, message in enumerate(messages):

@@ -43,6 +43,8 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
+from optimized.ops.validation import STRICT_ENV
+
 START_TIMEOUT_S = 120.0
 # Once a rank has failed, how long the others get to answer before the pool is torn down.
 ERROR_GRACE_S = 2.0
@@ -103,6 +105,13 @@ def _compile_in_process() -> None:
             cached.cache_clear()
 
 
+def _set_strictness(value: str | None) -> None:
+    if value is None:
+        os.environ.pop(STRICT_ENV, None)
+    else:
+        os.environ[STRICT_ENV] = value
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
@@ -133,7 +142,8 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn) -> None:
             os._exit(0)
         task_id, payload = msg
         try:
-            fn, args, kwargs = _loads(payload)
+            fn, args, kwargs, strictness = _loads(payload)
+            _set_strictness(strictness)
             result = fn(rank, world_size, *args, **kwargs)
             reply = (task_id, True, result)
         except BaseException:
@@ -183,7 +193,9 @@ class WorkerPool:
                 raise RuntimeError(f"this WorkerPool(world_size={self.world_size}) was shut down after a failure; "
                                    f"get a fresh one with get_pool({self.world_size})")
             self._task += 1
-            payload = pickle.dumps((self._task, _dumps((fn, args, kwargs))))
+            # Each task runs under its caller's NPU-limit strictness (the equivalence conftest sets it per test),
+            # not the one of whichever test happened to fork the pool.
+            payload = pickle.dumps((self._task, _dumps((fn, args, kwargs, os.environ.get(STRICT_ENV)))))
             try:
                 for conn in self._conns:
                     conn.send_bytes(payload)
