@@ -1,5 +1,5 @@
 """Logits processors of one row, written plainly (the optimized engine's batched form: optimized/executor/sampling.py,
-whose docstring states the semantics; the two must give the same float32 values bit for bit).
+whose semantics docs/architecture.md states; the two must give the same float32 values bit for bit).
 
 Order: logit_bias, min_tokens, repetition_penalty (prompt and generated tokens), frequency_penalty and
 presence_penalty (generated tokens only).

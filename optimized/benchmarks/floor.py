@@ -1,32 +1,6 @@
 """Physical floors: the least time a prefill or a decode step can take on given hardware.
 
-<<<<<<< HEAD
 See docs/testing.md, "Notes from the code", optimized/benchmarks/floor.py.
-=======
-A floor is a lower bound, so every figure below is taken on the optimistic side (the fastest published
-number, routed experts spread evenly over the EP ranks, no kernel launch cost, compute and memory traffic
-fully overlapped); a measured latency is reported beside it as "measured / floor".
-
-- decode step (one new token per request), per rank:
-      floor = bytes this rank must read / HBM bandwidth + collectives per step x collective latency
-  bytes: this rank's shard of the attention projections and norms, the router, the routed experts the
-  batch hits (batch B hits E * (1 - (1 - k/E)^B) experts per layer in expectation under uniform routing,
-  exactly k for batch 1; spread evenly over the EP ranks), the dense MLP layers, the final norm, its
-  lm_head shard and the embedding rows, plus the KV cache at the given context length.
-- prefill (all prompt tokens at once), per rank:
-      floor = max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) + bytes sent / link bandwidth
-  FLOPs: 2 per multiply-add of every linear on the tokens this rank processes, causal attention
-  (2 * 2 * D per query-key pair, n(n+1)/2 pairs per request of n tokens), the last token's lm_head.
-  bytes: every weight this rank holds and the batch hits, the KV cache written, the lm_head shard.
-  communication: what this rank sends (ring all-reduce 2(P-1)/P of the tensor, all-gather and
-  reduce-scatter (P-1)/P, all-to-all (P-1)/P of its own part), for the project's TP path or for the
-  recipe's SP+TP attention with MoE EP by AllGather (`sp=True`).
-
-Rank layouts follow `optimized.distributed`: attention TP A (KV heads replicated when A > KV heads), MoE TP T x
-EP, embedding TP, lm_head TP. Precisions give bytes per element by weight kind (MX formats carry one E8M0
-scale byte per 32 elements). The same functions serve `python -m optimized bench` (this CPU, measured copy
-bandwidth, one rank) and the NPU latency budgets (`equivalence/latency/test_latency.py`).
->>>>>>> reorg
 """
 from __future__ import annotations
 

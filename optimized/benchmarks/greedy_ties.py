@@ -1,21 +1,6 @@
 """Tie-aware judgement of generated tokens against a reference teacher-forced on them.
 
-<<<<<<< HEAD
 See docs/testing.md, "Notes from the code", optimized/benchmarks/greedy_ties.py.
-=======
-Given the reference's logits at each generated position (row j: the reference run on the prompt and the candidate's
-own tokens before j, so one flip does not end the comparison) and the candidate's tokens, each position is:
-- agree: the candidate's token is a reference argmax (its logit equals the maximum: exact ties agree);
-- near-tie: it is not, but the reference's margin between its argmax and the candidate's token is within what the
-  logit noise of the two runs can overturn: 2 atol + rtol (|x_top1| + |x_token|) (each logit may move by atol + rtol
-  |x|, in opposite directions);
-- divergence: a larger margin (a bug, or a precision outside the bound).
-
-One implementation for every comparison of generated tokens: `bench` (optimized vs reference) and
-`equivalence.endpoint` (any OpenAI-compatible server vs the reference). The caller gives (atol, rtol): the endpoint
-check takes them from the tolerance table (equivalence/support/compare.py); `bench` uses LOGIT_NOISE, which
-tests/test_endpoint_judge.py pins to that table's entries.
->>>>>>> reorg
 """
 from __future__ import annotations
 

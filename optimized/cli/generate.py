@@ -1,41 +1,6 @@
 """`python -m optimized generate` (single process, or one process per rank under torchrun).
 
-generate
-  The YAML is an `optimized.config.InferenceConfig`; command-line options override it. Prompts: every
-  `--prompt TEXT` (encoded by the checkpoint's own tokenizer) or `--prompt-ids 1,2,3` is one request of
-  the batch; without either, the config's data_config decides (`prompts`: its prompts, cycled to
-  scheduler_config.batch_size requests; `random`: batch_size random prompts of input_max_len ids drawn
-  from data_config.seed; `default`: data_config.dataset_path's default_prompt.json, else `prompts`;
-  `LongBench`: the contexts of the local LongBench directory dataset_path, each wrapped as a summary request).
-  With data_config.input_truncated_len (LongBench: 256 unless set) the config's prompts are cut to that many
-  tokens, as the recipe cuts them, and the output says how many were cut. A prompt still longer than
-  data_config.input_max_len is an error, never truncated.
-  `--chat` (or model_config.tokenizer_mode: chat) sends each text prompt through the tokenizer's chat
-  template as a user message. Generation is greedy unless --temperature > 0 (then --top-k, --top-p,
-  --seed apply); a request stops at an EOS id of generation_config.json (else config.json) unless
-  --ignore-eos. --save-logits FILE writes (torch.save) the prompts, the tokens, the logits at every prompt
-  position and the logits each generated token was chosen from.
-  model_config.model_path: `fixture:NAME` (the tiny checkpoint built and cached by the repository's
-  `fixtures/` package: run from the repository root), `preset:NAME` (a released model's config.json,
-  e.g. preset:qwen3_30b_a3b, written to a cache directory; random weights, with_ckpt: false), or a
-  checkpoint directory. with_ckpt: false draws seeded random weights (data_config.seed).
-  Under torchrun every rank loads only its own shards, and before loading checks with one small
-  collective that every rank holds the same config, model and prompts; collectives that wait longer
-  than parallel_config.collective_timeout_s fail. Rank 0 prints, per request, `prompt ids:`,
-  `generated ids:`, `finish:` (eos | length) and, with a tokenizer, `text:` and `completion:` (the lines
-  `python -m reference generate` prints; with several requests each line starts with `[i] `), then the
-  prefill time and the decode time per token.
-  model_config.exe_mode: eager, or ge_graph / acl_graph: decode steps run as one compiled graph per
-  batch bucket (optimized/executor/graph.py; torchair on NPU, torch.compile inductor elsewhere), prefill stays
-  eager. A batch that is not a power of two is padded to the next one, and the output says so. With
-  enable_cache_compile: true the compiled graphs are cached under ./compile_cache/<CASE_NAME> (env
-  CASE_NAME; default derived from the config: model-dtype-layout-exe_mode), one entry per rank and bucket,
-  authenticated (optimized/executor/compile_cache.py: loading an entry runs its code; an entry this user did
-  not write is recompiled unless model_config.trust_compile_cache: true).
-  Every weight read is checked finite (a NaN / inf weight or an E8M0 scale byte 0xFF is named); --no-weight-check
-  skips that pass. Non-finite logits stop generation, naming the step and the request.
-  In graph mode the decode time excludes the first step (which compiles or loads the graph; its time is
-  printed separately).
+See docs/config.md, "Notes from the code", optimized/cli/generate.py.
 """
 from __future__ import annotations
 

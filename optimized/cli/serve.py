@@ -1,20 +1,6 @@
 """`python -m optimized serve --config X.yaml [--host 127.0.0.1] [--port 8000]`: the OpenAI-compatible server.
 
-The YAML is the same inference config as `generate`'s: model_config (model, dtype, exe_mode: eager or a graph
-mode for the decode buckets), scheduler_config (batch_size: the most requests decoding together; block_size;
-max_new_tokens: the default max_tokens; max_prefill_tokens: the prompt tokens one prefill step may pack, 0 no
-budget), data_config.input_max_len (the longest prompt accepted: a longer one is refused with 413).
-The KV pool holds `--kv-pool-blocks` blocks (default: batch_size requests of input_max_len + max_new_tokens;
-per DP group under attention DP: its share of batch_size).
-Server-only settings are flags: --host, --port, --served-model-name, --kv-pool-blocks.
-Multi-rank (TP / EP layouts): `torchrun --nproc-per-node N -m optimized serve ...`, one process per rank; rank 0
-serves HTTP and sends each step's new requests and aborts to the others over a CPU gloo group
-(optimized/serving/ranks.py). Attention DP runs as the engine's DP mode: each request in one DP group, groups
-without work step a dummy row so the collectives stay in lockstep.
-Everything is assembled by `optimized.executor.assembly` (the same as `generate`): the plan printed at start-up,
-the MC2 window sized for batch_size (padded to its graph bucket in graph mode), enable_cache_compile,
-mem_fraction_static, enable_profiler (a trace of the whole serving run). In graph mode every decode bucket up to
-batch_size is compiled (or loaded from the compile cache) before the port opens.
+See docs/serving.md, "Notes from the code", optimized/cli/serve.py.
 """
 from __future__ import annotations
 

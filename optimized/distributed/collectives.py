@@ -1,31 +1,6 @@
 """The collectives the model layers call, with byte counting.
 
-<<<<<<< HEAD
 See docs/parallel.md, "Notes from the code", optimized/distributed/collectives.py.
-=======
-Collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all_single`) take a ProcessGroup, a
-`GroupInfo` or None, and are the identity when the group is None or of size 1, so single-process runs need
-no `torch.distributed` initialization at all.
-
-Backend findings (torch 2.13, gloo on CPU; checked by tests/test_dist_harness.py):
-- bfloat16 / float16: gloo supports all_reduce, all_gather, reduce_scatter and all_to_all natively, so
-  they travel as they are (no upcast by default: the same dtype on the wire as with HCCL/NCCL). The sum
-  is then rounded to bf16 at every reduction step: measured on randn bf16 inputs, the result differs from
-  "fp32 sum, one rounding" in 0% (2 ranks), ~32% (4 ranks) and ~52% (8 ranks) of the elements, by up to
-  a few bf16 ulps (more relative error where the sum cancels). Every rank still gets the identical
-  value. Pass `upcast=True` to sum in float32 and round once (exact for <= 8 bf16 addends of similar
-  magnitude), e.g. where a bf16 test needs a tight, order-independent oracle.
-- float8 (and other 1-byte float types: e8m0 scales, packed fp4): gloo rejects them ("Invalid scalar
-  type") for every collective. Data movement (all_gather, all_to_all, broadcast) therefore sends
-  `view(torch.uint8)` and views back: bit-exact on every backend. Reductions of such dtypes are refused
-  (there is no meaningful fp8 sum on the wire; dequantize first).
-- Uneven all_gather: gloo has no uneven list all_gather, so `all_gather(..., sizes=[...])` pads every
-  shard to the largest size, gathers once and trims.
-
-Graph mode: while torch.compile traces (`torch.compiler.is_compiling()`), `all_reduce`, `all_gather`,
-`reduce_scatter` and `all_to_all_single` use `torch.distributed._functional_collectives` (the traceable, out-of-place form of the same collective on
-the same group), so a decode step with TP / EP collectives captures as one graph; eager calls are unchanged.
->>>>>>> reorg
 """
 from __future__ import annotations
 

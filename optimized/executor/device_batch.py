@@ -1,23 +1,7 @@
 """The running batch as device tensors: each running request of this rank's DP group owns one row, in the order
 the scheduler runs them, from when it is admitted until it finishes.
 
-A row holds the request's block table, the position its next input token is written at, its last chosen id and
-its sampling parameters. They are written once, when the request is admitted (`admit`: the one host-to-device
-copy of a request's blocks and parameters; a request recomputed after a preemption is admitted again, its position
-past its generated tokens and its draw counter at their count), and from then on change on the device only: a
-decode step reads rows [0, n) as views, the chosen ids are written back in place, positions and draw counters step
-by one. The blocks a running request takes when its next token starts a new block are written into its row when
-taken (`grow`: one small copy for all the rows that took one in a step). A finished request's row is closed up by
-shifting the later rows one place (device copies, order kept); a preempted one is always the last row. The last row
-of the tensors is the dummy row: the null block at position 0, token 0, for a DP group with nothing to run in a
-step.
-
-Logits processors (penalties, logit_bias, min_tokens: executor/sampling.py) keep per-row state on the device too
-(`penalties`, a `BatchPenalties`), allocated only while a running row has a processor on, so a batch without any pays
-nothing (`penalties` is None, and choosing skips them). Its cost per row: V * (4 bytes of int32 generated-token counts
-+ 1 byte of prompt mask) + MAX_LOGIT_BIAS * 12 + MAX_STOP_IDS * 9 + 28 bytes, about 764 KB at Qwen3's V = 151936
-(49 MB for 64 rows). It is written at admission (a recomputed request's counts rebuilt from the tokens it generated),
-the counts step on the device with each step's chosen ids (`record`), and its rows close up with the others.
+See docs/architecture.md, "Notes from the code", optimized/executor/device_batch.py.
 """
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
 """The engine: the one loop that generates. Continuous batching over a paged KV cache and a device-resident batch.
 
-`Engine.step()` asks the scheduler (executor/scheduler.py) what to run, then runs it: a prefill of the newly
-admitted requests (`ModelRunner.prefill_inputs` + the model) or a decode of every running request (`runner.
-decode_forward`: eager, or the compiled graph buckets). `generate` is the engine run to completion over its prompts
-(`ModelRunner.generate`), `serve` feeds it from HTTP (serving/driver.py), `bench` and `latency` time it.
-
-The batch lives on the device (executor/device_batch.py): block tables, positions, last ids and sampling parameters
-are written when a request is admitted and change on the device only, but for the KV blocks taken on demand: a
-request takes the blocks of its prompt (and first decode token) at admission and one more block when its next token
-starts one, written into its table row in that step (one small copy); when its group's pool has none left, the
-group's most recently admitted request is preempted and later recomputed (executor/scheduler.py). All rows are chosen in one batched call
-(executor/sampling.py) and each step has one device-to-host read (`_read`): the chosen ids and the logprobs asked
-for, packed into one float32 vector. A request that asked for raw logits rows (record_logits, prompt_positions:
-tests, `generate --save-logits`) costs one more read in the steps that produce them.
-
-Attention DP: every rank runs the same scheduler over the same requests, each request in one DP group. The step's
-kind is the same on every rank; a group with nothing to run runs a one-token dummy into the null block (the
-recipe's rule, so the MoE exchanges see every rank). The group's ranks compute its logits and choose its tokens;
-the packed read vectors are then gathered over the DP groups (`_share`), so every rank knows every request's
-tokens and takes the same decisions.
-
-A request's tokens depend only on its own prompt and sampling: its own block rows and its own seeded draws, so who
-else is in the batch changes nothing but float reassociation. Non-finite logits end that request with
-finish_reason "error" (its event carries the message), never the engine.
-
-Logits processors (penalties, logit_bias, min_tokens; executor/sampling.py) act on the choice, greedy or sampled, with
-per-row state on the device (executor/device_batch.py, only while a running row uses one); the logprobs a request asks
-for are those of the model's logits, before the processors.
+See docs/architecture.md, "Notes from the code", optimized/executor/engine.py.
 """
 from __future__ import annotations
 

@@ -1,49 +1,6 @@
 """Graph mode: the decode step compiled to one static graph per batch bucket (exe_mode ge_graph / acl_graph).
 
-<<<<<<< HEAD
 See docs/graph_mode.md, "Notes from the code", optimized/executor/graph.py.
-=======
-`decode_forward(model, exe_mode, ...)` is what `ModelRunner` calls for each decode step: the model itself
-in eager mode, a `GraphDecoder` otherwise. Prefill stays eager, as in the recipe.
-
-What is compiled (`DecodeStep`): one decode forward, whole (fullgraph: a graph break is an error), from
-tensors and one host int list, so nothing inside it syncs with the host:
-- input_ids, positions, slot_mapping [Bp] and block_table [Bp, W] have static shapes: the batch B is
-  padded to its bucket Bp (the next power of two, as serving engines capture a few batch sizes) and the
-  block table to W = ceil(max_position_embeddings / block_size) columns;
-- the per-request KV lengths are a host list of ints, graph inputs (symbolic ints, as torchair takes them
-  with dynamic=True): a new step with longer contexts runs the same graph;
-- the KV cache tensors keep a symbolic block count (the pool size), every other dim static.
-Collectives trace through `comm` (functional collectives while compiling). The paged-cache write
-`npu_scatter_nd_update_` carries torch.Tag.inplace (optimized/ops/cache.py): torch.compile auto-functionalizes it
-and inductor re-inplaces it on the cache inputs, so the compiled step writes only its tokens' slots, with no copy
-of a layer's cache: decode cost does not depend on the KV pool size (equivalence/graph/test_graph.py checks the
-generated code and the bytes a step allocates at two pool sizes).
-
-Attention DP (the recipe's DP + MC2 decode in ge_graph): each DP group pads its own requests to the bucket of the
-largest group's batch (the host sizes every rank knows, `ForwardMetadata.dp`), so every rank runs the same captured
-shapes and the step's DP sizes (`DataParallelBatch`, every group `bucket` rows) follow from the static batch alone:
-no per-step Python state enters the graph. The padding rows are real rows to MC2 (routed, computed, dropped).
-
-Padding: a padded slot decodes token 0 at position 0 with KV length 2, writing its K/V to slot 0 of the
-null block 0 (never handed to a request) and reading only that block's slots 0 and 1; its logits are dropped.
-So padding never touches a real request's cache. The length is 2, not 1, because the compiler specializes a
-host int of 1 (a size-1 dimension broadcasts) where the inlined attention sizes its keys by it: a padding slot
-later taken by a real request would then recompile the step. `GraphDecoder.padding` records every batch -> bucket it padded.
-
-Compiling: `platform.graph_compiler(exe_mode)` (torchair on NPU, inductor elsewhere), under dynamo settings
-that keep the capture static: Python floats of the model (eps, scale) specialize as constants (otherwise
-dynamo traces them as symbols and restarts), and the recompile limit is raised and made an error, so a
-run never falls back to eager silently; inductor keeps every rounding of the traced code (`INDUCTOR_SETTINGS`).
-Off NPU, inductor inlines the portable kernels that read no tensor data on the host (norms, rotary, SwiGLU,
-gating, dropless routing and its combine, the fused attention: `ops.registry.inline_in_inductor`), so they fuse
-instead of running as Python operators at every step; the grouped matmul and the cache write stay operators
-(the one sizes its groups on the host; the other mutates the cache, which a decomposition cannot). With a `CompileCache` each bucket has its own cache entry: its first
-call loads the verified artefacts of its key, or compiles and saves them (`compile_cache.py`); on NPU each
-bucket also has its own compiled step, whose torchair cache_compile directory is the entry (verified before
-torchair reads it, signed after the first call). `GraphDecoder.startup` records per bucket whether it was
-loaded or compiled and how long the first call took.
->>>>>>> reorg
 """
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
 """Next-token choice for a whole batch in one call: greedy rows and sampled rows together, on the logits' device.
 
-`SamplingParams(temperature, top_k, top_p, seed)`: temperature 0 is greedy (argmax over float32, first index on
-ties). Otherwise the logits are divided by the temperature in float32, restricted to the top_k largest (0: no
-limit; ties at the k-th value are kept) and to the smallest set of most likely tokens whose probability reaches
-top_p (the most likely token always stays), and one token is drawn from what is left by inverting its
-cumulative distribution at a uniform number u.
-
-u is counter-based, not drawn from a generator object: u = hash(seed, stream, draw) with splitmix64 on int64
-tensors, where `stream` tells apart the requests sharing a seed (a batch's request index) and `draw` counts the
-request's own generated tokens. So a request's tokens depend only on its logits and (seed, stream): not on the
-batch around it, on the step it was admitted at, or on the backend (integer arithmetic is exact everywhere), and
-every rank of a sharded run draws the same token. Seeds take any value in [0, 2^64) (an OpenAI client's 63-bit
-seed included); unseeded requests get a random one (`fresh_seed`), the same on every rank.
-
-Logits processors (OpenAI's and vLLM's request fields), applied to a row's float32 logits BEFORE everything above
-(temperature, top-k, top-p, and the greedy argmax: greedy requests honour them too), in this order, each to the
-previous one's output:
-1. logit_bias: logit[t] += bias[t] (at most MAX_LOGIT_BIAS entries, values in [-100, 100]);
-2. min_tokens m: while fewer than m tokens were generated, logit[s] = -inf for each stop id s (the request's EOS
-   ids; stop strings are not affected);
-3. repetition_penalty r (> 0, 1: off), over every token seen in the prompt or the generated tokens:
-   logit / r if logit > 0 else logit * r;
-4. frequency_penalty f, presence_penalty p (each in [-2, 2]), over the GENERATED tokens only, c = the token's count
-   among them: logit - (f * c + p * (c > 0)), in float32 with f, p rounded to float32.
-reference/sampling.py applies the same steps to one row in plain per-token code; `apply_penalties` is the batched
-form and gives the same float32 values bit for bit (tests: equivalence/serving/test_sampling_processors.py).
+See docs/architecture.md, "Notes from the code", optimized/executor/sampling.py.
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
 """Qwen3-MoE attention on the fused operators, tensor-parallel over the attention TP group.
 
-merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rotary_pos_emb (TND)
--> npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache)
--> o_proj (row-parallel: all_reduce; under attention DP the phase reduce-scatters its partial sums instead).
-New K/V go to the paged cache with npu_scatter_nd_update_.
-
-A layer's cache is (k, v), or (k, v, k_scale, v_scale) for the per-token FP8 cache (the recipe's
-kv_cache_quant_mode "float8"): K and V are quantized per token over this rank's KV heads by npu_dynamic_quant
-at the cache write, their fp32 scales scattered into the scale caches through the same slot mapping, and
-decode reads them with key/value_quant_mode 4 (sparse_mode 0, no mask). Prefill attends to its own 16-bit
-K/V, as the recipe does (its `Qwen3MoeAttention.exec_qkv` runs the prefill FIA v2 on the fresh K/V, no quant
-mode, and only then writes the quantized cache; spec npu_ops_attention_norm.md §5.12, §9 "prefill attention");
-only what later steps read passes through the cache (equivalence/quant/test_e2e_fp8_kv.py pins the prefill logits
-bitwise across cache dtypes).
-
-The sequence-parallel prefill's data movement around these pieces is the phase's (optimized/phases.py).
-W4A4 checkpoints with the learned Hadamard rotation: merged_qkv_proj and o_proj rotate their own input before its
-MXFP4 quantization (`MxFp4LinearMethod`, optimized/layers/hadamard.py), so q/k norm, RoPE and the cache see it undone.
+See docs/architecture.md, "Notes from the code", optimized/layers/attention.py.
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
 """The MoE token exchanges: how tokens reach the experts of their EP rank and come back, named as in the recipe.
 
-Every exchange is an object with one interface, `exchange(experts, x, topk_idx, topk_weight) -> [rows of x, H]`:
-`experts` is the layer's `FusedMoEGMM` (this rank's experts), `x` the expert input as a payload: a tensor, or
-MXFP8 `MxRows` (data + scales). Every step moves whole rows, so the payload's rows travel through routing,
-collectives and re-routing together (`map_rows`) and the quantized and bf16 paths are the same code. An exchange
-holds only sizes and process groups (no module), so a model keeps no reference cycle through it.
-
-- `MoeInferTP`: every rank sees the same tokens and routes them to its own experts only
-  (`active_expert_range`); the partial sums are all-reduced over MoE TP and EP (decode; prefill without SP).
-- `MoeInferAG` (SP prefill): each EP rank holds its own tokens; rows, expert ids and weights are all-gathered,
-  each rank computes its experts' share of every token, `reduce_scatter` returns each rank its tokens' sums.
-- `MoeInferDoubleRouting` (SP prefill): route own tokens over all experts, exchange per-expert counts,
-  `all_to_all_single` with uneven splits to the experts' ranks, `npu_moe_re_routing` into local-expert order,
-  grouped matmul, back in arrival order, all_to_all back, `npu_moe_finalize_routing`.
-- `MoeInferDispatchCombine` (decode with moe_tp 1 and EP > 1, the recipe's MC2): `npu_moe_distribute_dispatch_v2`
-  sends each slot to its expert's rank, grouped matmul, `npu_moe_distribute_combine_v2` brings the rows back
-  weighted; decode holds every token on every rank, so each EP rank exchanges only its share and the results are
-  all-gathered. Under attention DP each rank holds its own rows and exchanges them all (`own_rows`), no gather.
+See docs/parallel.md, "Notes from the code", optimized/layers/exchange.py.
 """
 from __future__ import annotations
 

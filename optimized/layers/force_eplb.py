@@ -1,30 +1,6 @@
 """`model_config.force_eplb` (older files: `perfect_eplb`): the recipe's forced balanced routing, its benchmark mode.
 
-The gate still computes its softmax top-k and keeps the top-k weights (renormalized when norm_topk_prob); only the
-expert ids are replaced, in every MoE layer, by a deterministic balanced list built from the global rank `g` and the
-rows reaching this rank's MoE (`j` the slot index over those rows, row-major, K = top_k, E = num_experts,
-ep = moe_ep_size, L = E / ep):
-
-- prefill: ids[j] = (j + g) % E, viewed [rows, K]   (the recipe's rule; rows: this rank's own rows);
-- decode, moe_tp_size > 1: ids[j] = (j % ep) * L + j // ep: slot j on EP rank j % ep, experts from the bottom of each
-  rank's range. With ep == 1 this is the recipe's `arange(B * K)`; the recipe's ep > 1 list (B*K ids per EP rank
-  concatenated, ep*K ids per row) is no top-k routing, so its slots are dealt round-robin over the EP ranks instead.
-  Needs B * K <= E (checked at start-up and per step);
-- decode, moe_tp_size == 1: step = L if rows * K < E and ep > 1 else 1;
-  ids[j] = ((j + g // step * step) * step + (g + (j % K) // ep) % step) % E. The recipe's rule, but for the
-  `(j % K) // ep` term: with top_k > ep the recipe's rule gives one row the same expert twice, so a row's slots past
-  the first ep move on to the EP rank's next expert (zero when top_k <= ep: the recipe's ids exactly). With one EP
-  rank, step 1 (the recipe's step = E would send every slot to expert g % E).
-
-Which rows and which `g` (`EplbRows.owner`), since this model's row layout is not the recipe's:
-- OWN: the rows are this rank's own tokens (SP prefill, attention DP): the recipe's rule with this rank's g;
-- JOB: every rank holds the same rows and the exchange sums every rank's share (`moe_infer_tp`), so every rank must
-  route a row alike: g = 0 for all (the recipe's per-rank g would sum different experts' partial outputs);
-- EP_SPLIT: every rank holds the same B rows and EP rank e dispatches rows [e*n, (e+1)*n), n = ceil(B / ep) (MC2
-  decode without attention DP): row t gets the ids EP rank t // n's global rank builds for its n rows, the same
-  tensor on every rank.
-Everything is built from torch.arange on the input's device and host ints (shapes, ranks): nothing per step a graph
-would bake in besides the shape it is captured for.
+See docs/parallel.md, "Notes from the code", optimized/layers/force_eplb.py.
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
 """The learned Hadamard rotation of W4A4 checkpoints (spec a4w4_hadamard.md): its directory, and where it acts.
 
-`hadamard_weight_path` is a directory with one PyTorch file per decoder layer, `layer_{i}_self_attn.pt`, each a
-flat mapping holding two 128x128 float matrices (any floating dtype, used as float32; other keys ignored):
-`input_transform.transform.linear.weight` (T_in: q/k/v) and `out_transform.transform.linear.weight` (T_out: o).
-
-- Activations, online (§2.1-2.2): `x <- bf16(fp32(x) @ B(T))` per 128 consecutive features, no transpose, no
-  scaling, right before the W4A4 linear quantizes its input: after the input RMSNorm (merged_qkv_proj, T_in; under
-  attention DP after the token all-gather) and after attention (o_proj, T_out, on this rank's slice of heads). The
-  quant method applies it (`MxFp4LinearMethod.apply`), so every path that calls the linear rotates its input.
-- Weights, offline (§2.3, the converter): `W <- cast(fp32(W) @ B(inverse(T))^T)` on the HF `[out, in]` weight, back
-  to the source dtype (bf16 for the released checkpoints), then MXFP4. inverse, never a transpose: T need not be
-  orthogonal. The two cancel, so q/k norm, RoPE and the KV cache see un-rotated values.
-
-Every rotated width must be a multiple of 128 (hidden_size for q/k/v; num_attention_heads / attn_tp_size * head_dim
-for o_proj), or a 128-row would glue features of two tokens together (spec §4.2): refused here with the numbers.
-The matrices are replicated on every rank, never sharded; they are non-persistent buffers on the model's device.
+See docs/quantization.md, "Notes from the code", optimized/layers/hadamard.py.
 """
 from __future__ import annotations
 

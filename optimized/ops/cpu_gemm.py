@@ -1,26 +1,6 @@
 """CPU bf16 linear on oneDNN's prepacked weight layout: `cpu_gemm.linear(x, weight)` == F.linear(x, weight).
 
-<<<<<<< HEAD
 See docs/devices.md, "Notes from the code", optimized/ops/cpu_gemm.py.
-=======
-On CPU, F.linear with bf16 operands hands oneDNN the plain [N, K] weight on every call; oneDNN reorders it into its
-blocked layout inside the call, and a decode GEMV (one row of x) pays that on every weight byte it reads: the
-lm_head GEMV [1, 2048] x [151936, 2048]^T ran at ~13 GB/s against ~20 GB/s for a plain read of the same bytes. The
-prepacked copy (`mkldnn._reorder_linear_weight`, made once per weight) is read in oneDNN's own order: the same
-products in the same fp32 accumulation with one bf16 rounding, bitwise F.linear (equivalence/ops/test_ops_cpu_gemm.py),
-about 1.4x faster for the lm_head and ~2x for attention's GEMVs on this machine.
-
-Cost: a second copy of every dense bf16 weight that runs on CPU (packed lazily at its first call);
-QWEN3_MOE_CPU_PREPACK=0 turns the path off (read once at import). The packed copy
-is keyed by the weight's memory, shape and strides, tied to the tensor owning that memory (a view's base) and its
-version counter, so a weight rewritten in place (a reload) or freed and its memory reused is packed again, never read
-stale.
-
-Traced by torch.compile, `linear` is an operator (`qwen3_moe_cpu::linear`), opaque to the compiler: inductor cannot
-lower oneDNN's packed tensors as graph inputs, and the compiled decode step calls the same kernel as eager (which
-calls it directly, without the dispatcher's cost).
-Anything else (another device, fp32, autograd, an inference-mode weight: no version counter) is plain F.linear.
->>>>>>> reorg
 """
 from __future__ import annotations
 

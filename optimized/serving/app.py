@@ -1,23 +1,6 @@
 """The OpenAI-compatible HTTP routes over a `Driver` (FastAPI).
 
-/v1/completions and /v1/chat/completions (streaming by SSE, ending `data: [DONE]`), /v1/models,
-/v1/models/{id}, /health, /metrics. Each choice also carries `token_ids` (the generated ids; with echo on
-completions, the prompt's first), which the proof tests and `bench serve` read. A handler whose client goes away
-aborts its requests, which frees their KV blocks.
-
-Limits come before any work: the body size (413 before it is read past the limit), then every field, then each
-text prompt's length in characters (413 when it cannot fit in `max_prompt_tokens` even at the tokenizer's longest
-token), and only then tokenizing, off the event loop (one worker thread: the tokenizer is not shared between
-threads), so a long prompt never stalls /health or the other streams.
-
-Detokenizing (each token's text, stop strings, the logprobs' token texts of a whole response) runs on that same
-worker thread too, the events waiting for a handler detokenized together, so a long completion never holds the
-event loop.
-
-One choice is one engine request: a list of prompts gives one choice per prompt, `n` gives n choices per prompt
-(choice index = prompt index * n + j), choice j sampling with `protocol.choice_seed(seed, j)`. A failure of one
-request (its detokenizing, an error the engine reports for it alone) fails that request and nothing else: a JSON
-error before the stream started, an SSE `error` event followed by `data: [DONE]` after.
+See docs/serving.md, "Notes from the code", optimized/serving/app.py.
 """
 import asyncio
 import functools

@@ -1,22 +1,6 @@
 """Generated ids -> text as it streams: incremental detokenizing and stop strings.
 
-Incremental: each token decodes only a short window of ids, never the whole completion. The window is
-ids[prefix:]; its first `read - prefix` ids are context already released (kept because a tokenizer's decode may
-depend on the token before, e.g. a leading space), so the new text is what the window decodes to beyond the
-context's own text. A byte-level BPE token can end mid-character: while the window's text ends in U+FFFD (an
-incomplete UTF-8 sequence, or invalid bytes) the characters before it are released and the rest is held until
-later tokens complete it; then the window slides (its newest tokens become the next context).
-
-Bounded: once `MAX_PENDING` tokens are held, the window is cut at the newest token boundary where decoding the
-two sides apart gives the same text as decoding them together (no open UTF-8 sequence crosses it: what is
-before it can no longer change); the part before is released and the window restarts there. Only a chain of
-tokens that each complete one character and open the next has no such boundary; after `MAX_WINDOW` held tokens
-it is released as it is (its open character as U+FFFD). So a token costs at most a few decodes of at most
-`MAX_WINDOW` + 1 ids, and the streamed text equals the whole completion's decode except in that last case.
-
-Text is released only when it can no longer change: not an incomplete character and not a prefix of a stop
-string. A stop string ends the request; the text up to it (the stop string excluded) is the completion.
-`finish()` releases what was held back when the request ends on a token whose text is not shown (EOS).
+See docs/serving.md, "Notes from the code", optimized/serving/text.py.
 """
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """The model's quantization, parsed once per build: which quant method each layer gets, by checkpoint prefix.
 
-`QuantConfig.from_hf_config(hf_config, stored)` reads config.json's `quantization_config` once (schemes.py) and
-the model hands the result to every layer with the layer's checkpoint prefix (`model.layers.3.self_attn.o_proj`):
-
-- unquantized: every linear and the experts 16-bit;
-- W4A8: attention and dense-MLP linears MXFP8 (mxfp8.py), the routed experts MXFP4 x MXFP8 (w4a8.py);
-- W8A8: every linear MXFP8, the experts MXFP8 (w8a8.py);
-- W4A4: attention and dense-MLP linears and the experts MXFP4 x MXFP4 (w4a4.py).
-
-A dense MLP's projection stored without its `weight_scale` partner in an MXFP8 checkpoint (W4A8 / W8A8) is 16-bit:
-the recipe's converter keeps a dense gate_proj so (its ignore pattern `mlp.gate`, meant for the router, is a
-substring of `mlp.gate_proj`), and `python -m optimized convert --keep-dense-gate-proj` does the same. config.json
-cannot tell the two checkpoints apart, so `stored` (the weight source's `has`) is asked at build time; the MLP
-then builds the linears each projection needs (moe.py `Qwen3MoeMLP`), and loading only fills them.
+See docs/quantization.md, "Notes from the code", optimized/layers/quantization/config.py.
 """
 from __future__ import annotations
 
