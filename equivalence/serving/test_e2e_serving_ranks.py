@@ -1,7 +1,8 @@
 """Multi-rank serving: `torchrun --nproc-per-node N -m optimized serve` answers concurrent openai clients, arriving
 mid-flight, with the reference's greedy tokens per prompt alone (fp32), under attention TP 2 with MoE EP 2, and under
 attention DP (TP 1 x DP 2 with EP 2, TP 2 x DP 2 with EP 4: MC2 decode, each request in one DP group, idle groups
-stepping dummy rows); and a driver whose rank broadcast fails (a rank that died) stops, telling every waiting request
+stepping dummy rows), and the endpoint checker (equivalence.endpoint: every position's logprobs) agrees with the
+TP 2 x EP 2 and TP 2 x DP 2 servers; and a driver whose rank broadcast fails (a rank that died) stops, telling every waiting request
 and the server."""
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from equivalence.endpoint import run_check
 from equivalence.serving.test_e2e_serving_http import PROMPTS, ref_greedy
+from fixtures.checkpoints import checkpoint
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -37,6 +40,12 @@ LAYOUTS = {   # name: (world size, parallel_config, batch_size)
 }
 
 
+# The endpoint checker (equivalence.endpoint) also runs against these servers: attention TP 2 x MoE EP 2, and
+# attention TP 2 x DP 2 with MoE EP 4 (MC2 decode under attention DP).
+ENDPOINT_CHECKED = ("tp2_ep2", "tp2xdp2_ep4")
+ENDPOINT_PROMPTS = [[5, 9, 200, 17, 3, 44, 1], [100, 101, 102, 103]]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,7 +56,6 @@ def _free_port() -> int:
 @pytest.mark.equivalence
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
-    from fixtures.checkpoints import checkpoint
     checkpoint("tiny")                                   # built before the ranks race for it
     world, parallel, batch = LAYOUTS[layout]
     config = tmp_path / f"{layout}.yaml"
@@ -101,6 +109,11 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
         assert not errors, errors
         for i, prompt in enumerate(PROMPTS[:4]):
             assert results[i] == ref_greedy(prompt, 5), f"request {i}"
+        if layout in ENDPOINT_CHECKED:   # the endpoint checker on the same server: every position's logprobs (echo)
+            r = run_check(url + "/v1", checkpoint("tiny"), prompts=ENDPOINT_PROMPTS, max_tokens=4, concurrency=2)
+            assert r.ok, r.summary()
+            assert r.meta["mode"] == "echo" and sum(len(x.positions) for x in r.requests) == \
+                sum(len(p) - 1 + 4 for p in ENDPOINT_PROMPTS)
     finally:
         proc.terminate()
         try:

@@ -1,5 +1,5 @@
-"""equivalence.endpoint against servers it starts on loopback: our own (one process, fp32 and bf16; attention TP 2 x
-MoE EP 2 under torchrun) agrees with the reference; the same server with a planted bug (rotary, one expert x1.5, the
+"""equivalence.endpoint against servers it starts on loopback: our own (one process, fp32 and bf16; under torchrun
+the checker runs on the servers of test_e2e_serving_ranks.py) agrees with the reference; the same server with a planted bug (rotary, one expert x1.5, the
 decode token's KV one slot early, a reduction done twice) fails, naming the first position affected; a checkpoint the
 endpoint does not serve fails at the first positions; transformers' own `transformers serve` (no logprobs, text
 prompts: greedy mode) agrees. `pytest -m equivalence --endpoint URL --endpoint-model-path CKPT` checks any server."""
@@ -78,25 +78,6 @@ def test_another_checkpoint_fails_at_the_first_positions(planted):
     r = run_check(url, checkpoint("tiny-nonorm"), prompts=PROMPTS[:1], max_tokens=3, concurrency=1)
     assert not r.ok
     assert r.requests[0].positions[0]["ratio"] > 1 and "position 1 (prompt" in r.first_failure()
-
-
-@pytest.mark.parametrize("layout", [
-    pytest.param("{world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, "
-                 "lmhead_tp_size: 2}", id="tp2_ep2"),
-    pytest.param("{world_size: 4, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 4, embed_tp_size: 2, "
-                 "lmhead_tp_size: 2, attn_dp: true}", id="attn_dp2_ep4"),
-])
-@pytest.mark.distributed
-def test_multi_rank_server_agrees_with_the_reference(layout, tmp_path):
-    checkpoint("tiny")
-    (tmp_path / "c.yaml").write_text(servers.config_yaml("float32", layout))
-    port = servers.free_port()
-    ranks = int(layout.split("world_size: ")[1].split(",")[0])
-    with servers.serving(servers.ours(tmp_path / "c.yaml", port, ranks=ranks), port, tmp_path / "server.log") as url:
-        r = run_check(url, checkpoint("tiny"), prompts=PROMPTS[:2], max_tokens=4, concurrency=2)
-    assert r.ok, r.summary()
-    assert r.meta["mode"] == "echo" and sum(len(x.positions) for x in r.requests) == sum(len(p) - 1 + 4
-                                                                                         for p in PROMPTS[:2])
 
 
 def test_our_bf16_server_agrees_within_the_calibrated_bound(tmp_path):
