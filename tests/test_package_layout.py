@@ -147,3 +147,15 @@ def test_equivalence_holds_proofs_by_subsystem():
     for name in ("support", *TOOL_PACKAGES):
         tests = sorted(p.name for p in (equivalence / name).glob("test_*.py"))
         assert not tests, f"equivalence/{name}/ holds helpers or a tool, not proofs: {tests}"
+
+
+# Quantization as a package: a small base, the config parsed once, one module per scheme (no single-file catch-all).
+QUANT_MODULES = {"base", "config", "schemes", "errors", "unquantized", "mxfp8", "w8a8", "w4a8", "w4a4", "mx_layout",
+                 "mx_wire", "kv_cache", "lifecycle", "converter_config"}
+
+
+def test_quantization_is_a_package_with_a_module_per_scheme():
+    package = ROOT / "layers" / "quantization"
+    assert not (ROOT / "layers" / "quantization.py").exists(), "layers/quantization.py came back beside the package"
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
+    assert modules == QUANT_MODULES, modules ^ QUANT_MODULES
