@@ -1,4 +1,5 @@
 """Repository-wide pytest setup: hypothesis profiles, backend detection, marker skips."""
+
 from __future__ import annotations
 
 import os
@@ -20,10 +21,16 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.register_profile("dev", max_examples=50, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=1000, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "dev", max_examples=50, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough",
+    max_examples=1000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 # preset:NAME config.json files go to the repository's cache (beside the fixture checkpoints), not the user's home.
@@ -38,11 +45,17 @@ pytest_plugins = ["equivalence.latency.latency_report", "equivalence.report.plug
 
 
 def pytest_addoption(parser):
-    parser.addoption("--latency-report", metavar="PATH",
-                     help="write every latency budget's result (measured or skipped, with reasons) as JSON here")
-    parser.addoption("--latency-checkpoint", metavar="DIR",
-                     help="checkpoint for the NPU latency budgets (else $QWEN3_MOE_LATENCY_CHECKPOINT, else "
-                          "random weights of the budget's shapes)")
+    parser.addoption(
+        "--latency-report",
+        metavar="PATH",
+        help="write every latency budget's result (measured or skipped, with reasons) as JSON here",
+    )
+    parser.addoption(
+        "--latency-checkpoint",
+        metavar="DIR",
+        help="checkpoint for the NPU latency budgets (else $QWEN3_MOE_LATENCY_CHECKPOINT, else "
+        "random weights of the budget's shapes)",
+    )
 
 
 def latency_selected(config) -> bool:

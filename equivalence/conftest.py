@@ -6,6 +6,7 @@ dtypes, modes or layouts fails the test, at any fixture size and in the fp32 pro
 stay off: the tiny fixtures' head dims and the fp32 exact path are deliberate). Every task of the multi-rank
 worker pool runs under its calling test's setting (`equivalence.support.dist` sends it with the task).
 """
+
 import pytest
 
 from optimized.ops.validation import STRICT_ENV
@@ -19,10 +20,16 @@ def is_model_level(item) -> bool:
 
 def pytest_addoption(parser):
     group = parser.getgroup("endpoint", "equivalence of an OpenAI-compatible endpoint (equivalence/endpoint/)")
-    group.addoption("--endpoint", metavar="URL", help="check this server's /v1 against the reference "
-                    "(equivalence/serving/test_endpoint.py::test_a_given_endpoint_agrees)")
+    group.addoption(
+        "--endpoint",
+        metavar="URL",
+        help="check this server's /v1 against the reference "
+        "(equivalence/serving/test_endpoint.py::test_a_given_endpoint_agrees)",
+    )
     group.addoption("--endpoint-model-path", metavar="CKPT", help="the checkpoint directory the endpoint serves")
-    group.addoption("--endpoint-precision", default="fp32", help="the endpoint's precision (fp32, bf16, w8a8, w4a8, fp8kv)")
+    group.addoption(
+        "--endpoint-precision", default="fp32", help="the endpoint's precision (fp32, bf16, w8a8, w4a8, fp8kv)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

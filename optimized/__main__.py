@@ -1,4 +1,5 @@
 """`python -m optimized ...`: dispatches to optimized/cli/ (one module per subcommand)."""
+
 import sys
 
 from optimized.cli.main import main

@@ -7,6 +7,7 @@ violations are reported together in one `ConfigError`, one line each, starting w
 is `fixture:NAME`, `preset:NAME` (the product's presets, optimized/model_loader/presets.py) or a directory; this
 module only checks its syntax. See docs/config.md for every key, what it does and whether it is honoured.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,18 +20,18 @@ import yaml
 from optimized import envs
 from optimized.errors import UsageError
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0   # parallel_config.collective_timeout_s (distributed/guard.py applies it)
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # parallel_config.collective_timeout_s (distributed/guard.py applies it)
 
-EXE_MODES = ("eager", "ge_graph", "acl_graph", "npugraph_ex")   # the recipe's names (npugraph_ex: its aclgraph mode)
-GRAPH_MODES = EXE_MODES[1:]                       # decode as one compiled graph
+EXE_MODES = ("eager", "ge_graph", "acl_graph", "npugraph_ex")  # the recipe's names (npugraph_ex: its aclgraph mode)
+GRAPH_MODES = EXE_MODES[1:]  # decode as one compiled graph
 DTYPES = ("bfloat16", "float32")
 DATASETS = ("prompts", "random", "default", "LongBench")
-PLATFORM_VERSIONS = envs.PLATFORM_VERSIONS        # the recipe's platform_version values
-PLATFORM_VERSION_ENV = envs.PLATFORM_VERSION     # the recipe's fallback when the YAML sets none
+PLATFORM_VERSIONS = envs.PLATFORM_VERSIONS  # the recipe's platform_version values
+PLATFORM_VERSION_ENV = envs.PLATFORM_VERSION  # the recipe's fallback when the YAML sets none
 TOKENIZER_MODES = ("default", "chat")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float8")   # float8: the recipe's per-token FP8 KV cache
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float8")  # float8: the recipe's per-token FP8 KV cache
 MODEL_PATH_SCHEMES = ("fixture", "preset")
-RECIPE_INPUT_TRUNCATED_LEN = 256   # the recipe's data_config.input_truncated_len default
+RECIPE_INPUT_TRUNCATED_LEN = 256  # the recipe's data_config.input_truncated_len default
 
 
 class ConfigError(UsageError, ValueError):
@@ -45,6 +46,7 @@ class ConfigError(UsageError, ValueError):
 
 # ------------------------------------------------------------------------------------------------- YAML
 
+
 class DuplicateKeyError(UsageError, yaml.constructor.ConstructorError):
     """A YAML mapping that repeats a key."""
 
@@ -56,15 +58,17 @@ class StrictLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             first: dict = {}
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":   # `<<: *base` may be overridden: not a repeat
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden: not a repeat
                     continue
                 key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
                 try:
                     if key in first:
-                        raise DuplicateKeyError(f"duplicate key {key!r} on line {first[key]} and again on line "
-                                                f"{line} (one of them would be ignored); remove one")
+                        raise DuplicateKeyError(
+                            f"duplicate key {key!r} on line {first[key]} and again on line "
+                            f"{line} (one of them would be ignored); remove one"
+                        )
                     first[key] = line
-                except TypeError:   # an unhashable key: SafeLoader's own error follows
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
                     continue
         return super().construct_mapping(node, deep)
 
@@ -75,6 +79,7 @@ def load_yaml(text: str):
 
 
 # ----------------------------------------------------------------------------------------------- checks
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -126,6 +131,7 @@ class _Checker:
 
 # --------------------------------------------------------------------------------------------- sections
 
+
 @dataclass
 class ModelConfig:
     model_path: str = "fixture:tiny"
@@ -138,19 +144,19 @@ class ModelConfig:
     tokenizer_mode: str = "default"
     kv_cache_dtype: str = "auto"
     # The recipe's other model_config keys: each does what the recipe does, or is refused naming why.
-    model_name: str = "model"            # the run's name: printed, and the default compile-cache case name's head
-    output_path: str = ""                # where enable_profiler writes its trace; "": the YAML file's directory
+    model_name: str = "model"  # the run's name: printed, and the default compile-cache case name's head
+    output_path: str = ""  # where enable_profiler writes its trace; "": the YAML file's directory
     platform_version: str | None = None  # A2 | A3 | 950; null: env PLATFORM_VERSION, else A3 (the recipe's order)
-    next_n: int = 0                      # speculative (MTP) steps: only 0 (no MTP layers in Qwen3-MoE)
-    enable_profiler: bool = False        # a torch.profiler trace of the run, one file per rank, under output_path
-    force_eplb: bool | None = None       # the recipe's forced balanced routing (benchmarks); null: not given (false)
-    enable_static_kernel: bool = False   # npugraph_ex static kernels: refused when true
-    enable_weight_nz: bool = True        # every linear, expert and MX weight cast once to FRACTAL_NZ after loading
-    enable_hadamard: bool = False        # W4A4 checkpoints: the learned Hadamard rotation of hadamard_weight_path
-    hadamard_weight_path: str = ""       # its directory of layer_{i}_self_attn.pt (optimized/layers/hadamard.py)
-    custom_params: dict = field(default_factory=dict)   # model-specific switches: none are defined for Qwen3-MoE
-    enable_online_split_weight: bool = True   # older recipe files: each rank splits the HF checkpoint as it loads
-    perfect_eplb: bool | None = None          # older recipe files' name of force_eplb (both given: must agree)
+    next_n: int = 0  # speculative (MTP) steps: only 0 (no MTP layers in Qwen3-MoE)
+    enable_profiler: bool = False  # a torch.profiler trace of the run, one file per rank, under output_path
+    force_eplb: bool | None = None  # the recipe's forced balanced routing (benchmarks); null: not given (false)
+    enable_static_kernel: bool = False  # npugraph_ex static kernels: refused when true
+    enable_weight_nz: bool = True  # every linear, expert and MX weight cast once to FRACTAL_NZ after loading
+    enable_hadamard: bool = False  # W4A4 checkpoints: the learned Hadamard rotation of hadamard_weight_path
+    hadamard_weight_path: str = ""  # its directory of layer_{i}_self_attn.pt (optimized/layers/hadamard.py)
+    custom_params: dict = field(default_factory=dict)  # model-specific switches: none are defined for Qwen3-MoE
+    enable_online_split_weight: bool = True  # older recipe files: each rank splits the HF checkpoint as it loads
+    perfect_eplb: bool | None = None  # older recipe files' name of force_eplb (both given: must agree)
 
     @property
     def hadamard(self) -> str | None:
@@ -161,6 +167,7 @@ class ModelConfig:
     def platform(self) -> str:
         """platform_version as the recipe resolves it: the YAML's, else env PLATFORM_VERSION, else A3."""
         from optimized import envs
+
         return str(self.platform_version if self.platform_version is not None else envs.platform_version())
 
     @property
@@ -179,6 +186,7 @@ class ModelConfig:
     @property
     def torch_dtype(self):
         import torch
+
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
 
     def _check(self, c: _Checker) -> None:
@@ -197,8 +205,10 @@ class ModelConfig:
         c.choice(self, "tokenizer_mode", TOKENIZER_MODES)
         c.choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.enable_cache_compile is True and self.exe_mode == "eager":
-            c.fail("enable_cache_compile", "needs exe_mode: ge_graph or acl_graph (there is no compiled graph to cache "
-                                          "in eager mode)")
+            c.fail(
+                "enable_cache_compile",
+                "needs exe_mode: ge_graph or acl_graph (there is no compiled graph to cache in eager mode)",
+            )
         if self.trust_compile_cache is True and self.enable_cache_compile is not True:
             c.fail("trust_compile_cache", "applies to the compile cache, which is off (enable_cache_compile: false)")
         if isinstance(self.model_path, str) and self.scheme[0] == "preset" and self.with_ckpt is True:
@@ -210,34 +220,58 @@ class ModelConfig:
         for key in ("model_name", "output_path", "hadamard_weight_path"):
             if not isinstance(getattr(self, key), str):
                 c.fail(key, f"must be a string, got {_describe(getattr(self, key))}")
-        if self.platform not in PLATFORM_VERSIONS:     # the YAML's (envs.platform_version() refuses a bad $PLATFORM_VERSION)
+        if (
+            self.platform not in PLATFORM_VERSIONS
+        ):  # the YAML's (envs.platform_version() refuses a bad $PLATFORM_VERSION)
             c.fail("platform_version", f"must be one of {', '.join(PLATFORM_VERSIONS)}; got {self.platform!r}")
         if c.non_negative_int(self, "next_n") and self.next_n:
-            c.fail("next_n", f"({self.next_n}) must be 0: speculative decoding (MTP) is not implemented, and "
-                             f"Qwen3-MoE checkpoints have no MTP layers")
-        for key in ("enable_profiler", "enable_static_kernel", "enable_weight_nz", "enable_hadamard",
-                    "enable_online_split_weight"):
+            c.fail(
+                "next_n",
+                f"({self.next_n}) must be 0: speculative decoding (MTP) is not implemented, and "
+                f"Qwen3-MoE checkpoints have no MTP layers",
+            )
+        for key in (
+            "enable_profiler",
+            "enable_static_kernel",
+            "enable_weight_nz",
+            "enable_hadamard",
+            "enable_online_split_weight",
+        ):
             c.boolean(self, key)
         given = [key for key in ("force_eplb", "perfect_eplb") if getattr(self, key) is not None]
         if all([c.boolean(self, key) for key in given]) and len(given) == 2 and self.force_eplb != self.perfect_eplb:
             force, perfect = (str(v).lower() for v in (self.force_eplb, self.perfect_eplb))
-            c.fail("force_eplb", f"({force}) and perfect_eplb ({perfect}, its older name) disagree; give one of them, "
-                                 f"or the same value")
+            c.fail(
+                "force_eplb",
+                f"({force}) and perfect_eplb ({perfect}, its older name) disagree; give one of them, or the same value",
+            )
         if self.enable_static_kernel is True:
             c.fail("enable_static_kernel", "static kernels of npugraph_ex are not implemented; set it false")
         if self.enable_hadamard is True and self.hadamard_weight_path == "":
-            c.fail("hadamard_weight_path", "is empty, but enable_hadamard is true: give the directory of the "
-                                           "layer_{i}_self_attn.pt rotation files")
-        elif self.enable_hadamard is not True and isinstance(self.hadamard_weight_path, str) \
-                and self.hadamard_weight_path:
+            c.fail(
+                "hadamard_weight_path",
+                "is empty, but enable_hadamard is true: give the directory of the "
+                "layer_{i}_self_attn.pt rotation files",
+            )
+        elif (
+            self.enable_hadamard is not True
+            and isinstance(self.hadamard_weight_path, str)
+            and self.hadamard_weight_path
+        ):
             c.fail("hadamard_weight_path", "is only read with enable_hadamard: true; set that, or remove the path")
         if self.enable_online_split_weight is False:
-            c.fail("enable_online_split_weight", "false means checkpoints split offline per rank, which is not "
-                                                 "implemented: every rank reads its shard of the HF checkpoint")
+            c.fail(
+                "enable_online_split_weight",
+                "false means checkpoints split offline per rank, which is not "
+                "implemented: every rank reads its shard of the HF checkpoint",
+            )
         if not isinstance(self.custom_params, dict):
             c.fail("custom_params", f"must be a mapping, got {_describe(self.custom_params)}")
         elif self.custom_params:
-            c.fail("custom_params", f"no custom_params are defined for Qwen3-MoE; got {', '.join(map(str, self.custom_params))}")
+            c.fail(
+                "custom_params",
+                f"no custom_params are defined for Qwen3-MoE; got {', '.join(map(str, self.custom_params))}",
+            )
 
 
 @dataclass
@@ -246,8 +280,8 @@ class DataConfig:
     prompts: list[str] = field(default_factory=lambda: ["The capital of France is"])
     input_max_len: int = 1024
     seed: int = 0
-    dataset_path: str = ""                   # default: its default_prompt.json; LongBench: the LongBench directory
-    input_truncated_len: int | None = None   # prompts longer than this many tokens are cut to it (the recipe's rule)
+    dataset_path: str = ""  # default: its default_prompt.json; LongBench: the LongBench directory
+    input_truncated_len: int | None = None  # prompts longer than this many tokens are cut to it (the recipe's rule)
 
     @property
     def truncation(self) -> int | None:
@@ -268,8 +302,11 @@ class DataConfig:
         if not isinstance(self.dataset_path, str):
             c.fail("dataset_path", f"must be a string (a directory), got {_describe(self.dataset_path)}")
         elif self.dataset == "LongBench" and not self.dataset_path:
-            c.fail("dataset_path", "dataset LongBench reads a local LongBench directory (its <subset>.jsonl files); "
-                                   "set dataset_path to it (nothing is downloaded)")
+            c.fail(
+                "dataset_path",
+                "dataset LongBench reads a local LongBench directory (its <subset>.jsonl files); "
+                "set dataset_path to it (nothing is downloaded)",
+            )
         elif self.dataset_path and self.dataset not in ("default", "LongBench"):
             c.fail("dataset_path", f"is read only by the datasets default and LongBench (dataset: {self.dataset!r})")
 
@@ -284,20 +321,20 @@ class ParallelConfig:
     world_size: int = 1
     attn_tp_size: int = 1
     moe_tp_size: int = 1
-    moe_ep_size: int | None = None    # null: world_size / moe_tp_size, as the recipe derives it
+    moe_ep_size: int | None = None  # null: world_size / moe_tp_size, as the recipe derives it
     embed_tp_size: int = 1
     lmhead_tp_size: int = 1
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     prefill_opt: bool | None = None
     moe_ep_scheme: str = "auto"
-    attn_dp: bool | None = None       # null: attention DP whenever attn_tp_size < world_size (the recipe's rule);
-                                      # false: replicated attention (every attention TP group runs the whole batch)
+    attn_dp: bool | None = None  # null: attention DP whenever attn_tp_size < world_size (the recipe's rule);
+    # false: replicated attention (every attention TP group runs the whole batch)
     # The recipe's other sizes. dense_tp_size / o_proj_tp_size null: the dense MLP is sharded over the MoE TP group
     # and o_proj over the attention TP group (the only layouts built here; a value must name that size).
     dense_tp_size: int | None = None
     o_proj_tp_size: int | None = None
-    shared_tp_size: int = 1           # shared experts' TP: Qwen3-MoE has none, so it changes nothing
-    cp_size: int = 1                  # context parallel prefill: only 1
+    shared_tp_size: int = 1  # shared experts' TP: Qwen3-MoE has none, so it changes nothing
+    cp_size: int = 1  # context parallel prefill: only 1
 
     def __post_init__(self):
         """Derive what the recipe derives (moe_ep_size, attn_dp) when the file leaves it out."""
@@ -309,7 +346,7 @@ class ParallelConfig:
         if self.attn_dp is None and _is_int(w) and _is_int(a) and a > 0:
             self.attn_dp = a < w
             derived.add("attn_dp")
-        object.__setattr__(self, "_derived", ",".join(sorted(derived)))   # not a field; a str: JSON round-trips
+        object.__setattr__(self, "_derived", ",".join(sorted(derived)))  # not a field; a str: JSON round-trips
 
     def derived(self, key: str) -> bool:
         """Whether `key` was derived (left out of the config) rather than set."""
@@ -331,8 +368,10 @@ class ParallelConfig:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             c.fail("collective_timeout_s", f"must be a positive number of seconds, got {_describe(t)}")
-        ok = {k: (self.moe_ep_size is not None or k != "moe_ep_size") and c.positive_int(self, k)
-              for k in ("world_size",) + PARALLEL_SIZES}   # an underivable moe_ep_size: moe_tp_size's error says why
+        ok = {
+            k: (self.moe_ep_size is not None or k != "moe_ep_size") and c.positive_int(self, k)
+            for k in ("world_size",) + PARALLEL_SIZES
+        }  # an underivable moe_ep_size: moe_tp_size's error says why
         self._check_recipe_sizes(c, ok)
         self._check_prefill_opt(c, ok)
         self._check_attn_dp(c, ok)
@@ -343,21 +382,35 @@ class ParallelConfig:
             if ok[k] and w % getattr(self, k):
                 c.fail(k, f"world_size ({w}) must be divisible by {k} ({getattr(self, k)})")
         if ok["moe_tp_size"] and ok["moe_ep_size"] and self.moe_tp_size * self.moe_ep_size != w:
-            c.fail("moe_ep_size", f"moe_tp_size * moe_ep_size must equal world_size "
-                                  f"({self.moe_tp_size} * {self.moe_ep_size} != {w})")
+            c.fail(
+                "moe_ep_size",
+                f"moe_tp_size * moe_ep_size must equal world_size ({self.moe_tp_size} * {self.moe_ep_size} != {w})",
+            )
 
     def _check_recipe_sizes(self, c: _Checker, ok: dict[str, bool]) -> None:
         for key, follows in (("dense_tp_size", "moe_tp_size"), ("o_proj_tp_size", "attn_tp_size")):
-            if c.positive_int(self, key, optional=True) and getattr(self, key) is not None and ok[follows] \
-                    and getattr(self, key) != getattr(self, follows):
-                c.fail(key, f"({getattr(self, key)}) must equal {follows} ({getattr(self, follows)}) or be left out: "
-                            f"that is the only layout built here")
+            if (
+                c.positive_int(self, key, optional=True)
+                and getattr(self, key) is not None
+                and ok[follows]
+                and getattr(self, key) != getattr(self, follows)
+            ):
+                c.fail(
+                    key,
+                    f"({getattr(self, key)}) must equal {follows} ({getattr(self, follows)}) or be left out: "
+                    f"that is the only layout built here",
+                )
         if c.positive_int(self, "shared_tp_size") and ok["world_size"] and self.world_size % self.shared_tp_size:
-            c.fail("shared_tp_size", f"world_size ({self.world_size}) must be divisible by shared_tp_size "
-                                     f"({self.shared_tp_size})")
+            c.fail(
+                "shared_tp_size",
+                f"world_size ({self.world_size}) must be divisible by shared_tp_size ({self.shared_tp_size})",
+            )
         if c.positive_int(self, "cp_size") and self.cp_size != 1:
-            c.fail("cp_size", f"({self.cp_size}) must be 1: the context-parallel prefill is not implemented "
-                              f"(the sequence-parallel prefill is: prefill_opt)")
+            c.fail(
+                "cp_size",
+                f"({self.cp_size}) must be 1: the context-parallel prefill is not implemented "
+                f"(the sequence-parallel prefill is: prefill_opt)",
+            )
 
     def _check_prefill_opt(self, c: _Checker, ok: dict[str, bool]) -> None:
         """The recipe's rules for the sequence-parallel prefill and its MoE EP scheme."""
@@ -367,16 +420,25 @@ class ParallelConfig:
             return
         if self.prefill_opt:
             if self.attn_tp_size != self.moe_ep_size:
-                c.fail("prefill_opt", f"the sequence-parallel prefill needs attn_tp_size == moe_ep_size "
-                                      f"({self.attn_tp_size} != {self.moe_ep_size})")
+                c.fail(
+                    "prefill_opt",
+                    f"the sequence-parallel prefill needs attn_tp_size == moe_ep_size "
+                    f"({self.attn_tp_size} != {self.moe_ep_size})",
+                )
             elif self.moe_tp_size != 1:
-                c.fail("prefill_opt", f"the sequence-parallel prefill needs moe_tp_size == 1 (got "
-                                      f"{self.moe_tp_size}): its MoE is expert parallel over the attention TP ranks")
+                c.fail(
+                    "prefill_opt",
+                    f"the sequence-parallel prefill needs moe_tp_size == 1 (got "
+                    f"{self.moe_tp_size}): its MoE is expert parallel over the attention TP ranks",
+                )
         if self.moe_ep_scheme != "auto" and not self.sp_prefill:
-            c.fail("moe_ep_scheme", f"{self.moe_ep_scheme!r} selects the MoE path of the sequence-parallel prefill, "
-                                    f"which is off (prefill_opt: {self.prefill_opt}, attn_tp_size "
-                                    f"{self.attn_tp_size}, moe_ep_size {self.moe_ep_size}, world_size "
-                                    f"{self.world_size}); use auto or enable prefill_opt")
+            c.fail(
+                "moe_ep_scheme",
+                f"{self.moe_ep_scheme!r} selects the MoE path of the sequence-parallel prefill, "
+                f"which is off (prefill_opt: {self.prefill_opt}, attn_tp_size "
+                f"{self.attn_tp_size}, moe_ep_size {self.moe_ep_size}, world_size "
+                f"{self.world_size}); use auto or enable prefill_opt",
+            )
 
     def _check_attn_dp(self, c: _Checker, ok: dict[str, bool]) -> None:
         """The layouts attention data parallel runs in (the recipe's attn_tp x dp with MoE EP over every rank)."""
@@ -385,22 +447,37 @@ class ParallelConfig:
         w, a = self.world_size, self.attn_tp_size
         before = len(c.errors)
         if a >= w:
-            c.fail("attn_dp", f"needs attn_tp_size < world_size (attn_dp_size = world_size / attn_tp_size = "
-                              f"{w} / {a}); with attn_tp_size == world_size there is one attention group")
+            c.fail(
+                "attn_dp",
+                f"needs attn_tp_size < world_size (attn_dp_size = world_size / attn_tp_size = "
+                f"{w} / {a}); with attn_tp_size == world_size there is one attention group",
+            )
         if self.moe_tp_size != 1:
-            c.fail("attn_dp", f"needs moe_tp_size 1 (got {self.moe_tp_size}): each rank holds its own tokens, so the "
-                              f"MoE is expert parallel over every rank (moe_ep_size == world_size)")
+            c.fail(
+                "attn_dp",
+                f"needs moe_tp_size 1 (got {self.moe_tp_size}): each rank holds its own tokens, so the "
+                f"MoE is expert parallel over every rank (moe_ep_size == world_size)",
+            )
         if a % self.embed_tp_size:
-            c.fail("attn_dp", f"needs embed_tp_size ({self.embed_tp_size}) to divide attn_tp_size ({a}): an embedding "
-                              f"group must look up the tokens of one attention DP group")
+            c.fail(
+                "attn_dp",
+                f"needs embed_tp_size ({self.embed_tp_size}) to divide attn_tp_size ({a}): an embedding "
+                f"group must look up the tokens of one attention DP group",
+            )
         if self.prefill_opt:
-            c.fail("prefill_opt", "cannot be combined with attn_dp: the sequence-parallel prefill needs "
-                                  "attn_tp_size == world_size; under attention DP the prefill already splits each DP "
-                                  "group's tokens over its attention TP ranks")
+            c.fail(
+                "prefill_opt",
+                "cannot be combined with attn_dp: the sequence-parallel prefill needs "
+                "attn_tp_size == world_size; under attention DP the prefill already splits each DP "
+                "group's tokens over its attention TP ranks",
+            )
         if self.derived("attn_dp") and len(c.errors) > before:
-            c.fail("attn_dp", f"attention DP follows from attn_tp_size ({a}) < world_size ({w}), as the recipe "
-                              f"derives attn_dp_size = {w // a}; set attn_dp: false for replicated attention instead "
-                              f"(every attention TP group then runs the whole batch)")
+            c.fail(
+                "attn_dp",
+                f"attention DP follows from attn_tp_size ({a}) < world_size ({w}), as the recipe "
+                f"derives attn_dp_size = {w // a}; set attn_dp: false for replicated attention instead "
+                f"(every attention TP group then runs the whole batch)",
+            )
 
     def validate(self) -> "ParallelConfig":
         errors: list[tuple[str, str]] = []
@@ -415,9 +492,9 @@ class SchedulerConfig:
     batch_size: int = 1
     max_new_tokens: int = 32
     block_size: int = 128
-    max_prefill_tokens: int = 0          # prompt tokens one prefill step packs at most (0: every prompt at once)
-    mem_fraction_static: float = 0.85    # share of the device memory the weights and the KV cache may take
-    num_reserved_decode_tokens: int = 64 # the recipe's online PD decode admission reserve (offline runs ignore it)
+    max_prefill_tokens: int = 0  # prompt tokens one prefill step packs at most (0: every prompt at once)
+    mem_fraction_static: float = 0.85  # share of the device memory the weights and the KV cache may take
+    num_reserved_decode_tokens: int = 64  # the recipe's online PD decode admission reserve (offline runs ignore it)
 
     def _check(self, c: _Checker) -> None:
         for k in ("batch_size", "max_new_tokens", "block_size"):
@@ -443,8 +520,12 @@ def _allowed(cls) -> list[str]:
 
 # The recipe's older files put a few keys at the top level and max_new_tokens / batch_size in data_config; its
 # runner read them from there. They are folded into the sections that hold them now.
-FLAT_KEYS = {"model_name": "model_config", "model_path": "model_config", "exe_mode": "model_config",
-             "world_size": "parallel_config"}
+FLAT_KEYS = {
+    "model_name": "model_config",
+    "model_path": "model_config",
+    "exe_mode": "model_config",
+    "world_size": "parallel_config",
+}
 MOVED_KEYS = {("data_config", "max_new_tokens"): "scheduler_config", ("data_config", "batch_size"): "scheduler_config"}
 
 
@@ -452,14 +533,17 @@ def _fold_flat_layout(d: dict, errors: list[tuple[str, str]]) -> dict:
     """`d` with the older flat layout's keys moved into their sections; a key given in both places is an error."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items() if k not in FLAT_KEYS}
     moves = [(k, None, FLAT_KEYS[k], d[k]) for k in FLAT_KEYS if k in d]
-    moves += [(key, old, new, out[old].pop(key)) for (old, key), new in MOVED_KEYS.items()
-              if isinstance(out.get(old), dict) and key in out[old]]
+    moves += [
+        (key, old, new, out[old].pop(key))
+        for (old, key), new in MOVED_KEYS.items()
+        if isinstance(out.get(old), dict) and key in out[old]
+    ]
     for key, old, new, value in moves:
         section = out.setdefault(new, {})
         if section is None:
             section = out[new] = {}
         if not isinstance(section, dict):
-            continue   # the section's own error follows
+            continue  # the section's own error follows
         where = f"{old}.{key}" if old else f"top-level {key}"
         if key in section:
             errors.append((f"{new}.{key}", f"given twice: here and as {where} (the recipe's older layout); keep one"))
@@ -469,6 +553,7 @@ def _fold_flat_layout(d: dict, errors: list[tuple[str, str]]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- config
+
 
 @dataclass
 class InferenceConfig:
@@ -517,8 +602,13 @@ class InferenceConfig:
         p, s = self.parallel_config, self.scheduler_config
         dp = p.attn_dp_size
         if dp > 1 and s.batch_size % dp:
-            errors.append(("scheduler_config.batch_size", f"({s.batch_size}) must be a multiple of attn_dp_size = "
-                                                          f"world_size / attn_tp_size = {dp} (parallel_config.attn_dp)"))
+            errors.append(
+                (
+                    "scheduler_config.batch_size",
+                    f"({s.batch_size}) must be a multiple of attn_dp_size = "
+                    f"world_size / attn_tp_size = {dp} (parallel_config.attn_dp)",
+                )
+            )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "InferenceConfig":
@@ -559,9 +649,13 @@ class InferenceConfig:
         div("attn_tp_size", "num_attention_heads", p.attn_tp_size)
         kv = hf_config.num_key_value_heads
         if kv % p.attn_tp_size and p.attn_tp_size % kv:
-            errors.append((f"{pc}.attn_tp_size",
-                           f"model num_key_value_heads ({kv}) must be divisible by attn_tp_size ({p.attn_tp_size}), "
-                           f"or attn_tp_size must be a multiple of it (KV heads are then replicated)"))
+            errors.append(
+                (
+                    f"{pc}.attn_tp_size",
+                    f"model num_key_value_heads ({kv}) must be divisible by attn_tp_size ({p.attn_tp_size}), "
+                    f"or attn_tp_size must be a multiple of it (KV heads are then replicated)",
+                )
+            )
         div("moe_tp_size", "moe_intermediate_size", p.moe_tp_size)
         div("moe_ep_size", "num_experts", p.moe_ep_size)
         no_pad = " (padding the vocabulary is not implemented)"
@@ -569,32 +663,53 @@ class InferenceConfig:
         div("lmhead_tp_size", "vocab_size", p.lmhead_tp_size, no_pad)
         n_layers = m.num_hidden_layers or hf_config.num_hidden_layers
         if m.num_hidden_layers is not None and m.with_ckpt and m.num_hidden_layers > hf_config.num_hidden_layers:
-            errors.append((f"{mc}.num_hidden_layers",
-                           f"({m.num_hidden_layers}) must not exceed the checkpoint's num_hidden_layers "
-                           f"({hf_config.num_hidden_layers}) when with_ckpt is true"))
+            errors.append(
+                (
+                    f"{mc}.num_hidden_layers",
+                    f"({m.num_hidden_layers}) must not exceed the checkpoint's num_hidden_layers "
+                    f"({hf_config.num_hidden_layers}) when with_ckpt is true",
+                )
+            )
         if dense_layers(hf_config, n_layers):
-            div("moe_tp_size", "intermediate_size", p.moe_tp_size,
-                " (the dense MLP layers are sharded over the moe_tp group)")
-        if m.enable_hadamard is True:   # every rotated width a multiple of 128 (spec a4w4_hadamard.md §4.2)
-            if mx_activation_bits(hf_config) == 4:       # a W4A4 checkpoint (else the rotation is ignored)
+            div(
+                "moe_tp_size",
+                "intermediate_size",
+                p.moe_tp_size,
+                " (the dense MLP layers are sharded over the moe_tp group)",
+            )
+        if m.enable_hadamard is True:  # every rotated width a multiple of 128 (spec a4w4_hadamard.md §4.2)
+            if mx_activation_bits(hf_config) == 4:  # a W4A4 checkpoint (else the rotation is ignored)
                 width = hf_config.num_attention_heads // p.attn_tp_size * head_dim_of(hf_config)
-                for what, value in (("hidden_size", hf_config.hidden_size),
-                                    (f"num_attention_heads / attn_tp_size * head_dim ({hf_config.num_attention_heads} "
-                                     f"/ {p.attn_tp_size} * {head_dim_of(hf_config)})", width)):
+                for what, value in (
+                    ("hidden_size", hf_config.hidden_size),
+                    (
+                        f"num_attention_heads / attn_tp_size * head_dim ({hf_config.num_attention_heads} "
+                        f"/ {p.attn_tp_size} * {head_dim_of(hf_config)})",
+                        width,
+                    ),
+                ):
                     if value % 128:
-                        errors.append((f"{mc}.enable_hadamard",
-                                       f"the rotation acts on 128-feature blocks: {what} = {value} is not a multiple "
-                                       f"of 128"))
+                        errors.append(
+                            (
+                                f"{mc}.enable_hadamard",
+                                f"the rotation acts on 128-feature blocks: {what} = {value} is not a multiple of 128",
+                            )
+                        )
         if m.eplb:
             batch = self.scheduler_config.batch_size
-            if m.exe_mode in GRAPH_MODES:   # graph decode pads the batch to its bucket
-                from optimized.forward_metadata import batch_bucket   # (imports torch: this module does not)
+            if m.exe_mode in GRAPH_MODES:  # graph decode pads the batch to its bucket
+                from optimized.forward_metadata import batch_bucket  # (imports torch: this module does not)
+
                 batch = batch_bucket(batch)
             why = check_force_eplb(hf_config.num_experts, hf_config.num_experts_per_tok, p.moe_tp_size, batch)
             if why:
-                errors.append((f"{mc}.{'force_eplb' if m.force_eplb is not None else 'perfect_eplb'}",
-                               f"{why} (B: scheduler_config.batch_size"
-                               f"{', padded to its graph bucket' if m.exe_mode in GRAPH_MODES else ''})"))
+                errors.append(
+                    (
+                        f"{mc}.{'force_eplb' if m.force_eplb is not None else 'perfect_eplb'}",
+                        f"{why} (B: scheduler_config.batch_size"
+                        f"{', padded to its graph bucket' if m.exe_mode in GRAPH_MODES else ''})",
+                    )
+                )
         if errors:
             raise ConfigError(errors)
         return self
@@ -604,12 +719,16 @@ def check_force_eplb(num_experts: int, top_k: int, moe_tp_size: int, decode_batc
     """Why model_config.force_eplb cannot give valid expert ids for these sizes (None: it can); the rules of
     optimized/layers/force_eplb.py."""
     if top_k > num_experts:
-        return (f"needs num_experts_per_tok ({top_k}) <= num_experts ({num_experts}): the balanced ids of one token "
-                f"are distinct experts")
+        return (
+            f"needs num_experts_per_tok ({top_k}) <= num_experts ({num_experts}): the balanced ids of one token "
+            f"are distinct experts"
+        )
     if moe_tp_size > 1 and decode_batch is not None and decode_batch * top_k > num_experts:
-        return (f"with moe_tp_size > 1 a decode step of B tokens routes them to experts 0 .. B*top_k - 1 (the recipe's "
-                f"rule), so B * num_experts_per_tok must be <= num_experts: B = {decode_batch}, top_k = {top_k}, "
-                f"num_experts = {num_experts} (B <= {num_experts // top_k})")
+        return (
+            f"with moe_tp_size > 1 a decode step of B tokens routes them to experts 0 .. B*top_k - 1 (the recipe's "
+            f"rule), so B * num_experts_per_tok must be <= num_experts: B = {decode_batch}, top_k = {top_k}, "
+            f"num_experts = {num_experts} (B <= {num_experts // top_k})"
+        )
     return None
 
 

@@ -10,6 +10,7 @@ that names the key and what the directory must hold.
   (`longbench_prompt`): the context's tokens cut so that instruction and context together fit
   `input_truncated_len` tokens, the recipe's rule, wrapped in an instruction and sent through the chat template.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,45 @@ from optimized.errors import UsageError
 DEFAULT_PROMPT_FILE = "default_prompt.json"
 # The recipe's LongBench subsets, in the order it reads them (the "_e" ones are LongBench-E).
 LONGBENCH_SUBSETS = (
-    "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique", "dureader",
-    "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht", "passage_count",
-    "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p",
-) + tuple(f"{name}_e" for name in (
-    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa", "samsum",
-    "passage_count", "passage_retrieval_en", "lcc", "repobench-p"))
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "multifieldqa_zh",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "dureader",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "vcsum",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "lsht",
+    "passage_count",
+    "passage_retrieval_en",
+    "passage_retrieval_zh",
+    "lcc",
+    "repobench-p",
+) + tuple(
+    f"{name}_e"
+    for name in (
+        "qasper",
+        "multifieldqa_en",
+        "hotpotqa",
+        "2wikimqa",
+        "gov_report",
+        "multi_news",
+        "trec",
+        "triviaqa",
+        "samsum",
+        "passage_count",
+        "passage_retrieval_en",
+        "lcc",
+        "repobench-p",
+    )
+)
 # The instruction around each LongBench context (our wording; the recipe asks for a summary the same way).
 LONGBENCH_HEAD = "Read the following passage, then summarise it.\n[passage]\n"
 LONGBENCH_TAIL = "\n[end of passage]\n\nSummarise the passage above in at most {words} words.\n"
@@ -47,13 +81,15 @@ def load_default_prompts(path: str) -> list[str]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise DatasetError(f"data_config.dataset_path {path!r}: no {DEFAULT_PROMPT_FILE} in it (dataset default "
-                           f"reads its prompts from that file)") from None
+        raise DatasetError(
+            f"data_config.dataset_path {path!r}: no {DEFAULT_PROMPT_FILE} in it (dataset default "
+            f"reads its prompts from that file)"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatasetError(f"{file}: cannot read it as JSON ({e})") from None
     prompts = [data["text"]] if isinstance(data, dict) and "text" in data else data
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise DatasetError(f"{file} must hold a non-empty JSON array of strings or an object {{\"text\": ...}}")
+        raise DatasetError(f'{file} must hold a non-empty JSON array of strings or an object {{"text": ...}}')
     return prompts
 
 
@@ -74,14 +110,17 @@ def load_longbench(path: str, log=print) -> list[str]:
                     row = json.loads(line)
                     context = row["context"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DatasetError(f"{file} line {number}: not a JSON object with a 'context' field "
-                                       f"(LongBench format)") from None
+                    raise DatasetError(
+                        f"{file} line {number}: not a JSON object with a 'context' field (LongBench format)"
+                    ) from None
                 if not isinstance(context, str):
                     raise DatasetError(f"{file} line {number}: 'context' must be a string")
                 contexts.append(context)
     if not found:
-        raise DatasetError(f"data_config.dataset_path {path!r}: no LongBench subset in it (expected files such as "
-                           f"{LONGBENCH_SUBSETS[0]}.jsonl or data/{LONGBENCH_SUBSETS[0]}.jsonl)")
+        raise DatasetError(
+            f"data_config.dataset_path {path!r}: no LongBench subset in it (expected files such as "
+            f"{LONGBENCH_SUBSETS[0]}.jsonl or data/{LONGBENCH_SUBSETS[0]}.jsonl)"
+        )
     if not contexts:
         raise DatasetError(f"data_config.dataset_path {path!r}: the LongBench files hold no contexts")
     log(f"LongBench: {len(contexts)} context(s) from {len(found)} of {len(LONGBENCH_SUBSETS)} subsets in {root}")
@@ -97,8 +136,10 @@ def longbench_prompt(tokenizer, context: str, truncated_len: int, max_new_tokens
     overhead = len(tokenizer.encode(LONGBENCH_HEAD + tail, mode, "the LongBench instruction"))
     room = truncated_len - overhead
     if room < 1:
-        raise DatasetError(f"data_config.input_truncated_len ({truncated_len}) leaves no room for a LongBench "
-                           f"context: the instruction alone is {overhead} tokens")
+        raise DatasetError(
+            f"data_config.input_truncated_len ({truncated_len}) leaves no room for a LongBench "
+            f"context: the instruction alone is {overhead} tokens"
+        )
     ids = tokenizer.hf.encode(context, add_special_tokens=False)[:room]
     text = LONGBENCH_HEAD + tokenizer.hf.decode(ids, skip_special_tokens=True) + tail
     return tokenizer.encode(text, mode, "a LongBench prompt")

@@ -12,6 +12,7 @@ callers) naming the variable, the value and what is allowed:
 `READ` is the table of the variables read (name, type, default, meaning, readers); `WRITTEN` those the package sets
 for the NPU runtime (never overriding the user's value: `set_default`).
 """
+
 from __future__ import annotations
 
 import os
@@ -37,17 +38,18 @@ class LaunchEnvError(EnvError, RuntimeError):
     """
 
     def __init__(self, name: str, value: str, allowed: str):
-        super().__init__(name, value, allowed, f"environment variable {name} must be {allowed}, got {value!r} "
-                                               f"(torchrun sets it)")
+        super().__init__(
+            name, value, allowed, f"environment variable {name} must be {allowed}, got {value!r} (torchrun sets it)"
+        )
 
 
 @dataclass(frozen=True)
 class Variable:
     name: str
-    type: str           # what the accessor returns
-    default: str        # what an unset (or empty) variable means
+    type: str  # what the accessor returns
+    default: str  # what an unset (or empty) variable means
     meaning: str
-    readers: str        # who reads it
+    readers: str  # who reads it
 
 
 # ------------------------------------------------------------------------------------------------- the table
@@ -66,59 +68,136 @@ COMPILE_CACHE_KEY = "QWEN3_MOE_COMPILE_CACHE_KEY"
 CASE_NAME = "CASE_NAME"
 LATENCY_CHECKPOINT = "QWEN3_MOE_LATENCY_CHECKPOINT"
 
-READ: dict[str, Variable] = {v.name: v for v in (
-    Variable(WORLD_SIZE, "int >= 1 | None", "unset: a single process",
-             "the job's number of processes (torchrun sets it); must equal parallel_config.world_size",
-             "executor/assembly.py (launch check), distributed/parallel_state.py (init_distributed, ParallelState)"),
-    Variable(RANK, "int >= 0 | None", "unset: rank 0 of a single process",
-             "this process's rank (torchrun sets it); required when WORLD_SIZE > 1; only rank 0 prints start-up lines",
-             "distributed/parallel_state.py (init_distributed), executor/assembly.py (say)"),
-    Variable(LOCAL_RANK, "int >= 0 | None", "unset: the rank",
-             "this process's device index on its host (torchrun sets it)",
-             "distributed/parallel_state.py (init_distributed), benchmarks/latency.py"),
-    Variable(MASTER_ADDR, "str | None", "unset: an error when WORLD_SIZE > 1",
-             "host of the job's rendezvous store (torchrun sets it)", "distributed/parallel_state.py"),
-    Variable(MASTER_PORT, "str | None", "unset: an error when WORLD_SIZE > 1",
-             "port of the job's rendezvous store (torchrun sets it)", "distributed/parallel_state.py"),
-    Variable(TORCHELASTIC_USE_AGENT_STORE, "bool ('True' | 'False')", "False",
-             "torchrun's agent hosts the store (rank 0 does not): only changes a rendezvous timeout's explanation",
-             "distributed/parallel_state.py"),
-    Variable(COLLECTIVE_TIMEOUT_S, "float > 0 | None", "unset: parallel_config.collective_timeout_s (120 s)",
-             "overrides how long a collective or the rendezvous may wait before failing, naming the rank",
-             "distributed/guard.py, executor/assembly.py"),
-    Variable(PLATFORM_VERSION, "'A2' | 'A3' | '950'", "A3",
-             "the NPU generation when model_config.platform_version is not set (per-platform runtime settings)",
-             "config.py (ModelConfig.platform), platform.py (PlatformSettings.from_environment)"),
-    Variable(FORCE_PORTABLE, "bool ('0' | '1')", "0",
-             "1: ignore an installed torch_npu and run the portable kernels", "platform.py"),
-    Variable(CPU_PREPACK, "bool ('0' | '1')", "1",
-             "0: plain F.linear on CPU, no oneDNN-packed bf16 weight copies (half the CPU weight memory); read at "
-             "import", "ops/cpu_gemm.py"),
-    Variable(STRICT_NPU_LIMITS, "'0' | '1' | 'route'", "0",
-             "which NPU operator caps the portable kernels enforce: 0 none, 1 all, route only the route caps",
-             "ops/validation.py"),
-    Variable(NPU_GOLDEN_SOC, "'a2a3' | '950'", "a2a3",
-             "whose rounding the portable norm kernels reproduce: Atlas A2/A3 or Ascend 950", "ops/validation.py"),
-    Variable(PRESET_CACHE, "path", "~/.cache/qwen3-moe-npu/presets",
-             "where model_path preset:NAME writes its config.json", "model_loader/model_path.py"),
-    Variable(COMPILE_CACHE_KEY, "path", "~/.config/qwen3-moe-npu/compile_cache.key",
-             "the per-user key that authenticates compile cache entries", "executor/compile_cache.py"),
-    Variable(CASE_NAME, "plain directory name | None", "unset: derived from the config (model-dtype-layout-exe_mode)",
-             "the compile cache's case directory ./compile_cache/<CASE_NAME>", "executor/assembly.py"),
-    Variable(LATENCY_CHECKPOINT, "path | None", "unset: --model-path, else random weights where the budget allows",
-             "the checkpoint `python -m optimized latency` measures", "benchmarks/budget_run.py"),
-)}
+READ: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable(
+            WORLD_SIZE,
+            "int >= 1 | None",
+            "unset: a single process",
+            "the job's number of processes (torchrun sets it); must equal parallel_config.world_size",
+            "executor/assembly.py (launch check), distributed/parallel_state.py (init_distributed, ParallelState)",
+        ),
+        Variable(
+            RANK,
+            "int >= 0 | None",
+            "unset: rank 0 of a single process",
+            "this process's rank (torchrun sets it); required when WORLD_SIZE > 1; only rank 0 prints start-up lines",
+            "distributed/parallel_state.py (init_distributed), executor/assembly.py (say)",
+        ),
+        Variable(
+            LOCAL_RANK,
+            "int >= 0 | None",
+            "unset: the rank",
+            "this process's device index on its host (torchrun sets it)",
+            "distributed/parallel_state.py (init_distributed), benchmarks/latency.py",
+        ),
+        Variable(
+            MASTER_ADDR,
+            "str | None",
+            "unset: an error when WORLD_SIZE > 1",
+            "host of the job's rendezvous store (torchrun sets it)",
+            "distributed/parallel_state.py",
+        ),
+        Variable(
+            MASTER_PORT,
+            "str | None",
+            "unset: an error when WORLD_SIZE > 1",
+            "port of the job's rendezvous store (torchrun sets it)",
+            "distributed/parallel_state.py",
+        ),
+        Variable(
+            TORCHELASTIC_USE_AGENT_STORE,
+            "bool ('True' | 'False')",
+            "False",
+            "torchrun's agent hosts the store (rank 0 does not): only changes a rendezvous timeout's explanation",
+            "distributed/parallel_state.py",
+        ),
+        Variable(
+            COLLECTIVE_TIMEOUT_S,
+            "float > 0 | None",
+            "unset: parallel_config.collective_timeout_s (120 s)",
+            "overrides how long a collective or the rendezvous may wait before failing, naming the rank",
+            "distributed/guard.py, executor/assembly.py",
+        ),
+        Variable(
+            PLATFORM_VERSION,
+            "'A2' | 'A3' | '950'",
+            "A3",
+            "the NPU generation when model_config.platform_version is not set (per-platform runtime settings)",
+            "config.py (ModelConfig.platform), platform.py (PlatformSettings.from_environment)",
+        ),
+        Variable(
+            FORCE_PORTABLE,
+            "bool ('0' | '1')",
+            "0",
+            "1: ignore an installed torch_npu and run the portable kernels",
+            "platform.py",
+        ),
+        Variable(
+            CPU_PREPACK,
+            "bool ('0' | '1')",
+            "1",
+            "0: plain F.linear on CPU, no oneDNN-packed bf16 weight copies (half the CPU weight memory); read at "
+            "import",
+            "ops/cpu_gemm.py",
+        ),
+        Variable(
+            STRICT_NPU_LIMITS,
+            "'0' | '1' | 'route'",
+            "0",
+            "which NPU operator caps the portable kernels enforce: 0 none, 1 all, route only the route caps",
+            "ops/validation.py",
+        ),
+        Variable(
+            NPU_GOLDEN_SOC,
+            "'a2a3' | '950'",
+            "a2a3",
+            "whose rounding the portable norm kernels reproduce: Atlas A2/A3 or Ascend 950",
+            "ops/validation.py",
+        ),
+        Variable(
+            PRESET_CACHE,
+            "path",
+            "~/.cache/qwen3-moe-npu/presets",
+            "where model_path preset:NAME writes its config.json",
+            "model_loader/model_path.py",
+        ),
+        Variable(
+            COMPILE_CACHE_KEY,
+            "path",
+            "~/.config/qwen3-moe-npu/compile_cache.key",
+            "the per-user key that authenticates compile cache entries",
+            "executor/compile_cache.py",
+        ),
+        Variable(
+            CASE_NAME,
+            "plain directory name | None",
+            "unset: derived from the config (model-dtype-layout-exe_mode)",
+            "the compile cache's case directory ./compile_cache/<CASE_NAME>",
+            "executor/assembly.py",
+        ),
+        Variable(
+            LATENCY_CHECKPOINT,
+            "path | None",
+            "unset: --model-path, else random weights where the budget allows",
+            "the checkpoint `python -m optimized latency` measures",
+            "benchmarks/budget_run.py",
+        ),
+    )
+}
 
 # Set (`set_default`: the user's own value wins) for the NPU runtime before the process groups exist; NPU only.
 WRITTEN: dict[str, str] = {
     "TASK_QUEUE_ENABLE": "2 in eager mode (level-2 pipelined dispatch), 1 in the graph modes (platform.py)",
     "HCCL_OP_EXPANSION_MODE": "AIV on A2 / A3: collectives expanded on the AI vector cores (platform.py, "
-                              "distributed/parallel_state.py)",
+    "distributed/parallel_state.py)",
     "HCCL_BUFFSIZE": "on 950, the MC2 group's window in MB (platform.py)",
 }
 
 
 # ----------------------------------------------------------------------------------------------- raw access
+
 
 def _raw(name: str) -> str | None:
     """The variable's value, None when unset or empty; only variables of the table."""
@@ -169,6 +248,7 @@ def set_default(name: str, value: str) -> str:
 # ------------------------------------------------------------------------------------------------ accessors
 # The launch (torchrun)
 
+
 def world_size() -> int | None:
     """WORLD_SIZE (None: unset, a single process)."""
     return _launch_int(WORLD_SIZE, 1)
@@ -213,7 +293,7 @@ def collective_timeout_s() -> float | None:
 
 # The platform and the kernels
 
-PLATFORM_VERSIONS = ("A2", "A3", "950")           # the recipe's platform_version values (config.py's too)
+PLATFORM_VERSIONS = ("A2", "A3", "950")  # the recipe's platform_version values (config.py's too)
 
 
 def platform_version() -> str:
@@ -245,6 +325,7 @@ def npu_golden_soc() -> str:
 
 
 # Files
+
 
 def preset_cache() -> Path:
     return _path(PRESET_CACHE, Path.home() / ".cache" / "qwen3-moe-npu" / "presets")

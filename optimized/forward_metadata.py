@@ -1,4 +1,5 @@
 """What one forward step needs besides the token ids: positions, lengths, cache slots (TND layout)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ class DataParallelBatch:
     for (its `logits_indices`; None: every token, i.e. decode). Only sizes: a graph-mode decode step pads every group
     to its bucket, so this is constant per captured graph.
     """
+
     tokens: tuple[int, ...]
     tp_size: int
     picks: tuple[int, ...] | None = None
@@ -36,13 +38,13 @@ class DataParallelBatch:
 @dataclass
 class ForwardMetadata:
     is_prefill: bool
-    positions: torch.Tensor                    # [T] int64, position of each packed token in its request
-    actual_seq_lengths_cu_q: list[int]         # [B] cumulative query lengths (TND)
-    actual_seq_lengths_kv: list[int]           # [B] prefill: cumulative (== cu_q); decode: per-request KV length
-    slot_mapping: torch.Tensor                 # [T] int64, cache slot of each token: block * block_size + offset
-    block_table: torch.Tensor                  # [B, max_blocks] int32, padded with the null block 0
+    positions: torch.Tensor  # [T] int64, position of each packed token in its request
+    actual_seq_lengths_cu_q: list[int]  # [B] cumulative query lengths (TND)
+    actual_seq_lengths_kv: list[int]  # [B] prefill: cumulative (== cu_q); decode: per-request KV length
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each token: block * block_size + offset
+    block_table: torch.Tensor  # [B, max_blocks] int32, padded with the null block 0
     block_size: int
-    dp: DataParallelBatch | None = None        # attention DP: every DP group's sizes (the rest describes this group)
+    dp: DataParallelBatch | None = None  # attention DP: every DP group's sizes (the rest describes this group)
 
     @property
     def max_position(self) -> int:
@@ -69,6 +71,7 @@ def batch_bucket(batch: int, buckets: tuple[int, ...] | None = None) -> int:
         return 1 << (batch - 1).bit_length()
     fits = [b for b in buckets if b >= batch]
     if not fits:
-        raise ValueError(f"batch size {batch} exceeds the largest captured batch bucket {max(buckets)} "
-                         f"(buckets {sorted(buckets)})")
+        raise ValueError(
+            f"batch size {batch} exceeds the largest captured batch bucket {max(buckets)} (buckets {sorted(buckets)})"
+        )
     return min(fits)

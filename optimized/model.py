@@ -8,6 +8,7 @@ sequence-parallel prefill in bf16 or with MXFP8 on the wire) is a strategy chose
 parsed once (`QuantConfig`, optimized/layers/quantization/config.py), which gives each linear and the experts their
 quant method by checkpoint prefix when the layers are built.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ def unsupported_feature(config) -> tuple[str, object] | None:
         if unsupported(config):
             head, _, field = key.partition(".")
             value = getattr(config, head, None)
-            return key, (value or {}).get(field) if field else value   # e.g. rope_parameters.rope_type
+            return key, (value or {}).get(field) if field else value  # e.g. rope_parameters.rope_type
     return None
 
 
@@ -48,19 +49,30 @@ def check_supported(config) -> None:
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, groups, dtype: torch.dtype, replicated_o_proj: bool = False,
-                 force_eplb: bool = False, reduce_o_proj: bool = True, quant_config: QuantConfig | None = None):
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        groups,
+        dtype: torch.dtype,
+        replicated_o_proj: bool = False,
+        force_eplb: bool = False,
+        reduce_o_proj: bool = True,
+        quant_config: QuantConfig | None = None,
+    ):
         """replicated_o_proj / reduce_o_proj: what the phases need of o_proj (optimized/phases.py); quant_config: the
         model's, parsed once (default: from `config`)."""
         super().__init__()
         quant, prefix = quant_config or QuantConfig.from_hf_config(config), f"model.layers.{layer_idx}"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Qwen3MoeAttention(config, groups.attn_tp, dtype, replicated_o_proj, reduce_o_proj, quant,
-                                           f"{prefix}.self_attn")
+        self.self_attn = Qwen3MoeAttention(
+            config, groups.attn_tp, dtype, replicated_o_proj, reduce_o_proj, quant, f"{prefix}.self_attn"
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if is_sparse_layer(config, layer_idx):
-            self.mlp = Qwen3MoeSparseMoeBlock(config, groups.moe_tp, groups.moe_ep, dtype, force_eplb, quant,
-                                              f"{prefix}.mlp")
+            self.mlp = Qwen3MoeSparseMoeBlock(
+                config, groups.moe_tp, groups.moe_ep, dtype, force_eplb, quant, f"{prefix}.mlp"
+            )
         else:
             self.mlp = Qwen3MoeMLP(config, groups.moe_tp, dtype, quant, f"{prefix}.mlp")
 
@@ -75,26 +87,35 @@ class Qwen3MoeDecoderLayer(nn.Module):
         hidden, residual = step.input_norm(self.input_layernorm, hidden, residual)
         hidden = step.attention(self.self_attn, hidden, cos, sin, meta, kv_cache, atten_mask)
         router_in, hidden, residual = step.post_attention_norm(self.post_attention_layernorm, hidden, residual)
-        return self.mlp.forward_step(step, router_in, hidden), residual     # step.moe or step.dense_mlp
+        return self.mlp.forward_step(step, router_in, hidden), residual  # step.moe or step.dense_mlp
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, config, groups, dtype: torch.dtype = torch.bfloat16, force_eplb: bool = False,
-                 quant_config: QuantConfig | None = None):
+    def __init__(
+        self,
+        config,
+        groups,
+        dtype: torch.dtype = torch.bfloat16,
+        force_eplb: bool = False,
+        quant_config: QuantConfig | None = None,
+    ):
         """force_eplb: model_config.force_eplb, the recipe's balanced expert ids in every MoE layer
         (optimized/layers/force_eplb.py). quant_config: the checkpoint's quantization (the build passes one that
         knows the checkpoint's 16-bit dense projections; default: parsed from `config`)."""
         super().__init__()
         check_supported(config)
         self.config, self.groups, self.dtype, self.force_eplb = config, groups, dtype, force_eplb
-        self.quant_config = quant = quant_config or QuantConfig.from_hf_config(config)       # parsed once
-        self.prefill, self.decode = build_phases(config, groups, quant.scheme)   # the layout's strategies, once
-        if self.prefill.reduces_o_proj != self.decode.reduces_o_proj:   # one o_proj serves both phases
+        self.quant_config = quant = quant_config or QuantConfig.from_hf_config(config)  # parsed once
+        self.prefill, self.decode = build_phases(config, groups, quant.scheme)  # the layout's strategies, once
+        if self.prefill.reduces_o_proj != self.decode.reduces_o_proj:  # one o_proj serves both phases
             raise ValueError("the prefill and decode phases disagree on whether o_proj reduces its partial sums")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups.embed_tp, dtype)
         self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(config, i, groups, dtype, self.prefill.replicated_o_proj, force_eplb,
-                                 self.decode.reduces_o_proj, quant) for i in range(config.num_hidden_layers))
+            Qwen3MoeDecoderLayer(
+                config, i, groups, dtype, self.prefill.replicated_o_proj, force_eplb, self.decode.reduces_o_proj, quant
+            )
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, groups.lmhead_tp, dtype)
         # Created on the default device (a `with torch.device(...)` build puts them on the model's device).
@@ -124,8 +145,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
 
-    def forward(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [T] packed -> logits [T, V] (or only at `logits_indices`). Under attention DP: this rank's DP
         group's tokens in, that group's logits out (`phases.DataParallelPhase.logits`)."""
         max_pos, vocab = self.config.max_position_embeddings, self.config.vocab_size
@@ -141,12 +163,13 @@ class Qwen3MoeForCausalLM(nn.Module):
             if input_ids.device.type == "cpu" and input_ids.numel():
                 low, high = (int(v) for v in torch.aminmax(input_ids))
                 if low < 0 or high >= vocab:
-                    raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary "
-                                     f"[0, {vocab})")
+                    raise ValueError(
+                        f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary [0, {vocab})"
+                    )
         cos, sin = self.rotary(meta.positions)
         phase = self.prefill if meta.is_prefill else self.decode
-        hidden = phase.run(self, input_ids, cos, sin, meta, kv_caches)        # [T, H], final-normed
-        return phase.logits(self, hidden, logits_indices, meta)              # lm_head (attention DP: the DP group's)
+        hidden = phase.run(self, input_ids, cos, sin, meta, kv_caches)  # [T, H], final-normed
+        return phase.logits(self, hidden, logits_indices, meta)  # lm_head (attention DP: the DP group's)
 
 
 def rope_cos_sin_cache(config) -> torch.Tensor:
@@ -154,6 +177,6 @@ def rope_cos_sin_cache(config) -> torch.Tensor:
     dim = head_dim_of(config)
     theta = config.rope_parameters["rope_theta"]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    freqs = torch.arange(config.max_position_embeddings, dtype=torch.float)[:, None] * inv_freq   # [P, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)                                                       # [P, D]
+    freqs = torch.arange(config.max_position_embeddings, dtype=torch.float)[:, None] * inv_freq  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     return torch.cat((emb.cos(), emb.sin()), dim=-1)

@@ -2,6 +2,7 @@
 
 See docs/parallel.md, "Notes from the code", optimized/phases.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -78,11 +79,11 @@ class SequenceParallelStep(TensorParallelStep):
         """This rank's n packed tokens (rank r: [r*n, (r+1)*n), the tail padded) -> [n, H]; cos / sin and `meta`
         describe the T real tokens of the whole sequence."""
         group, ranks, n, tokens = attn.tp.group, attn.tp.size, num_rows(x), meta.num_tokens
-        full = map_rows(x, lambda t: comm.all_gather(t, group)[:tokens])          # [T, H]: padding dropped here
+        full = map_rows(x, lambda t: comm.all_gather(t, group)[:tokens])  # [T, H]: padding dropped here
         q, k, v = attn.qkv(full, cos, sin)
-        out = attn.attention_prefill(q, k, v, meta, atten_mask)                   # [T, Nq_r, D] this rank's heads
+        out = attn.attention_prefill(q, k, v, meta, atten_mask)  # [T, Nq_r, D] this rank's heads
         attn.kv_cache_update(k, v, meta, kv_cache)
-        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, ranks * n - tokens))      # [P*n, Nq_r*D]
+        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, ranks * n - tokens))  # [P*n, Nq_r*D]
         return attn.o_proj_replicated(self.heads_to_owners(out, group, ranks, n))  # [n, H]
 
     def heads_to_owners(self, out: torch.Tensor, group, ranks: int, n: int):
@@ -102,24 +103,27 @@ class MxSequenceParallelStep(SequenceParallelStep):
     def input_norm(self, norm, hidden, residual):
         """-> (this rank's MXFP8 tokens, residual)."""
         if residual is None:
-            xq, xs, _ = torch.ops.npu.npu_rms_norm_dynamic_mx_quant(hidden, norm.weight, epsilon=norm.eps,
-                                                                    dst_type=FLOAT8_E4M3FN)
+            xq, xs, _ = torch.ops.npu.npu_rms_norm_dynamic_mx_quant(
+                hidden, norm.weight, epsilon=norm.eps, dst_type=FLOAT8_E4M3FN
+            )
             return MxRows(xq, xs), hidden
-        xq, residual, xs, _ = torch.ops.npu.npu_add_rms_norm_dynamic_mx_quant(hidden, residual, norm.weight,
-                                                                              epsilon=norm.eps, dst_type=FLOAT8_E4M3FN)
+        xq, residual, xs, _ = torch.ops.npu.npu_add_rms_norm_dynamic_mx_quant(
+            hidden, residual, norm.weight, epsilon=norm.eps, dst_type=FLOAT8_E4M3FN
+        )
         return MxRows(xq, xs), residual
 
     def heads_to_owners(self, out: torch.Tensor, group, ranks: int, n: int) -> MxRows:
-        blocks = out.shape[1] // BLOCK                                            # whole blocks (uses_mx_prefill)
+        blocks = out.shape[1] // BLOCK  # whole blocks (uses_mx_prefill)
         q = self.wire(out)
         # Only the real scale bytes travel (the pair layout pads an odd block count with a zero byte).
-        rows = map_rows(MxRows(q.data, mxf.unpair_scales(q.scale, blocks).contiguous()),
-                        lambda t: heads_to_owners(t, group, ranks, n))
-        return MxRows(rows.data, mxf.pair_scales(rows.scale))                    # [n, Nq*D], heads in rank order
+        rows = map_rows(
+            MxRows(q.data, mxf.unpair_scales(q.scale, blocks).contiguous()),
+            lambda t: heads_to_owners(t, group, ranks, n),
+        )
+        return MxRows(rows.data, mxf.pair_scales(rows.scale))  # [n, Nq*D], heads in rank order
 
     def post_attention_norm(self, norm, hidden, residual):
-        router_in, expert_in, _, residual = torch.ops.npu.npu_add_rms_norm_cast(hidden, residual, norm.weight,
-                                                                                norm.eps)
+        router_in, expert_in, _, residual = torch.ops.npu.npu_add_rms_norm_cast(hidden, residual, norm.weight, norm.eps)
         return router_in, expert_in, residual
 
 
@@ -139,15 +143,15 @@ class DataParallelStep(TensorParallelStep):
     def attention(self, attn, x, cos, sin, meta, kv_cache, atten_mask):
         """This rank's rows [n, H] -> [n, H]; cos / sin and `meta` describe the DP group's T real tokens."""
         tp, tokens = attn.tp, meta.num_tokens
-        full = comm.all_gather(x, tp.group)[:tokens]                              # [T, H]: the group's tokens
+        full = comm.all_gather(x, tp.group)[:tokens]  # [T, H]: the group's tokens
         q, k, v = attn.qkv(full, cos, sin)
         out = attn.attend(q, k, v, meta, kv_cache, atten_mask)
-        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, tp.size * x.shape[0] - tokens))   # [P*n, Nq_r*D]
-        partial = attn.o_proj(out)                            # row-parallel, built not to reduce: partial sums
-        return comm.reduce_scatter(partial, tp.group)                            # [n, H]: summed, own rows
+        out = F.pad(out.reshape(tokens, -1), (0, 0, 0, tp.size * x.shape[0] - tokens))  # [P*n, Nq_r*D]
+        partial = attn.o_proj(out)  # row-parallel, built not to reduce: partial sums
+        return comm.reduce_scatter(partial, tp.group)  # [n, H]: summed, own rows
 
     def moe(self, block, router_in, expert_in):
-        if self.masks_padding:                                                   # decode: MC2, padding masked
+        if self.masks_padding:  # decode: MC2, padding masked
             return block(expert_in, self.exchange.own_rows(self.active), router_in, self.eplb_rows)
         # prefill: double routing of the real rows (at least one, so no kernel sees an empty input)
         real = max(self.active, 1)
@@ -159,8 +163,8 @@ class TensorParallelPhase:
     """Every rank runs every token: ids [T] -> final-normed hidden states [T, H]."""
 
     ep_scheme = None
-    replicated_o_proj = False   # the layers build a replicated o_proj (the SP prefill's)
-    reduces_o_proj = True       # the row-parallel o_proj sums its partial products itself (all_reduce)
+    replicated_o_proj = False  # the layers build a replicated o_proj (the SP prefill's)
+    reduces_o_proj = True  # the row-parallel o_proj sums its partial products itself (all_reduce)
 
     def __init__(self, step: TensorParallelStep | None = None):
         self.step = step or TensorParallelStep()
@@ -172,7 +176,7 @@ class TensorParallelPhase:
         return model.lm_head(hidden)
 
     def run(self, model, input_ids, cos, sin, meta, kv_caches) -> torch.Tensor:
-        hidden, residual = model.embed_tokens(input_ids), None                    # [T, H]
+        hidden, residual = model.embed_tokens(input_ids), None  # [T, H]
         for layer, kv_cache in zip(model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, self.step)
         return model.norm(hidden, residual)[0]
@@ -189,21 +193,21 @@ class SequenceParallelPrefill(TensorParallelPhase):
     def run(self, model, input_ids, cos, sin, meta, kv_caches) -> torch.Tensor:
         sp, tokens = model.groups.attn_tp, input_ids.shape[0]
         n = -(-tokens // sp.size)
-        ids = F.pad(input_ids, (0, n * sp.size - tokens))                        # [P*n], padded with id 0
+        ids = F.pad(input_ids, (0, n * sp.size - tokens))  # [P*n], padded with id 0
         mine = slice(sp.rank * n, (sp.rank + 1) * n)
         # A vocab-parallel lookup sums over its group, so every rank of that group looks up the same ids.
         hidden = model.embed_tokens(ids[mine]) if model.groups.embed_tp.size == 1 else model.embed_tokens(ids)[mine]
-        residual = None                                                           # [n, H] from here on
+        residual = None  # [n, H] from here on
         for layer, kv_cache in zip(model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, self.step)
         hidden, _ = model.norm(hidden, residual)
-        return comm.all_gather(hidden, sp.group)[:tokens]                        # padding rows stripped
+        return comm.all_gather(hidden, sp.group)[:tokens]  # padding rows stripped
 
 
 class DataParallelPhase(TensorParallelPhase):
     """Attention DP: ids [T] of this rank's DP group -> its rows [n, H]; `logits` returns the DP group's."""
 
-    reduces_o_proj = False      # the step reduce-scatters o_proj's partial sums to each rank's own rows
+    reduces_o_proj = False  # the step reduce-scatters o_proj's partial sums to each rank's own rows
 
     def __init__(self, step: DataParallelStep):
         self.step = step
@@ -214,14 +218,14 @@ class DataParallelPhase(TensorParallelPhase):
             raise ValueError("attention DP needs ForwardMetadata.dp (every DP group's sizes; ModelRunner sets it)")
         n, tokens = dp.rows, input_ids.shape[0]
         step = self.step.for_step(dp.active(model.groups.dp_rank, tp.rank))
-        ids = F.pad(input_ids, (0, n * tp.size - tokens))                         # [P*n], padded with id 0
+        ids = F.pad(input_ids, (0, n * tp.size - tokens))  # [P*n], padded with id 0
         mine = slice(tp.rank * n, (tp.rank + 1) * n)
         # The embedding group lies inside the DP group (config rule): its ranks look up the same ids.
         hidden = model.embed_tokens(ids[mine]) if model.groups.embed_tp.size == 1 else model.embed_tokens(ids)[mine]
         residual = None
         for layer, kv_cache in zip(model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, step)
-        return model.norm(hidden, residual)[0]                                    # [n, H] this rank's rows
+        return model.norm(hidden, residual)[0]  # [n, H] this rank's rows
 
     def logits(self, model, hidden, logits_indices, meta) -> torch.Tensor:
         """This rank's rows [n, H] -> logits [k, V] of its DP group's tokens at `logits_indices` (indices into the
@@ -230,19 +234,19 @@ class DataParallelPhase(TensorParallelPhase):
         the chosen ids, not logits)."""
         g, dp = model.groups, meta.dp
         tp, tokens = g.attn_tp, meta.num_tokens
-        rows = comm.all_gather(hidden, tp.group)[:tokens] if tp.size > 1 else hidden[:tokens]   # [T, H]
+        rows = comm.all_gather(hidden, tp.group)[:tokens] if tp.size > 1 else hidden[:tokens]  # [T, H]
         if logits_indices is not None:
-            rows = rows[logits_indices]                                           # [k, H]
+            rows = rows[logits_indices]  # [k, H]
         lm = g.lmhead_tp
-        if tp.size % lm.size == 0:   # the lm_head group lies inside the DP group (contiguous, nested): same rows
+        if tp.size % lm.size == 0:  # the lm_head group lies inside the DP group (contiguous, nested): same rows
             return model.lm_head(rows)
         # A vocab-parallel lm_head spanning DP groups computes its members' rows together (each DP group's rows
         # once per member rank), then each rank keeps its own.
         first = g.rank - lm.rank
-        sizes = [dp.picked((first + i) // tp.size) for i in range(lm.size)]       # host: every member's rows
+        sizes = [dp.picked((first + i) // tp.size) for i in range(lm.size)]  # host: every member's rows
         logits = model.lm_head(comm.all_gather(rows, lm.group, sizes=sizes))
-        start = sum(sizes[:lm.rank])
-        return logits[start:start + sizes[lm.rank]]
+        start = sum(sizes[: lm.rank])
+        return logits[start : start + sizes[lm.rank]]
 
 
 def uses_mx_prefill(config, parallel, scheme: str | None = None) -> bool:
@@ -254,10 +258,12 @@ def uses_mx_prefill(config, parallel, scheme: str | None = None) -> bool:
         return False
     width = config.num_attention_heads // parallel.attn_tp_size * head_dim_of(config)
     if width % BLOCK:
-        raise ValueError(f"the W4A8 sequence-parallel prefill quantizes each rank's attention output "
-                         f"(num_attention_heads / attn_tp_size * head_dim = {config.num_attention_heads} / "
-                         f"{parallel.attn_tp_size} * {head_dim_of(config)} = {width}) in {BLOCK}-element MX blocks: "
-                         f"it must be a multiple of {BLOCK}; choose another attn_tp_size or turn prefill_opt off")
+        raise ValueError(
+            f"the W4A8 sequence-parallel prefill quantizes each rank's attention output "
+            f"(num_attention_heads / attn_tp_size * head_dim = {config.num_attention_heads} / "
+            f"{parallel.attn_tp_size} * {head_dim_of(config)} = {width}) in {BLOCK}-element MX blocks: "
+            f"it must be a multiple of {BLOCK}; choose another attn_tp_size or turn prefill_opt off"
+        )
     return True
 
 
@@ -268,8 +274,10 @@ def sp_prefill(config, parallel, scheme: str | None = None) -> bool:
     if (scheme or quant_scheme(config)) != W4A4:
         return parallel.sp_prefill
     if parallel.prefill_opt:
-        raise QuantConfigError("parallel_config.prefill_opt: true is not supported with a W4A4 checkpoint (the "
-                               "recipe's sequence-parallel prefill excludes W4A4); set it false or null")
+        raise QuantConfigError(
+            "parallel_config.prefill_opt: true is not supported with a W4A4 checkpoint (the "
+            "recipe's sequence-parallel prefill excludes W4A4); set it false or null"
+        )
     return False
 
 

@@ -3,6 +3,7 @@
 Model code never asks which hardware it runs on; it asks this module for a device or a process-group
 backend, and calls `torch.ops.npu.*` the same way everywhere.
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,8 +56,7 @@ def dist_backend() -> str:
     return {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}[backend_name()]
 
 
-
-CAPTURED_GRAPH_MODES = ("acl_graph", "npugraph_ex")   # captured device graphs (npugraph_ex: the recipe's name)
+CAPTURED_GRAPH_MODES = ("acl_graph", "npugraph_ex")  # captured device graphs (npugraph_ex: the recipe's name)
 
 
 def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
@@ -87,8 +87,9 @@ def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
         if exe_mode in CAPTURED_GRAPH_MODES:
             config.mode = "reduce-overhead"
         if cache_dir is not None:
-            return lambda step: torchair.inference.cache_compile(step.forward, cache_dir=str(cache_dir), config=config,
-                                                                 dynamic=True, fullgraph=True, ge_cache=True)
+            return lambda step: torchair.inference.cache_compile(
+                step.forward, cache_dir=str(cache_dir), config=config, dynamic=True, fullgraph=True, ge_cache=True
+            )
         backend = torchair.get_npu_backend(compiler_config=config)
         return lambda step: torch.compile(step, backend=backend, dynamic=True, fullgraph=True)
     mode = "reduce-overhead" if exe_mode in CAPTURED_GRAPH_MODES and backend_name() == "cuda" else None
@@ -133,7 +134,7 @@ def set_device(local_rank: int) -> None:
 
 # ------------------------------------------------------------------------------------------ per-platform settings
 
-HCCL_OP_EXPANSION_AIV = 3     # HCCL's op expansion mode code for AIV (hccl_config "hccl_op_expansion_mode")
+HCCL_OP_EXPANSION_AIV = 3  # HCCL's op expansion mode code for AIV (hccl_config "hccl_op_expansion_mode")
 PLATFORM_VERSION_ENV = envs.PLATFORM_VERSION
 
 
@@ -151,6 +152,7 @@ class PlatformSettings:
 
     def __init__(self, platform_version: str, exe_mode: str):
         from optimized.config import EXE_MODES, PLATFORM_VERSIONS
+
         if platform_version not in PLATFORM_VERSIONS:
             raise ValueError(f"platform_version {platform_version!r} is not one of {', '.join(PLATFORM_VERSIONS)}")
         if exe_mode not in EXE_MODES:
@@ -196,6 +198,7 @@ class PlatformSettings:
         if backend != "hccl" or not config:
             return None
         import torch_npu  # pragma: no cover - needs torch_npu
+
         options = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()
         options.hccl_config = config
         return options
@@ -203,8 +206,9 @@ class PlatformSettings:
     def describe(self) -> str:
         """One start-up line: what this platform and mode set."""
         env = ", ".join(f"{k}={v}" for k, v in self.env.items())
-        group = (f"; default group hccl_config {self.default_group_hccl_config}" if self.default_group_hccl_config
-                 else "")
+        group = (
+            f"; default group hccl_config {self.default_group_hccl_config}" if self.default_group_hccl_config else ""
+        )
         mirror = "; a group's hccl_buffer_size also as HCCL_BUFFSIZE" if self.mirror_buffer_size else ""
         where = "" if backend_name() == "npu" else f" (not applied: this host computes on {backend_name()})"
         return f"platform {self.platform_version}, {self.exe_mode}: {env}{group}{mirror}{where}"

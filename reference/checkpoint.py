@@ -10,6 +10,7 @@ dtype other than the one config.json declares) and every unreadable file (bad in
 `weight_map`, missing shard, empty / truncated / corrupt safetensors) raises CheckpointError naming the
 tensor or file. config.json must say model_type qwen3_moe and give the model's sizes explicitly.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,16 @@ def _listing(names, limit: int = 8) -> str:
 
 
 # transformers fills absent keys with defaults (the 30B model's): a config without them would load silently.
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "max_position_embeddings",
+)
 
 
 def load_config(path) -> Qwen3MoeConfig:
@@ -48,8 +57,9 @@ def load_config(path) -> Qwen3MoeConfig:
         raise CheckpointError(f"model path {str(path)!r} does not exist or is not a directory")
     file = path / "config.json"
     if not file.is_file():
-        raise CheckpointError(f"model path {str(path)!r} has no config.json; point it at a Hugging Face "
-                              "checkpoint directory")
+        raise CheckpointError(
+            f"model path {str(path)!r} has no config.json; point it at a Hugging Face checkpoint directory"
+        )
     try:
         config_dict = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -66,8 +76,10 @@ def load_config(path) -> Qwen3MoeConfig:
         required += ["num_experts", "num_experts_per_tok"]  # some layer is sparse
     missing = [k for k in required if k not in config_dict]
     if missing:
-        raise CheckpointError(f"{file}: required key(s) {', '.join(missing)} missing (transformers would use "
-                              "defaults); add them from the released model's config.json")
+        raise CheckpointError(
+            f"{file}: required key(s) {', '.join(missing)} missing (transformers would use "
+            "defaults); add them from the released model's config.json"
+        )
     return Qwen3MoeConfig.from_pretrained(path)
 
 
@@ -85,8 +97,9 @@ def _open(file: Path):
     except FileNotFoundError:
         raise CheckpointError(f"{file}: file not found; the checkpoint is incomplete (re-download it)") from None
     except Exception as e:  # safetensors' own SafetensorError for empty, truncated or corrupt files
-        raise CheckpointError(f"{file} is not a readable safetensors file ({e}); re-download or re-convert "
-                              "it") from None
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({e}); re-download or re-convert it"
+        ) from None
 
 
 def split_fused_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,8 +136,9 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path / INDEX_FILE} is not valid JSON ({e}); re-download it") from None
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{path / INDEX_FILE} has no 'weight_map' (tensor name -> shard file); "
-                                  "re-download it")
+            raise CheckpointError(
+                f"{path / INDEX_FILE} has no 'weight_map' (tensor name -> shard file); re-download it"
+            )
         files = sorted(set(weight_map.values()))
     elif (path / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
@@ -144,9 +158,13 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
     return split_fused_experts(tensors)
 
 
-def model_from_state_dict(config: Qwen3MoeConfig, state_dict: dict[str, torch.Tensor],
-                          dtype: torch.dtype = torch.float32, router_dtype: str = "activation",
-                          source: str = "state dict") -> Qwen3MoeForCausalLM:
+def model_from_state_dict(
+    config: Qwen3MoeConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    router_dtype: str = "activation",
+    source: str = "state dict",
+) -> Qwen3MoeForCausalLM:
     """Build the reference model from a checkpoint-named state dict, strictly (fused experts are split)."""
     state_dict = split_fused_experts(state_dict)
     with torch.device("meta"):
@@ -157,8 +175,10 @@ def model_from_state_dict(config: Qwen3MoeConfig, state_dict: dict[str, torch.Te
         if "lm_head.weight" in state_dict:
             lm, emb = state_dict["lm_head.weight"], state_dict.get("model.embed_tokens.weight")
             if emb is None or lm.shape != emb.shape or not torch.equal(lm, emb):
-                raise CheckpointError(f"{source}: tie_word_embeddings=True but tensor lm_head.weight differs from "
-                                      "model.embed_tokens.weight")
+                raise CheckpointError(
+                    f"{source}: tie_word_embeddings=True but tensor lm_head.weight differs from "
+                    "model.embed_tokens.weight"
+                )
             state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     missing = expected.keys() - state_dict.keys()
     if missing:
@@ -169,15 +189,20 @@ def model_from_state_dict(config: Qwen3MoeConfig, state_dict: dict[str, torch.Te
     for name, shape in expected.items():
         t = state_dict[name]
         if tuple(t.shape) != shape:
-            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(t.shape)} in the checkpoint but the "
-                                  f"model expects {shape}")
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {tuple(t.shape)} in the checkpoint but the model expects {shape}"
+            )
         if not t.dtype.is_floating_point:
-            raise CheckpointError(f"{source}: tensor {name} has dtype {t.dtype}; expected a float dtype "
-                                  "(quantized checkpoints are not read by the reference)")
-        bad = int((~torch.isfinite(t)).sum())     # NaN, +inf and -inf alike
+            raise CheckpointError(
+                f"{source}: tensor {name} has dtype {t.dtype}; expected a float dtype "
+                "(quantized checkpoints are not read by the reference)"
+            )
+        bad = int((~torch.isfinite(t)).sum())  # NaN, +inf and -inf alike
         if bad:
-            raise CheckpointError(f"{source}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); the "
-                                  "checkpoint is corrupt: re-download or re-convert it")
+            raise CheckpointError(
+                f"{source}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); the "
+                "checkpoint is corrupt: re-download or re-convert it"
+            )
     # Fresh (aligned, contiguous) copies: results must not depend on where a tensor sat in its file
     # (CPU kernels take different vector paths for differently aligned memory).
     weights = {n: state_dict[n].to(dtype=dtype, copy=True, memory_format=torch.contiguous_format) for n in expected}
@@ -194,7 +219,9 @@ def load_model(path, dtype: torch.dtype = torch.float32, router_dtype: str = "ac
     declared = _declared_dtype(path)
     for name, t in state_dict.items():
         if declared is not None and t.dtype != declared:
-            raise CheckpointError(f"checkpoint {path}: tensor {name} has dtype {t.dtype} but config.json declares "
-                                  f"dtype {declared}; the file is corrupt or from another conversion: re-download or "
-                                  "re-convert it")
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {name} has dtype {t.dtype} but config.json declares "
+                f"dtype {declared}; the file is corrupt or from another conversion: re-download or "
+                "re-convert it"
+            )
     return model_from_state_dict(config, state_dict, dtype, router_dtype, source=f"checkpoint {path}")

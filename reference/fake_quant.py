@@ -2,6 +2,7 @@
 
 See docs/quantization.md, "Notes from the code", reference/fake_quant.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ BLOCK = 32
 @dataclass(frozen=True)
 class ElementFormat:
     name: str
-    emax: int        # exponent of the largest binade (448 = 1.75 * 2^8, 6 = 1.5 * 2^2)
+    emax: int  # exponent of the largest binade (448 = 1.75 * 2^8, 6 = 1.5 * 2^2)
     mantissa_bits: int
     min_exponent: int  # exponent of the smallest normal binade; below it the grid spacing stays fixed
     max: float
@@ -43,8 +44,8 @@ def round_to_grid(a: torch.Tensor, fmt: ElementFormat, ties: str) -> torch.Tenso
     """Round float64 `a` to the nearest value of `fmt` (ties "even" or "away" from zero), saturating at fmt.max."""
     magnitude = a.abs()
     exponent = torch.where(magnitude > 0, _floor_log2(magnitude), torch.zeros_like(a)).clamp_min(fmt.min_exponent)
-    step = torch.exp2(exponent - fmt.mantissa_bits)           # grid spacing of a's binade
-    units = magnitude / step                                  # exact: division by a power of two
+    step = torch.exp2(exponent - fmt.mantissa_bits)  # grid spacing of a's binade
+    units = magnitude / step  # exact: division by a power of two
     units = torch.round(units) if ties == "even" else torch.floor(units + 0.5)
     return torch.copysign((units * step).clamp_max(fmt.max), a)  # the sign survives a rounding to zero
 
@@ -54,7 +55,7 @@ class MXTensor:
     """Elements on the format's grid (float64, unscaled) and one scale byte per 32-block: value = q * 2^(s-127)."""
 
     elements: torch.Tensor  # [..., K] float64
-    scale: torch.Tensor     # [..., ceil(K/32)] uint8 (255 = NaN block)
+    scale: torch.Tensor  # [..., ceil(K/32)] uint8 (255 = NaN block)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         k = self.elements.shape[-1]
@@ -66,15 +67,15 @@ class MXTensor:
 
 def quantize_weight(w: torch.Tensor, fmt: ElementFormat) -> MXTensor:
     """The converter's rule (§8.2) along the last axis: scale 2^ceil-ish(amax), ties away from zero."""
-    x = _blocks(w)                                                        # [..., nb, 32]
-    amax = x.abs().amax(-1)                                               # [..., nb]
+    x = _blocks(w)  # [..., nb, 32]
+    amax = x.abs().amax(-1)  # [..., nb]
     e = _floor_log2(amax)
-    mantissa = amax / torch.exp2(e)                                       # in [1, 2)
+    mantissa = amax / torch.exp2(e)  # in [1, 2)
     e = torch.where(mantissa > 1.75, e + 1, e)
     shared = (e - fmt.emax).clamp_min(-127)
     shared = torch.where(amax > 0, shared, torch.full_like(shared, -127))  # zero block: byte 0
     q = round_to_grid(x / torch.exp2(shared)[..., None], fmt, ties="away")
-    return MXTensor(q.flatten(-2)[..., :w.shape[-1]], (shared + 127).to(torch.uint8))
+    return MXTensor(q.flatten(-2)[..., : w.shape[-1]], (shared + 127).to(torch.uint8))
 
 
 def quantize_activation(x: torch.Tensor, fmt: ElementFormat = E4M3) -> MXTensor:
@@ -84,13 +85,13 @@ def quantize_activation(x: torch.Tensor, fmt: ElementFormat = E4M3) -> MXTensor:
     amax = b.abs().amax(-1)
     finite = torch.isfinite(b).all(-1)
     exponent = torch.where(amax > 0, _floor_log2(torch.where(finite, amax, 1.0)), torch.full_like(amax, -1000.0))
-    byte = (exponent + 127 - fmt.emax).clamp(0, 254)              # fp32-exponent of amax minus emax, >= 0
+    byte = (exponent + 127 - fmt.emax).clamp(0, 254)  # fp32-exponent of amax minus emax, >= 0
     byte = torch.where(finite, byte, torch.full_like(byte, 255))
-    flush = (byte == 0) | (byte == 255)                           # tiny blocks -> signed zeros; NaN blocks -> 0
+    flush = (byte == 0) | (byte == 255)  # tiny blocks -> signed zeros; NaN blocks -> 0
     scaled = torch.where(finite[..., None], b, 0.0) / torch.exp2(byte - 127)[..., None]
     q = round_to_grid(scaled, fmt, ties="even")
     q = torch.where(flush[..., None], q * 0.0, q)
-    return MXTensor(q.flatten(-2)[..., :x.shape[-1]], byte.to(torch.uint8))
+    return MXTensor(q.flatten(-2)[..., : x.shape[-1]], byte.to(torch.uint8))
 
 
 def fake_quant_weight(w: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
@@ -101,7 +102,7 @@ def fake_quant_activation(x: torch.Tensor, fmt: ElementFormat = E4M3) -> torch.T
     return quantize_activation(x, fmt).dequantize(x.dtype)
 
 
-ROTATION = 128   # the rotation's block: 128 consecutive features of a linear's input (not a head)
+ROTATION = 128  # the rotation's block: 128 consecutive features of a linear's input (not a head)
 
 
 def rotate(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -116,15 +117,21 @@ class FakeQuantLinear(nn.Module):
     E4M3) or MXFP4 (E2M1). With `rotation` T: x is rotated first, and W (stored as `source_dtype`) was rotated by
     inverse(T)^T and rounded to that dtype before its quantization, as the converter does."""
 
-    def __init__(self, linear: nn.Linear, fmt: ElementFormat, act: ElementFormat = E4M3,
-                 rotation: torch.Tensor | None = None, source_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        fmt: ElementFormat,
+        act: ElementFormat = E4M3,
+        rotation: torch.Tensor | None = None,
+        source_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         w = linear.weight.detach()
         if rotation is not None:
             w = rotate(w.to(source_dtype or w.dtype), torch.linalg.inv(rotation.float()).T).to(w.dtype)
         self.weight = nn.Parameter(fake_quant_weight(w, fmt), requires_grad=False)
         self.act = act
-        self.rotation = rotation   # a plain attribute: stays float32 when the model is cast
+        self.rotation = rotation  # a plain attribute: stays float32 when the model is cast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rotation is not None:
@@ -155,6 +162,7 @@ ROTATION_KEYS = ("input_transform.transform.linear.weight", "out_transform.trans
 def load_rotations(directory, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(T_in, T_out) float32 of each decoder layer from `directory/layer_{i}_self_attn.pt` (§1.2)."""
     from pathlib import Path
+
     out = []
     for i in range(num_layers):
         data = torch.load(Path(directory) / f"layer_{i}_self_attn.pt", map_location="cpu", weights_only=True)
@@ -162,8 +170,9 @@ def load_rotations(directory, num_layers: int) -> list[tuple[torch.Tensor, torch
     return out
 
 
-def fake_quantize(model: nn.Module, scheme: str = "w4a8", rotations=None,
-                  source_dtype: torch.dtype | None = None) -> nn.Module:
+def fake_quantize(
+    model: nn.Module, scheme: str = "w4a8", rotations=None, source_dtype: torch.dtype | None = None
+) -> nn.Module:
     """Replace the reference model's quantized linears by FakeQuantLinear, in place (W4A8 / W8A8 placement,
     §8.1/§9; W4A4 with optional per-layer rotations (T_in, T_out), the weights stored as `source_dtype`)."""
     if scheme not in SCHEMES:
@@ -212,6 +221,7 @@ class FakeQuantKVLayerCache:
 
     def __init__(self, heads_per_scale: int):
         from reference.model import LayerCache
+
         self.inner, self.heads_per_scale = LayerCache(), heads_per_scale
 
     @property
@@ -228,12 +238,14 @@ def fake_quantize_kv_cache(model: nn.Module, heads_per_scale: int | None = None)
     """Make `model.new_cache()` hand out the FP8 per-token cache, in place. heads_per_scale: the KV heads one
     scale covers (default all: one rank; a TP-sharded model shares a scale over each rank's KV heads)."""
     from reference.model import KVCache
+
     heads = heads_per_scale or model.config.num_key_value_heads
 
     def new_cache() -> KVCache:
         cache = KVCache(model.config.num_hidden_layers)
         cache.layers = [FakeQuantKVLayerCache(heads) for _ in cache.layers]
         return cache
+
     model.new_cache = new_cache
     return model
 
@@ -243,6 +255,7 @@ def _stored_dtype(path) -> torch.dtype:
     from pathlib import Path
 
     from safetensors import safe_open
+
     names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(file, "pt") as f:
@@ -251,8 +264,13 @@ def _stored_dtype(path) -> torch.dtype:
     raise ValueError(f"{path}: no model.layers.0.self_attn.q_proj.weight in its safetensors files")
 
 
-def load_fake_quant_model(path, dtype: torch.dtype = torch.bfloat16, router_dtype: str = "activation",
-                          scheme: str = "w4a8", hadamard_weight_path=None) -> nn.Module:
+def load_fake_quant_model(
+    path,
+    dtype: torch.dtype = torch.bfloat16,
+    router_dtype: str = "activation",
+    scheme: str = "w4a8",
+    hadamard_weight_path=None,
+) -> nn.Module:
     """The reference model of checkpoint `path`, fake-quantized (`scheme` w4a8 | w8a8 | w4a4) from the checkpoint's
     stored values (as the converter quantizes them, whatever their dtype), then cast to `dtype` (dequantized MX
     values are exact in bf16 and fp32). hadamard_weight_path (w4a4): the rotation directory."""

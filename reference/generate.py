@@ -1,4 +1,5 @@
 """Greedy decoding with the reference model."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,9 @@ from reference.model import Qwen3MoeForCausalLM
 
 
 @torch.no_grad()
-def greedy_generate(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
-                    use_cache: bool = True, eos_token_ids=()) -> torch.Tensor:
+def greedy_generate(
+    model: Qwen3MoeForCausalLM, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bool = True, eos_token_ids=()
+) -> torch.Tensor:
     """input_ids [B, S] -> new tokens [B, n] (argmax; first index on ties, like torch.argmax).
 
     use_cache=True: prefill once, then feed one token at a time through the KV cache.
@@ -40,5 +42,5 @@ def trim_at_eos(tokens: list[int], eos_token_ids) -> list[int]:
     """`tokens` up to and including the first EOS id."""
     for i, t in enumerate(tokens):
         if t in eos_token_ids:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens

@@ -9,6 +9,7 @@ Module and parameter names equal the Hugging Face per-expert checkpoint names, s
 the checkpoint's tensor names. Unsupported config features raise UnsupportedConfigError, never run wrong.
 tie_word_embeddings=True is supported: lm_head shares the embedding's weight.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,11 +34,18 @@ def is_sparse_layer(config: Qwen3MoeConfig, layer_idx: int) -> bool:
 
 def check_config(config: Qwen3MoeConfig) -> None:
     """Raise UnsupportedConfigError for anything the reference would otherwise compute wrongly."""
+
     def bad(key, value, why):
         raise UnsupportedConfigError(f"config {key}={value!r} is not supported by the reference: {why}")
 
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    ):
         if not isinstance(getattr(config, key), int) or getattr(config, key) < 1:
             bad(key, getattr(config, key), "it must be a positive integer")
     rope = config.rope_parameters or {}
@@ -52,14 +60,21 @@ def check_config(config: Qwen3MoeConfig) -> None:
     if config.hidden_act != "silu":
         bad("hidden_act", config.hidden_act, "only SwiGLU with 'silu' is implemented")
     if config.num_attention_heads % config.num_key_value_heads != 0:
-        bad("num_key_value_heads", config.num_key_value_heads,
-            f"num_attention_heads={config.num_attention_heads} is not a multiple of it")
+        bad(
+            "num_key_value_heads",
+            config.num_key_value_heads,
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of it",
+        )
     if config.decoder_sparse_step < 1:
         bad("decoder_sparse_step", config.decoder_sparse_step, "it must be >= 1")
     sparse = [i for i in range(config.num_hidden_layers) if is_sparse_layer(config, i)]
     if sparse and config.num_experts < 1:
-        bad("num_experts", config.num_experts, f"layers {sparse} are sparse (mlp_only_layers="
-            f"{config.mlp_only_layers}, decoder_sparse_step={config.decoder_sparse_step}) but have no experts")
+        bad(
+            "num_experts",
+            config.num_experts,
+            f"layers {sparse} are sparse (mlp_only_layers="
+            f"{config.mlp_only_layers}, decoder_sparse_step={config.decoder_sparse_step}) but have no experts",
+        )
     if sparse and not 1 <= config.num_experts_per_tok <= config.num_experts:
         bad("num_experts_per_tok", config.num_experts_per_tok, f"it must be in [1, num_experts={config.num_experts}]")
 
@@ -151,7 +166,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         H, N, KV, D = config.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
         self.q_proj = nn.Linear(H, N * D, bias=False)
         self.k_proj = nn.Linear(H, KV * D, bias=False)
@@ -160,8 +175,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)  # per head, over head_dim
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                layer_cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: LayerCache | None = None
+    ) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, S, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, N, S, D]
         k = self.k_norm(self.k_proj(x).view(B, S, self.n_kv_heads, self.head_dim)).transpose(1, 2)  # [B, KV, S, D]
@@ -183,11 +199,15 @@ class Attention(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: Qwen3MoeConfig, router_dtype: str = "activation"):
         super().__init__()
-        self.top_k, self.norm_topk_prob, self.router_dtype = (config.num_experts_per_tok, config.norm_topk_prob,
-                                                              router_dtype)
+        self.top_k, self.norm_topk_prob, self.router_dtype = (
+            config.num_experts_per_tok,
+            config.norm_topk_prob,
+            router_dtype,
+        )
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
 
     def route(self, x: torch.Tensor, expert_ids: torch.Tensor | None = None):
         """x [T, H] -> (weights [T, K] in the logits dtype, expert ids [T, K], probs [T, E] fp32).
@@ -202,7 +222,7 @@ class SparseMoeBlock(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         if expert_ids is None:
             # Top-k as a stable descending sort: on exactly equal probabilities the lower expert id wins.
-            expert_ids = probs.sort(dim=-1, descending=True, stable=True).indices[:, :self.top_k]  # [T, K]
+            expert_ids = probs.sort(dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # [T, K]
         weights = probs.gather(-1, expert_ids)  # [T, K]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -234,8 +254,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                layer_cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: LayerCache | None = None
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache)  # [B, S, H]
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -276,21 +297,25 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def _check_input(self, input_ids: torch.Tensor, cache: KVCache | None):
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be an integer tensor [B, S]; got {input_ids.dtype} "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be an integer tensor [B, S]; got {input_ids.dtype} {tuple(input_ids.shape)}"
+            )
         B, S = input_ids.shape
         if B == 0 or S == 0:
             raise ValueError(f"input_ids is empty: shape {(B, S)}")
         vocab = self.config.vocab_size
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
         if bad.numel():
-            raise ValueError(f"token id {bad[0].item()} is outside the vocabulary [0, {vocab}) "
-                             f"(vocab_size={vocab}; {bad.numel()} bad ids)")
+            raise ValueError(
+                f"token id {bad[0].item()} is outside the vocabulary [0, {vocab}) "
+                f"(vocab_size={vocab}; {bad.numel()} bad ids)"
+            )
         if cache is not None and len(cache.layers) != self.config.num_hidden_layers:
             raise ValueError(f"KV cache has {len(cache.layers)} layers; the model has {self.config.num_hidden_layers}")
         past = 0 if cache is None else cache.length
         limit = self.config.max_position_embeddings
         if past + S > limit:
-            raise ValueError(f"total sequence length {past + S} (cached {past} + new {S}) exceeds "
-                             f"max_position_embeddings={limit}")
+            raise ValueError(
+                f"total sequence length {past + S} (cached {past} + new {S}) exceeds max_position_embeddings={limit}"
+            )
         return B, S

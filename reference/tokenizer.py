@@ -6,6 +6,7 @@ as it is; `chat` wraps it as one user message with the tokenizer's chat template
 generation prompt. A checkpoint without tokenizer files still runs with `--prompt-ids` (raw token ids).
 Every problem a user can fix raises PromptError with the reason and the fix.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,14 @@ def load_tokenizer(model_dir):
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # transformers raises many kinds (OSError, ValueError, JSON errors) for broken files
-        raise PromptError(f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {e}); fix or remove "
-                          f"{' / '.join(TOKENIZER_FILES)}, or pass --prompt-ids") from None
+        raise PromptError(
+            f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {e}); fix or remove "
+            f"{' / '.join(TOKENIZER_FILES)}, or pass --prompt-ids"
+        ) from None
 
 
 def check_utf8(text: str, what: str) -> None:
@@ -40,22 +44,29 @@ def check_utf8(text: str, what: str) -> None:
     except UnicodeEncodeError as e:
         raw = text[e.start]
         byte = f"0x{ord(raw) - 0xDC00:02x}" if 0xDC80 <= ord(raw) <= 0xDCFF else repr(raw)
-        raise PromptError(f"{what} is not valid UTF-8 (byte {byte} at character {e.start}); pass UTF-8 text "
-                          f"or token ids with --prompt-ids") from None
+        raise PromptError(
+            f"{what} is not valid UTF-8 (byte {byte} at character {e.start}); pass UTF-8 text "
+            f"or token ids with --prompt-ids"
+        ) from None
 
 
 def encode(tokenizer, text: str, mode: str = "default", what: str = "the prompt") -> list[int]:
     """Token ids of `text` (mode 'chat': as one user message through the chat template)."""
     check_utf8(text, what)
     if tokenizer is None:
-        raise PromptError(f"{what} is text but the checkpoint has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
-                          f"pass token ids with --prompt-ids")
+        raise PromptError(
+            f"{what} is text but the checkpoint has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
+            f"pass token ids with --prompt-ids"
+        )
     if mode == "chat":
         if not getattr(tokenizer, "chat_template", None):
-            raise PromptError("chat mode needs a chat template, and the checkpoint's tokenizer has none "
-                              "(tokenizer_config.json 'chat_template'); use tokenizer_mode default")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+            raise PromptError(
+                "chat mode needs a chat template, and the checkpoint's tokenizer has none "
+                "(tokenizer_config.json 'chat_template'); use tokenizer_mode default"
+            )
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer.encode(text, add_special_tokens=False)
     if mode != "default":
         raise PromptError(f"tokenizer mode {mode!r}; allowed: {', '.join(TOKENIZER_MODES)}")

@@ -3,10 +3,13 @@
 Both commands go through `optimized.executor.assembly` (prepare -> start -> runner / engine). For each row of the
 table a config is written, `generate` is run in-process (its started run captured at `Launch.start`) and `serve`'s
 own start-up (`cli.serve.start`, what `serve` runs before opening its port) is called; the same check then runs on
-both: the runner's exe_mode and graph buckets, the compile cache, the NZ weight cast, the KV cache dtype, the block size,
-the scheduler's batch and prefill budget, the KV pool of the plan, mem_fraction_static (refused alike), the profiler (a trace written
+both: the runner's exe_mode and graph buckets, the compile cache, the NZ weight cast, the KV cache dtype, the block
+size,
+the scheduler's batch and prefill budget, the KV pool of the plan, mem_fraction_static (refused alike), the profiler (a
+trace written
 alike). A key that one entry point dropped fails its row.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -43,13 +46,16 @@ def _generate(path, monkeypatch):
         run = start(self, **kw)
         started.append(run)
         return run
+
     monkeypatch.setattr(assembly.Launch, "start", capture)
     from optimized.executor import engine as engine_module
+
     init = engine_module.Engine.__init__
 
     def record(self, *a, **k):
         init(self, *a, **k)
         engines.append(self)
+
     monkeypatch.setattr(engine_module.Engine, "__init__", record)
     assert cli_main(["generate", "--config", str(path), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5"]) == 0
     return started[0], engines[0]
@@ -58,17 +64,19 @@ def _generate(path, monkeypatch):
 def _serve(path):
     from optimized.cli.serve import load_config, start
     from types import SimpleNamespace
+
     return start(load_config(SimpleNamespace(config=str(path), model_path=None)))
 
 
 def _graph(run, engine, command):
     from optimized.executor.graph import GraphDecoder
+
     decoder = run.runner.decode_forward
     assert isinstance(decoder, GraphDecoder), type(decoder)
     assert run.plan.buckets == (1, 2)
-    if command == "serve":       # every bucket compiled before the port opens: no compile on the request path
+    if command == "serve":  # every bucket compiled before the port opens: no compile on the request path
         assert sorted(decoder.startup) == [1, 2], decoder.startup
-    else:                        # generate compiles what it runs: its batch of 2, then the batch of 1 left
+    else:  # generate compiles what it runs: its batch of 2, then the batch of 1 left
         assert set(decoder.startup) <= {1, 2} and decoder.startup, decoder.startup
 
 
@@ -88,7 +96,7 @@ def _scheduler(run, engine, command):
     assert engine.scheduler.max_prefill_tokens == 24
     if command == "serve":
         assert engine.scheduler.batch_size == 2
-        assert run.plan.kv_pool_blocks == engine.cache.num_blocks == 1 + 2 * 2   # 2 requests of 32 + 2 tokens
+        assert run.plan.kv_pool_blocks == engine.cache.num_blocks == 1 + 2 * 2  # 2 requests of 32 + 2 tokens
 
 
 def _nz_off(run, engine, command):
@@ -105,8 +113,7 @@ ROWS = {
     "enable_weight_nz false": ({"model_config.enable_weight_nz": False}, _nz_off),
     "enable_weight_nz true": ({"model_config.enable_weight_nz": True}, _nz_on),
     "exe_mode": ({"model_config.exe_mode": "ge_graph"}, _graph),
-    "enable_cache_compile": ({"model_config.exe_mode": "ge_graph", "model_config.enable_cache_compile": True},
-                             _cache),
+    "enable_cache_compile": ({"model_config.exe_mode": "ge_graph", "model_config.enable_cache_compile": True}, _cache),
     "kv_cache_dtype": ({"model_config.dtype": "bfloat16", "model_config.kv_cache_dtype": "float8"}, _kv_fp8),
     "scheduler": ({"scheduler_config.block_size": 32, "scheduler_config.max_prefill_tokens": 24}, _scheduler),
 }
@@ -116,7 +123,7 @@ ROWS = {
 @pytest.mark.parametrize("row", sorted(ROWS))
 def test_the_assembly_honours_each_key_for_generate_and_serve(row, command, tmp_path, monkeypatch):
     pytest.importorskip("fastapi")
-    monkeypatch.chdir(tmp_path)                         # the compile cache lives under ./compile_cache
+    monkeypatch.chdir(tmp_path)  # the compile cache lives under ./compile_cache
     monkeypatch.setenv("CASE_NAME", f"keys-{row}")
     changes, check = ROWS[row]
     path = _write(tmp_path, changes)
@@ -153,7 +160,8 @@ def test_the_profiler_traces_generate_and_serve_alike(command, tmp_path, monkeyp
         assert cli_main(["generate", "--config", str(path), "--prompt-ids", "1,2,3"]) == 0
     else:
         from optimized.cli import serve
-        monkeypatch.setattr(serve, "_serve", lambda *a: 0)          # the whole serving run, without a port
+
+        monkeypatch.setattr(serve, "_serve", lambda *a: 0)  # the whole serving run, without a port
         assert cli_main(["serve", "--config", str(path)]) == 0
     traces = list((out / "profile").rglob("*"))
     assert any(p.is_file() for p in traces), f"{command}: no trace under {out}"

@@ -2,6 +2,7 @@
 models' loaders (the optimized `WeightSource.read` check and the reference's `model_from_state_dict`): a check that
 only looked for NaN, or only at one end of the range, would let it through.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,26 +46,34 @@ names = st.sampled_from(sorted(n for n, t in read_state_dict(checkpoint("tiny"))
 def test_an_inf_weight_among_finite_values_is_refused_by_both_loaders(dtype, value, name, position):
     state = _with_inf(dtype, name, position, value)
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds 1 non-finite value\(s\) \(NaN or inf\)"):
-        model_from_source(load_hf_config(checkpoint("tiny")), StateDictSource(state, label="state"),
-                          dtype=torch.float32, device="cpu")
-    with pytest.raises(ReferenceCheckpointError, match=rf"tensor '{name}' holds 1 non-finite value\(s\) \(NaN or inf\)"):
+        model_from_source(
+            load_hf_config(checkpoint("tiny")), StateDictSource(state, label="state"), dtype=torch.float32, device="cpu"
+        )
+    with pytest.raises(
+        ReferenceCheckpointError, match=rf"tensor '{name}' holds 1 non-finite value\(s\) \(NaN or inf\)"
+    ):
         model_from_state_dict(load_config(checkpoint("tiny")), state)
 
 
-@given(dtype=st.sampled_from(DTYPES), value=st.sampled_from(SIGNS), shape=st.lists(st.integers(1, 6), min_size=1,
-       max_size=3), position=st.integers(0, 10**6))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    value=st.sampled_from(SIGNS),
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    position=st.integers(0, 10**6),
+)
 def test_check_finite_refuses_either_infinity_alone(dtype, value, shape, position):
     t = torch.randn(shape).to(dtype)
     t.view(-1)[position % t.numel()] = value
     with pytest.raises(CheckpointError, match=r"tensor 'w' holds 1 non-finite value\(s\)"):
         check_finite(t, "w", "ckpt")
-    check_finite(t.nan_to_num(posinf=1.0, neginf=-1.0), "w", "ckpt")   # finite values pass
+    check_finite(t.nan_to_num(posinf=1.0, neginf=-1.0), "w", "ckpt")  # finite values pass
 
 
 @pytest.mark.parametrize("value", SIGNS, ids=["+inf", "-inf"])
 def test_a_checkpoint_file_with_an_inf_weight_is_refused_naming_it(value, tmp_path):
     """End to end through the files: the optimized and the reference `load_model`."""
     import shutil
+
     src = checkpoint("tiny")
     d = tmp_path / "ckpt"
     shutil.copytree(src, d)

@@ -1,6 +1,7 @@
 """The compile cache's own rules, without compiling anything: the kernels' source hash in inductor's cache key
 tag, owner-only directories, and refusal of a cache or key that others can open (graph-mode decoding from the
 cache is proven in equivalence/graph/test_graph.py)."""
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def test_cache_open_to_others_or_of_another_user_is_refused(tmp_path, monkeypatc
     with pytest.raises(CompileCacheError, match=r"compile cache directory .* has mode drwxrwxr-x"):
         CompileCache(cache.root)
     cache.root.chmod(0o700)
-    monkeypatch.setenv(KEY_ENV, str(tmp_path / "keys" / "compile_cache.key"))   # not the module's shared key
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "keys" / "compile_cache.key"))  # not the module's shared key
     assert len(user_key()) == 32 and stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
     (tmp_path / "keys" / "compile_cache.key").chmod(0o644)
     with pytest.raises(CompileCacheError, match=r"compile cache key .* has mode -rw-r--r-- .*chmod 600"):

@@ -1,4 +1,5 @@
 """InferenceConfig: every validation rule has an error test naming the dotted key and the rule."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,6 +32,7 @@ def _assert_names(err: ConfigError, key: str, *fragments: str) -> None:
 
 # ------------------------------------------------------------------------------------- defaults, files
 
+
 def test_defaults_are_valid_single_process():
     cfg = InferenceConfig.from_dict({})
     assert cfg.parallel_config.world_size == 1
@@ -60,15 +62,33 @@ def test_example_yaml_round_trips(path, tmp_path):
 
 
 def test_tiny_examples_fit_a_tiny_model_and_bench_fits_30b():
-    tiny = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32, num_experts=8,
-                           vocab_size=256, intermediate_size=64, num_hidden_layers=3, mlp_only_layers=[0],
-                           decoder_sparse_step=1)
+    tiny = SimpleNamespace(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        num_experts=8,
+        vocab_size=256,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+    )
     for name in ("tiny_single", "tiny_tp2", "tiny_tp4_ep", "tiny_tp2_ep2"):
         InferenceConfig.from_yaml(CONFIGS / f"{name}.yaml").validate_for_model(tiny)
     from transformers import Qwen3MoeConfig
-    real = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
-                          num_experts=128, num_experts_per_tok=8)
+
+    real = Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+    )
     bench = InferenceConfig.from_yaml(CONFIGS / "qwen3_30b_a3b_bench.yaml").validate_for_model(real)
     assert bench.model_config.with_ckpt is False and bench.model_config.num_hidden_layers == 2
     assert bench.model_config.scheme == ("preset", "qwen3_30b_a3b")
@@ -82,11 +102,14 @@ def test_yaml_syntax_error_names_the_file(tmp_path):
     assert "bad.yaml" in str(e.value)
 
 
-@pytest.mark.parametrize("text, key, lines", [
-    ("scheduler_config:\n  max_new_tokens: 4\n  block_size: 16\n  max_new_tokens: 64\n", "max_new_tokens", (2, 4)),
-    ("model_config: {dtype: float32}\ndata_config: {}\nmodel_config: {dtype: bfloat16}\n", "model_config", (1, 3)),
-    ("parallel_config: {world_size: 2, world_size: 4}\n", "world_size", (1, 1)),
-])
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("scheduler_config:\n  max_new_tokens: 4\n  block_size: 16\n  max_new_tokens: 64\n", "max_new_tokens", (2, 4)),
+        ("model_config: {dtype: float32}\ndata_config: {}\nmodel_config: {dtype: bfloat16}\n", "model_config", (1, 3)),
+        ("parallel_config: {world_size: 2, world_size: 4}\n", "world_size", (1, 1)),
+    ],
+)
 def test_yaml_duplicate_key_is_refused_naming_the_key_and_both_lines(tmp_path, text, key, lines):
     """PyYAML keeps the last of repeated keys silently; the config refuses them."""
     path = tmp_path / "dup.yaml"
@@ -96,7 +119,7 @@ def test_yaml_duplicate_key_is_refused_naming_the_key_and_both_lines(tmp_path, t
 
 
 def test_yaml_merge_key_may_be_overridden(tmp_path):
-    path = tmp_path / "merge.yaml"   # `<<` then an explicit key: YAML's override, not a repeat
+    path = tmp_path / "merge.yaml"  # `<<` then an explicit key: YAML's override, not a repeat
     path.write_text("scheduler_config:\n  <<: {max_new_tokens: 4, batch_size: 2}\n  max_new_tokens: 8\n")
     cfg = InferenceConfig.from_yaml(path)
     assert (cfg.scheduler_config.max_new_tokens, cfg.scheduler_config.batch_size) == (8, 2)
@@ -104,68 +127,114 @@ def test_yaml_merge_key_may_be_overridden(tmp_path):
 
 # ------------------------------------------------------------------------------------------ file rules
 
-@pytest.mark.parametrize("d, key, fragments", [
-    # structure
-    ({"model_cfg": {}}, "model_cfg", ["unknown section", "allowed sections: model_config, data_config"]),
-    ({"model_config": {"path": "x"}}, "model_config.path", ["unknown key", "allowed keys: model_path, exe_mode"]),
-    ({"parallel_config": {"tp_size": 2}}, "parallel_config.tp_size",
-     ["unknown key", "attn_tp_size", "moe_ep_size", "lmhead_tp_size"]),
-    ({"scheduler_config": {"blocksize": 2}}, "scheduler_config.blocksize", ["unknown key", "block_size"]),
-    ({"data_config": {"promts": []}}, "data_config.promts", ["unknown key", "prompts"]),
-    ({"parallel_config": [1, 2]}, "parallel_config", ["must be a mapping"]),
-    # model_config
-    ({"model_config": {"model_path": ""}}, "model_config.model_path", ["non-empty string"]),
-    ({"model_config": {"model_path": 3}}, "model_config.model_path", ["non-empty string"]),
-    ({"model_config": {"model_path": "fixture:"}}, "model_config.model_path", ["followed by a name"]),
-    ({"model_config": {"exe_mode": "jit"}}, "model_config.exe_mode", ["one of eager, ge_graph, acl_graph", "'jit'"]),
-    ({"model_config": {"dtype": "float16"}}, "model_config.dtype", ["one of bfloat16, float32"]),
-    ({"model_config": {"tokenizer_mode": "raw"}}, "model_config.tokenizer_mode", ["one of default, chat", "'raw'"]),
-    ({"parallel_config": {"collective_timeout_s": 0}}, "parallel_config.collective_timeout_s",
-     ["positive number of seconds"]),
-    ({"model_config": {"with_ckpt": 1}}, "model_config.with_ckpt", ["must be a boolean"]),
-    ({"model_config": {"with_ckpt": "yes"}}, "model_config.with_ckpt", ["must be a boolean"]),
-    ({"model_config": {"enable_cache_compile": None}}, "model_config.enable_cache_compile", ["must be a boolean"]),
-    ({"model_config": {"enable_cache_compile": True}}, "model_config.enable_cache_compile", ["needs exe_mode: ge_graph or acl_graph"]),
-    ({"model_config": {"trust_compile_cache": "yes"}}, "model_config.trust_compile_cache", ["must be a boolean"]),
-    ({"model_config": {"trust_compile_cache": True}}, "model_config.trust_compile_cache",
-     ["applies to the compile cache, which is off"]),
-    ({"model_config": {"num_hidden_layers": 0}}, "model_config.num_hidden_layers", ["positive integer or null"]),
-    ({"model_config": {"model_path": "preset:qwen3_30b_a3b"}}, "model_config.with_ckpt", ["must be false", "preset"]),
-    # data_config
-    ({"data_config": {"dataset": "c4"}}, "data_config.dataset", ["one of prompts, random"]),
-    ({"data_config": {"prompts": "hi"}}, "data_config.prompts", ["list of strings"]),
-    ({"data_config": {"prompts": ["a", 1]}}, "data_config.prompts", ["list of strings"]),
-    ({"data_config": {"prompts": []}}, "data_config.prompts", ["must not be empty"]),
-    ({"data_config": {"input_max_len": -5}}, "data_config.input_max_len", ["positive integer", "-5"]),
-    ({"data_config": {"seed": -1}}, "data_config.seed", ["non-negative integer"]),
-    # parallel_config: types and positivity
-    ({"parallel_config": {"world_size": 0}}, "parallel_config.world_size", ["positive integer", "0"]),
-    ({"parallel_config": {"world_size": 2.0}}, "parallel_config.world_size", ["positive integer", "float"]),
-    ({"parallel_config": {"world_size": True}}, "parallel_config.world_size", ["positive integer", "bool"]),
-    ({"parallel_config": {"attn_tp_size": 0}}, "parallel_config.attn_tp_size", ["positive integer"]),
-    ({"parallel_config": {"moe_tp_size": "2"}}, "parallel_config.moe_tp_size", ["positive integer", "str"]),
-    ({"parallel_config": {"embed_tp_size": -2}}, "parallel_config.embed_tp_size", ["positive integer"]),
-    ({"parallel_config": {"lmhead_tp_size": None}}, "parallel_config.lmhead_tp_size", ["positive integer"]),
-    # parallel_config: divisibility and the MoE product
-    ({"parallel_config": {"world_size": 4, "attn_tp_size": 3, "moe_ep_size": 4}}, "parallel_config.attn_tp_size",
-     ["world_size (4) must be divisible by attn_tp_size (3)"]),
-    ({"parallel_config": {"world_size": 4, "moe_tp_size": 8}}, "parallel_config.moe_tp_size",
-     ["world_size (4) must be divisible by moe_tp_size (8)"]),
-    ({"parallel_config": {"world_size": 6, "moe_ep_size": 4, "moe_tp_size": 1}}, "parallel_config.moe_ep_size",
-     ["world_size (6) must be divisible by moe_ep_size (4)"]),
-    ({"parallel_config": {"world_size": 4, "moe_ep_size": 4, "embed_tp_size": 3}}, "parallel_config.embed_tp_size",
-     ["world_size (4) must be divisible by embed_tp_size (3)"]),
-    ({"parallel_config": {"world_size": 4, "moe_ep_size": 4, "lmhead_tp_size": 8}}, "parallel_config.lmhead_tp_size",
-     ["world_size (4) must be divisible by lmhead_tp_size (8)"]),
-    ({"parallel_config": {"world_size": 4, "moe_tp_size": 2, "moe_ep_size": 1}}, "parallel_config.moe_ep_size",
-     ["moe_tp_size * moe_ep_size must equal world_size (2 * 1 != 4)"]),
-    ({"parallel_config": {"world_size": 8, "moe_tp_size": 2, "moe_ep_size": 2}}, "parallel_config.moe_ep_size",
-     ["(2 * 2 != 8)"]),
-    # scheduler_config
-    ({"scheduler_config": {"batch_size": 0}}, "scheduler_config.batch_size", ["positive integer"]),
-    ({"scheduler_config": {"max_new_tokens": 1.5}}, "scheduler_config.max_new_tokens", ["positive integer"]),
-    ({"scheduler_config": {"block_size": -128}}, "scheduler_config.block_size", ["positive integer"]),
-])
+
+@pytest.mark.parametrize(
+    "d, key, fragments",
+    [
+        # structure
+        ({"model_cfg": {}}, "model_cfg", ["unknown section", "allowed sections: model_config, data_config"]),
+        ({"model_config": {"path": "x"}}, "model_config.path", ["unknown key", "allowed keys: model_path, exe_mode"]),
+        (
+            {"parallel_config": {"tp_size": 2}},
+            "parallel_config.tp_size",
+            ["unknown key", "attn_tp_size", "moe_ep_size", "lmhead_tp_size"],
+        ),
+        ({"scheduler_config": {"blocksize": 2}}, "scheduler_config.blocksize", ["unknown key", "block_size"]),
+        ({"data_config": {"promts": []}}, "data_config.promts", ["unknown key", "prompts"]),
+        ({"parallel_config": [1, 2]}, "parallel_config", ["must be a mapping"]),
+        # model_config
+        ({"model_config": {"model_path": ""}}, "model_config.model_path", ["non-empty string"]),
+        ({"model_config": {"model_path": 3}}, "model_config.model_path", ["non-empty string"]),
+        ({"model_config": {"model_path": "fixture:"}}, "model_config.model_path", ["followed by a name"]),
+        (
+            {"model_config": {"exe_mode": "jit"}},
+            "model_config.exe_mode",
+            ["one of eager, ge_graph, acl_graph", "'jit'"],
+        ),
+        ({"model_config": {"dtype": "float16"}}, "model_config.dtype", ["one of bfloat16, float32"]),
+        ({"model_config": {"tokenizer_mode": "raw"}}, "model_config.tokenizer_mode", ["one of default, chat", "'raw'"]),
+        (
+            {"parallel_config": {"collective_timeout_s": 0}},
+            "parallel_config.collective_timeout_s",
+            ["positive number of seconds"],
+        ),
+        ({"model_config": {"with_ckpt": 1}}, "model_config.with_ckpt", ["must be a boolean"]),
+        ({"model_config": {"with_ckpt": "yes"}}, "model_config.with_ckpt", ["must be a boolean"]),
+        ({"model_config": {"enable_cache_compile": None}}, "model_config.enable_cache_compile", ["must be a boolean"]),
+        (
+            {"model_config": {"enable_cache_compile": True}},
+            "model_config.enable_cache_compile",
+            ["needs exe_mode: ge_graph or acl_graph"],
+        ),
+        ({"model_config": {"trust_compile_cache": "yes"}}, "model_config.trust_compile_cache", ["must be a boolean"]),
+        (
+            {"model_config": {"trust_compile_cache": True}},
+            "model_config.trust_compile_cache",
+            ["applies to the compile cache, which is off"],
+        ),
+        ({"model_config": {"num_hidden_layers": 0}}, "model_config.num_hidden_layers", ["positive integer or null"]),
+        (
+            {"model_config": {"model_path": "preset:qwen3_30b_a3b"}},
+            "model_config.with_ckpt",
+            ["must be false", "preset"],
+        ),
+        # data_config
+        ({"data_config": {"dataset": "c4"}}, "data_config.dataset", ["one of prompts, random"]),
+        ({"data_config": {"prompts": "hi"}}, "data_config.prompts", ["list of strings"]),
+        ({"data_config": {"prompts": ["a", 1]}}, "data_config.prompts", ["list of strings"]),
+        ({"data_config": {"prompts": []}}, "data_config.prompts", ["must not be empty"]),
+        ({"data_config": {"input_max_len": -5}}, "data_config.input_max_len", ["positive integer", "-5"]),
+        ({"data_config": {"seed": -1}}, "data_config.seed", ["non-negative integer"]),
+        # parallel_config: types and positivity
+        ({"parallel_config": {"world_size": 0}}, "parallel_config.world_size", ["positive integer", "0"]),
+        ({"parallel_config": {"world_size": 2.0}}, "parallel_config.world_size", ["positive integer", "float"]),
+        ({"parallel_config": {"world_size": True}}, "parallel_config.world_size", ["positive integer", "bool"]),
+        ({"parallel_config": {"attn_tp_size": 0}}, "parallel_config.attn_tp_size", ["positive integer"]),
+        ({"parallel_config": {"moe_tp_size": "2"}}, "parallel_config.moe_tp_size", ["positive integer", "str"]),
+        ({"parallel_config": {"embed_tp_size": -2}}, "parallel_config.embed_tp_size", ["positive integer"]),
+        ({"parallel_config": {"lmhead_tp_size": None}}, "parallel_config.lmhead_tp_size", ["positive integer"]),
+        # parallel_config: divisibility and the MoE product
+        (
+            {"parallel_config": {"world_size": 4, "attn_tp_size": 3, "moe_ep_size": 4}},
+            "parallel_config.attn_tp_size",
+            ["world_size (4) must be divisible by attn_tp_size (3)"],
+        ),
+        (
+            {"parallel_config": {"world_size": 4, "moe_tp_size": 8}},
+            "parallel_config.moe_tp_size",
+            ["world_size (4) must be divisible by moe_tp_size (8)"],
+        ),
+        (
+            {"parallel_config": {"world_size": 6, "moe_ep_size": 4, "moe_tp_size": 1}},
+            "parallel_config.moe_ep_size",
+            ["world_size (6) must be divisible by moe_ep_size (4)"],
+        ),
+        (
+            {"parallel_config": {"world_size": 4, "moe_ep_size": 4, "embed_tp_size": 3}},
+            "parallel_config.embed_tp_size",
+            ["world_size (4) must be divisible by embed_tp_size (3)"],
+        ),
+        (
+            {"parallel_config": {"world_size": 4, "moe_ep_size": 4, "lmhead_tp_size": 8}},
+            "parallel_config.lmhead_tp_size",
+            ["world_size (4) must be divisible by lmhead_tp_size (8)"],
+        ),
+        (
+            {"parallel_config": {"world_size": 4, "moe_tp_size": 2, "moe_ep_size": 1}},
+            "parallel_config.moe_ep_size",
+            ["moe_tp_size * moe_ep_size must equal world_size (2 * 1 != 4)"],
+        ),
+        (
+            {"parallel_config": {"world_size": 8, "moe_tp_size": 2, "moe_ep_size": 2}},
+            "parallel_config.moe_ep_size",
+            ["(2 * 2 != 8)"],
+        ),
+        # scheduler_config
+        ({"scheduler_config": {"batch_size": 0}}, "scheduler_config.batch_size", ["positive integer"]),
+        ({"scheduler_config": {"max_new_tokens": 1.5}}, "scheduler_config.max_new_tokens", ["positive integer"]),
+        ({"scheduler_config": {"block_size": -128}}, "scheduler_config.block_size", ["positive integer"]),
+    ],
+)
 def test_file_rule_error_names_key_and_rule(d, key, fragments):
     _assert_names(_err(d), key, *fragments)
 
@@ -183,9 +252,19 @@ def test_top_level_must_be_a_mapping():
 
 # ----------------------------------------------------------------------------------------- model rules
 
+
 def _model(**over):
-    base = dict(num_attention_heads=8, num_key_value_heads=2, moe_intermediate_size=24, num_experts=8,
-                vocab_size=240, intermediate_size=48, num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=1)
+    base = dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        moe_intermediate_size=24,
+        num_experts=8,
+        vocab_size=240,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+    )
     base.update(over)
     return SimpleNamespace(**base)
 
@@ -201,24 +280,59 @@ def _model_err(cfg, model) -> ConfigError:
     return e.value
 
 
-@pytest.mark.parametrize("par, model, key, fragments", [
-    (dict(world_size=4, attn_tp_size=4, moe_ep_size=4), _model(num_attention_heads=6),
-     "parallel_config.attn_tp_size", ["num_attention_heads (6) must be divisible by attn_tp_size (4)"]),
-    (dict(world_size=4, attn_tp_size=4, moe_ep_size=4), _model(num_key_value_heads=6, num_attention_heads=12),
-     "parallel_config.attn_tp_size", ["num_key_value_heads (6)", "replicated"]),
-    (dict(world_size=4, moe_tp_size=4), _model(moe_intermediate_size=30),
-     "parallel_config.moe_tp_size", ["moe_intermediate_size (30) must be divisible by moe_tp_size (4)"]),
-    (dict(world_size=4, moe_ep_size=4), _model(num_experts=6),
-     "parallel_config.moe_ep_size", ["num_experts (6) must be divisible by moe_ep_size (4)"]),
-    (dict(world_size=4, moe_ep_size=4, embed_tp_size=4), _model(vocab_size=250),
-     "parallel_config.embed_tp_size", ["vocab_size (250) must be divisible by embed_tp_size (4)", "padding"]),
-    (dict(world_size=4, moe_ep_size=4, lmhead_tp_size=4), _model(vocab_size=250),
-     "parallel_config.lmhead_tp_size", ["vocab_size (250) must be divisible by lmhead_tp_size (4)", "padding"]),
-    (dict(world_size=4, moe_tp_size=4), _model(intermediate_size=50, mlp_only_layers=[1]),
-     "parallel_config.moe_tp_size", ["intermediate_size (50) must be divisible by moe_tp_size (4)", "dense MLP"]),
-    (dict(world_size=4, moe_tp_size=4), _model(intermediate_size=50, decoder_sparse_step=2),
-     "parallel_config.moe_tp_size", ["intermediate_size (50)"]),
-])
+@pytest.mark.parametrize(
+    "par, model, key, fragments",
+    [
+        (
+            dict(world_size=4, attn_tp_size=4, moe_ep_size=4),
+            _model(num_attention_heads=6),
+            "parallel_config.attn_tp_size",
+            ["num_attention_heads (6) must be divisible by attn_tp_size (4)"],
+        ),
+        (
+            dict(world_size=4, attn_tp_size=4, moe_ep_size=4),
+            _model(num_key_value_heads=6, num_attention_heads=12),
+            "parallel_config.attn_tp_size",
+            ["num_key_value_heads (6)", "replicated"],
+        ),
+        (
+            dict(world_size=4, moe_tp_size=4),
+            _model(moe_intermediate_size=30),
+            "parallel_config.moe_tp_size",
+            ["moe_intermediate_size (30) must be divisible by moe_tp_size (4)"],
+        ),
+        (
+            dict(world_size=4, moe_ep_size=4),
+            _model(num_experts=6),
+            "parallel_config.moe_ep_size",
+            ["num_experts (6) must be divisible by moe_ep_size (4)"],
+        ),
+        (
+            dict(world_size=4, moe_ep_size=4, embed_tp_size=4),
+            _model(vocab_size=250),
+            "parallel_config.embed_tp_size",
+            ["vocab_size (250) must be divisible by embed_tp_size (4)", "padding"],
+        ),
+        (
+            dict(world_size=4, moe_ep_size=4, lmhead_tp_size=4),
+            _model(vocab_size=250),
+            "parallel_config.lmhead_tp_size",
+            ["vocab_size (250) must be divisible by lmhead_tp_size (4)", "padding"],
+        ),
+        (
+            dict(world_size=4, moe_tp_size=4),
+            _model(intermediate_size=50, mlp_only_layers=[1]),
+            "parallel_config.moe_tp_size",
+            ["intermediate_size (50) must be divisible by moe_tp_size (4)", "dense MLP"],
+        ),
+        (
+            dict(world_size=4, moe_tp_size=4),
+            _model(intermediate_size=50, decoder_sparse_step=2),
+            "parallel_config.moe_tp_size",
+            ["intermediate_size (50)"],
+        ),
+    ],
+)
 def test_model_rule_error_names_key_and_rule(par, model, key, fragments):
     _assert_names(_model_err(_par(**par), model), key, *fragments)
 
@@ -229,8 +343,12 @@ def test_dense_rule_only_applies_when_dense_layers_exist():
     assert dense_layers(_model(mlp_only_layers=[1, 3])) == [1, 3]
     assert dense_layers(_model(decoder_sparse_step=2)) == [0, 2]
     # a dense layer beyond the num_hidden_layers override does not count
-    trunc = InferenceConfig.from_dict({"parallel_config": dict(world_size=4, moe_tp_size=4, attn_dp=False),
-                                       "model_config": {"num_hidden_layers": 2, "with_ckpt": False}})
+    trunc = InferenceConfig.from_dict(
+        {
+            "parallel_config": dict(world_size=4, moe_tp_size=4, attn_dp=False),
+            "model_config": {"num_hidden_layers": 2, "with_ckpt": False},
+        }
+    )
     trunc.validate_for_model(_model(intermediate_size=50, mlp_only_layers=[3]))
 
 
@@ -243,10 +361,13 @@ def test_layer_override_cannot_exceed_checkpoint():
     cfg = InferenceConfig.from_dict({"model_config": {"num_hidden_layers": 9}})
     _assert_names(_model_err(cfg, _model()), "model_config.num_hidden_layers", "must not exceed", "(4)")
     # random weights: any depth
-    InferenceConfig.from_dict({"model_config": {"num_hidden_layers": 9, "with_ckpt": False}}).validate_for_model(_model())
+    InferenceConfig.from_dict({"model_config": {"num_hidden_layers": 9, "with_ckpt": False}}).validate_for_model(
+        _model()
+    )
 
 
 # -------------------------------------------------------------------------------- random parallel layouts
+
 
 def _valid(w, a, t, e, v, lm) -> bool:
     sizes = (a, t, e, v, lm)
@@ -254,11 +375,26 @@ def _valid(w, a, t, e, v, lm) -> bool:
 
 
 @settings(max_examples=60)
-@given(w=st.integers(-1, 16), a=st.integers(0, 16), t=st.integers(0, 16), e=st.integers(0, 16),
-       v=st.integers(0, 16), lm=st.integers(0, 16))
+@given(
+    w=st.integers(-1, 16),
+    a=st.integers(0, 16),
+    t=st.integers(0, 16),
+    e=st.integers(0, 16),
+    v=st.integers(0, 16),
+    lm=st.integers(0, 16),
+)
 def test_random_parallel_layouts_accepted_iff_valid(w, a, t, e, v, lm):
-    d = {"parallel_config": dict(world_size=w, attn_tp_size=a, moe_tp_size=t, moe_ep_size=e, embed_tp_size=v,
-                                 lmhead_tp_size=lm, attn_dp=False)}
+    d = {
+        "parallel_config": dict(
+            world_size=w,
+            attn_tp_size=a,
+            moe_tp_size=t,
+            moe_ep_size=e,
+            embed_tp_size=v,
+            lmhead_tp_size=lm,
+            attn_dp=False,
+        )
+    }
     if _valid(w, a, t, e, v, lm):
         cfg = InferenceConfig.from_dict(d)
         assert cfg.parallel_config == ParallelConfig(w, a, t, e, v, lm, attn_dp=False)
@@ -272,8 +408,15 @@ def valid_layouts(draw):
     w = draw(st.sampled_from([1, 2, 4, 6, 8, 16]))
     divs = [d for d in range(1, w + 1) if w % d == 0]
     t = draw(st.sampled_from(divs))
-    return dict(world_size=w, attn_tp_size=draw(st.sampled_from(divs)), moe_tp_size=t, moe_ep_size=w // t,
-                embed_tp_size=draw(st.sampled_from(divs)), lmhead_tp_size=draw(st.sampled_from(divs)), attn_dp=False)
+    return dict(
+        world_size=w,
+        attn_tp_size=draw(st.sampled_from(divs)),
+        moe_tp_size=t,
+        moe_ep_size=w // t,
+        embed_tp_size=draw(st.sampled_from(divs)),
+        lmhead_tp_size=draw(st.sampled_from(divs)),
+        attn_dp=False,
+    )
 
 
 @settings(max_examples=40)
@@ -283,12 +426,14 @@ def test_valid_layouts_always_accepted(p):
 
 
 def test_trust_compile_cache_with_the_cache_on():
-    cfg = InferenceConfig.from_dict({"model_config": {"exe_mode": "ge_graph", "enable_cache_compile": True,
-                                                      "trust_compile_cache": True}})
+    cfg = InferenceConfig.from_dict(
+        {"model_config": {"exe_mode": "ge_graph", "enable_cache_compile": True, "trust_compile_cache": True}}
+    )
     assert cfg.model_config.trust_compile_cache is True
 
 
 # ------------------------------------------------------------------------------------ attention data parallel
+
 
 def _dp(**over) -> dict:
     par = dict(world_size=4, attn_tp_size=2, moe_tp_size=1, moe_ep_size=4, attn_dp=True)
@@ -304,18 +449,30 @@ def test_attn_dp_layout_is_valid_and_sizes_its_groups():
         assert InferenceConfig.from_yaml(CONFIGS / f"{name}.yaml").parallel_config.attn_dp_size == dp
 
 
-@pytest.mark.parametrize("d, key, fragments", [
-    (_dp(parallel={"attn_dp": "yes"}), "parallel_config.attn_dp", ["must be a boolean"]),
-    (_dp(parallel={"attn_tp_size": 4}), "parallel_config.attn_dp", ["attn_tp_size < world_size", "4 / 4"]),
-    (_dp(parallel={"moe_tp_size": 2, "moe_ep_size": 2}), "parallel_config.attn_dp", ["moe_tp_size 1", "got 2"]),
-    (_dp(parallel={"embed_tp_size": 4}), "parallel_config.attn_dp",
-     ["embed_tp_size (4) to divide attn_tp_size (2)"]),
-    (_dp(parallel={"prefill_opt": True}), "parallel_config.prefill_opt", ["cannot be combined with attn_dp"]),
-    (_dp(scheduler_config={"batch_size": 3}), "scheduler_config.batch_size",
-     ["(3) must be a multiple of attn_dp_size", "= 2"]),
-    (_dp(parallel={"world_size": 8, "moe_ep_size": 8}, scheduler_config={"batch_size": 6}),
-     "scheduler_config.batch_size", ["(6) must be a multiple of attn_dp_size", "= 4"]),
-])
+@pytest.mark.parametrize(
+    "d, key, fragments",
+    [
+        (_dp(parallel={"attn_dp": "yes"}), "parallel_config.attn_dp", ["must be a boolean"]),
+        (_dp(parallel={"attn_tp_size": 4}), "parallel_config.attn_dp", ["attn_tp_size < world_size", "4 / 4"]),
+        (_dp(parallel={"moe_tp_size": 2, "moe_ep_size": 2}), "parallel_config.attn_dp", ["moe_tp_size 1", "got 2"]),
+        (
+            _dp(parallel={"embed_tp_size": 4}),
+            "parallel_config.attn_dp",
+            ["embed_tp_size (4) to divide attn_tp_size (2)"],
+        ),
+        (_dp(parallel={"prefill_opt": True}), "parallel_config.prefill_opt", ["cannot be combined with attn_dp"]),
+        (
+            _dp(scheduler_config={"batch_size": 3}),
+            "scheduler_config.batch_size",
+            ["(3) must be a multiple of attn_dp_size", "= 2"],
+        ),
+        (
+            _dp(parallel={"world_size": 8, "moe_ep_size": 8}, scheduler_config={"batch_size": 6}),
+            "scheduler_config.batch_size",
+            ["(6) must be a multiple of attn_dp_size", "= 4"],
+        ),
+    ],
+)
 def test_attn_dp_rule_error_names_key_and_rule(d, key, fragments):
     _assert_names(_err(d), key, *fragments)
 
@@ -333,9 +490,17 @@ def test_batch_rule_only_applies_with_attn_dp():
 
 # ------------------------------------------------------------------------------------- force_eplb
 
-@pytest.mark.parametrize("mc, on", [
-    ({"force_eplb": True}, True), ({"perfect_eplb": True}, True), ({"force_eplb": True, "perfect_eplb": True}, True),
-    ({"force_eplb": False, "perfect_eplb": False}, False), ({}, False)])
+
+@pytest.mark.parametrize(
+    "mc, on",
+    [
+        ({"force_eplb": True}, True),
+        ({"perfect_eplb": True}, True),
+        ({"force_eplb": True, "perfect_eplb": True}, True),
+        ({"force_eplb": False, "perfect_eplb": False}, False),
+        ({}, False),
+    ],
+)
 def test_force_eplb_accepted_and_perfect_eplb_is_its_alias(mc, on):
     cfg = InferenceConfig.from_dict({"model_config": mc})
     assert cfg.model_config.eplb is on
@@ -343,40 +508,69 @@ def test_force_eplb_accepted_and_perfect_eplb_is_its_alias(mc, on):
 
 
 def test_force_eplb_and_perfect_eplb_disagreeing_are_refused_naming_both():
-    _assert_names(_err({"model_config": {"force_eplb": True, "perfect_eplb": False}}), "model_config.force_eplb",
-                  "(true) and perfect_eplb (false, its older name) disagree")
+    _assert_names(
+        _err({"model_config": {"force_eplb": True, "perfect_eplb": False}}),
+        "model_config.force_eplb",
+        "(true) and perfect_eplb (false, its older name) disagree",
+    )
 
 
 @pytest.mark.parametrize("key, value", [("force_eplb", "yes"), ("perfect_eplb", 1), ("force_eplb", None)])
 def test_force_eplb_must_be_a_boolean(key, value):
     d = {"model_config": {key: value}}
-    if value is None:     # null: not given (false)
+    if value is None:  # null: not given (false)
         assert InferenceConfig.from_dict(d).model_config.eplb is False
         return
     _assert_names(_err(d), f"model_config.{key}", "must be a boolean (true/false)")
 
 
-@pytest.mark.parametrize("mc, par, batch, model, key, fragments", [
-    ({"force_eplb": True}, {}, 1, _model(num_experts=8, num_experts_per_tok=9), "model_config.force_eplb",
-     ["num_experts_per_tok (9) <= num_experts (8)"]),
-    ({"perfect_eplb": True}, dict(world_size=2, moe_tp_size=2), 5, _model(num_experts_per_tok=2),
-     "model_config.perfect_eplb", ["B * num_experts_per_tok must be <= num_experts: B = 5", "batch_size"]),
-    ({"force_eplb": True, "exe_mode": "ge_graph"}, dict(world_size=2, moe_tp_size=2), 3,
-     _model(num_experts=6, num_experts_per_tok=2),
-     "model_config.force_eplb", ["B = 4", "graph bucket"]),
-])
+@pytest.mark.parametrize(
+    "mc, par, batch, model, key, fragments",
+    [
+        (
+            {"force_eplb": True},
+            {},
+            1,
+            _model(num_experts=8, num_experts_per_tok=9),
+            "model_config.force_eplb",
+            ["num_experts_per_tok (9) <= num_experts (8)"],
+        ),
+        (
+            {"perfect_eplb": True},
+            dict(world_size=2, moe_tp_size=2),
+            5,
+            _model(num_experts_per_tok=2),
+            "model_config.perfect_eplb",
+            ["B * num_experts_per_tok must be <= num_experts: B = 5", "batch_size"],
+        ),
+        (
+            {"force_eplb": True, "exe_mode": "ge_graph"},
+            dict(world_size=2, moe_tp_size=2),
+            3,
+            _model(num_experts=6, num_experts_per_tok=2),
+            "model_config.force_eplb",
+            ["B = 4", "graph bucket"],
+        ),
+    ],
+)
 def test_force_eplb_model_rule_error_names_key_and_rule(mc, par, batch, model, key, fragments):
-    cfg = InferenceConfig.from_dict({"model_config": mc, "parallel_config": {"attn_dp": False, **par},
-                                     "scheduler_config": {"batch_size": batch}})
+    cfg = InferenceConfig.from_dict(
+        {"model_config": mc, "parallel_config": {"attn_dp": False, **par}, "scheduler_config": {"batch_size": batch}}
+    )
     _assert_names(_model_err(cfg, model), key, *fragments)
 
 
 def test_force_eplb_moe_tp_batch_rule_only_with_moe_tp():
     for par in (dict(world_size=2, moe_tp_size=2), dict(world_size=2, moe_ep_size=2)):
-        cfg = InferenceConfig.from_dict({"model_config": {"force_eplb": True}, "scheduler_config": {"batch_size": 4},
-                                         "parallel_config": {"attn_dp": False, **par}})
+        cfg = InferenceConfig.from_dict(
+            {
+                "model_config": {"force_eplb": True},
+                "scheduler_config": {"batch_size": 4},
+                "parallel_config": {"attn_dp": False, **par},
+            }
+        )
         if par.get("moe_tp_size") == 2:
-            cfg.validate_for_model(_model(num_experts_per_tok=2))           # 4 * 2 <= 8
-            _model_err(cfg, _model(num_experts_per_tok=3))                  # 4 * 3 > 8
+            cfg.validate_for_model(_model(num_experts_per_tok=2))  # 4 * 2 <= 8
+            _model_err(cfg, _model(num_experts_per_tok=3))  # 4 * 3 > 8
         else:
-            cfg.validate_for_model(_model(num_experts_per_tok=3))           # EP: no such rule
+            cfg.validate_for_model(_model(num_experts_per_tok=3))  # EP: no such rule

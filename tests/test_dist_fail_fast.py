@@ -11,6 +11,7 @@ The two-rank cases are processes started the way torchrun starts them (env:// re
 `init_distributed`), so they exercise the real start-up path; the worker pool could not (its ranks are
 already initialized, with the pool's own timeout).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,14 @@ def _run_two_ranks(target, *args, timeout: float = 60.0) -> list:
 
 
 def _torchrun_env(rank: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
 
 
@@ -90,6 +97,7 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout():
 def _cli_child(rank, port, q, configs):
     _torchrun_env(rank, port)
     from optimized.__main__ import main
+
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -101,19 +109,24 @@ def _cli_child(rank, port, q, configs):
 
 def test_ranks_with_different_configs_are_refused_at_start_up(tmp_path):
     tp2 = (REPO / "fixtures" / "configs" / "tiny_tp2.yaml").read_text()
-    ep2 = tmp_path / "ep2.yaml"   # same world size, another layout: would print wrong tokens with exit 0
+    ep2 = tmp_path / "ep2.yaml"  # same world size, another layout: would print wrong tokens with exit 0
     ep2.write_text(tp2.replace("moe_tp_size: 2", "moe_tp_size: 1").replace("moe_ep_size: 1", "moe_ep_size: 2"))
     results = _run_two_ranks(_cli_child, [str(REPO / "fixtures" / "configs" / "tiny_tp2.yaml"), str(ep2)])
     for rank, code, err in results:
         assert code == 2 and err.count("\n") == 1, (rank, code, err)
-        assert (f"python -m optimized: error: rank {rank}: rank 1 was started with parallel_config.moe_ep_size=2 but "
-                f"rank 0 with parallel_config.moe_ep_size=1") in err, err
+        assert (
+            f"python -m optimized: error: rank {rank}: rank 1 was started with parallel_config.moe_ep_size=2 but "
+            f"rank 0 with parallel_config.moe_ep_size=1"
+        ) in err, err
 
 
 def test_parallel_state_refuses_a_world_without_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(RuntimeError, match=r"world_size is 2 but torch.distributed is not initialized: call "
-                                           r"optimized.distributed.init_distributed\(\) first"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"world_size is 2 but torch.distributed is not initialized: call "
+        r"optimized.distributed.init_distributed\(\) first",
+    ):
         comm.ParallelState.build(world_size=2, attn_tp_size=2, moe_tp_size=2)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(RuntimeError, match=r"world_size is 1 but the environment says WORLD_SIZE=4"):

@@ -4,6 +4,7 @@ Worker functions are top-level (pickled by reference) and take `(rank, world_siz
 regenerated from a seed on both sides, so nothing large travels; expected values are computed here from
 an independent restatement of the group layouts, never from `optimized.distributed.layout_ranks`.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -27,6 +28,7 @@ ROWS, COLS = 8, 6  # ROWS divisible by every group size up to 8 (reduce_scatter)
 
 
 # ------------------------------------------------------------------------------------------ definitions
+
 
 def members(kind: str, rank: int, w: int, a: int, t: int, v: int, lm: int) -> list[int]:
     """The group of `rank` for `kind`, restated from the design (independent of optimized.distributed)."""
@@ -59,6 +61,7 @@ def gather_sizes(seed: int, kind: str, group: list[int]) -> list[int]:
 
 # ------------------------------------------------------------------------------------ worker functions
 
+
 def _collectives_task(rank, world_size, sizes: dict, seed: int, gather_dim: int):
     state = comm.ParallelState.build(ParallelConfig(world_size=world_size, **sizes))
     x = rank_input(seed, rank)
@@ -70,13 +73,15 @@ def _collectives_task(rank, world_size, sizes: dict, seed: int, gather_dim: int)
         gs = gather_sizes(seed, kind, group)
         a2a_in = x[: sum(plan[info.rank])]
         out[kind] = dict(
-            ranks=info.ranks, size=info.size, rank=info.rank,
+            ranks=info.ranks,
+            size=info.size,
+            rank=info.rank,
             pg_ranks=dist.get_process_group_ranks(info.group) if info.group is not None else None,
             all_reduce=comm.all_reduce(x.clone(), info),
             all_gather=comm.all_gather(x, info, dim=gather_dim),
             all_gather_uneven=comm.all_gather(x[: gs[info.rank]], info, dim=0, sizes=gs),
             reduce_scatter=comm.reduce_scatter(x, info, dim=0),
-            reduce_scatter_cols=comm.reduce_scatter(x[:, :2 * info.size], info, dim=1) if info.size <= 3 else None,
+            reduce_scatter_cols=comm.reduce_scatter(x[:, : 2 * info.size], info, dim=1) if info.size <= 3 else None,
             all_to_all=comm.all_to_all_single(a2a_in, info, input_split_sizes=plan[info.rank]),
         )
     return out
@@ -89,20 +94,25 @@ def _dtype_task(rank, world_size, seed: int):
     raw = torch.randint(0, 256, (4, 5), dtype=torch.uint8, generator=g)  # every byte pattern, NaNs included
     bf = torch.randn(4, 6, generator=g).to(torch.bfloat16)
     mag = (torch.rand(4, 6, generator=g) * 3.5 + 0.5) * torch.sign(torch.randn(4, 6, generator=g))
-    out = {"bf_gather": comm.all_gather(bf, info, dim=1),
-           "bf_a2a": comm.all_to_all_single(bf.repeat(world_size, 1), info),
-           "bf_sum_native": comm.all_reduce(mag.to(torch.bfloat16), info),
-           "bf_sum_upcast": comm.all_reduce(mag.to(torch.bfloat16), info, upcast=True),
-           "bf_rs_upcast": comm.reduce_scatter(mag.to(torch.bfloat16).repeat(world_size, 1), info, upcast=True),
-           "bf_int_native": comm.all_reduce(rank_input(seed, rank, torch.bfloat16), info)}
+    out = {
+        "bf_gather": comm.all_gather(bf, info, dim=1),
+        "bf_a2a": comm.all_to_all_single(bf.repeat(world_size, 1), info),
+        "bf_sum_native": comm.all_reduce(mag.to(torch.bfloat16), info),
+        "bf_sum_upcast": comm.all_reduce(mag.to(torch.bfloat16), info, upcast=True),
+        "bf_rs_upcast": comm.reduce_scatter(mag.to(torch.bfloat16).repeat(world_size, 1), info, upcast=True),
+        "bf_int_native": comm.all_reduce(rank_input(seed, rank, torch.bfloat16), info),
+    }
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"):
         dt = getattr(torch, name)
         f8 = raw.view(dt)
         bc = f8.clone()
         comm.broadcast(bc, info, src_group_rank=world_size - 1)
-        out[name] = dict(gather=comm.all_gather(f8, info, dim=0), gather_cols=comm.all_gather(f8, info, dim=1),
-                         a2a=comm.all_to_all_single(f8.repeat(world_size, 1)[: 4 * world_size], info),
-                         bcast=bc)
+        out[name] = dict(
+            gather=comm.all_gather(f8, info, dim=0),
+            gather_cols=comm.all_gather(f8, info, dim=1),
+            a2a=comm.all_to_all_single(f8.repeat(world_size, 1)[: 4 * world_size], info),
+            bcast=bc,
+        )
         try:
             comm.all_reduce(f8.clone(), info)
             out[name]["reduce_error"] = None
@@ -147,14 +157,20 @@ def _sum_ranks(rank, world_size):
 
 # ----------------------------------------------------------------------------------------------- layouts
 
+
 @st.composite
 def layouts(draw, worlds=(2, 4, 8)):
     w = draw(st.sampled_from(worlds))
     divs = [d for d in range(1, w + 1) if w % d == 0]
     t = draw(st.sampled_from(divs))
-    return w, dict(attn_tp_size=draw(st.sampled_from(divs)), moe_tp_size=t, moe_ep_size=w // t,
-                   embed_tp_size=draw(st.sampled_from(divs)), lmhead_tp_size=draw(st.sampled_from(divs)),
-                   attn_dp=False)   # replicated attention: these are the collectives of every group kind
+    return w, dict(
+        attn_tp_size=draw(st.sampled_from(divs)),
+        moe_tp_size=t,
+        moe_ep_size=w // t,
+        embed_tp_size=draw(st.sampled_from(divs)),
+        lmhead_tp_size=draw(st.sampled_from(divs)),
+        attn_dp=False,
+    )  # replicated attention: these are the collectives of every group kind
 
 
 @settings(max_examples=50)
@@ -229,8 +245,9 @@ def test_hccl_expansion_mode_default_and_override(monkeypatch):
 
 
 def _torchrun_like_child(rank, port, q):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     env = comm.init_distributed()
     x = torch.tensor([rank + 1.0])
@@ -260,6 +277,7 @@ def test_init_distributed_from_torchrun_env():
 
 # ------------------------------------------------------------------------------------------ collectives
 
+
 def _check_collectives(w, sizes, seed, gather_dim):
     results = get_pool(w).run(_collectives_task, sizes, seed, gather_dim, timeout=60)
     args = (w, sizes["attn_tp_size"], sizes["moe_tp_size"], sizes["embed_tp_size"], sizes["lmhead_tp_size"])
@@ -275,24 +293,30 @@ def _check_collectives(w, sizes, seed, gather_dim):
             assert torch.equal(got["all_reduce"], total), (kind, r, "all_reduce")
             assert torch.equal(got["all_gather"], torch.cat([xs[q] for q in grp], dim=gather_dim)), (kind, r)
             gs = gather_sizes(seed, kind, grp)
-            assert torch.equal(got["all_gather_uneven"], torch.cat([xs[q][:gs[i]] for i, q in enumerate(grp)])), \
-                (kind, r, "all_gather uneven")
+            assert torch.equal(got["all_gather_uneven"], torch.cat([xs[q][: gs[i]] for i, q in enumerate(grp)])), (
+                kind,
+                r,
+                "all_gather uneven",
+            )
             assert torch.equal(got["reduce_scatter"], total.chunk(n, dim=0)[me]), (kind, r, "reduce_scatter")
             if got["reduce_scatter_cols"] is not None:
-                assert torch.equal(got["reduce_scatter_cols"], total[:, :2 * n].chunk(n, dim=1)[me]), (kind, r)
+                assert torch.equal(got["reduce_scatter_cols"], total[:, : 2 * n].chunk(n, dim=1)[me]), (kind, r)
             plan = split_plan(seed, kind, grp)
             pieces = []
             for src_i, q in enumerate(grp):  # rows that group rank src_i sends to me, in source order
                 start = sum(plan[src_i][:me])
-                pieces.append(xs[q][start:start + plan[src_i][me]])
+                pieces.append(xs[q][start : start + plan[src_i][me]])
             assert torch.equal(got["all_to_all"], torch.cat(pieces)), (kind, r, "all_to_all")
 
 
-@pytest.mark.parametrize("w, sizes", [
-    (2, dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=1, embed_tp_size=2, lmhead_tp_size=2)),
-    (4, dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, embed_tp_size=1, lmhead_tp_size=4, attn_dp=False)),
-    (8, dict(attn_tp_size=4, moe_tp_size=2, moe_ep_size=4, embed_tp_size=8, lmhead_tp_size=2, attn_dp=False)),
-])
+@pytest.mark.parametrize(
+    "w, sizes",
+    [
+        (2, dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=1, embed_tp_size=2, lmhead_tp_size=2)),
+        (4, dict(attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, embed_tp_size=1, lmhead_tp_size=4, attn_dp=False)),
+        (8, dict(attn_tp_size=4, moe_tp_size=2, moe_ep_size=4, embed_tp_size=8, lmhead_tp_size=2, attn_dp=False)),
+    ],
+)
 def test_collectives_equal_plain_math_fixed_layouts(w, sizes):
     _check_collectives(w, sizes, seed=1, gather_dim=-1)
 
@@ -313,8 +337,11 @@ def test_bf16_and_fp8_payloads(w):
         g = torch.Generator().manual_seed(seed * 101 + r)
         raws.append(torch.randint(0, 256, (4, 5), dtype=torch.uint8, generator=g))
         bfs.append(torch.randn(4, 6, generator=g).to(torch.bfloat16))
-        mags.append(((torch.rand(4, 6, generator=g) * 3.5 + 0.5) * torch.sign(torch.randn(4, 6, generator=g)))
-                    .to(torch.bfloat16))
+        mags.append(
+            ((torch.rand(4, 6, generator=g) * 3.5 + 0.5) * torch.sign(torch.randn(4, 6, generator=g))).to(
+                torch.bfloat16
+            )
+        )
     exact_sum = sum(m.float() for m in mags)  # exact in fp32: |values| in [0.5, 4), 8 bf16 mantissa bits
     for r, res in enumerate(results):
         # data movement is bit-exact
@@ -322,11 +349,13 @@ def test_bf16_and_fp8_payloads(w):
         assert torch.equal(res["bf_a2a"].view(torch.int16), torch.cat([bfs[q] for q in range(w)]).view(torch.int16))
         # upcast reduction: the fp32 sum rounded once to bf16, identical on every rank
         assert torch.equal(res["bf_sum_upcast"].view(torch.int16), exact_sum.to(torch.bfloat16).view(torch.int16))
-        assert torch.equal(res["bf_rs_upcast"].view(torch.int16),
-                           (exact_sum.repeat(w, 1)).to(torch.bfloat16).chunk(w)[r].view(torch.int16))
+        assert torch.equal(
+            res["bf_rs_upcast"].view(torch.int16),
+            (exact_sum.repeat(w, 1)).to(torch.bfloat16).chunk(w)[r].view(torch.int16),
+        )
         # native bf16 reduction: within one bf16 rounding per reduction step, the same on every rank
         err = (res["bf_sum_native"].float() - exact_sum).abs()
-        assert bool((err <= (w - 1) * 2.0 ** -8 * exact_sum.abs().clamp_min(1.0) * 4).all())
+        assert bool((err <= (w - 1) * 2.0**-8 * exact_sum.abs().clamp_min(1.0) * 4).all())
         assert torch.equal(res["bf_sum_native"], results[0]["bf_sum_native"])
         assert torch.equal(res["bf_int_native"], sum(rank_input(seed, q, torch.bfloat16) for q in range(w)))
         for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"):
@@ -341,6 +370,7 @@ def test_bf16_and_fp8_payloads(w):
 
 
 # -------------------------------------------------------------------------------------- harness behavior
+
 
 def test_run_passes_args_and_kwargs_in_rank_order():
     pool = get_pool(4)
@@ -405,8 +435,7 @@ def test_group_registry():
 
 
 def _registry_task(rank, world_size):
-    state = comm.ParallelState.build(world_size=world_size, moe_tp_size=2, moe_ep_size=world_size // 2,
-                                     attn_dp=False)
+    state = comm.ParallelState.build(world_size=world_size, moe_tp_size=2, moe_ep_size=world_size // 2, attn_dp=False)
     name = comm.comm_name(state.moe_ep.group)
     pg = comm.group_by_name(name)
     x = torch.tensor([float(rank)])

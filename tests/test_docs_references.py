@@ -11,6 +11,7 @@ What is checked, in backticked spans, fenced code blocks and links:
 - commands: `python -m optimized SUB [MODE] --option ...` names a subcommand (and mode) of the CLI's parser and
   options that subcommand accepts; likewise `python -m reference SUB`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,6 +80,7 @@ def tokens(span: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- checks
 
+
 def check_path(token: str, top: set[str]) -> str | None:
     """None if `token` is not a repository path or names one that exists; else the problem."""
     if any(ch in token for ch in "<>{}$~") or token.startswith(("/", "./", "../")):
@@ -116,8 +118,11 @@ def check_module(token: str) -> str | None:
             obj = importlib.import_module(name)
             for attr in parts[cut:]:
                 if not hasattr(obj, attr):
-                    return f"{token}: {name} has no attribute {attr!r}" if obj.__name__ == name else \
-                        f"{token}: no attribute {attr!r}"
+                    return (
+                        f"{token}: {name} has no attribute {attr!r}"
+                        if obj.__name__ == name
+                        else f"{token}: no attribute {attr!r}"
+                    )
                 obj = getattr(obj, attr)
             return None
     return f"{token}: no such module"
@@ -127,8 +132,10 @@ def check_module(token: str) -> str | None:
 def cli_parser(package: str) -> argparse.ArgumentParser:
     if package == "optimized":
         from optimized.cli.main import parser
+
         return parser()
     from reference.__main__ import _parser
+
     return _parser()
 
 
@@ -164,7 +171,7 @@ def check_runs(span: str) -> list[str]:
     problems = []
     for line in span.splitlines():
         for m in re.finditer(r"(?<!\S)-m\s+([\w.]+)", line):
-            before = line[:m.start()]
+            before = line[: m.start()]
             launcher = max(("python", "torchrun", "pytest", "test.sh"), key=lambda w: before.rfind(w))
             if before.rfind(launcher) < 0 or launcher in ("pytest", "test.sh"):
                 continue
@@ -177,9 +184,9 @@ def check_runs(span: str) -> list[str]:
                 problems.append(f"-m {module}: no such module")
                 continue
             try:
-                words = shlex.split(line[m.start(1):].split("#")[0])
+                words = shlex.split(line[m.start(1) :].split("#")[0])
             except ValueError:
-                words = line[m.start(1):].split()
+                words = line[m.start(1) :].split()
             words = [w for w in words if w not in ("&", "&&")]
             problems += check_command(words)
     return problems
@@ -200,6 +207,7 @@ def problems_in(text: str, where: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- tests
 
+
 @pytest.mark.parametrize("doc", manual_files(), ids=lambda p: str(p.relative_to(REPO)))
 def test_every_reference_in_the_manual_exists(doc):
     assert doc.is_file(), doc
@@ -209,8 +217,17 @@ def test_every_reference_in_the_manual_exists(doc):
 
 def test_the_manual_has_its_pages():
     names = {p.name for p in (REPO / "docs").glob("*.md")}
-    assert {"parallel.md", "serving.md", "graph_mode.md", "devices.md", "quantization.md", "testing.md",
-            "config.md", "errors.md", "architecture.md"} <= names
+    assert {
+        "parallel.md",
+        "serving.md",
+        "graph_mode.md",
+        "devices.md",
+        "quantization.md",
+        "testing.md",
+        "config.md",
+        "errors.md",
+        "architecture.md",
+    } <= names
     assert len((REPO / "README.md").read_text().splitlines()) <= 150
 
 
@@ -228,9 +245,19 @@ pytest -m equivalence
 ```
 """
     found = "\n".join(problems_in(planted, REPO / "README.md"))
-    for expected in ("optimized/layers/no_such_module.py", "docs/nowhere.md", "test_no_such_test.py",
-                     "optimized.executor.no_such", "NoSuchThing", "equivalence.nope", "frobnicate",
-                     "--no-such-option", "--no-such-flag", "-m no_such_module_here", "ci/no_such_script.sh"):
+    for expected in (
+        "optimized/layers/no_such_module.py",
+        "docs/nowhere.md",
+        "test_no_such_test.py",
+        "optimized.executor.no_such",
+        "NoSuchThing",
+        "equivalence.nope",
+        "frobnicate",
+        "--no-such-option",
+        "--no-such-flag",
+        "-m no_such_module_here",
+        "ci/no_such_script.sh",
+    ):
         assert expected in found, (expected, found)
     assert "fixtures/configs/:" not in found and "equivalence:" not in found, found
     assert len(found.splitlines()) == 11, found

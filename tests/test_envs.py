@@ -1,6 +1,7 @@
 """One table of environment variables (optimized/envs.py): no other module of `optimized` reads (or writes) the
 environment, and each accessor parses its variable or refuses it with one message naming variable, value and what
 is allowed."""
+
 from __future__ import annotations
 
 import ast
@@ -74,52 +75,66 @@ def test_defaults(clean):
     assert envs.case_name() is None and envs.latency_checkpoint() is None
 
 
-@pytest.mark.parametrize("name, value, accessor, expected", [
-    ("WORLD_SIZE", "4", envs.world_size, 4), ("WORLD_SIZE", " 2 ", envs.world_size, 2),
-    ("WORLD_SIZE", "", envs.world_size, None),           # empty counts as unset
-    ("RANK", "0", envs.rank, 0), ("LOCAL_RANK", "3", envs.local_rank, 3),
-    ("MASTER_PORT", "29500", envs.master_port, "29500"),
-    ("TORCHELASTIC_USE_AGENT_STORE", "True", envs.torchelastic_agent_store, True),
-    ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "2.5", envs.collective_timeout_s, 2.5),
-    ("PLATFORM_VERSION", "950", envs.platform_version, "950"),
-    ("QWEN3_MOE_FORCE_PORTABLE", "1", envs.force_portable, True),
-    ("QWEN3_MOE_CPU_PREPACK", "0", envs.cpu_prepack, False),
-    ("QWEN3_MOE_STRICT_NPU_LIMITS", "route", envs.strict_npu_limits, "route"),
-    ("NPU_GOLDEN_SOC", "950", envs.npu_golden_soc, "950"),
-    ("QWEN3_MOE_PRESET_CACHE", "/tmp/presets", envs.preset_cache, Path("/tmp/presets")),
-    ("CASE_NAME", "my-case_1.x", envs.case_name, "my-case_1.x"),
-    ("QWEN3_MOE_LATENCY_CHECKPOINT", "/ckpt", envs.latency_checkpoint, "/ckpt"),
-])
+@pytest.mark.parametrize(
+    "name, value, accessor, expected",
+    [
+        ("WORLD_SIZE", "4", envs.world_size, 4),
+        ("WORLD_SIZE", " 2 ", envs.world_size, 2),
+        ("WORLD_SIZE", "", envs.world_size, None),  # empty counts as unset
+        ("RANK", "0", envs.rank, 0),
+        ("LOCAL_RANK", "3", envs.local_rank, 3),
+        ("MASTER_PORT", "29500", envs.master_port, "29500"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True", envs.torchelastic_agent_store, True),
+        ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "2.5", envs.collective_timeout_s, 2.5),
+        ("PLATFORM_VERSION", "950", envs.platform_version, "950"),
+        ("QWEN3_MOE_FORCE_PORTABLE", "1", envs.force_portable, True),
+        ("QWEN3_MOE_CPU_PREPACK", "0", envs.cpu_prepack, False),
+        ("QWEN3_MOE_STRICT_NPU_LIMITS", "route", envs.strict_npu_limits, "route"),
+        ("NPU_GOLDEN_SOC", "950", envs.npu_golden_soc, "950"),
+        ("QWEN3_MOE_PRESET_CACHE", "/tmp/presets", envs.preset_cache, Path("/tmp/presets")),
+        ("CASE_NAME", "my-case_1.x", envs.case_name, "my-case_1.x"),
+        ("QWEN3_MOE_LATENCY_CHECKPOINT", "/ckpt", envs.latency_checkpoint, "/ckpt"),
+    ],
+)
 def test_values(clean, name, value, accessor, expected):
     clean.setenv(name, value)
     assert accessor() == expected
 
 
-@pytest.mark.parametrize("name, value, accessor, allowed", [
-    ("TORCHELASTIC_USE_AGENT_STORE", "yes", envs.torchelastic_agent_store, "'True', 'False'"),
-    ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "0", envs.collective_timeout_s, "a positive number of seconds"),
-    ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "soon", envs.collective_timeout_s, "a positive number of seconds"),
-    ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "inf", envs.collective_timeout_s, "a positive number of seconds"),
-    ("PLATFORM_VERSION", "A5", envs.platform_version, "'A2', 'A3', '950'"),
-    ("QWEN3_MOE_FORCE_PORTABLE", "yes", envs.force_portable, "'0', '1'"),
-    ("QWEN3_MOE_CPU_PREPACK", "off", envs.cpu_prepack, "'0', '1'"),
-    ("QWEN3_MOE_STRICT_NPU_LIMITS", "yes", envs.strict_npu_limits, "'0', '1', 'route'"),
-    ("NPU_GOLDEN_SOC", "910", envs.npu_golden_soc, "'a2a3', '950'"),
-])
+@pytest.mark.parametrize(
+    "name, value, accessor, allowed",
+    [
+        ("TORCHELASTIC_USE_AGENT_STORE", "yes", envs.torchelastic_agent_store, "'True', 'False'"),
+        ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "0", envs.collective_timeout_s, "a positive number of seconds"),
+        ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "soon", envs.collective_timeout_s, "a positive number of seconds"),
+        ("QWEN3_MOE_COLLECTIVE_TIMEOUT_S", "inf", envs.collective_timeout_s, "a positive number of seconds"),
+        ("PLATFORM_VERSION", "A5", envs.platform_version, "'A2', 'A3', '950'"),
+        ("QWEN3_MOE_FORCE_PORTABLE", "yes", envs.force_portable, "'0', '1'"),
+        ("QWEN3_MOE_CPU_PREPACK", "off", envs.cpu_prepack, "'0', '1'"),
+        ("QWEN3_MOE_STRICT_NPU_LIMITS", "yes", envs.strict_npu_limits, "'0', '1', 'route'"),
+        ("NPU_GOLDEN_SOC", "910", envs.npu_golden_soc, "'a2a3', '950'"),
+    ],
+)
 def test_bad_values_name_variable_value_and_what_is_allowed(clean, name, value, accessor, allowed):
     clean.setenv(name, value)
     with pytest.raises(envs.EnvError) as e:
         accessor()
-    assert str(e.value) == f"environment variable {name}={value!r}; allowed: {allowed}" or \
-        str(e.value).startswith(f"environment variable {name}={value!r}; allowed: {allowed}")
+    assert str(e.value) == f"environment variable {name}={value!r}; allowed: {allowed}" or str(e.value).startswith(
+        f"environment variable {name}={value!r}; allowed: {allowed}"
+    )
     assert isinstance(e.value, UsageError) and isinstance(e.value, ValueError)
     assert (e.value.name, e.value.value) == (name, value)
 
 
-@pytest.mark.parametrize("name, value, accessor, allowed", [
-    ("WORLD_SIZE", "two", envs.world_size, "an integer >= 1"), ("WORLD_SIZE", "0", envs.world_size, "an integer >= 1"),
-    ("RANK", "-1", envs.rank, "an integer >= 0"), ("LOCAL_RANK", "x", envs.local_rank, "an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "name, value, accessor, allowed",
+    [
+        ("WORLD_SIZE", "two", envs.world_size, "an integer >= 1"),
+        ("WORLD_SIZE", "0", envs.world_size, "an integer >= 1"),
+        ("RANK", "-1", envs.rank, "an integer >= 0"),
+        ("LOCAL_RANK", "x", envs.local_rank, "an integer >= 0"),
+    ],
+)
 def test_bad_launch_values_keep_the_launch_wording(clean, name, value, accessor, allowed):
     clean.setenv(name, value)
     with pytest.raises(envs.LaunchEnvError) as e:
@@ -131,10 +146,14 @@ def test_bad_launch_values_keep_the_launch_wording(clean, name, value, accessor,
 def test_case_name_keeps_the_compile_cache_rule(clean):
     from optimized.config import InferenceConfig
     from optimized.executor.assembly import open_compile_cache
+
     cfg = InferenceConfig.from_dict({"model_config": {"exe_mode": "ge_graph", "enable_cache_compile": True}})
     clean.setenv("CASE_NAME", "../elsewhere")
-    with pytest.raises(envs.EnvError, match=r"^environment variable CASE_NAME '\.\./elsewhere' must be a plain "
-                                            r"directory name"):
+    with pytest.raises(
+        envs.EnvError,
+        match=r"^environment variable CASE_NAME '\.\./elsewhere' must be a plain "
+        r"directory name",
+    ):
         open_compile_cache(cfg)
 
 
@@ -143,16 +162,21 @@ def test_world_size_is_one_rule_for_every_reader(clean):
     from optimized.config import ParallelConfig
     from optimized.distributed.parallel_state import ParallelState, init_distributed
     from optimized.executor.assembly import check_launch
+
     clean.setenv("WORLD_SIZE", "two")
     message = r"^environment variable WORLD_SIZE must be an integer >= 1, got 'two' \(torchrun sets it\)$"
-    for call in (lambda: check_launch(1, "generate"), init_distributed,
-                 lambda: ParallelState.build(ParallelConfig(), 0)):
+    for call in (
+        lambda: check_launch(1, "generate"),
+        init_distributed,
+        lambda: ParallelState.build(ParallelConfig(), 0),
+    ):
         with pytest.raises(envs.EnvError, match=message):
             call()
 
 
 def test_reads_happen_at_call_time(clean):
     from optimized.ops.validation import soc_variant, strict_npu_limits
+
     assert soc_variant() == "a2a3" and not strict_npu_limits()
     clean.setenv("NPU_GOLDEN_SOC", "950")
     clean.setenv("QWEN3_MOE_STRICT_NPU_LIMITS", "1")

@@ -1,6 +1,7 @@
 """One error contract: every exception class `optimized` defines is a `UsageError` (a problem the user can fix;
 `python -m optimized` prints it as one line and exits with status 2), or an internal error listed, with the reason,
 in INTERNAL below. A new user-facing error class that forgets UsageError fails here."""
+
 from __future__ import annotations
 
 import importlib
@@ -14,11 +15,11 @@ from optimized.errors import UsageError
 
 # Not the user's to fix by an option, a file or the launch: what each one means instead.
 INTERNAL = {
-    "optimized.executor.model_runner.NonFiniteLogitsError",   # the model produced NaN / inf (a serving request
+    "optimized.executor.model_runner.NonFiniteLogitsError",  # the model produced NaN / inf (a serving request
     #   fails with it; `generate` still reports it as one line, Assembly.named_errors)
-    "optimized.serving.protocol.ApiError",                    # an HTTP error response to a client, never the CLI's
-    "optimized.serving.driver.EngineStopped",                 # the engine thread died: a bug or a device failure
-    "optimized.serving.driver.RequestFailed",                 # one request failed inside the engine
+    "optimized.serving.protocol.ApiError",  # an HTTP error response to a client, never the CLI's
+    "optimized.serving.driver.EngineStopped",  # the engine thread died: a bug or a device failure
+    "optimized.serving.driver.RequestFailed",  # one request failed inside the engine
 }
 
 
@@ -26,7 +27,7 @@ def _modules():
     for info in pkgutil.walk_packages(optimized.__path__, "optimized."):
         try:
             yield importlib.import_module(info.name)
-        except ImportError as e:     # an optional dependency (fastapi, httpx, torch_npu) this host lacks
+        except ImportError as e:  # an optional dependency (fastapi, httpx, torch_npu) this host lacks
             if e.name and e.name.split(".")[0] == "optimized":
                 raise
 
@@ -35,8 +36,11 @@ def exception_classes() -> dict[str, type]:
     found = {}
     for module in _modules():
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if (issubclass(cls, BaseException) and not issubclass(cls, Warning)     # warnings are not errors
-                    and cls.__module__.startswith("optimized")):
+            if (
+                issubclass(cls, BaseException)
+                and not issubclass(cls, Warning)  # warnings are not errors
+                and cls.__module__.startswith("optimized")
+            ):
                 found[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return found
 
@@ -45,8 +49,12 @@ CLASSES = exception_classes()
 
 
 def test_the_walk_finds_the_package_errors():
-    assert {"optimized.errors.UsageError", "optimized.errors.CheckpointError", "optimized.config.ConfigError",
-            "optimized.envs.EnvError"} <= set(CLASSES)
+    assert {
+        "optimized.errors.UsageError",
+        "optimized.errors.CheckpointError",
+        "optimized.config.ConfigError",
+        "optimized.envs.EnvError",
+    } <= set(CLASSES)
     assert len(CLASSES) >= 20
 
 
@@ -54,11 +62,13 @@ def test_the_walk_finds_the_package_errors():
 def test_every_error_is_a_usage_error_or_listed_internal(name):
     cls = CLASSES[name]
     if name in INTERNAL:
-        assert not issubclass(cls, UsageError) or name.startswith("optimized.layers."), \
+        assert not issubclass(cls, UsageError) or name.startswith("optimized.layers."), (
             f"{name} is a UsageError now: remove it from INTERNAL"
+        )
         return
-    assert issubclass(cls, UsageError), (f"{name} is neither a UsageError (a problem the user can fix) nor listed "
-                                         f"in INTERNAL with the reason it is not")
+    assert issubclass(cls, UsageError), (
+        f"{name} is neither a UsageError (a problem the user can fix) nor listed in INTERNAL with the reason it is not"
+    )
 
 
 def test_internal_list_names_existing_classes():
@@ -66,14 +76,19 @@ def test_internal_list_names_existing_classes():
     assert not stale, f"INTERNAL names classes that no longer exist: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("name, base", [
-    ("optimized.config.ConfigError", ValueError), ("optimized.errors.CheckpointError", ValueError),
-    ("optimized.model_loader.tokenizer.PromptError", ValueError),
-    ("optimized.distributed.guard.CollectiveTimeoutError", RuntimeError),
-    ("optimized.executor.profiling.ProfilerError", OSError), ("optimized.envs.EnvError", ValueError),
-])
+@pytest.mark.parametrize(
+    "name, base",
+    [
+        ("optimized.config.ConfigError", ValueError),
+        ("optimized.errors.CheckpointError", ValueError),
+        ("optimized.model_loader.tokenizer.PromptError", ValueError),
+        ("optimized.distributed.guard.CollectiveTimeoutError", RuntimeError),
+        ("optimized.executor.profiling.ProfilerError", OSError),
+        ("optimized.envs.EnvError", ValueError),
+    ],
+)
 def test_usage_errors_keep_their_second_base(name, base):
-    assert issubclass(CLASSES[name], base)      # existing `except ValueError` / `except OSError` callers still work
+    assert issubclass(CLASSES[name], base)  # existing `except ValueError` / `except OSError` callers still work
 
 
 def test_the_cli_prints_a_usage_error_as_one_line_with_status_2(monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """The execution plan: the MC2 window sized from the largest batch a decode step dispatches (the padded graph bucket,
 each DP group's share), the graph buckets, the KV pool, and the start-up block that names them."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,20 +14,33 @@ from optimized.distributed import decode_plan
 from optimized.executor import plan as P
 from optimized.forward_metadata import batch_bucket
 
-QWEN3_235B = SimpleNamespace(hidden_size=4096, num_experts=128, num_experts_per_tok=8, num_hidden_layers=94,
-                             decoder_sparse_step=1, mlp_only_layers=[], num_attention_heads=64,
-                             num_key_value_heads=4, head_dim=128, intermediate_size=12288,
-                             moe_intermediate_size=1536, vocab_size=151936, max_position_embeddings=40960)
+QWEN3_235B = SimpleNamespace(
+    hidden_size=4096,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=94,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+)
 
 
 def _cfg(exe_mode: str, batch: int, **parallel) -> InferenceConfig:
-    return InferenceConfig.from_dict({"model_config": {"exe_mode": exe_mode},
-                                      "parallel_config": parallel, "scheduler_config": {"batch_size": batch}})
+    return InferenceConfig.from_dict(
+        {"model_config": {"exe_mode": exe_mode}, "parallel_config": parallel, "scheduler_config": {"batch_size": batch}}
+    )
 
 
 def _plan(cfg, batch=None):
-    return P.ExecutionPlan.build(cfg, QWEN3_235B, batch=batch or cfg.scheduler_config.batch_size,
-                                 prefill_tokens=16, kv_pool_blocks=9)
+    return P.ExecutionPlan.build(
+        cfg, QWEN3_235B, batch=batch or cfg.scheduler_config.batch_size, prefill_tokens=16, kv_pool_blocks=9
+    )
 
 
 def test_graph_mode_sizes_the_mc2_window_for_the_padded_bucket_qwen3_235b_ep4_batch_600():
@@ -56,21 +70,26 @@ def test_serve_above_80_rows_per_rank_gets_a_window_that_holds_them():
     # and the plan builds the group with it, so the start-up check passes.
     plan = _plan(_cfg("eager", 400, world_size=4, attn_tp_size=4, moe_tp_size=1))
     assert plan.mc2_window_mb > decode_plan.HCCL_DEFAULT_MB
-    decode_plan.check_mc2_window(QWEN3_235B, _cfg("eager", 400, world_size=4, attn_tp_size=4,
-                                                   moe_tp_size=1).parallel_config, 400, 2, plan.mc2_window_mb)
+    decode_plan.check_mc2_window(
+        QWEN3_235B,
+        _cfg("eager", 400, world_size=4, attn_tp_size=4, moe_tp_size=1).parallel_config,
+        400,
+        2,
+        plan.mc2_window_mb,
+    )
 
 
 @settings(max_examples=40, deadline=None)
 @given(groups=st.integers(1, 150), dp=st.sampled_from([1, 2, 4]), graph=st.booleans())
 def test_the_window_holds_every_batch_a_step_can_dispatch(groups, dp, graph):
     """Any running batch up to the planned one, padded as the graph decoder pads it, fits the planned window."""
-    batch = groups * dp                # the config's rule: batch_size a multiple of the DP degree
+    batch = groups * dp  # the config's rule: batch_size a multiple of the DP degree
     layout = dict(world_size=4, attn_tp_size=4 // dp, moe_tp_size=1)
     cfg = _cfg("ge_graph" if graph else "eager", batch, **layout)
     plan = _plan(cfg)
     for running in {1, batch // 2 or 1, batch}:
         per_group = -(-running // dp)
-        step = dp * (batch_bucket(per_group) if graph else per_group)   # what a step really dispatches
+        step = dp * (batch_bucket(per_group) if graph else per_group)  # what a step really dispatches
         decode_plan.check_mc2_window(QWEN3_235B, cfg.parallel_config, step, 2, plan.mc2_window_mb)
 
 
@@ -78,15 +97,23 @@ def test_no_mc2_no_window_and_the_block_names_each_decision():
     plan = _plan(_cfg("eager", 4, world_size=2, attn_tp_size=2, moe_tp_size=2))
     assert plan.mc2_window_mb is None and plan.buckets == ()
     text = plan.describe()
-    for line in ("plan: batch 4", "prefill path:", "decode MoE path: moe_infer_tp", "decode steps eager; no MC2 decode",
-                 "KV pool: 9 blocks"):
+    for line in (
+        "plan: batch 4",
+        "prefill path:",
+        "decode MoE path: moe_infer_tp",
+        "decode steps eager; no MC2 decode",
+        "KV pool: 9 blocks",
+    ):
         assert line in text, text
 
 
-@pytest.mark.parametrize("lengths, block, dp, want", [
-    ([16, 17], 16, 1, 1 + 1 + 2),
-    ([16, 17, 5], 16, 2, 1 + 1 + 1),          # group 0: requests 0 and 2; group 1: request 1
-    ([40], 16, 2, 1 + 3),
-])
+@pytest.mark.parametrize(
+    "lengths, block, dp, want",
+    [
+        ([16, 17], 16, 1, 1 + 1 + 2),
+        ([16, 17, 5], 16, 2, 1 + 1 + 1),  # group 0: requests 0 and 2; group 1: request 1
+        ([40], 16, 2, 1 + 3),
+    ],
+)
 def test_pool_blocks_per_dp_group(lengths, block, dp, want):
     assert P.pool_blocks(lengths, block, dp) == want

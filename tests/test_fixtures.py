@@ -1,5 +1,6 @@
 """Fixture checkpoints are deterministic and cached; configs keep the real models' structure; presets are
 the released facts; the fixtures ship a real tokenizer (AutoTokenizer, chat template, EOS ids)."""
+
 from __future__ import annotations
 
 import time
@@ -47,6 +48,7 @@ def test_hash_depends_on_config():
 
 def test_checkpoints_use_per_expert_names_and_shard():
     import json
+
     single, sharded = checkpoints.checkpoint("tiny"), checkpoints.checkpoint("tiny", sharded=True)
     assert (single / "model.safetensors").is_file() and not (single / "model.safetensors.index.json").exists()
     names = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
@@ -94,8 +96,7 @@ def _params(c, active: bool) -> float:
     return 2 * c.vocab_size * H + c.num_hidden_layers * layer + H
 
 
-@pytest.mark.parametrize("name, total, active", [("Qwen3-30B-A3B", 30.5e9, 3.3e9),
-                                                 ("Qwen3-235B-A22B", 235e9, 22e9)])
+@pytest.mark.parametrize("name, total, active", [("Qwen3-30B-A3B", 30.5e9, 3.3e9), ("Qwen3-235B-A22B", 235e9, 22e9)])
 def test_presets_are_the_released_models(name, total, active):
     """The released parameter counts (model cards: 30.5B / 3.3B activated, 235B / 22B activated)."""
     c = preset_config(name)

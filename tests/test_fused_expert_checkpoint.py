@@ -1,5 +1,6 @@
 """The optimized loader reads transformers v5's fused expert tensors (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]) into the same shards as the per-expert names, one slice per rank."""
+
 from __future__ import annotations
 
 import shutil
@@ -30,16 +31,19 @@ def fused_checkpoint(tmp_path_factory):
         up = [tensors.pop(f"{prefix}.{e}.up_proj.weight") for e in experts]
         down = [tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in experts]
         tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])  # [E, 2I, H]
-        tensors[f"{prefix}.down_proj"] = torch.stack(down)                                               # [E, H, I]
+        tensors[f"{prefix}.down_proj"] = torch.stack(down)  # [E, H, I]
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
-@pytest.mark.parametrize("sizes, rank", [
-    (dict(world_size=1), 0),
-    (dict(world_size=2, moe_tp_size=1, moe_ep_size=2), 1),           # expert parallel: experts 8..15
-    (dict(world_size=2, moe_tp_size=2, moe_ep_size=1, attn_dp=False), 1),         # MoE tensor parallel: second half of I
-])
+@pytest.mark.parametrize(
+    "sizes, rank",
+    [
+        (dict(world_size=1), 0),
+        (dict(world_size=2, moe_tp_size=1, moe_ep_size=2), 1),  # expert parallel: experts 8..15
+        (dict(world_size=2, moe_tp_size=2, moe_ep_size=1, attn_dp=False), 1),  # MoE tensor parallel: second half of I
+    ],
+)
 def test_fused_experts_load_the_same_shards_reading_only_them(fused_checkpoint, sizes, rank):
     parallel = ParallelState.build(rank=rank, create_groups=False, **sizes)
     per_expert = load_model(checkpoint("tiny"), parallel=parallel, dtype=torch.float32)

@@ -1,4 +1,5 @@
 """ModelRunner's generation API: EOS per request, seeded sampling, returned logits, block_size checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,12 +58,12 @@ def test_sampling_is_seeded_per_request(runner):
         return runner.generate(prompts, 8, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=seed)).tokens
 
     first = sample(11)
-    assert sample(11) == first                       # same seed, same tokens
-    assert sample(12) != first                       # another seed, other tokens
-    assert sample(11, PROMPTS[:1]) == first[:1]      # a request's draws do not depend on the rest of the batch
+    assert sample(11) == first  # same seed, same tokens
+    assert sample(12) != first  # another seed, other tokens
+    assert sample(11, PROMPTS[:1]) == first[:1]  # a request's draws do not depend on the rest of the batch
     unseeded = [runner.generate(PROMPTS, 8, sampling=SamplingParams(temperature=1.0)).tokens for _ in range(2)]
     assert all(len(t) == 8 and all(0 <= i < 512 for i in t) for t in unseeded[0])
-    assert unseeded[0] != unseeded[1]                # no seed: a fresh one every call (from the OS)
+    assert unseeded[0] != unseeded[1]  # no seed: a fresh one every call (from the OS)
 
 
 @given(st.integers(1, 12), st.floats(0.05, 1.0), st.floats(0.2, 3.0), st.integers(0, 2**16))
@@ -74,11 +75,11 @@ def test_top_k_top_p_keep_the_smallest_likely_set(top_k, top_p, temperature, see
     for row in range(2):
         order = torch.argsort(logits[row], descending=True).tolist()
         kept = [i for i in order if probs[row, i] > 0]
-        assert kept == order[:len(kept)] and 1 <= len(kept) <= top_k      # a prefix of the ranking, <= k
+        assert kept == order[: len(kept)] and 1 <= len(kept) <= top_k  # a prefix of the ranking, <= k
         topk = full[row, order[:top_k]] / full[row, order[:top_k]].sum()
-        mass = topk[:len(kept)].sum()
-        assert mass >= top_p - 1e-6 or len(kept) == top_k                 # reaches top_p (or all k kept)
-        assert len(kept) == 1 or topk[:len(kept) - 1].sum() < top_p + 1e-6  # and no smaller prefix does
+        mass = topk[: len(kept)].sum()
+        assert mass >= top_p - 1e-6 or len(kept) == top_k  # reaches top_p (or all k kept)
+        assert len(kept) == 1 or topk[: len(kept) - 1].sum() < top_p + 1e-6  # and no smaller prefix does
 
 
 def test_returned_logits_equal_the_models_forward(runner, greedy):
@@ -89,9 +90,9 @@ def test_returned_logits_equal_the_models_forward(runner, greedy):
         tokens = result.tokens[i]
         assert tokens == greedy[i][:5]
         with torch.no_grad():
-            full = reference(torch.tensor([prompt + tokens[:-1]]))[0]              # [S, V]
+            full = reference(torch.tensor([prompt + tokens[:-1]]))[0]  # [S, V]
         assert_close(result.prompt_logits[i], full[positions[i]], "model.float32", f"prompt logits {i}")
-        steps = full[len(prompt) - 1:]                                             # the logits each token came from
+        steps = full[len(prompt) - 1 :]  # the logits each token came from
         assert_close(result.logits[i], steps, "model.float32", f"generation logits {i}")
         assert result.logits[i].argmax(-1).tolist() == tokens
 
@@ -109,8 +110,13 @@ def test_logits_positions_outside_the_prompt_are_refused(runner):
         SamplingParams(temperature=1.0, top_p=0)
 
 
-@given(rows=st.integers(1, 4), vocab=st.integers(1, 300), ties=st.integers(0, 5), seed=st.integers(0, 2**31 - 1),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.integers(1, 300),
+    ties=st.integers(0, 5),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
 def test_greedy_pick_is_the_argmax_of_the_logits_as_given(rows, vocab, ties, seed, dtype):
     """The greedy sampler argmaxes in float32: the index argmax gives on the logits' own dtype, ties included
     (several copies of each row's maximum: the first wins), on values of few distinct levels."""
@@ -119,5 +125,5 @@ def test_greedy_pick_is_the_argmax_of_the_logits_as_given(rows, vocab, ties, see
     for r in range(rows):
         top = logits[r].max()
         logits[r, torch.randint(0, vocab, (ties,), generator=g)] = top
-    picked = choose(logits, None)                 # the engine's all-greedy batch
+    picked = choose(logits, None)  # the engine's all-greedy batch
     assert torch.equal(picked, logits.argmax(-1)), (picked, logits.argmax(-1))

@@ -1,6 +1,7 @@
 """`bench --host-overhead`: the engine's host time per decode step is the step's wall time minus its forward's, both
 on the engine's clock. A fake clock makes it exact: every forward takes 5 units, the engine's read back 2 more, so
 each decode step is 7 units of which 2 are the host's (no timing of real work is asserted)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,12 +21,14 @@ class FakeClock:
 @pytest.fixture(scope="module")
 def runner():
     from optimized import ModelRunner, load_model
+
     return ModelRunner(load_model(checkpoint("tiny"), dtype=torch.float32), block_size=16)
 
 
 def test_host_overhead_is_the_step_minus_its_forward(runner, monkeypatch):
     from optimized.benchmarks.host_overhead import format_report, measure
     from optimized.executor.engine import Engine
+
     clock = FakeClock()
     monkeypatch.setattr(runner, "clock", clock)
     forward = runner.decode_forward
@@ -33,27 +36,51 @@ def test_host_overhead_is_the_step_minus_its_forward(runner, monkeypatch):
     def slow_forward(*a):
         clock.now += 5.0
         return forward(*a)
+
     monkeypatch.setattr(runner, "decode_forward", slow_forward)
     read = Engine._read
 
     def slow_read(self, *a):
         clock.now += 2.0
         return read(self, *a)
+
     monkeypatch.setattr(Engine, "_read", slow_read)
     row = measure(runner, [[1, 2, 3], [4, 5, 6, 7]], decode_steps=3, rounds=2)
     assert row["batch"] == 2 and row["steps"] == 3
     assert row["step_ms"] == 7000.0 and row["forward_ms"] == 5000.0 and row["host_ms"] == 2000.0
     assert row["host_share"] == pytest.approx(2 / 7)
     assert "28.57%" in format_report([row], "tiny")
-    assert runner.decode_forward is slow_forward          # measure put the runner's decode back
+    assert runner.decode_forward is slow_forward  # measure put the runner's decode back
 
 
 def test_bench_host_overhead_command_reports_both_batches(tmp_path, capsys):
     import json
     from optimized.__main__ import main
+
     out = tmp_path / "h.json"
-    assert main(["bench", "--preset", "tiny", "--layers", "1", "--host-overhead", "--host-overhead-batches", "1,3",
-                 "--decode-steps", "2", "--repeats", "1", "--prompt-len", "8", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--preset",
+                "tiny",
+                "--layers",
+                "1",
+                "--host-overhead",
+                "--host-overhead-batches",
+                "1,3",
+                "--decode-steps",
+                "2",
+                "--repeats",
+                "1",
+                "--prompt-len",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["host_overhead"]
     assert [r["batch"] for r in rows] == [1, 3] and all(r["steps"] == 2 for r in rows)
     assert all(r["step_ms"] >= r["forward_ms"] > 0 for r in rows), rows

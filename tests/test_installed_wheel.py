@@ -6,6 +6,7 @@ The fresh environment borrows this environment's third-party packages (torch, tr
 `.pth` line: a path added that way is on sys.path but its own .pth files (this checkout's editable install) are
 not processed, so `optimized` comes only from the wheel that was just installed.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,17 +38,34 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root)
-                   .stdout.strip())
+    purelib = Path(
+        _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root).stdout.strip()
+    )
     borrowed = [p for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]] if Path(p).is_dir()]
     (purelib / "borrowed-site-packages.pth").write_text("\n".join(dict.fromkeys(borrowed)) + "\n")
     # A copy of the sources only: a local build/ or *.egg-info left by an editable install must not leak in.
     source = root / "source"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "build", "*.egg-info",
-                                                                 "__pycache__", "compile_cache"))
-    build = _run(python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-cache-dir",
-                 "--disable-pip-version-check", "--quiet", "--target", str(purelib), str(source), cwd=root,
-                 timeout=600)
+    shutil.copytree(
+        REPO,
+        source,
+        ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "build", "*.egg-info", "__pycache__", "compile_cache"),
+    )
+    build = _run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--target",
+        str(purelib),
+        str(source),
+        cwd=root,
+        timeout=600,
+    )
     assert build.returncode == 0, f"pip install . failed:\n{build.stdout}\n{build.stderr}"
     work = root / "work"
     work.mkdir()
@@ -59,10 +77,12 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_installed_product_imports_no_test_code(installed):
     python, work = installed
-    probe = ("import sys, optimized, optimized.cli.main, optimized.benchmarks.budgets as b; "
-             "b.load_budgets(); "
-             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fixtures', 'equivalence')); "
-             "print(bad); assert not bad")
+    probe = (
+        "import sys, optimized, optimized.cli.main, optimized.benchmarks.budgets as b; "
+        "b.load_budgets(); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fixtures', 'equivalence')); "
+        "print(bad); assert not bad"
+    )
     r = _run(python, "-c", probe, cwd=work)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -70,11 +90,13 @@ def test_installed_product_imports_no_test_code(installed):
 def test_installed_generate_on_a_checkpoint_directory(installed, tmp_path):
     python, work = installed
     config = tmp_path / "run.yaml"
-    config.write_text(textwrap.dedent(f"""\
-        model_config: {{model_path: {checkpoint('tiny')}, dtype: float32}}
+    config.write_text(
+        textwrap.dedent(f"""\
+        model_config: {{model_path: {checkpoint("tiny")}, dtype: float32}}
         data_config: {{input_max_len: 64}}
         scheduler_config: {{max_new_tokens: 4, block_size: 16}}
-        """))
+        """)
+    )
     r = _run(python, "-m", "optimized", "generate", "--config", str(config), "--prompt", "Hello", cwd=work)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "generated ids:" in r.stdout and "completion:" in r.stdout, r.stdout
@@ -83,8 +105,18 @@ def test_installed_generate_on_a_checkpoint_directory(installed, tmp_path):
 def test_installed_convert(installed, tmp_path):
     python, work = installed
     dst = tmp_path / "w4a8"
-    r = _run(python, "-m", "optimized", "convert", "--quant", "w4a8", str(checkpoint("tiny")), str(dst),
-             "--no-progress", cwd=work)
+    r = _run(
+        python,
+        "-m",
+        "optimized",
+        "convert",
+        "--quant",
+        "w4a8",
+        str(checkpoint("tiny")),
+        str(dst),
+        "--no-progress",
+        cwd=work,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (dst / "config.json").is_file() and "converted" in r.stdout
 

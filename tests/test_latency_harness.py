@@ -1,6 +1,7 @@
 """The latency harness (optimized.benchmarks.latency, .budgets, .budget_run): statistics, the timing loop under a
 deterministic fake clock, the budget table and its skip rules, the pooled random weights, and
 `python -m optimized latency` on one CPU process."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ class FakeClock:
 
 # ----------------------------------------------------------------------------------------- statistics
 
+
 def test_nearest_rank_percentiles_by_hand():
-    samples = [float(x) for x in range(1, 11)]          # 1..10 (shuffled below)
+    samples = [float(x) for x in range(1, 11)]  # 1..10 (shuffled below)
     shuffled = samples[5:] + samples[:5]
     # rank ceil(q/100 * 10): p50 -> 5th = 5, p90 -> 9th = 9, p99 -> 10th = 10, p10 -> 1st = 1
     assert [L.percentile(shuffled, q) for q in (50, 90, 99, 10, 100)] == [5.0, 9.0, 10.0, 1.0, 10.0]
@@ -46,8 +48,7 @@ def test_nearest_rank_percentiles_by_hand():
         L.percentile([1.0], 0)
 
 
-@given(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=1, max_size=200),
-       st.floats(0, 100, exclude_min=True))
+@given(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=1, max_size=200), st.floats(0, 100, exclude_min=True))
 def test_percentile_is_the_nearest_rank(samples, q):
     # the smallest sample with at least q% of the samples at or below it
     p = L.percentile(samples, q)
@@ -67,8 +68,13 @@ def test_summarize_reports_milliseconds():
 def test_measure_warms_up_untimed_and_syncs_around_every_sample():
     clock = FakeClock([10.0, 10.5, 20.0, 20.25, 30.0, 31.0])
     calls = []
-    samples = L.measure(lambda: calls.append("fn") or clock.log.append("fn"), warmup=2, repeats=3,
-                        sync=lambda: clock.log.append("sync"), clock=clock)
+    samples = L.measure(
+        lambda: calls.append("fn") or clock.log.append("fn"),
+        warmup=2,
+        repeats=3,
+        sync=lambda: clock.log.append("sync"),
+        clock=clock,
+    )
     assert samples == [0.5, 0.25, 1.0]
     assert len(calls) == 5 and clock.times == []
     # warm-up: fn, sync (no clock); timed: sync, clock, fn, sync, clock
@@ -85,6 +91,7 @@ def test_interleave_runs_round_by_round_and_drops_warmup_rounds():
             counter[name] += 1
             order.append(name)
             return {"prefill": [counter[name] * 1.0], "decode": [counter[name] * 0.1, counter[name] * 0.2]}
+
         return run
 
     out = L.interleave({"a": workload("a"), "b": workload("b")}, warmup=1, repeats=2)
@@ -97,13 +104,15 @@ def test_runner_phase_timer_is_the_injected_clock():
     from fixtures.tiny import tiny_config
     from optimized import ModelRunner, model_from_source
     from optimized.benchmarks.budget_run import generation_samples
+
     runner = ModelRunner(model_from_source(tiny_config("tiny"), R.PooledRandomWeights(), dtype=torch.float32), 16)
     ticks = iter(range(100))
-    runner.clock = lambda: float(next(ticks))       # every phase takes exactly one tick
+    runner.clock = lambda: float(next(ticks))  # every phase takes exactly one tick
     assert generation_samples(runner, [[1, 2, 3]], 3) == {"prefill": [1.0], "decode": [1.0, 1.0, 1.0]}
 
 
 # -------------------------------------------------------------------------------------------- verdicts
+
 
 def _budget(**kw):
     base = dict(name="b", kind="absolute", description="d", model={"fixture": "tiny"}, limits_ms={"decode": 20})
@@ -112,7 +121,7 @@ def _budget(**kw):
 
 
 def test_absolute_verdict_is_p50_against_the_limit_with_floor_ratio():
-    b = _budget(repeats=1, decode_steps=3)                     # one round of 3 decode steps: 3 samples
+    b = _budget(repeats=1, decode_steps=3)  # one round of 3 decode steps: 3 samples
     at = B.phase_report(b, "decode", [0.019, 0.020, 0.030], floor_s=0.004)
     assert at["ms"]["p50"] == pytest.approx(20.0) and at["passed"] and at["p50_over_floor"] == pytest.approx(5.0)
     assert at["broken"] is None
@@ -148,7 +157,7 @@ def test_default_run_collects_no_latency_test():
     import sys
     from types import SimpleNamespace
 
-    root_conftest = sys.modules.get("conftest") or __import__("conftest")   # the repository's conftest.py
+    root_conftest = sys.modules.get("conftest") or __import__("conftest")  # the repository's conftest.py
 
     class Item:
         def __init__(self, name, marks):
@@ -163,8 +172,10 @@ def test_default_run_collects_no_latency_test():
     def collect(markexpr):
         items = [Item("test_cpu_relative_budget", {"latency"}), Item("test_percentile", set())]
         deselected = []
-        config = SimpleNamespace(getoption=lambda name, default=None: markexpr if name == "markexpr" else default,
-                                 hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+        config = SimpleNamespace(
+            getoption=lambda name, default=None: markexpr if name == "markexpr" else default,
+            hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)),
+        )
         root_conftest.pytest_collection_modifyitems(config, items)
         return [i.name for i in items], [i.name for i in deselected]
 
@@ -175,6 +186,7 @@ def test_default_run_collects_no_latency_test():
 
 
 # ---------------------------------------------------------------------------------------------- budgets
+
 
 def test_seed_budgets_are_written_in():
     budgets = B.load_budgets()
@@ -203,7 +215,9 @@ def test_npu_budgets_skip_naming_hardware_and_fail_without_their_checkpoint():
     assert "16 NPU devices" in a3.skip_reason("decode", B.Host("npu", "Ascend910_9392", 8))
     assert "needs Atlas A3" in a3.skip_reason("decode", B.Host("npu", "Ascend910B3", 16))
     a3_host = B.Host("npu", "Ascend910_9392", 16)
-    assert a3.skip_reason("decode", a3_host) is None and pr.skip_reason("prefill", B.Host("npu", "Ascend950PR", 4)) is None
+    assert (
+        a3.skip_reason("decode", a3_host) is None and pr.skip_reason("prefill", B.Host("npu", "Ascend950PR", 4)) is None
+    )
     assert budgets["cpu_tiny_relative"].skip_reason("decode", a3_host).startswith("a CPU relative budget")
     # on its hardware the W4A8 budget cannot be measured on random weights: a failure saying what to pass
     missing = pr.missing_checkpoint(None)
@@ -214,6 +228,7 @@ def test_npu_budgets_skip_naming_hardware_and_fail_without_their_checkpoint():
 
 def test_random_weights_route_skewed_not_uniformly():
     from fixtures.tiny import tiny_config
+
     # a Qwen3-30B-A3B-shaped router (E 128, H 2048, top-8) over EP 4: the hot rank carries measurably more than
     # its share; unscaled random weights stay near balance (measured 1.5x vs 1.02x)
     name, shape = "model.layers.0.mlp.gate.weight", (128, 2048)
@@ -227,22 +242,30 @@ def test_random_weights_route_skewed_not_uniformly():
     assert R.weights_label("/ckpt", tiny_config("tiny")) == {"weights": "/ckpt"}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"routing": "balanced"}, "routing: must be 'skewed'"),
-    ({"limits_ms": {"decode_fast": 1}}, "limits_ms: must map phases"),
-    ({"checkpoint": "fp4"}, "checkpoint: must be w4a8 or bf16"),
-    ({"colour": "red"}, "unknown key(s) ['colour']"),
-    ({"warmup": -1}, "warmup: must be a non-negative integer"),
-    ({"limits_ms": {"decode": 0}}, "to positive numbers"),
-    ({"dtype": "float16"}, "dtype: must be one of bfloat16, float32"),
-    ({"precision": "int4"}, "precision: must be one of bf16, fp32, w4a8"),
-    ({"max_ratio": {"decode": 2}}, "max_ratio: absolute budgets have limits_ms, not max_ratio"),
-    ({"hardware": {"soc": "x", "devices": 1, "floor": "abacus", "name": "n"}}, "unknown 'abacus'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"routing": "balanced"}, "routing: must be 'skewed'"),
+        ({"limits_ms": {"decode_fast": 1}}, "limits_ms: must map phases"),
+        ({"checkpoint": "fp4"}, "checkpoint: must be w4a8 or bf16"),
+        ({"colour": "red"}, "unknown key(s) ['colour']"),
+        ({"warmup": -1}, "warmup: must be a non-negative integer"),
+        ({"limits_ms": {"decode": 0}}, "to positive numbers"),
+        ({"dtype": "float16"}, "dtype: must be one of bfloat16, float32"),
+        ({"precision": "int4"}, "precision: must be one of bf16, fp32, w4a8"),
+        ({"max_ratio": {"decode": 2}}, "max_ratio: absolute budgets have limits_ms, not max_ratio"),
+        ({"hardware": {"soc": "x", "devices": 1, "floor": "abacus", "name": "n"}}, "unknown 'abacus'"),
+    ],
+)
 def test_bad_budget_files_name_the_budget_and_key(tmp_path, change, message):
-    spec = {"kind": "absolute", "description": "d", "model": {"fixture": "tiny"}, "limits_ms": {"decode": 1},
-            "config": "fixtures/configs/tiny_single.yaml",
-            "hardware": {"soc": "x", "devices": 1, "floor": "atlas_a3", "name": "n"}}
+    spec = {
+        "kind": "absolute",
+        "description": "d",
+        "model": {"fixture": "tiny"},
+        "limits_ms": {"decode": 1},
+        "config": "fixtures/configs/tiny_single.yaml",
+        "hardware": {"soc": "x", "devices": 1, "floor": "atlas_a3", "name": "n"},
+    }
     spec.update(change)
     path = tmp_path / "budgets.yaml"
     path.write_text(json.dumps({"budgets": {"mine": spec}}))
@@ -253,8 +276,9 @@ def test_bad_budget_files_name_the_budget_and_key(tmp_path, change, message):
 
 # --------------------------------------------------------------------------------------- weights, CLI
 
+
 def test_pooled_weights_read_the_same_values_whole_or_sliced():
-    src = R.PooledRandomWeights(seed=3, pool=1001)          # tensors longer than the pool wrap around it
+    src = R.PooledRandomWeights(seed=3, pool=1001)  # tensors longer than the pool wrap around it
     whole = src.read("model.layers.0.mlp.experts.5.down_proj.weight", (64, 48))
     assert whole.shape == (64, 48) and whole.std() > 0
     rows = src.read("model.layers.0.mlp.experts.5.down_proj.weight", (64, 48), (slice(16, 32),))
@@ -266,6 +290,7 @@ def test_pooled_weights_read_the_same_values_whole_or_sliced():
 
 def test_reference_and_optimized_compute_the_same_tokens():
     from fixtures.tiny import tiny_config
+
     ref, runner = R.reference_and_optimized(tiny_config("tiny-dense"), torch.float32, seed=1)
     prompts = [[5, 6, 7, 8]]
     with torch.no_grad():
@@ -278,11 +303,27 @@ def test_reference_and_optimized_compute_the_same_tokens():
 
 def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys):
     budgets = tmp_path / "budgets.yaml"
-    budgets.write_text(json.dumps({"budgets": {"tiny_one_rank": {
-        "kind": "absolute", "description": "tiny, one process", "model": {"fixture": "tiny"},
-        "dtype": "float32", "config": str(ROOT / "fixtures/configs/tiny_single.yaml"), "prompt_len": 12,
-        "decode_steps": 3, "warmup": 1, "repeats": 2, "limits_ms": {"prefill": 1e6, "decode": 1e6},
-        "hardware": {"soc": "*", "devices": 1, "floor": "atlas_a3", "name": "any"}}}}))
+    budgets.write_text(
+        json.dumps(
+            {
+                "budgets": {
+                    "tiny_one_rank": {
+                        "kind": "absolute",
+                        "description": "tiny, one process",
+                        "model": {"fixture": "tiny"},
+                        "dtype": "float32",
+                        "config": str(ROOT / "fixtures/configs/tiny_single.yaml"),
+                        "prompt_len": 12,
+                        "decode_steps": 3,
+                        "warmup": 1,
+                        "repeats": 2,
+                        "limits_ms": {"prefill": 1e6, "decode": 1e6},
+                        "hardware": {"soc": "*", "devices": 1, "floor": "atlas_a3", "name": "any"},
+                    }
+                }
+            }
+        )
+    )
     out = tmp_path / "raw.json"
     assert cli_main(["latency", "--budget", "tiny_one_rank", "--budgets", str(budgets), "--json", str(out)]) == 0
     raw = json.loads(out.read_text())
@@ -293,8 +334,19 @@ def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys
     budget = B.load_budgets(budgets)["tiny_one_rank"]
     cmd = R.launch_command(budget, out, budgets, model_path="/ckpt")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    assert cmd[6:] == ["-m", "optimized", "latency", "--budget", "tiny_one_rank", "--budgets", str(budgets),
-                       "--json", str(out), "--model-path", "/ckpt"]
+    assert cmd[6:] == [
+        "-m",
+        "optimized",
+        "latency",
+        "--budget",
+        "tiny_one_rank",
+        "--budgets",
+        str(budgets),
+        "--json",
+        str(out),
+        "--model-path",
+        "/ckpt",
+    ]
 
 
 def test_cli_latency_errors(tmp_path, capsys, monkeypatch):
@@ -317,7 +369,7 @@ def test_latency_run_refuses_a_model_that_does_not_run_what_the_budget_names():
     budgets = B.load_budgets()
     a3, pr = budgets["a3_235b_bf16_decode"], budgets["atlas950pr_235b_w4a8"]
     bf16_tp = SimpleNamespace(config=tiny_config("tiny"), ep_scheme=None)
-    R.check_applied(a3, bf16_tp)                                     # bf16, TP prefill: what a3 names
+    R.check_applied(a3, bf16_tp)  # bf16, TP prefill: what a3 names
     with pytest.raises(UsageError, match="is w4a8 but the model is not quantized"):
         R.check_applied(pr, bf16_tp)
     with pytest.raises(UsageError, match="does not use the sequence-parallel prefill"):

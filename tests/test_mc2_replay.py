@@ -7,6 +7,7 @@ replay is refused before any collective; a corrupted expected row inside expand_
 expert_token_nums or combine output fails, while a row past n_recv (unspecified) does not; and every recorded MC2
 call's configuration is one the MC2 replay covers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ from equivalence.npu.record_npu_calls import CONFIGURATIONS, load_recording, mc2
 pytestmark = pytest.mark.distributed
 
 BY_NAME = {c.name: c for c in CONFIGURATIONS}
-MC2_CONFIGURATIONS = tuple(c.name for c in mc2_configurations())   # what the NPU MC2 replay runs
+MC2_CONFIGURATIONS = tuple(c.name for c in mc2_configurations())  # what the NPU MC2 replay runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,6 +44,7 @@ def _outcomes(rank: int, world: int, captures, variants: dict) -> dict:
             out[label] = f"{type(err).__name__}: {err}"
     group = mc2_replay.new_replay_group(world)
     from optimized.distributed.parallel_state import comm_name
+
     out["name"] = comm_name(group)
     dist.destroy_process_group(group)
     return out
@@ -51,6 +53,7 @@ def _outcomes(rank: int, world: int, captures, variants: dict) -> dict:
 def _altered(captures, rank: int, **change) -> list[RankCapture]:
     """The captures with rank `rank`'s expected outputs changed (what a wrong kernel would be measured against)."""
     import dataclasses
+
     out = list(captures)
     out[rank] = dataclasses.replace(captures[rank], **change)
     return out
@@ -72,12 +75,15 @@ def test_mc2_replay_passes_with_its_own_group_and_refuses_the_recorded_name(name
     for rank, res in enumerate(out):
         assert res["own group"] == "ok", f"{name} rank {rank}: {res['own group']}"
         assert res["name"] != recorded, f"the replay group's name equals the recorded {recorded!r}: proves nothing"
-        assert res["recorded name"].startswith("StaleGroupNameError: npu_moe_distribute_dispatch_v2: group_ep="
-                                               f"{recorded!r} does not name this replay's group"), res
+        assert res["recorded name"].startswith(
+            "StaleGroupNameError: npu_moe_distribute_dispatch_v2: group_ep="
+            f"{recorded!r} does not name this replay's group"
+        ), res
 
 
 def _pool_outcomes(captures, variants: dict) -> list[dict]:
     from equivalence.support.dist import get_pool
+
     return get_pool(captures[0].world).run(_outcomes, captures, variants, timeout=180)
 
 
@@ -93,8 +99,15 @@ def test_mc2_replay_checks_fail_on_planted_wrong_outputs():
     variants = {
         "received row": {"expected": _altered(captures, 0, dispatch_out=with_output(0, _bump(expand_x, n - 1)))},
         "row past n_recv": {"expected": _altered(captures, 0, dispatch_out=with_output(0, _bump(expand_x, n)))},
-        "expert_token_nums": {"expected": _altered(captures, 0, dispatch_out=with_output(
-            3, counts.flip(0) if not torch.equal(counts, counts.flip(0)) else _bump(counts, 0)))},
+        "expert_token_nums": {
+            "expected": _altered(
+                captures,
+                0,
+                dispatch_out=with_output(
+                    3, counts.flip(0) if not torch.equal(counts, counts.flip(0)) else _bump(counts, 0)
+                ),
+            )
+        },
         "combine output": {"expected": _altered(captures, 0, combine_out=_bump(cap.combine_out, 0))},
     }
     out = _pool_outcomes(captures, variants)
@@ -123,8 +136,9 @@ def test_every_recorded_mc2_call_is_covered_by_the_mc2_replay():
             for config in call["configurations"]:
                 recorded.setdefault(config, set()).add(call["op"])
     assert recorded, "the recording has no MC2 call: the MC2 replay would prove nothing"
-    assert set(recorded) == covered, (f"recorded MC2 configurations {sorted(recorded)} vs the MC2 replay's "
-                                      f"{sorted(covered)}")
+    assert set(recorded) == covered, (
+        f"recorded MC2 configurations {sorted(recorded)} vs the MC2 replay's {sorted(covered)}"
+    )
     assert all(ops == {DISPATCH, COMBINE} for ops in recorded.values()), recorded
     assert all(BY_NAME[c].world > 1 for c in covered), "an MC2 replay needs ep_world_size ranks"
 

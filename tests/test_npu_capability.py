@@ -1,5 +1,6 @@
 """NPU tests skip only on the device's declared capability, decided before the kernel call: no test turns a kernel's
 exception into a skip (an `except` whose body skips), and the capability checks skip or pass on the SoC name alone."""
+
 from __future__ import annotations
 
 import ast
@@ -18,8 +19,11 @@ def _skips_in_handlers(path: Path) -> list[str]:
     found = []
     for handler in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ExceptHandler)):
         for node in ast.walk(handler):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr in ("skip", "skipTest", "xfail", "importorskip"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("skip", "skipTest", "xfail", "importorskip")
+            ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
 
@@ -51,8 +55,10 @@ def test_mx_capability_is_decided_by_the_soc_name(monkeypatch, soc, runs):
         cap.require_950("MX")
         cap.require_dynamic_quant(torch.float8_e4m3fn, "pertoken")
     else:
-        with pytest.raises(pytest.skip.Exception, match=f"runs on Ascend 950; this device declares SoC {soc or 'none'}"):
+        with pytest.raises(
+            pytest.skip.Exception, match=f"runs on Ascend 950; this device declares SoC {soc or 'none'}"
+        ):
             cap.require_950("MX")
-        cap.require_dynamic_quant(torch.int8, "pertoken")        # every SoC declares it: no skip
+        cap.require_dynamic_quant(torch.int8, "pertoken")  # every SoC declares it: no skip
         with pytest.raises(pytest.skip.Exception):
             cap.require_dynamic_quant(torch.float8_e4m3fn, "pertoken")

@@ -1,6 +1,7 @@
 """An older torch_npu that lacks an operator the model calls, or has it under another schema, fails at model build
 with one error listing every such operator and the torch_npu version (simulated here: no torch_npu on this host).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,6 +25,7 @@ def _old_torch_npu(monkeypatch, schemas: dict):
             text = schemas[qualname]
             return None if text is None else torch._C.parse_schema(f"npu::{text}")
         return real(qualname)
+
     monkeypatch.setattr(required, "find_schema", find)
 
 
@@ -38,24 +40,29 @@ def test_model_build_lists_every_missing_operator_and_the_torch_npu_version(monk
 
 
 def test_model_build_rejects_an_operator_under_another_schema(monkeypatch):
-    older = SCHEMAS["npu_swiglu"].replace("int dim=-1", "int dim=-1, *, int mode")   # a new required argument
+    older = SCHEMAS["npu_swiglu"].replace("int dim=-1", "int dim=-1, *, int mode")  # a new required argument
     _old_torch_npu(monkeypatch, {"npu_swiglu": older})
     with pytest.raises(MissingNpuOperatorError, match=r"npu_swiglu: extra arguments without defaults: \['mode'\]"):
         load_model(checkpoint("tiny"), dtype=torch.float32)
 
 
 def test_a_bf16_model_does_not_require_the_mx_operators(monkeypatch):
-    _old_torch_npu(monkeypatch, {name: None for name in required.MXFP8 | required.W4A8_EXPERTS | required.MX_SP_PREFILL})
+    _old_torch_npu(
+        monkeypatch, {name: None for name in required.MXFP8 | required.W4A8_EXPERTS | required.MX_SP_PREFILL}
+    )
     assert load_model(checkpoint("tiny"), dtype=torch.float32) is not None
 
 
-@pytest.mark.parametrize("change, why", [
-    (lambda s: s.replace("int dim=-1", "int dim=-1, int extra=0"), None),               # a later defaulted argument
-    (lambda s: s.replace("int dim=-1", "float dim=-1"), "argument 'dim' is float"),
-    (lambda s: s.replace("int dim=-1", "*, int dim=-1"), "argument 'dim' is int (keyword-only)"),
-    (lambda s: s.replace("int dim=-1", "int axis=-1"), "no argument 'dim'"),
-    (lambda s: s.replace("-> Tensor", "-> (Tensor, Tensor)"), "returns"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda s: s.replace("int dim=-1", "int dim=-1, int extra=0"), None),  # a later defaulted argument
+        (lambda s: s.replace("int dim=-1", "float dim=-1"), "argument 'dim' is float"),
+        (lambda s: s.replace("int dim=-1", "*, int dim=-1"), "argument 'dim' is int (keyword-only)"),
+        (lambda s: s.replace("int dim=-1", "int axis=-1"), "no argument 'dim'"),
+        (lambda s: s.replace("-> Tensor", "-> (Tensor, Tensor)"), "returns"),
+    ],
+)
 def test_schema_mismatch_rules(change, why):
     ours = torch._C.parse_schema(f"npu::{SCHEMAS['npu_swiglu']}")
     got = required.schema_mismatch(ours, torch._C.parse_schema(f"npu::{change(SCHEMAS['npu_swiglu'])}"))

@@ -1,5 +1,6 @@
 """`python -m optimized generate | bench | convert`: the optimized CLI prints what the reference computes
 (single process and under torchrun), and user errors are one line on stderr with exit status 2."""
+
 from __future__ import annotations
 
 import json
@@ -48,6 +49,7 @@ def run_error(argv, capsys) -> str:
 
 # ------------------------------------------------------------------------------------------- generate
 
+
 def test_generate_single_process_equals_reference(capsys):
     tok = tokenizer()
     prompt = encode(tok, "hello")
@@ -64,7 +66,9 @@ def test_generate_single_process_equals_reference(capsys):
 
 def test_generate_batch_from_config_prompts_equals_reference(capsys):
     """No --prompt: the config's prompts (2 requests, fp32, max_new_tokens 8); ids given as --prompt-ids too."""
-    assert cli_main(["generate", "--config", SINGLE, "--max-new-tokens", "5", "--model-path", "fixture:tiny-dense"]) == 0
+    assert (
+        cli_main(["generate", "--config", SINGLE, "--max-new-tokens", "5", "--model-path", "fixture:tiny-dense"]) == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     for i, text in enumerate(["The capital of France is", "1, 2, 3,"]):
         expected = reference_tokens(encode(tokenizer("tiny-dense"), text), 5, "tiny-dense")
@@ -75,16 +79,36 @@ def test_generate_under_torchrun_two_ranks_equals_reference():
     prompt = encode(tokenizer(), "1, 2, 3,")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "optimized", "generate", "--config", TP2, "--prompt-ids", ids_line(prompt),
-                          "--max-new-tokens", "6"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "optimized",
+            "generate",
+            "--config",
+            TP2,
+            "--prompt-ids",
+            ids_line(prompt),
+            "--max-new-tokens",
+            "6",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert f"generated ids: {ids_line(reference_tokens(prompt, 6))}" in lines
     assert sum(line.startswith("generated ids:") for line in lines) == 1, "only rank 0 prints"
     assert any(line.startswith("model: ") and "world_size 2" in line for line in lines)
-    assert any(line.startswith("prefill path: tensor parallel") for line in lines)   # tiny_tp2: no SP prefill
+    assert any(line.startswith("prefill path: tensor parallel") for line in lines)  # tiny_tp2: no SP prefill
 
 
 def _torchrun_four_ranks_equals_reference(config: str, texts) -> list[str]:
@@ -94,10 +118,29 @@ def _torchrun_four_ranks_equals_reference(config: str, texts) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     args = [a for p in prompts for a in ("--prompt-ids", ids_line(p))]
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                          "-m", "optimized", "generate", "--config", str(CONFIGS / config), *args,
-                          "--max-new-tokens", "6"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "optimized",
+            "generate",
+            "--config",
+            str(CONFIGS / config),
+            *args,
+            "--max-new-tokens",
+            "6",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     for i, p in enumerate(prompts):
@@ -123,9 +166,15 @@ def test_generate_mc2_decode_under_torchrun_four_ranks_equals_reference():
 
 # --------------------------------------------------------------------------------------------- errors
 
+
 def test_missing_config_is_one_line_without_traceback():
-    out = subprocess.run([sys.executable, "-m", "optimized", "generate", "--config", "no/such.yaml"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "optimized", "generate", "--config", "no/such.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert out.stderr == "python -m optimized: error: config file 'no/such.yaml' not found\n"
     assert out.stdout == ""
@@ -143,7 +192,7 @@ def test_world_size_mismatch_with_launcher(capsys, monkeypatch):
 
 
 def test_world_size_exported_without_torchrun(capsys, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")     # matches the config, but no RANK / MASTER_*: not a torchrun job
+    monkeypatch.setenv("WORLD_SIZE", "2")  # matches the config, but no RANK / MASTER_*: not a torchrun job
     monkeypatch.delenv("RANK", raising=False)
     err = run_error(["generate", "--config", TP2, "--prompt-ids", "1,2"], capsys)
     assert "environment variable RANK is not set (WORLD_SIZE=2); start multi-process runs with torchrun" in err
@@ -161,16 +210,19 @@ def test_config_with_a_duplicate_key_names_it_and_both_lines(tmp_path, capsys):
     assert "duplicate key 'max_new_tokens' on line 2 and again on line 4" in err and str(config) in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompt-ids", "1,600"], "token id 600 is outside the vocabulary [0, 512)"),
-    (["--prompt-ids", "1,x"], "expected comma-separated integers"),
-    (["--prompt-ids", "1,-3"], "token ids must be >= 0"),
-    (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--prompt", "a", "--block-size", "24"], "must be a multiple of 16"),
-    (["--prompt", "a", "--model-path", "fixture:nope"], "unknown fixture 'nope'"),
-    (["--prompt", "a", "--model-path", "/nonexistent/dir"], "model_path '/nonexistent/dir' does not exist"),
-    (["--prompt", "a", "--model-path", "preset:nope"], "unknown preset 'nope'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt-ids", "1,600"], "token id 600 is outside the vocabulary [0, 512)"),
+        (["--prompt-ids", "1,x"], "expected comma-separated integers"),
+        (["--prompt-ids", "1,-3"], "token ids must be >= 0"),
+        (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--prompt", "a", "--block-size", "24"], "must be a multiple of 16"),
+        (["--prompt", "a", "--model-path", "fixture:nope"], "unknown fixture 'nope'"),
+        (["--prompt", "a", "--model-path", "/nonexistent/dir"], "model_path '/nonexistent/dir' does not exist"),
+        (["--prompt", "a", "--model-path", "preset:nope"], "unknown preset 'nope'"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_problem(args, message, capsys):
     assert message in run_error(["generate", "--config", SINGLE, *args], capsys)
 
@@ -198,6 +250,7 @@ def test_preset_model_path_writes_config(tmp_path, monkeypatch):
     from transformers import Qwen3MoeConfig
 
     from optimized.model_loader.model_path import preset_dir
+
     monkeypatch.setenv("QWEN3_MOE_FIXTURE_CACHE", str(tmp_path / "fixtures"))
     path = preset_dir("qwen3_30b_a3b")
     config = Qwen3MoeConfig.from_pretrained(path)
@@ -213,10 +266,26 @@ def test_convert_w4a8_then_generate_and_refuse_reconversion(tmp_path, capsys):
     dst = tmp_path / "w4a8"
     assert cli_main(["convert", "--quant", "w4a8", str(checkpoint("tiny")), str(dst)]) == 0
     out, err = capsys.readouterr()
-    assert "117 tensors" in out and "convert w4a8" in err and "100%" in err   # summary line, progress bar
+    assert "117 tensors" in out and "convert w4a8" in err and "100%" in err  # summary line, progress bar
     assert "already quantized" in run_error(["convert", "--quant", "w4a8", str(dst), str(tmp_path / "x")], capsys)
-    assert cli_main(["generate", "--config", SINGLE, "--model-path", str(dst), "--dtype", "bfloat16",
-                     "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--config",
+                SINGLE,
+                "--model-path",
+                str(dst),
+                "--dtype",
+                "bfloat16",
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "generated ids:" in capsys.readouterr().out
     err = run_error(["generate", "--config", SINGLE, "--model-path", str(dst), "--dtype", "float32"], capsys)
     assert "W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations" in err
@@ -226,14 +295,31 @@ def test_convert_w8a8_then_generate(tmp_path, capsys):
     """`convert --quant w8a8`: the same 117 tensors, the experts MXFP8 (float8_e4m3fn) like attention, and the
     model generates from it."""
     from safetensors import safe_open
+
     dst = tmp_path / "w8a8"
     assert cli_main(["convert", "--quant", "w8a8", "--no-progress", str(checkpoint("tiny")), str(dst)]) == 0
     assert "117 tensors" in capsys.readouterr().out
     with safe_open(dst / "model.safetensors", framework="pt") as f:
         expert = f.get_slice("model.layers.0.mlp.experts.0.down_proj.weight")
         assert expert.get_dtype() == "F8_E4M3"
-    assert cli_main(["generate", "--config", SINGLE, "--model-path", str(dst), "--dtype", "bfloat16",
-                     "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--config",
+                SINGLE,
+                "--model-path",
+                str(dst),
+                "--dtype",
+                "bfloat16",
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "generated ids:" in capsys.readouterr().out
 
 
@@ -244,6 +330,7 @@ def test_convert_bad_quant_names_the_allowed_values(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------ read-only destinations
+
 
 @pytest.fixture
 def read_only(monkeypatch):
@@ -259,7 +346,8 @@ def read_only(monkeypatch):
         path.mkdir(parents=True, exist_ok=True)
         path.chmod(0o555)
         made.append(path)
-        if os.access(path, os.W_OK):                        # root: mode bits do not bind, simulate them
+        if os.access(path, os.W_OK):  # root: mode bits do not bind, simulate them
+
             def denied(target) -> bool:
                 return isinstance(target, (str, os.PathLike)) and Path(os.path.abspath(target)).is_relative_to(path)
 
@@ -269,8 +357,9 @@ def read_only(monkeypatch):
             real_open, real_os_open, real_mkdir = builtins.open, os.open, os.mkdir
 
             def fake_open(file, mode="r", *args, **kwargs):
-                return refuse(file) if denied(file) and set(mode) & set("wax+") else real_open(file, mode, *args,
-                                                                                              **kwargs)
+                return (
+                    refuse(file) if denied(file) and set(mode) & set("wax+") else real_open(file, mode, *args, **kwargs)
+                )
 
             def fake_os_open(file, flags, *args, **kwargs):
                 writes = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
@@ -295,14 +384,17 @@ def test_convert_to_a_read_only_destination(tmp_path, read_only, capsys):
 
 def test_save_logits_to_a_read_only_directory(tmp_path, read_only, capsys):
     target = read_only(tmp_path / "ro") / "logits.pt"
-    err = run_error(["generate", "--config", SINGLE, "--prompt-ids", "1,2", "--max-new-tokens", "2",
-                     "--save-logits", str(target)], capsys)
+    err = run_error(
+        ["generate", "--config", SINGLE, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--save-logits", str(target)],
+        capsys,
+    )
     assert f"--save-logits: cannot write {str(target)!r}: Permission denied" in err
 
 
 def _graph_config(tmp_path: Path, monkeypatch) -> str:
     """A graph-mode config with the compile cache on (its MAC key under tmp_path, never the user's ~/.config)."""
     from optimized.executor.compile_cache import KEY_ENV
+
     monkeypatch.setenv(KEY_ENV, str(tmp_path / "compile_cache.key"))
     config = tmp_path / "graph.yaml"
     config.write_text("model_config: {model_path: 'fixture:tiny', exe_mode: ge_graph, enable_cache_compile: true}\n")
@@ -330,13 +422,44 @@ def test_compile_cache_directory_open_to_others_is_refused(tmp_path, capsys, mon
 
 # ---------------------------------------------------------------------------------------------- bench
 
+
 def test_bench_tiny_prints_table_and_writes_json(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
-    assert cli_main(["bench", "--preset", "tiny", "--layers", "1", "--prompt-len", "8", "--decode-steps", "2",
-                     "--warmup", "0", "--repeats", "1", "--dtype", "float32", "--json", str(out_json)]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "--preset",
+                "tiny",
+                "--layers",
+                "1",
+                "--prompt-len",
+                "8",
+                "--decode-steps",
+                "2",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--dtype",
+                "float32",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for needle in ("reference", "optimized", "HF transformers", "reference/optimized", "hf/optimized",
-                   "copy bandwidth", "floor:", "kernel ceiling: the lm_head GEMV alone"):
+    for needle in (
+        "reference",
+        "optimized",
+        "HF transformers",
+        "reference/optimized",
+        "hf/optimized",
+        "copy bandwidth",
+        "floor:",
+        "kernel ceiling: the lm_head GEMV alone",
+    ):
         assert needle in out, needle
     report = json.loads(out_json.read_text())
     assert set(report["results"]) == {"reference", "optimized", "hf"}
@@ -368,7 +491,7 @@ def test_bench_memory_check_counts_the_packed_cpu_weights(capsys, monkeypatch):
     if not cpu_gemm.ONEDNN_BF16:
         pytest.skip("oneDNN bf16 is not available on this CPU")
     model_bytes = 2 * sum(t.numel() for t in reference_shapes(bench_config("qwen3_30b_a3b", 1)).values())
-    monkeypatch.setattr(bench, "_available_memory", lambda: 2.5 * model_bytes)   # 2 models fit, 3 copies do not
+    monkeypatch.setattr(bench, "_available_memory", lambda: 2.5 * model_bytes)  # 2 models fit, 3 copies do not
     err = run_error(["bench", "--preset", "qwen3_30b_a3b", "--layers", "1", "--dtype", "bfloat16", "--skip-hf"], capsys)
     assert "packed CPU weights included" in err and "use fewer --layers" in err
 
@@ -377,30 +500,63 @@ def test_bench_kv_pool_and_context_sweeps(tmp_path, capsys):
     """--kv-pool-blocks sizes the optimized model's pool; --pool-sweep / --context-sweep print one row per point
     and model, and the JSON holds every sample."""
     out_json = tmp_path / "bench.json"
-    assert cli_main(["bench", "--preset", "tiny", "--layers", "1", "--prompt-len", "8", "--decode-steps", "2",
-                     "--warmup", "0", "--repeats", "1", "--dtype", "float32", "--skip-hf", "--block-size", "16", "--kv-pool-blocks", "5",
-                     "--pool-sweep", "1,4", "--context-sweep", "8,40", "--json", str(out_json)]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "--preset",
+                "tiny",
+                "--layers",
+                "1",
+                "--prompt-len",
+                "8",
+                "--decode-steps",
+                "2",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--dtype",
+                "float32",
+                "--skip-hf",
+                "--block-size",
+                "16",
+                "--kv-pool-blocks",
+                "5",
+                "--pool-sweep",
+                "1,4",
+                "--context-sweep",
+                "8,40",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "decode vs KV pool size" in out and "decode vs context length" in out
     report = json.loads(out_json.read_text())
     pool, context = report["sweeps"]["pool"], report["sweeps"]["context"]
-    assert [(r["value"], r["pool_blocks"]) for r in pool] == [(1, 2), (4, 8)]   # 8 + 3 tokens: one block of 16 + null
+    assert [(r["value"], r["pool_blocks"]) for r in pool] == [(1, 2), (4, 8)]  # 8 + 3 tokens: one block of 16 + null
     assert [(r["value"], r["pool_blocks"]) for r in context] == [(8, 2), (40, 4)]
     assert context[1]["kv_bytes"] > context[0]["kv_bytes"]
     for r in pool + context:
         assert r["model"] == "optimized" and len(r["decode_ms_per_token"]["samples"]) == 2
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--kv-pool-blocks", "1"], "--kv-pool-blocks must be >= 2"),
-    (["--kv-pool-blocks", "2", "--batch", "2"], "--kv-pool-blocks 2 is too small"),
-    (["--pool-sweep", "1,0"], "--pool-sweep takes comma-separated integers >= 1"),
-    (["--context-sweep", "8,x"], "--context-sweep takes comma-separated integers >= 1"),
-    (["--context-sweep", "100000"], "--context-sweep 100000 + --decode-steps exceed max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv-pool-blocks", "1"], "--kv-pool-blocks must be >= 2"),
+        (["--kv-pool-blocks", "2", "--batch", "2"], "--kv-pool-blocks 2 is too small"),
+        (["--pool-sweep", "1,0"], "--pool-sweep takes comma-separated integers >= 1"),
+        (["--context-sweep", "8,x"], "--context-sweep takes comma-separated integers >= 1"),
+        (["--context-sweep", "100000"], "--context-sweep 100000 + --decode-steps exceed max_position_embeddings"),
+    ],
+)
 def test_bench_pool_and_context_flags_reject_bad_values_naming_the_flag(argv, message, capsys):
     base = ["bench", "--preset", "tiny", "--layers", "1", "--prompt-len", "8", "--decode-steps", "2", "--skip-hf"]
-    if "sweep takes" in message:   # argparse rejects the value itself (exit status 2, message on stderr)
+    if "sweep takes" in message:  # argparse rejects the value itself (exit status 2, message on stderr)
         with pytest.raises(SystemExit):
             cli_main(base + argv)
         assert message in capsys.readouterr().err
@@ -416,8 +572,24 @@ def test_prompt_longer_than_input_max_len_is_an_error_not_truncated(capsys):
 def test_chat_sampling_eos_and_saved_logits(tmp_path, capsys):
     """--chat through the template, seeded sampling (same seed, same output), EOS reported, logits saved."""
     tok = tokenizer()
-    argv = ["generate", "--config", SINGLE, "--prompt", "hi", "--chat", "--max-new-tokens", "12",
-            "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "1"]
+    argv = [
+        "generate",
+        "--config",
+        SINGLE,
+        "--prompt",
+        "hi",
+        "--chat",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "1",
+    ]
     outs = []
     for i in range(2):
         assert cli_main(argv + ["--save-logits", str(tmp_path / f"logits{i}.pt")]) == 0
@@ -437,18 +609,26 @@ def test_chat_sampling_eos_and_saved_logits(tmp_path, capsys):
 
 # -------------------------------------------------------------------------------------------- latency
 
+
 def test_latency_npu_budget_on_another_host_names_the_hardware(capsys):
     from optimized.benchmarks.budgets import this_host
+
     if this_host().backend == "npu":
         pytest.skip("this host has NPUs: the budget's hardware rule decides, not this test")
     err = run_error(["latency", "--budget", "a3_235b_bf16_decode", "--json", "unused.json"], capsys)
-    assert ("budget a3_235b_bf16_decode needs Atlas A3 (8 cards, 16 dies): 16 NPU devices with SoC name matching "
-            "'Ascend910_93*' (torch_npu); this host: backend") in err
+    assert (
+        "budget a3_235b_bf16_decode needs Atlas A3 (8 cards, 16 dies): 16 NPU devices with SoC name matching "
+        "'Ascend910_93*' (torch_npu); this host: backend"
+    ) in err
 
 
-@pytest.mark.parametrize("text, message", [("budgets:\n  a: [\n", "while parsing a flow node"),
-                                           ("budgets:\n  a: {}\n  a: {}\n", "duplicate key 'a' on line 2 and again on "
-                                                                          "line 3")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("budgets:\n  a: [\n", "while parsing a flow node"),
+        ("budgets:\n  a: {}\n  a: {}\n", "duplicate key 'a' on line 2 and again on line 3"),
+    ],
+)
 def test_latency_budgets_file_that_is_not_valid_yaml(tmp_path, capsys, text, message):
     budgets = tmp_path / "budgets.yaml"
     budgets.write_text(text)

@@ -1,4 +1,5 @@
 """The optimized loader names what is wrong with a checkpoint or a parallel layout."""
+
 import shutil
 
 import pytest
@@ -48,11 +49,14 @@ def test_misshaped_tensor_names_both_shapes(broken_copy):
         load_model(write(tensors), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("sizes, key", [
-    (dict(world_size=2, attn_tp_size=2, moe_tp_size=1, moe_ep_size=2), None),          # valid
-    (dict(world_size=3, attn_tp_size=3, moe_tp_size=3), "parallel_config.attn_tp_size"),  # 8 heads % 3
-    (dict(world_size=3, moe_tp_size=1, moe_ep_size=3), "parallel_config.moe_ep_size"),   # 16 experts % 3
-])
+@pytest.mark.parametrize(
+    "sizes, key",
+    [
+        (dict(world_size=2, attn_tp_size=2, moe_tp_size=1, moe_ep_size=2), None),  # valid
+        (dict(world_size=3, attn_tp_size=3, moe_tp_size=3), "parallel_config.attn_tp_size"),  # 8 heads % 3
+        (dict(world_size=3, moe_tp_size=1, moe_ep_size=3), "parallel_config.moe_ep_size"),  # 16 experts % 3
+    ],
+)
 def test_parallel_layout_checked_against_the_model(sizes, key):
     parallel = ParallelState.build(rank=0, create_groups=False, **sizes)
     if key is None:
@@ -80,16 +84,29 @@ def test_random_weights_are_repeatable_and_need_no_safetensors(tmp_path):
 
 # ---------------------------------------------------------------------------------- kv_cache_scheme
 
+
 def _fp8_scheme() -> dict:
     from optimized.model_loader.quantize import quantization_config
+
     return quantization_config(2, kv_cache="fp8")["kv_cache_scheme"]
 
 
-@pytest.mark.parametrize("key, value", [("num_bits", 4), ("type", "int"), ("strategy", "tensor"), ("group_size", 128),
-                                        ("dynamic", "false"), ("symmetric", False), ("num_bits", "8")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("num_bits", 4),
+        ("type", "int"),
+        ("strategy", "tensor"),
+        ("group_size", 128),
+        ("dynamic", "false"),
+        ("symmetric", False),
+        ("num_bits", "8"),
+    ],
+)
 def test_kv_cache_scheme_other_than_the_recipes_names_the_key(key, value):
     from optimized.layers.quantization.errors import QuantConfigError
     from optimized.layers.quantization.kv_cache import kv_cache_scheme
+
     scheme = _fp8_scheme()
     scheme[key] = value
     with pytest.raises(QuantConfigError) as e:
@@ -100,6 +117,7 @@ def test_kv_cache_scheme_other_than_the_recipes_names_the_key(key, value):
 def test_kv_cache_scheme_extra_key_is_one_error_naming_it():
     from optimized.layers.quantization.errors import QuantConfigError
     from optimized.layers.quantization.kv_cache import kv_cache_scheme
+
     scheme = {**_fp8_scheme(), "observer": "minmax"}
     with pytest.raises(QuantConfigError) as e:
         kv_cache_scheme({"kv_cache_scheme": scheme})
@@ -109,6 +127,7 @@ def test_kv_cache_scheme_extra_key_is_one_error_naming_it():
 def test_kv_cache_scheme_recipe_null_and_absent():
     from optimized.layers.quantization.errors import QuantConfigError
     from optimized.layers.quantization.kv_cache import FLOAT8, kv_cache_scheme
+
     assert kv_cache_scheme({"kv_cache_scheme": _fp8_scheme()}) == FLOAT8
     assert kv_cache_scheme({"kv_cache_scheme": None}) is None and kv_cache_scheme({}) is None
     with pytest.raises(QuantConfigError, match=r"kv_cache_scheme='fp8' must be an object or null"):

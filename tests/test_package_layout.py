@@ -3,6 +3,7 @@ nothing of the repository's test code (`fixtures`, `equivalence`) or of the orac
 
 Read from the source with `ast` (every import, module level or inside a function), not by importing it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -48,12 +49,12 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             subs = {f"{base}.{alias.name}" for alias in node.names}
             modules = {s for s in subs if s.startswith("optimized") and _exists(s)}
             found |= modules
-            if modules != subs:           # some names are attributes of `base` itself
+            if modules != subs:  # some names are attributes of `base` itself
                 found.add(base)
     return found
 
@@ -85,12 +86,14 @@ def test_no_import_from_a_higher_floor(module):
     mine = floor_of(module)
     for target in GRAPH[module]:
         assert target != "optimized", f"{module} imports the package facade `optimized`; import the module itself"
-        assert floor_of(target) <= mine, (f"{module} (floor {mine}) imports {target} (floor {floor_of(target)}): "
-                                          f"a lower floor must not depend on a higher one")
+        assert floor_of(target) <= mine, (
+            f"{module} (floor {mine}) imports {target} (floor {floor_of(target)}): "
+            f"a lower floor must not depend on a higher one"
+        )
 
 
 def test_no_import_cycle():
-    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = 1
@@ -98,7 +101,7 @@ def test_no_import_cycle():
             if target not in GRAPH:
                 continue
             if state.get(target) == 1:
-                cycle = path[path.index(target):] + [target]
+                cycle = path[path.index(target) :] + [target]
                 raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
             if target not in state:
                 visit(target, path + [target])
@@ -113,8 +116,9 @@ def test_no_test_code_or_oracle_on_the_users_path():
     for module, path in MODULES.items():
         for target in imports_of(path):
             top = target.split(".")[0]
-            assert top not in ("fixtures", "equivalence"), \
+            assert top not in ("fixtures", "equivalence"), (
                 f"{module} imports {target}: test code is reached only through optimized.model_loader.model_path"
+            )
             if top == "reference":
                 assert module in REFERENCE_ALLOWED, f"{module} imports the oracle {target}"
 
@@ -135,7 +139,7 @@ def test_the_layout_check_can_fail(tmp_path):
 # The proof suite by subsystem: proofs sit in these packages with their helpers beside them; the harness's own
 # tests and plain unit tests live in tests/ (their marker says what they prove, not where they sit).
 PROOF_PACKAGES = {"support", "ops", "model", "parallel", "graph", "quant", "serving", "npu", "latency"}
-TOOL_PACKAGES = {"endpoint", "report"}        # user-facing tools: the endpoint checker, the first-divergence report
+TOOL_PACKAGES = {"endpoint", "report"}  # user-facing tools: the endpoint checker, the first-divergence report
 
 
 def test_equivalence_holds_proofs_by_subsystem():
@@ -150,8 +154,22 @@ def test_equivalence_holds_proofs_by_subsystem():
 
 
 # Quantization as a package: a small base, the config parsed once, one module per scheme (no single-file catch-all).
-QUANT_MODULES = {"base", "config", "schemes", "errors", "unquantized", "mxfp8", "w8a8", "w4a8", "w4a4", "mx_layout",
-                 "mx_wire", "kv_cache", "lifecycle", "converter_config"}
+QUANT_MODULES = {
+    "base",
+    "config",
+    "schemes",
+    "errors",
+    "unquantized",
+    "mxfp8",
+    "w8a8",
+    "w4a8",
+    "w4a4",
+    "mx_layout",
+    "mx_wire",
+    "kv_cache",
+    "lifecycle",
+    "converter_config",
+}
 
 
 def test_quantization_is_a_package_with_a_module_per_scheme():

@@ -1,5 +1,6 @@
 """Per-platform settings (`optimized.platform.PlatformSettings`): the environment and the group options each
 platform_version and exe_mode get, applied by `init_distributed` before the default group exists."""
+
 from __future__ import annotations
 
 import os
@@ -78,11 +79,15 @@ def test_init_distributed_applies_the_settings_before_the_group(npu_env):
     npu_env.setattr(platform, "set_device", lambda r: None)
     npu_env.setattr(platform, "dist_backend", lambda: "gloo")
     npu_env.setattr(parallel_state, "_join_store", lambda *a: None)
-    npu_env.setattr(parallel_state.dist, "init_process_group",
-                    lambda *a, **kw: seen.update(env={n: os.environ.get(n) for n in VARS}, options=kw["pg_options"]))
+    npu_env.setattr(
+        parallel_state.dist,
+        "init_process_group",
+        lambda *a, **kw: seen.update(env={n: os.environ.get(n) for n in VARS}, options=kw["pg_options"]),
+    )
     npu_env.setattr(parallel_state.dist, "is_initialized", lambda: False)
-    parallel_state.init_distributed(init_method="file:///dev/null", rank=0, world_size=2,
-                                    settings=PlatformSettings("950", "ge_graph"))
+    parallel_state.init_distributed(
+        init_method="file:///dev/null", rank=0, world_size=2, settings=PlatformSettings("950", "ge_graph")
+    )
     assert seen["env"] == {"TASK_QUEUE_ENABLE": "1", "HCCL_OP_EXPANSION_MODE": None, "HCCL_BUFFSIZE": None}
     assert platform.applied_settings() == PlatformSettings("950", "ge_graph")
     for name in VARS:

@@ -1,4 +1,5 @@
 """Sequence-parallel prefill config keys, the recipe's rules, the EP scheme choice and the volume formulas."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -6,8 +7,13 @@ from types import SimpleNamespace
 import pytest
 
 from optimized.config import ConfigError, InferenceConfig, ParallelConfig
-from optimized.distributed.prefill_plan import (alltoall_volume, allgather_volume, choose_ep_scheme, describe,
-                                    ep_comm_volumes)
+from optimized.distributed.prefill_plan import (
+    alltoall_volume,
+    allgather_volume,
+    choose_ep_scheme,
+    describe,
+    ep_comm_volumes,
+)
 
 # Qwen3-30B-A3B's MoE shapes (fixtures.presets restates the released config).
 QWEN3_30B = SimpleNamespace(hidden_size=2048, num_experts=128, num_experts_per_tok=8)
@@ -23,33 +29,59 @@ def _errors(**p) -> dict[str, str]:
     return dict(e.value.errors)
 
 
-@pytest.mark.parametrize("p, on", [
-    (dict(), False),                                                          # one process: nothing to split
-    (dict(world_size=4, attn_tp_size=4, moe_ep_size=4), True),                # sizes match: on by default
-    (dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt=False), False),
-    (dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, attn_dp=False), False),  # attention replicas: off
-    (dict(world_size=4, attn_tp_size=4, moe_tp_size=4), False),
-    (dict(world_size=2, attn_tp_size=2, moe_ep_size=2, prefill_opt=True), True),
-])
+@pytest.mark.parametrize(
+    "p, on",
+    [
+        (dict(), False),  # one process: nothing to split
+        (dict(world_size=4, attn_tp_size=4, moe_ep_size=4), True),  # sizes match: on by default
+        (dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt=False), False),
+        (
+            dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, attn_dp=False),
+            False,
+        ),  # attention replicas: off
+        (dict(world_size=4, attn_tp_size=4, moe_tp_size=4), False),
+        (dict(world_size=2, attn_tp_size=2, moe_ep_size=2, prefill_opt=True), True),
+    ],
+)
 def test_sp_prefill_default_and_switch(p, on):
     assert _par(**p).sp_prefill is on
 
 
-@pytest.mark.parametrize("p, key, fragments", [
-    (dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, prefill_opt=True, attn_dp=False),
-     "parallel_config.prefill_opt",
-     ["moe_tp_size == 1"]),
-    (dict(world_size=4, attn_tp_size=2, moe_ep_size=4, prefill_opt=True, attn_dp=False), "parallel_config.prefill_opt",
-     ["attn_tp_size == moe_ep_size (2 != 4)"]),
-    (dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt="yes"), "parallel_config.prefill_opt",
-     ["must be a boolean"]),
-    (dict(world_size=4, attn_tp_size=4, moe_ep_size=4, moe_ep_scheme="mc2"), "parallel_config.moe_ep_scheme",
-     ["one of auto, allgather, alltoall", "'mc2'"]),
-    (dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt=False, moe_ep_scheme="alltoall"),
-     "parallel_config.moe_ep_scheme", ["sequence-parallel prefill", "off", "prefill_opt"]),
-    (dict(world_size=2, attn_tp_size=1, moe_ep_size=2, moe_ep_scheme="allgather"), "parallel_config.moe_ep_scheme",
-     ["attn_tp_size 1", "moe_ep_size 2"]),
-])
+@pytest.mark.parametrize(
+    "p, key, fragments",
+    [
+        (
+            dict(world_size=4, attn_tp_size=2, moe_tp_size=2, moe_ep_size=2, prefill_opt=True, attn_dp=False),
+            "parallel_config.prefill_opt",
+            ["moe_tp_size == 1"],
+        ),
+        (
+            dict(world_size=4, attn_tp_size=2, moe_ep_size=4, prefill_opt=True, attn_dp=False),
+            "parallel_config.prefill_opt",
+            ["attn_tp_size == moe_ep_size (2 != 4)"],
+        ),
+        (
+            dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt="yes"),
+            "parallel_config.prefill_opt",
+            ["must be a boolean"],
+        ),
+        (
+            dict(world_size=4, attn_tp_size=4, moe_ep_size=4, moe_ep_scheme="mc2"),
+            "parallel_config.moe_ep_scheme",
+            ["one of auto, allgather, alltoall", "'mc2'"],
+        ),
+        (
+            dict(world_size=4, attn_tp_size=4, moe_ep_size=4, prefill_opt=False, moe_ep_scheme="alltoall"),
+            "parallel_config.moe_ep_scheme",
+            ["sequence-parallel prefill", "off", "prefill_opt"],
+        ),
+        (
+            dict(world_size=2, attn_tp_size=1, moe_ep_size=2, moe_ep_scheme="allgather"),
+            "parallel_config.moe_ep_scheme",
+            ["attn_tp_size 1", "moe_ep_size 2"],
+        ),
+    ],
+)
 def test_prefill_rule_error_names_key_and_rule(p, key, fragments):
     errors = _errors(**p)
     assert key in errors, errors
@@ -62,16 +94,25 @@ def test_world_size_divisibility_still_named_with_prefill_opt():
     assert "world_size (4) must be divisible by attn_tp_size (3)" in errors["parallel_config.attn_tp_size"]
 
 
-@pytest.mark.parametrize("ep, top_k, scheme", [(2, 8, "allgather"), (4, 8, "allgather"), (8, 8, "allgather"),
-                                               (16, 8, "alltoall"), (8, 4, "alltoall"), (4, 4, "allgather")])
+@pytest.mark.parametrize(
+    "ep, top_k, scheme",
+    [
+        (2, 8, "allgather"),
+        (4, 8, "allgather"),
+        (8, 8, "allgather"),
+        (16, 8, "alltoall"),
+        (8, 4, "alltoall"),
+        (4, 4, "allgather"),
+    ],
+)
 def test_auto_scheme_follows_the_volume_rule(ep, top_k, scheme):
     par = _par(world_size=ep, attn_tp_size=ep, moe_ep_size=ep)
     assert choose_ep_scheme(par, top_k) == scheme
-    vol = ep_comm_volumes(SimpleNamespace(hidden_size=2048, num_experts=128, num_experts_per_tok=top_k), par,
-                          4096, 2)
+    vol = ep_comm_volumes(SimpleNamespace(hidden_size=2048, num_experts=128, num_experts_per_tok=top_k), par, 4096, 2)
     # The chosen scheme is the one moving fewer activation bytes (ties go to allgather, as in the recipe).
-    cheaper = "allgather" if vol["allgather"].total <= vol["alltoall"].total + 0.02 * vol["alltoall"].total \
-        else "alltoall"
+    cheaper = (
+        "allgather" if vol["allgather"].total <= vol["alltoall"].total + 0.02 * vol["alltoall"].total else "alltoall"
+    )
     assert cheaper == scheme, vol
 
 
@@ -109,4 +150,4 @@ def test_sp_example_config_fits_the_tiny_model_and_picks_allgather():
     cfg = InferenceConfig.from_yaml(path).validate_for_model(tiny_config("tiny"))
     par = cfg.parallel_config
     assert par.sp_prefill and par.prefill_opt is True
-    assert choose_ep_scheme(par, tiny_config("tiny").num_experts_per_tok) == "allgather"   # top_k 4 >= ep 4
+    assert choose_ep_scheme(par, tiny_config("tiny").num_experts_per_tok) == "allgather"  # top_k 4 >= ep 4

@@ -1,6 +1,7 @@
 """The quantization package's seams: one QuantMethod interface, one QuantConfig parsed once per model build that
 picks each layer's method by checkpoint prefix (the dense-MLP gate_proj a checkpoint keeps 16-bit included), and
 the decoder layer's MLP picking the step's method that fits it (`step.moe` / `step.dense_mlp`)."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,19 +46,27 @@ def test_every_method_is_a_quant_method_of_its_kind(scheme):
     assert isinstance(linear_method(scheme), LinearMethod) and isinstance(moe_method(scheme), FusedMoEMethod)
     assert isinstance(linear_method(scheme), QuantMethod) and isinstance(moe_method(scheme), QuantMethod)
     with pytest.raises(TypeError):
-        QuantMethod()                       # the interface itself holds no format
+        QuantMethod()  # the interface itself holds no format
 
 
-@pytest.mark.parametrize("scheme, linear, experts", [
-    (None, UnquantizedLinearMethod, UnquantizedFusedMoEMethod),
-    (schemes.W4A8, MxFp8LinearMethod, W4A8MxFp4MoEGMMMethod),
-    (schemes.W8A8, MxFp8LinearMethod, MxFp8MoEGMMMethod),
-    (schemes.W4A4, MxFp4LinearMethod, W4A4MxFp4MoEGMMMethod)])
+@pytest.mark.parametrize(
+    "scheme, linear, experts",
+    [
+        (None, UnquantizedLinearMethod, UnquantizedFusedMoEMethod),
+        (schemes.W4A8, MxFp8LinearMethod, W4A8MxFp4MoEGMMMethod),
+        (schemes.W8A8, MxFp8LinearMethod, MxFp8MoEGMMMethod),
+        (schemes.W4A4, MxFp4LinearMethod, W4A4MxFp4MoEGMMMethod),
+    ],
+)
 def test_the_method_per_prefix_follows_the_scheme(scheme, linear, experts):
     quant = QuantConfig.from_hf_config(_config(scheme), stored=lambda name: True)
     assert quant.scheme == scheme and not quant.sixteen_bit
-    for prefix in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_proj",
-                   "model.layers.1.mlp.down_proj"):
+    for prefix in (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.down_proj",
+    ):
         assert type(quant.linear_method(prefix)) is linear, prefix
     assert type(quant.moe_method("model.layers.3.mlp.experts")) is experts
 
@@ -83,8 +92,9 @@ def test_the_mlp_is_built_for_its_projections_formats_before_any_load():
     config = _config(schemes.W4A8)
     dense = dense_layers(config)
     gate = {f"model.layers.{i}.mlp.gate_proj" for i in dense}
-    model = Qwen3MoeForCausalLM(config, ParallelState.single(), torch.bfloat16,
-                                quant_config=QuantConfig(schemes.W4A8, frozenset(gate)))
+    model = Qwen3MoeForCausalLM(
+        config, ParallelState.single(), torch.bfloat16, quant_config=QuantConfig(schemes.W4A8, frozenset(gate))
+    )
     for i in dense:
         mlp = model.layers[i].mlp
         assert mlp.gate_up_proj is None
@@ -141,6 +151,7 @@ def test_only_attention_dp_builds_o_proj_without_its_reduction():
 
 def test_a_row_parallel_linear_without_reduction_returns_its_partial_product(monkeypatch):
     from optimized.distributed import collectives as comm
+
     one = ParallelState.single().attn_tp
     reduced = []
     monkeypatch.setattr(comm, "all_reduce", lambda y, group, **kw: reduced.append(y) or y)
@@ -150,4 +161,4 @@ def test_a_row_parallel_linear_without_reduction_returns_its_partial_product(mon
         torch.nn.init.normal_(layer.weight)
         y = layer(x)
         torch.testing.assert_close(y, x @ layer.weight.t())
-    assert len(reduced) == 1            # only the reducing one called all_reduce
+    assert len(reduced) == 1  # only the reducing one called all_reduce

@@ -1,4 +1,5 @@
 """The README's library example is the one assembly call and runs as written (on the tiny fixture's config)."""
+
 from __future__ import annotations
 
 import re
@@ -9,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def library_example() -> str:
     text = (REPO / "README.md").read_text()
-    after = text[text.index("As a library"):]
+    after = text[text.index("As a library") :]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)
 
 

@@ -1,4 +1,5 @@
 """The reference fails loudly, naming the tensor / key / value, instead of computing a wrong answer."""
+
 from __future__ import annotations
 
 import json
@@ -114,23 +115,36 @@ def test_cache_of_another_model(tiny_model):
         tiny_model(torch.zeros(1, 1, dtype=torch.long), KVCache(3))
 
 
-@pytest.mark.parametrize("ids", [torch.zeros(1, 0, dtype=torch.long), torch.zeros(4, dtype=torch.long),
-                                 torch.zeros(1, 4)])
+@pytest.mark.parametrize(
+    "ids", [torch.zeros(1, 0, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(1, 4)]
+)
 def test_malformed_input_ids(tiny_model, ids):
     with pytest.raises(ValueError, match="input_ids"):
         tiny_model(ids)
 
 
-@pytest.mark.parametrize("changes, key", [
-    ({"use_sliding_window": True}, r"use_sliding_window=True"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-                          "original_max_position_embeddings": 64}}, r"rope_parameters\['rope_type'\]='yarn'"),
-    ({"attention_bias": True}, r"attention_bias=True"),
-    ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
-    ({"num_experts": 0}, r"num_experts=0 .* layers \[0, 1\] are sparse"),
-    ({"num_experts_per_tok": 17}, r"num_experts_per_tok=17 .* num_experts=16"),
-    ({"num_key_value_heads": 3}, r"num_key_value_heads=3 .* num_attention_heads=8"),
-])
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"use_sliding_window": True}, r"use_sliding_window=True"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e6,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            r"rope_parameters\['rope_type'\]='yarn'",
+        ),
+        ({"attention_bias": True}, r"attention_bias=True"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+        ({"num_experts": 0}, r"num_experts=0 .* layers \[0, 1\] are sparse"),
+        ({"num_experts_per_tok": 17}, r"num_experts_per_tok=17 .* num_experts=16"),
+        ({"num_key_value_heads": 3}, r"num_key_value_heads=3 .* num_attention_heads=8"),
+    ],
+)
 def test_unsupported_config_is_named(changes, key):
     config = tiny_config("tiny")
     for k, v in changes.items():

@@ -6,6 +6,7 @@ prefill; one expert's output x1.5 at that layer's mlp (its router still agrees);
 one slot too early at that layer's kv_write in decode step 0, the prefill clean. fp32, world 1, the tiny
 fixtures; the planted layer is drawn by hypothesis.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,7 @@ PROMPTS = [[5, 17, 3, 99, 42, 7, 8], [11, 2, 60]]
 
 
 def models(name: str, dtype: str = "float32"):
-    return (rank_model(str(checkpoint(name)), layout(1), getattr(torch, dtype), "cpu"),
-            reference_model(name, dtype))
+    return (rank_model(str(checkpoint(name)), layout(1), getattr(torch, dtype), "cpu"), reference_model(name, dtype))
 
 
 def first(report) -> tuple | None:
@@ -51,8 +51,9 @@ def scaled_expert(experts, monkeypatch, scale=1.5):
         e = next(i for i, n in enumerate(counts) if n)
         start = sum(counts[:e])
         out = out.clone()
-        out[start:start + counts[e]] *= scale
+        out[start : start + counts[e]] *= scale
         return out
+
     monkeypatch.setattr(experts, "forward", wrong)
 
 
@@ -64,6 +65,7 @@ def misplaced_decode_write(attn, monkeypatch):
         if not meta.is_prefill:
             meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping - 1)
         return update(k, v, meta, kv_cache)
+
     monkeypatch.setattr(attn, "kv_cache_update", wrong, raising=False)
 
 
@@ -74,9 +76,10 @@ def test_clean_run_reports_no_divergence(name, dtype, tmp_path):
     steps = {c.step for c in report.checkpoints}
     kinds = {c.kind for c in report.checkpoints}
     assert steps == {"prefill", "decode0", "decode1"}
-    assert kinds == set(KINDS) | {"logits"}                      # every kind captured (both fixtures have MoE layers)
-    assert len(report.checkpoints) == 3 * (sum(9 if is_sparse_layer(model.config, i) else 8
-                                               for i in range(len(model.layers))) + 1)
+    assert kinds == set(KINDS) | {"logits"}  # every kind captured (both fixtures have MoE layers)
+    assert len(report.checkpoints) == 3 * (
+        sum(9 if is_sparse_layer(model.config, i) else 8 for i in range(len(model.layers))) + 1
+    )
     assert first(report) is None, report.summary()
     assert report.routing["tokens"] > 0 and report.routing["clear_flips"] == 0
     json_path, html_path = R.write_report(report, tmp_path)
@@ -84,7 +87,7 @@ def test_clean_run_reports_no_divergence(name, dtype, tmp_path):
     assert data["first_divergence"] is None and len(data["checkpoints"]) == len(report.checkpoints)
     page = html_path.read_text()
     assert page.count("<svg") == len(KINDS) + 2 and "No divergence" in page
-    assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")   # self-contained
+    assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # self-contained
 
 
 def test_planted_wrong_rotary_found_at_its_layer_qkv(monkeypatch):
@@ -96,15 +99,20 @@ def test_planted_wrong_rotary_found_at_its_layer_qkv(monkeypatch):
             report = R.build_report(model, ref, PROMPTS, 1)
         assert first(report) == ("prefill", layer, "qkv"), report.summary()
         # what it computed on is the reference's (no earlier checkpoint of that layer was off)
-        assert all(c.ok for c in report.checkpoints if c.step == "prefill" and c.layer == layer
-                   and c.kind == "input_norm")
+        assert all(
+            c.ok for c in report.checkpoints if c.step == "prefill" and c.layer == layer and c.kind == "input_norm"
+        )
 
     run_property(check, 3, layer=st.integers(0, 3))
 
 
 def test_planted_wrong_expert_scale_found_at_its_layer_mlp(monkeypatch):
-    sparse = [(name, i) for name in ("tiny", "tiny-dense") for i in range(tiny_config(name).num_hidden_layers)
-              if is_sparse_layer(tiny_config(name), i)]
+    sparse = [
+        (name, i)
+        for name in ("tiny", "tiny-dense")
+        for i in range(tiny_config(name).num_hidden_layers)
+        if is_sparse_layer(tiny_config(name), i)
+    ]
 
     def check(case):
         name, layer = case
@@ -127,7 +135,7 @@ def test_planted_wrong_decode_kv_write_found_at_its_layer_and_step(monkeypatch):
             misplaced_decode_write(model.layers[layer].self_attn, m)
             report = R.build_report(model, ref, PROMPTS, 2)
         assert first(report) == ("decode0", layer, "kv_write"), report.summary()
-        assert report.first_divergence.metrics["cosine"] < 0.5        # the token's own slot holds nothing
+        assert report.first_divergence.metrics["cosine"] < 0.5  # the token's own slot holds nothing
         assert all(c.ok for c in report.checkpoints if c.step == "prefill")
 
     run_property(check, 2, layer=st.integers(0, 1))
@@ -145,8 +153,22 @@ def test_graph_decode_report_finds_planted_kv_write(monkeypatch):
 
 
 def test_cli_writes_report_and_names_bad_input(tmp_path, capsys):
-    assert R.main(["--config", "fixtures/configs/tiny_single.yaml", "--prompt-ids", "1,2,3", "--decode-steps", "1",
-                   "--out", str(tmp_path), "--quiet"]) == 0
+    assert (
+        R.main(
+            [
+                "--config",
+                "fixtures/configs/tiny_single.yaml",
+                "--prompt-ids",
+                "1,2,3",
+                "--decode-steps",
+                "1",
+                "--out",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "no divergence" in out and (tmp_path / "report.json").is_file() and (tmp_path / "report.html").is_file()
     assert R.main(["--config", str(tmp_path / "missing.yaml")]) == 2
@@ -167,17 +189,35 @@ def test_pytest_option_writes_report_on_equivalence_failure(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     (tmp_path / "test_case.py").write_text(
-        "import os, pytest\n"
-        "@pytest.mark.equivalence\n"
-        "def test_equal():\n"
-        "    assert os.environ.get('FAIL') != '1'\n")
+        "import os, pytest\n@pytest.mark.equivalence\ndef test_equal():\n    assert os.environ.get('FAIL') != '1'\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(root))
 
     def run(out, fail):
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                               "equivalence.report.plugin", "-c", os.devnull, "--rootdir", str(tmp_path),
-                               "--equivalence-report", str(out), str(tmp_path / "test_case.py")],
-                              env=dict(env, FAIL=fail), capture_output=True, text=True, cwd=root, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "equivalence.report.plugin",
+                "-c",
+                os.devnull,
+                "--rootdir",
+                str(tmp_path),
+                "--equivalence-report",
+                str(out),
+                str(tmp_path / "test_case.py"),
+            ],
+            env=dict(env, FAIL=fail),
+            capture_output=True,
+            text=True,
+            cwd=root,
+            timeout=300,
+        )
 
     passed = run(tmp_path / "clean", "0")
     assert passed.returncode == 0, passed.stdout + passed.stderr
@@ -204,9 +244,8 @@ def test_multi_rank_report_gathers_heads_and_finds_a_one_rank_bug(plant):
     in layer 1: found at layer 1 qkv of the prefill."""
     cfg = R.load_config("fixtures/configs/tiny_tp2_ep2.yaml")
     _, ref, model_dir = R.models_of_config(cfg)
-    report = R.build_parallel_report(model_dir, cfg.parallel_config, ref, PROMPTS, 1, dtype=torch.float32,
-                                     plant=plant)
+    report = R.build_parallel_report(model_dir, cfg.parallel_config, ref, PROMPTS, 1, dtype=torch.float32, plant=plant)
     assert report.meta["world_size"] == 4
     qkv = next(c for c in report.checkpoints if c.kind == "qkv")
-    assert qkv.metrics["cosine"] > 0.999                          # gathered in head order (a mix-up is far off)
+    assert qkv.metrics["cosine"] > 0.999  # gathered in head order (a mix-up is far off)
     assert first(report) == (None if plant is None else ("prefill", 1, "qkv")), report.summary()

@@ -1,5 +1,6 @@
 """No merge leftovers in the repository's text: a conflict marker inside a docstring or a Markdown file still imports
 and renders, so nothing else would notice it."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -2,6 +2,7 @@
 at admission and one more when its next token starts a block; when its group's pool is empty the group's most
 recently admitted running request is preempted (blocks back, head of the waiting queue, tokens kept) and later
 admitted again with its prompt and generated tokens to recompute."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -56,15 +57,15 @@ def test_the_most_recently_admitted_running_request_is_preempted_for_a_block():
 
 def test_a_preempted_request_is_admitted_again_with_its_tokens_and_alone_past_the_prefill_budget():
     s, pool, (a, b, c, d) = _four_in_a_full_pool()
-    s.max_prefill_tokens = 16            # c's recompute prefill (15 prompt + 2 generated tokens) is past it
-    _take_tokens(s.schedule([pool]), s, [pool], [])           # the preempting decode: a and b at 3 tokens
-    for r in (a, b):                                           # they finish: 4 blocks free
+    s.max_prefill_tokens = 16  # c's recompute prefill (15 prompt + 2 generated tokens) is past it
+    _take_tokens(s.schedule([pool]), s, [pool], [])  # the preempting decode: a and b at 3 tokens
+    for r in (a, b):  # they finish: 4 blocks free
         s.remove(r)
         pool.release(r.blocks)
     step = s.schedule([pool])
     assert step.kind == "prefill" and step.requests == (c,), "a recompute past the budget is admitted alone"
     assert c.prefill_ids == [1] * 15 + [0, 1]
-    assert len(c.blocks) == 2          # its 17 tokens and the 18th, its first decode token: two blocks
+    assert len(c.blocks) == 2  # its 17 tokens and the 18th, its first decode token: two blocks
     step = s.schedule([pool])
     assert step.requests == (d,)
 
@@ -118,15 +119,15 @@ def test_preemption_stays_within_the_dp_group_that_ran_out():
 def test_a_request_whose_budget_cannot_fit_the_pool_alone_is_refused_by_its_sizes():
     s = Scheduler(2, 0, BLOCK, 3)
     try:
-        s.add(Request("big", [1] * 40, 9))           # 49 tokens: 4 blocks of 16, the pool has 3
+        s.add(Request("big", [1] * 40, 9))  # 49 tokens: 4 blocks of 16, the pool has 3
     except ValueError as e:
         assert "40 prompt + 9 max tokens need 4 KV blocks of 16; the pool has 3" in str(e)
     else:
         raise AssertionError("a request that can never fit was queued")
-    s.add(Request("fits", [1] * 40, 8))              # 48 tokens: 3 blocks
+    s.add(Request("fits", [1] * 40, 8))  # 48 tokens: 3 blocks
 
 
-request_st = st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 6))   # prompt, max_tokens, arrival
+request_st = st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 6))  # prompt, max_tokens, arrival
 
 
 def _simulate(specs, batch, budget, blocks, dp):
@@ -143,9 +144,10 @@ def _simulate(specs, batch, budget, blocks, dp):
         step = s.schedule(pools)
         step_no += 1
         assert step_no < 2000, "the scheduler did not finish its requests"
-        if step.kind == "decode":       # a group that admitted in the prefill before: its admission left headroom
-            assert not [r for r, _ in step.preempted if r.dp_group in admitted_groups], \
+        if step.kind == "decode":  # a group that admitted in the prefill before: its admission left headroom
+            assert not [r for r, _ in step.preempted if r.dp_group in admitted_groups], (
                 "the decode right after a prefill preempted in a group that admitted"
+            )
         for g in range(dp):
             held = [b for r in s.running[g] for b in r.blocks]
             assert len(held) == len(set(held)) and 0 not in held
@@ -159,8 +161,14 @@ def _simulate(specs, batch, budget, blocks, dp):
             for g in range(dp):
                 admitted = [r for r in step.requests if r.dp_group == g]
                 assert not budget or len(admitted) == 1 or sum(len(r.prefill_ids) for r in admitted) <= budget
-        log.append((step.kind, [r.request_id for r in step.requests],
-                    [(r.request_id, row) for r, row in step.preempted], [(r.request_id, c) for r, c in step.grown]))
+        log.append(
+            (
+                step.kind,
+                [r.request_id for r in step.requests],
+                [(r.request_id, row) for r, row in step.preempted],
+                [(r.request_id, c) for r, c in step.grown],
+            )
+        )
         _take_tokens(step, s, pools, finished)
         admitted_groups = {r.dp_group for r in step.requests} if step.kind == "prefill" else set()
     assert all(len(r.tokens) == r.max_tokens for r in requests)
@@ -169,12 +177,16 @@ def _simulate(specs, batch, budget, blocks, dp):
 
 
 @settings(max_examples=60, deadline=None)
-@given(specs=st.lists(request_st, min_size=2, max_size=8), batch=st.integers(2, 4),
-       budget=st.sampled_from([0, 40, 64]), spare=st.integers(0, 2), dp=st.integers(1, 2))
-def test_blocks_on_demand_keep_the_books_and_finish_every_request_deterministically(specs, batch, budget, spare,
-                                                                                     dp):
+@given(
+    specs=st.lists(request_st, min_size=2, max_size=8),
+    batch=st.integers(2, 4),
+    budget=st.sampled_from([0, 40, 64]),
+    spare=st.integers(0, 2),
+    dp=st.integers(1, 2),
+)
+def test_blocks_on_demand_keep_the_books_and_finish_every_request_deterministically(specs, batch, budget, spare, dp):
     largest = max(-(-(p + n) // BLOCK) for p, n, _ in specs)
-    blocks = largest + spare                         # fits every request alone; often not all of them at once
+    blocks = largest + spare  # fits every request alone; often not all of them at once
     specs = [(min(p, budget) if budget else p, n, a) for p, n, a in specs]
     log = _simulate(specs, batch, budget, blocks, dp)
     assert log == _simulate(specs, batch, budget, blocks, dp), "the same requests gave other decisions"

@@ -1,6 +1,7 @@
 """`bench serve --max-concurrency N` and `--goodput` (optimized/benchmarks/serve_bench.py), without a server: the
 request coroutine is replaced by one that counts the requests in flight, and goodput is computed on given outcomes
 (no timing is asserted)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ def _bench(argv, monkeypatch, tmp_path):
     """Run `bench serve` with a fake request: each one holds its slot for a few event-loop turns. Returns the most
     requests seen in flight at once and the JSON report."""
     from optimized.cli.main import main
+
     flight = {"now": 0, "peak": 0}
 
     async def fake_one(client, url, model, prompt, output_len, timeout):
@@ -31,8 +33,24 @@ def _bench(argv, monkeypatch, tmp_path):
 
     monkeypatch.setattr(serve_bench, "_one", fake_one)
     out = tmp_path / "r.json"
-    rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "7",
-               "--output-len", "3", "--json", str(out), "--no-progress", *argv])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--num-prompts",
+            "7",
+            "--output-len",
+            "3",
+            "--json",
+            str(out),
+            "--no-progress",
+            *argv,
+        ]
+    )
     return rc, flight["peak"], json.loads(out.read_text())
 
 
@@ -51,11 +69,11 @@ def test_without_a_cap_every_request_is_in_flight_at_once(monkeypatch, tmp_path)
 
 def test_goodput_counts_the_requests_within_every_target():
     outcomes = [
-        Outcome(4, ok=True, ttft=0.100, latency=0.100 + 3 * 0.020, tokens=4),   # TTFT 100, TPOT 20: good
-        Outcome(4, ok=True, ttft=0.300, latency=0.300 + 3 * 0.020, tokens=4),   # TTFT too long
-        Outcome(4, ok=True, ttft=0.100, latency=0.100 + 3 * 0.080, tokens=4),   # TPOT too long
-        Outcome(4, ok=True, ttft=0.150, latency=0.150, tokens=1),               # one token: no TPOT, good
-        Outcome(4, ok=False, error="HTTP 500"),                                  # failed: never good
+        Outcome(4, ok=True, ttft=0.100, latency=0.100 + 3 * 0.020, tokens=4),  # TTFT 100, TPOT 20: good
+        Outcome(4, ok=True, ttft=0.300, latency=0.300 + 3 * 0.020, tokens=4),  # TTFT too long
+        Outcome(4, ok=True, ttft=0.100, latency=0.100 + 3 * 0.080, tokens=4),  # TPOT too long
+        Outcome(4, ok=True, ttft=0.150, latency=0.150, tokens=1),  # one token: no TPOT, good
+        Outcome(4, ok=False, error="HTTP 500"),  # failed: never good
     ]
     r = report(outcomes, 2.0, parse_goodput(["ttft:200", "tpot:50"]))
     assert r["goodput"] == {"targets_ms": {"ttft": 200.0, "tpot": 50.0}, "good": 2, "share": 2 / 5, "rate": 1.0}
@@ -65,9 +83,16 @@ def test_goodput_counts_the_requests_within_every_target():
     assert "goodput (TTFT <= 200 ms, TPOT <= 50 ms): 2 of 5 requests (40.0 %), 1.00 req/s" in text
 
 
-@pytest.mark.parametrize("items, match", [
-    (["ttft"], "ttft"), (["itl:5"], "itl:5"), (["ttft:-1"], "ttft:-1"), (["tpot:abc"], "tpot:abc"),
-    (["ttft:5", "ttft:6"], "ttft twice")])
+@pytest.mark.parametrize(
+    "items, match",
+    [
+        (["ttft"], "ttft"),
+        (["itl:5"], "itl:5"),
+        (["ttft:-1"], "ttft:-1"),
+        (["tpot:abc"], "tpot:abc"),
+        (["ttft:5", "ttft:6"], "ttft twice"),
+    ],
+)
 def test_bad_goodput_targets_are_usage_errors_naming_them(items, match):
     with pytest.raises(UsageError, match=match):
         parse_goodput(items)
@@ -75,6 +100,7 @@ def test_bad_goodput_targets_are_usage_errors_naming_them(items, match):
 
 def test_a_cap_below_one_is_refused(capsys):
     from optimized.cli.main import main
+
     with pytest.raises(SystemExit) as e:
         main(["bench", "serve", "--max-concurrency", "0", "--model", "m", "--no-progress"])
     assert e.value.code == 2 and "--max-concurrency must be >= 1; got 0" in capsys.readouterr().err

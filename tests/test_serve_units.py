@@ -1,4 +1,5 @@
 """Plain unit tests of serving's host logic: the scheduler's admission rules, stop strings, percentiles."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,12 @@ from optimized.executor.scheduler import Request, Scheduler
 from optimized.serving.text import TextStream
 
 
-@given(lens=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=8),
-       batch=st.integers(1, 4), budget=st.sampled_from([0, 16, 48]), blocks=st.integers(4, 12))
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=8),
+    batch=st.integers(1, 4),
+    budget=st.sampled_from([0, 16, 48]),
+    blocks=st.integers(4, 12),
+)
 def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budget, blocks):
     s = Scheduler(batch, budget, 16, blocks)
     requests = []
@@ -22,7 +27,7 @@ def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budge
         try:
             s.add(r)
             requests.append(r)
-        except ValueError:      # can never fit: refused at once, never queued
+        except ValueError:  # can never fit: refused at once, never queued
             assert (budget and p > budget) or s.blocks_needed(r) > blocks
     pool, order, steps = BlockPool(blocks + 1, 16), [], 0
     while not s.idle:
@@ -35,15 +40,16 @@ def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budge
             assert not budget or sum(len(r.prompt) for r in step.requests) <= budget
             # the prompt's blocks and the first decode token's, never the whole budget
             assert [len(r.blocks) for r in step.requests] == [
-                math.ceil(min(len(r.prompt) + 1, r.budget - 1) / 16) for r in step.requests]
+                math.ceil(min(len(r.prompt) + 1, r.budget - 1) / 16) for r in step.requests
+            ]
             assert free - pool.free_blocks == sum(len(r.blocks) for r in step.requests)
             order += [r.request_id for r in step.requests]
         else:
-            assert step.kind == "decode" and step.requests   # nothing admissible: decode, then finish one
+            assert step.kind == "decode" and step.requests  # nothing admissible: decode, then finish one
             done = step.requests[0]
             s.remove(done)
             pool.release(done.blocks)
-    assert order == [r.request_id for r in requests]   # first come, first served
+    assert order == [r.request_id for r in requests]  # first come, first served
     assert pool.free_blocks == blocks
 
 
@@ -59,17 +65,18 @@ def test_scheduler_deals_requests_to_the_least_loaded_dp_group(n, dp, batch):
     step = s.schedule([BlockPool(101, 16) for _ in range(dp)])
     assert step.kind == "prefill"
     assert all(len(g) <= -(-batch // dp) for g in s.running)
-    assert [r.dp_group for r in step.requests] == sorted(r.dp_group for r in step.requests)   # group by group
+    assert [r.dp_group for r in step.requests] == sorted(r.dp_group for r in step.requests)  # group by group
 
 
 def test_text_stream_stops_and_holds_back_partial_stops():
-    class Chars:   # one character per id
+    class Chars:  # one character per id
         def decode(self, ids):
             return "".join(chr(i) for i in ids)
+
     t = TextStream(Chars(), ["XY"])
     out = [t.add(ord(c), False) for c in "abX"]
-    assert out == ["a", "b", ""] and not t.stopped          # "X" may start the stop string: held back
-    assert t.add(ord("Y"), False) == "" and t.stopped      # the stop string itself is never sent
+    assert out == ["a", "b", ""] and not t.stopped  # "X" may start the stop string: held back
+    assert t.add(ord("Y"), False) == "" and t.stopped  # the stop string itself is never sent
     t = TextStream(Chars(), ["XY"])
     assert "".join(t.add(ord(c), i == 3) for i, c in enumerate("abXc")) == "abXc" and not t.stopped
 
@@ -83,9 +90,12 @@ def test_percentile_interpolates():
 def test_max_prefill_tokens_is_a_non_negative_int():
     import pytest
     from optimized.config import ConfigError, InferenceConfig
+
     assert InferenceConfig.from_dict({}).scheduler_config.max_prefill_tokens == 0
-    assert InferenceConfig.from_dict({"scheduler_config": {"max_prefill_tokens": 512}}).scheduler_config \
-        .max_prefill_tokens == 512
+    assert (
+        InferenceConfig.from_dict({"scheduler_config": {"max_prefill_tokens": 512}}).scheduler_config.max_prefill_tokens
+        == 512
+    )
     for bad in (-1, 1.5, "x"):
         with pytest.raises(ConfigError) as e:
             InferenceConfig.from_dict({"scheduler_config": {"max_prefill_tokens": bad}})
@@ -95,6 +105,7 @@ def test_max_prefill_tokens_is_a_non_negative_int():
 def _serve_error(argv, capsys) -> str:
     import pytest
     from optimized.cli.main import main
+
     with pytest.raises(SystemExit) as e:
         main(["serve", *argv])
     assert e.value.code == 2
@@ -105,8 +116,10 @@ def test_serve_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert "not found" in _serve_error(["--config", str(tmp_path / "none.yaml")], capsys)
     cfg = tmp_path / "dp.yaml"
-    cfg.write_text("model_config: {model_path: 'fixture:tiny'}\nparallel_config: {world_size: 2, attn_tp_size: 2, "
-                   "moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2}\n")
+    cfg.write_text(
+        "model_config: {model_path: 'fixture:tiny'}\nparallel_config: {world_size: 2, attn_tp_size: 2, "
+        "moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2}\n"
+    )
     err = _serve_error(["--config", str(cfg)], capsys)
     assert "parallel_config.world_size is 2" in err and "torchrun" in err
     assert "--port=70000" in _serve_error(["--config", str(cfg), "--port", "70000"], capsys)

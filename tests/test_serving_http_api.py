@@ -2,6 +2,7 @@
 with a scripted stand-in for the engine: each request's tokens (or a per-request error) are given by the test, so
 EOS endings, failures after the stream started, seeds and choices are checked exactly and fast. The same layer
 over the real engine: equivalence/serving/test_e2e_serving_http.py."""
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ MAX_BODY = 64 * 1024
 
 class _Queues(SimpleNamespace):
     """The scheduler's counts the Driver reads."""
+
     def num_waiting(self):
         return len(self.waiting)
 
@@ -44,7 +46,7 @@ class ScriptedEngine:
         self.plans, self.added, self.aborted = {}, [], []
         self.script = self.default_script
         self.step_s = 0.0
-        self.runner = SimpleNamespace(vocab_size=len(tokenizer.hf))    # what the app checks logit_bias ids against
+        self.runner = SimpleNamespace(vocab_size=len(tokenizer.hf))  # what the app checks logit_bias ids against
 
     def default_script(self, request):
         return self.tokenizer.hf.encode(" hello world again and again") * 4
@@ -82,12 +84,24 @@ class ScriptedEngine:
                 events.append(SimpleNamespace(request=r, token=-1, finished=True, error=item))
                 continue
             r.tokens.append(item)
-            r.finish_reason = ("stop" if item in r.stop_ids else
-                               "length" if len(r.tokens) >= r.max_tokens or not self.plans[r.request_id] else None)
+            r.finish_reason = (
+                "stop"
+                if item in r.stop_ids
+                else "length"
+                if len(r.tokens) >= r.max_tokens or not self.plans[r.request_id]
+                else None
+            )
             if r.finish_reason:
                 self.scheduler.running.remove(r)
-            events.append(TokenEvent(r, item, -0.5 if r.logprobs is not None else None,
-                                     [] if r.logprobs is not None else None, r.finish_reason is not None))
+            events.append(
+                TokenEvent(
+                    r,
+                    item,
+                    -0.5 if r.logprobs is not None else None,
+                    [] if r.logprobs is not None else None,
+                    r.finish_reason is not None,
+                )
+            )
         return Step("decode", tuple(e.request for e in events)), events
 
 
@@ -99,12 +113,20 @@ def server():
     from optimized.model_loader.tokenizer import CheckpointTokenizer, eos_token_ids
     from optimized.serving.app import build_app
     from optimized.serving.driver import Driver
+
     path = checkpoint("tiny")
     tokenizer = CheckpointTokenizer.load(path)
     engine = ScriptedEngine(tokenizer)
     driver = Driver(engine).start()
-    app = build_app(driver, tokenizer, MODEL, stop_ids=eos_token_ids(path), default_max_tokens=8,
-                    max_prompt_tokens=MAX_PROMPT_TOKENS, max_body_bytes=MAX_BODY)
+    app = build_app(
+        driver,
+        tokenizer,
+        MODEL,
+        stop_ids=eos_token_ids(path),
+        default_max_tokens=8,
+        max_prompt_tokens=MAX_PROMPT_TOKENS,
+        max_body_bytes=MAX_BODY,
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -116,8 +138,14 @@ def server():
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, tokenizer=tokenizer, driver=driver,
-                              app=app, eos=eos_token_ids(path))
+        yield SimpleNamespace(
+            url=f"http://127.0.0.1:{port}",
+            engine=engine,
+            tokenizer=tokenizer,
+            driver=driver,
+            app=app,
+            eos=eos_token_ids(path),
+        )
     finally:
         srv.should_exit = True
         thread.join(TIMEOUT_S)
@@ -129,7 +157,7 @@ def s(server):
     server.engine.script = server.engine.default_script
     server.engine.step_s = 0.0
     yield server
-    assert httpx.get(server.url + "/health", timeout=TIMEOUT_S).json() == {"status": "ok"}   # never the server
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT_S).json() == {"status": "ok"}  # never the server
 
 
 def post(s, path, body, **kw):
@@ -159,8 +187,13 @@ def client(s):
 
 # ---- 1: temperature too small to sample with
 def test_temperature_below_the_greedy_threshold_is_greedy(s):
-    for t, greedy in ((1e-300, True), (5e-324, True), (protocol.GREEDY_TEMPERATURE / 2, True),
-                      (protocol.GREEDY_TEMPERATURE, False), (0.7, False)):
+    for t, greedy in (
+        (1e-300, True),
+        (5e-324, True),
+        (protocol.GREEDY_TEMPERATURE / 2, True),
+        (protocol.GREEDY_TEMPERATURE, False),
+        (0.7, False),
+    ):
         r = post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": t, "seed": 1})
         assert r.status_code == 200, r.text
         assert s.engine.added[-1].sampling.greedy is greedy, t
@@ -172,11 +205,12 @@ def test_body_over_the_limit_is_refused_before_it_is_read(s):
     big = json.dumps({"model": MODEL, "prompt": "a" * MAX_BODY}).encode()
     error_of(httpx.post(s.url + "/v1/completions", content=big, timeout=TIMEOUT_S), 413, None)
 
-    def chunked():                       # no Content-Length: refused once the bytes read pass the limit
+    def chunked():  # no Content-Length: refused once the bytes read pass the limit
         yield b'{"model": "tiny", "prompt": "'
         for _ in range(2 * MAX_BODY // 1024):
             yield b"a" * 1024
         yield b'"}'
+
     r = httpx.post(s.url + "/v1/completions", content=chunked(), timeout=TIMEOUT_S)
     assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
 
@@ -190,9 +224,21 @@ def test_a_prompt_too_long_in_characters_is_refused_without_tokenizing(s, monkey
     t0 = time.monotonic()
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "x" * (limit + 1)}), 413, "prompt")
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["ok", "x" * (limit + 1)]}), 413, "prompt")
-    error_of(post(s, "/v1/chat/completions", {"model": MODEL, "messages": [
-        {"role": "system", "content": "x" * (limit // 2)}, {"role": "user", "content": "y" * (limit // 2 + 2)}]}),
-        413, "messages")
+    error_of(
+        post(
+            s,
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": "x" * (limit // 2)},
+                    {"role": "user", "content": "y" * (limit // 2 + 2)},
+                ],
+            },
+        ),
+        413,
+        "messages",
+    )
     assert calls == [] and time.monotonic() - t0 < 5
     # within the character bound it is tokenized, and then the token count decides
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "x y " * MAX_PROMPT_TOKENS}), 413, "prompt")
@@ -205,11 +251,12 @@ def test_tokenizing_runs_off_the_event_loop(s, monkeypatch):
     def slow(*a, **k):
         time.sleep(1.5)
         return encode(*a, **k)
+
     monkeypatch.setattr(s.tokenizer.hf, "encode", slow)
     done = []
     t = threading.Thread(target=lambda: done.append(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi"})))
     t.start()
-    time.sleep(0.3)                                  # the request is inside the tokenizer now
+    time.sleep(0.3)  # the request is inside the tokenizer now
     t0 = time.monotonic()
     assert httpx.get(s.url + "/health", timeout=TIMEOUT_S).status_code == 200
     waited = time.monotonic() - t0
@@ -228,12 +275,13 @@ def test_detokenizing_runs_off_the_event_loop(s, monkeypatch, stream):
     started, finished, threads = threading.Event(), threading.Event(), []
 
     def slow(ids):
-        if slow_token in ids and not started.is_set():          # once
+        if slow_token in ids and not started.is_set():  # once
             threads.append(threading.current_thread().name)
             started.set()
             time.sleep(3.0)
             finished.set()
         return decode(ids)
+
     monkeypatch.setattr(s.tokenizer, "decode", slow)
     s.engine.script = lambda r: [slow_token] + s.tokenizer.hf.encode(" hello world")
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": stream}
@@ -291,10 +339,10 @@ def test_gauges_are_fresh_after_an_abort_and_stop_strings_count_as_stop(s):
     s.engine.script = lambda r: s.tokenizer.hf.encode(" a b c") * 200
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 500, "stream": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT_S) as r:
-        lines = r.iter_lines()                 # kept: a dropped iterator closes the connection
+        lines = r.iter_lines()  # kept: a dropped iterator closes the connection
         next(lines)
         assert _metric(s, "qwen3_moe_requests_running") == 1
-    deadline = time.monotonic() + 3           # no engine step runs after the abort: only the inbox refresh
+    deadline = time.monotonic() + 3  # no engine step runs after the abort: only the inbox refresh
     while _metric(s, "qwen3_moe_requests_running") or _metric(s, "qwen3_moe_kv_cache_usage_ratio"):
         assert time.monotonic() < deadline, "the gauges stayed stale after the abort"
         time.sleep(0.05)
@@ -312,27 +360,32 @@ def test_gauges_are_fresh_after_an_abort_and_stop_strings_count_as_stop(s):
 
 # ---- 5: seeds; errors after the SSE headers
 def test_seeds_up_to_2_64_minus_1_are_accepted_and_others_name_seed(s):
-    for seed in (0, 2 ** 45, 2 ** 63, 2 ** 64 - 1):
+    for seed in (0, 2**45, 2**63, 2**64 - 1):
         r = post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 1, "seed": seed})
         assert r.status_code == 200, r.text
         assert s.engine.added[-1].sampling.seed == seed
-    for seed, status in ((2 ** 64, 400), (-1, 400), (1.5, 422), ("7", 422)):
-        for stream in (False, True):       # refused before the stream starts: a JSON error, not an SSE one
-            error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": seed, "stream": stream}),
-                     status, "seed")
+    for seed, status in ((2**64, 400), (-1, 400), (1.5, 422), ("7", 422)):
+        for stream in (False, True):  # refused before the stream starts: a JSON error, not an SSE one
+            error_of(
+                post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": seed, "stream": stream}),
+                status,
+                "seed",
+            )
 
 
 def test_an_error_after_the_stream_started_is_an_sse_error_event_then_done(s):
     words = s.tokenizer.hf.encode(" one two")
     s.engine.script = lambda r: words + [RuntimeError("sampling failed for this request")]
-    for path, body in (("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         lines = sse_lines(s, path, {"model": MODEL, "max_tokens": 20, "stream": True, **body})
         assert lines[-3:-1] == ["event: error", lines[-2]] and lines[-1] == "data: [DONE]"
         err = json.loads(lines[-2][6:])["error"]
         assert err["type"] == "server_error" and "sampling failed" in err["message"], err
         assert len(chunks_of(lines[:-3])) >= len(words)
-        r = post(s, path, {"model": MODEL, "max_tokens": 20, **body})       # not streamed: a JSON error
+        r = post(s, path, {"model": MODEL, "max_tokens": 20, **body})  # not streamed: a JSON error
         assert r.status_code == 500 and "sampling failed" in r.json()["error"]["message"]
     with pytest.raises(openai.APIError, match="sampling failed"):
         for _ in client(s).completions.create(model=MODEL, prompt="hi", max_tokens=20, stream=True):
@@ -351,6 +404,7 @@ def test_a_detokenizing_failure_fails_that_request_only(s, monkeypatch):
         if bad in ids:
             raise RuntimeError("cannot decode")
         return decode(ids)
+
     monkeypatch.setattr(s.tokenizer, "decode", broken)
     s.engine.script = lambda r: hello + [bad] + hello
     n_aborted = len(s.engine.aborted)
@@ -359,7 +413,7 @@ def test_a_detokenizing_failure_fails_that_request_only(s, monkeypatch):
     lines = sse_lines(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True})
     assert "event: error" in lines and lines[-1] == "data: [DONE]"
     deadline = time.monotonic() + 3
-    while len(s.engine.aborted) < n_aborted + 2:          # both requests were aborted: their blocks go back
+    while len(s.engine.aborted) < n_aborted + 2:  # both requests were aborted: their blocks go back
         assert time.monotonic() < deadline
         time.sleep(0.02)
     monkeypatch.setattr(s.tokenizer, "decode", decode)
@@ -372,18 +426,28 @@ def test_lone_surrogates_and_bad_stream_options_get_json_errors(s):
     err = error_of(httpx.post(s.url + "/v1/completions", content=raw, timeout=TIMEOUT_S), 400, "prompt")
     assert "surrogate" in err["message"]
     raw = b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'
-    error_of(httpx.post(s.url + "/v1/chat/completions", content=raw, timeout=TIMEOUT_S), 400,
-             "messages[0].content[0].text")
-    ok = b'{"model": "tiny", "prompt": "a\\ud83d\\ude00b"}'            # a pair is fine
+    error_of(
+        httpx.post(s.url + "/v1/chat/completions", content=raw, timeout=TIMEOUT_S), 400, "messages[0].content[0].text"
+    )
+    ok = b'{"model": "tiny", "prompt": "a\\ud83d\\ude00b"}'  # a pair is fine
     assert httpx.post(s.url + "/v1/completions", content=ok, timeout=TIMEOUT_S).status_code == 200
-    for options, status, param in ((1, 422, "stream_options"), ("x", 422, "stream_options"),
-                                   ([], 422, "stream_options"),
-                                   ({"include_usage": "yes"}, 422, "stream_options.include_usage"),
-                                   ({"other": True}, 400, "stream_options.other")):
-        error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True,
-                                             "stream_options": options}), status, param)
-    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
-             400, "stream_options")
+    for options, status, param in (
+        (1, 422, "stream_options"),
+        ("x", 422, "stream_options"),
+        ([], 422, "stream_options"),
+        ({"include_usage": "yes"}, 422, "stream_options.include_usage"),
+        ({"other": True}, 400, "stream_options.other"),
+    ):
+        error_of(
+            post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": options}),
+            status,
+            param,
+        )
+    error_of(
+        post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
+        400,
+        "stream_options",
+    )
 
 
 # ---- 7: the API surface
@@ -407,22 +471,40 @@ def test_model_by_id(s):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}), ("suffix", "tail"), ("best_of", 3),
-    ("functions", [{"name": "f"}]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("suffix", "tail"),
+        ("best_of", 3),
+        ("functions", [{"name": "f"}]),
+    ],
+)
 def test_unsupported_fields_are_refused_naming_them(s, field, value):
-    for path, body in (("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         err = error_of(post(s, path, {"model": MODEL, **body, field: value}), 400, field)
         assert field in err["message"]
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(s):
-    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "suffix": "", "best_of": 2,
-               "n": 2, "logit_bias": {}, "min_tokens": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
-               "repetition_penalty": 1}
+    neutral = {
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "suffix": "",
+        "best_of": 2,
+        "n": 2,
+        "logit_bias": {},
+        "min_tokens": 0,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1,
+    }
     assert post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", **neutral}).status_code == 200
 
 
@@ -430,30 +512,58 @@ def test_logits_processor_fields_reach_the_engine(s):
     """presence/frequency/repetition penalties, logit_bias (token-id string keys) and min_tokens are accepted on both
     routes, greedy or sampled, and every choice's engine request carries them (their effect on tokens:
     equivalence/serving/test_e2e_serving_http.py)."""
-    fields = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
-              "logit_bias": {"5": 1, "17": -100}, "min_tokens": 2}
-    for path, body in (("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"5": 1, "17": -100},
+        "min_tokens": 2,
+    }
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 3, "n": 2}):
             r = post(s, path, {"model": MODEL, **body, **fields, **extra, "max_tokens": 4})
             assert r.status_code == 200, r.text
-            for q in [x.sampling for x in s.engine.added[-extra.get("n", 1):]]:
-                assert (q.presence_penalty, q.frequency_penalty, q.repetition_penalty, q.min_tokens) == \
-                    (0.5, -1.0, 1.2, 2)
+            for q in [x.sampling for x in s.engine.added[-extra.get("n", 1) :]]:
+                assert (q.presence_penalty, q.frequency_penalty, q.repetition_penalty, q.min_tokens) == (
+                    0.5,
+                    -1.0,
+                    1.2,
+                    2,
+                )
                 assert q.logit_bias == ((5, 1.0), (17, -100.0)) and q.penalized
 
 
-@pytest.mark.parametrize("field, value, status", [
-    ("presence_penalty", 2.5, 400), ("presence_penalty", -2.01, 400), ("frequency_penalty", -3, 400),
-    ("frequency_penalty", "1", 422), ("repetition_penalty", 0, 400), ("repetition_penalty", -1.5, 400),
-    ("repetition_penalty", True, 422), ("min_tokens", -1, 400), ("min_tokens", 5, 400), ("min_tokens", 1.5, 422),
-    ("logit_bias", {"abc": 1}, 400), ("logit_bias", {"-1": 1}, 400), ("logit_bias", {"5": 101}, 400),
-    ("logit_bias", {"5": -100.5}, 400), ("logit_bias", {"5": "x"}, 422), ("logit_bias", [5], 422),
-    ("logit_bias", {"99999999": 1}, 400), ("logit_bias", {str(i): 1 for i in range(301)}, 400),
-])
+@pytest.mark.parametrize(
+    "field, value, status",
+    [
+        ("presence_penalty", 2.5, 400),
+        ("presence_penalty", -2.01, 400),
+        ("frequency_penalty", -3, 400),
+        ("frequency_penalty", "1", 422),
+        ("repetition_penalty", 0, 400),
+        ("repetition_penalty", -1.5, 400),
+        ("repetition_penalty", True, 422),
+        ("min_tokens", -1, 400),
+        ("min_tokens", 5, 400),
+        ("min_tokens", 1.5, 422),
+        ("logit_bias", {"abc": 1}, 400),
+        ("logit_bias", {"-1": 1}, 400),
+        ("logit_bias", {"5": 101}, 400),
+        ("logit_bias", {"5": -100.5}, 400),
+        ("logit_bias", {"5": "x"}, 422),
+        ("logit_bias", [5], 422),
+        ("logit_bias", {"99999999": 1}, 400),
+        ("logit_bias", {str(i): 1 for i in range(301)}, 400),
+    ],
+)
 def test_logits_processor_fields_out_of_range_name_the_field(s, field, value, status):
-    for path, body in (("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         added = len(s.engine.added)
         err = error_of(post(s, path, {"model": MODEL, **body, "max_tokens": 4, field: value}), status, field)
         assert field in err["message"]
@@ -465,13 +575,23 @@ def test_chat_content_as_text_parts(s):
         r = post(s, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]})
         assert r.status_code == 200, r.text
         return s.engine.added[-1].prompt
-    assert prompt_of([{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]) == \
-        prompt_of("Hello\nthere")
-    r = client(s).chat.completions.create(model=MODEL, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Hello"}]}], max_tokens=3)
+
+    assert prompt_of([{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]) == prompt_of(
+        "Hello\nthere"
+    )
+    r = client(s).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}], max_tokens=3
+    )
     assert r.choices[0].message.content
-    body = {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x"}}]}]}
+    body = {
+        "model": MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x"}}],
+            }
+        ],
+    }
     error_of(post(s, "/v1/chat/completions", body), 400, "messages[0].content[1].type")
 
 
@@ -483,30 +603,37 @@ def test_a_list_of_prompts_gives_one_choice_per_prompt(s):
     want = [s.tokenizer.hf.encode(p) if isinstance(p, str) else p for p in prompts]
     assert got == {tuple(p) for p in want}
     assert r["usage"]["prompt_tokens"] == sum(map(len, want)) and r["usage"]["completion_tokens"] == 12
-    chunks = chunks_of(sse_lines(s, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4,
-                                                        "stream": True}))
+    chunks = chunks_of(
+        sse_lines(s, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4, "stream": True})
+    )
     by_index = {}
     for ch in chunks:
         by_index.setdefault(ch["choices"][0]["index"], []).append(ch["choices"][0]["text"])
     assert sorted(by_index) == [0, 1, 2]
     assert ["".join(by_index[i]) for i in range(3)] == [c["text"] for c in r["choices"]]
     r = post(s, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4, "echo": True}).json()
-    assert [c["text"][:len(p)] for c, p in zip(r["choices"], prompts[:2])] == prompts[:2]
+    assert [c["text"][: len(p)] for c, p in zip(r["choices"], prompts[:2])] == prompts[:2]
 
 
 def test_n_choices_are_sampled_with_a_seed_each(s):
-    r = post(s, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 3, "seed": 2 ** 64 - 2,
-                                    "temperature": 0.8, "max_tokens": 2}).json()
+    r = post(
+        s,
+        "/v1/completions",
+        {"model": MODEL, "prompt": ["a", "b"], "n": 3, "seed": 2**64 - 2, "temperature": 0.8, "max_tokens": 2},
+    ).json()
     assert [c["index"] for c in r["choices"]] == list(range(6))
     added = s.engine.added[-6:]
-    assert sorted((x.request_id.rsplit("-", 1)[1], x.sampling.seed) for x in added) == \
-        sorted((str(k), protocol.choice_seed(2 ** 64 - 2, k % 3)) for k in range(6))
-    assert protocol.choice_seed(2 ** 64 - 2, 2) == 0                  # wraps within [0, 2**64)
+    assert sorted((x.request_id.rsplit("-", 1)[1], x.sampling.seed) for x in added) == sorted(
+        (str(k), protocol.choice_seed(2**64 - 2, k % 3)) for k in range(6)
+    )
+    assert protocol.choice_seed(2**64 - 2, 2) == 0  # wraps within [0, 2**64)
     assert r["usage"]["prompt_tokens"] == 2
-    post(s, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2,
-                                     "temperature": 1})
-    seeds = [x.sampling.seed for x in s.engine.added[-2:]]            # unseeded: each choice its own seed
+    post(
+        s,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 1},
+    )
+    seeds = [x.sampling.seed for x in s.engine.added[-2:]]  # unseeded: each choice its own seed
     assert None not in seeds and seeds[0] != seeds[1]
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 20, "n": 4}), 400, "n")
-    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * (protocol.MAX_CHOICES + 1)}), 400,
-             "prompt")
+    error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * (protocol.MAX_CHOICES + 1)}), 400, "prompt")

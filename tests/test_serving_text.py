@@ -1,6 +1,7 @@
 """Incremental detokenizing (optimized/serving/text.py) on the tiny fixture's byte-level BPE tokenizer: the
 streamed text equals the decode of the whole completion, tokens split mid-character included, and each token's
 work is bounded whatever the completion's length."""
+
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,7 @@ pytest.importorskip("transformers")
 def _tokenizer():
     from fixtures.checkpoints import checkpoint
     from optimized.model_loader.tokenizer import CheckpointTokenizer
+
     return CheckpointTokenizer.load(checkpoint("tiny"))
 
 
@@ -69,7 +71,7 @@ def test_multibyte_characters_are_split_mid_character_and_still_streamed_whole()
     d = Detokenizer(tok.decode)
     pieces = [d.add(t) for t in ids] + [d.flush()]
     assert "".join(pieces) == text
-    assert all("\ufffd" not in p for p in pieces)           # no half character is ever sent
+    assert all("\ufffd" not in p for p in pieces)  # no half character is ever sent
 
 
 @settings(max_examples=80, deadline=None)
@@ -88,7 +90,7 @@ def test_per_token_work_is_bounded_whatever_the_length():
     tok = _tokenizer()
     table = _byte_tokens()
     prose = tok.hf.encode("The capital of France is Paris. 日本語のテキスト。 " * 60)
-    garbage = [table[0x80]] * 300 + [table[0xE4]] + [table[0xB8]] * 2   # never a valid character for 300 tokens
+    garbage = [table[0x80]] * 300 + [table[0xE4]] + [table[0xB8]] * 2  # never a valid character for 300 tokens
     for ids in (prose, garbage, prose + garbage + prose):
         got, d, work = streamed(ids, tok.decode)
         assert got == tok.decode(ids)
@@ -102,23 +104,24 @@ def test_decode_work_does_not_grow_with_the_completion():
     ids = tok.hf.encode("Hello! How are you today? " * 200)
     _, _, work = streamed(ids, tok.decode)
     n = len(work)
-    assert max(work[n // 2:]) <= max(work[:n // 10]) + 2       # the last tokens cost what the first ones did
+    assert max(work[n // 2 :]) <= max(work[: n // 10]) + 2  # the last tokens cost what the first ones did
 
 
 def test_text_stream_hides_nothing_but_what_finish_releases():
     tok = _tokenizer()
     ids = tok.hf.encode("Paris 🙂")
     s = TextStream(tok, ["XYZ"])
-    out = "".join(s.add(t, False) for t in ids[:-1])       # the last byte of the emoji is not added
+    out = "".join(s.add(t, False) for t in ids[:-1])  # the last byte of the emoji is not added
     assert "\ufffd" not in out and s.offset == len(out)
-    assert out + s.finish() == tok.decode(ids[:-1])         # the held half character comes out as U+FFFD at the end
+    assert out + s.finish() == tok.decode(ids[:-1])  # the held half character comes out as U+FFFD at the end
 
 
 def test_stop_strings_across_tokens_and_held_back_prefixes():
-    class Chars:   # one character per id
+    class Chars:  # one character per id
         def decode(self, ids):
             return "".join(chr(i) for i in ids)
+
     t = TextStream(Chars(), ["XY"])
     assert [t.add(ord(c), False) for c in "abX"] == ["a", "b", ""] and not t.stopped
-    assert t.offset == 3                                    # the held "X" is stable text: the next token starts at 3
-    assert t.finish() == "X"                                # the request ended (EOS): the held prefix is released
+    assert t.offset == 3  # the held "X" is stable text: the next token starts at 3
+    assert t.finish() == "X"  # the request ended (EOS): the held prefix is released

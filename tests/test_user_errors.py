@@ -5,6 +5,7 @@ Each case copies the tiny fixture, breaks one thing, runs `python -m optimized g
 reference generate` in-process on it, and checks the message names the file / key / tensor and the fix.
 In-process, anything but the CLIs' one-line usage error would surface here as an exception, not SystemExit(2).
 """
+
 from __future__ import annotations
 
 import json
@@ -67,15 +68,16 @@ def _write_index(text: str):
 
 def _nan_weight(d: Path) -> None:
     tensors = load_file(d / "model.safetensors")
-    tensors["model.layers.0.self_attn.o_proj.weight"][3] = float("nan")    # one row
+    tensors["model.layers.0.self_attn.o_proj.weight"][3] = float("nan")  # one row
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
 
 
 def _wrong_shard(d: Path) -> None:
     index = json.loads((d / "model.safetensors.index.json").read_text())
     name = "model.layers.0.self_attn.o_proj.weight"
-    index["weight_map"][name] = next(f for f in sorted(set(index["weight_map"].values()))
-                                     if f != index["weight_map"][name])
+    index["weight_map"][name] = next(
+        f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name]
+    )
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
@@ -91,57 +93,160 @@ YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_pos
 
 # (id, sharded, break it, what both messages contain, what only the optimized one contains, reference too?)
 CASES = [
-    ("zero-byte file", False, lambda d: (d / "model.safetensors").write_bytes(b""),
-     ["model.safetensors", "not a readable safetensors file", "header too small", "re-download"], True),
-    ("truncated file", False, _truncate,
-     ["model.safetensors", "not a readable safetensors file", "re-download"], True),
-    ("corrupt header", False, _corrupt_header,
-     ["model.safetensors", "not a readable safetensors file", "invalid JSON in header"], True),
-    ("shard missing", True, _drop_shard,
-     ["model-00003-of-00009.safetensors", "incomplete"], True),
-    ("index bad JSON", True, _write_index("{not json"),
-     ["model.safetensors.index.json is not valid JSON", "re-download"], True),
-    ("index without weight_map", True, _write_index('{"metadata": {}}'),
-     ["model.safetensors.index.json has no 'weight_map'", "re-download"], True),
-    ("int32 tensor", False, _int32_tensor,
-     ["model.layers.0.self_attn.o_proj.weight", "dtype torch.int32", "config.json declares", "re-convert"], True),
-    ("llama config", False, lambda d: _edit_config(d, model_type="llama"),
-     ["config.json has model_type='llama'", "qwen3_moe"], True),
-    ("missing head count", False, lambda d: _edit_config(d, num_attention_heads=None),
-     ["config.json", "num_attention_heads", "missing"], True),
-    ("missing expert count", False, lambda d: _edit_config(d, num_local_experts=None),
-     ["config.json", "num_experts", "missing"], True),
-    ("broken tokenizer.json", False, lambda d: (d / "tokenizer.json").write_text("{broken"),
-     ["cannot load the tokenizer of", "tokenizer.json", "--prompt-ids"], True),
-    ("zero kv heads", False, lambda d: _edit_config(d, num_key_value_heads=0),
-     ["num_key_value_heads=0", "positive integer"], True),
-    ("zero experts", False, lambda d: _edit_config(d, num_local_experts=0),
-     ["num_experts=0"], True),
-    ("sliding window", False, lambda d: _edit_config(d, use_sliding_window=True, sliding_window=64),
-     ["use_sliding_window=True", "not supported"], True),
-    ("yarn rope", False, lambda d: _edit_config(d, rope_parameters=YARN),
-     ["rope_type", "='yarn' is not supported"], True),
-    ("gelu activation", False, lambda d: _edit_config(d, hidden_act="gelu"),
-     ["hidden_act='gelu'", "not supported"], True),
-    ("tied embeddings", False, lambda d: _edit_config(d, tie_word_embeddings=True),
-     ["tie_word_embeddings=True", "not supported by the optimized model"], False),  # the reference supports it
-    ("no tokenizer, text prompt", False, lambda d: [(d / f).unlink() for f in ("tokenizer.json",
-                                                                                "tokenizer_config.json")],
-     ["the checkpoint has no tokenizer", "--prompt-ids"], True),
-    ("NaN weight", False, _nan_weight,   # else token 0 forever, exit 0
-     ["tensor 'model.layers.0.self_attn.o_proj.weight' holds 128 non-finite value(s) (NaN or inf)", "re-download"],
-     True),
-    ("index names a shard without the tensor", True, _wrong_shard,   # the reference reads every shard, no index
-     ["model.safetensors.index.json maps tensor 'model.layers.0.self_attn.o_proj.weight' to",
-      "which does not contain it", "re-download"], False),
-    ("config.json nested 100000 deep", False, _nested("config.json"),
-     ["config.json is nested too deeply", "levels); "], True),   # the limit is the process's recursion limit
-    ("generation_config.json nested 100000 deep", False, _nested("generation_config.json"),
-     ["generation_config.json is nested too deeply"], True),
-    ("truncated generation_config.json", False, _write("generation_config.json", '{"eos_token_id": [1,'),
-     ["generation_config.json is not valid JSON", "--ignore-eos"], False),   # the reference's own tokenizer helpers
-    ("eos_token_id 'abc'", False, _write("generation_config.json", '{"eos_token_id": "abc"}'),
-     ["generation_config.json: eos_token_id must be a non-negative integer or a list of them; got 'abc'"], False),
+    (
+        "zero-byte file",
+        False,
+        lambda d: (d / "model.safetensors").write_bytes(b""),
+        ["model.safetensors", "not a readable safetensors file", "header too small", "re-download"],
+        True,
+    ),
+    ("truncated file", False, _truncate, ["model.safetensors", "not a readable safetensors file", "re-download"], True),
+    (
+        "corrupt header",
+        False,
+        _corrupt_header,
+        ["model.safetensors", "not a readable safetensors file", "invalid JSON in header"],
+        True,
+    ),
+    ("shard missing", True, _drop_shard, ["model-00003-of-00009.safetensors", "incomplete"], True),
+    (
+        "index bad JSON",
+        True,
+        _write_index("{not json"),
+        ["model.safetensors.index.json is not valid JSON", "re-download"],
+        True,
+    ),
+    (
+        "index without weight_map",
+        True,
+        _write_index('{"metadata": {}}'),
+        ["model.safetensors.index.json has no 'weight_map'", "re-download"],
+        True,
+    ),
+    (
+        "int32 tensor",
+        False,
+        _int32_tensor,
+        ["model.layers.0.self_attn.o_proj.weight", "dtype torch.int32", "config.json declares", "re-convert"],
+        True,
+    ),
+    (
+        "llama config",
+        False,
+        lambda d: _edit_config(d, model_type="llama"),
+        ["config.json has model_type='llama'", "qwen3_moe"],
+        True,
+    ),
+    (
+        "missing head count",
+        False,
+        lambda d: _edit_config(d, num_attention_heads=None),
+        ["config.json", "num_attention_heads", "missing"],
+        True,
+    ),
+    (
+        "missing expert count",
+        False,
+        lambda d: _edit_config(d, num_local_experts=None),
+        ["config.json", "num_experts", "missing"],
+        True,
+    ),
+    (
+        "broken tokenizer.json",
+        False,
+        lambda d: (d / "tokenizer.json").write_text("{broken"),
+        ["cannot load the tokenizer of", "tokenizer.json", "--prompt-ids"],
+        True,
+    ),
+    (
+        "zero kv heads",
+        False,
+        lambda d: _edit_config(d, num_key_value_heads=0),
+        ["num_key_value_heads=0", "positive integer"],
+        True,
+    ),
+    ("zero experts", False, lambda d: _edit_config(d, num_local_experts=0), ["num_experts=0"], True),
+    (
+        "sliding window",
+        False,
+        lambda d: _edit_config(d, use_sliding_window=True, sliding_window=64),
+        ["use_sliding_window=True", "not supported"],
+        True,
+    ),
+    (
+        "yarn rope",
+        False,
+        lambda d: _edit_config(d, rope_parameters=YARN),
+        ["rope_type", "='yarn' is not supported"],
+        True,
+    ),
+    (
+        "gelu activation",
+        False,
+        lambda d: _edit_config(d, hidden_act="gelu"),
+        ["hidden_act='gelu'", "not supported"],
+        True,
+    ),
+    (
+        "tied embeddings",
+        False,
+        lambda d: _edit_config(d, tie_word_embeddings=True),
+        ["tie_word_embeddings=True", "not supported by the optimized model"],
+        False,
+    ),  # the reference supports it
+    (
+        "no tokenizer, text prompt",
+        False,
+        lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+        ["the checkpoint has no tokenizer", "--prompt-ids"],
+        True,
+    ),
+    (
+        "NaN weight",
+        False,
+        _nan_weight,  # else token 0 forever, exit 0
+        ["tensor 'model.layers.0.self_attn.o_proj.weight' holds 128 non-finite value(s) (NaN or inf)", "re-download"],
+        True,
+    ),
+    (
+        "index names a shard without the tensor",
+        True,
+        _wrong_shard,  # the reference reads every shard, no index
+        [
+            "model.safetensors.index.json maps tensor 'model.layers.0.self_attn.o_proj.weight' to",
+            "which does not contain it",
+            "re-download",
+        ],
+        False,
+    ),
+    (
+        "config.json nested 100000 deep",
+        False,
+        _nested("config.json"),
+        ["config.json is nested too deeply", "levels); "],
+        True,
+    ),  # the limit is the process's recursion limit
+    (
+        "generation_config.json nested 100000 deep",
+        False,
+        _nested("generation_config.json"),
+        ["generation_config.json is nested too deeply"],
+        True,
+    ),
+    (
+        "truncated generation_config.json",
+        False,
+        _write("generation_config.json", '{"eos_token_id": [1,'),
+        ["generation_config.json is not valid JSON", "--ignore-eos"],
+        False,
+    ),  # the reference's own tokenizer helpers
+    (
+        "eos_token_id 'abc'",
+        False,
+        _write("generation_config.json", '{"eos_token_id": "abc"}'),
+        ["generation_config.json: eos_token_id must be a non-negative integer or a list of them; got 'abc'"],
+        False,
+    ),
 ]
 
 
@@ -150,7 +255,7 @@ def _error(main, argv, capsys) -> str:
         main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2, err
-    assert err.count("\n") == 1 and ": error: " in err, err   # one line
+    assert err.count("\n") == 1 and ": error: " in err, err  # one line
     return err
 
 
@@ -159,25 +264,32 @@ def test_bad_checkpoint_is_one_named_line_exit_2(case, tmp_path, capsys):
     _, sharded, breaks, needles, reference_too = case
     path = _copy(tmp_path, sharded)
     breaks(path)
-    err = _error(optimized_main, ["generate", "--config", SINGLE, "--model-path", str(path), "--prompt", "hi",
-                                  "--max-new-tokens", "2"], capsys)
+    err = _error(
+        optimized_main,
+        ["generate", "--config", SINGLE, "--model-path", str(path), "--prompt", "hi", "--max-new-tokens", "2"],
+        capsys,
+    )
     assert err.startswith("python -m optimized: error: ")
     for needle in needles:
         assert needle in err, f"optimized: {needle!r} not in {err!r}"
     if reference_too:
-        err = _error(reference_main, ["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "2"],
-                     capsys)
+        err = _error(
+            reference_main, ["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "2"], capsys
+        )
         assert err.startswith("python -m reference: error: ")
         for needle in needles:
             assert needle in err, f"reference: {needle!r} not in {err!r}"
 
 
-@pytest.mark.parametrize("main, argv", [
-    (optimized_main, ["generate", "--config", SINGLE, "--prompt"]),
-    (reference_main, ["generate", "--model", "MODEL", "--prompt"]),
-])
+@pytest.mark.parametrize(
+    "main, argv",
+    [
+        (optimized_main, ["generate", "--config", SINGLE, "--prompt"]),
+        (reference_main, ["generate", "--model", "MODEL", "--prompt"]),
+    ],
+)
 def test_non_utf8_prompt_is_refused(main, argv, capsys):
-    text = "caf" + b"\xff".decode("utf-8", "surrogateescape")     # how Python receives a non-UTF-8 argv byte
+    text = "caf" + b"\xff".decode("utf-8", "surrogateescape")  # how Python receives a non-UTF-8 argv byte
     argv = [str(checkpoint("tiny")) if a == "MODEL" else a for a in argv] + [text]
     err = _error(main, argv, capsys)
     assert "is not valid UTF-8 (byte 0xff at character 3)" in err and "--prompt-ids" in err
@@ -186,7 +298,7 @@ def test_non_utf8_prompt_is_refused(main, argv, capsys):
 def test_missing_model_path_is_named_by_both_clis(tmp_path, capsys):
     missing = str(tmp_path / "no-such-model")
     err = _error(reference_main, ["generate", "--model", missing, "--prompt", "a"], capsys)
-    assert f"model path {missing!r} does not exist" in err   # not a hub repo-id message
+    assert f"model path {missing!r} does not exist" in err  # not a hub repo-id message
     err = _error(optimized_main, ["generate", "--config", SINGLE, "--model-path", missing, "--prompt", "a"], capsys)
     assert f"model_path {missing!r} does not exist" in err
 
@@ -204,6 +316,7 @@ def test_chat_mode_needs_text_and_a_template(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------- W4A8
 
+
 @pytest.fixture(scope="module")
 def w4a8(tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("w4a8") / "ckpt"
@@ -217,15 +330,30 @@ def _w4a8_copy(w4a8: Path, tmp_path: Path) -> Path:
 
 
 def _generate_w4a8(path: Path, capsys) -> str:
-    return _error(optimized_main, ["generate", "--config", SINGLE, "--model-path", str(path), "--dtype", "bfloat16",
-                                   "--prompt", "hi", "--max-new-tokens", "2"], capsys)
+    return _error(
+        optimized_main,
+        [
+            "generate",
+            "--config",
+            SINGLE,
+            "--model-path",
+            str(path),
+            "--dtype",
+            "bfloat16",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "2",
+        ],
+        capsys,
+    )
 
 
 def test_e8m0_scale_byte_0xff_is_named(w4a8, tmp_path, capsys):
     path = _w4a8_copy(w4a8, tmp_path)
     tensors = load_file(path / "model.safetensors")
     name = "model.layers.1.mlp.experts.2.up_proj.weight_scale"
-    tensors[name][0, 0] = 0xFF                                   # E8M0 NaN: the converter never writes it
+    tensors[name][0, 0] = 0xFF  # E8M0 NaN: the converter never writes it
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     err = _generate_w4a8(path, capsys)
     assert f"tensor {name!r} holds 1 E8M0 scale byte(s) 0xFF" in err
@@ -242,12 +370,16 @@ def test_converted_checkpoint_without_quantization_config_blames_the_missing_key
 
 
 def test_reference_fake_quant_wants_the_bf16_source(w4a8, capsys):
-    err = _error(reference_main, ["generate", "--model", str(w4a8), "--fake-quant", "w4a8", "--dtype", "bfloat16",
-                                  "--prompt", "hi"], capsys)
+    err = _error(
+        reference_main,
+        ["generate", "--model", str(w4a8), "--fake-quant", "w4a8", "--dtype", "bfloat16", "--prompt", "hi"],
+        capsys,
+    )
     assert "is already quantized" in err and "point --model at the BF16 source it was converted from" in err
 
 
 # ----------------------------------------------------------------------------------- run time, library API
+
 
 def test_non_finite_logits_stop_generation_naming_step_and_request(capsys, tmp_path):
     """A NaN logits row stops generation with the step and request named (greedy and sampled), not token 0
@@ -269,13 +401,19 @@ def test_non_finite_logits_stop_generation_naming_step_and_request(capsys, tmp_p
     runner.decode_forward = nan_at_step_2_for_request_1
     for sampling in (None, SamplingParams(temperature=0.8, seed=0)):
         steps.clear()
-        with pytest.raises(NonFiniteLogitsError, match=r"^decode step 2 produced non-finite logits \(NaN or inf\) for "
-                                                        r"request 1, after 2 generated token\(s\)"):
+        with pytest.raises(
+            NonFiniteLogitsError,
+            match=r"^decode step 2 produced non-finite logits \(NaN or inf\) for "
+            r"request 1, after 2 generated token\(s\)",
+        ):
             runner.generate([[1, 2, 3], [4, 5]], 6, sampling=sampling)
     path = _copy(tmp_path)
     _nan_weight(path)
-    err = _error(optimized_main, ["generate", "--config", SINGLE, "--model-path", str(path), "--prompt", "hi",
-                                  "--no-weight-check"], capsys)
+    err = _error(
+        optimized_main,
+        ["generate", "--config", SINGLE, "--model-path", str(path), "--prompt", "hi", "--no-weight-check"],
+        capsys,
+    )
     assert "the prefill produced non-finite logits (NaN or inf) for request 0, after 0 generated token(s)" in err
 
 

@@ -2,6 +2,7 @@
 w4a4mxfloat4, spec a4w4_hadamard.md §1.4): with prefill_opt null the layout's default (SP at attention TP = MoE EP =
 world) falls back to the tensor-parallel prefill, and the start-up line says why; prefill_opt true is refused naming
 the key. W4A8 keeps the SP prefill."""
+
 from __future__ import annotations
 
 import pytest

@@ -10,5 +10,6 @@ html.py the page, calibrate.py the noise floor (check.CALIBRATION); pytest runs 
 `--endpoint URL --endpoint-model-path CKPT`. The quantized precisions compare with the fake-quant reference of the
 BF16 --model-path and are judged on all positions together (the note at check.QUANTIZED says why).
 """
+
 from equivalence.endpoint.check import PRECISIONS, Result, run_check  # noqa: F401
 from equivalence.endpoint.client import EndpointError  # noqa: F401

@@ -14,6 +14,7 @@ At w8a8 / w4a8 / fp8kv the reference is the fake-quant one of the BF16 checkpoin
 with the per-token FP8 KV cache rule, the prompt one prefill and each later token a decode step) and the run must also
 pass `aggregate` (all positions together), the only part that separates a bug from quantization noise there.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,11 +29,13 @@ from optimized.benchmarks.greedy_ties import TokenJudgement, judge_tokens, merge
 
 # precision -> (tolerance table entry bounding one logit, the reference's dtype, the fake-quant scheme of the
 # reference (None: the plain reference), whether the reference's KV cache is the per-token FP8 rule)
-PRECISIONS = {"fp32": ("model.float32", torch.float32, None, False),
-              "bf16": ("model.parallel.bfloat16", torch.bfloat16, None, False),
-              "w8a8": ("model.w8a8.bfloat16", torch.bfloat16, "w8a8", False),
-              "w4a8": ("model.w4a8.bfloat16", torch.bfloat16, "w4a8", False),
-              "fp8kv": ("model.w4a8.bfloat16", torch.bfloat16, "w4a8", True)}
+PRECISIONS = {
+    "fp32": ("model.float32", torch.float32, None, False),
+    "bf16": ("model.parallel.bfloat16", torch.bfloat16, None, False),
+    "w8a8": ("model.w8a8.bfloat16", torch.bfloat16, "w8a8", False),
+    "w4a8": ("model.w4a8.bfloat16", torch.bfloat16, "w4a8", False),
+    "fp8kv": ("model.w4a8.bfloat16", torch.bfloat16, "w4a8", True),
+}
 QUANTIZED = ("w8a8", "w4a8", "fp8kv")
 # Why the quantized precisions are judged on all positions together: their table entries (model.w4a8.bfloat16,
 # model.w8a8.bfloat16: atol 0.5, rtol 2e-2) give a per-position bound of about 1 nat on the tiny model, and its planted
@@ -48,35 +51,88 @@ QUANTIZED = ("w8a8", "w4a8", "fp8kv")
 # positions are diluted). fp8kv: a server that ignores the FP8 KV cache passes (W4A8's own noise is as large as the
 # KV quantization's effect on the tiny logits, see model.fp8_kv.w4a8).
 MIN_SEPARATION_POSITIONS = 1000
-TEXT_SEARCH_TOP_K = 32        # reference candidates tried when only the endpoint's text is known
+TEXT_SEARCH_TOP_K = 32  # reference candidates tried when only the endpoint's text is known
 
 # The noise floor: this check run against our own optimized server at each precision (the fixture `tiny`, single
 # process; `python -m equivalence.endpoint.calibrate --precision P` re-measures and prints these numbers).
 CALIBRATION = {
     # 24 seeded prompts (2-40 ids) x 8 greedy tokens, alone and among 4 concurrent: prompt + generated positions
-    "fp32": {"positions": 1470, "max_ratio": 0.0115, "false_alarms": 0, "near_ties": 0, "divergences": 0,
-             "command": "python -m equivalence.endpoint.calibrate --precision fp32 --prompts 24 --max-tokens 8"},
-    "bf16": {"positions": 1470, "max_ratio": 0.4396, "false_alarms": 0, "near_ties": 8, "divergences": 0,
-             "command": "python -m equivalence.endpoint.calibrate --precision bf16 --prompts 24 --max-tokens 8"},
+    "fp32": {
+        "positions": 1470,
+        "max_ratio": 0.0115,
+        "false_alarms": 0,
+        "near_ties": 0,
+        "divergences": 0,
+        "command": "python -m equivalence.endpoint.calibrate --precision fp32 --prompts 24 --max-tokens 8",
+    },
+    "bf16": {
+        "positions": 1470,
+        "max_ratio": 0.4396,
+        "false_alarms": 0,
+        "near_ties": 8,
+        "divergences": 0,
+        "command": "python -m equivalence.endpoint.calibrate --precision bf16 --prompts 24 --max-tokens 8",
+    },
     # the quantized precisions (--model-path the BF16 checkpoint, our server on its conversion): the per-position
     # figures, the aggregate over the whole run, and over every pair of prompts (each alone: 19-80 positions, as a
     # 2-prompt check): rel_l2 stays below 0.15 on all 276 pairs, the separation does not (MIN_SEPARATION_POSITIONS)
-    "w8a8": {"positions": 1470, "max_ratio": 0.3379, "false_alarms": 0, "near_ties": 16, "divergences": 0,
-             "rel_l2": 0.0682, "separation": 1.684, "pairs": 276, "pair_false_alarms": 21, "pair_min_positions": 19,
-             "pair_max_rel_l2": 0.1041, "pair_min_separation": 0.795, "pair_false_alarm_min_positions": 23,
-             "command": "python -m equivalence.endpoint.calibrate --precision w8a8 --prompts 24 --max-tokens 8"},
-    "w4a8": {"positions": 1470, "max_ratio": 0.4957, "false_alarms": 0, "near_ties": 32, "divergences": 0,
-             "rel_l2": 0.0756, "separation": 1.661, "pairs": 276, "pair_false_alarms": 3, "pair_min_positions": 19,
-             "pair_max_rel_l2": 0.1326, "pair_min_separation": 1.13, "pair_false_alarm_min_positions": 27,
-             "command": "python -m equivalence.endpoint.calibrate --precision w4a8 --prompts 24 --max-tokens 8"},
-    "fp8kv": {"positions": 1470, "max_ratio": 0.4957, "false_alarms": 0, "near_ties": 40, "divergences": 0,
-              "rel_l2": 0.08, "separation": 1.613, "pairs": 276, "pair_false_alarms": 16, "pair_min_positions": 19,
-              "pair_max_rel_l2": 0.1406, "pair_min_separation": 1.045, "pair_false_alarm_min_positions": 25,
-              "command": "python -m equivalence.endpoint.calibrate --precision fp8kv --prompts 24 --max-tokens 8"},
+    "w8a8": {
+        "positions": 1470,
+        "max_ratio": 0.3379,
+        "false_alarms": 0,
+        "near_ties": 16,
+        "divergences": 0,
+        "rel_l2": 0.0682,
+        "separation": 1.684,
+        "pairs": 276,
+        "pair_false_alarms": 21,
+        "pair_min_positions": 19,
+        "pair_max_rel_l2": 0.1041,
+        "pair_min_separation": 0.795,
+        "pair_false_alarm_min_positions": 23,
+        "command": "python -m equivalence.endpoint.calibrate --precision w8a8 --prompts 24 --max-tokens 8",
+    },
+    "w4a8": {
+        "positions": 1470,
+        "max_ratio": 0.4957,
+        "false_alarms": 0,
+        "near_ties": 32,
+        "divergences": 0,
+        "rel_l2": 0.0756,
+        "separation": 1.661,
+        "pairs": 276,
+        "pair_false_alarms": 3,
+        "pair_min_positions": 19,
+        "pair_max_rel_l2": 0.1326,
+        "pair_min_separation": 1.13,
+        "pair_false_alarm_min_positions": 27,
+        "command": "python -m equivalence.endpoint.calibrate --precision w4a8 --prompts 24 --max-tokens 8",
+    },
+    "fp8kv": {
+        "positions": 1470,
+        "max_ratio": 0.4957,
+        "false_alarms": 0,
+        "near_ties": 40,
+        "divergences": 0,
+        "rel_l2": 0.08,
+        "separation": 1.613,
+        "pairs": 276,
+        "pair_false_alarms": 16,
+        "pair_min_positions": 19,
+        "pair_max_rel_l2": 0.1406,
+        "pair_min_separation": 1.045,
+        "pair_false_alarm_min_positions": 25,
+        "command": "python -m equivalence.endpoint.calibrate --precision fp8kv --prompts 24 --max-tokens 8",
+    },
 }
 
-DEFAULT_PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):\n    return",
-                   "Monday, Tuesday, Wednesday,", "Red, orange, yellow, green,"]
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "def add(a, b):\n    return",
+    "Monday, Tuesday, Wednesday,",
+    "Red, orange, yellow, green,",
+]
 
 
 def precision_tolerance(precision: str) -> tuple[float, float, str, torch.dtype]:
@@ -96,16 +152,22 @@ class Reference:
         from reference.checkpoint import load_model
         from reference import tokenizer as ref_tok
         from reference.fake_quant import fake_quantize_kv_cache, load_fake_quant_model
+
         try:
-            self.model = (load_fake_quant_model(model_path, dtype, router_dtype="float32", scheme=scheme) if scheme
-                          else load_model(model_path, dtype, router_dtype="float32"))
+            self.model = (
+                load_fake_quant_model(model_path, dtype, router_dtype="float32", scheme=scheme)
+                if scheme
+                else load_model(model_path, dtype, router_dtype="float32")
+            )
             if fp8_kv:
                 fake_quantize_kv_cache(self.model)
             # the unquantized reference beside the fake-quant one: the endpoint must be nearer the latter
             self.plain = load_model(model_path, dtype, router_dtype="float32") if scheme else None
         except Exception as e:  # noqa: BLE001 - a missing or broken checkpoint is bad input
-            raise EndpointError(f"--model-path {model_path}: cannot load the checkpoint ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise EndpointError(
+                f"--model-path {model_path}: cannot load the checkpoint ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
         self.tokenizer = ref_tok.load_tokenizer(model_path)
         if self.tokenizer is None:
             raise EndpointError(f"--model-path {model_path} has no tokenizer; the endpoint check needs it")
@@ -136,8 +198,9 @@ class Reference:
         return self.plain(torch.tensor([ids], device=self.device), None)[0].float()
 
     @torch.no_grad()
-    def tokens_from_text(self, prompt: list[int], text: str, count: int | None,
-                         stop_at_text: bool = False) -> tuple[list[int], bool]:
+    def tokens_from_text(
+        self, prompt: list[int], text: str, count: int | None, stop_at_text: bool = False
+    ) -> tuple[list[int], bool]:
         """The tokens the endpoint generated, from its text: at each step the reference's best-ranked candidate
         (of its top TEXT_SEARCH_TOP_K) whose decoding continues the text, for `count` tokens (the usage's; with
         stop_at_text, e.g. a stop at EOS whose token the text omits, until the text is spelled). (tokens, whether
@@ -167,7 +230,7 @@ class RequestResult:
     prompt: list[int]
     tokens: list[int]
     text_spelled: bool
-    positions: list[dict] = field(default_factory=list)   # per compared position
+    positions: list[dict] = field(default_factory=list)  # per compared position
     judgement: dict = field(default_factory=dict)
     over: int = 0
 
@@ -176,24 +239,31 @@ class RequestResult:
         return self.over == 0 and self.judgement.get("ok", True) and self.text_spelled
 
 
-def analyze(ref: Reference, reply: Reply, index: int, atol: float, rtol: float,
-            completion_tokens: int | None = None) -> tuple[RequestResult, TokenJudgement]:
+def analyze(
+    ref: Reference, reply: Reply, index: int, atol: float, rtol: float, completion_tokens: int | None = None
+) -> tuple[RequestResult, TokenJudgement]:
     prompt, n = reply.prompt, len(reply.prompt)
     spelled = True
     tokens = reply.tokens
     if tokens is None:
-        tokens, spelled = ref.tokens_from_text(prompt, reply.text, completion_tokens,
-                                               stop_at_text=reply.finish_reason == "stop")
+        tokens, spelled = ref.tokens_from_text(
+            prompt, reply.text, completion_tokens, stop_at_text=reply.finish_reason == "stop"
+        )
     full = prompt + tokens
-    x = ref.logits(full, n)                                                 # [L + N, V]
-    judged = judge_tokens(x[n - 1:n - 1 + len(tokens)], torch.tensor(tokens, device=x.device, dtype=torch.long),
-                          atol, rtol) if tokens else TokenJudgement(0, 0)
+    x = ref.logits(full, n)  # [L + N, V]
+    judged = (
+        judge_tokens(
+            x[n - 1 : n - 1 + len(tokens)], torch.tensor(tokens, device=x.device, dtype=torch.long), atol, rtol
+        )
+        if tokens
+        else TokenJudgement(0, 0)
+    )
     res = RequestResult(index, prompt, tokens, spelled, judgement=judged.to_json())
     rows = [j for j in range(1, len(full)) if j < len(reply.logprobs) and reply.logprobs[j] is not None]
     if rows:
         idx = torch.tensor(rows, device=x.device)
         tok = torch.tensor([full[j] for j in rows], device=x.device)
-        xs = x[idx - 1]                                                     # [P, V]
+        xs = x[idx - 1]  # [P, V]
         lsm = torch.log_softmax(xs, dim=-1)
         p = lsm.exp()
         ref_lp = lsm.gather(-1, tok[:, None])[:, 0]
@@ -205,24 +275,40 @@ def analyze(ref: Reference, reply: Reply, index: int, atol: float, rtol: float,
         # the logits' scale at the position (centred RMS over the vocabulary: logprobs do not see the mean), for the
         # position-aggregate relative error; and the unquantized reference's logprob, where there is one
         scale = (xs - xs.mean(-1, keepdim=True)).pow(2).mean(-1).sqrt()
-        plain = (torch.log_softmax(ref.plain_logits(full)[idx - 1], -1).gather(-1, tok[:, None])[:, 0]
-                 if getattr(ref, "plain", None) is not None else torch.full_like(ref_lp, math.nan))
-        host = torch.stack([ref_lp.double(), delta, bound.double(), scale.double(), plain.double()],
-                           -1).tolist()   # one host read
+        plain = (
+            torch.log_softmax(ref.plain_logits(full)[idx - 1], -1).gather(-1, tok[:, None])[:, 0]
+            if getattr(ref, "plain", None) is not None
+            else torch.full_like(ref_lp, math.nan)
+        )
+        host = torch.stack(
+            [ref_lp.double(), delta, bound.double(), scale.double(), plain.double()], -1
+        ).tolist()  # one host read
         for j, top_ids, (r_lp, d, b, sc, pl) in zip(rows, ref_top, host):
             ep_top = reply.top[j] or {}
             overlap = kl = None
             if ep_top:
-                ref_keys = {_key(ref, i, ep_top) for i in top_ids[:len(ep_top)]}
+                ref_keys = {_key(ref, i, ep_top) for i in top_ids[: len(ep_top)]}
                 overlap = len(ref_keys & set(ep_top)) / len(ep_top)
                 kl = _kl_lower_bound(ref, lsm[rows.index(j)], ep_top)
             ratio = d / b if b > 0 else (0.0 if d == 0 else math.inf)
-            res.positions.append({
-                "position": j, "region": "prompt" if j < n else "generated", "token": full[j],
-                "token_text": ref.text([full[j]]), "context": ref.text(full[max(0, j - 8):j]),
-                "endpoint_logprob": float(reply.logprobs[j]), "reference_logprob": r_lp, "abs_delta": d,
-                "bound": b, "ratio": ratio, "topk_overlap": overlap, "kl_lower_bound": kl, "logit_scale": sc,
-                "unquantized_logprob": None if math.isnan(pl) else pl})
+            res.positions.append(
+                {
+                    "position": j,
+                    "region": "prompt" if j < n else "generated",
+                    "token": full[j],
+                    "token_text": ref.text([full[j]]),
+                    "context": ref.text(full[max(0, j - 8) : j]),
+                    "endpoint_logprob": float(reply.logprobs[j]),
+                    "reference_logprob": r_lp,
+                    "abs_delta": d,
+                    "bound": b,
+                    "ratio": ratio,
+                    "topk_overlap": overlap,
+                    "kl_lower_bound": kl,
+                    "logit_scale": sc,
+                    "unquantized_logprob": None if math.isnan(pl) else pl,
+                }
+            )
             res.over += ratio > 1
     return res, judged
 
@@ -266,6 +352,7 @@ def _id_of(ref: Reference, key: str) -> int | None:
 
 # ------------------------------------------------------------------------------------------------ the run
 
+
 @dataclass
 class Result:
     meta: dict
@@ -288,15 +375,21 @@ class Result:
                 if bad:
                     b = bad[0]
                     region = "prompt" if b["region"] == "prompt" else f"generated token {b['position'] - n + 1}"
-                    where.append(f"position {b['position']} ({region}, {b['token_text']!r} after {b['context']!r}): "
-                                 f"|d logprob| {b['abs_delta']:.3g} > bound {b['bound']:.3g}")
+                    where.append(
+                        f"position {b['position']} ({region}, {b['token_text']!r} after {b['context']!r}): "
+                        f"|d logprob| {b['abs_delta']:.3g} > bound {b['bound']:.3g}"
+                    )
                 if div:
                     d = div[0]
-                    where.append(f"generated token {d['position'] + 1}: endpoint {d['token']} vs reference "
-                                 f"{d['reference_token']}, margin {d['margin']:.3g} > {d['bound']:.3g}")
+                    where.append(
+                        f"generated token {d['position'] + 1}: endpoint {d['token']} vs reference "
+                        f"{d['reference_token']}, margin {d['margin']:.3g} > {d['bound']:.3g}"
+                    )
                 if not r.text_spelled:
-                    where.append(f"the endpoint's text leaves the reference's top-{TEXT_SEARCH_TOP_K} tokens after "
-                                 f"generated token {len(r.tokens)}")
+                    where.append(
+                        f"the endpoint's text leaves the reference's top-{TEXT_SEARCH_TOP_K} tokens after "
+                        f"generated token {len(r.tokens)}"
+                    )
                 if where:
                     return f"request {r.index} ({label}): " + "; ".join(where)
         agg = self.meta.get("aggregate") or {}
@@ -308,63 +401,103 @@ class Result:
         m = self.meta
         pos = sum(len(r.positions) for r in self.requests + self.concurrent)
         j = self.judgement
-        head = (f"{'AGREE' if self.ok else 'DIVERGED'}: {len(self.requests)} prompts (mode {m['mode']}, precision "
-                f"{m['precision']}, tolerance {m['tolerance']}), {pos} logprob positions compared, worst ratio "
-                f"{m['worst_ratio']:.3g}; generated tokens: {j['verdict']}; batch invariance: "
-                f"{self.batch_invariance['bitwise_equal']}/{self.batch_invariance['requests']} bitwise equal")
+        head = (
+            f"{'AGREE' if self.ok else 'DIVERGED'}: {len(self.requests)} prompts (mode {m['mode']}, precision "
+            f"{m['precision']}, tolerance {m['tolerance']}), {pos} logprob positions compared, worst ratio "
+            f"{m['worst_ratio']:.3g}; generated tokens: {j['verdict']}; batch invariance: "
+            f"{self.batch_invariance['bitwise_equal']}/{self.batch_invariance['requests']} bitwise equal"
+        )
         agg = m.get("aggregate") or {}
         if agg.get("judged"):
-            head += (f"; over all positions: logit rel_l2 (estimated) {agg['rel_l2']:.3g} "
-                     f"(max {agg['max_rel_l2']:.3g}),"
-                     f" {agg['separation']:.3g}x farther from the unquantized reference ("
-                     + (f"min {agg['min_separation']:.3g})" if agg.get("separation_judged") else
-                        f"not judged under {MIN_SEPARATION_POSITIONS} positions)"))
+            head += (
+                f"; over all positions: logit rel_l2 (estimated) {agg['rel_l2']:.3g} "
+                f"(max {agg['max_rel_l2']:.3g}),"
+                f" {agg['separation']:.3g}x farther from the unquantized reference ("
+                + (
+                    f"min {agg['min_separation']:.3g})"
+                    if agg.get("separation_judged")
+                    else f"not judged under {MIN_SEPARATION_POSITIONS} positions)"
+                )
+            )
         cal = m.get("calibration") or {}
         if cal.get("positions"):
-            head += (f"; noise floor on our own model: {cal['false_alarms']} false alarm(s) in {cal['positions']} "
-                     f"positions, worst ratio {cal['max_ratio']:.3g}")
+            head += (
+                f"; noise floor on our own model: {cal['false_alarms']} false alarm(s) in {cal['positions']} "
+                f"positions, worst ratio {cal['max_ratio']:.3g}"
+            )
             if "rel_l2" in cal:
-                head += (f", rel_l2 {cal['rel_l2']:.3g} over them (at most {cal['pair_max_rel_l2']:.3g} on any 2 "
-                         f"of its prompts), separation {cal['separation']:.3g}")
+                head += (
+                    f", rel_l2 {cal['rel_l2']:.3g} over them (at most {cal['pair_max_rel_l2']:.3g} on any 2 "
+                    f"of its prompts), separation {cal['separation']:.3g}"
+                )
         first = self.first_failure()
         return head + (f"\nfirst failure: {first}" if first else "")
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "meta": self.meta, "judgement": self.judgement,
-                "batch_invariance": self.batch_invariance, "first_failure": self.first_failure(),
-                "requests": [asdict(r) for r in self.requests], "concurrent": [asdict(r) for r in self.concurrent]}
+        return {
+            "ok": self.ok,
+            "meta": self.meta,
+            "judgement": self.judgement,
+            "batch_invariance": self.batch_invariance,
+            "first_failure": self.first_failure(),
+            "requests": [asdict(r) for r in self.requests],
+            "concurrent": [asdict(r) for r in self.concurrent],
+        }
 
 
 def check_tokenizer(ep: Endpoint, caps: Capabilities, ref: Reference, probe_text: str) -> None:
     """Tokenizer mismatch between the endpoint and the checkpoint: the endpoint's ids for a text prompt (where it
     returns ids), else its prompt token count, against the checkpoint's tokenizer."""
     want = ref.encode(probe_text)
-    r = ep.completion(caps, {"model": caps.model, "prompt": probe_text, "max_tokens": 1, "temperature": 0,
-                             **({"echo": True, "logprobs": 0} if caps.mode == "echo" and caps.token_ids else {})})
+    r = ep.completion(
+        caps,
+        {
+            "model": caps.model,
+            "prompt": probe_text,
+            "max_tokens": 1,
+            "temperature": 0,
+            **({"echo": True, "logprobs": 0} if caps.mode == "echo" and caps.token_ids else {}),
+        },
+    )
     if r.status_code >= 400:
         raise EndpointError(f"{ep.url}/completions refused a text prompt: HTTP {r.status_code} {r.text[:200]!r}")
     body = r.json()
     got = body["choices"][0].get("token_ids")
-    if caps.token_ids and caps.mode == "echo" and got is not None and got[:len(want)] != want:
-        raise EndpointError(f"tokenizer mismatch: the endpoint tokenizes {probe_text!r} as {got[:len(want)]}, the "
-                            f"checkpoint's tokenizer as {want}; serve the same checkpoint or give its --model-path")
+    if caps.token_ids and caps.mode == "echo" and got is not None and got[: len(want)] != want:
+        raise EndpointError(
+            f"tokenizer mismatch: the endpoint tokenizes {probe_text!r} as {got[: len(want)]}, the "
+            f"checkpoint's tokenizer as {want}; serve the same checkpoint or give its --model-path"
+        )
     count = (body.get("usage") or {}).get("prompt_tokens")
     if count is not None and count != len(want):
-        raise EndpointError(f"tokenizer mismatch: the endpoint counts {count} prompt tokens for {probe_text!r}, the "
-                            f"checkpoint's tokenizer {len(want)}; serve the same checkpoint or give its --model-path")
+        raise EndpointError(
+            f"tokenizer mismatch: the endpoint counts {count} prompt tokens for {probe_text!r}, the "
+            f"checkpoint's tokenizer {len(want)}; serve the same checkpoint or give its --model-path"
+        )
 
 
-def run_check(url: str, model_path, *, served_model: str | None = None, prompts: list[list[int]] | None = None,
-              max_tokens: int = 8, concurrency: int = 4, precision: str = "fp32", top_k: int = 5) -> Result:
+def run_check(
+    url: str,
+    model_path,
+    *,
+    served_model: str | None = None,
+    prompts: list[list[int]] | None = None,
+    max_tokens: int = 8,
+    concurrency: int = 4,
+    precision: str = "fp32",
+    top_k: int = 5,
+) -> Result:
     atol, rtol, tol_name, dtype = precision_tolerance(precision)
     if max_tokens < 1 or concurrency < 1 or top_k < 1:
         raise EndpointError("--max-tokens, --concurrency and --top-k must be >= 1")
     if _is_quantized(model_path):
-        raise EndpointError(f"--model-path {model_path} is a quantized checkpoint; give the BF16 checkpoint it was "
-                            "converted from (the reference quantizes it itself: --precision w8a8, w4a8, fp8kv)")
+        raise EndpointError(
+            f"--model-path {model_path} is a quantized checkpoint; give the BF16 checkpoint it was "
+            "converted from (the reference quantizes it itself: --precision w8a8, w4a8, fp8kv)"
+        )
     ep = Endpoint(url)
     try:
-        ep.models()                                     # unreachable URL: named before the checkpoint loads
+        ep.models()  # unreachable URL: named before the checkpoint loads
         _, _, scheme, fp8_kv = PRECISIONS[precision]
         ref = Reference(model_path, dtype, scheme, fp8_kv)
         prompts = prompts or [ref.encode(t) for t in DEFAULT_PROMPTS]
@@ -378,8 +511,10 @@ def run_check(url: str, model_path, *, served_model: str | None = None, prompts:
         if not caps.ids_prompt:
             for p, t in zip(prompts, texts):
                 if ref.encode(t) != p:
-                    raise EndpointError(f"the endpoint takes text prompts only and prompt ids {p} do not survive a "
-                                        f"text round trip ({t!r} -> {ref.encode(t)}); give text prompts")
+                    raise EndpointError(
+                        f"the endpoint takes text prompts only and prompt ids {p} do not survive a "
+                        f"text round trip ({t!r} -> {ref.encode(t)}); give text prompts"
+                    )
 
         def ask(i):
             return ep.greedy(caps, prompts[i], texts[i], max_tokens, top_k)
@@ -394,6 +529,7 @@ def run_check(url: str, model_path, *, served_model: str | None = None, prompts:
                 together[slot] = ask(i)
             except Exception as e:  # noqa: BLE001 - raised below
                 errors.append(e)
+
         threads = [threading.Thread(target=one, args=(s, i)) for s, i in enumerate(order)]
         for t in threads:
             t.start()
@@ -419,15 +555,31 @@ def run_check(url: str, model_path, *, served_model: str | None = None, prompts:
             worst = max([worst] + d)
         judged = merge(parts)
         ratios = [p["ratio"] for r in results + concurrent for p in r.positions]
-        meta = {"url": ep.url, "model": caps.model, "model_path": str(model_path), "mode": caps.mode,
-                "ids_prompt": caps.ids_prompt, "token_ids": caps.token_ids, "precision": precision,
-                "tolerance": tol_name, "atol": atol, "rtol": rtol, "max_tokens": max_tokens,
-                "concurrency": concurrency, "top_k": top_k, "worst_ratio": max(ratios, default=0.0),
-                "calibration": CALIBRATION.get(precision),
-                "aggregate": aggregate([p for r in results + concurrent for p in r.positions], precision)}
-        return Result(meta, results, concurrent,
-                      {"requests": len(order), "bitwise_equal": equal, "worst_abs_logprob_difference": worst},
-                      {**judged.to_json(), "verdict": judged.verdict()})
+        meta = {
+            "url": ep.url,
+            "model": caps.model,
+            "model_path": str(model_path),
+            "mode": caps.mode,
+            "ids_prompt": caps.ids_prompt,
+            "token_ids": caps.token_ids,
+            "precision": precision,
+            "tolerance": tol_name,
+            "atol": atol,
+            "rtol": rtol,
+            "max_tokens": max_tokens,
+            "concurrency": concurrency,
+            "top_k": top_k,
+            "worst_ratio": max(ratios, default=0.0),
+            "calibration": CALIBRATION.get(precision),
+            "aggregate": aggregate([p for r in results + concurrent for p in r.positions], precision),
+        }
+        return Result(
+            meta,
+            results,
+            concurrent,
+            {"requests": len(order), "bitwise_equal": equal, "worst_abs_logprob_difference": worst},
+            {**judged.to_json(), "verdict": judged.verdict()},
+        )
     finally:
         ep.close()
 
@@ -457,13 +609,17 @@ def aggregate(positions: list[dict], precision: str, always_separation: bool = F
     if out["judged"]:
         bad = []
         if out["rel_l2"] > tol.max_rel_l2:
-            bad.append(f"logit rel_l2 estimated over {len(positions)} positions {out['rel_l2']:.3g} > {name} "
-                       f"max_rel_l2 {tol.max_rel_l2:.3g}")
+            bad.append(
+                f"logit rel_l2 estimated over {len(positions)} positions {out['rel_l2']:.3g} > {name} "
+                f"max_rel_l2 {tol.max_rel_l2:.3g}"
+            )
         enough = always_separation or len(positions) >= MIN_SEPARATION_POSITIONS
         out["separation_judged"] = "separation" in out and enough
         if out["separation_judged"] and out.get("separation", math.inf) < tol.min_separation:
-            bad.append(f"only {out['separation']:.3g}x farther from the unquantized reference than from the fake-quant "
-                       f"one over {len(positions)} positions (< {name} min_separation {tol.min_separation:.3g})")
+            bad.append(
+                f"only {out['separation']:.3g}x farther from the unquantized reference than from the fake-quant "
+                f"one over {len(positions)} positions (< {name} min_separation {tol.min_separation:.3g})"
+            )
         if bad:
             out.update(ok=False, failure="all positions: " + "; ".join(bad))
     return out
@@ -472,6 +628,7 @@ def aggregate(positions: list[dict], precision: str, always_separation: bool = F
 def _is_quantized(model_path) -> bool:
     import json
     from pathlib import Path
+
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):

@@ -7,6 +7,7 @@ Capabilities are detected, not assumed (`probe`):
 Token ids come from the choice's `token_ids` where a server returns them, else from `token_id:N` logprob tokens,
 else from the text (the check then finds the reference tokens that spell it).
 """
+
 from __future__ import annotations
 
 import re
@@ -22,21 +23,22 @@ class EndpointError(ValueError):
 @dataclass
 class Capabilities:
     model: str
-    mode: str                       # "echo", "prompt_logprobs" or "greedy"
-    ids_prompt: bool                # takes a token-id list as the prompt
-    token_ids: bool                 # choices carry `token_ids`
-    extra: dict = field(default_factory=dict)   # accepted extension fields sent with every request (ignore_eos)
+    mode: str  # "echo", "prompt_logprobs" or "greedy"
+    ids_prompt: bool  # takes a token-id list as the prompt
+    token_ids: bool  # choices carry `token_ids`
+    extra: dict = field(default_factory=dict)  # accepted extension fields sent with every request (ignore_eos)
 
 
 @dataclass
 class Reply:
     """One completion: the generated tokens (ids, or None with only the text), the text, and logprobs by position
     of the full sequence (prompt + generated; None where the endpoint gives none), each with its top-k."""
+
     prompt: list[int]
     tokens: list[int] | None
     text: str
     logprobs: list[float | None]
-    top: list[dict | None]          # token text (or "id:N") -> logprob
+    top: list[dict | None]  # token text (or "id:N") -> logprob
     finish_reason: str | None
     completion_tokens: int | None = None
 
@@ -82,8 +84,7 @@ class Endpoint:
                 raise EndpointError(f"{self.url} serves {len(names)} models {names}; name one with --served-model")
             served_model = names[0]
         elif served_model not in names:
-            raise EndpointError(f"{self.url} serves {names}, not {served_model!r}; give one of them to "
-                                f"--served-model")
+            raise EndpointError(f"{self.url} serves {names}, not {served_model!r}; give one of them to --served-model")
         base = {"model": served_model, "max_tokens": 1, "temperature": 0}
         extra = {"ignore_eos": True}
         r = self.completion(None, {**base, **extra, "prompt": prompt_ids})
@@ -97,8 +98,11 @@ class Endpoint:
             caps.token_ids = "token_ids" in (r.json()["choices"][0] or {})
             r = self.completion(caps, {**base, "prompt": prompt, "echo": True, "logprobs": top_k})
             lp = _logprobs(r)
-            if lp and len(lp.get("token_logprobs") or []) >= len(prompt_ids) and any(
-                    v is not None for v in lp["token_logprobs"][1:len(prompt_ids)]):
+            if (
+                lp
+                and len(lp.get("token_logprobs") or []) >= len(prompt_ids)
+                and any(v is not None for v in lp["token_logprobs"][1 : len(prompt_ids)])
+            ):
                 caps.mode = "echo"
                 return caps
             r = self.completion(caps, {**base, "prompt": prompt, "prompt_logprobs": top_k})
@@ -107,16 +111,21 @@ class Endpoint:
         else:
             r = self.completion(caps, {**base, "prompt": prompt})
             if r.status_code >= 400:
-                raise EndpointError(f"{self.url}/completions refused a greedy request for {served_model!r}: HTTP "
-                                    f"{r.status_code} {r.text[:200]!r}")
+                raise EndpointError(
+                    f"{self.url}/completions refused a greedy request for {served_model!r}: HTTP "
+                    f"{r.status_code} {r.text[:200]!r}"
+                )
         return caps
 
     # ---------------------------------------------------------------------------------------- one request
 
-    def greedy(self, caps: Capabilities, prompt_ids: list[int], prompt_text: str, max_tokens: int,
-               top_k: int) -> Reply:
-        body = {"model": caps.model, "max_tokens": max_tokens, "temperature": 0,
-                "prompt": prompt_ids if caps.ids_prompt else prompt_text}
+    def greedy(self, caps: Capabilities, prompt_ids: list[int], prompt_text: str, max_tokens: int, top_k: int) -> Reply:
+        body = {
+            "model": caps.model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "prompt": prompt_ids if caps.ids_prompt else prompt_text,
+        }
         if caps.mode == "echo":
             body.update(echo=True, logprobs=top_k)
         elif caps.mode == "prompt_logprobs":
@@ -135,13 +144,15 @@ class Endpoint:
             tokens = [int(t) for t in choice["token_ids"]]
             if caps.mode == "echo":
                 if tokens[:n] != prompt_ids:
-                    raise EndpointError(f"the endpoint echoed prompt ids {tokens[:n]} for {prompt_ids}: it tokenizes "
-                                        "differently from the checkpoint (tokenizer mismatch)")
+                    raise EndpointError(
+                        f"the endpoint echoed prompt ids {tokens[:n]} for {prompt_ids}: it tokenizes "
+                        "differently from the checkpoint (tokenizer mismatch)"
+                    )
                 tokens = tokens[n:]
         elif lp.get("tokens") and all(TOKEN_ID.match(str(t)) for t in lp["tokens"]):
-            tokens = [int(TOKEN_ID.match(t).group(1)) for t in lp["tokens"]][n if caps.mode == "echo" else 0:]
+            tokens = [int(TOKEN_ID.match(t).group(1)) for t in lp["tokens"]][n if caps.mode == "echo" else 0 :]
         if caps.mode == "echo":
-            text = text[len(prompt_text):] if text.startswith(prompt_text) else text
+            text = text[len(prompt_text) :] if text.startswith(prompt_text) else text
             logprobs, top = values, tops
         elif caps.mode == "prompt_logprobs":
             logprobs, top = [None], [None]
@@ -153,8 +164,9 @@ class Endpoint:
         else:
             logprobs, top = [None] * n, [None] * n
         usage = r.json().get("usage") or {}
-        return Reply(prompt_ids, tokens, text, logprobs, top, choice.get("finish_reason"),
-                     usage.get("completion_tokens"))
+        return Reply(
+            prompt_ids, tokens, text, logprobs, top, choice.get("finish_reason"), usage.get("completion_tokens")
+        )
 
 
 def _logprobs(r: httpx.Response) -> dict | None:

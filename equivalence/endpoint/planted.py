@@ -9,6 +9,7 @@ or empty for no bug), so one server process serves the clean model and each bug 
 - kv_slot: decode steps write the new token's K/V one slot early (prefill writes stay right);
 - double_reduce: the layer's MoE output added twice (an all-reduce on top of the MoE's own reduction, world 2).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,22 +59,26 @@ def plant(model, bug_file: Path) -> None:
                     return out
                 start = sum(counts[:e])
                 out = out.clone()
-                out[start:start + counts[e]] *= 1.5
+                out[start : start + counts[e]] *= 1.5
                 return out
+
             experts.forward = expert
 
 
 def main(argv: list[str]) -> int:
     bug_file = Path(argv[0])
     from optimized.model_loader import build
+
     load = build.load_model
 
     def load_with_bugs(*args, **kwargs):
         model = load(*args, **kwargs)
         plant(model, bug_file)
         return model
+
     build.load_model = load_with_bugs
     from optimized.cli.main import main as optimized_main
+
     return optimized_main(argv[1:])
 
 

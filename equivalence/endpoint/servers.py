@@ -1,6 +1,7 @@
 """Servers on loopback for the endpoint tests and the calibration: ours (`python -m optimized serve`, one process or
 under torchrun, optionally through the planted-bug launcher) and transformers' own `transformers serve`, each a
 subprocess on a free port, waited for, and always stopped."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,9 +25,11 @@ def free_port() -> int:
 
 
 def config_yaml(dtype: str = "float32", parallel: str | None = None, model: str = "fixture:tiny") -> str:
-    lines = [f'model_config: {{model_path: "{model}", dtype: {dtype}}}',
-             "data_config: {input_max_len: 64}",
-             "scheduler_config: {batch_size: 4, max_new_tokens: 16, block_size: 16, max_prefill_tokens: 128}"]
+    lines = [
+        f'model_config: {{model_path: "{model}", dtype: {dtype}}}',
+        "data_config: {input_max_len: 64}",
+        "scheduler_config: {batch_size: 4, max_new_tokens: 16, block_size: 16, max_prefill_tokens: 128}",
+    ]
     if parallel:
         lines.append(f"parallel_config: {parallel}")
     return "\n".join(lines) + "\n"
@@ -46,8 +49,7 @@ def server_process(cmd: list[str], port: int, log_path: Path, health: str = "/he
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     with open(log_path, "w+") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + START_S
@@ -74,12 +76,26 @@ def server_process(cmd: list[str], port: int, log_path: Path, health: str = "/he
 
 def ours(config: Path, port: int, *, ranks: int = 1, bug_file: Path | None = None) -> list[str]:
     module = ["-m", "equivalence.endpoint.planted", str(bug_file)] if bug_file else ["-m", "optimized"]
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-              if ranks > 1 else [sys.executable])
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        if ranks > 1
+        else [sys.executable]
+    )
     return launch + module + ["serve", "--config", str(config), "--port", str(port)]
 
 
 def transformers_serve(model_dir: Path, port: int) -> list[str]:
     exe = Path(sys.executable).with_name("transformers")
-    return [str(exe), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-            "--dtype", "float32"]
+    return [
+        str(exe),
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]

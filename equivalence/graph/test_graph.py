@@ -32,6 +32,7 @@ the workers and records that fresh compile; other workers load it (`fp32` fixtur
 - inlining (profiled compiled step): no inlined kernel runs as an operator; the grouped matmul and the cache write
   do.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,15 +54,23 @@ from equivalence.support.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model
-from optimized.executor.compile_cache import (ARTIFACT_FILE, KEY_ENV, KEY_FILE, CompileCache,
-                                              CompileCacheWarning, cache_key, file_digests, key_hash)
+from optimized.executor.compile_cache import (
+    ARTIFACT_FILE,
+    KEY_ENV,
+    KEY_FILE,
+    CompileCache,
+    CompileCacheWarning,
+    cache_key,
+    file_digests,
+    key_hash,
+)
 from optimized.executor.graph import DecodeStep, GraphDecoder, batch_bucket
 from optimized.executor.model_runner import ModelRunner
 
 VOCAB = tiny_config("tiny").vocab_size
-BUCKET = 8          # every drawn batch (1-8 requests) is padded to this one captured size
+BUCKET = 8  # every drawn batch (1-8 requests) is padded to this one captured size
 NEW_TOKENS = 4
-PROMPTS = [[5, 6, 7], list(range(1, 18)), list(range(40, 71))]   # 3, 17, 31 tokens: bucket 8 pads 5 slots
+PROMPTS = [[5, 6, 7], list(range(1, 18)), list(range(40, 71))]  # 3, 17, 31 tokens: bucket 8 pads 5 slots
 
 
 def tiny_model(dtype: torch.dtype):
@@ -79,9 +88,13 @@ def graph_runner(model, cache=None, compiler=None):
 
 
 def inductor_counts() -> dict:
-    return {"fx_hit": counters["inductor"]["fxgraph_cache_hit"], "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
-            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"], "graphs": counters["stats"]["unique_graphs"],
-            "breaks": sum(counters["graph_break"].values())}
+    return {
+        "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -94,8 +107,10 @@ def fresh_backend(compile_fx_backend: str):
     backend = torch._dynamo.lookup_backend(compile_fx_backend)
 
     def compiler(step):
-        return torch.compile(step, backend=lambda gm, example_inputs: backend(gm, example_inputs), dynamic=True,
-                             fullgraph=True)
+        return torch.compile(
+            step, backend=lambda gm, example_inputs: backend(gm, example_inputs), dynamic=True, fullgraph=True
+        )
+
     return compiler
 
 
@@ -137,11 +152,17 @@ def fp32(tmp_path_factory, mac_key):
         tokens = runner.generate(PROMPTS, NEW_TOKENS).tokens
         decoder = runner.decode_forward
         if not record.exists():
-            record.write_text(json.dumps({"source": decoder.startup[BUCKET].source, "tokens": tokens,
-                                          "counts": delta(before, inductor_counts()),
-                                          "padding": {str(b): p for b, p in decoder.padding.items()}}))
-    return {"model": model, "cache": cache, "runner": runner, "tokens": tokens,
-            "fresh": json.loads(record.read_text())}
+            record.write_text(
+                json.dumps(
+                    {
+                        "source": decoder.startup[BUCKET].source,
+                        "tokens": tokens,
+                        "counts": delta(before, inductor_counts()),
+                        "padding": {str(b): p for b, p in decoder.padding.items()},
+                    }
+                )
+            )
+    return {"model": model, "cache": cache, "runner": runner, "tokens": tokens, "fresh": json.loads(record.read_text())}
 
 
 def test_graph_decode_tokens_identical_to_eager_fp32_and_entry_saved(fp32):
@@ -157,9 +178,10 @@ def test_graph_decode_tokens_identical_to_eager_fp32_and_entry_saved(fp32):
     assert saved["batch_bucket"] == BUCKET and saved["dtype"] == "float32" and saved["rank"] == 0
     # authenticated: every file of the entry (inductor's sources and kernels too) is in the MAC'ed manifest
     assert manifest["files"] == file_digests(entries[0]) and len(manifest["mac"]) == 64
-    assert ARTIFACT_FILE in manifest["files"] and any(f.startswith("inductor/") and f.endswith(".py")
-                                                      for f in manifest["files"])
-    for d in (fp32["cache"].root, entries[0], entries[0] / "inductor"):   # owner-only directories
+    assert ARTIFACT_FILE in manifest["files"] and any(
+        f.startswith("inductor/") and f.endswith(".py") for f in manifest["files"]
+    )
+    for d in (fp32["cache"].root, entries[0], entries[0] / "inductor"):  # owner-only directories
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
 
 
@@ -216,7 +238,7 @@ def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path)
     runner = graph_runner(model, cache)
     before = inductor_counts()
     got = runner.generate(PROMPTS, NEW_TOKENS).tokens
-    assert runner.decode_forward.startup[BUCKET].source == "compiled"      # the fp32 entry is not reused
+    assert runner.decode_forward.startup[BUCKET].source == "compiled"  # the fp32 entry is not reused
     assert delta(before, inductor_counts())["fx_miss"] == 1
     assert len(list(cache.root.iterdir())) == 2
     want = eager_tokens(model, PROMPTS)
@@ -233,8 +255,10 @@ def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path)
             logits.append(forward(nxt, eager_runner.decode_metadata(lengths, table), cache.layers))
             lengths = [n + 1 for n in lengths]
         per_step.append(torch.stack(logits))
-    print(f"bf16 graph vs eager decode logits: {describe(per_step[1], per_step[0])}; tokens "
-          f"{'identical' if got == want else f'{got} vs {want}'}")
+    print(
+        f"bf16 graph vs eager decode logits: {describe(per_step[1], per_step[0])}; tokens "
+        f"{'identical' if got == want else f'{got} vs {want}'}"
+    )
     device = per_step[0].device.type
     if device == "cpu":
         assert_bitwise_equal(per_step[1], per_step[0], "bf16 graph vs eager decode logits (CPU)")
@@ -242,17 +266,18 @@ def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path)
         assert_close(per_step[1], per_step[0], f"graph.bfloat16.{device}", "bf16 graph vs eager decode logits")
 
 
-
 def test_graph_decode_fp8_kv_cache_equals_eager():
     """bf16 with the per-token FP8 KV cache (kv_cache_dtype float8): the compiled step quantizes at the cache
     write and reads the scale caches as eager does. One teacher-forced decode step on two identically prefilled
-    FP8 caches: logits bitwise on CPU (graph.bfloat16.<device> elsewhere) and every request block of the FP8 and scale caches bitwise equal;
+    FP8 caches: logits bitwise on CPU (graph.bfloat16.<device> elsewhere) and every request block of the FP8 and scale
+    caches bitwise equal;
     greedy tokens identical, token for token. Its compile cache key names the KV dtype."""
     model = tiny_model(torch.bfloat16)
     eager = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype="float8")
     graph = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype="float8")
-    decoder = graph.decode_forward = GraphDecoder(model, "ge_graph", buckets=(BUCKET,),
-                                                  compiler=fresh_backend("inductor"))
+    decoder = graph.decode_forward = GraphDecoder(
+        model, "ge_graph", buckets=(BUCKET,), compiler=fresh_backend("inductor")
+    )
     assert eager.kv_cache_dtype == torch.float8_e4m3fn
     outs, caches = [], []
     for forward in (model, decoder):
@@ -269,13 +294,17 @@ def test_graph_decode_fp8_kv_cache_equals_eager():
     for layer, (eager_kv, graph_kv) in enumerate(zip(caches[0].layers, caches[1].layers)):
         assert len(graph_kv) == 4 and graph_kv[0].dtype == torch.float8_e4m3fn
         for name, e, g in zip(("k", "v", "k_scale", "v_scale"), eager_kv, graph_kv):
-            assert torch.equal(g[1:].view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g[1:],
-                               e[1:].view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e[1:]), \
-                f"layer {layer} {name} cache, request blocks"
+            assert torch.equal(
+                g[1:].view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g[1:],
+                e[1:].view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e[1:],
+            ), f"layer {layer} {name} cache, request blocks"
     assert graph.generate(PROMPTS, NEW_TOKENS).tokens == eager.generate(PROMPTS, NEW_TOKENS).tokens
-    keys = [cache_key(model, batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph", kv_cache_dtype=d)
-            for d in (torch.bfloat16, eager.kv_cache_dtype)]
+    keys = [
+        cache_key(model, batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph", kv_cache_dtype=d)
+        for d in (torch.bfloat16, eager.kv_cache_dtype)
+    ]
     assert key_hash(keys[0]) != key_hash(keys[1])
+
 
 @pytest.mark.parametrize("quant", ["w4a8", "w8a8"])
 def test_graph_decode_of_mx_checkpoints_equals_eager(quant):
@@ -284,12 +313,14 @@ def test_graph_decode_of_mx_checkpoints_equals_eager(quant):
     on two identically prefilled caches: logits bitwise on CPU (graph.bfloat16.<device> elsewhere); greedy tokens
     identical; the step compiles once (no recompile on the prepared layouts)."""
     from fixtures.checkpoints import quantized_checkpoint
+
     model = load_model(quantized_checkpoint("tiny", quant), dtype=torch.bfloat16, num_hidden_layers=1)
     assert all(m.runtime_layout for m in model.modules() if hasattr(m, "runtime_layout"))
     eager = ModelRunner(model, BLOCK_SIZE)
     graph = ModelRunner(model, BLOCK_SIZE)
-    decoder = graph.decode_forward = GraphDecoder(model, "ge_graph", buckets=(BUCKET,),
-                                                  compiler=fresh_backend("inductor"))
+    decoder = graph.decode_forward = GraphDecoder(
+        model, "ge_graph", buckets=(BUCKET,), compiler=fresh_backend("inductor")
+    )
     before = inductor_counts()
     outs = []
     for forward in (model, decoder):
@@ -330,19 +361,25 @@ def test_every_cache_key_component_is_checked_and_force_eplb_is_one(fp32):
     force_eplb model keys apart: its graph builds the balanced expert ids in the traced step."""
     from optimized.model_loader.build import load_model
 
-    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
-                    kv_cache_dtype=torch.float32)
+    key = cache_key(
+        fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph", kv_cache_dtype=torch.float32
+    )
     assert set(key) == set(KEY_CHANGES) and key["force_eplb"] is False
     forced = load_model(checkpoint("tiny"), dtype=torch.float32, num_hidden_layers=1, force_eplb=True)
-    assert cache_key(forced, batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
-                     kv_cache_dtype=torch.float32)["force_eplb"] is True
+    assert (
+        cache_key(
+            forced, batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph", kv_cache_dtype=torch.float32
+        )["force_eplb"]
+        is True
+    )
 
 
 @pytest.mark.parametrize("component", sorted(KEY_CHANGES))
 def test_changed_key_component_never_loads_the_stale_entry(fp32, tmp_path, component):
     cache = _broken_entry(fp32, tmp_path, "intact")
-    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
-                    kv_cache_dtype=torch.float32)
+    key = cache_key(
+        fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph", kv_cache_dtype=torch.float32
+    )
     changed = copy.deepcopy(key)
     KEY_CHANGES[component](changed)
     assert key_hash(changed) != key_hash(key)
@@ -379,12 +416,12 @@ def _broken_entry(fp32, tmp_path, how: str, trust: bool = False) -> CompileCache
     art = dst / ARTIFACT_FILE
     if how == "truncated":
         art.write_bytes(art.read_bytes()[: art.stat().st_size // 3])
-    elif how == "garbage":   # checksums recomputed: the MAC refuses it, or (trusted) torch itself must
+    elif how == "garbage":  # checksums recomputed: the MAC refuses it, or (trusted) torch itself must
         art.write_bytes(b"\x00not a cache artefact" * 50)
         _rewrite_checksums(dst)
     elif how == "garbled_key":
         (dst / KEY_FILE).write_text("{not json")
-    elif how == "garbage_inductor_file":   # not UTF-8: inductor's own reading of it raised UnicodeDecodeError
+    elif how == "garbage_inductor_file":  # not UTF-8: inductor's own reading of it raised UnicodeDecodeError
         _inductor_source(dst).write_bytes(b"\xff\xfe\x00garbage" * 20)
     elif how == "pickle_payload":
         art.write_bytes(pickle.dumps(_Payload(tmp_path / "payload_ran")))
@@ -402,14 +439,16 @@ def _recompiles_with_a_warning(fp32, cache, match: str):
     with pytest.warns(CompileCacheWarning, match=match):
         tokens = runner.generate(PROMPTS, NEW_TOKENS).tokens
     assert runner.decode_forward.startup[BUCKET].source == "compiled"
-    assert delta(before, inductor_counts())["graphs"] == 1          # really traced and compiled again
+    assert delta(before, inductor_counts())["graphs"] == 1  # really traced and compiled again
     assert tokens == fp32["tokens"]
-    assert not any((e / ARTIFACT_FILE).exists() and (e / ARTIFACT_FILE).stat().st_size == 0
-                   for e in cache.root.iterdir())
+    assert not any(
+        (e / ARTIFACT_FILE).exists() and (e / ARTIFACT_FILE).stat().st_size == 0 for e in cache.root.iterdir()
+    )
 
 
-@pytest.mark.parametrize("how, trust", [("truncated", False), ("garbage", True), ("garbled_key", False),
-                                        ("garbage_inductor_file", False)])
+@pytest.mark.parametrize(
+    "how, trust", [("truncated", False), ("garbage", True), ("garbled_key", False), ("garbage_inductor_file", False)]
+)
 def test_broken_cache_entry_is_discarded_and_compiled_fresh(fp32, tmp_path, how, trust):
     _recompiles_with_a_warning(fp32, _broken_entry(fp32, tmp_path, how, trust), "unusable")
 
@@ -423,8 +462,9 @@ def test_tampered_entry_is_discarded_before_its_code_runs(fp32, tmp_path, how):
 
 def test_entry_signed_under_another_key_loads_only_when_trusted(fp32, tmp_path, monkeypatch):
     """A cache copied from another node (another user key): recompiled with a warning, unless trusted."""
-    key = cache_key(fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph",
-                    kv_cache_dtype=torch.float32)
+    key = cache_key(
+        fp32["model"], batch_bucket=BUCKET, block_size=BLOCK_SIZE, exe_mode="ge_graph", kv_cache_dtype=torch.float32
+    )
     cache = copy_of_entry(fp32, tmp_path / "copied")
     with monkeypatch.context() as other_node:
         other_node.setenv(KEY_ENV, str(tmp_path / "other_node.key"))
@@ -435,7 +475,7 @@ def test_entry_signed_under_another_key_loads_only_when_trusted(fp32, tmp_path, 
         assert CompileCache(trusted, trust=True).entry(key).verify()
     with pytest.warns(CompileCacheWarning, match="this user did not write it .*trust_compile_cache: true"):
         assert not cache.entry(key).verify()
-    assert not cache.entry(key).path.exists()      # discarded
+    assert not cache.entry(key).path.exists()  # discarded
 
 
 def test_explain_one_graph_zero_breaks(fp32):
@@ -449,9 +489,17 @@ def test_explain_one_graph_zero_breaks(fp32):
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
 
 
-INLINED = ["npu_add_rms_norm", "npu_add_rms_norm_cast", "npu_apply_rotary_pos_emb",
-           "npu_fused_infer_attention_score_v2", "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax",
-           "npu_moe_init_routing_v2", "npu_rms_norm", "npu_swiglu"]
+INLINED = [
+    "npu_add_rms_norm",
+    "npu_add_rms_norm_cast",
+    "npu_apply_rotary_pos_emb",
+    "npu_fused_infer_attention_score_v2",
+    "npu_moe_finalize_routing",
+    "npu_moe_gating_top_k_softmax",
+    "npu_moe_init_routing_v2",
+    "npu_rms_norm",
+    "npu_swiglu",
+]
 
 
 def operators_called(forward, model, runner) -> set[str]:
@@ -477,12 +525,21 @@ def test_compiled_step_inlines_the_traceable_kernels_and_calls_the_rest(fp32):
     decoder = GraphDecoder(model, "ge_graph", buckets=(BUCKET,), compiler=fresh_backend("inductor"))
     assert decoder.inlined == INLINED
     runner = ModelRunner(model, BLOCK_SIZE)
-    called = {name: {k.removeprefix("npu::") for k in operators_called(forward, model, runner)}
-              for name, forward in (("eager", model), ("graph", decoder))}
+    called = {
+        name: {k.removeprefix("npu::") for k in operators_called(forward, model, runner)}
+        for name, forward in (("eager", model), ("graph", decoder))
+    }
     operators = {"npu_grouped_matmul", "npu_scatter_nd_update_"}
-    used = {"npu_add_rms_norm", "npu_apply_rotary_pos_emb", "npu_fused_infer_attention_score_v2",
-            "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2", "npu_rms_norm",
-            "npu_swiglu"}
+    used = {
+        "npu_add_rms_norm",
+        "npu_apply_rotary_pos_emb",
+        "npu_fused_infer_attention_score_v2",
+        "npu_moe_finalize_routing",
+        "npu_moe_gating_top_k_softmax",
+        "npu_moe_init_routing_v2",
+        "npu_rms_norm",
+        "npu_swiglu",
+    }
     assert used | operators <= called["eager"], called["eager"]
     assert operators <= called["graph"] and not called["graph"] & set(INLINED), sorted(called["graph"])
 
@@ -502,7 +559,8 @@ def test_torchair_cache_one_step_and_one_signed_entry_per_bucket(fp32, tmp_path,
             compiled.append(Path(cache_dir))
             assert stat.S_IMODE(Path(cache_dir).stat().st_mode) == 0o700, cache_dir
             (Path(cache_dir) / "graph.om").write_bytes(b"a compiled graph")
-            return step                     # the DecodeStep itself, eager
+            return step  # the DecodeStep itself, eager
+
         return compile_step
 
     monkeypatch.setattr(platform, "graph_compiler", torchair_like)
@@ -510,19 +568,19 @@ def test_torchair_cache_one_step_and_one_signed_entry_per_bucket(fp32, tmp_path,
     def torchair_runner():
         runner = ModelRunner(model, BLOCK_SIZE)
         runner.decode_forward = GraphDecoder(model, "ge_graph", cache, buckets=(1, 2, 4))
-        runner.decode_forward.torchair_cache = True          # what an NPU host with a compile cache sets
+        runner.decode_forward.torchair_cache = True  # what an NPU host with a compile cache sets
         return runner
 
     runner = torchair_runner()
-    for prompts in (PROMPTS, PROMPTS[:1], PROMPTS[:2], PROMPTS[:2]):    # buckets 4, 1, 2, and 2 again
+    for prompts in (PROMPTS, PROMPTS[:1], PROMPTS[:2], PROMPTS[:2]):  # buckets 4, 1, 2, and 2 again
         assert runner.generate(prompts, 2).tokens == eager_tokens(model, prompts, 2)
     steps = runner.decode_forward.steps
     assert sorted(bucket for _, _, bucket in steps) == [1, 2, 4], steps.keys()
     assert len({id(step) for step in steps.values()}) == 3
-    assert len(compiled) == 3 and len(set(compiled)) == 3, compiled     # the repeated bucket 2 reused its step
+    assert len(compiled) == 3 and len(set(compiled)) == 3, compiled  # the repeated bucket 2 reused its step
     manifests = {d: json.loads((d / KEY_FILE).read_text()) for d in compiled}
     assert sorted(m["key"]["batch_bucket"] for m in manifests.values()) == [1, 2, 4]
-    assert all("graph.om" in m["files"] for m in manifests.values())      # torchair's files are signed too
+    assert all("graph.om" in m["files"] for m in manifests.values())  # torchair's files are signed too
     bucket4 = compiled[0]
     (bucket4 / "graph.om").write_bytes(b"replaced behind the cache's back")
     with pytest.warns(CompileCacheWarning, match="differing from key.json's checksums"):
@@ -555,6 +613,7 @@ def test_exe_mode_choice_and_errors(tmp_path):
 def _step_allocated_bytes(step, inputs, caches) -> int:
     """Bytes the compiled step allocates in one call (the profiler's allocation events)."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(*inputs, caches)
     return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
@@ -577,8 +636,15 @@ def test_compiled_decode_writes_the_kv_cache_in_place_whatever_the_pool_size(fp3
     decoder = GraphDecoder(model, "ge_graph", buckets=(2,))
     allocated, written = {}, {}
     for blocks in (4, 64, 4):
-        cache = PagedKVCache(len(model.layers), blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim, model.dtype,
-                             model.atten_mask.device)
+        cache = PagedKVCache(
+            len(model.layers),
+            blocks,
+            BLOCK_SIZE,
+            attn.num_kv_heads,
+            attn.head_dim,
+            model.dtype,
+            model.atten_mask.device,
+        )
         table = block_table([[1], [2]], model.atten_mask.device)
         meta = runner.decode_metadata(lengths, table)
         inputs = decoder.pad_inputs(torch.tensor([3, 4]), meta, list(meta.actual_seq_lengths_kv), 2)
@@ -586,10 +652,12 @@ def test_compiled_decode_writes_the_kv_cache_in_place_whatever_the_pool_size(fp3
             for dim in range(1, t.dim()):
                 torch._dynamo.mark_static(t, dim)
         with torch.no_grad():
-            if blocks not in allocated:     # the first call at each pool size compiles (then runs) once
+            if blocks not in allocated:  # the first call at each pool size compiles (then runs) once
                 # compiled here, never loaded: a cached artefact of another registration of the op would hide it
-                with torch._inductor.config.patch(fx_graph_cache=False), \
-                        torch._functorch.config.patch(enable_autograd_cache=False):
+                with (
+                    torch._inductor.config.patch(fx_graph_cache=False),
+                    torch._functorch.config.patch(enable_autograd_cache=False),
+                ):
                     _, codes = run_and_get_code(step, *inputs, cache.layers)
                 code = "\n".join(codes)
                 layers = len(model.layers)

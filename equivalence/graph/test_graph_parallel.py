@@ -11,6 +11,7 @@ capture and AOTAutograd functionalization, without C++ code generation: several 
 once on two cores is what the ci profile cannot afford). The `thorough` profile runs every case with
 inductor and adds TP-only and EP-only layouts. World 1 is covered by test_graph.py (inductor).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,7 @@ from fixtures.checkpoints import checkpoint
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("graph_parallel")]
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
-PROMPTS = [[5, 6, 7], list(range(1, 18)), list(range(40, 71))]   # 3, 17, 31 tokens: crosses 16-token blocks
+PROMPTS = [[5, 6, 7], list(range(1, 18)), list(range(40, 71))]  # 3, 17, 31 tokens: crosses 16-token blocks
 NEW_TOKENS = 4
 
 
@@ -41,11 +42,19 @@ def _case(world, compiler, thorough_only=False, **sizes):
 
 
 CASES = [
-    _case(2, "inductor", attn_tp_size=2, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2),      # TP x EP
-    _case(4, "aot_eager", attn_tp_size=2, moe_tp_size=2, embed_tp_size=2, lmhead_tp_size=4),     # TP x EP
+    _case(2, "inductor", attn_tp_size=2, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2),  # TP x EP
+    _case(4, "aot_eager", attn_tp_size=2, moe_tp_size=2, embed_tp_size=2, lmhead_tp_size=4),  # TP x EP
     # SP prefill (EP by AlltoAll) writes the cache the compiled TP decode reads
-    _case(2, "aot_eager", attn_tp_size=2, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2, prefill_opt=True,
-          moe_ep_scheme="alltoall"),
+    _case(
+        2,
+        "aot_eager",
+        attn_tp_size=2,
+        moe_tp_size=1,
+        embed_tp_size=2,
+        lmhead_tp_size=2,
+        prefill_opt=True,
+        moe_ep_scheme="alltoall",
+    ),
     _case(2, "inductor", True, attn_tp_size=2, moe_tp_size=2, embed_tp_size=1, lmhead_tp_size=2),  # TP only
     _case(4, "inductor", True, attn_tp_size=4, moe_tp_size=1, embed_tp_size=4, lmhead_tp_size=4),  # EP 4
 ]
@@ -74,23 +83,30 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=_compile_fn(compiler))
     graphs = counters["stats"]["unique_graphs"]
     graph = runner.generate(prompts, n).tokens
-    captured = {"graphs": counters["stats"]["unique_graphs"] - graphs,
-                "breaks": sum(counters["graph_break"].values()),
-                "padding": dict(runner.decode_forward.padding), "ep_scheme": model.ep_scheme}
+    captured = {
+        "graphs": counters["stats"]["unique_graphs"] - graphs,
+        "breaks": sum(counters["graph_break"].values()),
+        "padding": dict(runner.decode_forward.padding),
+        "ep_scheme": model.ep_scheme,
+    }
     cache, table = paged_cache(model, [len(p) + 2 for p in prompts])
     meta = runner.decode_metadata([len(p) for p in prompts], table)
     decoder = runner.decode_forward
-    inputs = decoder.pad_inputs(torch.zeros(len(prompts), dtype=torch.long), meta,
-                                list(meta.actual_seq_lengths_kv), 4)
+    inputs = decoder.pad_inputs(torch.zeros(len(prompts), dtype=torch.long), meta, list(meta.actual_seq_lengths_kv), 4)
     explained = torch._dynamo.explain(DecodeStep(model, BLOCK_SIZE))(*inputs, cache.layers)
-    captured["explain"] = (explained.graph_count, explained.graph_break_count, [str(r) for r in explained.break_reasons])
+    captured["explain"] = (
+        explained.graph_count,
+        explained.graph_break_count,
+        [str(r) for r in explained.break_reasons],
+    )
     return {"eager": eager, "graph": graph, "captured": captured}
 
 
 @pytest.mark.parametrize("world, lay, compiler", CASES)
 def test_graph_decode_one_graph_equals_eager_fp32(world, lay, compiler):
-    results = get_pool(world).run(_graph_vs_eager_task, str(checkpoint("tiny")), lay, compiler, PROMPTS, NEW_TOKENS,
-                                  timeout=600)
+    results = get_pool(world).run(
+        _graph_vs_eager_task, str(checkpoint("tiny")), lay, compiler, PROMPTS, NEW_TOKENS, timeout=600
+    )
     got = same_on_all_ranks([r["graph"] for r in results], "graph tokens")
     what = f"{describe_layout(lay)} ({compiler})"
     for rank, r in enumerate(results):
@@ -103,7 +119,13 @@ def test_graph_decode_one_graph_equals_eager_fp32(world, lay, compiler):
     assert len(got) == len(PROMPTS)
 
 
-DP_PROMPTS = [[5, 6, 7], list(range(1, 18)), [9, 4], list(range(40, 71)), [3] * 6]   # DP 2: groups of 3 and 2 (+ a dummy)
+DP_PROMPTS = [
+    [5, 6, 7],
+    list(range(1, 18)),
+    [9, 4],
+    list(range(40, 71)),
+    [3] * 6,
+]  # DP 2: groups of 3 and 2 (+ a dummy)
 
 
 @torch.no_grad()
@@ -122,11 +144,15 @@ def _graph_dp_vs_eager_task(rank, world, path, lay, compiler, prompts, n, dtype=
     runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=_compile_fn(compiler))
     graphs = counters["stats"]["unique_graphs"]
     graph = runner.generate(prompts, n, return_logits=True)
-    return {"eager": (eager.tokens, [t.clone() for t in eager.logits]),
-            "graph": (graph.tokens, [t.clone() for t in graph.logits]),
-            "captured": {"graphs": counters["stats"]["unique_graphs"] - graphs,
-                         "breaks": sum(counters["graph_break"].values()),
-                         "padding": dict(runner.decode_forward.padding)}}
+    return {
+        "eager": (eager.tokens, [t.clone() for t in eager.logits]),
+        "graph": (graph.tokens, [t.clone() for t in graph.logits]),
+        "captured": {
+            "graphs": counters["stats"]["unique_graphs"] - graphs,
+            "breaks": sum(counters["graph_break"].values()),
+            "padding": dict(runner.decode_forward.padding),
+        },
+    }
 
 
 @pytest.mark.parametrize("compiler", ["inductor"])
@@ -135,8 +161,9 @@ def test_graph_decode_under_attention_dp_equals_eager(compiler):
     own requests to the bucket of the largest group (3 -> 4), one captured graph on every rank, and the tokens and
     every returned logit within the fp32 entry of eager's (fp32, CPU)."""
     lay = layout(2, attn_tp_size=1, attn_dp=True)
-    results = get_pool(2).run(_graph_dp_vs_eager_task, str(checkpoint("tiny")), lay, compiler, DP_PROMPTS,
-                              NEW_TOKENS, timeout=600)
+    results = get_pool(2).run(
+        _graph_dp_vs_eager_task, str(checkpoint("tiny")), lay, compiler, DP_PROMPTS, NEW_TOKENS, timeout=600
+    )
     for rank, r in enumerate(results):
         (tokens, logits), (want_tokens, want_logits) = r["graph"], r["eager"]
         assert tokens == want_tokens, f"rank {rank}: graph {tokens} != eager {want_tokens}"
@@ -157,8 +184,16 @@ def test_graph_decode_under_attention_dp_bitwise_eager_bf16(world, attn_tp):
     group's all_gather / reduce_scatter inside it): tokens identical and every returned logit bitwise eager's on a
     CPU, where inductor keeps every bf16 rounding of the traced code (`graph.bfloat16.<device>` elsewhere)."""
     lay = layout(world, attn_tp_size=attn_tp, attn_dp=True)
-    results = get_pool(world).run(_graph_dp_vs_eager_task, str(checkpoint("tiny")), lay, "inductor", DP_PROMPTS,
-                                  NEW_TOKENS, torch.bfloat16, timeout=600)
+    results = get_pool(world).run(
+        _graph_dp_vs_eager_task,
+        str(checkpoint("tiny")),
+        lay,
+        "inductor",
+        DP_PROMPTS,
+        NEW_TOKENS,
+        torch.bfloat16,
+        timeout=600,
+    )
     for rank, r in enumerate(results):
         (tokens, logits), (want_tokens, want_logits) = r["graph"], r["eager"]
         assert tokens == want_tokens, f"rank {rank}: graph {tokens} != eager {want_tokens}"

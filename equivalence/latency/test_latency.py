@@ -12,6 +12,7 @@ Both fail a broken measurement: a p50 below the physical floor, or fewer samples
 Every result, skipped ones with their reasons, goes to the JSON report of `--latency-report PATH`, with the
 weights measured (a checkpoint, or random weights and their routing skew).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -28,17 +29,29 @@ pytestmark = pytest.mark.latency
 
 BUDGETS = load_budgets()
 HOST = this_host()
-LAUNCH_TIMEOUT_S = 3600   # a 235B checkpoint load on 16 ranks plus the timed rounds
+LAUNCH_TIMEOUT_S = 3600  # a 235B checkpoint load on 16 ranks plus the timed rounds
 
 
 def _absolute_cases():
-    return [pytest.param(name, phase, id=f"{name}-{phase}") for name, b in BUDGETS.items()
-            if b.kind == "absolute" for phase in b.phases]
+    return [
+        pytest.param(name, phase, id=f"{name}-{phase}")
+        for name, b in BUDGETS.items()
+        if b.kind == "absolute"
+        for phase in b.phases
+    ]
 
 
 def _skip(record_property, budget, phase, reason):
-    record_property("latency", {"budget": budget.name, "phase": phase, "kind": budget.kind,
-                                "description": budget.description, "skipped": reason})
+    record_property(
+        "latency",
+        {
+            "budget": budget.name,
+            "phase": phase,
+            "kind": budget.kind,
+            "description": budget.description,
+            "skipped": reason,
+        },
+    )
     pytest.skip(reason)
 
 
@@ -58,8 +71,9 @@ def _measure_absolute(budget, shared_dir, checkpoint):
             cmd = launch_command(budget, raw, model_path=checkpoint)
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
             if done.returncode != 0 or not raw.exists():
-                pytest.fail(f"{' '.join(cmd)} exited with {done.returncode}:\n{done.stdout[-4000:]}\n"
-                            f"{done.stderr[-4000:]}")
+                pytest.fail(
+                    f"{' '.join(cmd)} exited with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+                )
     return json.loads(raw.read_text())
 
 
@@ -71,20 +85,27 @@ def test_npu_budget(name, phase, record_property, shared_dir, request):
         _skip(record_property, budget, phase, reason)
     checkpoint = request.config.getoption("latency_checkpoint") or os.environ.get(CHECKPOINT_ENV)
     missing = budget.missing_checkpoint(checkpoint)
-    if missing:    # the hardware is here: not measuring is a failure, not a skip
+    if missing:  # the hardware is here: not measuring is a failure, not a skip
         pytest.fail(missing)
     raw = _measure_absolute(budget, shared_dir, checkpoint)
     floor = budget_floor(budget, phase)
     report = phase_report(budget, phase, raw["samples_s"][phase], floor["floor_s"])
-    report.update(host_soc=raw["soc"], model=raw["model"], weights=raw["weights"],
-                  routing_skew=raw.get("routing_skew"), floor={k: v for k, v in floor.items() if k.endswith("_s")})
+    report.update(
+        host_soc=raw["soc"],
+        model=raw["model"],
+        weights=raw["weights"],
+        routing_skew=raw.get("routing_skew"),
+        floor={k: v for k, v in floor.items() if k.endswith("_s")},
+    )
     if phase == "decode" and raw.get("collective_latency_s"):
         measured = budget_floor(budget, phase, collective_latency=raw["collective_latency_s"])
         report["floor_ms_measured_collective_latency"] = 1000 * measured["floor_s"]
     record_property("latency", report)
     ms = report["ms"]
-    line = (f"{name} {phase} ({report['weights']}): p50 {ms['p50']:.2f} ms, budget {report['limit_ms']} ms (p90 "
-            f"{ms['p90']:.2f}, p99 {ms['p99']:.2f}; floor {report['floor_ms']:.2f} ms)")
+    line = (
+        f"{name} {phase} ({report['weights']}): p50 {ms['p50']:.2f} ms, budget {report['limit_ms']} ms (p90 "
+        f"{ms['p90']:.2f}, p99 {ms['p99']:.2f}; floor {report['floor_ms']:.2f} ms)"
+    )
     print(line)
     assert report["broken"] is None, f"{line}: {report['broken']}"
     assert report["passed"], f"{line}: p50 over the budget"
@@ -101,10 +122,12 @@ def test_cpu_relative_budget(name, record_property):
     for phase, report in reports.items():
         record_property("latency", report)
         opt, ref = report["ms"], report["reference_ms"]
-        line = (f"{name} {phase} ({budget.clock} time): optimized p50 {opt['p50']:.2f} ms (p90 {opt['p90']:.2f}, "
-                f"p99 {opt['p99']:.2f}), reference p50 {ref['p50']:.2f} ms: ratio {report['ratio_p50']:.3f}, "
-                f"limit {report['max_ratio']}; floor {report['floor_ms']:.3f} ms at "
-                f"{report['copy_bandwidth_gb_s']:.1f} GB/s; {report['weights']}")
+        line = (
+            f"{name} {phase} ({budget.clock} time): optimized p50 {opt['p50']:.2f} ms (p90 {opt['p90']:.2f}, "
+            f"p99 {opt['p99']:.2f}), reference p50 {ref['p50']:.2f} ms: ratio {report['ratio_p50']:.3f}, "
+            f"limit {report['max_ratio']}; floor {report['floor_ms']:.3f} ms at "
+            f"{report['copy_bandwidth_gb_s']:.1f} GB/s; {report['weights']}"
+        )
         print(line)
         if not report["passed"]:
             failed.append(f"{line}: {report['broken'] or 'ratio over the limit'}")

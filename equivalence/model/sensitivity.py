@@ -8,6 +8,7 @@ Used by the config-sensitivity tests and the drawn-config properties (equivalenc
 - `Trio.logits(prompts, forced)`: per request, the logits at every prompt position and at each teacher-forced
   decode step, from all three models (the optimized model by one packed prefill, then paged decode steps).
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,11 +51,15 @@ def layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 class Trio:
     config: Qwen3MoeConfig
     hf: torch.nn.Module
-    state: dict[str, torch.Tensor]   # checkpoint names (per-expert), fp32
+    state: dict[str, torch.Tensor]  # checkpoint names (per-expert), fp32
 
     @staticmethod
-    def build(config: Qwen3MoeConfig, seed: int, scales: dict[str, float] | None = None,
-              share: dict[str, torch.Tensor] | None = None) -> "Trio":
+    def build(
+        config: Qwen3MoeConfig,
+        seed: int,
+        scales: dict[str, float] | None = None,
+        share: dict[str, torch.Tensor] | None = None,
+    ) -> "Trio":
         """share: a transformers state dict whose tensors replace the drawn ones of the same name and shape
         (so a model of a changed config keeps every weight the change leaves in place)."""
         hf = seeded_model(eager(config), seed, scales)
@@ -102,16 +107,16 @@ def optimized_logits(model, prompts: list[list[int]], forced: list[list[int]] = 
     runner = runner_of(model)
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
     ids, meta, _ = runner.prefill_inputs(prompts, table)
-    prefill = model(ids, meta, cache.layers)                                  # [T, V]
+    prefill = model(ids, meta, cache.layers)  # [T, V]
     out, start = [], 0
     for p in prompts:
-        out.append([prefill[start:start + len(p)]])
+        out.append([prefill[start : start + len(p)]])
         start += len(p)
     lengths = [len(p) for p in prompts]
     for tokens in forced:
         step = model(torch.tensor(tokens), runner.decode_metadata(lengths, table), cache.layers)  # [B, V]
         for b in range(len(prompts)):
-            out[b].append(step[b:b + 1])
+            out[b].append(step[b : b + 1])
         lengths = [n + 1 for n in lengths]
     return [torch.cat(parts) for parts in out]
 

@@ -16,6 +16,7 @@ models only validate, and tie_word_embeddings, have their own tests). Configs dr
 cover the combinations (head ratios 1-6, head_dim != hidden / heads, odd expert counts, top-k 1..E, dense
 layers by each rule).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,9 @@ from equivalence.model.sensitivity import Trio, config_of, layout, optimized_log
 from equivalence.support.strategies import describe_layout, layouts, seeds, tiny_model_configs
 
 SEED = 20250602
-PROMPT_LENGTHS = [23, 9]   # two packed requests; the first crosses a 16-token cache block
+PROMPT_LENGTHS = [23, 9]  # two packed requests; the first crosses a 16-token cache block
 FORCED = [[5, 6], [7, 8]]  # two teacher-forced decode steps (token per request)
-FAR = 100                  # "far beyond the tolerance": the logits must move by FAR x the table's bounds
+FAR = 100  # "far beyond the tolerance": the logits must move by FAR x the table's bounds
 TOL = "model.float32"
 
 # With unit-scale activations every RMSNorm input has mean square ~1 and eps (<= 1e-3) moves logits by
@@ -46,15 +47,14 @@ TOL = "model.float32"
 # states ~1e-2; q/k/v/o and down projections 0.03: q/k ~1e-2 and small residual updates) put the mean
 # square of every norm's input at ~1e-4..2e-3, where eps 1e-3 vs 1e-6 is a large change (checked per norm
 # in test_rms_norm_eps_decides_every_norm).
-EPS_SCALES = {"embed_tokens": 0.1, "q_proj": 0.03, "k_proj": 0.03, "v_proj": 0.03, "o_proj": 0.03,
-              "down_proj": 0.03}
+EPS_SCALES = {"embed_tokens": 0.1, "q_proj": 0.03, "k_proj": 0.03, "v_proj": 0.03, "o_proj": 0.03, "down_proj": 0.03}
 
 
 @dataclasses.dataclass(frozen=True)
 class FieldCase:
     field: str
     values: tuple
-    bug: str                                  # what ignoring the field would look like
+    bug: str  # what ignoring the field would look like
     base: dict = dataclasses.field(default_factory=dict)  # changes to the "tiny" config that make the field read
     scales: dict | None = None
 
@@ -64,8 +64,12 @@ class FieldCase:
 
 CASES = [
     FieldCase("hidden_size", (64, 48), "a hard-coded or fixture width: one layout cannot load"),
-    FieldCase("intermediate_size", (96, 80), "the dense MLP sized by moe_intermediate_size or a constant",
-              base=dict(mlp_only_layers=[0])),
+    FieldCase(
+        "intermediate_size",
+        (96, 80),
+        "the dense MLP sized by moe_intermediate_size or a constant",
+        base=dict(mlp_only_layers=[0]),
+    ),
     FieldCase("moe_intermediate_size", (32, 40), "experts sized by intermediate_size or a constant"),
     FieldCase("num_attention_heads", (8, 12), "a fixed head count (12: 6 query heads per KV head)"),
     FieldCase("head_dim", (16, 24, None), "head_dim taken as hidden/heads (8), or required when absent"),
@@ -74,11 +78,11 @@ CASES = [
     FieldCase("num_experts_per_tok", (4, 1), "a fixed top-k: same weights, other experts mixed"),
     FieldCase("norm_topk_prob", (True, False), "top-k weights always (or never) renormalized"),
     FieldCase("mlp_only_layers", ([0], [1]), "a listed layer built sparse (expects expert tensors)"),
-    FieldCase("decoder_sparse_step", (1, 2, 3), "every layer sparse, or a fixed step",
-              base=dict(num_hidden_layers=3)),
+    FieldCase("decoder_sparse_step", (1, 2, 3), "every layer sparse, or a fixed step", base=dict(num_hidden_layers=3)),
     FieldCase("num_hidden_layers", (2, 3), "a fixed depth"),
-    FieldCase("rms_norm_eps", (1e-6, 1e-3), "eps hard-coded (1e-6 is also the default); weights scaled",
-              scales=EPS_SCALES),
+    FieldCase(
+        "rms_norm_eps", (1e-6, 1e-3), "eps hard-coded (1e-6 is also the default); weights scaled", scales=EPS_SCALES
+    ),
     FieldCase("rope_theta", (1e6, 1e4), "a fixed RoPE base (1e4 is transformers' default)"),
     FieldCase("vocab_size", (512, 389), "a fixed vocabulary (389: odd)"),
 ]
@@ -109,7 +113,8 @@ def assert_far_apart(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
     err = rel_l2(actual, expected)
     assert beyond and err > FAR * tol.max_rel_l2, (
         f"{what}: transformers' logits barely move ({describe(actual, expected)}); the fixture cannot tell a "
-        f"model that ignores this change from one that follows it")
+        f"model that ignores this change from one that follows it"
+    )
     return f"rel_l2 {err:.3e}, max_abs {max_abs(actual, expected):.3e}"
 
 
@@ -140,8 +145,9 @@ def test_field_decides_transformers_logits_and_both_models_follow(case: FieldCas
         for name in shared:
             assert_bitwise_equal(wb[name], wa[name], f"{what}: weight {name}")
         vocab = min(a.config.vocab_size, b.config.vocab_size)  # logits compared over the common vocabulary
-        line = f"{va!r}->{vb!r}: " + assert_far_apart(all_logits(b, "hf")[:, :vocab], all_logits(a, "hf")[:, :vocab],
-                                                      what)
+        line = f"{va!r}->{vb!r}: " + assert_far_apart(
+            all_logits(b, "hf")[:, :vocab], all_logits(a, "hf")[:, :vocab], what
+        )
         if layout(a.state) != layout(b.state):
             # A model that ignored the field could not load one of the two layouts.
             assert_both_loaders_reject(a.config, b.state, f"{what}: weights for {vb!r}")
@@ -218,6 +224,7 @@ def test_vocab_size_bounds_token_ids(index):
 
 # ------------------------------------------------------------------------------------------ router policy
 
+
 class _Capture(TorchDispatchMode):
     """Records the inputs of every call of one operator."""
 
@@ -263,13 +270,17 @@ def test_bf16_router_logits_are_fp32_logits_of_bf16_hidden_states():
         assert_bitwise_equal(logits, expected, f"layer {layer} router logits ({hidden.shape[0]} tokens)")
         in_bf16 = F.linear(hidden, weight.to(torch.bfloat16)).float()
         assert ((in_bf16 - expected).abs() > op_tol.atol + op_tol.rtol * expected.abs()).any(), (
-            f"layer {layer}: bf16 router logits equal the fp32 ones within op.float32 on this input")
+            f"layer {layer}: bf16 router logits equal the fp32 ones within op.float32 on this input"
+        )
         gaps.append(max_abs(in_bf16, expected))
-    print(f"router dtype: bf16 vs fp32 router logits differ by max_abs {min(gaps):.3e} (smallest over "
-          f"{len(gaps)} block calls); the optimized block's logits equal the fp32 ones bitwise")
+    print(
+        f"router dtype: bf16 vs fp32 router logits differ by max_abs {min(gaps):.3e} (smallest over "
+        f"{len(gaps)} block calls); the optimized block's logits equal the fp32 ones bitwise"
+    )
 
 
 # ------------------------------------------------------------------------------------------ drawn configs
+
 
 @functools.lru_cache(maxsize=8)
 def drawn_trio(kwargs_key: str, seed: int) -> Trio:
@@ -285,7 +296,8 @@ def prompt_sets(config):
     """1-3 prompts of 1-40 tokens that fit the config's vocabulary and position limit."""
     room = min(40, config.max_position_embeddings - 2)
     return st.lists(st.integers(1, room), min_size=1, max_size=3).flatmap(
-        lambda lengths: st.integers(0, 2**31 - 1).map(lambda s: prompts_for(config.vocab_size, lengths, s)))
+        lambda lengths: st.integers(0, 2**31 - 1).map(lambda s: prompts_for(config.vocab_size, lengths, s))
+    )
 
 
 # Per drawn-config property: half the profile's examples (ci: 10; thorough: 500).
@@ -319,21 +331,25 @@ def _drawn_logits_task(rank, world, kwargs, state, lay, prompts, forced):
     from optimized.distributed import ParallelState
     from optimized.model_loader.loader import StateDictSource
 
-    model = model_from_source(config_of(**kwargs), StateDictSource(state), parallel=ParallelState.build(**lay),
-                              dtype=torch.float32)
+    model = model_from_source(
+        config_of(**kwargs), StateDictSource(state), parallel=ParallelState.build(**lay), dtype=torch.float32
+    )
     return optimized_logits(model, prompts, forced)
 
 
 @pytest.mark.distributed
 def test_drawn_config_optimized_on_2_ranks_equals_reference_float32():
     """A drawn structure sharded over 2 gloo ranks (a drawn valid layout: attention TP, MoE TP or EP, vocab)."""
+
     def check(kwargs, seed, data):
         t = _trio_of(kwargs, seed)
         lay = data.draw(layouts(2, t.config), label="layout")
         prompts = data.draw(prompt_sets(t.config), label="prompts")
         forced = prompts_for(t.config.vocab_size, [len(prompts)] * 2, seed)
-        got = same_on_all_ranks(get_pool(2).run(_drawn_logits_task, kwargs, t.state, lay, prompts, forced,
-                                                timeout=120), "drawn-config logits")
+        got = same_on_all_ranks(
+            get_pool(2).run(_drawn_logits_task, kwargs, t.state, lay, prompts, forced, timeout=120),
+            "drawn-config logits",
+        )
         for b, (opt, ref) in enumerate(zip(got, t.ref_logits(prompts, forced))):
             assert_close(opt, ref, TOL, f"{describe_layout(lay)} {kwargs} request {b}: optimized vs reference")
 

@@ -16,6 +16,7 @@ every operator call checked to take tensors of one device). Single process, each
 - the count tensor of `exchange_split_sizes` and the default device of `load_model` follow the device;
 - the W4A8 and W8A8 conversions with the per-token FP8 KV cache run there too, bitwise the CPU run (bf16).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.equivalence
 
 FIXTURES = ("tiny", "tiny-nonorm", "tiny-dense")
 NEW_TOKENS = 3
-fake_npu = register   # npu:0, registered on first use (not at collection: the rename is for the process)
+fake_npu = register  # npu:0, registered on first use (not at collection: the rename is for the process)
 
 
 def device_model(name: str):
@@ -72,6 +73,7 @@ def test_model_on_a_non_cpu_device_generates_what_the_cpu_model_generates(name):
 class Step:
     """What one forward step did on the fake device: its host reads, its host -> device copies, the operators it
     called (name -> calls) and its logits."""
+
     reads: list[str]
     transfers: list[str]
     ops: Counter
@@ -85,13 +87,20 @@ def one_step(model, prompts, decode: bool) -> Step:
     attn = model.layers[0].self_attn
     budgets = [len(p) + 1 for p in prompts]
     with on_fake_device() as mode:
-        cache = PagedKVCache(model.config.num_hidden_layers, 1 + len(budgets) * 2, BLOCK_SIZE, attn.num_kv_heads,
-                             attn.head_dim, runner.kv_cache_dtype, fake_npu())
+        cache = PagedKVCache(
+            model.config.num_hidden_layers,
+            1 + len(budgets) * 2,
+            BLOCK_SIZE,
+            attn.num_kv_heads,
+            attn.head_dim,
+            runner.kv_cache_dtype,
+            fake_npu(),
+        )
         table = block_table([cache.allocate(n) for n in budgets], fake_npu())
         ids, meta, _ = runner.prefill_inputs(prompts, table)
         if decode:
             model(ids, meta, cache.layers)
-            ids = ids[:len(prompts)]
+            ids = ids[: len(prompts)]
             meta = runner.decode_metadata([len(p) for p in prompts], table)
         reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
         logits = model(ids, meta, cache.layers)
@@ -114,6 +123,7 @@ def test_an_fp8_kv_cache_step_neither_reads_the_device_nor_copies_host_data_onto
     """W8A8 with the per-token FP8 KV cache (bf16): the cache quantization and its fp32 scale caches, the
     dequantizing attention and the MXFP8 linears / experts read nothing back and copy nothing on."""
     from fixtures.checkpoints import quantized_checkpoint
+
     path = quantized_checkpoint("tiny", "w8a8", kv_cache="fp8")
     with on_fake_device():
         model = load_model(path, dtype=torch.bfloat16, device=fake_npu())
@@ -134,6 +144,7 @@ def with_mc2_decode(model):
     run without any group (ep_world_size 1), so one process proves the MC2 decode's device discipline."""
     from optimized.layers.exchange import MoeInferDispatchCombine, build_exchange
     from optimized.phases import TensorParallelPhase, TensorParallelStep
+
     exchange = build_exchange("dispatch_combine", model.config, model.groups)
     assert isinstance(exchange, MoeInferDispatchCombine) and exchange.moe_ep.size == 1
     model.decode = TensorParallelPhase(TensorParallelStep(exchange))
@@ -151,8 +162,9 @@ def test_mc2_decode_on_a_non_cpu_device_generates_what_the_cpu_model_generates(d
         tokens, logits = result.tokens, torch.cat(to_host(result.logits))
     want_tokens, want_logits = generate(host_model, prompts)
     steps = (NEW_TOKENS - 1) * tiny_config("tiny").num_hidden_layers
-    assert mode.ops[DISPATCH] == mode.ops[COMBINE] == steps, \
+    assert mode.ops[DISPATCH] == mode.ops[COMBINE] == steps, (
         f"{steps} MC2 exchanges expected (each decode step, each MoE layer): {mode.ops[DISPATCH]}, {mode.ops[COMBINE]}"
+    )
     assert tokens == want_tokens, f"MC2 decode on {fake_npu()}: tokens {tokens} != the CPU run's {want_tokens}"
     assert torch.equal(logits, want_logits), f"MC2 decode on {fake_npu()}: logits differ from the CPU run's"
 
@@ -171,7 +183,9 @@ def test_a_position_past_the_model_is_refused_from_the_host_lists():
     limit = model.config.max_position_embeddings
     with on_fake_device() as mode:
         cache = PagedKVCache(1, 2, BLOCK_SIZE, 1, model.layers[0].self_attn.head_dim, model.dtype, fake_npu())
-        meta = ModelRunner(model, BLOCK_SIZE).decode_metadata([limit], block_table([[1] * (limit // BLOCK_SIZE + 1)], fake_npu()))
+        meta = ModelRunner(model, BLOCK_SIZE).decode_metadata(
+            [limit], block_table([[1] * (limit // BLOCK_SIZE + 1)], fake_npu())
+        )
         with pytest.raises(ValueError, match=f"position {limit} exceeds max_position_embeddings={limit}"):
             model(torch.tensor([0], device=fake_npu()), meta, cache.layers)
     assert not mode.host_reads, f"the position check read the device: {mode.host_reads}"
@@ -180,6 +194,7 @@ def test_a_position_past_the_model_is_refused_from_the_host_lists():
 def host_causal_mask(device="cpu"):
     """The causal mask as `causal_mask_template` built it before it followed the default device."""
     from optimized.layers.attention import CAUSAL_MASK_TEMPLATE_SIZE as size
+
     return ~torch.tril(torch.ones(size, size, dtype=torch.bool, device=device))
 
 
@@ -195,9 +210,13 @@ def test_a_causal_mask_built_on_the_host_fails_the_first_attention_call(monkeypa
 def test_a_host_tensor_planted_in_the_forward_is_caught(monkeypatch):
     """A host tensor entering the MoE block's input (any layer code would do) is caught at its first operator."""
     from optimized.layers.moe import Qwen3MoeSparseMoeBlock
+
     forward = Qwen3MoeSparseMoeBlock.forward
-    monkeypatch.setattr(Qwen3MoeSparseMoeBlock, "forward",
-                        lambda self, x, *a, **k: forward(self, x + torch.zeros(x.shape[-1], dtype=x.dtype), *a, **k))
+    monkeypatch.setattr(
+        Qwen3MoeSparseMoeBlock,
+        "forward",
+        lambda self, x, *a, **k: forward(self, x + torch.zeros(x.shape[-1], dtype=x.dtype), *a, **k),
+    )
     model = device_model("tiny")
     with pytest.raises(DeviceMismatch, match=r"aten\.add\.Tensor.*\['cpu', 'npu:0'\]"):
         with on_fake_device():
@@ -228,8 +247,9 @@ def test_load_model_defaults_to_the_platform_device(monkeypatch):
     monkeypatch.setattr(platform, "device", lambda local_rank=None: fake_npu())
     with on_fake_device():
         model = load_model(checkpoint("tiny"), dtype=torch.float32, num_hidden_layers=1)
-    assert model.lm_head.weight.device == fake_npu() and model.atten_mask.device == fake_npu(), \
+    assert model.lm_head.weight.device == fake_npu() and model.atten_mask.device == fake_npu(), (
         f"load_model without device= built on {model.lm_head.weight.device}, platform.device() is {fake_npu()}"
+    )
 
 
 @pytest.mark.parametrize("quant", ["w4a8", "w8a8"])
@@ -237,6 +257,7 @@ def test_mx_checkpoint_with_the_fp8_kv_cache_on_a_non_cpu_device_generates_what_
     """The MX quant methods (MXFP8 linears, W4A8 or W8A8 experts) and the per-token FP8 KV cache keep every
     tensor on the model's device too: bf16 tokens and logits bitwise the CPU run's."""
     from fixtures.checkpoints import quantized_checkpoint
+
     path = quantized_checkpoint("tiny", quant, kv_cache="fp8")
     with on_fake_device():
         model = load_model(path, dtype=torch.bfloat16, device=fake_npu())
@@ -260,7 +281,7 @@ def test_the_detector_counts_every_copy_between_host_and_device():
     with on_fake_device() as mode:
         t = torch.tensor([1, 2, 3], device=fake_npu())
         u = torch.ones(2).to(fake_npu())
-        z = torch.zeros(2, device=fake_npu())                      # a factory: no host data moves
+        z = torch.zeros(2, device=fake_npu())  # a factory: no host data moves
         assert not mode.host_reads
         t.cpu(), t.tolist(), u.sum().item()
     assert isinstance(t, DeviceTensor) and isinstance(u, DeviceTensor) and isinstance(z, DeviceTensor)

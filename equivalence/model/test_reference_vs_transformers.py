@@ -7,6 +7,7 @@ arbitrarily while the reference's stable sort prefers the lower expert id, and b
 (16 experts, 8-bit mantissa). Every such flip is checked to be a near-tie (`router_tie.<dtype>`), counted,
 and the logits are then compared with the reference replaying transformers' expert choice.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,7 +37,8 @@ def models(name: str, dtype_name: str, router_dtype: str = "activation"):
     path, dtype = checkpoint(name), DTYPES[dtype_name]
     ref = load_model(path, dtype=dtype, router_dtype=router_dtype)
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
+        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
     # Greedy generation is compared over a fixed number of tokens: no EOS from generation_config.json (with
     # min_new_tokens, transformers would mask the EOS logits and pick another token than the plain argmax).
     hf.generation_config.eos_token_id = None
@@ -58,8 +60,11 @@ def compare_routing_aware(ref, hf, input_ids: torch.Tensor, dtype_name: str):
     Fails if the reference's own top-k differs from transformers' anywhere except at a near-tie.
     """
     hf_ids: dict[int, torch.Tensor] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, out, i=i: hf_ids.__setitem__(i, out[2]))
-             for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate")]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda mod, args, out, i=i: hf_ids.__setitem__(i, out[2]))
+        for i, layer in enumerate(hf.model.layers)
+        if hasattr(layer.mlp, "gate")
+    ]
     try:
         expected = hf(input_ids).logits
     finally:
@@ -82,7 +87,8 @@ def compare_routing_aware(ref, hf, input_ids: torch.Tensor, dtype_name: str):
                 assert gap <= tie.atol + tie.rtol * kth.item(), (
                     f"layer {i} token {t}: transformers chose expert {e} (p={probs[t, e].item():.6g}) where the "
                     f"reference's k-th choice has p={kth.item():.6g}; that is no near-tie. reference ids "
-                    f"{own[t].tolist()}, transformers ids {theirs[t].tolist()}")
+                    f"{own[t].tolist()}, transformers ids {theirs[t].tolist()}"
+                )
         stats["flips"] += flipped.numel()
         stats["routings"] += own.shape[0]
         return SparseMoeBlock.forward(block, x, expert_ids=theirs)
@@ -120,8 +126,12 @@ def test_reference_logits_match_transformers_bfloat16(name, input_ids):
     assert actual.dtype == torch.bfloat16
     if flips == 0:
         assert_close(actual, expected, "model.bfloat16", f"{name} bf16 logits")
-    assert_close(replayed, expected, "model.bfloat16",
-                 f"{name} bf16 logits, reference replaying transformers' routing ({flips}/{routings} flips)")
+    assert_close(
+        replayed,
+        expected,
+        "model.bfloat16",
+        f"{name} bf16 logits, reference replaying transformers' routing ({flips}/{routings} flips)",
+    )
 
 
 def test_bfloat16_routing_flips_are_rare():
@@ -144,9 +154,10 @@ def test_greedy_generation_equals_transformers_float32(name, input_ids):
     ref, hf = models(name, "float32")
     new = greedy_generate(ref, input_ids, 16)
     with torch.no_grad():
-        out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                          max_new_tokens=16, min_new_tokens=16)
-    assert torch.equal(new, out[:, input_ids.shape[1]:]), f"{name}: {new.tolist()} != {out.tolist()}"
+        out = hf.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=16, min_new_tokens=16
+        )
+    assert torch.equal(new, out[:, input_ids.shape[1] :]), f"{name}: {new.tolist()} != {out.tolist()}"
 
 
 @pytest.mark.parametrize("name", FIXTURES)

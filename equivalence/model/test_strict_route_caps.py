@@ -1,6 +1,7 @@
 """Model-level equivalence tests run the portable kernels with the NPU route caps enforced, and the double-routing
 exchange moves MXFP8 rows the way the NPU re-routing kernel takes them (fp8 pairs as bf16, scale bytes alongside).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def test_route_level_rejects_fp8_tokens_but_lets_the_fp32_proofs_and_tiny_dims_t
     fp8 = torch.zeros(a, H, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="NPU limit: tokens has dtype torch.float8_e4m3fn"):
         torch.ops.npu.npu_moe_re_routing(fp8, counts)
-    torch.ops.npu.npu_moe_re_routing(torch.zeros(a, H), counts)                    # fp32: a FP32 cap, off here
+    torch.ops.npu.npu_moe_re_routing(torch.zeros(a, H), counts)  # fp32: a FP32 cap, off here
     monkeypatch.setenv(STRICT_ENV, "1")
     with pytest.raises(ValueError, match="NPU limit: tokens has dtype torch.float32"):
         torch.ops.npu.npu_moe_re_routing(torch.zeros(a, H), counts)
@@ -55,7 +56,7 @@ def test_mx_rows_re_routing_is_a_bit_exact_move_of_data_and_scales(ranks, local,
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (a, H), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)  # NaNs too
     scale = torch.randint(0, 256, (a, H // 64, 2), dtype=torch.uint8, generator=g)
-    moved, idx, per_expert = re_routing(MxRows(data, scale), counts)          # strict route level: no NPU limit hit
+    moved, idx, per_expert = re_routing(MxRows(data, scale), counts)  # strict route level: no NPU limit hit
     plain, plain_idx, plain_per_expert = re_routing(torch.randn(a, H, generator=g).bfloat16(), counts)
     assert_bitwise_equal(idx, plain_idx, "permutation")
     assert_bitwise_equal(per_expert, plain_per_expert, "per-expert counts")

@@ -3,6 +3,7 @@
 contiguous, and never cast in a step; every grouped matmul passes `tuning_config`. On the CPU the cast is the
 portable identity, so the calls the NPU will see are recorded here and the outputs are bitwise those of ND weights.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -23,10 +24,12 @@ from optimized.ops.registry import portable_kernel
 pytestmark = pytest.mark.equivalence
 
 PROMPTS = [[3, 1, 4, 1, 5], [2, 7]]
-KINDS = {"float32": (lambda: checkpoint("tiny"), torch.float32),
-         "bfloat16": (lambda: checkpoint("tiny"), torch.bfloat16),
-         "w4a8": (lambda: w4a8_checkpoint("tiny"), torch.bfloat16),
-         "w8a8": (lambda: w8a8_checkpoint("tiny"), torch.bfloat16)}
+KINDS = {
+    "float32": (lambda: checkpoint("tiny"), torch.float32),
+    "bfloat16": (lambda: checkpoint("tiny"), torch.bfloat16),
+    "w4a8": (lambda: w4a8_checkpoint("tiny"), torch.bfloat16),
+    "w8a8": (lambda: w8a8_checkpoint("tiny"), torch.bfloat16),
+}
 
 
 class NpuCalls(TorchDispatchMode):
@@ -79,16 +82,18 @@ def _build(kind: str, weight_nz: bool):
 def test_each_weight_is_cast_to_nz_once_at_load_and_never_in_a_step(kind):
     model, load = _build(kind, weight_nz=True)
     weights = _nz_weights(model)
-    assert load.ops == Counter({"npu_format_cast": len(weights)}), \
+    assert load.ops == Counter({"npu_format_cast": len(weights)}), (
         f"{kind}: the load should call npu_format_cast once per weight ({len(weights)}) and nothing else: {load.ops}"
+    )
     assert all(fmt == q.ACL_FORMAT_FRACTAL_NZ for _, fmt, _ in load.casts), [fmt for _, fmt, _ in load.casts]
     assert all(src.is_contiguous() for src, _, _ in load.casts), "the recipe casts contiguous weights"
     cast_outputs = {out.data_ptr() for _, _, out in load.casts}
     not_cast = [name for name, w in weights.items() if w.data_ptr() not in cast_outputs]
     assert not not_cast, f"{kind}: weights the kernels read that are not the cast's outputs: {not_cast}"
     gates = [m for m in model.modules() if getattr(m, "router", False)]
-    assert gates and all(g.weight.is_contiguous() and g.weight.data_ptr() not in cast_outputs for g in gates), \
+    assert gates and all(g.weight.is_contiguous() and g.weight.data_ptr() not in cast_outputs for g in gates), (
         "the router gate is made contiguous and kept ND"
+    )
     with NpuCalls() as step:
         runner_of(model).generate(PROMPTS, 2)
     assert step.ops and step.ops["npu_format_cast"] == 0, f"{kind}: a step cast a weight: {step.ops}"
@@ -124,14 +129,18 @@ def test_every_grouped_matmul_passes_the_tuning_config(kind):
 
 def test_the_build_checks_npu_format_cast_only_with_weight_nz():
     from optimized.ops.required import required_operators
+
     args = dict(w4a8=False, dense_mlp=False, sp_ep_scheme=None)
     assert "npu_format_cast" in required_operators(**args, weight_nz=True)
     assert "npu_format_cast" not in required_operators(**args, weight_nz=False)
 
 
-@given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=4), transpose=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8]),
-       fmt=st.sampled_from([2, 29]))
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+    transpose=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8]),
+    fmt=st.sampled_from([2, 29]),
+)
 def test_npu_format_cast_keeps_every_value(shape, transpose, dtype, fmt):
     x = torch.randn(shape).mul(4).to(dtype)
     if transpose:
@@ -139,8 +148,10 @@ def test_npu_format_cast_keeps_every_value(shape, transpose, dtype, fmt):
     for kernel in (torch.ops.npu.npu_format_cast, portable_kernel("npu_format_cast")):
         y = kernel(x, fmt)
         assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
-        assert torch.equal(y.view(torch.uint8) if dtype.itemsize == 1 else y,
-                           x.contiguous().view(torch.uint8) if dtype.itemsize == 1 else x)
+        assert torch.equal(
+            y.view(torch.uint8) if dtype.itemsize == 1 else y,
+            x.contiguous().view(torch.uint8) if dtype.itemsize == 1 else x,
+        )
         assert y.data_ptr() != x.data_ptr(), "an operator may not alias its input"
 
 

@@ -11,6 +11,7 @@
 - Applying before processing, processing twice and loading after processing are errors naming the layer; the
   model build processes every layer with a quant method exactly once.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -33,7 +34,7 @@ from optimized.ops import mx_format as mxf
 BF16 = torch.bfloat16
 # K = 96: three 32-blocks, an odd count (the scale pairs' zero pad byte); I = 32: one block.
 K, N, H, INTER, EXPERTS = 96, 40, 96, 32, 3
-COUNTS = torch.tensor([5, 0, 4])          # an empty expert; 11 rows: 2 padding rows past the counts
+COUNTS = torch.tensor([5, 0, 4])  # an empty expert; 11 rows: 2 padding rows past the counts
 ROWS = 11
 ONE = SimpleNamespace(size=1, rank=0, group=None)
 
@@ -54,7 +55,8 @@ def moe_layer(method, fmt, seed: int = 0) -> FusedMoEGMM:
     for e in range(EXPERTS):
         for proj, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER))):
             state[f"m.{e}.{proj}.weight"], state[f"m.{e}.{proj}.weight_scale"] = mxf.mx_quantize_weight(
-                torch.randn(shape, generator=g).to(BF16), fmt)
+                torch.randn(shape, generator=g).to(BF16), fmt
+            )
     layer = FusedMoEGMM(EXPERTS, H, INTER, ONE, ONE, BF16, method)
     layer.load(StateDictSource(state), "m")
     return layer
@@ -78,20 +80,37 @@ def forward(layer, x):
 
 # The former per-call layouts, as quantization.py wrote them before weights were prepared after loading.
 
+
 def old_linear(t, x, out_dtype=BF16):
     xq = q.mx_quant(x)
     return torch.ops.npu.npu_quant_matmul(
-        xq.data, t["weight"].t(), mxf.pair_scales(t["weight_scale"]).transpose(0, 1), pertoken_scale=xq.scale,
-        output_dtype=mxf.dtype_code(out_dtype), scale_dtype=q.FLOAT8_E8M0, pertoken_scale_dtype=q.FLOAT8_E8M0,
-        group_sizes=[1, 1, q.BLOCK])
+        xq.data,
+        t["weight"].t(),
+        mxf.pair_scales(t["weight_scale"]).transpose(0, 1),
+        pertoken_scale=xq.scale,
+        output_dtype=mxf.dtype_code(out_dtype),
+        scale_dtype=q.FLOAT8_E8M0,
+        pertoken_scale_dtype=q.FLOAT8_E8M0,
+        group_sizes=[1, 1, q.BLOCK],
+    )
 
 
 def old_w4a8(t, x, counts):
     def gmm(xq, xs, w, s):
         return torch.ops.npu.npu_grouped_matmul(
-            [xq], [w.transpose(1, 2)], antiquant_scale=[mxf.pair_scales(s).transpose(1, 2)], per_token_scale=[xs],
-            group_list=counts, group_type=0, group_list_type=1, split_item=3, output_dtype=mxf.dtype_code(BF16),
-            weight_dtype=q.FLOAT4_E2M1, per_token_scale_dtype=q.FLOAT8_E8M0)[0]
+            [xq],
+            [w.transpose(1, 2)],
+            antiquant_scale=[mxf.pair_scales(s).transpose(1, 2)],
+            per_token_scale=[xs],
+            group_list=counts,
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+            output_dtype=mxf.dtype_code(BF16),
+            weight_dtype=q.FLOAT4_E2M1,
+            per_token_scale_dtype=q.FLOAT8_E8M0,
+        )[0]
+
     xq, xs = q.mx_quant(x)
     h = gmm(xq, xs, t["w13_weight"], t["w13_weight_scale"])
     hq, hs = torch.ops.npu.npu_swiglu_mx_quant(h, group_index=counts, activate_left=True, dst_type=q.FLOAT8_E4M3FN)
@@ -101,15 +120,28 @@ def old_w4a8(t, x, counts):
 def old_w8a8(t, x, counts):
     def gmm(xq, w, s):
         return torch.ops.npu.npu_grouped_matmul(
-            [xq.data], [w.transpose(1, 2)], scale=[mxf.pair_scales(s).transpose(1, 2)], per_token_scale=[xq.scale],
-            group_list=counts, group_type=0, group_list_type=1, split_item=3, output_dtype=mxf.dtype_code(BF16),
-            scale_dtype=q.FLOAT8_E8M0, per_token_scale_dtype=q.FLOAT8_E8M0)[0]
+            [xq.data],
+            [w.transpose(1, 2)],
+            scale=[mxf.pair_scales(s).transpose(1, 2)],
+            per_token_scale=[xq.scale],
+            group_list=counts,
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+            output_dtype=mxf.dtype_code(BF16),
+            scale_dtype=q.FLOAT8_E8M0,
+            per_token_scale_dtype=q.FLOAT8_E8M0,
+        )[0]
+
     h = gmm(q.mx_quant(x), t["w13_weight"], t["w13_weight_scale"])
     return gmm(q.mx_quant(torch.ops.npu.npu_swiglu(h)), t["w2_weight"], t["w2_weight_scale"])
 
 
-OLD = {"mxfp8_linear": lambda t, x: old_linear(t, x), "w4a8_experts": lambda t, x: old_w4a8(t, x, COUNTS),
-       "w8a8_experts": lambda t, x: old_w8a8(t, x, COUNTS)}
+OLD = {
+    "mxfp8_linear": lambda t, x: old_linear(t, x),
+    "w4a8_experts": lambda t, x: old_w4a8(t, x, COUNTS),
+    "w8a8_experts": lambda t, x: old_w8a8(t, x, COUNTS),
+}
 
 
 @pytest.mark.parametrize("kind", LAYERS)
@@ -118,13 +150,13 @@ def test_prepared_layouts_give_bitwise_the_per_call_layouts_outputs(kind):
     loaded = loaded_tensors(layer)
     q.process_weights_after_loading(layer)
     g = _gen(7)
-    for rows in (ROWS, 1):                      # a batch and a decode row
+    for rows in (ROWS, 1):  # a batch and a decode row
         if kind != "mxfp8_linear" and rows != ROWS:
             continue
         x = (torch.randn(rows, K if kind == "mxfp8_linear" else H, generator=g) * 3).to(BF16)
         with torch.no_grad():
             assert_bitwise_equal(forward(layer, x), OLD[kind](loaded, x), f"{kind}, {rows} rows")
-    if kind == "mxfp8_linear":                  # already-quantized rows (MxRows) and a 3-D activation
+    if kind == "mxfp8_linear":  # already-quantized rows (MxRows) and a 3-D activation
         x = torch.randn(2, 3, K, generator=g).to(BF16)
         with torch.no_grad():
             assert_bitwise_equal(layer(q.mx_quant(x.view(6, K))), old_linear(loaded, x.view(6, K)), "MxRows input")
@@ -171,7 +203,7 @@ def test_a_forward_re_lays_out_no_weight(kind, monkeypatch):
     q.process_weights_after_loading(layer)
     x = torch.randn(ROWS, K if kind == "mxfp8_linear" else H, generator=_gen(3)).to(BF16)
 
-    for module in (mx_layout, mxfp8, w4a4, w4a8, w8a8):   # the quant methods' view of mx_format only (not the kernels')
+    for module in (mx_layout, mxfp8, w4a4, w4a8, w8a8):  # the quant methods' view of mx_format only (not the kernels')
         monkeypatch.setattr(module, "mxf", _NoPairing())
     params = dict(layer.named_parameters())
     with torch.no_grad(), _WeightTouches(params) as touches:
@@ -179,19 +211,27 @@ def test_a_forward_re_lays_out_no_weight(kind, monkeypatch):
         forward(layer, x)
     assert not touches.relayouts, f"{kind}: per-call re-layouts of the weights: {touches.relayouts}"
     assert {name for name, _ in touches.passed} == set(params), f"{kind}: the kernels got {touches.passed}"
-    for name, t in touches.passed:              # the parameter itself: same view, not a re-made one
+    for name, t in touches.passed:  # the parameter itself: same view, not a re-made one
         p = params[name]
-        assert (t.shape, t.stride(), t.storage_offset(), t.data_ptr()) == \
-            (p.shape, p.stride(), p.storage_offset(), p.data_ptr()), f"{kind}: {name} passed as another view"
+        assert (t.shape, t.stride(), t.storage_offset(), t.data_ptr()) == (
+            p.shape,
+            p.stride(),
+            p.storage_offset(),
+            p.data_ptr(),
+        ), f"{kind}: {name} passed as another view"
 
 
 def _runtime_shapes(layer) -> dict[str, tuple]:
-    nbp = lambda k: q.even_blocks(k) // 2        # noqa: E731  scale pairs per row
+    nbp = lambda k: q.even_blocks(k) // 2  # noqa: E731  scale pairs per row
     if isinstance(layer, ReplicatedLinear):
         return {"weight": (K, N), "weight_scale": (nbp(K), N, 2)}
-    kb = 2 if isinstance(layer.quant_method, q.W4A8MxFp4MoEGMMMethod) else 1   # FP4: two codes per byte
-    return {"w13_weight": (EXPERTS, H // kb, 2 * INTER), "w13_weight_scale": (EXPERTS, nbp(H), 2 * INTER, 2),
-            "w2_weight": (EXPERTS, INTER // kb, H), "w2_weight_scale": (EXPERTS, nbp(INTER), H, 2)}
+    kb = 2 if isinstance(layer.quant_method, q.W4A8MxFp4MoEGMMMethod) else 1  # FP4: two codes per byte
+    return {
+        "w13_weight": (EXPERTS, H // kb, 2 * INTER),
+        "w13_weight_scale": (EXPERTS, nbp(H), 2 * INTER, 2),
+        "w2_weight": (EXPERTS, INTER // kb, H),
+        "w2_weight_scale": (EXPERTS, nbp(INTER), H, 2),
+    }
 
 
 @pytest.mark.parametrize("kind", LAYERS)
@@ -220,8 +260,11 @@ def test_processed_parameters_are_the_runtime_layouts(kind):
 def test_processed_tensors_stay_on_the_layers_device(kind):
     """A layer built on `meta` (no values) is processed there: nothing is made on a default device."""
     with torch.device("meta"):
-        layer = (ReplicatedLinear(K, N, BF16, q.MxFp8LinearMethod()) if kind == "mxfp8_linear"
-                 else FusedMoEGMM(EXPERTS, H, INTER, ONE, ONE, BF16, q.W4A8MxFp4MoEGMMMethod()))
+        layer = (
+            ReplicatedLinear(K, N, BF16, q.MxFp8LinearMethod())
+            if kind == "mxfp8_linear"
+            else FusedMoEGMM(EXPERTS, H, INTER, ONE, ONE, BF16, q.W4A8MxFp4MoEGMMMethod())
+        )
     q.process_weights_after_loading(layer)
     assert {p.device.type for p in layer.parameters()} == {"meta"}
 
@@ -243,20 +286,27 @@ def test_apply_before_processing_twice_or_load_after_is_an_error_naming_the_laye
         else:
             layer.load(StateDictSource({}), "m")
     with torch.no_grad():
-        forward(layer, x)                       # still usable
+        forward(layer, x)  # still usable
 
 
-@pytest.mark.parametrize("path", [lambda: w4a8_checkpoint("tiny-dense"), lambda: w8a8_checkpoint("tiny")],
-                         ids=["w4a8-dense", "w8a8"])
+@pytest.mark.parametrize(
+    "path", [lambda: w4a8_checkpoint("tiny-dense"), lambda: w8a8_checkpoint("tiny")], ids=["w4a8-dense", "w8a8"]
+)
 def test_the_build_processes_every_quant_layer_exactly_once(path, monkeypatch):
     calls = {}
-    for cls in (q.UnquantizedLinearMethod, q.MxFp8LinearMethod, q.UnquantizedFusedMoEMethod,
-                q.W4A8MxFp4MoEGMMMethod, q.MxFp8MoEGMMMethod):
+    for cls in (
+        q.UnquantizedLinearMethod,
+        q.MxFp8LinearMethod,
+        q.UnquantizedFusedMoEMethod,
+        q.W4A8MxFp4MoEGMMMethod,
+        q.MxFp8MoEGMMMethod,
+    ):
         original = cls.process_weights_after_loading
 
         def counted(self, layer, original=original):
             calls[id(layer)] = calls.get(id(layer), 0) + 1
             return original(self, layer)
+
         monkeypatch.setattr(cls, "process_weights_after_loading", counted)
     model = load_model(path(), dtype=BF16)
     layers = {id(m): name for name, m in model.named_modules() if hasattr(m, "quant_method")}

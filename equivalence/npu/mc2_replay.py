@@ -25,6 +25,7 @@ Runners: `replay_task` on the gloo worker pool (default suite) or `run_on_spawne
 whose default group uses the platform backend: the NPU test, as the parent may already hold an NPU context that
 forked children cannot use).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -56,9 +57,9 @@ class RankCapture:
 
     config: str
     rank: int
-    dispatch_args: dict      # by schema name, as the model passed them (the recording job's group names)
-    dispatch_out: tuple      # the portable kernel's 7 outputs
-    combine_args: dict       # without the handle arguments (HANDLE_ARGS)
+    dispatch_args: dict  # by schema name, as the model passed them (the recording job's group names)
+    dispatch_out: tuple  # the portable kernel's 7 outputs
+    combine_args: dict  # without the handle arguments (HANDLE_ARGS)
     combine_out: torch.Tensor
 
     @property
@@ -79,15 +80,21 @@ def capture(config) -> list[RankCapture]:
     out = []
     for rank, calls in enumerate(record_mc2(config)):
         if set(calls) != {DISPATCH, COMBINE}:
-            raise AssertionError(f"{config.name} rank {rank}: recorded MC2 calls {sorted(calls)}; expected a "
-                                 f"dispatch and a combine (does this configuration's decode run MC2?)")
+            raise AssertionError(
+                f"{config.name} rank {rank}: recorded MC2 calls {sorted(calls)}; expected a "
+                f"dispatch and a combine (does this configuration's decode run MC2?)"
+            )
         dispatch, combine = calls[DISPATCH], calls[COMBINE]
         d_args, c_args = dispatch["arguments"], dict(combine["arguments"])
         # The first combine must be the first dispatch's partner: its handle is that dispatch's output 2.
-        if not (torch.equal(c_args["assist_info_for_combine"], dispatch["outputs"][2])
-                and torch.equal(c_args["expert_ids"], d_args["expert_ids"])):
-            raise AssertionError(f"{config.name} rank {rank}: the first combine does not take the first dispatch's "
-                                 "handle and expert_ids (are the recorded calls out of order?)")
+        if not (
+            torch.equal(c_args["assist_info_for_combine"], dispatch["outputs"][2])
+            and torch.equal(c_args["expert_ids"], d_args["expert_ids"])
+        ):
+            raise AssertionError(
+                f"{config.name} rank {rank}: the first combine does not take the first dispatch's "
+                "handle and expert_ids (are the recorded calls out of order?)"
+            )
         for name in HANDLE_ARGS:
             c_args.pop(name, None)
         out.append(RankCapture(config.name, rank, d_args, tuple(dispatch["outputs"]), c_args, combine["outputs"]))
@@ -95,6 +102,7 @@ def capture(config) -> list[RankCapture]:
 
 
 # ------------------------------------------------------------------------------------------- replay on a rank
+
 
 def new_replay_group(world: int):
     """A fresh group over ranks 0..world-1 with the platform's collective backend, and on hccl the MC2 group's
@@ -128,11 +136,18 @@ def _check_group_names(op: str, arguments: dict, group, name: str) -> None:
             raise StaleGroupNameError(
                 f"{op}: {arg}={given!r} does not name this replay's group (comm_name: {name!r}); a recorded group "
                 f"name belongs to the recording job and names no communicator here: substitute "
-                f"parallel_state.comm_name(group)")
+                f"parallel_state.comm_name(group)"
+            )
 
 
-def replay_rank(cap: RankCapture, group, device: torch.device | str = "cpu", *, substitute: bool = True,
-                expected: RankCapture | None = None) -> None:
+def replay_rank(
+    cap: RankCapture,
+    group,
+    device: torch.device | str = "cpu",
+    *,
+    substitute: bool = True,
+    expected: RankCapture | None = None,
+) -> None:
     """This rank's dispatch then combine over `group`, checked against the recorded portable outputs.
 
     substitute=False passes the recorded group names (refused: `StaleGroupNameError`). expected: the outputs to
@@ -144,8 +159,10 @@ def replay_rank(cap: RankCapture, group, device: torch.device | str = "cpu", *, 
 
     want = expected or cap
     if dist.get_rank(group) != int(cap.dispatch_args["ep_rank_id"]):
-        raise ValueError(f"{cap.config}: rank {dist.get_rank(group)} of the replay group was handed the capture of "
-                         f"ep_rank_id {cap.dispatch_args['ep_rank_id']}")
+        raise ValueError(
+            f"{cap.config}: rank {dist.get_rank(group)} of the replay group was handed the capture of "
+            f"ep_rank_id {cap.dispatch_args['ep_rank_id']}"
+        )
     name = comm_name(group)
     d_args = _with_group_names(cap.dispatch_args, name) if substitute else dict(cap.dispatch_args)
     c_args = _with_group_names(cap.combine_args, name) if substitute else dict(cap.combine_args)
@@ -155,8 +172,8 @@ def replay_rank(cap: RankCapture, group, device: torch.device | str = "cpu", *, 
     d_args = to_device(d_args, device)
     got = torch.ops.npu.npu_moe_distribute_dispatch_v2(**d_args)
     c_args = to_device(c_args, device)
-    c_args["expert_ids"] = d_args["expert_ids"]          # the same tensor given to the dispatch (spec §11.1)
-    for arg, out_index in HANDLE_ARGS.items():            # this replay's own handles, never a recorded one
+    c_args["expert_ids"] = d_args["expert_ids"]  # the same tensor given to the dispatch (spec §11.1)
+    for arg, out_index in HANDLE_ARGS.items():  # this replay's own handles, never a recorded one
         c_args[arg] = got[out_index]
     combined = torch.ops.npu.npu_moe_distribute_combine_v2(**c_args)
 
@@ -164,12 +181,25 @@ def replay_rank(cap: RankCapture, group, device: torch.device | str = "cpu", *, 
     failures = []
     n_recv = want.n_recv
     checks = [
-        (lambda: assert_bitwise_equal(got[EXPERT_TOKEN_NUMS].cpu(), want.dispatch_out[EXPERT_TOKEN_NUMS],
-                                      f"{where}: dispatch expert_token_nums")),
-        (lambda: assert_bitwise_equal(got[EXPAND_X][:n_recv].cpu(), want.dispatch_out[EXPAND_X][:n_recv],
-                                      f"{where}: dispatch expand_x[:{n_recv}]")),
-        (lambda: assert_close(combined.cpu(), want.combine_out, op_tolerance(want.combine_out.dtype),
-                              f"{where}: combine output")),
+        (
+            lambda: assert_bitwise_equal(
+                got[EXPERT_TOKEN_NUMS].cpu(),
+                want.dispatch_out[EXPERT_TOKEN_NUMS],
+                f"{where}: dispatch expert_token_nums",
+            )
+        ),
+        (
+            lambda: assert_bitwise_equal(
+                got[EXPAND_X][:n_recv].cpu(),
+                want.dispatch_out[EXPAND_X][:n_recv],
+                f"{where}: dispatch expand_x[:{n_recv}]",
+            )
+        ),
+        (
+            lambda: assert_close(
+                combined.cpu(), want.combine_out, op_tolerance(want.combine_out.dtype), f"{where}: combine output"
+            )
+        ),
     ]
     for check in checks:
         try:
@@ -180,8 +210,14 @@ def replay_rank(cap: RankCapture, group, device: torch.device | str = "cpu", *, 
         raise AssertionError("\n".join(failures))
 
 
-def replay_task(rank: int, world: int, captures: list[RankCapture], device: str | None = None,
-                substitute: bool = True, expected: list[RankCapture] | None = None) -> str:
+def replay_task(
+    rank: int,
+    world: int,
+    captures: list[RankCapture],
+    device: str | None = None,
+    substitute: bool = True,
+    expected: list[RankCapture] | None = None,
+) -> str:
     """Worker task: a fresh replay group over the job's W ranks, then `replay_rank` on this rank's capture."""
     import torch.distributed as dist
 
@@ -199,8 +235,13 @@ def replay_task(rank: int, world: int, captures: list[RankCapture], device: str 
     while comm_name(groups[-1]) in recorded:
         groups.append(new_replay_group(world))
     try:
-        replay_rank(captures[rank], groups[-1], device or platform.device(), substitute=substitute,
-                    expected=None if expected is None else expected[rank])
+        replay_rank(
+            captures[rank],
+            groups[-1],
+            device or platform.device(),
+            substitute=substitute,
+            expected=None if expected is None else expected[rank],
+        )
     finally:
         for group in groups:
             dist.destroy_process_group(group)
@@ -208,6 +249,7 @@ def replay_task(rank: int, world: int, captures: list[RankCapture], device: str 
 
 
 # -------------------------------------------------------------------------------------------------- runners
+
 
 def _spawned_rank(rank: int, world: int, init_file: str, payload: bytes, queue) -> None:
     import torch.distributed as dist
@@ -217,10 +259,16 @@ def _spawned_rank(rank: int, world: int, init_file: str, payload: bytes, queue) 
 
     try:
         import optimized  # noqa: F401  (portable kernels where torch_npu is absent)
+
         if platform.backend_name() == "npu":  # pragma: no cover - needs torch_npu
             torch.npu.set_device(rank)
-        dist.init_process_group(platform.dist_backend(), init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group(
+            platform.dist_backend(),
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=300),
+        )
         fn, args, kwargs = _loads(payload)
         queue.put((rank, True, _dumps(fn(rank, world, *args, **kwargs))))
     except BaseException:
@@ -245,8 +293,10 @@ def run_on_spawned_ranks(world: int, fn, *args, timeout: float = 300, **kwargs) 
     with tempfile.TemporaryDirectory(prefix="mc2replay_") as tmp:
         q = ctx.Queue()
         payload = _dumps((fn, args, kwargs))
-        procs = [ctx.Process(target=_spawned_rank, args=(r, world, os.path.join(tmp, "rendezvous"), payload, q),
-                             daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_spawned_rank, args=(r, world, os.path.join(tmp, "rendezvous"), payload, q), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -256,7 +306,7 @@ def run_on_spawned_ranks(world: int, fn, *args, timeout: float = 300, **kwargs) 
                     rank, ok, value = q.get(timeout=1.0)
                 except queue_mod.Empty:
                     if errors or any(p.exitcode not in (None, 0) for p in procs):
-                        deadline = min(deadline, time.monotonic() + 5)   # the rest may be stuck in a collective
+                        deadline = min(deadline, time.monotonic() + 5)  # the rest may be stuck in a collective
                     continue
                 if ok:
                     results[rank] = _loads(value)

@@ -9,7 +9,8 @@ W4A8 + FP8 KV; MC2 decode), and attention DP over 4 (attention TP 2 x DP 2, MoE 
 decode; bf16, W4A8 + FP8 KV, W8A8), and the SP and DP bf16 runs again on `tiny-h1024`, whose hidden size the
 NPU's MC2 kernels take; W4A4 (MXFP4 attention and experts) single process on `tiny-h128` and in the recipe's
 mxfp4_hadamard layout over 4 ranks on `tiny-h256` (attention TP 4, MoE EP 4: TP prefill, MC2 decode). The Hadamard
-rotation is plain torch arithmetic (no `torch.ops.npu` call), so the W4A4 runs record the unrotated conversion. Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
+rotation is plain torch arithmetic (no `torch.ops.npu` call), so the W4A4 runs record the unrotated conversion.
+Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
 `equivalence/spec/recorded_npu_calls.json`; regenerate it after a change to what the model calls with
 
     PYTHONPATH=. python -m equivalence.npu.record_npu_calls
@@ -18,6 +19,7 @@ rotation is plain torch arithmetic (no `torch.ops.npu` call), so the W4A4 runs r
 `equivalence/npu/test_npu_replay.py` replays every listed call on torch_npu against the portable kernel, the MC2
 collectives as a multi-rank job (`record_mc2`, equivalence/npu/mc2_replay.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +42,12 @@ class Configuration:
     fixture: str
     w4a8: bool
     dtype: str
-    scheme: str | None = None   # None: the tensor-parallel layout; else the SP prefill with this EP scheme
-    w8a8: bool = False          # the W8A8 conversion (MXFP8 experts) instead of w4a8 / bf16
-    attn_dp: bool = False       # attention TP world/2 x DP 2, MoE EP over the world (MC2 decode, double routing)
-    kv_cache: str = "bf16"      # "fp8": the checkpoint's per-token FP8 KV cache scheme (quantized checkpoints)
-    w4a4: bool = False          # the W4A4 conversion (MXFP4 attention and experts, MXFP4 activations)
-    attn_tp: int = 0            # > 0: attention TP of this size with the TP prefill (the recipe's mxfp4_hadamard)
+    scheme: str | None = None  # None: the tensor-parallel layout; else the SP prefill with this EP scheme
+    w8a8: bool = False  # the W8A8 conversion (MXFP8 experts) instead of w4a8 / bf16
+    attn_dp: bool = False  # attention TP world/2 x DP 2, MoE EP over the world (MC2 decode, double routing)
+    kv_cache: str = "bf16"  # "fp8": the checkpoint's per-token FP8 KV cache scheme (quantized checkpoints)
+    w4a4: bool = False  # the W4A4 conversion (MXFP4 attention and experts, MXFP4 activations)
+    attn_tp: int = 0  # > 0: attention TP of this size with the TP prefill (the recipe's mxfp4_hadamard)
 
     def __post_init__(self):
         if self.kv_cache != "bf16" and not (self.w4a8 or self.w8a8):
@@ -55,6 +57,7 @@ class Configuration:
 
     def layout(self) -> dict:
         from equivalence.support.strategies import layout, sp_layout
+
         if self.attn_dp:
             return layout(self.world, attn_tp_size=self.world // 2, attn_dp=True)
         if self.attn_tp:
@@ -63,6 +66,7 @@ class Configuration:
 
     def checkpoint(self) -> Path:
         from fixtures.checkpoints import checkpoint, w4a4_checkpoint, w4a8_checkpoint, w8a8_checkpoint
+
         if self.w4a4:
             return w4a4_checkpoint(self.fixture)
         if self.w4a8 or self.w8a8:
@@ -96,10 +100,14 @@ SINGLE_PROCESS = tuple(c for c in CONFIGURATIONS if c.world == 1)
 
 # ------------------------------------------------------------------------------------------------ recording
 
+
 def _describe(value):
     if isinstance(value, torch.Tensor):
-        return {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
-                "stride": list(value.stride())}
+        return {
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+            "stride": list(value.stride()),
+        }
     if isinstance(value, (list, tuple)):
         return [_describe(v) for v in value]
     if isinstance(value, torch.dtype):
@@ -170,6 +178,7 @@ class NpuCallRecorder(TorchDispatchMode):
         if func.namespace != "npu":
             return func(*args, **kwargs)
         from optimized.ops.registry import PORTABLE_KERNELS
+
         call = signature(func, args, kwargs)
         key = call_key(call)
         self.calls.setdefault(key, call)
@@ -177,7 +186,7 @@ class NpuCallRecorder(TorchDispatchMode):
             self.captured[key] = (call["op"], _clone(args), _clone(kwargs))
         kernel = PORTABLE_KERNELS.get(call["op"], func)
         keep = self.mc2 and call["op"] in MC2_OPS and call["op"] not in self.mc2_calls
-        arguments = _clone(bind(func, args, kwargs)) if keep else None   # before the kernel: inputs as given
+        arguments = _clone(bind(func, args, kwargs)) if keep else None  # before the kernel: inputs as given
         out = kernel(*args, **kwargs)
         if keep:
             self.mc2_calls[call["op"]] = {"arguments": arguments, "outputs": _clone(out)}
@@ -190,6 +199,7 @@ class NpuOpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         from collections import Counter
+
         self.ops = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -217,8 +227,12 @@ def run_configuration(rank: int, world: int, config: Configuration, capture: boo
     from optimized.model_loader.build import load_model
 
     with NpuCallRecorder(capture) as recorder:
-        model = load_model(config.checkpoint(), parallel=ParallelState.build(**config.layout()),
-                           dtype=dtype_of(config.dtype), device=str(test_device()))
+        model = load_model(
+            config.checkpoint(),
+            parallel=ParallelState.build(**config.layout()),
+            dtype=dtype_of(config.dtype),
+            device=str(test_device()),
+        )
         runner_of(model).generate(PROMPTS, NEW_TOKENS)
     return recorder.calls, recorder.captured
 
@@ -228,6 +242,7 @@ def record(config: Configuration, capture: bool = False) -> tuple[dict, dict]:
     if config.world == 1:
         return run_configuration(0, 1, config, capture)
     from equivalence.support.dist import get_pool
+
     calls, captured = {}, {}
     for rank_calls, rank_captured in get_pool(config.world).run(run_configuration, config, capture, timeout=300):
         calls.update(rank_calls)
@@ -251,6 +266,7 @@ def record_mc2(config: Configuration) -> list[dict[str, dict]]:
     if config.world == 1:
         return [_mc2_task(0, 1, config)]
     from equivalence.support.dist import get_pool
+
     return get_pool(config.world).run(_mc2_task, config, timeout=300)
 
 
@@ -258,6 +274,7 @@ def mc2_configurations() -> tuple[Configuration, ...]:
     """The recording configurations whose decode runs MC2 (the layout's rule, not the recording's)."""
     from optimized.config import ParallelConfig
     from optimized.distributed.decode_plan import uses_mc2_decode
+
     return tuple(c for c in CONFIGURATIONS if uses_mc2_decode(ParallelConfig(**c.layout())))
 
 
@@ -274,9 +291,19 @@ def main() -> None:
             merged.setdefault(key, {**call, "configurations": []})["configurations"].append(config.name)
     calls = sorted(merged.values(), key=lambda c: (c["op"], call_key(c)))
     RECORDING.parent.mkdir(parents=True, exist_ok=True)
-    RECORDING.write_text(json.dumps({"regenerate": REGENERATE, "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
-                                     "configurations": [c.name for c in CONFIGURATIONS], "calls": calls},
-                                    indent=1) + "\n")
+    RECORDING.write_text(
+        json.dumps(
+            {
+                "regenerate": REGENERATE,
+                "prompts": PROMPTS,
+                "new_tokens": NEW_TOKENS,
+                "configurations": [c.name for c in CONFIGURATIONS],
+                "calls": calls,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"{len(calls)} distinct calls of {len({c['op'] for c in calls})} operators -> {RECORDING}")
 
 

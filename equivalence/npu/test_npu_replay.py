@@ -11,6 +11,7 @@ NPU (root conftest), a W4A8 call on a SoC other than Ascend 950 (the MX kernels'
 (dispatch / combine: replayed as a W-rank job by `test_recorded_mc2_on_torch_npu_equals_the_portable_kernels`,
 equivalence/npu/mc2_replay.py), fewer NPUs than that job's ranks. A kernel error fails.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,22 +22,38 @@ import torch
 from equivalence.support.compare import assert_bitwise_equal, assert_close, op_tolerance, tolerance
 from fixtures.tiny import tiny_config
 from optimized.distributed.decode_plan import MC2_HIDDEN
-from equivalence.npu.record_npu_calls import (CONFIGURATIONS, MC2_OPS, REGENERATE, load_recording, mc2_configurations,
-                                          record)
+from equivalence.npu.record_npu_calls import (
+    CONFIGURATIONS,
+    MC2_OPS,
+    REGENERATE,
+    load_recording,
+    mc2_configurations,
+    record,
+)
 
 pytestmark = pytest.mark.npu
 
 RECORDED = sorted(load_recording().items(), key=lambda kv: (kv[1]["op"], kv[0]))
-BITWISE = {"npu_moe_init_routing_v2", "npu_moe_re_routing", "npu_scatter_nd_update", "npu_scatter_nd_update_",
-           "npu_dynamic_mx_quant", "npu_format_cast"}   # the NZ cast keeps every value
-MX_FUSED = {"npu_rms_norm_dynamic_mx_quant": (0, 1), "npu_add_rms_norm_dynamic_mx_quant": (0, 2),
-            "npu_swiglu_mx_quant": (0, 1)}   # (element output, scale output)
+BITWISE = {
+    "npu_moe_init_routing_v2",
+    "npu_moe_re_routing",
+    "npu_scatter_nd_update",
+    "npu_scatter_nd_update_",
+    "npu_dynamic_mx_quant",
+    "npu_format_cast",
+}  # the NZ cast keeps every value
+MX_FUSED = {
+    "npu_rms_norm_dynamic_mx_quant": (0, 1),
+    "npu_add_rms_norm_dynamic_mx_quant": (0, 2),
+    "npu_swiglu_mx_quant": (0, 1),
+}  # (element output, scale output)
 NORMS = {"npu_rms_norm", "npu_add_rms_norm", "npu_add_rms_norm_cast"}
 W4A8_CONFIGS = {c.name for c in CONFIGURATIONS if c.w4a8}
 
 
 def _host():
     from optimized.benchmarks.budgets import this_host
+
     return this_host()
 
 
@@ -77,7 +94,7 @@ def _unwritten(op: str, kwargs: dict, outputs: list) -> dict[int, int | None]:
         groups = torch.as_tensor(kwargs["group_list"])
         return {0: int(groups.sum() if kwargs.get("group_list_type") == 1 else groups[-1])}
     if op in ("npu_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_dynamic_mx_quant"):
-        return {2 if op == "npu_rms_norm_dynamic_mx_quant" else 3: None}   # rstd: callers must not read it
+        return {2 if op == "npu_rms_norm_dynamic_mx_quant" else 3: None}  # rstd: callers must not read it
     return {}
 
 
@@ -88,8 +105,9 @@ def _compare(op: str, kwargs: dict, got: list, want: list, what: str) -> None:
     skip = _unwritten(op, kwargs, want)
     mx = MX_FUSED.get(op)
     if mx is not None:
-        _decoded_close_within_one_step(got[mx[0]], got[mx[1]], want[mx[0]], want[mx[1]],
-                                       fmt_name(kwargs.get("dst_type", 296)))
+        _decoded_close_within_one_step(
+            got[mx[0]], got[mx[1]], want[mx[0]], want[mx[1]], fmt_name(kwargs.get("dst_type", 296))
+        )
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if i in skip and skip[i] is None or (mx is not None and i in mx):
             continue
@@ -114,9 +132,11 @@ def test_the_recording_is_what_the_model_calls():
 def test_recorded_call_on_torch_npu_equals_the_portable_kernel(key, call, monkeypatch):
     from optimized.ops.registry import portable_kernel
 
-    if call["op"] in MC2_OPS:   # a collective over ep_world_size ranks, with communicator names and opaque handles
-        pytest.skip(f"{call['op']} is replayed as an ep_world_size-rank job on hccl by "
-                    "test_recorded_mc2_on_torch_npu_equals_the_portable_kernels (one process cannot run it)")
+    if call["op"] in MC2_OPS:  # a collective over ep_world_size ranks, with communicator names and opaque handles
+        pytest.skip(
+            f"{call['op']} is replayed as an ep_world_size-rank job on hccl by "
+            "test_recorded_mc2_on_torch_npu_equals_the_portable_kernels (one process cannot run it)"
+        )
     if set(call["configurations"]) <= W4A8_CONFIGS and not _is_950():
         pytest.skip(f"W4A8 call: the MX kernels run on Ascend 950; this host: {_host().describe()}")
     if _is_950():
@@ -126,7 +146,10 @@ def test_recorded_call_on_torch_npu_equals_the_portable_kernel(key, call, monkey
     npu_op = getattr(getattr(torch.ops.npu, name), overload or "default")
     want = portable_kernel(op)(*_map(args, torch.clone), **_map(kwargs, torch.clone))
     got = npu_op(*_map(args, lambda t: t.to("npu")), **_map(kwargs, lambda t: t.to("npu")))
-    as_list = (lambda out: list(out) if isinstance(out, (list, tuple)) else [out])
+
+    def as_list(out):
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
     _compare(op, kwargs, _map(as_list(got), lambda t: t.cpu()), as_list(want), f"{op} ({call['configurations']})")
 
 
@@ -141,12 +164,15 @@ def test_recorded_mc2_on_torch_npu_equals_the_portable_kernels(config):
     world = config.layout()["moe_ep_size"]
     hidden = tiny_config(config.fixture).hidden_size
     if not MC2_HIDDEN[0] <= hidden <= MC2_HIDDEN[1]:
-        pytest.skip(f"{config.name}: hidden_size {hidden} is outside the A3 MC2 kernels' {MC2_HIDDEN} (replayed on "
-                    f"the CPU only, tests/test_mc2_replay.py); the *-h1024 configurations replay here")
+        pytest.skip(
+            f"{config.name}: hidden_size {hidden} is outside the A3 MC2 kernels' {MC2_HIDDEN} (replayed on "
+            f"the CPU only, tests/test_mc2_replay.py); the *-h1024 configurations replay here"
+        )
     if torch.npu.device_count() < world:
-        pytest.skip(f"{config.name}: the MC2 replay needs {world} NPUs (one per EP rank); "
-                    f"{torch.npu.device_count()} visible")
-    captures = mc2_replay.capture(config)     # on the CPU: gloo ranks, portable kernels
+        pytest.skip(
+            f"{config.name}: the MC2 replay needs {world} NPUs (one per EP rank); {torch.npu.device_count()} visible"
+        )
+    captures = mc2_replay.capture(config)  # on the CPU: gloo ranks, portable kernels
     assert captures[0].world == world
     # Spawned, not forked: this process may hold an NPU context already, which a forked child cannot use.
     assert mc2_replay.run_on_spawned_ranks(world, mc2_replay.replay_task, captures, timeout=300) == ["ok"] * world
@@ -165,9 +191,16 @@ def test_optimized_model_on_the_npu_equals_the_reference_on_the_cpu(fixture, w4a
     path = (w4a8_checkpoint if w4a8 else checkpoint)(fixture)
     got = _map(_logits_task(0, 1, path, layout(1), "bfloat16", prompts, forced, device="npu"), lambda t: t.cpu())
     if w4a8:
-        assert_bf16_logits_match_replayed_reference(got, fixture, prompts, forced, "W4A8 on the NPU",
-                                                    replayed_ref=fake_quant_reference(fixture),
-                                                    tol="model.w4a8.bfloat16", near_tie="router_tie.float32",
-                                                    ties_from_router_inputs=True)
+        assert_bf16_logits_match_replayed_reference(
+            got,
+            fixture,
+            prompts,
+            forced,
+            "W4A8 on the NPU",
+            replayed_ref=fake_quant_reference(fixture),
+            tol="model.w4a8.bfloat16",
+            near_tie="router_tie.float32",
+            ties_from_router_inputs=True,
+        )
     else:
         assert_bf16_logits_match_replayed_reference(got, fixture, prompts, forced, "bf16 on the NPU")

@@ -4,13 +4,24 @@ The NPU replay tests (equivalence/npu/test_npu_replay.py) prove exactly the list
 file lacks is a call no NPU test has seen: re-recording the single-process configurations (fp32, bf16, W4A8, W8A8)
 must give a subset of the file. The multi-rank configurations are recorded by the regeneration command only.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from equivalence.npu.record_npu_calls import (COMMUNICATOR, CONFIGURATIONS, MC2_OPS, REGENERATE, SINGLE_PROCESS,
-                                          NpuCallRecorder, call_key, load_recording, record, signature)
+from equivalence.npu.record_npu_calls import (
+    COMMUNICATOR,
+    CONFIGURATIONS,
+    MC2_OPS,
+    REGENERATE,
+    SINGLE_PROCESS,
+    NpuCallRecorder,
+    call_key,
+    load_recording,
+    record,
+    signature,
+)
 
 
 @pytest.mark.parametrize("config", SINGLE_PROCESS, ids=lambda c: c.name)
@@ -19,9 +30,11 @@ def test_model_makes_only_recorded_npu_calls(config):
     calls, _ = record(config)
     assert calls, f"{config.name}: no torch.ops.npu call was recorded (is the recorder seeing the model?)"
     missing = [call for key, call in calls.items() if key not in listed]
-    assert not missing, (f"{config.name}: {len(missing)} torch.ops.npu call(s) not in the recording (no NPU test "
-                         f"replays them); regenerate with `{REGENERATE}` and review the diff:\n"
-                         + "\n".join(call_key(c) for c in missing[:5]))
+    assert not missing, (
+        f"{config.name}: {len(missing)} torch.ops.npu call(s) not in the recording (no NPU test "
+        f"replays them); regenerate with `{REGENERATE}` and review the diff:\n"
+        + "\n".join(call_key(c) for c in missing[:5])
+    )
     mine = [c for c in listed.values() if config.name in c["configurations"]]
     assert {call_key(c) for c in mine} == set(calls), f"{config.name}: the recording is stale; run `{REGENERATE}`"
 
@@ -31,12 +44,14 @@ def test_recording_lists_every_configuration_and_the_sp_exchanges():
     seen = {name for call in listed for name in call["configurations"]}
     assert seen == {c.name for c in CONFIGURATIONS}
     re_routing = [c["args"] for c in listed if c["op"] == "npu_moe_re_routing"]
-    assert re_routing and all(a["tokens"]["dtype"] in ("bfloat16", "float16", "int8") for a in re_routing), \
+    assert re_routing and all(a["tokens"]["dtype"] in ("bfloat16", "float16", "int8") for a in re_routing), (
         "the double-routing exchange must hand npu_moe_re_routing only dtypes the NPU kernel takes"
+    )
     mc2 = [c for c in listed if c["op"] in MC2_OPS]
     assert {c["args"]["ep_world_size"] for c in mc2} == {2, 4}, "MC2 decode over SP (2 ranks) and attention DP (4)"
-    assert all(c["args"][g] == COMMUNICATOR for c in mc2 for g in ("group_ep", "group_tp")), \
+    assert all(c["args"][g] == COMMUNICATOR for c in mc2 for g in ("group_ep", "group_tp")), (
         "a job's communicator name in the recording makes it depend on which groups its workers made before"
+    )
     fp8_kv = {name for c in listed if c["op"] == "npu_dynamic_quant" for name in c["configurations"]}
     assert fp8_kv == {c.name for c in CONFIGURATIONS if c.kv_cache == "fp8"}, "only the FP8 KV cache quantizes K/V"
 
@@ -69,10 +84,18 @@ def test_build_time_operator_check_requires_exactly_the_recorded_operators(confi
     dense = not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers))
     recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
     mc2 = uses_mc2_decode(ParallelConfig(**config.layout()))
-    checked = required_operators(w4a8=config.w4a8, w8a8=config.w8a8, dense_mlp=dense, sp_ep_scheme=config.scheme,
-                                 mc2_decode=mc2, dp_prefill=bool(config.attn_dp), w4a4=config.w4a4) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
-    assert checked == recorded, f"checked, not called: {sorted(checked - recorded)}; " \
-                                f"called, not checked: {sorted(recorded - checked)}"
+    checked = required_operators(
+        w4a8=config.w4a8,
+        w8a8=config.w8a8,
+        dense_mlp=dense,
+        sp_ep_scheme=config.scheme,
+        mc2_decode=mc2,
+        dp_prefill=bool(config.attn_dp),
+        w4a4=config.w4a4,
+    ) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
+    assert checked == recorded, (
+        f"checked, not called: {sorted(checked - recorded)}; called, not checked: {sorted(recorded - checked)}"
+    )
 
 
 def test_an_npu_can_replay_sp_and_dp_mc2_calls_within_the_kernels_hidden_size():
@@ -86,6 +109,9 @@ def test_an_npu_can_replay_sp_and_dp_mc2_calls_within_the_kernels_hidden_size():
     assert {("dp" if c.attn_dp else "sp") for c in within} == {"sp", "dp"}, [c.name for c in within]
     listed = load_recording().values()
     for c in within:
-        shapes = {tuple(call["args"]["x"]["shape"]) for call in listed
-                  if call["op"] == "npu_moe_distribute_dispatch_v2" and c.name in call["configurations"]}
+        shapes = {
+            tuple(call["args"]["x"]["shape"])
+            for call in listed
+            if call["op"] == "npu_moe_distribute_dispatch_v2" and c.name in call["configurations"]
+        }
         assert shapes and all(s[1] == tiny_config(c.fixture).hidden_size for s in shapes), (c.name, shapes)

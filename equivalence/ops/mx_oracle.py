@@ -11,6 +11,7 @@ operators' outputs (fp8 bytes or packed FP4, scale bytes in the `[..., ceil(nb/2
 `mx_inputs` makes the adversarial inputs of §11 (raw bit patterns, ties, power-of-two boundaries, tiny,
 zero and non-finite blocks).
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,14 @@ def bf16_image(amax: np.ndarray, input_dtype: torch.dtype) -> np.ndarray:
 # --- scale bytes --------------------------------------------------------------------------------------
 
 
-def scale_bytes(blocks: np.ndarray, fmt: str, scale_alg: int, input_dtype: torch.dtype, dst_type_max: float = 0.0,
-                max_low_bound: float = 0.0):
+def scale_bytes(
+    blocks: np.ndarray,
+    fmt: str,
+    scale_alg: int,
+    input_dtype: torch.dtype,
+    dst_type_max: float = 0.0,
+    max_low_bound: float = 0.0,
+):
     """(byte int64 [..., nb], flush bool [..., nb]) for float64 blocks [..., nb, bs]; flush = elements -> ±0."""
     emax, maxval = FORMATS[fmt][:2]
     with np.errstate(invalid="ignore"):
@@ -149,8 +156,17 @@ def pack(codes: np.ndarray) -> np.ndarray:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
-def quantize(x: torch.Tensor, dst, *, axis: int = -1, round_mode: str = "rint", scale_alg: int = 0,
-             block_size: int = 32, dst_type_max: float = 0.0, max_low_bound: float = 0.0):
+def quantize(
+    x: torch.Tensor,
+    dst,
+    *,
+    axis: int = -1,
+    round_mode: str = "rint",
+    scale_alg: int = 0,
+    block_size: int = 32,
+    dst_type_max: float = 0.0,
+    max_low_bound: float = 0.0,
+):
     """(y bytes, scale bytes) as `npu_dynamic_mx_quant` lays them out (numpy uint8)."""
     fmt = fmt_name(dst)
     axis = axis % x.dim()
@@ -260,10 +276,19 @@ def mx_inputs(seed: int, shape, dtype: torch.dtype, kinds=BLOCK_KINDS, block_siz
     plant = torch.randint(0, block_size, (rows, nb), generator=g) + torch.arange(nb) * block_size
     values = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
     special.scatter_(1, plant, values[torch.randint(0, 4, (rows, nb), generator=g)])
-    table = {"gauss": gauss, "raw": raw, "ties": ties.reshape(n), "boundary": boundary, "tiny": tiny.reshape(n),
-             "zero": torch.zeros(n), "special": special, "huge": huge}
+    table = {
+        "gauss": gauss,
+        "raw": raw,
+        "ties": ties.reshape(n),
+        "boundary": boundary,
+        "tiny": tiny.reshape(n),
+        "zero": torch.zeros(n),
+        "special": special,
+        "huge": huge,
+    }
     choice = torch.tensor([BLOCK_KINDS.index(kd) for kd in kinds])[
-        torch.randint(0, len(kinds), (rows, nb), generator=g)]
+        torch.randint(0, len(kinds), (rows, nb), generator=g)
+    ]
     stacked = torch.stack([table[kd] for kd in BLOCK_KINDS])  # [kinds, rows, nb*bs]
     per_elem = choice.repeat_interleave(block_size, dim=1)
     x = stacked.gather(0, per_elem.unsqueeze(0)).squeeze(0)[:, :k]

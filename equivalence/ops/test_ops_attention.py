@@ -4,13 +4,14 @@ The reference here is per-request fp64 attention: repeat_interleave the KV heads
 matrix element by element from the §5.4 table, softmax, P @ V. The kernel instead groups query heads per KV
 head, computes visibility with broadcasting and gathers paged KV by vectorised indexing.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import optimized  # noqa: F401  (registers torch.ops.npu.*)
@@ -24,6 +25,7 @@ TEMPLATE = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)  # what Qwen3
 
 
 # --- independent reference ------------------------------------------------------------------------------
+
 
 def ref_visible(mode: int, lq: int, lkv: int, pre: int = 2**31 - 1, nxt: int = 2**31 - 1, mask=None) -> torch.Tensor:
     """§5.4 table, one (i, j) at a time."""
@@ -80,6 +82,7 @@ def cumsum(lengths):
 
 # --- strategies -----------------------------------------------------------------------------------------
 
+
 @st.composite
 def heads(draw):
     nkv = draw(st.sampled_from([1, 2]))
@@ -113,15 +116,24 @@ def tnd_inputs(seed, lq, lkv, nq, nkv, d, dtype, tail=0):
 
 def per_request(t, lengths, b):
     start = sum(lengths[:b])
-    return t[start:start + lengths[b]]
+    return t[start : start + lengths[b]]
 
 
 def fia_tnd(q, k, v, lq, lkv, nq, nkv, **kw):
     kw.setdefault("sparse_mode", 3)
     kw.setdefault("atten_mask", TEMPLATE if kw["sparse_mode"] == 3 else None)
     return OPS.npu_fused_infer_attention_score_v2(
-        q, k, v, num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=1 / math.sqrt(q.shape[-1]),
-        input_layout="TND", actual_seq_qlen=cumsum(lq), actual_seq_kvlen=kw.pop("kvlen", cumsum(lkv)), **kw)
+        q,
+        k,
+        v,
+        num_query_heads=nq,
+        num_key_value_heads=nkv,
+        softmax_scale=1 / math.sqrt(q.shape[-1]),
+        input_layout="TND",
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=kw.pop("kvlen", cumsum(lkv)),
+        **kw,
+    )
 
 
 def to_paged(seed, kv_per_request, block_size, cache_layout, pad):
@@ -137,14 +149,15 @@ def to_paged(seed, kv_per_request, block_size, cache_layout, pad):
         for i in range(need[b]):
             blk = order.pop()
             table[b, i] = blk
-            chunk = rows[i * block_size:(i + 1) * block_size]
-            cache[blk, :chunk.shape[0]] = chunk
+            chunk = rows[i * block_size : (i + 1) * block_size]
+            cache[blk, : chunk.shape[0]] = chunk
     if cache_layout == "BnBsH":
         return cache.reshape(num_blocks, block_size, nkv * d), table
     return cache.permute(0, 2, 1, 3).contiguous(), table
 
 
 # --- properties -----------------------------------------------------------------------------------------
+
 
 @given(seed=seeds, reqs=requests(), hd=heads(), d=head_dims, dtype=dtypes, tail=st.integers(0, 3))
 def test_tnd_varlen_causal_gqa_equals_per_request_attention(seed, reqs, hd, d, dtype, tail):
@@ -154,31 +167,39 @@ def test_tnd_varlen_causal_gqa_equals_per_request_attention(seed, reqs, hd, d, d
     assert out.shape == (q.shape[0], nq, d) and out.dtype == dtype
     assert lse.shape == (q.shape[0], nq, 1) and lse.dtype == torch.float32
     for b in range(len(lq)):
-        exp_out, exp_lse = causal_ref(per_request(q, lq, b), per_request(k, lkv, b), per_request(v, lkv, b),
-                                      1 / math.sqrt(d))
+        exp_out, exp_lse = causal_ref(
+            per_request(q, lq, b), per_request(k, lkv, b), per_request(v, lkv, b), 1 / math.sqrt(d)
+        )
         assert_close(per_request(out, lq, b), exp_out, op_tolerance(dtype), f"request {b} out")
         assert_close(per_request(lse, lq, b)[..., 0], exp_lse, op_tolerance(torch.float32), f"request {b} lse")
     # rows beyond cu_q[-1] belong to no request: zeros (spec §10.8)
-    assert not out[sum(lq):].any() and not lse[sum(lq):].any()
+    assert not out[sum(lq) :].any() and not lse[sum(lq) :].any()
 
 
-@given(seed=seeds, reqs=requests(max_kv=40, decode=True), hd=heads(), d=head_dims, dtype=dtypes,
-       block_size=st.sampled_from([16, 32]), cache_layout=st.sampled_from(["BnBsH", "BnNBsD"]),
-       pad=st.sampled_from([0, -1]))
+@given(
+    seed=seeds,
+    reqs=requests(max_kv=40, decode=True),
+    hd=heads(),
+    d=head_dims,
+    dtype=dtypes,
+    block_size=st.sampled_from([16, 32]),
+    cache_layout=st.sampled_from(["BnBsH", "BnNBsD"]),
+    pad=st.sampled_from([0, -1]),
+)
 def test_paged_equals_contiguous(seed, reqs, hd, d, dtype, block_size, cache_layout, pad):
     (lq, lkv), (nq, nkv) = reqs, hd
     q, k, v = tnd_inputs(seed, lq, lkv, nq, nkv, d, dtype)
     kc, table = to_paged(seed, [per_request(k, lkv, b) for b in range(len(lkv))], block_size, cache_layout, pad)
     vc, table_v = to_paged(seed, [per_request(v, lkv, b) for b in range(len(lkv))], block_size, cache_layout, pad)
     assert torch.equal(table, table_v)
-    paged = fia_tnd(q, kc, vc, lq, lkv, nq, nkv, kvlen=lkv, block_table=table, block_size=block_size,
-                    return_softmax_lse=True)
+    paged = fia_tnd(
+        q, kc, vc, lq, lkv, nq, nkv, kvlen=lkv, block_table=table, block_size=block_size, return_softmax_lse=True
+    )
     contiguous = fia_tnd(q, k, v, lq, lkv, nq, nkv, return_softmax_lse=True)
     assert_bitwise_equal(paged[0], contiguous[0], "paged vs contiguous out")
     assert_bitwise_equal(paged[1], contiguous[1], "paged vs contiguous lse")
     for b in range(len(lq)):
-        exp_out, _ = causal_ref(per_request(q, lq, b), per_request(k, lkv, b), per_request(v, lkv, b),
-                                1 / math.sqrt(d))
+        exp_out, _ = causal_ref(per_request(q, lq, b), per_request(k, lkv, b), per_request(v, lkv, b), 1 / math.sqrt(d))
         assert_close(per_request(paged[0], lq, b), exp_out, op_tolerance(dtype), f"request {b}")
 
 
@@ -190,14 +211,21 @@ def test_paged_bsnd_bsh_decode_equals_contiguous(seed, reqs, hd, dtype, bsh):
     g = torch.Generator().manual_seed(seed)
     q = rand(g, batch, 1, nq, d, dtype=dtype)
     k4, v4 = rand(g, batch, max(lkv), nkv, d, dtype=dtype), rand(g, batch, max(lkv), nkv, d, dtype=dtype)
-    kc, table = to_paged(seed, [k4[b, :lkv[b]] for b in range(batch)], bs, "BnBsH", -1)
-    vc, _ = to_paged(seed, [v4[b, :lkv[b]] for b in range(batch)], bs, "BnBsH", -1)
+    kc, table = to_paged(seed, [k4[b, : lkv[b]] for b in range(batch)], bs, "BnBsH", -1)
+    vc, _ = to_paged(seed, [v4[b, : lkv[b]] for b in range(batch)], bs, "BnBsH", -1)
     layout, qq = ("BSH", q.flatten(2)) if bsh else ("BSND", q)
-    kw = dict(num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=0.25, input_layout=layout,
-              actual_seq_kvlen=lkv, return_softmax_lse=True)
+    kw = dict(
+        num_query_heads=nq,
+        num_key_value_heads=nkv,
+        softmax_scale=0.25,
+        input_layout=layout,
+        actual_seq_kvlen=lkv,
+        return_softmax_lse=True,
+    )
     paged = OPS.npu_fused_infer_attention_score_v2(qq, kc, vc, block_table=table, block_size=bs, **kw)
-    contiguous = OPS.npu_fused_infer_attention_score_v2(qq, k4.flatten(2) if bsh else k4, v4.flatten(2) if bsh else v4,
-                                                        **kw)
+    contiguous = OPS.npu_fused_infer_attention_score_v2(
+        qq, k4.flatten(2) if bsh else k4, v4.flatten(2) if bsh else v4, **kw
+    )
     assert_bitwise_equal(paged[0], contiguous[0], f"paged vs contiguous {layout}")
     assert_bitwise_equal(paged[1], contiguous[1], f"paged vs contiguous {layout} lse")
     with pytest.raises(ValueError, match=r"v2: paged key layout \(num_blocks, Nkv, block_size, D\) needs input_layout"):
@@ -205,8 +233,15 @@ def test_paged_bsnd_bsh_decode_equals_contiguous(seed, reqs, hd, dtype, bsh):
         OPS.npu_fused_infer_attention_score_v2(qq, cache, cache, block_table=table, block_size=bs, **kw)
 
 
-@given(seed=seeds, reqs=requests(), hd=heads(), d=head_dims, dtype=dtypes, mode=st.sampled_from([0, 3]),
-       equal=st.booleans())
+@given(
+    seed=seeds,
+    reqs=requests(),
+    hd=heads(),
+    d=head_dims,
+    dtype=dtypes,
+    mode=st.sampled_from([0, 3]),
+    equal=st.booleans(),
+)
 def test_bsnd_bsh_bnsd_equal_tnd(seed, reqs, hd, d, dtype, mode, equal):
     (lq, lkv), (nq, nkv) = reqs, hd
     if equal:  # equal-length batch: no length lists needed for BSND
@@ -216,30 +251,40 @@ def test_bsnd_bsh_bnsd_equal_tnd(seed, reqs, hd, d, dtype, mode, equal):
     q4 = torch.zeros(batch, s, nq, d, dtype=dtype)
     k4, v4 = torch.zeros(batch, s_kv, nkv, d, dtype=dtype), torch.zeros(batch, s_kv, nkv, d, dtype=dtype)
     for b in range(batch):
-        q4[b, :lq[b]] = per_request(q, lq, b)
-        k4[b, :lkv[b]], v4[b, :lkv[b]] = per_request(k, lkv, b), per_request(v, lkv, b)
+        q4[b, : lq[b]] = per_request(q, lq, b)
+        k4[b, : lkv[b]], v4[b, : lkv[b]] = per_request(k, lkv, b), per_request(v, lkv, b)
     mask = TEMPLATE if mode == 3 else None
     tnd_out, tnd_lse = fia_tnd(q, k, v, lq, lkv, nq, nkv, sparse_mode=mode, atten_mask=mask, return_softmax_lse=True)
     lens = {} if equal and lq[0] == s and lkv[0] == s_kv else {"actual_seq_qlen": lq, "actual_seq_kvlen": lkv}
-    common = dict(num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=1 / math.sqrt(d), sparse_mode=mode,
-                  atten_mask=mask, return_softmax_lse=True, **lens)
+    common = dict(
+        num_query_heads=nq,
+        num_key_value_heads=nkv,
+        softmax_scale=1 / math.sqrt(d),
+        sparse_mode=mode,
+        atten_mask=mask,
+        return_softmax_lse=True,
+        **lens,
+    )
     bsnd = OPS.npu_fused_infer_attention_score_v2(q4, k4, v4, input_layout="BSND", **common)
-    bsh = OPS.npu_fused_infer_attention_score_v2(q4.flatten(2), k4.flatten(2), v4.flatten(2), input_layout="BSH",
-                                                 **common)
-    bnsd = OPS.npu_fused_infer_attention_score_v2(q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2),
-                                                  input_layout="BNSD", **common)
+    bsh = OPS.npu_fused_infer_attention_score_v2(
+        q4.flatten(2), k4.flatten(2), v4.flatten(2), input_layout="BSH", **common
+    )
+    bnsd = OPS.npu_fused_infer_attention_score_v2(
+        q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), input_layout="BNSD", **common
+    )
     assert bsnd[0].shape == (batch, s, nq, d) and bsnd[1].shape == (batch, nq, s, 1)
     assert_bitwise_equal(bsh[0], bsnd[0].flatten(2), "BSH vs BSND")
     assert_bitwise_equal(bsh[1], bsnd[1], "BSH vs BSND lse")
     assert_bitwise_equal(bnsd[0], bsnd[0].transpose(1, 2), "BNSD vs BSND")
     for b in range(batch):
-        assert_bitwise_equal(bsnd[0][b, :lq[b]], per_request(tnd_out, lq, b), f"BSND vs TND request {b}")
-        assert_bitwise_equal(bsnd[1][b, :, :lq[b], 0].T, per_request(tnd_lse, lq, b)[..., 0], f"lse request {b}")
-        assert not bsnd[0][b, lq[b]:].any(), "padding rows are zero"
+        assert_bitwise_equal(bsnd[0][b, : lq[b]], per_request(tnd_out, lq, b), f"BSND vs TND request {b}")
+        assert_bitwise_equal(bsnd[1][b, :, : lq[b], 0].T, per_request(tnd_lse, lq, b)[..., 0], f"lse request {b}")
+        assert not bsnd[0][b, lq[b] :].any(), "padding rows are zero"
 
 
-@given(seed=seeds, reqs=requests(max_kv=20, decode=True), hd=heads(), dtype=dtypes, paged=st.booleans(),
-       lse=st.booleans())
+@given(
+    seed=seeds, reqs=requests(max_kv=20, decode=True), hd=heads(), dtype=dtypes, paged=st.booleans(), lse=st.booleans()
+)
 def test_v1_equals_v2_under_renaming(seed, reqs, hd, dtype, paged, lse):
     (lq, lkv), (nq, nkv) = reqs, hd
     q, k, v = tnd_inputs(seed, lq, lkv, nq, nkv, 16, dtype)
@@ -249,12 +294,35 @@ def test_v1_equals_v2_under_renaming(seed, reqs, hd, dtype, paged, lse):
         v, _ = to_paged(seed, [per_request(v, lkv, b) for b in range(len(lkv))], 16, "BnBsH", 0)
         extra, kvlen = dict(block_table=table, block_size=16), lkv
     v2 = OPS.npu_fused_infer_attention_score_v2(
-        q, k, v, num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=0.3, input_layout="TND", sparse_mode=3,
-        atten_mask=TEMPLATE, actual_seq_qlen=cumsum(lq), actual_seq_kvlen=kvlen, return_softmax_lse=lse, **extra)
+        q,
+        k,
+        v,
+        num_query_heads=nq,
+        num_key_value_heads=nkv,
+        softmax_scale=0.3,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=kvlen,
+        return_softmax_lse=lse,
+        **extra,
+    )
     v1 = OPS.npu_fused_infer_attention_score(
-        q, k, v, num_heads=nq, num_key_value_heads=nkv, scale=0.3, input_layout="TND", sparse_mode=3,
-        atten_mask=TEMPLATE, actual_seq_lengths=cumsum(lq), actual_seq_lengths_kv=kvlen, softmax_lse_flag=lse,
-        **extra)
+        q,
+        k,
+        v,
+        num_heads=nq,
+        num_key_value_heads=nkv,
+        scale=0.3,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_lengths=cumsum(lq),
+        actual_seq_lengths_kv=kvlen,
+        softmax_lse_flag=lse,
+        **extra,
+    )
     assert_bitwise_equal(v1[0], v2[0], "v1 vs v2 out")
     assert_bitwise_equal(v1[1], v2[1], "v1 vs v2 lse")
 
@@ -265,8 +333,9 @@ def test_gqa_equals_mha_on_repeated_kv(seed, reqs, hd, d):
     q, k, v = tnd_inputs(seed, lq, lkv, nq, nkv, d, torch.float32)
     group = nq // nkv
     gqa = fia_tnd(q, k, v, lq, lkv, nq, nkv, return_softmax_lse=True)
-    mha = fia_tnd(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), lq, lkv, nq, 0,
-                  return_softmax_lse=True)
+    mha = fia_tnd(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), lq, lkv, nq, 0, return_softmax_lse=True
+    )
     assert_close(gqa[0], mha[0], op_tolerance(torch.float32), "GQA vs MHA")
     assert_close(gqa[1], mha[1], op_tolerance(torch.float32), "GQA vs MHA lse")
 
@@ -277,13 +346,26 @@ def test_sparse3_alignment_rules(seed, lkv, extra_q, hd, dtype):
     scale = 0.25
     # Lq = 1 (decode): mode 3 == mode 0 without mask
     q, k, v = tnd_inputs(seed, [1], [lkv], nq, nkv, 16, dtype)
-    assert_bitwise_equal(fia_tnd(q, k, v, [1], [lkv], nq, nkv)[0],
-                         fia_tnd(q, k, v, [1], [lkv], nq, nkv, sparse_mode=0)[0], "decode: mode 3 vs mode 0")
+    assert_bitwise_equal(
+        fia_tnd(q, k, v, [1], [lkv], nq, nkv)[0],
+        fia_tnd(q, k, v, [1], [lkv], nq, nkv, sparse_mode=0)[0],
+        "decode: mode 3 vs mode 0",
+    )
     # Lq = Lkv: standard causal (lower triangle incl. diagonal)
     q, k, v = tnd_inputs(seed, [lkv], [lkv], nq, nkv, 16, dtype)
-    out = OPS.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=nq, num_key_value_heads=nkv,
-                                                 softmax_scale=scale, input_layout="TND", sparse_mode=3,
-                                                 atten_mask=TEMPLATE, actual_seq_qlen=[lkv], actual_seq_kvlen=[lkv])[0]
+    out = OPS.npu_fused_infer_attention_score_v2(
+        q,
+        k,
+        v,
+        num_query_heads=nq,
+        num_key_value_heads=nkv,
+        softmax_scale=scale,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=[lkv],
+        actual_seq_kvlen=[lkv],
+    )[0]
     tril = torch.ones(lkv, lkv, dtype=torch.bool).tril()
     assert_close(out, ref_attention(q, k, v, tril, scale)[0], op_tolerance(dtype), "Lq == Lkv causal")
     # Lq > Lkv (allowed, spec §10.12): the first Lq - Lkv rows see nothing -> out 0, lse +inf
@@ -314,9 +396,16 @@ def test_lse_merges_two_key_halves(seed, s, s_kv, hd):
     cut = s_kv // 2
 
     def run(kk, vv):
-        return OPS.npu_fused_infer_attention_score_v2(q, kk, vv, num_query_heads=nq, num_key_value_heads=nkv,
-                                                      softmax_scale=0.3, input_layout="BSND",
-                                                      return_softmax_lse=True)
+        return OPS.npu_fused_infer_attention_score_v2(
+            q,
+            kk,
+            vv,
+            num_query_heads=nq,
+            num_key_value_heads=nkv,
+            softmax_scale=0.3,
+            input_layout="BSND",
+            return_softmax_lse=True,
+        )
 
     full, part1, part2 = run(k, v), run(k[:, :cut], v[:, :cut]), run(k[:, cut:], v[:, cut:])
     lse = torch.logaddexp(part1[1], part2[1])
@@ -330,8 +419,14 @@ def test_lse_merges_two_key_halves(seed, s, s_kv, hd):
     assert_close(full[1], exp_lse, op_tolerance(torch.float32), "lse == logsumexp")
 
 
-@given(seed=seeds, mode=st.sampled_from([0, 1, 2, 4]), lens=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 8)),
-       min_size=1, max_size=3), pre=st.integers(0, 4), nxt=st.integers(0, 4), mask_batched=st.booleans())
+@given(
+    seed=seeds,
+    mode=st.sampled_from([0, 1, 2, 4]),
+    lens=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 8)), min_size=1, max_size=3),
+    pre=st.integers(0, 4),
+    nxt=st.integers(0, 4),
+    mask_batched=st.booleans(),
+)
 def test_bsnd_masks_and_bands_equal_the_mode_table(seed, mode, lens, pre, nxt, mask_batched):
     g = torch.Generator().manual_seed(seed)
     batch, s, s_kv = len(lens), 6, 8
@@ -342,15 +437,27 @@ def test_bsnd_masks_and_bands_equal_the_mode_table(seed, mode, lens, pre, nxt, m
     if mode == 0 and not mask_batched:
         mask = full[0, 0].to(torch.uint8)  # (Q_S, KV_S) form, uint8 0/1
     out, lse = OPS.npu_fused_infer_attention_score_v2(
-        q, k, v, num_query_heads=2, num_key_value_heads=1, softmax_scale=0.5, input_layout="BSND", sparse_mode=mode,
-        atten_mask=mask, pre_tokens=pre, next_tokens=nxt, actual_seq_qlen=lq, actual_seq_kvlen=lkv,
-        return_softmax_lse=True)
+        q,
+        k,
+        v,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        softmax_scale=0.5,
+        input_layout="BSND",
+        sparse_mode=mode,
+        atten_mask=mask,
+        pre_tokens=pre,
+        next_tokens=nxt,
+        actual_seq_qlen=lq,
+        actual_seq_kvlen=lkv,
+        return_softmax_lse=True,
+    )
     for b in range(batch):
         m = full[b if mask_batched else 0, 0].tolist()
         vis = ref_visible(mode, lq[b], lkv[b], pre, nxt, m)
-        exp_out, exp_lse = ref_attention(q[b, :lq[b]], k[b, :lkv[b]], v[b, :lkv[b]], vis, 0.5)
-        assert_close(out[b, :lq[b]], exp_out, op_tolerance(torch.float32), f"mode {mode} request {b}")
-        assert_close(lse[b, :, :lq[b], 0].T, exp_lse, op_tolerance(torch.float32), f"mode {mode} lse {b}")
+        exp_out, exp_lse = ref_attention(q[b, : lq[b]], k[b, : lkv[b]], v[b, : lkv[b]], vis, 0.5)
+        assert_close(out[b, : lq[b]], exp_out, op_tolerance(torch.float32), f"mode {mode} request {b}")
+        assert_close(lse[b, :, : lq[b], 0].T, exp_lse, op_tolerance(torch.float32), f"mode {mode} lse {b}")
 
 
 def test_single_query_token_mask_forms_agree():
@@ -358,13 +465,14 @@ def test_single_query_token_mask_forms_agree():
     g = torch.Generator().manual_seed(3)
     q, k, v = rand(g, 3, 1, 2, 16), rand(g, 3, 6, 2, 16), rand(g, 3, 6, 2, 16)
     mask = torch.rand(3, 6, generator=g) < 0.4
-    kw = dict(num_query_heads=2, softmax_scale=0.3, input_layout="BSND", actual_seq_kvlen=[6, 4, 5],
-              return_softmax_lse=True)
+    kw = dict(
+        num_query_heads=2, softmax_scale=0.3, input_layout="BSND", actual_seq_kvlen=[6, 4, 5], return_softmax_lse=True
+    )
     two_d = OPS.npu_fused_infer_attention_score_v2(q, k, v, atten_mask=mask, **kw)
     four_d = OPS.npu_fused_infer_attention_score_v2(q, k, v, atten_mask=mask[:, None, None, :], sparse_mode=1, **kw)
     assert_bitwise_equal(two_d[0], four_d[0], "(B, KV_S) vs (B, 1, 1, KV_S)")
     for b, lkv in enumerate([6, 4, 5]):
-        exp_out, _ = ref_attention(q[b], k[b, :lkv], v[b, :lkv], ~mask[b:b + 1, :lkv], 0.3)
+        exp_out, _ = ref_attention(q[b], k[b, :lkv], v[b, :lkv], ~mask[b : b + 1, :lkv], 0.3)
         assert_close(two_d[0][b], exp_out, op_tolerance(torch.float32), f"request {b}")
 
 
@@ -372,10 +480,10 @@ def test_single_query_token_mask_forms_agree():
 def test_single_query_token_ignores_sparse_mode(mode):
     g = torch.Generator().manual_seed(1)
     q, k, v = rand(g, 2, 1, 32), rand(g, 2, 7, 16), rand(g, 2, 7, 16)
-    kw = dict(num_query_heads=2, num_key_value_heads=1, softmax_scale=0.2, input_layout="BSH",
-              actual_seq_kvlen=[5, 7])
-    got = OPS.npu_fused_infer_attention_score_v2(q, k, v, sparse_mode=mode, atten_mask=TEMPLATE, pre_tokens=0,
-                                                 next_tokens=0, **kw)[0]
+    kw = dict(num_query_heads=2, num_key_value_heads=1, softmax_scale=0.2, input_layout="BSH", actual_seq_kvlen=[5, 7])
+    got = OPS.npu_fused_infer_attention_score_v2(
+        q, k, v, sparse_mode=mode, atten_mask=TEMPLATE, pre_tokens=0, next_tokens=0, **kw
+    )[0]
     assert_bitwise_equal(got, OPS.npu_fused_infer_attention_score_v2(q, k, v, **kw)[0], f"mode {mode}")
 
 
@@ -383,20 +491,35 @@ def test_lse_not_requested_is_empty_float32():
     q, k, v = tnd_inputs(0, [2], [3], 2, 1, 16, torch.bfloat16)
     _, lse = fia_tnd(q, k, v, [2], [3], 2, 1)
     assert lse.shape == (0,) and lse.dtype == torch.float32
-    _, lse = OPS.npu_fused_infer_attention_score(q, k, v, num_heads=2, num_key_value_heads=1, input_layout="TND",
-                                                 actual_seq_lengths=[2], actual_seq_lengths_kv=[3])
+    _, lse = OPS.npu_fused_infer_attention_score(
+        q,
+        k,
+        v,
+        num_heads=2,
+        num_key_value_heads=1,
+        input_layout="TND",
+        actual_seq_lengths=[2],
+        actual_seq_lengths_kv=[3],
+    )
     assert lse.shape == (0,) and lse.dtype == torch.float32
 
 
 def test_empty_kv_and_empty_query():
     q = torch.randn(1, 3, 2, 16)
     k = v = torch.zeros(1, 0, 2, 16)
-    out, lse = OPS.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2, input_layout="BSND",
-                                                      return_softmax_lse=True)
+    out, lse = OPS.npu_fused_infer_attention_score_v2(
+        q, k, v, num_query_heads=2, input_layout="BSND", return_softmax_lse=True
+    )
     assert out.shape == (1, 3, 2, 16) and not out.any() and torch.isinf(lse).all()
-    out, _ = OPS.npu_fused_infer_attention_score_v2(torch.zeros(0, 2, 16), torch.zeros(0, 2, 16),
-                                                    torch.zeros(0, 2, 16), num_query_heads=2, input_layout="TND",
-                                                    actual_seq_qlen=[0], actual_seq_kvlen=[0])
+    out, _ = OPS.npu_fused_infer_attention_score_v2(
+        torch.zeros(0, 2, 16),
+        torch.zeros(0, 2, 16),
+        torch.zeros(0, 2, 16),
+        num_query_heads=2,
+        input_layout="TND",
+        actual_seq_qlen=[0],
+        actual_seq_kvlen=[0],
+    )
     assert out.shape == (0, 2, 16)
 
 
@@ -427,43 +550,81 @@ def test_fp8_kv_quant_mode_4(seed, reqs, hd):
             k_scale[blk, off] = per_request(ks, lkv, b)[pos]
             v_scale[blk, off] = per_request(vs, lkv, b)[pos]
     out = OPS.npu_fused_infer_attention_score_v2(
-        q, kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn), num_query_heads=nq, num_key_value_heads=nkv,
-        softmax_scale=1 / math.sqrt(d), input_layout="TND", sparse_mode=0, actual_seq_qlen=cumsum(lq),
-        actual_seq_kvlen=lkv, block_table=table, block_size=bs, dequant_scale_key=k_scale,
-        dequant_scale_value=v_scale, key_quant_mode=4, value_quant_mode=4)[0]
+        q,
+        kc.view(torch.float8_e4m3fn),
+        vc.view(torch.float8_e4m3fn),
+        num_query_heads=nq,
+        num_key_value_heads=nkv,
+        softmax_scale=1 / math.sqrt(d),
+        input_layout="TND",
+        sparse_mode=0,
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=lkv,
+        block_table=table,
+        block_size=bs,
+        dequant_scale_key=k_scale,
+        dequant_scale_value=v_scale,
+        key_quant_mode=4,
+        value_quant_mode=4,
+    )[0]
     k_deq, v_deq = kq.float() * ks[:, None, None], vq.float() * vs[:, None, None]
     bf16_out = fia_tnd(q, k, v, lq, lkv, nq, nkv, sparse_mode=0)[0]
     for b in range(len(lq)):
-        exp_out, _ = ref_attention(per_request(q, lq, b), per_request(k_deq, lkv, b), per_request(v_deq, lkv, b),
-                                   ref_visible(0, lq[b], lkv[b]), 1 / math.sqrt(d))
+        exp_out, _ = ref_attention(
+            per_request(q, lq, b),
+            per_request(k_deq, lkv, b),
+            per_request(v_deq, lkv, b),
+            ref_visible(0, lq[b], lkv[b]),
+            1 / math.sqrt(d),
+        )
         assert_close(per_request(out, lq, b), exp_out, op_tolerance(torch.bfloat16), f"request {b} vs dequantized")
     assert_close(out, bf16_out, tolerance("op.attention.fp8_kv_vs_bf16"), "fp8 KV vs bf16 KV")
 
 
 # --- the length arguments ------------------------------------------------------------------------------
 
+
 def test_length_arguments_as_tensor_or_list():
     """§0 / §10.19: Qwen3 eager passes 1-D int64 tensors to the SymInt[] arguments; lists in graph mode."""
     lq, lkv = [2, 0, 3], [4, 1, 3]
     q, k, v = tnd_inputs(3, lq, lkv, 4, 2, 16, torch.bfloat16)
-    kw = dict(num_query_heads=4, num_key_value_heads=2, softmax_scale=0.25, input_layout="TND", sparse_mode=3,
-              atten_mask=TEMPLATE)
-    as_list = OPS.npu_fused_infer_attention_score_v2(q, k, v, actual_seq_qlen=cumsum(lq),
-                                                     actual_seq_kvlen=cumsum(lkv), **kw)[0]
-    as_tensor = OPS.npu_fused_infer_attention_score_v2(q, k, v, actual_seq_qlen=torch.tensor(cumsum(lq)),
-                                                       actual_seq_kvlen=torch.tensor(cumsum(lkv)), **kw)[0]
-    direct = portable_kernel(V2)(q, k, v, actual_seq_qlen=torch.tensor(cumsum(lq)),
-                                 actual_seq_kvlen=torch.tensor(cumsum(lkv)), **kw)[0]
+    kw = dict(
+        num_query_heads=4,
+        num_key_value_heads=2,
+        softmax_scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+    )
+    as_list = OPS.npu_fused_infer_attention_score_v2(
+        q, k, v, actual_seq_qlen=cumsum(lq), actual_seq_kvlen=cumsum(lkv), **kw
+    )[0]
+    as_tensor = OPS.npu_fused_infer_attention_score_v2(
+        q, k, v, actual_seq_qlen=torch.tensor(cumsum(lq)), actual_seq_kvlen=torch.tensor(cumsum(lkv)), **kw
+    )[0]
+    direct = portable_kernel(V2)(
+        q, k, v, actual_seq_qlen=torch.tensor(cumsum(lq)), actual_seq_kvlen=torch.tensor(cumsum(lkv)), **kw
+    )[0]
     assert_bitwise_equal(as_tensor, as_list, "tensor vs list")
     assert_bitwise_equal(direct, as_list, "portable kernel with tensors vs list")
-    v1 = OPS.npu_fused_infer_attention_score(q, k, v, num_heads=4, num_key_value_heads=2, scale=0.25,
-                                             input_layout="TND", sparse_mode=3, atten_mask=TEMPLATE,
-                                             actual_seq_lengths=torch.tensor(cumsum(lq)),
-                                             actual_seq_lengths_kv=torch.tensor(cumsum(lkv)))[0]
+    v1 = OPS.npu_fused_infer_attention_score(
+        q,
+        k,
+        v,
+        num_heads=4,
+        num_key_value_heads=2,
+        scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_lengths=torch.tensor(cumsum(lq)),
+        actual_seq_lengths_kv=torch.tensor(cumsum(lkv)),
+    )[0]
     assert_bitwise_equal(v1, as_list, "v1 tensor lengths")
 
 
 # --- .out overloads -------------------------------------------------------------------------------------
+
 
 def test_out_overloads_write_and_return_their_arguments():
     lq, lkv = [2, 3], [2, 5]
@@ -471,28 +632,60 @@ def test_out_overloads_write_and_return_their_arguments():
     expected = fia_tnd(q, k, v, lq, lkv, 2, 1, return_softmax_lse=True)
     out, lse = torch.empty(5, 2, 16, dtype=torch.bfloat16), torch.empty(5, 2, 1)
     got = OPS.npu_fused_infer_attention_score_v2.out(
-        q, k, v, num_query_heads=2, num_key_value_heads=1, softmax_scale=0.25, input_layout="TND", sparse_mode=3,
-        atten_mask=TEMPLATE, actual_seq_qlen=cumsum(lq), actual_seq_kvlen=cumsum(lkv), return_softmax_lse=True,
-        attention_out=out, softmax_lse=lse)
+        q,
+        k,
+        v,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        softmax_scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=cumsum(lkv),
+        return_softmax_lse=True,
+        attention_out=out,
+        softmax_lse=lse,
+    )
     assert got[0] is out and got[1] is lse
     assert_bitwise_equal(out, expected[0], "v2.out")
     assert_bitwise_equal(lse, expected[1], "v2.out lse")
     out1, lse1 = torch.empty(5, 2, 16, dtype=torch.bfloat16), torch.empty(1)  # lse resized to (0,)
     got = OPS.npu_fused_infer_attention_score.out(
-        q, k, v, num_heads=2, num_key_value_heads=1, scale=0.25, input_layout="TND", sparse_mode=3,
-        atten_mask=TEMPLATE, actual_seq_lengths=cumsum(lq), actual_seq_lengths_kv=cumsum(lkv),
-        attention_out=out1, softmax_lse=lse1)
+        q,
+        k,
+        v,
+        num_heads=2,
+        num_key_value_heads=1,
+        scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_lengths=cumsum(lq),
+        actual_seq_lengths_kv=cumsum(lkv),
+        attention_out=out1,
+        softmax_lse=lse1,
+    )
     assert got[0] is out1 and got[1] is lse1 and lse1.shape == (0,)
     assert_bitwise_equal(out1, expected[0], "v1.out")
 
 
 # --- opcheck and torch.compile --------------------------------------------------------------------------
 
+
 def _prefill_case():
     lq = [3, 2]
     q, k, v = tnd_inputs(5, lq, lq, 4, 2, 16, torch.bfloat16)
-    kw = dict(num_query_heads=4, num_key_value_heads=2, softmax_scale=0.25, input_layout="TND", sparse_mode=3,
-              atten_mask=TEMPLATE, actual_seq_qlen=cumsum(lq), actual_seq_kvlen=cumsum(lq))
+    kw = dict(
+        num_query_heads=4,
+        num_key_value_heads=2,
+        softmax_scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=cumsum(lq),
+    )
     return (q, k, v), kw
 
 
@@ -501,15 +694,29 @@ def _decode_case():
     q, k, v = tnd_inputs(6, lq, lkv, 4, 2, 16, torch.bfloat16)
     kc, table = to_paged(6, [per_request(k, lkv, b) for b in range(3)], 16, "BnBsH", 0)
     vc, _ = to_paged(6, [per_request(v, lkv, b) for b in range(3)], 16, "BnBsH", 0)
-    kw = dict(num_query_heads=4, num_key_value_heads=2, softmax_scale=0.25, input_layout="TND", sparse_mode=3,
-              atten_mask=TEMPLATE, actual_seq_qlen=cumsum(lq), actual_seq_kvlen=lkv, block_table=table,
-              block_size=16)
+    kw = dict(
+        num_query_heads=4,
+        num_key_value_heads=2,
+        softmax_scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=lkv,
+        block_table=table,
+        block_size=16,
+    )
     return (q, kc, vc), kw
 
 
 def _v1_kwargs(kw):
-    renames = {"num_query_heads": "num_heads", "softmax_scale": "scale", "actual_seq_qlen": "actual_seq_lengths",
-               "actual_seq_kvlen": "actual_seq_lengths_kv", "return_softmax_lse": "softmax_lse_flag"}
+    renames = {
+        "num_query_heads": "num_heads",
+        "softmax_scale": "scale",
+        "actual_seq_qlen": "actual_seq_lengths",
+        "actual_seq_kvlen": "actual_seq_lengths_kv",
+        "return_softmax_lse": "softmax_lse_flag",
+    }
     return {renames.get(key, key): value for key, value in kw.items()}
 
 
@@ -524,12 +731,18 @@ def test_opcheck(case):
     # (non-ATen) op whose outputs carry alias annotations (`Tensor(a!)` returned), whatever the kernel does.
     # Schema (mutation) checks, autograd registration and the fake kernel are still checked.
     out_utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(OPS.npu_fused_infer_attention_score_v2.out, args,
-                          dict(lse_kw, attention_out=torch.empty_like(out[0]), softmax_lse=torch.empty_like(out[1])),
-                          test_utils=out_utils)
-    torch.library.opcheck(OPS.npu_fused_infer_attention_score.out, args,
-                          dict(_v1_kwargs(lse_kw), attention_out=torch.empty_like(out[0]),
-                               softmax_lse=torch.empty_like(out[1])), test_utils=out_utils)
+    torch.library.opcheck(
+        OPS.npu_fused_infer_attention_score_v2.out,
+        args,
+        dict(lse_kw, attention_out=torch.empty_like(out[0]), softmax_lse=torch.empty_like(out[1])),
+        test_utils=out_utils,
+    )
+    torch.library.opcheck(
+        OPS.npu_fused_infer_attention_score.out,
+        args,
+        dict(_v1_kwargs(lse_kw), attention_out=torch.empty_like(out[0]), softmax_lse=torch.empty_like(out[1])),
+        test_utils=out_utils,
+    )
 
 
 @pytest.mark.parametrize("case", [_prefill_case, _decode_case])
@@ -547,73 +760,131 @@ def test_compiles_without_graph_break(case):
 
 # --- errors ---------------------------------------------------------------------------------------------
 
+
 def _tnd_kwargs(**over):
-    kw = dict(num_query_heads=4, num_key_value_heads=2, softmax_scale=0.25, input_layout="TND", sparse_mode=3,
-              atten_mask=TEMPLATE, actual_seq_qlen=[2, 4], actual_seq_kvlen=[2, 4])
+    kw = dict(
+        num_query_heads=4,
+        num_key_value_heads=2,
+        softmax_scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=[2, 4],
+        actual_seq_kvlen=[2, 4],
+    )
     kw.update(over)
     return kw
 
 
-Q, K, VV = torch.randn(4, 4, 16, dtype=torch.bfloat16), torch.randn(4, 2, 16, dtype=torch.bfloat16), \
-    torch.randn(4, 2, 16, dtype=torch.bfloat16)
+Q, K, VV = (
+    torch.randn(4, 4, 16, dtype=torch.bfloat16),
+    torch.randn(4, 2, 16, dtype=torch.bfloat16),
+    torch.randn(4, 2, 16, dtype=torch.bfloat16),
+)
 
 
-@pytest.mark.parametrize("args, over, error, pattern", [
-    ((Q[None], K[None], VV[None]), {}, ValueError, r"npu_fused_infer_attention_score_v2: query must have 3 dims"),
-    ((Q, K, VV), dict(input_layout="TNDX"), ValueError, r"v2: input_layout='TNDX' is unknown"),
-    ((Q, K, VV), dict(input_layout="NTD"), NotImplementedError, r"v2: input_layout='NTD'"),
-    ((Q, K, VV), dict(num_key_value_heads=3), ValueError,
-     r"v2: num_query_heads=4 must be divisible by num_key_value_heads=3"),
-    ((Q, K, VV), dict(num_query_heads=2), ValueError, r"v2: num_query_heads=2 must equal the query head axis"),
-    ((Q, K, VV), dict(actual_seq_qlen=[2, 5], actual_seq_kvlen=[2, 4]), ValueError,
-     r"v2: actual_seq_qlen\[-1\]=5 exceeds the query token count T=4"),
-    ((Q, K, VV), dict(actual_seq_kvlen=[2, 5]), ValueError, r"v2: actual_seq_kvlen\[-1\]=5 exceeds"),
-    ((Q, K, VV), dict(actual_seq_qlen=[3, 2]), ValueError, r"v2: actual_seq_qlen must be cumulative"),
-    ((Q, K, VV), dict(actual_seq_kvlen=[4]), ValueError, r"v2: actual_seq_kvlen has 1 entries; expected"),
-    ((Q, K, VV), dict(actual_seq_qlen=None), ValueError, r"v2: input_layout TND needs actual_seq_qlen"),
-    ((Q, K.reshape(1, 4, 32), VV.reshape(1, 4, 32)), dict(block_table=torch.zeros(2, 1, dtype=torch.int32)),
-     ValueError, r"v2: block_table is given, so block_size must be > 0"),
-    ((Q, K.reshape(1, 4, 32), VV.reshape(1, 4, 32)),
-     dict(block_table=torch.zeros(2, 1, dtype=torch.int32), block_size=16), ValueError,
-     r"v2: block_size=16 must equal the key cache block axis"),
-    ((Q, K.reshape(1, 4, 32).repeat(1, 4, 1), VV.reshape(1, 4, 32).repeat(1, 4, 1)),
-     dict(block_table=torch.tensor([[0], [3]], dtype=torch.int32), block_size=16), ValueError,
-     r"v2: block_table holds block id 3 outside \[0, num_blocks=1\)"),
-    ((Q, K, VV), dict(sparse_mode=3, atten_mask=None), ValueError, r"v2: sparse_mode=3 needs the 2048x2048 atten_mask"),
-    ((Q, K, VV), dict(atten_mask=~TEMPLATE), ValueError, r"v2: atten_mask must be the template triu"),
-    ((Q, K, VV), dict(atten_mask=TEMPLATE[:100, :100]), ValueError, r"v2: atten_mask for sparse_mode=3 must be"),
-    ((Q, K, VV), dict(sparse_mode=0), ValueError, r"v2: TND with sparse_mode=0 takes no atten_mask"),
-    ((Q, K, VV), dict(sparse_mode=1), ValueError, r"v2: TND allows sparse_mode 0 \(no mask\), 3, 4"),
-    ((Q, K, VV), dict(sparse_mode=6), ValueError, r"v2: sparse_mode=6 is not supported"),
-    ((Q, K.float(), VV), {}, ValueError, r"v2: key has dtype torch.float32; expected the query dtype"),
-    ((Q, K.to(torch.float8_e4m3fn), VV), {}, ValueError, r"v2: key dtype torch.float8_e4m3fn needs key_quant_mode=4"),
-    ((Q, K, VV), dict(pse_shift=torch.zeros(1)), NotImplementedError, r"v2: pse_shift not supported"),
-    ((Q, K, VV), dict(learnable_sink=torch.zeros(4)), NotImplementedError, r"v2: learnable_sink not supported"),
-    ((Q, K, VV), dict(query_rope=Q), NotImplementedError, r"v2: query_rope not supported"),
-    ((Q, K, VV), dict(quant_scale_out=torch.ones(1)), NotImplementedError, r"v2: quant_scale_out not supported"),
-    ((Q, K, VV), dict(key_quant_mode=1), NotImplementedError, r"v2: key_quant_mode=1 not supported"),
-    ((Q, K, VV), dict(out_dtype=1), NotImplementedError, r"v2: out_dtype=torch.int8"),
-    ((Q.to(torch.int8), K, VV), {}, NotImplementedError, r"v2: quantized query"),
-    ((Q, K, VV), dict(inner_precise=7), ValueError, r"v2: inner_precise must be in 0..3"),
-])
+@pytest.mark.parametrize(
+    "args, over, error, pattern",
+    [
+        ((Q[None], K[None], VV[None]), {}, ValueError, r"npu_fused_infer_attention_score_v2: query must have 3 dims"),
+        ((Q, K, VV), dict(input_layout="TNDX"), ValueError, r"v2: input_layout='TNDX' is unknown"),
+        ((Q, K, VV), dict(input_layout="NTD"), NotImplementedError, r"v2: input_layout='NTD'"),
+        (
+            (Q, K, VV),
+            dict(num_key_value_heads=3),
+            ValueError,
+            r"v2: num_query_heads=4 must be divisible by num_key_value_heads=3",
+        ),
+        ((Q, K, VV), dict(num_query_heads=2), ValueError, r"v2: num_query_heads=2 must equal the query head axis"),
+        (
+            (Q, K, VV),
+            dict(actual_seq_qlen=[2, 5], actual_seq_kvlen=[2, 4]),
+            ValueError,
+            r"v2: actual_seq_qlen\[-1\]=5 exceeds the query token count T=4",
+        ),
+        ((Q, K, VV), dict(actual_seq_kvlen=[2, 5]), ValueError, r"v2: actual_seq_kvlen\[-1\]=5 exceeds"),
+        ((Q, K, VV), dict(actual_seq_qlen=[3, 2]), ValueError, r"v2: actual_seq_qlen must be cumulative"),
+        ((Q, K, VV), dict(actual_seq_kvlen=[4]), ValueError, r"v2: actual_seq_kvlen has 1 entries; expected"),
+        ((Q, K, VV), dict(actual_seq_qlen=None), ValueError, r"v2: input_layout TND needs actual_seq_qlen"),
+        (
+            (Q, K.reshape(1, 4, 32), VV.reshape(1, 4, 32)),
+            dict(block_table=torch.zeros(2, 1, dtype=torch.int32)),
+            ValueError,
+            r"v2: block_table is given, so block_size must be > 0",
+        ),
+        (
+            (Q, K.reshape(1, 4, 32), VV.reshape(1, 4, 32)),
+            dict(block_table=torch.zeros(2, 1, dtype=torch.int32), block_size=16),
+            ValueError,
+            r"v2: block_size=16 must equal the key cache block axis",
+        ),
+        (
+            (Q, K.reshape(1, 4, 32).repeat(1, 4, 1), VV.reshape(1, 4, 32).repeat(1, 4, 1)),
+            dict(block_table=torch.tensor([[0], [3]], dtype=torch.int32), block_size=16),
+            ValueError,
+            r"v2: block_table holds block id 3 outside \[0, num_blocks=1\)",
+        ),
+        (
+            (Q, K, VV),
+            dict(sparse_mode=3, atten_mask=None),
+            ValueError,
+            r"v2: sparse_mode=3 needs the 2048x2048 atten_mask",
+        ),
+        ((Q, K, VV), dict(atten_mask=~TEMPLATE), ValueError, r"v2: atten_mask must be the template triu"),
+        ((Q, K, VV), dict(atten_mask=TEMPLATE[:100, :100]), ValueError, r"v2: atten_mask for sparse_mode=3 must be"),
+        ((Q, K, VV), dict(sparse_mode=0), ValueError, r"v2: TND with sparse_mode=0 takes no atten_mask"),
+        ((Q, K, VV), dict(sparse_mode=1), ValueError, r"v2: TND allows sparse_mode 0 \(no mask\), 3, 4"),
+        ((Q, K, VV), dict(sparse_mode=6), ValueError, r"v2: sparse_mode=6 is not supported"),
+        ((Q, K.float(), VV), {}, ValueError, r"v2: key has dtype torch.float32; expected the query dtype"),
+        (
+            (Q, K.to(torch.float8_e4m3fn), VV),
+            {},
+            ValueError,
+            r"v2: key dtype torch.float8_e4m3fn needs key_quant_mode=4",
+        ),
+        ((Q, K, VV), dict(pse_shift=torch.zeros(1)), NotImplementedError, r"v2: pse_shift not supported"),
+        ((Q, K, VV), dict(learnable_sink=torch.zeros(4)), NotImplementedError, r"v2: learnable_sink not supported"),
+        ((Q, K, VV), dict(query_rope=Q), NotImplementedError, r"v2: query_rope not supported"),
+        ((Q, K, VV), dict(quant_scale_out=torch.ones(1)), NotImplementedError, r"v2: quant_scale_out not supported"),
+        ((Q, K, VV), dict(key_quant_mode=1), NotImplementedError, r"v2: key_quant_mode=1 not supported"),
+        ((Q, K, VV), dict(out_dtype=1), NotImplementedError, r"v2: out_dtype=torch.int8"),
+        ((Q.to(torch.int8), K, VV), {}, NotImplementedError, r"v2: quantized query"),
+        ((Q, K, VV), dict(inner_precise=7), ValueError, r"v2: inner_precise must be in 0..3"),
+    ],
+)
 def test_v2_invalid_inputs_raise_naming_op_and_argument(args, over, error, pattern):
     with pytest.raises(error, match=pattern):
         OPS.npu_fused_infer_attention_score_v2(*args, **_tnd_kwargs(**over))
 
 
-@pytest.mark.parametrize("over, error, pattern", [
-    (dict(num_heads=4, num_key_value_heads=3), ValueError, r"npu_fused_infer_attention_score: num_heads=4 must be "
-                                                           r"divisible by num_key_value_heads=3"),
-    (dict(actual_seq_lengths=[2, 9]), ValueError, r"score: actual_seq_lengths\[-1\]=9 exceeds"),
-    (dict(antiquant_scale=torch.ones(2)), NotImplementedError, r"score: antiquant_scale not supported"),
-    (dict(query_padding_size=torch.ones(1)), NotImplementedError, r"score: query_padding_size not supported"),
-    (dict(key_shared_prefix=K), NotImplementedError, r"score: key_shared_prefix not supported"),
-    (dict(quant_scale2=torch.ones(1)), NotImplementedError, r"score: quant_scale2 not supported"),
-    (dict(antiquant_mode=1), NotImplementedError, r"score: antiquant_mode=1 not supported"),
-])
+@pytest.mark.parametrize(
+    "over, error, pattern",
+    [
+        (
+            dict(num_heads=4, num_key_value_heads=3),
+            ValueError,
+            r"npu_fused_infer_attention_score: num_heads=4 must be "
+            r"divisible by num_key_value_heads=3",
+        ),
+        (dict(actual_seq_lengths=[2, 9]), ValueError, r"score: actual_seq_lengths\[-1\]=9 exceeds"),
+        (dict(antiquant_scale=torch.ones(2)), NotImplementedError, r"score: antiquant_scale not supported"),
+        (dict(query_padding_size=torch.ones(1)), NotImplementedError, r"score: query_padding_size not supported"),
+        (dict(key_shared_prefix=K), NotImplementedError, r"score: key_shared_prefix not supported"),
+        (dict(quant_scale2=torch.ones(1)), NotImplementedError, r"score: quant_scale2 not supported"),
+        (dict(antiquant_mode=1), NotImplementedError, r"score: antiquant_mode=1 not supported"),
+    ],
+)
 def test_v1_invalid_inputs_raise_with_v1_argument_names(over, error, pattern):
-    kw = dict(num_heads=4, num_key_value_heads=2, scale=0.25, input_layout="TND", sparse_mode=3,
-              atten_mask=TEMPLATE, actual_seq_lengths=[2, 4], actual_seq_lengths_kv=[2, 4])
+    kw = dict(
+        num_heads=4,
+        num_key_value_heads=2,
+        scale=0.25,
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_lengths=[2, 4],
+        actual_seq_lengths_kv=[2, 4],
+    )
     kw.update(over)
     with pytest.raises(error, match=pattern):
         OPS.npu_fused_infer_attention_score(Q, K, VV, **kw)
@@ -624,8 +895,9 @@ def test_bsnd_length_lists_follow_the_per_batch_rule():
     q, k, v = rand(g, 3, 4, 2, 16), rand(g, 3, 5, 2, 16), rand(g, 3, 5, 2, 16)
     kw = dict(num_query_heads=2, input_layout="BSND", softmax_scale=0.3)
     broadcast = OPS.npu_fused_infer_attention_score_v2(q, k, v, actual_seq_qlen=[3], actual_seq_kvlen=[4], **kw)[0]
-    explicit = OPS.npu_fused_infer_attention_score_v2(q, k, v, actual_seq_qlen=[3, 3, 3, 9],
-                                                      actual_seq_kvlen=[4, 4, 4, 9], **kw)[0]
+    explicit = OPS.npu_fused_infer_attention_score_v2(
+        q, k, v, actual_seq_qlen=[3, 3, 3, 9], actual_seq_kvlen=[4, 4, 4, 9], **kw
+    )[0]
     assert_bitwise_equal(broadcast, explicit, "len 1 broadcast == first B of a longer list")
     with pytest.raises(ValueError, match=r"v2: actual_seq_kvlen has 2 entries; expected 1 or >= batch 3"):
         OPS.npu_fused_infer_attention_score_v2(q, k, v, actual_seq_kvlen=[4, 4], **kw)
@@ -645,6 +917,7 @@ def test_strict_mode_enforces_npu_caps(monkeypatch):
 
 # --- real NPU vs portable kernel ------------------------------------------------------------------------
 
+
 def _npu_compare(name, args, kwargs, check_lse):
     npu = torch.device("npu")
     moved = {key: value.to(npu) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
@@ -659,9 +932,17 @@ def _npu_compare(name, args, kwargs, check_lse):
 def test_npu_prefill_tnd_sparse3_matches_portable():
     lq = [37, 128, 1, 300]
     q, k, v = tnd_inputs(10, lq, lq, 8, 2, 128, torch.bfloat16)
-    kw = dict(num_query_heads=8, num_key_value_heads=2, softmax_scale=1 / math.sqrt(128), input_layout="TND",
-              sparse_mode=3, atten_mask=TEMPLATE, actual_seq_qlen=cumsum(lq), actual_seq_kvlen=cumsum(lq),
-              return_softmax_lse=True)
+    kw = dict(
+        num_query_heads=8,
+        num_key_value_heads=2,
+        softmax_scale=1 / math.sqrt(128),
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=cumsum(lq),
+        return_softmax_lse=True,
+    )
     _npu_compare(V2, (q, k, v), kw, check_lse=True)
     _npu_compare(V1, (q, k, v), _v1_kwargs(kw), check_lse=True)
 
@@ -672,9 +953,18 @@ def test_npu_paged_decode_matches_portable():
     q, k, v = tnd_inputs(11, lq, lkv, 8, 2, 128, torch.bfloat16)
     kc, table = to_paged(11, [per_request(k, lkv, b) for b in range(4)], 128, "BnBsH", 0)
     vc, _ = to_paged(11, [per_request(v, lkv, b) for b in range(4)], 128, "BnBsH", 0)
-    kw = dict(num_query_heads=8, num_key_value_heads=2, softmax_scale=1 / math.sqrt(128), input_layout="TND",
-              sparse_mode=3, atten_mask=TEMPLATE, actual_seq_qlen=cumsum(lq), actual_seq_kvlen=lkv,
-              block_table=table, block_size=128)
+    kw = dict(
+        num_query_heads=8,
+        num_key_value_heads=2,
+        softmax_scale=1 / math.sqrt(128),
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=lkv,
+        block_table=table,
+        block_size=128,
+    )
     _npu_compare(V2, (q, kc, vc), kw, check_lse=False)
 
 
@@ -682,24 +972,50 @@ def test_npu_paged_decode_matches_portable():
 def test_npu_bsnd_varlen_matches_portable():
     g = torch.Generator().manual_seed(12)
     q, k, v = (rand(g, 2, s, 8, 128, dtype=torch.bfloat16) for s in (16, 40, 40))
-    kw = dict(num_query_heads=8, softmax_scale=1 / math.sqrt(128), input_layout="BSND", sparse_mode=3,
-              atten_mask=TEMPLATE, actual_seq_qlen=[16, 16], actual_seq_kvlen=[40, 33])
+    kw = dict(
+        num_query_heads=8,
+        softmax_scale=1 / math.sqrt(128),
+        input_layout="BSND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=[16, 16],
+        actual_seq_kvlen=[40, 33],
+    )
     _npu_compare(V2, (q, k, v), kw, check_lse=False)
 
 
-@given(seed=seeds, reqs=requests(max_kv=40, decode=True), hd=heads(), d=head_dims, dtype=dtypes,
-       block_size=st.sampled_from([16, 32]), tail=st.integers(0, 2), lse=st.booleans())
+@given(
+    seed=seeds,
+    reqs=requests(max_kv=40, decode=True),
+    hd=heads(),
+    d=head_dims,
+    dtype=dtypes,
+    block_size=st.sampled_from([16, 32]),
+    tail=st.integers(0, 2),
+    lse=st.booleans(),
+)
 def test_traced_body_equals_the_kernel_bitwise(seed, reqs, hd, d, dtype, block_size, tail, lse):
     """The body a compiled graph inlines (`fia_v2_traced`: no host read of block ids or mask, functional row
     writes) computes the kernel's result bit for bit, rows past the last request (tail) included."""
     from optimized.ops.attention import fia_v2_traced
+
     (lq, lkv), (nq, nkv) = reqs, hd
     q, k, v = tnd_inputs(seed, lq, lkv, nq, nkv, d, dtype, tail=tail)
     kc, table = to_paged(seed, [per_request(k, lkv, b) for b in range(len(lkv))], block_size, "BnBsH", 0)
     vc, _ = to_paged(seed, [per_request(v, lkv, b) for b in range(len(lkv))], block_size, "BnBsH", 0)
-    kwargs = dict(num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=1 / math.sqrt(d), input_layout="TND",
-                  actual_seq_qlen=cumsum(lq), actual_seq_kvlen=lkv, block_table=table, block_size=block_size,
-                  sparse_mode=3, atten_mask=TEMPLATE, return_softmax_lse=lse)
+    kwargs = dict(
+        num_query_heads=nq,
+        num_key_value_heads=nkv,
+        softmax_scale=1 / math.sqrt(d),
+        input_layout="TND",
+        actual_seq_qlen=cumsum(lq),
+        actual_seq_kvlen=lkv,
+        block_table=table,
+        block_size=block_size,
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        return_softmax_lse=lse,
+    )
     want = portable_kernel(V2)(q, kc, vc, **kwargs)
     got = fia_v2_traced(q, kc, vc, **kwargs)
     assert_bitwise_equal(got[0], want[0], "traced body vs kernel: attention_out")
@@ -716,8 +1032,14 @@ def equal_length_batches(draw):
     return lq, lkv
 
 
-@given(seed=seeds, reqs=equal_length_batches(), hd=heads(), dtype=dtypes, layout=st.sampled_from(["TND", "paged",
-       "BSND"]), lse=st.booleans())
+@given(
+    seed=seeds,
+    reqs=equal_length_batches(),
+    hd=heads(),
+    dtype=dtypes,
+    layout=st.sampled_from(["TND", "paged", "BSND"]),
+    lse=st.booleans(),
+)
 def test_requests_batched_by_length_equal_each_request_alone_bitwise(seed, reqs, hd, dtype, layout, lse):
     """The kernel batches requests of equal (Lq, Lkv) into one computation (eager): every request's rows are bit
     for bit what a call with that request alone returns, for contiguous and paged TND and for BSND."""
@@ -730,16 +1052,26 @@ def test_requests_batched_by_length_equal_each_request_alone_bitwise(seed, reqs,
         q4 = torch.zeros(batch, s, nq, d, dtype=dtype)
         k4, v4 = torch.zeros(batch, s_kv, nkv, d, dtype=dtype), torch.zeros(batch, s_kv, nkv, d, dtype=dtype)
         for b in range(batch):
-            q4[b, :lq[b]] = per_request(q, lq, b)
-            k4[b, :lkv[b]], v4[b, :lkv[b]] = per_request(k, lkv, b), per_request(v, lkv, b)
-        run = lambda sel, ql, kl: OPS.npu_fused_infer_attention_score_v2(   # noqa: E731
-            q4[sel], k4[sel], v4[sel], num_query_heads=nq, num_key_value_heads=nkv, softmax_scale=1 / math.sqrt(d),
-            input_layout="BSND", sparse_mode=0, actual_seq_qlen=ql, actual_seq_kvlen=kl, **common)
+            q4[b, : lq[b]] = per_request(q, lq, b)
+            k4[b, : lkv[b]], v4[b, : lkv[b]] = per_request(k, lkv, b), per_request(v, lkv, b)
+        run = lambda sel, ql, kl: OPS.npu_fused_infer_attention_score_v2(  # noqa: E731
+            q4[sel],
+            k4[sel],
+            v4[sel],
+            num_query_heads=nq,
+            num_key_value_heads=nkv,
+            softmax_scale=1 / math.sqrt(d),
+            input_layout="BSND",
+            sparse_mode=0,
+            actual_seq_qlen=ql,
+            actual_seq_kvlen=kl,
+            **common,
+        )
         together = run(slice(None), lq, lkv)
         for b in range(batch):
             alone = run(slice(b, b + 1), [lq[b]], [lkv[b]])
-            assert_bitwise_equal(together[0][b:b + 1], alone[0], f"request {b} of {reqs}: out")
-            assert_bitwise_equal(together[1][b:b + 1], alone[1], f"request {b} of {reqs}: lse")
+            assert_bitwise_equal(together[0][b : b + 1], alone[0], f"request {b} of {reqs}: out")
+            assert_bitwise_equal(together[1][b : b + 1], alone[1], f"request {b} of {reqs}: lse")
         return
     if layout == "paged":
         kc, table = to_paged(seed, [per_request(k, lkv, b) for b in range(batch)], 16, "BnBsH", 0)
@@ -751,10 +1083,10 @@ def test_requests_batched_by_length_equal_each_request_alone_bitwise(seed, reqs,
     for b in range(batch):
         q_b = per_request(q, lq, b)
         if layout == "paged":
-            alone = fia_tnd(q_b, kc, vc, [lq[b]], [lkv[b]], nq, nkv, kvlen=[lkv[b]], block_table=table[b:b + 1],
-                            **paged, **common)
+            alone = fia_tnd(
+                q_b, kc, vc, [lq[b]], [lkv[b]], nq, nkv, kvlen=[lkv[b]], block_table=table[b : b + 1], **paged, **common
+            )
         else:
-            alone = fia_tnd(q_b, per_request(k, lkv, b), per_request(v, lkv, b), [lq[b]], [lkv[b]], nq, nkv,
-                            **common)
+            alone = fia_tnd(q_b, per_request(k, lkv, b), per_request(v, lkv, b), [lq[b]], [lkv[b]], nq, nkv, **common)
         assert_bitwise_equal(per_request(together[0], lq, b), alone[0], f"request {b} of {reqs} ({layout}): out")
         assert_bitwise_equal(per_request(together[1], lq, b), alone[1], f"request {b} of {reqs} ({layout}): lse")

@@ -5,6 +5,7 @@ with duplicates (last occurrence wins, spec §10.15), functional leaves self unt
 writes through views into the cache storage, KV-cache round trip (scatter by slot mapping, gather through the
 block table), opcheck, torch.compile (the in-place op too), errors, and NPU-vs-portable comparisons.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,8 +20,18 @@ from equivalence.support.compare import assert_bitwise_equal
 from optimized.ops.registry import portable_kernel
 
 ops = torch.ops.npu
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool,
-          torch.int64, torch.int32, torch.int8, torch.uint8)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bool,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+)
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -155,9 +166,15 @@ def _samples():
     idx2 = torch.tensor([[[1, 0], [2, 1]]], dtype=torch.int32)
     return [
         (ops.npu_scatter_nd_update.default, (cache, idx, upd)),
-        (ops.npu_scatter_nd_update.default, (cache.to(torch.float8_e4m3fn), idx2, upd[:2, 0].unsqueeze(0).to(torch.float8_e4m3fn))),
+        (
+            ops.npu_scatter_nd_update.default,
+            (cache.to(torch.float8_e4m3fn), idx2, upd[:2, 0].unsqueeze(0).to(torch.float8_e4m3fn)),
+        ),
         (ops.npu_scatter_nd_update_.default, (cache.clone(), idx, upd)),
-        (ops.npu_scatter_nd_update_.default, (torch.zeros(5, 3, dtype=torch.bool), idx2, torch.ones(1, 2, dtype=torch.bool))),
+        (
+            ops.npu_scatter_nd_update_.default,
+            (torch.zeros(5, 3, dtype=torch.bool), idx2, torch.ones(1, 2, dtype=torch.bool)),
+        ),
     ]
 
 
@@ -210,8 +227,9 @@ def test_errors_name_op_and_argument(name):
         op(self, torch.zeros(3, dtype=torch.int64), torch.zeros(3, 5, 6))
     with pytest.raises(ValueError, match=rf"{name}: indices has dtype torch.float32; allowed"):
         op(self, torch.zeros(3, 1), torch.zeros(3, 5, 6))
-    with pytest.raises(ValueError,
-                       match=rf"{name}: indices.shape\[-1\] \(index depth\) must be in \[1, self.dim\(\)=3\]; got 4"):
+    with pytest.raises(
+        ValueError, match=rf"{name}: indices.shape\[-1\] \(index depth\) must be in \[1, self.dim\(\)=3\]; got 4"
+    ):
         op(self, torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3))
     with pytest.raises(ValueError, match=rf"{name}: updates has dtype torch.float16; expected self.dtype"):
         op(self, torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 6, dtype=torch.float16))
@@ -228,8 +246,9 @@ def test_errors_name_op_and_argument(name):
 
 
 @pytest.mark.npu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8,
-                                   torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8, torch.bool]
+)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_npu_matches_portable(dtype, inplace):
     gen = torch.Generator().manual_seed(14)

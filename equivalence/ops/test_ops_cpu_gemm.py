@@ -9,6 +9,7 @@
 - the grouped linear (the experts' stacked weight, one cache entry for its groups): each group's rows bitwise
   `linear(rows, W[g].t())`, rows past the groups 0, only the visited groups packed, and repacked after a rewrite.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,17 +20,24 @@ from hypothesis import given, strategies as st
 from equivalence.support.compare import assert_bitwise_equal
 from optimized.ops import cpu_gemm
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.ONEDNN_BF16, reason="oneDNN bf16 is not available on this CPU, or QWEN3_MOE_CPU_PREPACK=0")
+pytestmark = pytest.mark.skipif(
+    not cpu_gemm.ONEDNN_BF16, reason="oneDNN bf16 is not available on this CPU, or QWEN3_MOE_CPU_PREPACK=0"
+)
 
-DECODE_SHAPES = [(5120, 2048), (2048, 4096), (1536, 2048), (2048, 768)]   # qkv, o, expert gate|up, down (30B-A3B)
+DECODE_SHAPES = [(5120, 2048), (2048, 4096), (1536, 2048), (2048, 768)]  # qkv, o, expert gate|up, down (30B-A3B)
 
 
 def _packed(weight) -> bool:
     return (weight.data_ptr(), tuple(weight.shape), weight.stride()) in cpu_gemm._PACKED
 
 
-@given(rows=st.integers(1, 9), n=st.integers(1, 300), k=st.integers(1, 300), scale=st.sampled_from([1e-3, 1.0, 300.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 9),
+    n=st.integers(1, 300),
+    k=st.integers(1, 300),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_prepacked_linear_is_bitwise_f_linear(rows, n, k, scale, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, k, generator=g) * scale).bfloat16()
@@ -57,7 +65,7 @@ def test_weight_rewritten_in_place_is_packed_again():
     x = torch.randn(2, 32).bfloat16()
     with torch.no_grad():
         first = cpu_gemm.linear(x, w)
-        w.copy_(torch.randn(64, 32).bfloat16())     # a reload into the same storage
+        w.copy_(torch.randn(64, 32).bfloat16())  # a reload into the same storage
         second = cpu_gemm.linear(x, w)
     assert not torch.equal(first, second)
     assert_bitwise_equal(second, F.linear(x, w), "prepacked linear after an in-place weight rewrite")
@@ -65,6 +73,7 @@ def test_weight_rewritten_in_place_is_packed_again():
 
 def test_compiled_linear_calls_the_operator_and_equals_eager():
     from torch._inductor.utils import run_and_get_code
+
     w = torch.randn(96, 64).bfloat16()
     x = torch.randn(3, 64).bfloat16()
 
@@ -85,7 +94,7 @@ def test_other_inputs_take_plain_f_linear():
         assert_bitwise_equal(cpu_gemm.linear(x, w), F.linear(x, w), "fp32 linear")
     assert not _packed(w)
     xb, wb = torch.randn(2, 16).bfloat16().requires_grad_(), torch.randn(8, 16).bfloat16()
-    y = cpu_gemm.linear(xb, wb)     # grad enabled and x requires grad: F.linear, differentiable
+    y = cpu_gemm.linear(xb, wb)  # grad enabled and x requires grad: F.linear, differentiable
     assert y.requires_grad and not _packed(wb)
     with torch.inference_mode():
         wi, xi = torch.randn(8, 16).bfloat16(), torch.randn(2, 16).bfloat16()
@@ -111,6 +120,7 @@ def test_prepack_env_zero_turns_the_path_off():
     import subprocess
     import sys
     from pathlib import Path
+
     code = "from optimized.ops import cpu_gemm; print(cpu_gemm.ONEDNN_BF16)"
     repo = Path(__file__).resolve().parents[2]
     for value, want in (("0", "False"), ("1", "True")):
@@ -122,12 +132,17 @@ def test_prepack_env_zero_turns_the_path_off():
 def _grouped_inputs(seed: int, counts: list[int], pad: int, k: int, n: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(counts) + pad, k, generator=g).bfloat16()
-    stacked = (torch.randn(len(counts), n, k, generator=g) * 0.05).bfloat16()   # [G, N, K] rows, as the experts
-    return x, stacked, stacked.transpose(1, 2)                                  # the logical [G, K, N] view
+    stacked = (torch.randn(len(counts), n, k, generator=g) * 0.05).bfloat16()  # [G, N, K] rows, as the experts
+    return x, stacked, stacked.transpose(1, 2)  # the logical [G, K, N] view
 
 
-@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=6), pad=st.integers(0, 3), k=st.integers(1, 96),
-       n=st.integers(1, 96), seed=st.integers(0, 2**16))
+@given(
+    counts=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    pad=st.integers(0, 3),
+    k=st.integers(1, 96),
+    n=st.integers(1, 96),
+    seed=st.integers(0, 2**16),
+)
 def test_grouped_linear_is_bitwise_linear_per_group(counts, pad, k, n, seed):
     x, stacked, weight = _grouped_inputs(seed, counts, pad, k, n)
     ends = torch.tensor(counts).cumsum(0).tolist()
@@ -150,7 +165,7 @@ def test_grouped_linear_repacks_a_rewritten_weight():
     ends = [2, 2, 5]
     with torch.no_grad():
         first = cpu_gemm.grouped_linear(x, weight, ends)
-        stacked.copy_(torch.randn(stacked.shape).bfloat16())    # a reload into the same storage
+        stacked.copy_(torch.randn(stacked.shape).bfloat16())  # a reload into the same storage
         second = cpu_gemm.grouped_linear(x, weight, ends)
     assert not torch.equal(first, second)
     assert_bitwise_equal(second[:2], F.linear(x[:2], stacked[0]), "group 0 after the rewrite")

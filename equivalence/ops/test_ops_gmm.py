@@ -1,4 +1,5 @@
 """npu_grouped_matmul (both overloads) and npu_swiglu vs plain per-group math (spec npu_ops_moe §8, §9)."""
+
 from __future__ import annotations
 
 import math
@@ -90,15 +91,22 @@ def call_gmm(case, x, weight, bias):
     if case["overload"] == "list":
         return GMM_LIST([x], weight, bias=bias, group_list=ends.tolist(), split_item=case["split_item"])
     group_list = ends if case["group_list_type"] == 0 else torch.tensor(counts, dtype=torch.int64)
-    return GMM([x], weight, bias=bias, group_list=group_list, group_type=0,
-               group_list_type=case["group_list_type"], split_item=case["split_item"])
+    return GMM(
+        [x],
+        weight,
+        bias=bias,
+        group_list=group_list,
+        group_type=0,
+        group_list_type=case["group_list_type"],
+        split_item=case["split_item"],
+    )
 
 
 def reference_groups(x, w, b, counts, out_dtype):
     """Plain per-group matmuls in float64, rows walked by counts, rounded once."""
     outs, row = [], 0
     for g, c in enumerate(counts):
-        y = x[row:row + c].double() @ w[g].double()
+        y = x[row : row + c].double() @ w[g].double()
         if b is not None:
             y = y + b[g].double()
         outs.append(y.to(out_dtype))
@@ -135,8 +143,12 @@ def test_gmm_rows_past_group_sum_are_zero(case):
     (y,) = call_gmm(case, x, weight, bias)
     valid = sum(case["counts"])
     assert y.shape == (valid + case["pad"], case["N"])
-    assert_close(y[:valid], torch.cat(reference_groups(x, w, b, case["counts"], case["dtype"])),
-                 op_tolerance(case["dtype"]), f"valid rows of {case}")
+    assert_close(
+        y[:valid],
+        torch.cat(reference_groups(x, w, b, case["counts"], case["dtype"])),
+        op_tolerance(case["dtype"]),
+        f"valid rows of {case}",
+    )
     assert_bitwise_equal(y[valid:], torch.zeros_like(y[valid:]), "padded tail rows")
 
 
@@ -238,8 +250,15 @@ def test_gmm_no_grouping_contracts_last_dim_of_nd_x(dtype):
         assert_close(y, (a.double() @ w.double() + b.double()).to(dtype), op_tolerance(dtype), "group_type=-1")
 
 
-@given(seed=st.integers(0, 2**31 - 1), counts=group_counts(), M=st.integers(1, 5), N=st.integers(1, 5),
-       extra_k=st.integers(0, 2), split_item=st.sampled_from([1, 3]), dtype=st.sampled_from(DTYPES))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    counts=group_counts(),
+    M=st.integers(1, 5),
+    N=st.integers(1, 5),
+    extra_k=st.integers(0, 2),
+    split_item=st.sampled_from([1, 3]),
+    dtype=st.sampled_from(DTYPES),
+)
 def test_gmm_k_grouping_sums_to_full_matmul(seed, counts, M, N, extra_k, split_item, dtype):
     """group_type=2: y_g = X[:, K_g] @ W[K_g]; with fp32 Σ_g y_g = X @ W over the grouped columns."""
     gen = torch.Generator().manual_seed(seed)
@@ -252,13 +271,14 @@ def test_gmm_k_grouping_sums_to_full_matmul(seed, counts, M, N, extra_k, split_i
     assert len(ys) == len(counts) and all(y.shape == (M, N) for y in ys)
     start = 0
     for g, c in enumerate(counts):
-        expected = (x[:, start:start + c].double() @ w[start:start + c].double()).to(dtype)
+        expected = (x[:, start : start + c].double() @ w[start : start + c].double()).to(dtype)
         assert_close(ys[g], expected, op_tolerance(dtype), f"K group {g}")
         start += c
     if dtype == torch.float32:
         total = torch.stack(ys).double().sum(0)
-        assert_close(total.float(), (x[:, :start].double() @ w[:start].double()).float(), op_tolerance(dtype),
-                     "Σ_g y_g = X @ W")
+        assert_close(
+            total.float(), (x[:, :start].double() @ w[:start].double()).float(), op_tolerance(dtype), "Σ_g y_g = X @ W"
+        )
 
 
 @given(seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(DTYPES))
@@ -279,8 +299,13 @@ def swiglu_cases(draw):
     shape = draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
     dim = draw(st.integers(-ndim, ndim - 1))
     shape[dim] *= 2
-    return dict(seed=draw(st.integers(0, 2**31 - 1)), shape=shape, dim=dim, dtype=draw(st.sampled_from(DTYPES)),
-                transposed=draw(st.booleans()))
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        shape=shape,
+        dim=dim,
+        dtype=draw(st.sampled_from(DTYPES)),
+        transposed=draw(st.booleans()),
+    )
 
 
 @given(swiglu_cases())
@@ -324,8 +349,11 @@ def _opcheck_cases():
         "split3_counts": (GMM, ([x], [w]), dict(group_list=tok, group_type=0, group_list_type=1, split_item=3)),
         "split1_cumsum_dynamic": (GMM, ([x], [w]), dict(group_list=tok.cumsum(0), group_type=0, split_item=1)),
         "no_grouping_bias": (GMM, (xs, ws), dict(bias=[torch.randn(2), torch.randn(3)], group_type=-1)),
-        "k_grouping": (GMM, ([torch.randn(6, 3).t()], [torch.randn(6, 2)]),
-                       dict(group_list=torch.tensor([2, 6]), group_type=2, split_item=3)),
+        "k_grouping": (
+            GMM,
+            ([torch.randn(6, 3).t()], [torch.randn(6, 2)]),
+            dict(group_list=torch.tensor([2, 6]), group_type=2, split_item=3),
+        ),
         "list_split3": (GMM_LIST, ([x], [w]), dict(group_list=[2, 2, 9], split_item=3)),
         "list_split1": (GMM_LIST, ([x], [w]), dict(group_list=[2, 2, 7], split_item=1)),
         "swiglu": (SWIGLU, (torch.randn(3, 2, 8, dtype=torch.float16),), dict(dim=1)),
@@ -339,8 +367,7 @@ def test_opcheck(name):
 
 
 def _qwen3_ffn(x, w13, w2, tok):
-    h = torch.ops.npu.npu_grouped_matmul([x], [w13], group_list=tok, group_type=0, group_list_type=1,
-                                         split_item=3)[0]
+    h = torch.ops.npu.npu_grouped_matmul([x], [w13], group_list=tok, group_type=0, group_list_type=1, split_item=3)[0]
     h = torch.ops.npu.npu_swiglu(h)
     return torch.ops.npu.npu_grouped_matmul.List([h], [w2], group_list=[2, 2, 10], split_item=3)[0]
 
@@ -374,71 +401,163 @@ _tok = torch.tensor([2, 3])
 _M = dict(group_type=0, group_list_type=1, split_item=3)
 
 ERRORS = {
-    "group_type_none": (lambda: GMM([_x], [_w], group_list=_tok, split_item=3), ValueError,
-                        "npu_grouped_matmul: .*Requires manual passing group_type"),
-    "group_type_bad": (lambda: GMM([_x], [_w], group_list=_tok, group_type=1, split_item=3), ValueError,
-                       "npu_grouped_matmul: group_type=1"),
-    "split_item_bad": (lambda: GMM([_x], [_w], group_list=_tok, group_type=0, split_item=4), ValueError,
-                       "npu_grouped_matmul: split_item=4"),
-    "k_mismatch": (lambda: GMM([torch.randn(6, 5)], [_w], group_list=_tok, **_M), ValueError,
-                   r"npu_grouped_matmul: x\[0\] has K=5 .* K=4"),
-    "group_list_longer_than_weights": (lambda: GMM([_x], [_w], group_list=torch.tensor([1, 1, 1]), **_M),
-                                       ValueError, "npu_grouped_matmul: group_list has 3 entries; expected 2"),
-    "negative_count": (lambda: GMM([_x], [_w], group_list=torch.tensor([3, -1]), **_M), ValueError,
-                       r"npu_grouped_matmul: group_list \(group_list_type=1, counts\) must be >= 0"),
-    "non_monotonic_cumsum": (lambda: GMM([_x], [_w], group_list=torch.tensor([4, 2]), group_type=0,
-                                         group_list_type=0, split_item=3), ValueError,
-                             "npu_grouped_matmul: group_list .*cumsum.* non-decreasing"),
-    "sum_exceeds_m": (lambda: GMM([_x], [_w], group_list=torch.tensor([4, 3]), **_M), ValueError,
-                      "npu_grouped_matmul: group_list sums to 7 rows but x\\[0\\] has M=6"),
-    "group_list_int32": (lambda: GMM([_x], [_w], group_list=_tok.int(), **_M), ValueError,
-                         "npu_grouped_matmul: group_list has dtype torch.int32"),
-    "group_list_type_2": (lambda: GMM([_x], [_w], group_list=_tok, group_type=0, group_list_type=2, split_item=3),
-                          ValueError, "npu_grouped_matmul: group_list_type=2"),
-    "x_float64": (lambda: GMM([_x.double()], [_w.double()], group_list=_tok, **_M), ValueError,
-                  r"npu_grouped_matmul: x\[0\] has dtype torch.float64"),
-    "weight_dtype_differs": (lambda: GMM([_x], [_w.half()], group_list=_tok, **_M), ValueError,
-                             r"npu_grouped_matmul: weight\[0\] has dtype torch.float16; expected torch.float32"),
-    "output_dtype_differs": (lambda: GMM([_x], [_w], group_list=_tok, output_dtype=torch.bfloat16, **_M),
-                             ValueError, "npu_grouped_matmul: output_dtype is torch.bfloat16"),
-    "bias_shape": (lambda: GMM([_x], [_w], bias=[torch.randn(2, 4)], group_list=_tok, **_M), ValueError,
-                   r"npu_grouped_matmul: bias\[0\] has shape \(2, 4\); expected \(2, 3\)"),
-    "k_group_bias": (lambda: GMM([_x], [_w[0]], bias=[torch.randn(3)], group_list=_tok, group_type=2),
-                     ValueError, "npu_grouped_matmul: bias is not supported with group_type=2"),
-    "x_3d_grouped": (lambda: GMM([_x[None]], [_w], group_list=_tok, **_M), ValueError,
-                     r"npu_grouped_matmul: x\[0\] must have 2 dims"),
-    "unequal_n_concat": (lambda: GMM([_x], [_w[0], torch.randn(4, 5)], group_list=_tok, **_M), ValueError,
-                         "npu_grouped_matmul: split_item=3 concatenates .* same N"),
-    "multi_x_sizes": (lambda: GMM([_x[:2], _x[:3]], [_w], group_list=torch.tensor([2, 2]), **_M), ValueError,
-                      "npu_grouped_matmul: group_list sizes"),
-    "quant_scale": (lambda: GMM([_x], [_w], scale=[torch.ones(2, 3)], group_list=_tok, **_M),
-                    NotImplementedError, "npu_grouped_matmul: scale"),
-    "quant_antiquant": (lambda: GMM([_x], [_w], antiquant_scale=[torch.ones(2, 3)], group_list=_tok, **_M),
-                        NotImplementedError, "npu_grouped_matmul: antiquant_scale"),
-    "quant_per_token_scale": (lambda: GMM([_x], [_w], per_token_scale=[torch.ones(6)], group_list=_tok, **_M),
-                              NotImplementedError, "npu_grouped_matmul: per_token_scale"),
-    "quant_weight_dtype": (lambda: GMM([_x], [_w], weight_dtype=296, group_list=_tok, **_M), NotImplementedError,
-                           "npu_grouped_matmul: weight_dtype"),
-    "quant_act_type": (lambda: GMM([_x], [_w], act_type=5, group_list=_tok, **_M), NotImplementedError,
-                       "npu_grouped_matmul: act_type=5"),
-    "quant_int8_x": (lambda: GMM([_x.to(torch.int8)], [_w.to(torch.int8)], group_list=_tok, **_M),
-                     NotImplementedError, r"npu_grouped_matmul: x\[0\] dtype torch.int8"),
-    "list_group_type": (lambda: GMM_LIST([_x], [_w], group_list=[2, 5], group_type=0, split_item=3), ValueError,
-                        r"npu_grouped_matmul.List: group_type=0"),
-    "list_length_one": (lambda: GMM_LIST([_x], [_w[0]], group_list=[6], split_item=3), ValueError,
-                        r"npu_grouped_matmul.List: group_list=\[6\] has length 1"),
-    "list_decreasing": (lambda: GMM_LIST([_x], [_w], group_list=[5, 2], split_item=1), ValueError,
-                        r"npu_grouped_matmul.List: group_list \(cumulative ends\) must be non-decreasing"),
-    "list_split3_short": (lambda: GMM_LIST([_x], [_w], group_list=[2, 5], split_item=3), ValueError,
-                          r"npu_grouped_matmul.List: group_list ends at 5 but x\[0\] has M=6"),
-    "list_group_list_type": (lambda: GMM_LIST([_x], [_w], group_list=[2, 6], group_list_type=1, split_item=3),
-                             ValueError, r"npu_grouped_matmul.List: group_list_type=1"),
-    "list_quant": (lambda: GMM_LIST([_x], [_w], offset=[torch.ones(3)], group_list=[2, 6], split_item=3),
-                   NotImplementedError, r"npu_grouped_matmul.List: offset"),
+    "group_type_none": (
+        lambda: GMM([_x], [_w], group_list=_tok, split_item=3),
+        ValueError,
+        "npu_grouped_matmul: .*Requires manual passing group_type",
+    ),
+    "group_type_bad": (
+        lambda: GMM([_x], [_w], group_list=_tok, group_type=1, split_item=3),
+        ValueError,
+        "npu_grouped_matmul: group_type=1",
+    ),
+    "split_item_bad": (
+        lambda: GMM([_x], [_w], group_list=_tok, group_type=0, split_item=4),
+        ValueError,
+        "npu_grouped_matmul: split_item=4",
+    ),
+    "k_mismatch": (
+        lambda: GMM([torch.randn(6, 5)], [_w], group_list=_tok, **_M),
+        ValueError,
+        r"npu_grouped_matmul: x\[0\] has K=5 .* K=4",
+    ),
+    "group_list_longer_than_weights": (
+        lambda: GMM([_x], [_w], group_list=torch.tensor([1, 1, 1]), **_M),
+        ValueError,
+        "npu_grouped_matmul: group_list has 3 entries; expected 2",
+    ),
+    "negative_count": (
+        lambda: GMM([_x], [_w], group_list=torch.tensor([3, -1]), **_M),
+        ValueError,
+        r"npu_grouped_matmul: group_list \(group_list_type=1, counts\) must be >= 0",
+    ),
+    "non_monotonic_cumsum": (
+        lambda: GMM([_x], [_w], group_list=torch.tensor([4, 2]), group_type=0, group_list_type=0, split_item=3),
+        ValueError,
+        "npu_grouped_matmul: group_list .*cumsum.* non-decreasing",
+    ),
+    "sum_exceeds_m": (
+        lambda: GMM([_x], [_w], group_list=torch.tensor([4, 3]), **_M),
+        ValueError,
+        "npu_grouped_matmul: group_list sums to 7 rows but x\\[0\\] has M=6",
+    ),
+    "group_list_int32": (
+        lambda: GMM([_x], [_w], group_list=_tok.int(), **_M),
+        ValueError,
+        "npu_grouped_matmul: group_list has dtype torch.int32",
+    ),
+    "group_list_type_2": (
+        lambda: GMM([_x], [_w], group_list=_tok, group_type=0, group_list_type=2, split_item=3),
+        ValueError,
+        "npu_grouped_matmul: group_list_type=2",
+    ),
+    "x_float64": (
+        lambda: GMM([_x.double()], [_w.double()], group_list=_tok, **_M),
+        ValueError,
+        r"npu_grouped_matmul: x\[0\] has dtype torch.float64",
+    ),
+    "weight_dtype_differs": (
+        lambda: GMM([_x], [_w.half()], group_list=_tok, **_M),
+        ValueError,
+        r"npu_grouped_matmul: weight\[0\] has dtype torch.float16; expected torch.float32",
+    ),
+    "output_dtype_differs": (
+        lambda: GMM([_x], [_w], group_list=_tok, output_dtype=torch.bfloat16, **_M),
+        ValueError,
+        "npu_grouped_matmul: output_dtype is torch.bfloat16",
+    ),
+    "bias_shape": (
+        lambda: GMM([_x], [_w], bias=[torch.randn(2, 4)], group_list=_tok, **_M),
+        ValueError,
+        r"npu_grouped_matmul: bias\[0\] has shape \(2, 4\); expected \(2, 3\)",
+    ),
+    "k_group_bias": (
+        lambda: GMM([_x], [_w[0]], bias=[torch.randn(3)], group_list=_tok, group_type=2),
+        ValueError,
+        "npu_grouped_matmul: bias is not supported with group_type=2",
+    ),
+    "x_3d_grouped": (
+        lambda: GMM([_x[None]], [_w], group_list=_tok, **_M),
+        ValueError,
+        r"npu_grouped_matmul: x\[0\] must have 2 dims",
+    ),
+    "unequal_n_concat": (
+        lambda: GMM([_x], [_w[0], torch.randn(4, 5)], group_list=_tok, **_M),
+        ValueError,
+        "npu_grouped_matmul: split_item=3 concatenates .* same N",
+    ),
+    "multi_x_sizes": (
+        lambda: GMM([_x[:2], _x[:3]], [_w], group_list=torch.tensor([2, 2]), **_M),
+        ValueError,
+        "npu_grouped_matmul: group_list sizes",
+    ),
+    "quant_scale": (
+        lambda: GMM([_x], [_w], scale=[torch.ones(2, 3)], group_list=_tok, **_M),
+        NotImplementedError,
+        "npu_grouped_matmul: scale",
+    ),
+    "quant_antiquant": (
+        lambda: GMM([_x], [_w], antiquant_scale=[torch.ones(2, 3)], group_list=_tok, **_M),
+        NotImplementedError,
+        "npu_grouped_matmul: antiquant_scale",
+    ),
+    "quant_per_token_scale": (
+        lambda: GMM([_x], [_w], per_token_scale=[torch.ones(6)], group_list=_tok, **_M),
+        NotImplementedError,
+        "npu_grouped_matmul: per_token_scale",
+    ),
+    "quant_weight_dtype": (
+        lambda: GMM([_x], [_w], weight_dtype=296, group_list=_tok, **_M),
+        NotImplementedError,
+        "npu_grouped_matmul: weight_dtype",
+    ),
+    "quant_act_type": (
+        lambda: GMM([_x], [_w], act_type=5, group_list=_tok, **_M),
+        NotImplementedError,
+        "npu_grouped_matmul: act_type=5",
+    ),
+    "quant_int8_x": (
+        lambda: GMM([_x.to(torch.int8)], [_w.to(torch.int8)], group_list=_tok, **_M),
+        NotImplementedError,
+        r"npu_grouped_matmul: x\[0\] dtype torch.int8",
+    ),
+    "list_group_type": (
+        lambda: GMM_LIST([_x], [_w], group_list=[2, 5], group_type=0, split_item=3),
+        ValueError,
+        r"npu_grouped_matmul.List: group_type=0",
+    ),
+    "list_length_one": (
+        lambda: GMM_LIST([_x], [_w[0]], group_list=[6], split_item=3),
+        ValueError,
+        r"npu_grouped_matmul.List: group_list=\[6\] has length 1",
+    ),
+    "list_decreasing": (
+        lambda: GMM_LIST([_x], [_w], group_list=[5, 2], split_item=1),
+        ValueError,
+        r"npu_grouped_matmul.List: group_list \(cumulative ends\) must be non-decreasing",
+    ),
+    "list_split3_short": (
+        lambda: GMM_LIST([_x], [_w], group_list=[2, 5], split_item=3),
+        ValueError,
+        r"npu_grouped_matmul.List: group_list ends at 5 but x\[0\] has M=6",
+    ),
+    "list_group_list_type": (
+        lambda: GMM_LIST([_x], [_w], group_list=[2, 6], group_list_type=1, split_item=3),
+        ValueError,
+        r"npu_grouped_matmul.List: group_list_type=1",
+    ),
+    "list_quant": (
+        lambda: GMM_LIST([_x], [_w], offset=[torch.ones(3)], group_list=[2, 6], split_item=3),
+        NotImplementedError,
+        r"npu_grouped_matmul.List: offset",
+    ),
     "swiglu_odd": (lambda: SWIGLU(torch.randn(3, 5)), ValueError, "npu_swiglu: self has odd size 5 along dim=1"),
     "swiglu_dim_range": (lambda: SWIGLU(torch.randn(3, 4), dim=2), ValueError, "npu_swiglu: dim=2 is out of range"),
-    "swiglu_dtype": (lambda: SWIGLU(torch.randn(3, 4).double()), ValueError,
-                     "npu_swiglu: self has dtype torch.float64"),
+    "swiglu_dtype": (
+        lambda: SWIGLU(torch.randn(3, 4).double()),
+        ValueError,
+        "npu_swiglu: self has dtype torch.float64",
+    ),
 }
 
 
@@ -452,7 +571,7 @@ def test_invalid_inputs_raise_naming_op_and_argument(name):
 def test_npu_limits_only_in_strict_mode(monkeypatch):
     x, w = torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(2, 3, 2, dtype=torch.bfloat16)
     kw = dict(bias=[torch.zeros(2, 2, dtype=torch.bfloat16)], group_list=torch.tensor([1, 3]), **_M)
-    monkeypatch.delenv("QWEN3_MOE_STRICT_NPU_LIMITS", raising=False)   # whatever the caller's shell exported
+    monkeypatch.delenv("QWEN3_MOE_STRICT_NPU_LIMITS", raising=False)  # whatever the caller's shell exported
     GMM([x], [w], **kw)  # bf16 bias is fine semantically
     monkeypatch.setenv("QWEN3_MOE_STRICT_NPU_LIMITS", "1")
     with pytest.raises(ValueError, match=r"npu_grouped_matmul: NPU limit: bias\[0\] has dtype torch.bfloat16"):
@@ -473,11 +592,24 @@ def _npu_cases():
     xh, wh = x.to(f16), w.to(f16)
     return {
         "qwen3_counts_padded": ("npu_grouped_matmul", ([x], [w]), dict(group_list=tok, **_M), 19),
-        "cumsum_fp16_bias": ("npu_grouped_matmul", ([xh], [wh]),
-                             dict(bias=[torch.randn(4, 64, generator=gen).to(f16)], group_list=tok.cumsum(0),
-                                  group_type=0, group_list_type=0, split_item=3), 19),
-        "split1_cumsum": ("npu_grouped_matmul", ([x], [w]),
-                          dict(group_list=tok.cumsum(0), group_type=0, group_list_type=0, split_item=1), None),
+        "cumsum_fp16_bias": (
+            "npu_grouped_matmul",
+            ([xh], [wh]),
+            dict(
+                bias=[torch.randn(4, 64, generator=gen).to(f16)],
+                group_list=tok.cumsum(0),
+                group_type=0,
+                group_list_type=0,
+                split_item=3,
+            ),
+            19,
+        ),
+        "split1_cumsum": (
+            "npu_grouped_matmul",
+            ([x], [w]),
+            dict(group_list=tok.cumsum(0), group_type=0, group_list_type=0, split_item=1),
+            None,
+        ),
         "list_overload": ("npu_grouped_matmul.List", ([x], [w]), dict(group_list=[5, 5, 16, 24], split_item=3), 24),
         "swiglu_bf16": ("npu_swiglu", (torch.randn(16, 128, generator=gen).to(bf),), dict(dim=-1), None),
         "swiglu_fp16_dim0": ("npu_swiglu", (torch.randn(8, 6, generator=gen).to(f16),), dict(dim=0), None),
@@ -524,8 +656,11 @@ def test_gmm_stacked_fast_path_is_bitwise_the_per_group_path(case):
     group visited, is the semantic path it must equal bit for bit (same kernel per group, zero tail)."""
     from optimized.ops import gmm
 
-    case = dict(case, layout="transposed" if case["layout"] == "transposed" else "3d",
-                bias=None if case["bias"] is None else "stacked")
+    case = dict(
+        case,
+        layout="transposed" if case["layout"] == "transposed" else "3d",
+        bias=None if case["bias"] is None else "stacked",
+    )
     x, weight, w, b, bias = make_inputs(case)
     (fast,) = call_gmm(case, x, weight, bias)
     ends = torch.tensor(case["counts"], dtype=torch.int64).cumsum(0).tolist()
@@ -533,14 +668,21 @@ def test_gmm_stacked_fast_path_is_bitwise_the_per_group_path(case):
     (general,) = gmm._run(gmm.OP, "m_single", [x], list(weight[0].unbind(0)), Bs, ends, 3, case["dtype"])
     assert_bitwise_equal(fast, general, f"stacked fast path vs per-group path, {case}")
     from optimized.ops import cpu_gemm
+
     w3 = weight[0]
     if cpu_gemm.ONEDNN_BF16 and case["dtype"] == torch.bfloat16 and b is None and x.shape[0] > 0:
-        assert ("groups", w3.data_ptr(), tuple(w3.shape), w3.stride()) in cpu_gemm._PACKED, \
+        assert ("groups", w3.data_ptr(), tuple(w3.shape), w3.stride()) in cpu_gemm._PACKED, (
             "bf16 without bias: the grouped linear on packed groups (cpu_gemm.grouped_linear) was not taken"
+        )
 
 
-@given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.sampled_from([1, 7, 64, 768, 2048]), st.integers(1, 40),
-       st.sampled_from([torch.bfloat16, torch.float16]))
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 9),
+    st.sampled_from([1, 7, 64, 768, 2048]),
+    st.integers(1, 40),
+    st.sampled_from([torch.bfloat16, torch.float16]),
+)
 def test_gmm_16bit_cpu_matmul_rounds_once_like_the_fp32_definition(seed, m, k, n, dtype):
     """`_mm`'s CPU fast path multiplies 16-bit operands directly (fp32 accumulation, one rounding at the output)
     instead of the spec's definition, fp32 upcast + fp32 matmul + one rounding. Both round once from an fp32 sum:
@@ -553,21 +695,28 @@ def test_gmm_16bit_cpu_matmul_rounds_once_like_the_fp32_definition(seed, m, k, n
 
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).t()      # a transposed view, as the experts store it
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype).t()  # a transposed view, as the experts store it
     fast = gmm._mm(a, w, None, dtype)
     definition = (a.float() @ w.float()).to(dtype)
     assert fast.dtype == dtype and fast.shape == definition.shape
     # one ulp at |definition| (the spacing of the output dtype at that magnitude) + the fp32 reordering allowance
-    ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(definition.float().abs().clamp_min(
-        torch.finfo(dtype).tiny))))
+    ulp = torch.finfo(dtype).eps * torch.exp2(
+        torch.floor(torch.log2(definition.float().abs().clamp_min(torch.finfo(dtype).tiny)))
+    )
     reorder = math.sqrt(k) * torch.finfo(torch.float32).eps / 2 * (a.float().abs() @ w.float().abs())
     diff = (fast.float() - definition.float()).abs()
-    assert bool((diff <= ulp + reorder).all()), \
+    assert bool((diff <= ulp + reorder).all()), (
         f"max diff {diff.max().item()} exceeds one ulp + the fp32 reordering allowance (seed {seed}, m{m} k{k} n{n})"
+    )
 
 
-@given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.sampled_from([1, 7, 64, 768, 2048]), st.integers(1, 40),
-       st.sampled_from(["stacked", "transposed"]))
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 9),
+    st.sampled_from([1, 7, 64, 768, 2048]),
+    st.integers(1, 40),
+    st.sampled_from(["stacked", "transposed"]),
+)
 def test_gmm_bf16_cpu_matmul_on_the_prepacked_weight_is_bitwise_a_matmul(seed, m, k, n, layout):
     """On CPU, `_mm`'s bf16 path runs on oneDNN's prepacked copy of the expert weight (optimized/ops/cpu_gemm.py):
     bitwise the plain `a @ w` it replaces, for the experts' stored layout ([K, N] rows of a stacked [E, K, N]) and a

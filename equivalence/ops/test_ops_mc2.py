@@ -16,6 +16,7 @@ subgroups of a 4-rank world, resolved by name):
 - validation: every semantic rule of §10.4 / §11.3 raises naming the argument, the NPU limits only in strict mode
   (W = 1 allowed there), and the fake kernels give the eager shapes (graph capture).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -41,7 +42,9 @@ SHAPES = {1: [(4, 1), (4, 2)], 2: [(4, 1), (4, 2), (8, 4)], 4: [(8, 1), (8, 2), 
 def _random_bits(seed: int, rows: int) -> torch.Tensor:
     """bf16 rows of random bit patterns (NaN and inf patterns included)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-2**15, 2**15, (rows, H), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return (
+        torch.randint(-(2**15), 2**15, (rows, H), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    )
 
 
 def _mask(kind: str, seed: int, bs: int, k: int):
@@ -72,25 +75,46 @@ def _mc2_task(rank, world, case, moe_tp=1):
     elif moe_tp == 1:
         group, ep_rank = dist.group.WORLD, rank
     else:
-        state = comm.ParallelState.build(world_size=world, moe_tp_size=moe_tp, moe_ep_size=world // moe_tp,
-                                         attn_dp=False)
+        state = comm.ParallelState.build(
+            world_size=world, moe_tp_size=moe_tp, moe_ep_size=world // moe_tp, attn_dp=False
+        )
         group, ep_rank = state.moe_ep.group, state.moe_ep.rank
     w, e, gbs = world // moe_tp, case["E"], case["global_bs"]
     name = comm.comm_name(group)
     x_bits, x, ids, weights, mask = (case[key][ep_rank] for key in ("x_bits", "x", "ids", "weights", "mask"))
-    kw = dict(group_ep=name, ep_world_size=w, ep_rank_id=ep_rank, moe_expert_num=e, x_active_mask=mask,
-              global_bs=gbs, group_tp=name, tp_world_size=1, tp_rank_id=0, expert_shard_type=0, shared_expert_num=0,
-              shared_expert_rank_num=0)
+    kw = dict(
+        group_ep=name,
+        ep_world_size=w,
+        ep_rank_id=ep_rank,
+        moe_expert_num=e,
+        x_active_mask=mask,
+        global_bs=gbs,
+        group_tp=name,
+        tp_world_size=1,
+        tp_rank_id=0,
+        expert_shard_type=0,
+        shared_expert_num=0,
+        shared_expert_rank_num=0,
+    )
     moved = DISPATCH(x_bits, expert_ids=ids, quant_mode=0, comm_alg="fullmesh_v2", scales=None, **kw)
-    expand_x, _, assist, tokens, recv_counts, tp_counts = DISPATCH(x, expert_ids=ids, quant_mode=0,
-                                                                   comm_alg="fullmesh_v2", scales=None, **kw)[:6]
+    expand_x, _, assist, tokens, recv_counts, tp_counts = DISPATCH(
+        x, expert_ids=ids, quant_mode=0, comm_alg="fullmesh_v2", scales=None, **kw
+    )[:6]
     local = e // w
     n = int(tokens.sum())
     experts = ep_rank * local + torch.repeat_interleave(torch.arange(local), tokens)
-    y = torch.full_like(expand_x, float("nan"))                              # rows past n_recv: never read
+    y = torch.full_like(expand_x, float("nan"))  # rows past n_recv: never read
     y[:n] = _expert_fn(expand_x[:n], experts)
-    out = COMBINE(expand_x=y, expert_ids=ids, assist_info_for_combine=assist, ep_send_counts=recv_counts,
-                  tp_send_counts=tp_counts, expert_scales=weights, comm_quant_mode=0, **kw)
+    out = COMBINE(
+        expand_x=y,
+        expert_ids=ids,
+        assist_info_for_combine=assist,
+        ep_send_counts=recv_counts,
+        tp_send_counts=tp_counts,
+        expert_scales=weights,
+        comm_quant_mode=0,
+        **kw,
+    )
     return {"moved": moved[0], "tokens": moved[3], "recv_counts": moved[4], "assist": moved[2], "out": out}
 
 
@@ -98,13 +122,22 @@ def _draw_case(world: int, kind: str, shape: int, bs: int, uneven: bool, mask_ki
     e, k = SHAPES[world][shape % len(SHAPES[world])]
     g = torch.Generator().manual_seed(seed)
     sizes = [int(torch.randint(0, bs + 1, (1,), generator=g)) for _ in range(world)] if uneven else [bs] * world
-    sizes[-1] = max(sizes[-1], 1 if sum(sizes) == 0 else 0)                      # some rank holds a token
+    sizes[-1] = max(sizes[-1], 1 if sum(sizes) == 0 else 0)  # some rank holds a token
     ids, weights = expert_routing(kind, seed, sum(sizes), e, k, world)
     bits, vals = _random_bits(seed, sum(sizes)), torch.randn(sum(sizes), H, generator=g).to(torch.bfloat16)
-    split = lambda t: list(t.split(sizes))                                         # noqa: E731
+    split = lambda t: list(t.split(sizes))  # noqa: E731
     masks = [_mask(mask_kind, seed + r, s, k) for r, s in enumerate(sizes)]
-    return {"E": e, "K": k, "global_bs": max(max(sizes), 1) * world if uneven else 0, "sizes": sizes,
-            "x_bits": split(bits), "x": split(vals), "ids": split(ids), "weights": split(weights), "mask": masks}
+    return {
+        "E": e,
+        "K": k,
+        "global_bs": max(max(sizes), 1) * world if uneven else 0,
+        "sizes": sizes,
+        "x_bits": split(bits),
+        "x": split(vals),
+        "ids": split(ids),
+        "weights": split(weights),
+        "mask": masks,
+    }
 
 
 def _expected_rows(case: dict, rank: int, w: int):
@@ -130,8 +163,8 @@ def _expected_out(case: dict, s: int) -> torch.Tensor:
     act = _active(case["mask"][s], ids)
     acc = torch.zeros(x.shape, dtype=torch.float32)
     for j in range(case["K"]):
-        contrib = weights[:, j:j + 1] * _expert_fn(x, ids[:, j]).float()
-        acc = acc + torch.where(act[:, j:j + 1], contrib, torch.zeros_like(contrib))
+        contrib = weights[:, j : j + 1] * _expert_fn(x, ids[:, j]).float()
+        acc = acc + torch.where(act[:, j : j + 1], contrib, torch.zeros_like(contrib))
     return acc.to(x.dtype)
 
 
@@ -148,18 +181,27 @@ def _check_results(case: dict, results: list, w: int, what: str) -> None:
         assert_bitwise_equal(got["moved"][:n], want, f"{label}: expand_x[:n_recv]")
         assert not bool(got["moved"][n:].view(torch.int16).any()), f"{label}: expand_x rows past n_recv not zero"
         assert got["tokens"].tolist() == counts, f"{label}: expert_token_nums {got['tokens'].tolist()} != {counts}"
-        blocks = [sum(1 for (s, _, _), ex in zip(origin, _experts_of(case, origin)) if s == src and ex == le)
-                  for le in range(rank * local, (rank + 1) * local) for src in range(w)]
+        blocks = [
+            sum(1 for (s, _, _), ex in zip(origin, _experts_of(case, origin)) if s == src and ex == le)
+            for le in range(rank * local, (rank + 1) * local)
+            for src in range(w)
+        ]
         ends = torch.tensor(blocks).cumsum(0).tolist() if blocks else []
         assert got["recv_counts"].tolist() == ends, f"{label}: ep_recv_counts {got['recv_counts'].tolist()} != {ends}"
-        triplets = got["assist"][:3 * n].view(-1, 3).tolist()
+        triplets = got["assist"][: 3 * n].view(-1, 3).tolist()
         assert triplets == [list(o) for o in origin], f"{label}: assist (src rank, token, slot) {triplets} != {origin}"
         assert_bitwise_equal(got["out"], _expected_out(case, rank), f"{label}: combine output")
         # rows received from each source rank: the active slots it routes to this rank's experts
         per_source = got["recv_counts"].diff(prepend=got["recv_counts"].new_zeros(1)).view(local, w).sum(0)
-        want_from = [sum(1 for t in range(case["sizes"][s]) for j in range(k)
-                         if _active(case["mask"][s], case["ids"][s])[t, j]
-                         and int(case["ids"][s][t, j]) // local == rank) for s in range(w)]
+        want_from = [
+            sum(
+                1
+                for t in range(case["sizes"][s])
+                for j in range(k)
+                if _active(case["mask"][s], case["ids"][s])[t, j] and int(case["ids"][s][t, j]) // local == rank
+            )
+            for s in range(w)
+        ]
         assert per_source.tolist() == want_from, f"{label}: rows from each source {per_source.tolist()} != {want_from}"
     active = sum(int(_active(case["mask"][s], case["ids"][s]).sum()) for s in range(w))
     received = sum(int(got["tokens"].sum()) for got in results)
@@ -174,29 +216,39 @@ def _property(world: int, moe_tp: int, examples: int):
     w = world // moe_tp
 
     def check(kind, shape, bs, uneven, mask_kind, seed):
-        kind = "one_rank_overloaded" if w == 1 and kind == "rank_gets_nothing" else kind   # one rank gets all
+        kind = "one_rank_overloaded" if w == 1 and kind == "rank_gets_nothing" else kind  # one rank gets all
         case = _draw_case(w, kind, shape, bs, uneven, mask_kind, seed)
         if world == 1:
             results = [_mc2_task(0, 1, case)]
         else:
             per_rank = get_pool(world).run(_mc2_task, case, moe_tp, timeout=120)
-            results = per_rank[::moe_tp]                          # EP group of global rank 0: ranks 0, T, 2T, ...
-            for j in range(1, moe_tp):                            # the other EP groups moved the same data
+            results = per_rank[::moe_tp]  # EP group of global rank 0: ranks 0, T, 2T, ...
+            for j in range(1, moe_tp):  # the other EP groups moved the same data
                 for a, b in zip(results, per_rank[j::moe_tp]):
                     assert_bitwise_equal(b["out"], a["out"], f"EP group {j} vs group 0")
         _check_results(case, results, w, f"{kind} W={w}{' (subgroup)' if moe_tp > 1 else ''}")
 
-    run_property(check, examples, kind=routing_kinds, shape=st.integers(0, 3), bs=st.integers(1, 4),
-                 uneven=st.booleans(), mask_kind=st.sampled_from(["none", "prefix", "slots"]), seed=seeds)
+    run_property(
+        check,
+        examples,
+        kind=routing_kinds,
+        shape=st.integers(0, 3),
+        bs=st.integers(1, 4),
+        uneven=st.booleans(),
+        mask_kind=st.sampled_from(["none", "prefix", "slots"]),
+        seed=seeds,
+    )
 
 
-@pytest.mark.parametrize("world, moe_tp, examples", [(1, 1, 8), (2, 1, 8), (4, 1, 6), (4, 2, 3)],
-                         ids=["w1", "w2", "w4", "w4-ep2-subgroups"])
+@pytest.mark.parametrize(
+    "world, moe_tp, examples", [(1, 1, 8), (2, 1, 8), (4, 1, 6), (4, 2, 3)], ids=["w1", "w2", "w4", "w4-ep2-subgroups"]
+)
 def test_dispatch_combine_equal_plain_math_bit_exact(world, moe_tp, examples):
     _property(world, moe_tp, examples)
 
 
 # ------------------------------------------------------------------------------------------- validation
+
 
 def _single_inputs(bs=3, k=2, e=4, h=H, dtype=torch.bfloat16):
     x = torch.randn(bs, h).to(dtype)
@@ -210,25 +262,31 @@ def _dispatch(x, ids, **over):
     return DISPATCH(x, ids, **kw)
 
 
-@pytest.mark.parametrize("over, error, match", [
-    (dict(ep_rank_id=1), ValueError, "ep_rank_id=1"),
-    (dict(ep_world_size=2, moe_expert_num=3), ValueError, "moe_expert_num=3"),
-    (dict(expert_token_nums_type=2), ValueError, "expert_token_nums_type=2"),
-    (dict(quant_mode=1), ValueError, "quant_mode=1"),
-    (dict(quant_mode=2), NotImplementedError, "quant_mode=2"),
-    (dict(ep_world_size=4, moe_expert_num=6, shared_expert_num=2, shared_expert_rank_num=1), ValueError,
-     "shared_expert_num"),
-    (dict(tp_world_size=2), NotImplementedError, "tp_world_size=2"),
-    (dict(tp_rank_id=1), ValueError, "tp_rank_id=1"),
-    (dict(zero_expert_num=1), NotImplementedError, "zero_expert_num=1"),
-    (dict(comm_alg="ring"), ValueError, "comm_alg='ring'"),
-    (dict(global_bs=2), ValueError, "global_bs=2"),
-    (dict(x_dtype=292), NotImplementedError, "x_dtype=292"),
-    (dict(expert_scales=torch.ones(3, 2)), NotImplementedError, "expert_scales"),
-    (dict(scales=torch.ones(4, H)), ValueError, "scales"),
-    (dict(x_active_mask=torch.tensor([True, False, True])), ValueError, "True prefix"),
-    (dict(x_active_mask=torch.ones(2, dtype=torch.bool)), ValueError, "x_active_mask has shape"),
-])
+@pytest.mark.parametrize(
+    "over, error, match",
+    [
+        (dict(ep_rank_id=1), ValueError, "ep_rank_id=1"),
+        (dict(ep_world_size=2, moe_expert_num=3), ValueError, "moe_expert_num=3"),
+        (dict(expert_token_nums_type=2), ValueError, "expert_token_nums_type=2"),
+        (dict(quant_mode=1), ValueError, "quant_mode=1"),
+        (dict(quant_mode=2), NotImplementedError, "quant_mode=2"),
+        (
+            dict(ep_world_size=4, moe_expert_num=6, shared_expert_num=2, shared_expert_rank_num=1),
+            ValueError,
+            "shared_expert_num",
+        ),
+        (dict(tp_world_size=2), NotImplementedError, "tp_world_size=2"),
+        (dict(tp_rank_id=1), ValueError, "tp_rank_id=1"),
+        (dict(zero_expert_num=1), NotImplementedError, "zero_expert_num=1"),
+        (dict(comm_alg="ring"), ValueError, "comm_alg='ring'"),
+        (dict(global_bs=2), ValueError, "global_bs=2"),
+        (dict(x_dtype=292), NotImplementedError, "x_dtype=292"),
+        (dict(expert_scales=torch.ones(3, 2)), NotImplementedError, "expert_scales"),
+        (dict(scales=torch.ones(4, H)), ValueError, "scales"),
+        (dict(x_active_mask=torch.tensor([True, False, True])), ValueError, "True prefix"),
+        (dict(x_active_mask=torch.ones(2, dtype=torch.bool)), ValueError, "x_active_mask has shape"),
+    ],
+)
 def test_dispatch_rejects_invalid_arguments_naming_them(over, error, match):
     x, ids = _single_inputs()
     with pytest.raises(error, match=match):
@@ -267,7 +325,7 @@ def test_combine_rejects_foreign_or_mismatched_handles():
 def test_npu_limits_only_in_strict_mode_and_w1_allowed_there(monkeypatch):
     small, ids = _single_inputs(h=64, dtype=torch.float32)
     monkeypatch.setenv("QWEN3_MOE_STRICT_NPU_LIMITS", "0")
-    _dispatch(small, ids)                                           # H=64 fp32: fine outside strict mode
+    _dispatch(small, ids)  # H=64 fp32: fine outside strict mode
     monkeypatch.setenv("QWEN3_MOE_STRICT_NPU_LIMITS", "1")
     with pytest.raises(ValueError, match="NPU limit: H=64"):
         _dispatch(small.to(torch.bfloat16), ids)
@@ -277,7 +335,7 @@ def test_npu_limits_only_in_strict_mode_and_w1_allowed_there(monkeypatch):
     with pytest.raises(ValueError, match="NPU limit: K=13 must be <= 12"):
         _dispatch(torch.zeros(3, 1024, dtype=torch.bfloat16), k13, moe_expert_num=16, comm_alg="fullmesh_v2")
     x, ids = _single_inputs(h=1024)
-    out = _dispatch(x, ids, comm_alg="fullmesh_v2")                 # W = 1 passes the strict limits (spec §13.18)
+    out = _dispatch(x, ids, comm_alg="fullmesh_v2")  # W = 1 passes the strict limits (spec §13.18)
     assert out[3].sum() == 6
 
 
@@ -285,9 +343,11 @@ def _bad_group_task(rank, world):
     x, ids = _single_inputs()
     name = comm.comm_name(dist.group.WORLD)
     errors = []
-    for kw in (dict(group_ep="no-such-group", ep_world_size=world, ep_rank_id=rank),
-               dict(group_ep=name, ep_world_size=world, ep_rank_id=(rank + 1) % world),
-               dict(group_ep=comm.comm_name(None), ep_world_size=world, ep_rank_id=rank)):
+    for kw in (
+        dict(group_ep="no-such-group", ep_world_size=world, ep_rank_id=rank),
+        dict(group_ep=name, ep_world_size=world, ep_rank_id=(rank + 1) % world),
+        dict(group_ep=comm.comm_name(None), ep_world_size=world, ep_rank_id=rank),
+    ):
         try:
             DISPATCH(x, ids, moe_expert_num=4, **kw)
             errors.append("")

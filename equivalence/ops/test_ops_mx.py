@@ -9,6 +9,7 @@ bitwise, MX matmuls (npu_quant_matmul, npu_grouped_matmul) == dequantize then an
 summation error bound, the converter's quantizer (§8.2), shapes under fake tensors, opcheck, torch.compile,
 named validation errors, and NPU-vs-portable comparisons.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,17 +35,35 @@ E4M3, E5M2, FP4 = 24, 23, 296
 
 # Every legal (dst_type, scale_alg, round_mode, dst_type_max, max_low_bound) of §3.4 the kernels implement.
 CONFIGS = [
-    (E4M3, 0, "rint", 0.0, 0.0), (E5M2, 0, "rint", 0.0, 0.0), (292, 1, "rint", 0.0, 0.0),
-    (291, 1, "rint", 0.0, 0.0), (E4M3, 1, "rint", 0.0, 1e-3), (E5M2, 1, "rint", 0.0, 2.0**-120),
-    (FP4, 0, "rint", 0.0, 0.0), (FP4, 0, "round", 0.0, 0.0), (FP4, 0, "floor", 0.0, 0.0),
-    (FP4, 2, "rint", 0.0, 0.0), (FP4, 2, "round", 6.0, 0.0), (FP4, 2, "floor", 7.0, 0.0),
-    (FP4, 2, "rint", 7.0, 0.0), (FP4, 2, "rint", 9.5, 0.0), (FP4, 2, "floor", 12.0, 0.0),
+    (E4M3, 0, "rint", 0.0, 0.0),
+    (E5M2, 0, "rint", 0.0, 0.0),
+    (292, 1, "rint", 0.0, 0.0),
+    (291, 1, "rint", 0.0, 0.0),
+    (E4M3, 1, "rint", 0.0, 1e-3),
+    (E5M2, 1, "rint", 0.0, 2.0**-120),
+    (FP4, 0, "rint", 0.0, 0.0),
+    (FP4, 0, "round", 0.0, 0.0),
+    (FP4, 0, "floor", 0.0, 0.0),
+    (FP4, 2, "rint", 0.0, 0.0),
+    (FP4, 2, "round", 6.0, 0.0),
+    (FP4, 2, "floor", 7.0, 0.0),
+    (FP4, 2, "rint", 7.0, 0.0),
+    (FP4, 2, "rint", 9.5, 0.0),
+    (FP4, 2, "floor", 12.0, 0.0),
 ]
 
 
 def quant(x, dst, alg=0, rm="rint", dtm=0.0, mlb=0.0, axis=-1, block_size=32):
-    return QUANT(x, axis=axis, round_mode=rm, dst_type=dst, block_size=block_size, scale_alg=alg,
-                 dst_type_max=dtm, max_low_bound=mlb)
+    return QUANT(
+        x,
+        axis=axis,
+        round_mode=rm,
+        dst_type=dst,
+        block_size=block_size,
+        scale_alg=alg,
+        dst_type_max=dtm,
+        max_low_bound=mlb,
+    )
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -53,8 +72,9 @@ def bytes_of(t: torch.Tensor) -> np.ndarray:
 
 def assert_matches_oracle(x, dst, alg=0, rm="rint", dtm=0.0, mlb=0.0, axis=-1, block_size=32):
     y, s = quant(x, dst, alg, rm, dtm, mlb, axis, block_size)
-    y_ref, s_ref = oracle.quantize(x, dst, axis=axis, round_mode=rm, scale_alg=alg, block_size=block_size,
-                                   dst_type_max=dtm, max_low_bound=mlb)
+    y_ref, s_ref = oracle.quantize(
+        x, dst, axis=axis, round_mode=rm, scale_alg=alg, block_size=block_size, dst_type_max=dtm, max_low_bound=mlb
+    )
     label = f"dst={dst} alg={alg} {rm} dtm={dtm} mlb={mlb} axis={axis} bs={block_size} x{tuple(x.shape)} {x.dtype}"
     assert s.dtype == torch.uint8, label
     np.testing.assert_array_equal(s.numpy(), s_ref, err_msg=f"scale bytes: {label}")
@@ -115,7 +135,7 @@ def test_non_last_axis_scale_layout_interleaves_the_pair():
 
 def test_fp4_brute_force_rint_agrees_with_ml_dtypes():
     # The oracle's two FP4 encoders cross-check each other on every tie and both sides of each threshold.
-    grid = np.array(sorted({t + d for t in np.arange(0, 8, 0.125) for d in (-2**-20, 0.0, 2**-20)}))
+    grid = np.array(sorted({t + d for t in np.arange(0, 8, 0.125) for d in (-(2**-20), 0.0, 2**-20)}))
     v = np.concatenate([grid, -grid, [-0.0, 7.0, -9.0]])
     lib = np.clip(v, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
     np.testing.assert_array_equal(oracle.fp4_brute_force(v, "rint"), lib)
@@ -145,9 +165,40 @@ def test_fp8_brute_force_agrees_with_ml_dtypes(fmt):
 
 # --- golden vectors (§10) -------------------------------------------------------------------------------
 
-BLOCK_10_1 = [0x4049, 0xBFC0, 0x0000, 0x3F40, 0xBEC0, 0x4000, 0x3DCD, 0xBD4D, 0x3FA0, 0xC030, 0x3F30, 0x3C80,
-              0xBB00, 0x3E9A, 0x3F66, 0xBF66, 0x3F80, 0xBF80, 0x3F00, 0xBF00, 0x3E80, 0x4020, 0xC040, 0x3E00,
-              0x3FE0, 0xBF20, 0x3D80, 0x3E4D, 0xBC24, 0x3EE0, 0x4010, 0xBF90]
+BLOCK_10_1 = [
+    0x4049,
+    0xBFC0,
+    0x0000,
+    0x3F40,
+    0xBEC0,
+    0x4000,
+    0x3DCD,
+    0xBD4D,
+    0x3FA0,
+    0xC030,
+    0x3F30,
+    0x3C80,
+    0xBB00,
+    0x3E9A,
+    0x3F66,
+    0xBF66,
+    0x3F80,
+    0xBF80,
+    0x3F00,
+    0xBF00,
+    0x3E80,
+    0x4020,
+    0xC040,
+    0x3E00,
+    0x3FE0,
+    0xBF20,
+    0x3D80,
+    0x3E4D,
+    0xBC24,
+    0x3EE0,
+    0x4010,
+    0xBF90,
+]
 
 
 def bf16_from_bits(bits) -> torch.Tensor:
@@ -345,21 +396,43 @@ def test_anti_quant_accepts_e8m0_storage_and_pins_nan_blocks():
 
 
 ANTI_ERRORS = {
-    "src_mismatch": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e5m2), torch.zeros(2, 1, 2, dtype=torch.uint8)),
-                     ValueError, r"npu_anti_mx_quant: x has dtype torch.float8_e5m2; src_type=292 needs"),
-    "src_code": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 1, 2, dtype=torch.uint8),
-                              src_type=290), ValueError, r"src_type=290 is not an MX element type; allowed codes"),
-    "fp4_dtype": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.int8), torch.zeros(2, 1, 2, dtype=torch.uint8),
-                               src_type=296), ValueError, r"x has dtype torch.int8; allowed: torch.uint8"),
-    "scale_shape": (lambda: ANTI(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, 2, dtype=torch.uint8),
-                                 src_type=296), ValueError,
-                    r"mxscale has shape \(2, 2, 2\); expected \(2, 1, 2\) for x of logical shape \(2, 32\)"),
-    "scale_dtype": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2)),
-                    ValueError, r"mxscale has dtype torch.float32; allowed: torch.uint8, torch.float8_e8m0fnu"),
-    "dst": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2, dtype=torch.uint8),
-                         dst_type=1), ValueError, r"dst_type=1 is not allowed; allowed codes: 15 \(bfloat16\)"),
-    "axis": (lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2, dtype=torch.uint8),
-                          axis=-3), ValueError, r"axis=-3 is out of range"),
+    "src_mismatch": (
+        lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e5m2), torch.zeros(2, 1, 2, dtype=torch.uint8)),
+        ValueError,
+        r"npu_anti_mx_quant: x has dtype torch.float8_e5m2; src_type=292 needs",
+    ),
+    "src_code": (
+        lambda: ANTI(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 1, 2, dtype=torch.uint8), src_type=290),
+        ValueError,
+        r"src_type=290 is not an MX element type; allowed codes",
+    ),
+    "fp4_dtype": (
+        lambda: ANTI(torch.zeros(2, 32, dtype=torch.int8), torch.zeros(2, 1, 2, dtype=torch.uint8), src_type=296),
+        ValueError,
+        r"x has dtype torch.int8; allowed: torch.uint8",
+    ),
+    "scale_shape": (
+        lambda: ANTI(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, 2, dtype=torch.uint8), src_type=296),
+        ValueError,
+        r"mxscale has shape \(2, 2, 2\); expected \(2, 1, 2\) for x of logical shape \(2, 32\)",
+    ),
+    "scale_dtype": (
+        lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2)),
+        ValueError,
+        r"mxscale has dtype torch.float32; allowed: torch.uint8, torch.float8_e8m0fnu",
+    ),
+    "dst": (
+        lambda: ANTI(
+            torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2, dtype=torch.uint8), dst_type=1
+        ),
+        ValueError,
+        r"dst_type=1 is not allowed; allowed codes: 15 \(bfloat16\)",
+    ),
+    "axis": (
+        lambda: ANTI(torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, 2, dtype=torch.uint8), axis=-3),
+        ValueError,
+        r"axis=-3 is out of range",
+    ),
 }
 
 
@@ -528,49 +601,101 @@ def test_golden_10_6_swiglu_and_zero_inputs():
     assert s.tolist() == [[[118, 0]]] * 4 and y.float().unique().tolist() == [384.0]
     # every MX op on zeros: elements 0, scale bytes 0
     z = torch.zeros(3, 64, dtype=BF16)
-    outs = [QUANT(z), QUANT(z, dst_type=E4M3, scale_alg=1), SWIGLU_Q(torch.cat([z, z], -1)),
-            RMS_Q(z, torch.ones(64, dtype=BF16))[:2], ADD_RMS_Q(z, z, torch.ones(64, dtype=BF16), dst_type=E4M3)[::2]]
+    outs = [
+        QUANT(z),
+        QUANT(z, dst_type=E4M3, scale_alg=1),
+        SWIGLU_Q(torch.cat([z, z], -1)),
+        RMS_Q(z, torch.ones(64, dtype=BF16))[:2],
+        ADD_RMS_Q(z, z, torch.ones(64, dtype=BF16), dst_type=E4M3)[::2],
+    ]
     for y, s in outs:
         assert (y.view(torch.uint8) == 0).all() and (s == 0).all()
 
 
 FUSED_ERRORS = {
-    "rms_dtype": (lambda: RMS_Q(torch.ones(2, 32), torch.ones(32)), ValueError,
-                  r"npu_rms_norm_dynamic_mx_quant: x has dtype torch.float32; allowed: torch.bfloat16, torch.float16"),
-    "rms_gamma_shape": (lambda: RMS_Q(_X, torch.ones(32, dtype=BF16)), ValueError,
-                        r"npu_rms_norm_dynamic_mx_quant: gamma has shape \(32,\); expected \(64,\)"),
-    "rms_gamma_dtype": (lambda: RMS_Q(_X, torch.ones(64, dtype=FP16)), ValueError,
-                        r"gamma has dtype torch.float16; allowed: torch.bfloat16 \(x.dtype\), torch.float32"),
-    "rms_beta": (lambda: RMS_Q(_X, torch.ones(64, dtype=BF16), beta=torch.ones(64)), ValueError,
-                 r"beta is torch.float32\(64,\); expected gamma's torch.bfloat16\(64,\)"),
-    "rms_fp4_alg1": (lambda: RMS_Q(_X, torch.ones(64, dtype=BF16), scale_alg=1), ValueError,
-                     r"npu_rms_norm_dynamic_mx_quant: scale_alg=1 is not allowed with dst_type float4_e2m1fn; "
-                     r"allowed: 0"),
-    "rms_fp8_alg2": (lambda: RMS_Q(_X, torch.ones(64, dtype=BF16), scale_alg=2, dst_type=24), ValueError,
-                     r"scale_alg=2 is not allowed with dst_type float8_e4m3fn; allowed: 0, 1"),
-    "add_x2": (lambda: ADD_RMS_Q(_X, _X[:1], torch.ones(64, dtype=BF16)), ValueError,
-               r"npu_add_rms_norm_dynamic_mx_quant: x2 is torch.bfloat16\(1, 64\); expected x1's"),
-    "add_dst": (lambda: ADD_RMS_Q(_X, _X, torch.ones(64, dtype=BF16), dst_type=15), ValueError,
-                r"npu_add_rms_norm_dynamic_mx_quant: dst_type=15 is not an MX element type"),
-    "swiglu_odd": (lambda: SWIGLU_Q(torch.ones(3, 6, dtype=BF16), activate_dim=0), ValueError,
-                   r"npu_swiglu_mx_quant: x has odd size 3 along activate_dim=0"),
-    "swiglu_rank": (lambda: SWIGLU_Q(torch.ones(64, dtype=BF16)), ValueError,
-                    r"npu_swiglu_mx_quant: x must have 2 to 7 dims; got shape \(64,\)"),
+    "rms_dtype": (
+        lambda: RMS_Q(torch.ones(2, 32), torch.ones(32)),
+        ValueError,
+        r"npu_rms_norm_dynamic_mx_quant: x has dtype torch.float32; allowed: torch.bfloat16, torch.float16",
+    ),
+    "rms_gamma_shape": (
+        lambda: RMS_Q(_X, torch.ones(32, dtype=BF16)),
+        ValueError,
+        r"npu_rms_norm_dynamic_mx_quant: gamma has shape \(32,\); expected \(64,\)",
+    ),
+    "rms_gamma_dtype": (
+        lambda: RMS_Q(_X, torch.ones(64, dtype=FP16)),
+        ValueError,
+        r"gamma has dtype torch.float16; allowed: torch.bfloat16 \(x.dtype\), torch.float32",
+    ),
+    "rms_beta": (
+        lambda: RMS_Q(_X, torch.ones(64, dtype=BF16), beta=torch.ones(64)),
+        ValueError,
+        r"beta is torch.float32\(64,\); expected gamma's torch.bfloat16\(64,\)",
+    ),
+    "rms_fp4_alg1": (
+        lambda: RMS_Q(_X, torch.ones(64, dtype=BF16), scale_alg=1),
+        ValueError,
+        r"npu_rms_norm_dynamic_mx_quant: scale_alg=1 is not allowed with dst_type float4_e2m1fn; "
+        r"allowed: 0",
+    ),
+    "rms_fp8_alg2": (
+        lambda: RMS_Q(_X, torch.ones(64, dtype=BF16), scale_alg=2, dst_type=24),
+        ValueError,
+        r"scale_alg=2 is not allowed with dst_type float8_e4m3fn; allowed: 0, 1",
+    ),
+    "add_x2": (
+        lambda: ADD_RMS_Q(_X, _X[:1], torch.ones(64, dtype=BF16)),
+        ValueError,
+        r"npu_add_rms_norm_dynamic_mx_quant: x2 is torch.bfloat16\(1, 64\); expected x1's",
+    ),
+    "add_dst": (
+        lambda: ADD_RMS_Q(_X, _X, torch.ones(64, dtype=BF16), dst_type=15),
+        ValueError,
+        r"npu_add_rms_norm_dynamic_mx_quant: dst_type=15 is not an MX element type",
+    ),
+    "swiglu_odd": (
+        lambda: SWIGLU_Q(torch.ones(3, 6, dtype=BF16), activate_dim=0),
+        ValueError,
+        r"npu_swiglu_mx_quant: x has odd size 3 along activate_dim=0",
+    ),
+    "swiglu_rank": (
+        lambda: SWIGLU_Q(torch.ones(64, dtype=BF16)),
+        ValueError,
+        r"npu_swiglu_mx_quant: x must have 2 to 7 dims; got shape \(64,\)",
+    ),
     "swiglu_mode1": (lambda: SWIGLU_Q(_X, swiglu_mode=1), NotImplementedError, r"swiglu_mode=1"),
     "swiglu_fp4_alg1": (lambda: SWIGLU_Q(_X, scale_alg=1), ValueError, r"scale_alg=1 .* allowed: 0"),
-    "swiglu_max_dtype_value": (lambda: SWIGLU_Q(_X, max_dtype_value=6.0), ValueError,
-                               r"max_dtype_value=6.0; allowed: 0"),
-    "swiglu_fp4_odd": (lambda: SWIGLU_Q(torch.ones(2, 2, dtype=BF16)), ValueError,
-                       r"the activation \(x with activate_dim halved\) has shape \(2, 1\); FP4 output packs"),
-    "swiglu_group_dtype": (lambda: SWIGLU_Q(_X, group_index=torch.tensor([1], dtype=torch.int32)), ValueError,
-                           r"group_index has dtype torch.int32; allowed: torch.int64"),
-    "swiglu_group_rows": (lambda: SWIGLU_Q(_X, group_index=torch.tensor([2, 1])), ValueError,
-                          r"group_index covers 3 rows but x has 2"),
-    "swiglu_group_cumsum": (lambda: SWIGLU_Q(_X, group_index=torch.tensor([2, 1]), group_mode=1), ValueError,
-                            r"group_index \(group_mode=1, cumsum\) must be non-negative and non-decreasing"),
-    "swiglu_group_axis": (lambda: SWIGLU_Q(torch.ones(64, 4, dtype=BF16), group_index=torch.tensor([1]),
-                                           activate_dim=0, dst_type=24), NotImplementedError,
-                          r"group_index with activate_dim=0"),
+    "swiglu_max_dtype_value": (
+        lambda: SWIGLU_Q(_X, max_dtype_value=6.0),
+        ValueError,
+        r"max_dtype_value=6.0; allowed: 0",
+    ),
+    "swiglu_fp4_odd": (
+        lambda: SWIGLU_Q(torch.ones(2, 2, dtype=BF16)),
+        ValueError,
+        r"the activation \(x with activate_dim halved\) has shape \(2, 1\); FP4 output packs",
+    ),
+    "swiglu_group_dtype": (
+        lambda: SWIGLU_Q(_X, group_index=torch.tensor([1], dtype=torch.int32)),
+        ValueError,
+        r"group_index has dtype torch.int32; allowed: torch.int64",
+    ),
+    "swiglu_group_rows": (
+        lambda: SWIGLU_Q(_X, group_index=torch.tensor([2, 1])),
+        ValueError,
+        r"group_index covers 3 rows but x has 2",
+    ),
+    "swiglu_group_cumsum": (
+        lambda: SWIGLU_Q(_X, group_index=torch.tensor([2, 1]), group_mode=1),
+        ValueError,
+        r"group_index \(group_mode=1, cumsum\) must be non-negative and non-decreasing",
+    ),
+    "swiglu_group_axis": (
+        lambda: SWIGLU_Q(torch.ones(64, 4, dtype=BF16), group_index=torch.tensor([1]), activate_dim=0, dst_type=24),
+        NotImplementedError,
+        r"group_index with activate_dim=0",
+    ),
 }
 
 
@@ -674,8 +799,16 @@ def test_quant_matmul_mxfp8_linear_from_quantized_bf16():
     x, w = torch.randn(5, 256, generator=g).to(BF16), torch.randn(48, 256, generator=g).to(BF16) * 0.05
     xq, xs = quant(x, E4M3)
     wq, wsc = quant(w, E4M3)
-    out = QMM(xq, wq.t(), wsc.transpose(0, 1), pertoken_scale=xs, scale_dtype=293, pertoken_scale_dtype=293,
-              output_dtype=6, group_sizes=[1, 1, 32])
+    out = QMM(
+        xq,
+        wq.t(),
+        wsc.transpose(0, 1),
+        pertoken_scale=xs,
+        scale_dtype=293,
+        pertoken_scale_dtype=293,
+        output_dtype=6,
+        group_sizes=[1, 1, 32],
+    )
     a = oracle.dequantize(bytes_of(xq), xs.numpy(), "e4m3")
     b = oracle.dequantize(bytes_of(wq), wsc.numpy(), "e4m3").T
     assert_fp32_matmul_bound(out, a, b)
@@ -709,8 +842,14 @@ def gmm_cases(draw):
         w_vals = np.stack([_decode_rows(w[i], "e2m1") for i in range(e)])
     list_type = draw(st.sampled_from([0, 1]))
     group_list = torch.tensor(counts if list_type == 1 else np.cumsum(counts).tolist(), dtype=torch.int64)
-    kw.update(per_token_scale=[xs], per_token_scale_dtype=293, group_list=group_list, group_type=0,
-              group_list_type=list_type, split_item=draw(st.sampled_from([2, 3])))
+    kw.update(
+        per_token_scale=[xs],
+        per_token_scale_dtype=293,
+        group_list=group_list,
+        group_type=0,
+        group_list_type=list_type,
+        split_item=draw(st.sampled_from([2, 3])),
+    )
     return xf, x, w, w_vals, xs, ws, counts, kw
 
 
@@ -724,7 +863,7 @@ def test_grouped_matmul_mx_equals_dequantize_then_matmul(case):
     start = 0
     for e, c in enumerate(counts):
         b = _weight_ref(w_vals[e], ws[e].numpy())
-        assert_fp32_matmul_bound(out32[start:start + c], a[start:start + c], b)
+        assert_fp32_matmul_bound(out32[start : start + c], a[start : start + c], b)
         start += c
     assert (out32[start:] == 0).all(), "rows past the last group are 0"
     (out16,) = GMM([x], [w], output_dtype=torch.bfloat16, **kw)
@@ -740,9 +879,19 @@ def test_golden_10_7_gmm_w4a8_indexing():
     assert w.tolist() == [[0x66] * 32] and ws.tolist() == [[124, 124]]
     weight = w[None].transpose(1, 2)  # [E=1, K/2=32, N=1]
     scale = ws[None].reshape(1, 1, 1, 2).transpose(1, 2)  # reshape_mx_scale, then [E, K/64, N, 2]
-    (y,) = GMM([xq], [weight], antiquant_scale=[scale], per_token_scale=[xs], group_list=torch.tensor([1]),
-               group_type=0, group_list_type=1, split_item=3, weight_dtype=296, per_token_scale_dtype=293,
-               output_dtype=torch.bfloat16)
+    (y,) = GMM(
+        [xq],
+        [weight],
+        antiquant_scale=[scale],
+        per_token_scale=[xs],
+        group_list=torch.tensor([1]),
+        group_type=0,
+        group_list_type=1,
+        split_item=3,
+        weight_dtype=296,
+        per_token_scale_dtype=293,
+        output_dtype=torch.bfloat16,
+    )
     assert y.tolist() == [[48.0]]
 
 
@@ -759,8 +908,9 @@ def test_w4a8_experts_pipeline():
     x = torch.randn(sum(counts), h, generator=g).to(BF16)
     xq, xs = quant(x, E4M3)
     tok = torch.tensor(counts)
-    common = dict(group_list=tok, group_type=0, group_list_type=1, split_item=3, weight_dtype=296,
-                  per_token_scale_dtype=293)
+    common = dict(
+        group_list=tok, group_type=0, group_list_type=1, split_item=3, weight_dtype=296, per_token_scale_dtype=293
+    )
 
     def gmm_checked(aq, a_scale, q, s):
         wv, sv = [q.transpose(1, 2)], [s.unflatten(-1, (-1, 2)).transpose(1, 2)]
@@ -771,7 +921,7 @@ def test_w4a8_experts_pipeline():
         start = 0
         for i, c in enumerate(counts):
             b = oracle.dequantize(q[i].numpy(), mxf.pair_scales(s[i]).numpy(), "e2m1").T
-            assert_fp32_matmul_bound(out32[start:start + c], a[start:start + c], b)
+            assert_fp32_matmul_bound(out32[start : start + c], a[start : start + c], b)
             start += c
         return out16
 
@@ -782,51 +932,166 @@ def test_w4a8_experts_pipeline():
 
 
 MM_ERRORS = {
-    "qmm_not_mx": (lambda: QMM(torch.zeros(2, 32, dtype=torch.int8), torch.zeros(32, 4, dtype=torch.int8),
-                               torch.ones(4)), NotImplementedError, r"npu_quant_matmul: scale_dtype=None, "
-                                                                    r"pertoken_scale_dtype=None \(only the MX modes"),
-    "qmm_half_mx": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293), ValueError,
-                    r"npu_quant_matmul: pertoken_scale_dtype=None in MX mode; allowed: 293"),
-    "qmm_group_sizes": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293,
-                                    group_sizes=[1, 1, 64]), ValueError, r"group_sizes=\[1, 1, 64\] in MX mode"),
-    "qmm_x2_dtype": (lambda: QMM(_F8, _F8.t().to(torch.float16), _S2, pertoken_scale=_S1, scale_dtype=293,
-                                 pertoken_scale_dtype=293), ValueError,
-                     r"x2 is torch.float16 with x2_dtype=None; allowed: torch.float8_e4m3fn / torch.float8_e5m2, "
-                     r"or torch.uint8 with x2_dtype=296"),
-    "qmm_a8w4": (lambda: QMM(_F8, torch.zeros(64, 4, dtype=torch.uint8), _S2, pertoken_scale=_S1, scale_dtype=293,
-                             pertoken_scale_dtype=293, x2_dtype=296), NotImplementedError, r"MX A8W4 linear"),
-    "qmm_k": (lambda: QMM(_F8, _F8[:, :32].t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293),
-              ValueError, r"x2 has shape \(32, 3\); expected \[K=64, N\]"),
-    "qmm_scale_shape": (lambda: QMM(_F8, _F8.t(), _S2[:, :2], pertoken_scale=_S1, scale_dtype=293,
-                                    pertoken_scale_dtype=293), ValueError,
-                        r"npu_quant_matmul: scale has shape \(1, 2, 2\); expected \(1, 3, 2\)"),
-    "qmm_no_x_scale": (lambda: QMM(_F8, _F8.t(), _S2, scale_dtype=293, pertoken_scale_dtype=293), ValueError,
-                       r"pertoken_scale is required in MX mode"),
-    "qmm_dtype_code": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293,
-                                   x1_dtype=23), ValueError, r"x1_dtype=23 contradicts x1.dtype torch.float8_e4m3fn"),
-    "qmm_output_dtype": (lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293,
-                                     output_dtype=1), ValueError, r"output_dtype=1 is not allowed; allowed codes: 15"),
-    "gmm_split": (lambda: GMM([_F8], [_W4], antiquant_scale=[_WS], per_token_scale=[_S1], per_token_scale_dtype=293,
-                              weight_dtype=296, group_list=torch.tensor([3]), group_type=0, split_item=0),
-                  ValueError, r"npu_grouped_matmul: MX mode takes group_type=0 with split_item 2 or 3"),
-    "gmm_no_weight_scale": (lambda: GMM([_F8], [_W4], per_token_scale=[_S1], per_token_scale_dtype=293,
-                                        weight_dtype=296, group_list=torch.tensor([3]), **_M3), ValueError,
-                            r"antiquant_scale \(the W4A8 weight scale\) must be a list of one tensor in MX mode"),
-    "gmm_weight_shape": (lambda: GMM([_F8], [_W4[:, :16]], antiquant_scale=[_WS], per_token_scale=[_S1],
-                                     per_token_scale_dtype=293, weight_dtype=296, group_list=torch.tensor([3]), **_M3),
-                         ValueError, r"weight\[0\] has shape \(1, 16, 3\); FP4 expects \[E, K/2, N\]"),
-    "gmm_ws_shape": (lambda: GMM([_F8], [_W4], antiquant_scale=[_WS[:, :, :2]], per_token_scale=[_S1],
-                                 per_token_scale_dtype=293, weight_dtype=296, group_list=torch.tensor([3]), **_M3),
-                     ValueError, r"weight scale has shape \(1, 1, 2, 2\); expected \(1, 1, 3, 2\)"),
-    "gmm_bias": (lambda: GMM([_F8], [_W4], bias=[torch.zeros(1, 3)], antiquant_scale=[_WS], per_token_scale=[_S1],
-                             per_token_scale_dtype=293, weight_dtype=296, group_list=torch.tensor([3]), **_M3),
-                 ValueError, r"npu_grouped_matmul: bias must be None in MX mode"),
-    "gmm_rows": (lambda: GMM([_F8], [_W4], antiquant_scale=[_WS], per_token_scale=[_S1], per_token_scale_dtype=293,
-                             weight_dtype=296, group_list=torch.tensor([4]), **_M3),
-                 ValueError, r"group_list sums to 4 rows but x\[0\] has M=3"),
-    "gmm_scale_dtype": (lambda: GMM([_F8], [_F8.t()[None]], scale=[_WS], per_token_scale=[_S1],
-                                    per_token_scale_dtype=293, group_list=torch.tensor([3]), **_M3), ValueError,
-                        r"MX weight scale in `scale` needs scale_dtype=293"),
+    "qmm_not_mx": (
+        lambda: QMM(torch.zeros(2, 32, dtype=torch.int8), torch.zeros(32, 4, dtype=torch.int8), torch.ones(4)),
+        NotImplementedError,
+        r"npu_quant_matmul: scale_dtype=None, "
+        r"pertoken_scale_dtype=None \(only the MX modes",
+    ),
+    "qmm_half_mx": (
+        lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293),
+        ValueError,
+        r"npu_quant_matmul: pertoken_scale_dtype=None in MX mode; allowed: 293",
+    ),
+    "qmm_group_sizes": (
+        lambda: QMM(
+            _F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293, group_sizes=[1, 1, 64]
+        ),
+        ValueError,
+        r"group_sizes=\[1, 1, 64\] in MX mode",
+    ),
+    "qmm_x2_dtype": (
+        lambda: QMM(_F8, _F8.t().to(torch.float16), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293),
+        ValueError,
+        r"x2 is torch.float16 with x2_dtype=None; allowed: torch.float8_e4m3fn / torch.float8_e5m2, "
+        r"or torch.uint8 with x2_dtype=296",
+    ),
+    "qmm_a8w4": (
+        lambda: QMM(
+            _F8,
+            torch.zeros(64, 4, dtype=torch.uint8),
+            _S2,
+            pertoken_scale=_S1,
+            scale_dtype=293,
+            pertoken_scale_dtype=293,
+            x2_dtype=296,
+        ),
+        NotImplementedError,
+        r"MX A8W4 linear",
+    ),
+    "qmm_k": (
+        lambda: QMM(_F8, _F8[:, :32].t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293),
+        ValueError,
+        r"x2 has shape \(32, 3\); expected \[K=64, N\]",
+    ),
+    "qmm_scale_shape": (
+        lambda: QMM(_F8, _F8.t(), _S2[:, :2], pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293),
+        ValueError,
+        r"npu_quant_matmul: scale has shape \(1, 2, 2\); expected \(1, 3, 2\)",
+    ),
+    "qmm_no_x_scale": (
+        lambda: QMM(_F8, _F8.t(), _S2, scale_dtype=293, pertoken_scale_dtype=293),
+        ValueError,
+        r"pertoken_scale is required in MX mode",
+    ),
+    "qmm_dtype_code": (
+        lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293, x1_dtype=23),
+        ValueError,
+        r"x1_dtype=23 contradicts x1.dtype torch.float8_e4m3fn",
+    ),
+    "qmm_output_dtype": (
+        lambda: QMM(_F8, _F8.t(), _S2, pertoken_scale=_S1, scale_dtype=293, pertoken_scale_dtype=293, output_dtype=1),
+        ValueError,
+        r"output_dtype=1 is not allowed; allowed codes: 15",
+    ),
+    "gmm_split": (
+        lambda: GMM(
+            [_F8],
+            [_W4],
+            antiquant_scale=[_WS],
+            per_token_scale=[_S1],
+            per_token_scale_dtype=293,
+            weight_dtype=296,
+            group_list=torch.tensor([3]),
+            group_type=0,
+            split_item=0,
+        ),
+        ValueError,
+        r"npu_grouped_matmul: MX mode takes group_type=0 with split_item 2 or 3",
+    ),
+    "gmm_no_weight_scale": (
+        lambda: GMM(
+            [_F8],
+            [_W4],
+            per_token_scale=[_S1],
+            per_token_scale_dtype=293,
+            weight_dtype=296,
+            group_list=torch.tensor([3]),
+            **_M3,
+        ),
+        ValueError,
+        r"antiquant_scale \(the W4A8 weight scale\) must be a list of one tensor in MX mode",
+    ),
+    "gmm_weight_shape": (
+        lambda: GMM(
+            [_F8],
+            [_W4[:, :16]],
+            antiquant_scale=[_WS],
+            per_token_scale=[_S1],
+            per_token_scale_dtype=293,
+            weight_dtype=296,
+            group_list=torch.tensor([3]),
+            **_M3,
+        ),
+        ValueError,
+        r"weight\[0\] has shape \(1, 16, 3\); FP4 expects \[E, K/2, N\]",
+    ),
+    "gmm_ws_shape": (
+        lambda: GMM(
+            [_F8],
+            [_W4],
+            antiquant_scale=[_WS[:, :, :2]],
+            per_token_scale=[_S1],
+            per_token_scale_dtype=293,
+            weight_dtype=296,
+            group_list=torch.tensor([3]),
+            **_M3,
+        ),
+        ValueError,
+        r"weight scale has shape \(1, 1, 2, 2\); expected \(1, 1, 3, 2\)",
+    ),
+    "gmm_bias": (
+        lambda: GMM(
+            [_F8],
+            [_W4],
+            bias=[torch.zeros(1, 3)],
+            antiquant_scale=[_WS],
+            per_token_scale=[_S1],
+            per_token_scale_dtype=293,
+            weight_dtype=296,
+            group_list=torch.tensor([3]),
+            **_M3,
+        ),
+        ValueError,
+        r"npu_grouped_matmul: bias must be None in MX mode",
+    ),
+    "gmm_rows": (
+        lambda: GMM(
+            [_F8],
+            [_W4],
+            antiquant_scale=[_WS],
+            per_token_scale=[_S1],
+            per_token_scale_dtype=293,
+            weight_dtype=296,
+            group_list=torch.tensor([4]),
+            **_M3,
+        ),
+        ValueError,
+        r"group_list sums to 4 rows but x\[0\] has M=3",
+    ),
+    "gmm_scale_dtype": (
+        lambda: GMM(
+            [_F8],
+            [_F8.t()[None]],
+            scale=[_WS],
+            per_token_scale=[_S1],
+            per_token_scale_dtype=293,
+            group_list=torch.tensor([3]),
+            **_M3,
+        ),
+        ValueError,
+        r"MX weight scale in `scale` needs scale_dtype=293",
+    ),
 }
 _F8 = torch.ones(3, 64).to(torch.float8_e4m3fn)
 _S1 = torch.full((3, 1, 2), 127, dtype=torch.uint8)
@@ -846,8 +1111,13 @@ def test_invalid_mx_matmul_arguments_raise_naming_op_and_argument(name):
 # --- converter quantizer (§8.2) -----------------------------------------------------------------------
 
 
-@given(st.sampled_from([mxf.E4M3, mxf.E2M1]), st.sampled_from([BF16, FP32]), st.integers(1, 3),
-       st.sampled_from([2, 30, 32, 64, 66, 128, 200]), st.integers(0, 2**31 - 1))
+@given(
+    st.sampled_from([mxf.E4M3, mxf.E2M1]),
+    st.sampled_from([BF16, FP32]),
+    st.integers(1, 3),
+    st.sampled_from([2, 30, 32, 64, 66, 128, 200]),
+    st.integers(0, 2**31 - 1),
+)
 def test_converter_quantizer_matches_independent_quantizer(fmt, dtype, rows, k, seed):
     w = oracle.mx_inputs(seed, (rows, k), dtype, kinds=("gauss", "ties", "boundary", "tiny", "zero"))
     data, scale = mxf.mx_quantize_weight(w, fmt)
@@ -899,8 +1169,15 @@ def test_e8m0_bytes_decode_exactly():
     got = mxf.e8m0_to_float(b)
     assert got[:6].tolist() == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127] and got[6].isnan()
     assert torch.equal(mxf.e8m0_to_float(b.view(torch.float8_e8m0fnu)).nan_to_num(7.0), got.nan_to_num(7.0))
-    assert (mxf.float4_e2m1fn_x2, mxf.float8_e8m0fnu, mxf.float8_e4m3fn, mxf.float8_e5m2, mxf.hifloat8,
-            mxf.float4_e1m2fn_x2, mxf.int4) == (296, 293, 292, 291, 290, 297, 285)
+    assert (
+        mxf.float4_e2m1fn_x2,
+        mxf.float8_e8m0fnu,
+        mxf.float8_e4m3fn,
+        mxf.float8_e5m2,
+        mxf.hifloat8,
+        mxf.float4_e1m2fn_x2,
+        mxf.int4,
+    ) == (296, 293, 292, 291, 290, 297, 285)
 
 
 # --- shapes under fake tensors, opcheck, torch.compile -----------------------------------------------------
@@ -932,8 +1209,13 @@ def opcheck(op, args, kwargs):
     """torch.library.opcheck; its schema check (SchemaCheckMode) multiplies input tensors to detect
     mutation, which CPU float8 tensors do not support, so fp8 inputs run the other three checks."""
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    tensors += [t for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) for t in a
-                if isinstance(t, torch.Tensor)]
+    tensors += [
+        t
+        for a in list(args) + list(kwargs.values())
+        if isinstance(a, (list, tuple))
+        for t in a
+        if isinstance(t, torch.Tensor)
+    ]
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors):
         utils = utils[1:]
@@ -960,15 +1242,31 @@ def _matmul_samples():
     mx = dict(scale_dtype=293, pertoken_scale_dtype=293, group_sizes=[1, 1, 32])
     w4 = _random_elements(g, (2, 8, 96), "e2m1").transpose(1, 2)
     ws4 = _random_scales(g, (2, 8, 2, 2)).transpose(1, 2)
-    gmm = dict(group_list=torch.tensor([1, 2]), group_type=0, group_list_type=1, split_item=3,
-               per_token_scale_dtype=293)
+    gmm = dict(
+        group_list=torch.tensor([1, 2]), group_type=0, group_list_type=1, split_item=3, per_token_scale_dtype=293
+    )
     return [
         (QMM, (x1, x2, ws), dict(pertoken_scale=xs, output_dtype=15, **mx)),
-        (QMM, (_random_elements(g, (2, 3, 64), "e2m1"), _random_elements(g, (64, 8), "e2m1"),
-               _random_scales(g, (1, 8, 2))), dict(pertoken_scale=_random_scales(g, (2, 3, 1, 2)), x1_dtype=296,
-                                                   x2_dtype=296, bias=torch.randn(8, generator=g), **mx)),
-        (GMM, ([x1], [w4]), dict(antiquant_scale=[ws4], per_token_scale=[xs], weight_dtype=296,
-                                 output_dtype=torch.bfloat16, **gmm)),
+        (
+            QMM,
+            (
+                _random_elements(g, (2, 3, 64), "e2m1"),
+                _random_elements(g, (64, 8), "e2m1"),
+                _random_scales(g, (1, 8, 2)),
+            ),
+            dict(
+                pertoken_scale=_random_scales(g, (2, 3, 1, 2)),
+                x1_dtype=296,
+                x2_dtype=296,
+                bias=torch.randn(8, generator=g),
+                **mx,
+            ),
+        ),
+        (
+            GMM,
+            ([x1], [w4]),
+            dict(antiquant_scale=[ws4], per_token_scale=[xs], weight_dtype=296, output_dtype=torch.bfloat16, **gmm),
+        ),
     ]
 
 
@@ -1004,6 +1302,7 @@ def test_fake_shapes_match_eager():
     for op, args, kwargs in cases:
         eager = op(*args, **kwargs)
         with FakeTensorMode() as mode:
+
             def to_fake(v):
                 if isinstance(v, (list, tuple)):
                     return type(v)(to_fake(t) for t in v)
@@ -1023,12 +1322,28 @@ def test_torch_compile_fullgraph_matches_eager():
         yn, res, sn, _ = npu.npu_add_rms_norm_dynamic_mx_quant(x, x, gamma, dst_type=torch.float8_e4m3fn)
         yr, sr, _ = npu.npu_rms_norm_dynamic_mx_quant(res, gamma)
         ys, ss = npu.npu_swiglu_mx_quant(x, activate_left=True, dst_type=torch.float8_e4m3fn)
-        mm = npu.npu_quant_matmul(y8, y8[:8].t(), s8[:8].transpose(0, 1), pertoken_scale=s8, scale_dtype=293,
-                                  pertoken_scale_dtype=293, output_dtype=torch.bfloat16, group_sizes=[1, 1, 32])
-        (gm,) = npu.npu_grouped_matmul([y8], [y4.view(2, 2, 48).transpose(1, 2)],
-                                       antiquant_scale=[s4.view(2, 2, 2, 2).transpose(1, 2)],
-                                       per_token_scale=[s8], group_list=torch.tensor([1, 3]), group_type=0,
-                                       group_list_type=1, split_item=3, weight_dtype=296, per_token_scale_dtype=293)
+        mm = npu.npu_quant_matmul(
+            y8,
+            y8[:8].t(),
+            s8[:8].transpose(0, 1),
+            pertoken_scale=s8,
+            scale_dtype=293,
+            pertoken_scale_dtype=293,
+            output_dtype=torch.bfloat16,
+            group_sizes=[1, 1, 32],
+        )
+        (gm,) = npu.npu_grouped_matmul(
+            [y8],
+            [y4.view(2, 2, 48).transpose(1, 2)],
+            antiquant_scale=[s4.view(2, 2, 2, 2).transpose(1, 2)],
+            per_token_scale=[s8],
+            group_list=torch.tensor([1, 3]),
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+            weight_dtype=296,
+            per_token_scale_dtype=293,
+        )
         return y8, s8, y4, s4, back, npu.npu_anti_mx_quant(y8, s8), yn, res, sn, yr, sr, ys, ss, mm, gm
 
     x = oracle.mx_inputs(3, (4, 96), BF16, kinds=("gauss", "ties", "zero"))
@@ -1048,27 +1363,54 @@ QUANT_ERRORS = {
     "axis": (lambda: QUANT(_X, axis=2), ValueError, r"axis=2 is out of range .* \(allowed \[-2, 1\]\)"),
     "dst": (lambda: QUANT(_X, dst_type=1), ValueError, r"dst_type=1 is not an MX element type; allowed codes: 23/291"),
     "e1m2": (lambda: QUANT(_X, dst_type=297), NotImplementedError, r"dst_type=297 \(float4_e1m2fn_x2\)"),
-    "fp8_alg2": (lambda: QUANT(_X, dst_type=24, scale_alg=2), ValueError,
-                 r"scale_alg=2 is not allowed with dst_type float8_e4m3fn; allowed: 0, 1"),
-    "fp4_alg1": (lambda: QUANT(_X, scale_alg=1), ValueError,
-                 r"scale_alg=1 is not allowed with dst_type float4_e2m1fn; allowed: 0, 2"),
-    "fp8_round": (lambda: QUANT(_X, dst_type=23, round_mode="round"), ValueError,
-                  r"round_mode='round' is not allowed with dst_type float8_e5m2; allowed: 'rint'"),
-    "fp4_mode": (lambda: QUANT(_X, round_mode="ceil"), ValueError,
-                 r"round_mode='ceil' .* allowed: 'rint', 'round', 'floor'"),
-    "block": (lambda: QUANT(_X, block_size=48), ValueError,
-              r"block_size=48; allowed: a multiple of 32 in \[32, 1024\]"),
+    "fp8_alg2": (
+        lambda: QUANT(_X, dst_type=24, scale_alg=2),
+        ValueError,
+        r"scale_alg=2 is not allowed with dst_type float8_e4m3fn; allowed: 0, 1",
+    ),
+    "fp4_alg1": (
+        lambda: QUANT(_X, scale_alg=1),
+        ValueError,
+        r"scale_alg=1 is not allowed with dst_type float4_e2m1fn; allowed: 0, 2",
+    ),
+    "fp8_round": (
+        lambda: QUANT(_X, dst_type=23, round_mode="round"),
+        ValueError,
+        r"round_mode='round' is not allowed with dst_type float8_e5m2; allowed: 'rint'",
+    ),
+    "fp4_mode": (
+        lambda: QUANT(_X, round_mode="ceil"),
+        ValueError,
+        r"round_mode='ceil' .* allowed: 'rint', 'round', 'floor'",
+    ),
+    "block": (
+        lambda: QUANT(_X, block_size=48),
+        ValueError,
+        r"block_size=48; allowed: a multiple of 32 in \[32, 1024\]",
+    ),
     "block_fp32": (lambda: QUANT(_X.float(), block_size=64), ValueError, r"block_size=64 with a float32 input"),
     "block_alg2": (lambda: QUANT(_X, scale_alg=2, block_size=64), ValueError, r"block_size=64 with scale_alg=2"),
-    "dtm_range": (lambda: QUANT(_X, scale_alg=2, dst_type_max=5.0), ValueError,
-                  r"dst_type_max=5.0; allowed: 0.0 or a value in \[6.0, 12.0\]"),
+    "dtm_range": (
+        lambda: QUANT(_X, scale_alg=2, dst_type_max=5.0),
+        ValueError,
+        r"dst_type_max=5.0; allowed: 0.0 or a value in \[6.0, 12.0\]",
+    ),
     "dtm_alg0": (lambda: QUANT(_X, dst_type_max=6.0), ValueError, r"dst_type_max=6.0 with scale_alg=0; allowed: 0.0"),
-    "mlb_alg0": (lambda: QUANT(_X, dst_type=24, max_low_bound=1.0), ValueError,
-                 r"max_low_bound=1.0 with scale_alg=0; allowed: 0.0"),
-    "mlb_negative": (lambda: QUANT(_X, dst_type=24, scale_alg=1, max_low_bound=-1.0), ValueError,
-                     r"max_low_bound=-1.0; allowed: >= 0.0"),
-    "fp4_odd": (lambda: QUANT(torch.ones(2, 33, dtype=BF16)), ValueError,
-                r"input has shape \(2, 33\); FP4 output packs pairs along the last dim, which must be even"),
+    "mlb_alg0": (
+        lambda: QUANT(_X, dst_type=24, max_low_bound=1.0),
+        ValueError,
+        r"max_low_bound=1.0 with scale_alg=0; allowed: 0.0",
+    ),
+    "mlb_negative": (
+        lambda: QUANT(_X, dst_type=24, scale_alg=1, max_low_bound=-1.0),
+        ValueError,
+        r"max_low_bound=-1.0; allowed: >= 0.0",
+    ),
+    "fp4_odd": (
+        lambda: QUANT(torch.ones(2, 33, dtype=BF16)),
+        ValueError,
+        r"input has shape \(2, 33\); FP4 output packs pairs along the last dim, which must be even",
+    ),
 }
 
 
@@ -1096,13 +1438,14 @@ def test_npu_quantize_matches_portable(config, dtype):
     dst, alg, rm, dtm, mlb = config
     x = oracle.mx_inputs(21, (8, 4096 + 64), dtype)
     kwargs = dict(dst_type=dst, scale_alg=alg, round_mode=rm, dst_type_max=dtm, max_low_bound=mlb)
-    require_950("npu_dynamic_mx_quant")      # decided before the call: a kernel error on a 950 fails the test
+    require_950("npu_dynamic_mx_quant")  # decided before the call: a kernel error on a 950 fails the test
     y, s = QUANT(x.to("npu"), **kwargs)
     y_cpu, s_cpu = portable_kernel("npu_dynamic_mx_quant")(x, **kwargs)
     assert_bitwise_equal(s.cpu(), s_cpu, "scale bytes")
     a, b = bytes_of(y.cpu()), bytes_of(y_cpu)
-    np.testing.assert_array_equal(_mask_nonfinite_blocks(a, s_cpu.numpy(), dst == FP4),
-                                  _mask_nonfinite_blocks(b, s_cpu.numpy(), dst == FP4))
+    np.testing.assert_array_equal(
+        _mask_nonfinite_blocks(a, s_cpu.numpy(), dst == FP4), _mask_nonfinite_blocks(b, s_cpu.numpy(), dst == FP4)
+    )
 
 
 def _decoded_close_within_one_step(a_y, a_s, b_y, b_s, fmt: str) -> None:
@@ -1157,15 +1500,30 @@ def test_npu_mx_matmuls_match_portable():
     wq, ws = quant(w[0], E4M3)
     q4, s4 = mxf.mx_quantize_weight(w, mxf.E2M1)
     mm_args = (xq, wq.t(), ws.transpose(0, 1))
-    mm_kw = dict(pertoken_scale=xs, scale_dtype=293, pertoken_scale_dtype=293, output_dtype=torch.bfloat16,
-                 group_sizes=[1, 1, 32])
+    mm_kw = dict(
+        pertoken_scale=xs,
+        scale_dtype=293,
+        pertoken_scale_dtype=293,
+        output_dtype=torch.bfloat16,
+        group_sizes=[1, 1, 32],
+    )
     gmm_args = ([xq], [q4.transpose(1, 2)])
-    gmm_kw = dict(antiquant_scale=[s4.unflatten(-1, (-1, 2)).transpose(1, 2)], per_token_scale=[xs],
-                  group_list=torch.tensor([10, 0, 9]), group_type=0, group_list_type=1, split_item=3,
-                  weight_dtype=296, per_token_scale_dtype=293, output_dtype=torch.bfloat16)
+    gmm_kw = dict(
+        antiquant_scale=[s4.unflatten(-1, (-1, 2)).transpose(1, 2)],
+        per_token_scale=[xs],
+        group_list=torch.tensor([10, 0, 9]),
+        group_type=0,
+        group_list_type=1,
+        split_item=3,
+        weight_dtype=296,
+        per_token_scale_dtype=293,
+        output_dtype=torch.bfloat16,
+    )
     require_950("the MX matmuls")
-    for name, args, kwargs, rows in (("npu_quant_matmul", mm_args, mm_kw, 24), ("npu_grouped_matmul", gmm_args,
-                                                                               gmm_kw, 19)):
+    for name, args, kwargs, rows in (
+        ("npu_quant_matmul", mm_args, mm_kw, 24),
+        ("npu_grouped_matmul", gmm_args, gmm_kw, 19),
+    ):
         got = getattr(npu, name)(*_to_device(args, "npu"), **_to_device(kwargs, "npu"))
         want = portable_kernel(name)(*args, **kwargs)
         got, want = (got[0], want[0]) if isinstance(want, list) else (got, want)

@@ -5,6 +5,7 @@ rank-2 gamma; npu_add_rms_norm residual sum bit-exact, symmetry, rstd/y vs npu_r
 npu_add_rms_norm_cast y1 == f32(y2) (variant A), agreement with npu_add_rms_norm; variant B (NPU_GOLDEN_SOC=950);
 opcheck, torch.compile, error messages, and NPU-vs-portable comparisons.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,13 @@ from optimized.ops.registry import portable_kernel
 ops = torch.ops.npu
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # (x dtype, gamma dtype) pairs npu_rms_norm accepts (spec §1).
-RMS_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-             (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+RMS_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+]
 
 
 def norm_tol(dtype: torch.dtype) -> str:
@@ -72,7 +78,7 @@ def norm_inputs(draw, dtypes=RMS_PAIRS, need_noncontig=True):
     x = (torch.randn(base_shape, generator=gen) * magnitude).to(x_dtype)
     if noncontig:
         x = x[..., ::2]
-    gamma = (torch.rand(shape[rank - g:], generator=gen) * 2 - 0.5).to(g_dtype)
+    gamma = (torch.rand(shape[rank - g :], generator=gen) * 2 - 0.5).to(g_dtype)
     return x, gamma, eps
 
 
@@ -144,8 +150,12 @@ def test_rms_norm_scale_invariant(inputs, pow2, c):
     # any c > 0 on fp32 input: equal up to fp32 rounding of c*x.
     xf = x.float().clone()
     xf[xf == 0] = 1.0
-    assert_close(ops.npu_rms_norm(xf * c, gamma.float(), 0.0)[0], ops.npu_rms_norm(xf, gamma.float(), 0.0)[0],
-                 "op.norm.float32", "y(c x)")
+    assert_close(
+        ops.npu_rms_norm(xf * c, gamma.float(), 0.0)[0],
+        ops.npu_rms_norm(xf, gamma.float(), 0.0)[0],
+        "op.norm.float32",
+        "y(c x)",
+    )
 
 
 def test_rms_norm_rank2_gamma_normalizes_two_axes():
@@ -315,9 +325,13 @@ def test_torch_compile_fullgraph_matches_eager():
         return y1, y2, res2, qn
 
     gen = torch.Generator().manual_seed(7)
-    args = (torch.randn(5, 64, generator=gen).bfloat16(), torch.randn(5, 64, generator=gen).bfloat16(),
-            torch.rand(64, generator=gen).bfloat16(), torch.rand(16, generator=gen).bfloat16(),
-            torch.randn(5, 4, 16, generator=gen).bfloat16())
+    args = (
+        torch.randn(5, 64, generator=gen).bfloat16(),
+        torch.randn(5, 64, generator=gen).bfloat16(),
+        torch.rand(64, generator=gen).bfloat16(),
+        torch.rand(16, generator=gen).bfloat16(),
+        torch.randn(5, 4, 16, generator=gen).bfloat16(),
+    )
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(*args), step(*args)):

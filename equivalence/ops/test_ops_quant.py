@@ -6,6 +6,7 @@ nibble by nibble, shapes/dtypes per mode, max |y| == DTYPE_MAX, de-quantization 
 amax/DTYPE_MAX within 1 ulp, no NaN from saturation, smooth_scales = 1 == None, group_index == per-group calls,
 zero rows, opcheck, torch.compile, errors, and NPU-vs-portable comparisons.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -62,7 +63,7 @@ def reference(x: torch.Tensor, dst: torch.dtype, mode: str, smooth=None, group_i
             bounds = [0] + group_index.tolist()
             rows = xf.reshape(-1, x.shape[-1]).clone()
             for e in range(len(bounds) - 1):  # loop over groups (few), not tokens
-                rows[bounds[e]: bounds[e + 1]] *= s[e]
+                rows[bounds[e] : bounds[e + 1]] *= s[e]
             xf = rows.reshape(x.shape)
         else:
             xf = xf * (s.unsqueeze(-1) if mode == "perchannel" else s)
@@ -81,8 +82,11 @@ def reference(x: torch.Tensor, dst: torch.dtype, mode: str, smooth=None, group_i
     else:
         lim = (-128.0, 127.0) if dst == torch.int8 else (-8.0, 7.0)
         y = torch.round(q).clamp(*lim)  # torch.round: half to even
-    squeeze = {"pertoken": lambda t: t.squeeze(-1), "pertensor": lambda t: t.reshape(1),
-               "perchannel": lambda t: t.squeeze(-2)}[mode]
+    squeeze = {
+        "pertoken": lambda t: t.squeeze(-1),
+        "pertensor": lambda t: t.reshape(1),
+        "perchannel": lambda t: t.squeeze(-2),
+    }[mode]
     return y, squeeze(scale).float(), q
 
 
@@ -121,8 +125,7 @@ def quant_case(draw, modes=MODES, dsts=tuple(DMAX)):
     mode = draw(st.sampled_from(modes))
     dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
     rank = draw(st.integers(2, 4))
-    shape = [draw(st.integers(1, 4)) for _ in range(rank - 2)] + [draw(st.integers(1, 9)),
-                                                                   8 * draw(st.integers(1, 6))]
+    shape = [draw(st.integers(1, 4)) for _ in range(rank - 2)] + [draw(st.integers(1, 9)), 8 * draw(st.integers(1, 6))]
     if dst != torch.quint4x2 and draw(st.booleans()):
         shape[-1] = draw(st.integers(1, 50))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
@@ -207,7 +210,7 @@ def test_group_index_equals_per_group_calls(case, data):
     ys, scales = [], []
     for g in range(e):  # loop over groups
         if bounds[g + 1] > bounds[g]:
-            yg, sg = run(rows[bounds[g]: bounds[g + 1]], dst, "pertoken", smooth[g])
+            yg, sg = run(rows[bounds[g] : bounds[g + 1]], dst, "pertoken", smooth[g])
             ys.append(yg)
             scales.append(sg)
     assert_bitwise_equal(y.reshape(n, -1), torch.cat(ys), "y == per-group calls")
@@ -217,11 +220,14 @@ def test_group_index_equals_per_group_calls(case, data):
     assert torch.equal(y_values(y, dst), y_ref)
 
 
-@pytest.mark.parametrize("dst,x_exp,smooth_exp,scale_exp,y_max,y_min", [
-    (torch.float8_e5m2, -133, None, -149, 57344.0, -57344.0),  # q = 2^16 would be inf without the clamp
-    (torch.float8_e4m3fn, -126, -14, -149, 448.0, -448.0),  # q = 2^9: NaN without the clamp (spec §8)
-    (torch.int8, -126, -14, -147, 127.0, -128.0),  # int8 saturates to [-128, 127]; 128 would wrap to -128
-])
+@pytest.mark.parametrize(
+    "dst,x_exp,smooth_exp,scale_exp,y_max,y_min",
+    [
+        (torch.float8_e5m2, -133, None, -149, 57344.0, -57344.0),  # q = 2^16 would be inf without the clamp
+        (torch.float8_e4m3fn, -126, -14, -149, 448.0, -448.0),  # q = 2^9: NaN without the clamp (spec §8)
+        (torch.int8, -126, -14, -147, 127.0, -128.0),  # int8 saturates to [-128, 127]; 128 would wrap to -128
+    ],
+)
 def test_saturation_when_scale_underflows(dst, x_exp, smooth_exp, scale_exp, y_max, y_min):
     # A tiny amax makes scale an fp32 subnormal rounded far from amax/DTYPE_MAX, so q = x/scale exceeds
     # DTYPE_MAX; the clamp before the cast (spec §8 step 5) saturates it.
@@ -293,11 +299,18 @@ def _samples():
     return [
         ((x,), {}),
         ((x,), {"dst_type": 24, "quant_mode": "pertoken"}),
-        ((x.half().reshape(2, 3, 16),), {"dst_type": 16, "quant_mode": "pertensor",
-                                         "smooth_scales": torch.rand(16, generator=gen).half()}),
+        (
+            (x.half().reshape(2, 3, 16),),
+            {"dst_type": 16, "quant_mode": "pertensor", "smooth_scales": torch.rand(16, generator=gen).half()},
+        ),
         ((x.t(),), {"dst_type": 23, "quant_mode": "perchannel"}),  # non-contiguous
-        ((x,), {"smooth_scales": torch.rand(2, 16, generator=gen).bfloat16(),
-                "group_index": torch.tensor([2, 6], dtype=torch.int32)}),
+        (
+            (x,),
+            {
+                "smooth_scales": torch.rand(2, 16, generator=gen).bfloat16(),
+                "group_index": torch.tensor([2, 6], dtype=torch.int32),
+            },
+        ),
     ]
 
 
@@ -315,8 +328,11 @@ def test_torch_compile_fullgraph_matches_eager():
         return y8, s8, y4, s4, yg, sg
 
     gen = torch.Generator().manual_seed(6)
-    args = (torch.randn(6, 16, generator=gen).bfloat16(), torch.rand(2, 16, generator=gen).bfloat16(),
-            torch.tensor([2, 6], dtype=torch.int32))
+    args = (
+        torch.randn(6, 16, generator=gen).bfloat16(),
+        torch.rand(2, 16, generator=gen).bfloat16(),
+        torch.tensor([2, 6], dtype=torch.int32),
+    )
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(*args), step(*args)):
@@ -371,7 +387,7 @@ def test_npu_matches_portable(dst, mode):
     x = (torch.randn(33, 2 * 128, generator=gen) * 3).bfloat16()
     x[5] = 0
     npu = torch.device("npu")
-    require_dynamic_quant(dst, mode)   # the device's declaration, before the call: a kernel error fails the test
+    require_dynamic_quant(dst, mode)  # the device's declaration, before the call: a kernel error fails the test
     y, scale = torch.ops.npu.npu_dynamic_quant(x.to(npu), dst_type=dst, quant_mode=mode)
     y_cpu, scale_cpu = portable_kernel("npu_dynamic_quant")(x, dst_type=dst, quant_mode=mode)
     assert y.dtype == y_cpu.dtype and y.shape == y_cpu.shape and scale.shape == scale_cpu.shape

@@ -5,6 +5,7 @@ Covers: every mode against an fp64 pair-rotation reference, 'half' against the H
 equivalence (TND/BSND/SBND/BNSD and the BSND fallback), GQA head counts, 950 cos batch broadcast, no mutation and
 fresh outputs, opcheck, torch.compile, errors, and NPU-vs-portable comparisons.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,11 +46,11 @@ def pair_indices(d: int, mode: str):
     """(first, second) members of each rotated pair: rot(x)[first] = -x[second], rot(x)[second] = x[first]."""
     idx = torch.arange(d)
     if mode == "half":
-        return idx[: d // 2], idx[d // 2:]
+        return idx[: d // 2], idx[d // 2 :]
     if mode == "interleave":
         return idx[0::2], idx[1::2]
     q = d // 4
-    return torch.cat((idx[:q], idx[2 * q: 3 * q])), torch.cat((idx[q: 2 * q], idx[3 * q:]))
+    return torch.cat((idx[:q], idx[2 * q : 3 * q])), torch.cat((idx[q : 2 * q], idx[3 * q :]))
 
 
 def fp64_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> torch.Tensor:
@@ -65,7 +66,7 @@ def fp64_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """HF transformers' rotate_half."""
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -166,8 +167,14 @@ def test_rotation_keeps_pair_norms(case):
 @given(rope_case(layouts=("BSND",)))
 def test_layouts_agree(case):
     q, k, cos, sin, _, mode = case
-    want_q, want_k = rope(q, k, cos.expand(q.shape[0], *cos.shape[1:]), sin.expand(q.shape[0], *sin.shape[1:]),
-                          layout="BSND", rotary_mode=mode)
+    want_q, want_k = rope(
+        q,
+        k,
+        cos.expand(q.shape[0], *cos.shape[1:]),
+        sin.expand(q.shape[0], *sin.shape[1:]),
+        layout="BSND",
+        rotary_mode=mode,
+    )
     for layout in ("TND", "SBND", "BNSD", "BSH", "anything"):
         got_q, got_k = call(q, k, cos, sin, layout, mode)
         assert_bitwise_equal(got_q, want_q, f"query {layout} vs BSND")
@@ -216,13 +223,24 @@ def _samples():
     gen = torch.Generator().manual_seed(5)
     r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     return [
-        ((r(5, 4, 16).bfloat16(), r(5, 2, 16).bfloat16(), r(5, 1, 16).bfloat16(), r(5, 1, 16).bfloat16()),
-         {"layout": "TND"}),
+        (
+            (r(5, 4, 16).bfloat16(), r(5, 2, 16).bfloat16(), r(5, 1, 16).bfloat16(), r(5, 1, 16).bfloat16()),
+            {"layout": "TND"},
+        ),
         ((r(2, 3, 4, 8), r(2, 3, 1, 8), r(2, 3, 1, 8), r(2, 3, 1, 8)), {}),
-        ((r(2, 4, 3, 8).half(), r(2, 2, 3, 8).half(), r(1, 1, 3, 8).half(), r(1, 1, 3, 8).half()),
-         {"layout": "BNSD", "rotary_mode": "interleave"}),
-        ((r(3, 2, 4, 8).transpose(0, 1), r(3, 2, 4, 8).transpose(0, 1), r(3, 2, 1, 8).transpose(0, 1),
-          r(3, 2, 1, 8).transpose(0, 1)), {"layout": "BSND", "rotary_mode": "quarter"}),  # non-contiguous
+        (
+            (r(2, 4, 3, 8).half(), r(2, 2, 3, 8).half(), r(1, 1, 3, 8).half(), r(1, 1, 3, 8).half()),
+            {"layout": "BNSD", "rotary_mode": "interleave"},
+        ),
+        (
+            (
+                r(3, 2, 4, 8).transpose(0, 1),
+                r(3, 2, 4, 8).transpose(0, 1),
+                r(3, 2, 1, 8).transpose(0, 1),
+                r(3, 2, 1, 8).transpose(0, 1),
+            ),
+            {"layout": "BSND", "rotary_mode": "quarter"},
+        ),  # non-contiguous
     ]
 
 

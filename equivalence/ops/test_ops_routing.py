@@ -6,6 +6,7 @@ no code with optimized/ops/routing.py. Bulk tensor contents come from a hypothes
 Unspecified output regions (spec §0) are masked out of every property; the deterministic values the portable kernel
 writes there are pinned separately in `test_unspecified_regions_are_deterministic`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -24,7 +25,7 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # Canonical NaN/Inf bit patterns per width, planted into every random payload (quiet, signalling, negative, inf).
 SPECIAL_BITS = {
-    torch.bfloat16: [0x7FC0, 0x7F81, -1, 0x7F80, -128],   # -1 = 0xFFFF (NaN), -128 = 0xFF80 (-inf)
+    torch.bfloat16: [0x7FC0, 0x7F81, -1, 0x7F80, -128],  # -1 = 0xFFFF (NaN), -128 = 0xFF80 (-inf)
     torch.float16: [0x7E00, 0x7C01, -1, 0x7C00],
     torch.float32: [0x7FC00000, 0x7F800001, -1, 0x7F800000],
     torch.float8_e4m3fn: [0x7F, 0xFF],
@@ -263,22 +264,42 @@ def v2_problems(draw):
     full = draw(st.booleans())
     rng = [] if full and draw(st.booleans()) else ([0, num_experts] if full else [s, e])
     active_num = draw(st.sampled_from([-1, 0, 1, 2, n * k // 2, n * k, n * k + 3]))
-    return dict(n=n, k=k, num_experts=num_experts, ids=ids, range=rng, active_num=active_num,
-                count_type=draw(st.sampled_from([0, 1, 2])), row_idx_type=draw(st.sampled_from([0, 1])),
-                dtype=draw(st.sampled_from(FLOATS + (torch.float8_e4m3fn, torch.int8))),
-                with_scale=draw(st.booleans()), seed=draw(seeds))
+    return dict(
+        n=n,
+        k=k,
+        num_experts=num_experts,
+        ids=ids,
+        range=rng,
+        active_num=active_num,
+        count_type=draw(st.sampled_from([0, 1, 2])),
+        row_idx_type=draw(st.sampled_from([0, 1])),
+        dtype=draw(st.sampled_from(FLOATS + (torch.float8_e4m3fn, torch.int8))),
+        with_scale=draw(st.booleans()),
+        seed=draw(seeds),
+    )
 
 
 @given(v2_problems())
 def test_init_routing_v2_dropless_matches_per_slot_reference(p):
     n, k, num_experts, ids = p["n"], p["k"], p["num_experts"], p["ids"]
     s, e = p["range"] or (0, num_experts)
-    x = random_bits((n, 5), p["dtype"], p["seed"]) if p["dtype"] != torch.int8 else \
-        torch.randint(-128, 128, (n, 5), generator=gen(p["seed"]), dtype=torch.int8)
+    x = (
+        random_bits((n, 5), p["dtype"], p["seed"])
+        if p["dtype"] != torch.int8
+        else torch.randint(-128, 128, (n, 5), generator=gen(p["seed"]), dtype=torch.int8)
+    )
     scale = random_bits((n,), torch.float32, p["seed"] + 1) if p["with_scale"] else None
     ex, eri, counts, escale = npu.npu_moe_init_routing_v2(
-        x, ids, scale=scale, active_num=p["active_num"], expert_num=num_experts, active_expert_range=p["range"],
-        expert_tokens_num_type=p["count_type"], expert_tokens_num_flag=True, row_idx_type=p["row_idx_type"])
+        x,
+        ids,
+        scale=scale,
+        active_num=p["active_num"],
+        expert_num=num_experts,
+        active_expert_range=p["range"],
+        expert_tokens_num_type=p["count_type"],
+        expert_tokens_num_flag=True,
+        row_idx_type=p["row_idx_type"],
+    )
     ef = ids.reshape(-1).tolist()
     valid_order, full_order = ref_v2_order(ef, s, e)
     avail = len(valid_order)
@@ -327,8 +348,15 @@ def test_init_routing_v2_type0_and_type1_are_inverse(p):
     assert int((eri0 >= 0).sum()) == int(counts.sum())
 
 
-@given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 8), st.integers(1, 3), routings, seeds,
-       st.sampled_from([torch.bfloat16, torch.float32]))
+@given(
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(0, 8),
+    st.integers(1, 3),
+    routings,
+    seeds,
+    st.sampled_from([torch.bfloat16, torch.float32]),
+)
 def test_init_routing_v2_range_partition(world, local, n, k, kind, seed, dtype):
     num_experts = world * local
     ids = expert_ids(n, k, num_experts, kind, seed)
@@ -336,8 +364,9 @@ def test_init_routing_v2_range_partition(world, local, n, k, kind, seed, dtype):
     full = npu.npu_moe_init_routing_v2(x, ids, expert_num=num_experts, expert_tokens_num_type=1)
     parts, counts = [], []
     for r in range(world):
-        ex, _, cnt, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=num_experts, expert_tokens_num_type=1,
-                                                    active_expert_range=[r * local, (r + 1) * local])
+        ex, _, cnt, _ = npu.npu_moe_init_routing_v2(
+            x, ids, expert_num=num_experts, expert_tokens_num_type=1, active_expert_range=[r * local, (r + 1) * local]
+        )
         parts.append(ex[: int(cnt.sum())])
         counts.append(cnt)
     avail = int(full[2].sum())
@@ -354,8 +383,14 @@ def test_init_routing_v2_drop_pad_matches_reference(problem, cap_seed, count_typ
     x = random_bits((n, 3), dtype, seed)
     scale = random_bits((n,), torch.float32, seed + 1) if with_scale else None
     ex, eri, counts, escale = npu.npu_moe_init_routing_v2(
-        x, ids, scale=scale, expert_num=num_experts, drop_pad_mode=1, expert_capacity=cap,
-        expert_tokens_num_type=count_type)
+        x,
+        ids,
+        scale=scale,
+        expert_num=num_experts,
+        drop_pad_mode=1,
+        expert_capacity=cap,
+        expert_tokens_num_type=count_type,
+    )
     assert ex.shape == (num_experts, cap, 3) and escale.shape == (num_experts * cap,)
     ef = ids.reshape(-1).tolist()
     valid_order, _ = ref_v2_order(ef, 0, num_experts)
@@ -389,8 +424,9 @@ def test_init_routing_v2_fp8_bytes_as_bf16_round_trip():
     assert bool(x.isnan().any())
     ids = expert_ids(n, k, num_experts, "marker", 1)
     for rng in ([0, 4], [4, 8]):
-        ex, eri, cnt, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=num_experts, expert_tokens_num_type=1,
-                                                      active_num=n * k, active_expert_range=rng)
+        ex, eri, cnt, _ = npu.npu_moe_init_routing_v2(
+            x, ids, expert_num=num_experts, expert_tokens_num_type=1, active_num=n * k, active_expert_range=rng
+        )
         for f in range(n * k):
             if int(eri[f]) >= 0:
                 assert_bitwise_equal(ex[int(eri[f])], x[f // k])
@@ -417,8 +453,11 @@ def test_compute_expert_tokens_is_binary_search_end(values, num_expert):
 
 
 def test_compute_expert_tokens_example():
-    assert npu.npu_moe_compute_expert_tokens(torch.tensor([0, 0, 0, 1, 1, 2], dtype=torch.int32), 3).tolist() \
-        == [3, 5, 6]
+    assert npu.npu_moe_compute_expert_tokens(torch.tensor([0, 0, 0, 1, 1, 2], dtype=torch.int32), 3).tolist() == [
+        3,
+        5,
+        6,
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -432,15 +471,26 @@ def test_init_routing_v2_traced_body_equals_the_kernel_bitwise(p, scale_tail):
     the kernel's four outputs bit for bit, every row and index included; key-value counts stay an operator
     (NotImplemented), as does drop/pad mode."""
     from optimized.ops.routing import moe_init_routing_v2_traced
-    x = random_bits((p["n"], 5), p["dtype"], p["seed"]) if p["dtype"] != torch.int8 else \
-        torch.randint(-128, 128, (p["n"], 5), generator=gen(p["seed"]), dtype=torch.int8)
+
+    x = (
+        random_bits((p["n"], 5), p["dtype"], p["seed"])
+        if p["dtype"] != torch.int8
+        else torch.randint(-128, 128, (p["n"], 5), generator=gen(p["seed"]), dtype=torch.int8)
+    )
     scale = random_bits((p["n"],) + scale_tail, torch.float32, p["seed"] + 1) if p["with_scale"] else None
-    if scale is not None and scale_tail:   # MX row scales: uint8 [N, ceil(H/64), 2] beside a 1-byte x
+    if scale is not None and scale_tail:  # MX row scales: uint8 [N, ceil(H/64), 2] beside a 1-byte x
         if x.element_size() != 1:
             return
         scale = torch.randint(0, 256, (p["n"], 1, 2), generator=gen(p["seed"]), dtype=torch.uint8)
-    kw = dict(scale=scale, active_num=p["active_num"], expert_num=p["num_experts"], active_expert_range=p["range"],
-              expert_tokens_num_type=p["count_type"], expert_tokens_num_flag=True, row_idx_type=p["row_idx_type"])
+    kw = dict(
+        scale=scale,
+        active_num=p["active_num"],
+        expert_num=p["num_experts"],
+        active_expert_range=p["range"],
+        expert_tokens_num_type=p["count_type"],
+        expert_tokens_num_flag=True,
+        row_idx_type=p["row_idx_type"],
+    )
     got = moe_init_routing_v2_traced(x, p["ids"], **kw)
     if p["count_type"] == 2:
         assert got is NotImplemented
@@ -478,16 +528,35 @@ def finalize_problems(draw):
     bias = torch.randn(num_bias, h, generator=g).to(dtype) if draw(st.booleans()) else None
     if bias is None and draw(st.booleans()):
         export = None
-    return dict(rows=rows, skip1=skip1, skip2=skip2, bias=bias, scales=scales, idx=idx, export=export, mode=mode,
-                k=kk if scales is None else draw(st.integers(1, 3)))
+    return dict(
+        rows=rows,
+        skip1=skip1,
+        skip2=skip2,
+        bias=bias,
+        scales=scales,
+        idx=idx,
+        export=export,
+        mode=mode,
+        k=kk if scales is None else draw(st.integers(1, 3)),
+    )
 
 
 @given(finalize_problems())
 def test_finalize_matches_literal_loop(p):
-    out = npu.npu_moe_finalize_routing(p["rows"], p["skip1"], p["skip2"], p["bias"], p["scales"], p["idx"],
-                                       p["export"], drop_pad_mode=p["mode"], k=p["k"])
-    expected = ref_finalize(p["rows"], p["skip1"], p["skip2"], p["bias"], p["scales"], p["idx"], p["export"],
-                            p["mode"], p["k"])
+    out = npu.npu_moe_finalize_routing(
+        p["rows"],
+        p["skip1"],
+        p["skip2"],
+        p["bias"],
+        p["scales"],
+        p["idx"],
+        p["export"],
+        drop_pad_mode=p["mode"],
+        k=p["k"],
+    )
+    expected = ref_finalize(
+        p["rows"], p["skip1"], p["skip2"], p["bias"], p["scales"], p["idx"], p["export"], p["mode"], p["k"]
+    )
     assert out.dtype == p["rows"].dtype and out.shape == expected.shape
     # The spec fixes the fp32 order (skip1, skip2, ascending j), and the reference follows it: equal values.
     assert torch.equal(out, expected), f"not equal to the fixed-order loop; {out} vs {expected}"
@@ -497,10 +566,12 @@ def test_finalize_matches_literal_loop(p):
 def test_finalize_traced_body_equals_the_kernel_bitwise(p):
     """The body a compiled graph inlines (no host read of the index ranges) gives the kernel's result bit for bit."""
     from optimized.ops.routing import moe_finalize_routing_traced
+
     args = (p["rows"], p["skip1"], p["skip2"], p["bias"], p["scales"], p["idx"], p["export"])
     want = portable_kernel("npu_moe_finalize_routing")(*args, drop_pad_mode=p["mode"], k=p["k"])
-    assert_bitwise_equal(moe_finalize_routing_traced(*args, drop_pad_mode=p["mode"], k=p["k"]), want,
-                         "traced finalize vs kernel")
+    assert_bitwise_equal(
+        moe_finalize_routing_traced(*args, drop_pad_mode=p["mode"], k=p["k"]), want, "traced finalize vs kernel"
+    )
 
 
 @given(finalize_problems())
@@ -518,8 +589,9 @@ def test_finalize_minus_one_rows_contribute_nothing(p):
     used[idx[idx >= 0].long()] = True
     poisoned = rows.reshape(-1, rows.shape[-1]).clone()
     poisoned[~used] = float("inf")
-    out2 = npu.npu_moe_finalize_routing(poisoned.reshape(rows.shape), *args, scales, idx, p["export"],
-                                        drop_pad_mode=p["mode"], k=p["k"])
+    out2 = npu.npu_moe_finalize_routing(
+        poisoned.reshape(rows.shape), *args, scales, idx, p["export"], drop_pad_mode=p["mode"], k=p["k"]
+    )
     assert torch.equal(out, out2)
     if bool((idx == -1).all()):
         base = torch.zeros_like(out, dtype=torch.float32)
@@ -535,8 +607,10 @@ def test_finalize_minus_one_choice_pinned():
     bias = torch.full((2, 2), 100.0)
     idx = torch.tensor([0, -1, 2, -1], dtype=torch.int32)
     export = torch.zeros(2, 2, dtype=torch.int32)
-    expected = {2: [[101.0, 101.0], [101.0, 101.0]],  # row layout: token i uses idx[2i], idx[2i+1]
-                0: [[202.0, 202.0], [0.0, 0.0]]}        # column layout: token i uses idx[i], idx[2+i]
+    expected = {
+        2: [[101.0, 101.0], [101.0, 101.0]],  # row layout: token i uses idx[2i], idx[2i+1]
+        0: [[202.0, 202.0], [0.0, 0.0]],
+    }  # column layout: token i uses idx[i], idx[2+i]
     for mode, want in expected.items():
         out = npu.npu_moe_finalize_routing(rows, None, None, bias, None, idx, export, drop_pad_mode=mode, k=2)
         assert out.tolist() == want, f"mode {mode}"
@@ -545,14 +619,16 @@ def test_finalize_minus_one_choice_pinned():
 def test_finalize_accumulation_order_pinned():
     # Spec §6: fp32 accumulation skip1, skip2, then ascending j. With 1 and two halves of an fp32 ulp the order
     # is visible: 1 + 2^-24 + 2^-24 == 1 (ties to even twice), 2^-24 + 2^-24 + 1 == 1 + 2^-23.
-    tiny = 2.0 ** -24
+    tiny = 2.0**-24
     rows = torch.tensor([[1.0], [tiny], [tiny]])
-    out = npu.npu_moe_finalize_routing(rows, None, None, None, None, torch.tensor([0, 1, 2], dtype=torch.int32),
-                                       None, drop_pad_mode=2, k=3)
+    out = npu.npu_moe_finalize_routing(
+        rows, None, None, None, None, torch.tensor([0, 1, 2], dtype=torch.int32), None, drop_pad_mode=2, k=3
+    )
     assert out.item() == 1.0, "choices are summed in ascending j"
     skip = torch.tensor([[1.0]])
-    out = npu.npu_moe_finalize_routing(rows[1:], skip, None, None, None, torch.tensor([0, 1], dtype=torch.int32),
-                                       None, drop_pad_mode=2, k=2)
+    out = npu.npu_moe_finalize_routing(
+        rows[1:], skip, None, None, None, torch.tensor([0, 1], dtype=torch.int32), None, drop_pad_mode=2, k=2
+    )
     assert out.item() == 1.0, "skip1 is accumulated before the choices"
 
 
@@ -569,8 +645,9 @@ def test_init_routing_v2_then_finalize_is_weighted_expert_sum(problem, dtype, se
     world = 2 if num_experts % 2 == 0 else 1
     local = num_experts // world
     for rng in [[0, num_experts]] + [[r * local, (r + 1) * local] for r in range(world)]:
-        ex, eri, _, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=num_experts, active_expert_range=rng,
-                                                    expert_tokens_num_type=1, active_num=n * k)
+        ex, eri, _, _ = npu.npu_moe_init_routing_v2(
+            x, ids, expert_num=num_experts, active_expert_range=rng, expert_tokens_num_type=1, active_num=n * k
+        )
         out = npu.npu_moe_finalize_routing(ex, None, None, None, w, eri, ids, drop_pad_mode=2)
         expected = torch.zeros(n, 6, dtype=torch.float64)
         for i in range(n):
@@ -610,8 +687,9 @@ def test_drop_pad_then_finalize_mode3_sums_kept_slots(problem, cap_seed, dtype, 
     g = gen(seed)
     x = torch.randn(n, 4, generator=g).to(dtype)
     w = torch.rand(n, k, generator=g).to(dtype)
-    ex, eri, _, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=num_experts, drop_pad_mode=1,
-                                                expert_capacity=cap, expert_tokens_num_type=1)
+    ex, eri, _, _ = npu.npu_moe_init_routing_v2(
+        x, ids, expert_num=num_experts, drop_pad_mode=1, expert_capacity=cap, expert_tokens_num_type=1
+    )
     out = npu.npu_moe_finalize_routing(ex, None, None, None, w, eri, None, drop_pad_mode=3)
     kept = (eri >= 0).view(n, k)
     expected = (w.double() * kept).sum(-1, keepdim=True) * x.double()
@@ -637,8 +715,11 @@ def re_routing_problems(draw):
     cnt = cnt.to(draw(st.sampled_from([torch.int32, torch.int64])))
     dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.int8]))
     a = int(cnt.sum())
-    tokens = random_bits((a, 3), dtype, draw(seeds)) if dtype != torch.int8 else \
-        torch.randint(-128, 128, (a, 3), generator=g, dtype=torch.int8)
+    tokens = (
+        random_bits((a, 3), dtype, draw(seeds))
+        if dtype != torch.int8
+        else torch.randint(-128, 128, (a, 3), generator=g, dtype=torch.int8)
+    )
     scales = random_bits((a,), torch.float32, draw(seeds)) if draw(st.booleans()) else None
     return tokens, cnt, scales, draw(st.sampled_from([0, 1])), draw(st.sampled_from([0, 1]))
 
@@ -646,8 +727,9 @@ def re_routing_problems(draw):
 @given(re_routing_problems())
 def test_re_routing_is_expert_major_permutation(p):
     tokens, cnt, scales, count_type, idx_type = p
-    pt, ps, pidx, num = npu.npu_moe_re_routing(tokens, cnt, per_token_scales=scales,
-                                               expert_token_num_type=count_type, idx_type=idx_type)
+    pt, ps, pidx, num = npu.npu_moe_re_routing(
+        tokens, cnt, per_token_scales=scales, expert_token_num_type=count_type, idx_type=idx_type
+    )
     a = tokens.shape[0]
     perm = ref_re_routing_perm(cnt.tolist())
     assert sorted(perm) == list(range(a))
@@ -669,7 +751,7 @@ def test_re_routing_is_expert_major_permutation(p):
     c = cnt.tolist()
     for e in range(cnt.shape[1]):
         for r in range(cnt.shape[0]):
-            block = gather[pos: pos + c[r][e]]
+            block = gather[pos : pos + c[r][e]]
             if block:
                 assert block == list(range(block[0], block[0] + len(block)))
             pos += c[r][e]
@@ -684,13 +766,15 @@ def test_re_routing_after_simulated_all_to_all_equals_global_init_routing(world,
         rng = [r * local, (r + 1) * local]
         received, cnt = [], []
         for s in range(world):  # rank s sends rank r its rows for experts in r's range, grouped by expert
-            ex, _, c, _ = npu.npu_moe_init_routing_v2(xs[s], ids[s], expert_num=num_experts,
-                                                      active_expert_range=rng, expert_tokens_num_type=1)
+            ex, _, c, _ = npu.npu_moe_init_routing_v2(
+                xs[s], ids[s], expert_num=num_experts, active_expert_range=rng, expert_tokens_num_type=1
+            )
             received.append(ex[: int(c.sum())])
             cnt.append(c)
         pt, _, _, num = npu.npu_moe_re_routing(torch.cat(received), torch.stack(cnt))
-        gx, _, gc, _ = npu.npu_moe_init_routing_v2(torch.cat(xs), torch.cat(ids), expert_num=num_experts,
-                                                   active_expert_range=rng, expert_tokens_num_type=1)
+        gx, _, gc, _ = npu.npu_moe_init_routing_v2(
+            torch.cat(xs), torch.cat(ids), expert_num=num_experts, active_expert_range=rng, expert_tokens_num_type=1
+        )
         assert_bitwise_equal(pt, gx[: int(gc.sum())], f"rank {r}")
         assert torch.equal(num, gc)
 
@@ -725,22 +809,40 @@ def _opcheck_cases():
     w = torch.rand(6, 2, generator=g)
     return [
         ("npu_moe_gating_top_k_softmax", (x, None), {"k": 2}),
-        ("npu_moe_gating_top_k_softmax", (x.bfloat16().reshape(2, 3, 8), torch.rand(2, 3, generator=g) < 0.5),
-         {"k": 3}),
+        (
+            "npu_moe_gating_top_k_softmax",
+            (x.bfloat16().reshape(2, 3, 8), torch.rand(2, 3, generator=g) < 0.5),
+            {"k": 3},
+        ),
         ("npu_moe_init_routing", (xb, row_idx, ids, 4), {}),
-        ("npu_moe_init_routing_v2", (xb, ids), {"expert_num": 4, "expert_tokens_num_type": 1,
-                                                "active_expert_range": [1, 3], "active_num": 7}),
-        ("npu_moe_init_routing_v2", (xb, ids), {"expert_num": 4, "scale": torch.rand(6, generator=g),
-                                                "expert_tokens_num_type": 2, "row_idx_type": 1}),
-        ("npu_moe_init_routing_v2", (xb, ids), {"expert_num": 4, "drop_pad_mode": 1, "expert_capacity": 2,
-                                                "expert_tokens_num_type": 1}),
+        (
+            "npu_moe_init_routing_v2",
+            (xb, ids),
+            {"expert_num": 4, "expert_tokens_num_type": 1, "active_expert_range": [1, 3], "active_num": 7},
+        ),
+        (
+            "npu_moe_init_routing_v2",
+            (xb, ids),
+            {"expert_num": 4, "scale": torch.rand(6, generator=g), "expert_tokens_num_type": 2, "row_idx_type": 1},
+        ),
+        (
+            "npu_moe_init_routing_v2",
+            (xb, ids),
+            {"expert_num": 4, "drop_pad_mode": 1, "expert_capacity": 2, "expert_tokens_num_type": 1},
+        ),
         ("npu_moe_compute_expert_tokens", (torch.tensor([0, 0, 1, 3, 3], dtype=torch.int32), 4), {}),
         ("npu_moe_finalize_routing", (ex, None, None, None, w, eri, ids), {"drop_pad_mode": 2}),
-        ("npu_moe_finalize_routing", (ex, xb, xb, torch.randn(4, 4, generator=g).bfloat16(), None, eri, ids),
-         {"drop_pad_mode": 2, "k": 2}),
+        (
+            "npu_moe_finalize_routing",
+            (ex, xb, xb, torch.randn(4, 4, generator=g).bfloat16(), None, eri, ids),
+            {"drop_pad_mode": 2, "k": 2},
+        ),
         ("npu_moe_re_routing", (xb[:5], torch.tensor([[1, 2], [0, 2]])), {}),
-        ("npu_moe_re_routing", (xb[:5], torch.tensor([[1, 2], [0, 2]], dtype=torch.int32)),
-         {"per_token_scales": torch.rand(5, generator=g), "idx_type": 1, "expert_token_num_type": 0}),
+        (
+            "npu_moe_re_routing",
+            (xb[:5], torch.tensor([[1, 2], [0, 2]], dtype=torch.int32)),
+            {"per_token_scales": torch.rand(5, generator=g), "idx_type": 1, "expert_token_num_type": 0},
+        ),
     ]
 
 
@@ -759,9 +861,15 @@ def _compile_programs():
 
     def moe_path_a(logits, x):  # gating -> init_routing_v2 -> finalize, as Qwen3 path A (identity FFN)
         w, ids, _ = npu.npu_moe_gating_top_k_softmax(logits, None, k=2)
-        ex, eri, cnt, _ = npu.npu_moe_init_routing_v2(x, ids, active_num=x.shape[0] * 2, expert_num=6,
-                                                      expert_tokens_num_type=1, expert_tokens_num_flag=True,
-                                                      active_expert_range=[0, 6])
+        ex, eri, cnt, _ = npu.npu_moe_init_routing_v2(
+            x,
+            ids,
+            active_num=x.shape[0] * 2,
+            expert_num=6,
+            expert_tokens_num_type=1,
+            expert_tokens_num_flag=True,
+            active_expert_range=[0, 6],
+        )
         return npu.npu_moe_finalize_routing(ex * 2, None, None, None, w.to(ex.dtype), eri, None, drop_pad_mode=2), cnt
 
     def legacy(logits, x):  # gating -> v1 -> compute_expert_tokens -> finalize mode 0
@@ -789,17 +897,25 @@ def test_torch_compile_fullgraph_matches_eager(program):
 def test_inductor_runs_a_call_the_traced_body_leaves_as_the_operator():
     """With graph mode's decompositions registered, inductor inlines a dropless init routing and keeps a drop/pad one
     (its traced body returns NotImplemented) as the operator, called as a fallback kernel: both as eager, bitwise."""
-    from optimized.executor.graph import compile_settings   # importing it registers the decompositions
+    from optimized.executor.graph import compile_settings  # importing it registers the decompositions
 
     g = gen(13)
     x = torch.randn(6, 4, generator=g).to(torch.bfloat16)
     ids = torch.randint(0, 4, (6, 2), generator=g, dtype=torch.int32)
 
     def both(x, ids):
-        dropless = npu.npu_moe_init_routing_v2(x, ids, active_num=12, expert_num=4, expert_tokens_num_type=1,
-                                               expert_tokens_num_flag=True, active_expert_range=[0, 4])
-        dropped = npu.npu_moe_init_routing_v2(x, ids, expert_num=4, drop_pad_mode=1, expert_capacity=2,
-                                              expert_tokens_num_type=1)
+        dropless = npu.npu_moe_init_routing_v2(
+            x,
+            ids,
+            active_num=12,
+            expert_num=4,
+            expert_tokens_num_type=1,
+            expert_tokens_num_flag=True,
+            active_expert_range=[0, 4],
+        )
+        dropped = npu.npu_moe_init_routing_v2(
+            x, ids, expert_num=4, drop_pad_mode=1, expert_capacity=2, expert_tokens_num_type=1
+        )
         return dropless + dropped
 
     torch._dynamo.reset()
@@ -830,77 +946,174 @@ _ids = torch.zeros(4, 2, dtype=torch.int32)
 _rows = torch.zeros(8, 6)
 _idx = torch.zeros(8, dtype=torch.int32)
 ERROR_CASES = [
-    (lambda: npu.npu_moe_gating_top_k_softmax(torch.randn(6), None, k=1), ValueError,
-     r"npu_moe_gating_top_k_softmax: x must have 2 or 3 dims"),
-    (lambda: npu.npu_moe_gating_top_k_softmax(_x.double(), None, k=1), ValueError,
-     r"npu_moe_gating_top_k_softmax: x has dtype torch.float64"),
+    (
+        lambda: npu.npu_moe_gating_top_k_softmax(torch.randn(6), None, k=1),
+        ValueError,
+        r"npu_moe_gating_top_k_softmax: x must have 2 or 3 dims",
+    ),
+    (
+        lambda: npu.npu_moe_gating_top_k_softmax(_x.double(), None, k=1),
+        ValueError,
+        r"npu_moe_gating_top_k_softmax: x has dtype torch.float64",
+    ),
     (lambda: npu.npu_moe_gating_top_k_softmax(_x, None, k=7), ValueError, r"gating_top_k_softmax: k=7 .*E=6"),
-    (lambda: npu.npu_moe_gating_top_k_softmax(_x, torch.zeros(4, dtype=torch.int32), k=1), ValueError,
-     r"gating_top_k_softmax: finished has dtype"),
-    (lambda: npu.npu_moe_gating_top_k_softmax(_x, torch.zeros(3, dtype=torch.bool), k=1), ValueError,
-     r"gating_top_k_softmax: finished has shape \(3,\); expected \(4,\)"),
+    (
+        lambda: npu.npu_moe_gating_top_k_softmax(_x, torch.zeros(4, dtype=torch.int32), k=1),
+        ValueError,
+        r"gating_top_k_softmax: finished has dtype",
+    ),
+    (
+        lambda: npu.npu_moe_gating_top_k_softmax(_x, torch.zeros(3, dtype=torch.bool), k=1),
+        ValueError,
+        r"gating_top_k_softmax: finished has shape \(3,\); expected \(4,\)",
+    ),
     (lambda: npu.npu_moe_init_routing(_x, _ids, _ids, 4), ValueError, r"npu_moe_init_routing: row_idx must be a perm"),
-    (lambda: npu.npu_moe_init_routing(_x, _ids.long(), _ids, 4), ValueError,
-     r"npu_moe_init_routing: row_idx has dtype"),
+    (
+        lambda: npu.npu_moe_init_routing(_x, _ids.long(), _ids, 4),
+        ValueError,
+        r"npu_moe_init_routing: row_idx has dtype",
+    ),
     (lambda: npu.npu_moe_init_routing(_x[:3], _ids, _ids, 4), ValueError, r"npu_moe_init_routing: x has 3 rows"),
-    (lambda: npu.npu_moe_init_routing(_x, _ids, _ids[:, :1], -1), ValueError,
-     r"npu_moe_init_routing: row_idx has shape"),
+    (
+        lambda: npu.npu_moe_init_routing(_x, _ids, _ids[:, :1], -1),
+        ValueError,
+        r"npu_moe_init_routing: row_idx has shape",
+    ),
     (lambda: npu.npu_moe_init_routing_v2(_x, _ids), ValueError, r"init_routing_v2: expert_num=-1 must be > 0"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, quant_mode=1), NotImplementedError,
-     r"npu_moe_init_routing_v2: quant_mode=1"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, quant_mode=10), ValueError,
-     r"npu_moe_init_routing_v2: quant_mode=10"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, drop_pad_mode=2), ValueError,
-     r"init_routing_v2: drop_pad_mode=2"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, active_expert_range=[3, 3]), ValueError,
-     r"init_routing_v2: active_expert_range=\[3, 3\]"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, active_expert_range=[0, 5]), ValueError,
-     r"init_routing_v2: active_expert_range"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, drop_pad_mode=1, expert_capacity=5), ValueError,
-     r"init_routing_v2: drop_pad_mode=1 needs 0 < expert_capacity"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, drop_pad_mode=1, expert_capacity=2,
-                                         active_expert_range=[1, 3]), ValueError,
-     r"init_routing_v2: drop_pad_mode=1 needs the full active_expert_range"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids - 1, expert_num=4), ValueError,
-     r"init_routing_v2: expert_idx values must be >= 0"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids + 5, expert_num=4), ValueError,
-     r"init_routing_v2: expert_idx value 5 is outside \[0, expert_num=4\]"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids + 5, expert_num=4, active_expert_range=[0, 2]), ValueError,
-     r"init_routing_v2: expert_idx value 5 is outside"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids.long(), expert_num=4), ValueError,
-     r"init_routing_v2: expert_idx has dtype"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, scale=torch.ones(3)), ValueError,
-     r"init_routing_v2: scale has shape"),
-    (lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, row_idx_type=2), ValueError,
-     r"init_routing_v2: row_idx_type=2"),
-    (lambda: npu.npu_moe_compute_expert_tokens(_idx.long(), 3), ValueError,
-     r"compute_expert_tokens: sorted_expert_for_source_row has dtype"),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, quant_mode=1),
+        NotImplementedError,
+        r"npu_moe_init_routing_v2: quant_mode=1",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, quant_mode=10),
+        ValueError,
+        r"npu_moe_init_routing_v2: quant_mode=10",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, drop_pad_mode=2),
+        ValueError,
+        r"init_routing_v2: drop_pad_mode=2",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, active_expert_range=[3, 3]),
+        ValueError,
+        r"init_routing_v2: active_expert_range=\[3, 3\]",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, active_expert_range=[0, 5]),
+        ValueError,
+        r"init_routing_v2: active_expert_range",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, drop_pad_mode=1, expert_capacity=5),
+        ValueError,
+        r"init_routing_v2: drop_pad_mode=1 needs 0 < expert_capacity",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(
+            _x, _ids, expert_num=4, drop_pad_mode=1, expert_capacity=2, active_expert_range=[1, 3]
+        ),
+        ValueError,
+        r"init_routing_v2: drop_pad_mode=1 needs the full active_expert_range",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids - 1, expert_num=4),
+        ValueError,
+        r"init_routing_v2: expert_idx values must be >= 0",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids + 5, expert_num=4),
+        ValueError,
+        r"init_routing_v2: expert_idx value 5 is outside \[0, expert_num=4\]",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids + 5, expert_num=4, active_expert_range=[0, 2]),
+        ValueError,
+        r"init_routing_v2: expert_idx value 5 is outside",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids.long(), expert_num=4),
+        ValueError,
+        r"init_routing_v2: expert_idx has dtype",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, scale=torch.ones(3)),
+        ValueError,
+        r"init_routing_v2: scale has shape",
+    ),
+    (
+        lambda: npu.npu_moe_init_routing_v2(_x, _ids, expert_num=4, row_idx_type=2),
+        ValueError,
+        r"init_routing_v2: row_idx_type=2",
+    ),
+    (
+        lambda: npu.npu_moe_compute_expert_tokens(_idx.long(), 3),
+        ValueError,
+        r"compute_expert_tokens: sorted_expert_for_source_row has dtype",
+    ),
     (lambda: npu.npu_moe_compute_expert_tokens(_idx, 0), ValueError, r"compute_expert_tokens: num_expert=0"),
-    (lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, None, _idx, None, drop_pad_mode=4, k=2),
-     ValueError, r"finalize_routing: drop_pad_mode=4"),
-    (lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, None, _idx, None, drop_pad_mode=1, k=2),
-     ValueError, r"finalize_routing: expanded_permuted_rows must have 3 dims"),
-    (lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, torch.ones(4, 3), _idx, None), ValueError,
-     r"finalize_routing: expanded_src_to_dst_row has shape \(8,\); expected \(12,\)"),
-    (lambda: npu.npu_moe_finalize_routing(_rows, None, _x, None, torch.ones(4, 2), _idx, None), ValueError,
-     r"finalize_routing: skip2 requires skip1"),
-    (lambda: npu.npu_moe_finalize_routing(_rows, _x[:3], None, None, torch.ones(4, 2), _idx, None), ValueError,
-     r"finalize_routing: skip1 has shape"),
-    (lambda: npu.npu_moe_finalize_routing(_rows, None, None, _x, torch.ones(4, 2), _idx, None), ValueError,
-     r"finalize_routing: bias requires export_for_source_row"),
-    (lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, torch.ones(4, 2), _idx + 8, None), ValueError,
-     r"finalize_routing: expanded_src_to_dst_row values must lie in \[-1, 8\)"),
-    (lambda: npu.npu_moe_finalize_routing(_rows.half(), None, None, None, torch.ones(4, 2), _idx, None), ValueError,
-     r"finalize_routing: scales has dtype torch.float32"),
-    (lambda: npu.npu_moe_re_routing(_x.bfloat16(), torch.tensor([[1, 2], [0, 2]])), ValueError,
-     r"re_routing: expert_token_num_per_rank sums to 5 but tokens has A=4"),
-    (lambda: npu.npu_moe_re_routing(_x[:1].bfloat16(), torch.tensor([[2, -1]])), ValueError,
-     r"re_routing: expert_token_num_per_rank values must be >= 0"),
-    (lambda: npu.npu_moe_re_routing(_x, torch.tensor([4])), ValueError,
-     r"re_routing: expert_token_num_per_rank must have 2 dims"),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, None, _idx, None, drop_pad_mode=4, k=2),
+        ValueError,
+        r"finalize_routing: drop_pad_mode=4",
+    ),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, None, _idx, None, drop_pad_mode=1, k=2),
+        ValueError,
+        r"finalize_routing: expanded_permuted_rows must have 3 dims",
+    ),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, torch.ones(4, 3), _idx, None),
+        ValueError,
+        r"finalize_routing: expanded_src_to_dst_row has shape \(8,\); expected \(12,\)",
+    ),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows, None, _x, None, torch.ones(4, 2), _idx, None),
+        ValueError,
+        r"finalize_routing: skip2 requires skip1",
+    ),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows, _x[:3], None, None, torch.ones(4, 2), _idx, None),
+        ValueError,
+        r"finalize_routing: skip1 has shape",
+    ),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows, None, None, _x, torch.ones(4, 2), _idx, None),
+        ValueError,
+        r"finalize_routing: bias requires export_for_source_row",
+    ),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows, None, None, None, torch.ones(4, 2), _idx + 8, None),
+        ValueError,
+        r"finalize_routing: expanded_src_to_dst_row values must lie in \[-1, 8\)",
+    ),
+    (
+        lambda: npu.npu_moe_finalize_routing(_rows.half(), None, None, None, torch.ones(4, 2), _idx, None),
+        ValueError,
+        r"finalize_routing: scales has dtype torch.float32",
+    ),
+    (
+        lambda: npu.npu_moe_re_routing(_x.bfloat16(), torch.tensor([[1, 2], [0, 2]])),
+        ValueError,
+        r"re_routing: expert_token_num_per_rank sums to 5 but tokens has A=4",
+    ),
+    (
+        lambda: npu.npu_moe_re_routing(_x[:1].bfloat16(), torch.tensor([[2, -1]])),
+        ValueError,
+        r"re_routing: expert_token_num_per_rank values must be >= 0",
+    ),
+    (
+        lambda: npu.npu_moe_re_routing(_x, torch.tensor([4])),
+        ValueError,
+        r"re_routing: expert_token_num_per_rank must have 2 dims",
+    ),
     (lambda: npu.npu_moe_re_routing(_x, torch.tensor([[4]]), idx_type=2), ValueError, r"re_routing: idx_type=2"),
-    (lambda: npu.npu_moe_re_routing(_x, torch.tensor([[4]]), per_token_scales=torch.ones(3)), ValueError,
-     r"re_routing: per_token_scales has shape"),
+    (
+        lambda: npu.npu_moe_re_routing(_x, torch.tensor([[4]]), per_token_scales=torch.ones(3)),
+        ValueError,
+        r"re_routing: per_token_scales has shape",
+    ),
 ]
 
 
@@ -908,8 +1121,9 @@ def test_init_routing_v2_drops_the_finished_marker_but_refuses_ids_past_it():
     """Spec §4.1: expert_num is gating's "finished" id, dropped (never an error); expert_num + 1 is refused."""
     ids = torch.tensor([[0, 4], [4, 1]], dtype=torch.int32)
     x = torch.randn(2, 6)
-    expanded_x, row_idx, counts, _ = npu.npu_moe_init_routing_v2(x, ids, expert_num=4, expert_tokens_num_type=1,
-                                                                  expert_tokens_num_flag=True)
+    expanded_x, row_idx, counts, _ = npu.npu_moe_init_routing_v2(
+        x, ids, expert_num=4, expert_tokens_num_type=1, expert_tokens_num_flag=True
+    )
     assert counts.tolist() == [1, 1, 0, 0]
     assert row_idx.tolist() == [0, -1, -1, 1]
     assert_bitwise_equal(expanded_x[:2], x[[0, 1]], "rows of experts 0 and 1")
@@ -926,8 +1140,10 @@ def test_invalid_inputs_raise_naming_op_and_argument(case):
 
 STRICT_CASES = [
     (lambda: npu.npu_moe_gating_top_k_softmax(torch.zeros(1, 1100), None, k=1025), r"gating_top_k_softmax: NPU limit"),
-    (lambda: npu.npu_moe_compute_expert_tokens(torch.tensor([1, 0], dtype=torch.int32), 2),
-     r"compute_expert_tokens: NPU limit.*non-decreasing"),
+    (
+        lambda: npu.npu_moe_compute_expert_tokens(torch.tensor([1, 0], dtype=torch.int32), 2),
+        r"compute_expert_tokens: NPU limit.*non-decreasing",
+    ),
     (lambda: npu.npu_moe_re_routing(_x, torch.tensor([[4]])), r"re_routing: NPU limit: tokens has dtype"),
 ]
 
@@ -963,8 +1179,12 @@ def test_npu_gating_matches_portable(problem):
     probs = torch.softmax(x.reshape(-1, x.shape[-1]).float(), -1)
     # expert ids may only differ where the two chosen probabilities are within tolerance (near-ties)
     chosen = probs.gather(-1, got[1].cpu().reshape(-1, k).long().clamp(max=x.shape[-1] - 1))
-    assert_close(chosen, probs.gather(-1, want[1].reshape(-1, k).long().clamp(max=x.shape[-1] - 1)),
-                 "op.float32", "probability of the chosen experts")
+    assert_close(
+        chosen,
+        probs.gather(-1, want[1].reshape(-1, k).long().clamp(max=x.shape[-1] - 1)),
+        "op.float32",
+        "probability of the chosen experts",
+    )
     assert torch.equal(got[2].cpu(), want[2])
 
 
@@ -989,9 +1209,15 @@ def test_npu_init_routing_v2_matches_portable(p):
         return
     x = random_bits((p["n"], 16), p["dtype"], p["seed"])
     scale = torch.rand(p["n"], generator=gen(p["seed"])) if p["with_scale"] else None
-    kw = dict(scale=scale, active_num=p["active_num"], expert_num=p["num_experts"],
-              active_expert_range=p["range"] or [0, p["num_experts"]], expert_tokens_num_type=p["count_type"],
-              expert_tokens_num_flag=True, row_idx_type=p["row_idx_type"])
+    kw = dict(
+        scale=scale,
+        active_num=p["active_num"],
+        expert_num=p["num_experts"],
+        active_expert_range=p["range"] or [0, p["num_experts"]],
+        expert_tokens_num_type=p["count_type"],
+        expert_tokens_num_flag=True,
+        row_idx_type=p["row_idx_type"],
+    )
     got = [t.cpu() for t in npu.npu_moe_init_routing_v2(_npu(x), _npu(p["ids"]), **{k: _npu(v) for k, v in kw.items()})]
     want = portable_kernel("npu_moe_init_routing_v2")(x, p["ids"], **kw)
     avail = int(((p["ids"] >= kw["active_expert_range"][0]) & (p["ids"] < kw["active_expert_range"][1])).sum())

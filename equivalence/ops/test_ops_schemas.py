@@ -5,6 +5,7 @@ one schema a line, read independently of optimized/ops/schemas.py). Everywhere: 
 those lines, and the operator registered under each name carries the kept line's schema (on a CPU that is
 the portable registration). Under the `npu` marker: the live torch_npu registration carries it too.
 """
+
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,9 @@ def _assert_registered_equals_kept():
 
 def test_schema_table_equals_kept_torch_npu_lines():
     kept = kept_schemas()
-    assert sorted(SCHEMAS) == sorted(kept), f"names: only in SCHEMAS {sorted(set(SCHEMAS) - set(kept))}, only " \
-                                            f"kept {sorted(set(kept) - set(SCHEMAS))}"
+    assert sorted(SCHEMAS) == sorted(kept), (
+        f"names: only in SCHEMAS {sorted(set(SCHEMAS) - set(kept))}, only kept {sorted(set(kept) - set(SCHEMAS))}"
+    )
     differ = [q for q in SCHEMAS if SCHEMAS[q] != kept[q]]
     assert not differ, f"SCHEMAS text differs from {SPEC_LINES.name} for {differ}"
 
@@ -71,6 +73,6 @@ def test_registration_is_idempotent():
 
     x, gamma = torch.randn(3, 8), torch.rand(8) + 0.5
     before = torch.ops.npu.npu_rms_norm(x, gamma, 1e-6)[0]
-    importlib.reload(norm)            # registers again: must neither raise nor change the operator
+    importlib.reload(norm)  # registers again: must neither raise nor change the operator
     importlib.reload(optimized.ops)
     assert torch.equal(torch.ops.npu.npu_rms_norm(x, gamma, 1e-6)[0], before)

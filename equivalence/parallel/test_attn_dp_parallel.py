@@ -9,7 +9,8 @@ and pure DP (TP 1 x DP 4, no gather at all) with a vocab-parallel lm_head spanni
 engine through `ModelRunner.generate`:
 - fp32: batches of 1-5 requests (dividing the DP size and not: request i runs in DP group i mod D, a group with nothing
   to run steps a dummy token into the null block), a drawn EOS id (a token the reference generates for a drawn request
-  at a drawn step) so requests finish at different steps and DP groups run uneven batches or dummy rows; the generated tokens are exactly the reference's greedy tokens
+  at a drawn step) so requests finish at different steps and DP groups run uneven batches or dummy rows; the generated
+  tokens are exactly the reference's greedy tokens
   (16 unless EOS), the finish reasons match, and every returned logit (each prompt position, and each generated
   token's) is within `model.float32` of the reference's;
 - every decode step of every MoE layer went through one MC2 dispatch / combine pair and the prefill through none
@@ -20,6 +21,7 @@ engine through `ModelRunner.generate`:
   reference's own routing and the flip rate reported;
 - the paged KV cache of each DP rank holds only its DP group's requests (and its dummy).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +30,16 @@ from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import RoutingStats, dtype_of, generation_with_phase_log, on_host, rank_model, reference_model, \
-    run_property, same_on_all_ranks
+from equivalence.support.parallel_support import (
+    RoutingStats,
+    dtype_of,
+    generation_with_phase_log,
+    on_host,
+    rank_model,
+    reference_model,
+    run_property,
+    same_on_all_ranks,
+)
 from equivalence.parallel.test_e2e_parallel import replayed_routing
 from equivalence.support.strategies import BLOCK_SIZE, prompt_length
 from fixtures.checkpoints import checkpoint
@@ -44,8 +54,17 @@ DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combin
 
 
 def dp_layout(world: int, attn_tp: int, lmhead_tp: int = 1, embed_tp: int = 1) -> dict:
-    return dict(world_size=world, attn_tp_size=attn_tp, moe_tp_size=1, moe_ep_size=world, embed_tp_size=embed_tp,
-                lmhead_tp_size=lmhead_tp, prefill_opt=False, moe_ep_scheme="auto", attn_dp=True)
+    return dict(
+        world_size=world,
+        attn_tp_size=attn_tp,
+        moe_tp_size=1,
+        moe_ep_size=world,
+        embed_tp_size=embed_tp,
+        lmhead_tp_size=lmhead_tp,
+        prefill_opt=False,
+        moe_ep_scheme="auto",
+        attn_dp=True,
+    )
 
 
 CASES = [
@@ -58,8 +77,10 @@ CASES = [
 
 
 def _describe(lay: dict) -> str:
-    return (f"W={lay['world_size']} attn_tp={lay['attn_tp_size']} x dp={lay['world_size'] // lay['attn_tp_size']} "
-            f"EP={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}")
+    return (
+        f"W={lay['world_size']} attn_tp={lay['attn_tp_size']} x dp={lay['world_size'] // lay['attn_tp_size']} "
+        f"EP={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}"
+    )
 
 
 @torch.no_grad()
@@ -70,19 +91,31 @@ def _generate_task(rank, world, path, lay, dtype_name, prompts, n, eos):
     model = rank_model(path, lay, dtype_of(dtype_name))
     runner = ModelRunner(model, BLOCK_SIZE)
     with comm.count_bytes() as counter:
-        res = runner.generate(prompts, n, eos_token_id=eos, return_logits=True,
-                              prompt_logits_positions=[list(range(len(p))) for p in prompts])
-    return on_host({"tokens": res.tokens, "finish": res.finish_reasons, "logits": res.logits,
-                    "prompt_logits": res.prompt_logits, "decode_steps": len(res.decode_seconds),
-                    "mc2_calls": {op: counter.calls.get(op, 0) for op in (DISPATCH, COMBINE)},
-                    "kv_blocks": runner.pool_blocks(prompts, n)})
+        res = runner.generate(
+            prompts,
+            n,
+            eos_token_id=eos,
+            return_logits=True,
+            prompt_logits_positions=[list(range(len(p))) for p in prompts],
+        )
+    return on_host(
+        {
+            "tokens": res.tokens,
+            "finish": res.finish_reasons,
+            "logits": res.logits,
+            "prompt_logits": res.prompt_logits,
+            "decode_steps": len(res.decode_seconds),
+            "mc2_calls": {op: counter.calls.get(op, 0) for op in (DISPATCH, COMBINE)},
+            "kv_blocks": runner.pool_blocks(prompts, n),
+        }
+    )
 
 
 def _reference_run(ref, prompt, n, eos):
     """(tokens up to and including the first EOS, logits [len(prompt) + len(tokens) - 1, V] of the whole run)."""
     tokens = greedy_generate(ref, torch.tensor([prompt]), n)[0].tolist()
     if eos is not None and eos in tokens:
-        tokens = tokens[:tokens.index(eos) + 1]
+        tokens = tokens[: tokens.index(eos) + 1]
     with torch.no_grad():
         logits = ref(torch.tensor([prompt + tokens[:-1]]))[0]
     return tokens, logits
@@ -118,34 +151,42 @@ def test_attn_dp_generation_equals_reference_fp32(world, lay):
         eos = None if pick is None else greedy_generate(ref, torch.tensor([prompts[pick[0]]]), GEN_TOKENS)[0][pick[1]]
         eos = None if eos is None else int(eos)
         got = same_on_all_ranks(
-            [{k: v for k, v in r.items() if k != "kv_blocks"} for r in
-             get_pool(world).run(_generate_task, path, lay, "float32", prompts, GEN_TOKENS, eos, timeout=180)],
-            "attn DP generation")
+            [
+                {k: v for k, v in r.items() if k != "kv_blocks"}
+                for r in get_pool(world).run(
+                    _generate_task, path, lay, "float32", prompts, GEN_TOKENS, eos, timeout=180
+                )
+            ],
+            "attn DP generation",
+        )
         what = f"{_describe(lay)} batch {len(prompts)} eos {eos}"
         for b, prompt in enumerate(prompts):
             want, logits = _reference_run(ref, prompt, GEN_TOKENS, eos)
             assert got["tokens"][b] == want, f"{what} request {b}: optimized {got['tokens'][b]} != reference {want}"
             assert got["finish"][b] == ("eos" if eos is not None and want[-1] == eos else "length"), what
-            assert_close(got["prompt_logits"][b], logits[:len(prompt)], "model.float32", f"{what} request {b} prompt")
-            assert_close(got["logits"][b], logits[len(prompt) - 1:], "model.float32", f"{what} request {b} generated")
+            assert_close(got["prompt_logits"][b], logits[: len(prompt)], "model.float32", f"{what} request {b} prompt")
+            assert_close(got["logits"][b], logits[len(prompt) - 1 :], "model.float32", f"{what} request {b} generated")
         steps = got["decode_steps"]
         assert steps == max(len(t) for t in got["tokens"]) - 1, f"{what}: {steps} decode steps"
         want_calls = {DISPATCH: 2 * steps * CONFIG.num_hidden_layers, COMBINE: steps * CONFIG.num_hidden_layers}
         assert got["mc2_calls"] == want_calls, f"{what}: MC2 calls {got['mc2_calls']} != {want_calls}"
-        print(f"{what}: tokens {[len(t) for t in got['tokens']]}, finish {got['finish']}, max_abs vs reference "
-              f"{max(max_abs(g, _reference_run(ref, p, GEN_TOKENS, eos)[1][len(p) - 1:]) for g, p in zip(got['logits'], prompts)):.2e}")
+        worst = max(
+            max_abs(g, _reference_run(ref, p, GEN_TOKENS, eos)[1][len(p) - 1 :]) for g, p in zip(got["logits"], prompts)
+        )
+        lengths = [len(t) for t in got["tokens"]]
+        print(f"{what}: tokens {lengths}, finish {got['finish']}, max_abs vs reference {worst:.2e}")
 
     run_property(check, 4, prompts=dp_prompts(), data=st.data())
 
 
 def test_attn_dp_kv_cache_holds_only_the_dp_groups_requests():
     lay = dp_layout(4, 2)
-    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]          # dealt round robin: group 0: 0, 2; group 1: 1
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]  # dealt round robin: group 0: 0, 2; group 1: 1
     out = get_pool(4).run(_generate_task, str(checkpoint("tiny")), lay, "float32", prompts, 4, None, timeout=180)
     blocks = [r["kv_blocks"] for r in out]
     per_group = [sum(-(-(len(p) + 4) // BLOCK_SIZE) for p in g) for g in (prompts[0::2], prompts[1::2])]
     assert per_group == [1 + 2, 3]
-    assert blocks == [1 + max(per_group)] * 4, blocks     # each group's pool: its own requests, the null block
+    assert blocks == [1 + max(per_group)] * 4, blocks  # each group's pool: its own requests, the null block
 
 
 @torch.no_grad()
@@ -160,10 +201,10 @@ def _non_finite_task(rank, world, path, lay, prompts):
         logits = forward(ids, meta, caches, *a, **kw)
         calls.append(meta.is_prefill)
         if calls.count(False) == 2 and model.groups.dp_rank == 0:
-            logits[1, 7] = float("nan")        # DP group 0's ranks hold its logits: row 1 is request 2's
+            logits[1, 7] = float("nan")  # DP group 0's ranks hold its logits: row 1 is request 2's
         return logits
 
-    model.forward = nan_for_request_1_at_decode_step_2   # the model is cached per worker: restored below
+    model.forward = nan_for_request_1_at_decode_step_2  # the model is cached per worker: restored below
     try:
         runner.generate(prompts, 6)
     except NonFiniteLogitsError as e:
@@ -176,11 +217,12 @@ def _non_finite_task(rank, world, path, lay, prompts):
 def test_attn_dp_non_finite_logits_stop_generation_naming_step_and_request():
     """Under attention DP too, a NaN logits row of a running request stops generation on every rank with the step
     and the request named (not a -1 token or token 0 forever)."""
-    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]                   # dealt round robin: groups 0, 2 | 1
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]  # dealt round robin: groups 0, 2 | 1
     out = get_pool(4).run(_non_finite_task, str(checkpoint("tiny")), dp_layout(4, 2), prompts, timeout=180)
     for message in out:
         assert message is not None and message.startswith(
-            "decode step 2 produced non-finite logits (NaN or inf) for request 2, after 2 generated token(s)"), out
+            "decode step 2 produced non-finite logits (NaN or inf) for request 2, after 2 generated token(s)"
+        ), out
 
 
 @torch.no_grad()
@@ -195,33 +237,45 @@ def _generate_bf16_task(rank, world, path, lay, prompts, n, kv_cache_dtype="auto
     ids_log, inputs_log, steps = {}, {}, []
     blocks = [(i, layer.mlp) for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "route")]
     for i, mlp in blocks:
+
         def recorded(hidden, _route=mlp.route, _i=i):
             weights, ids = _route(hidden)
             ids_log.setdefault(_i, []).append(ids.clone())
             inputs_log.setdefault(_i, []).append(hidden.float().clone())
             return weights, ids
+
         mlp.route = recorded
     try:
         with generation_with_phase_log(model, lambda meta, ids: steps.append(meta.dp)):
             res = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype).generate(
-                prompts, n, return_logits=True, prompt_logits_positions=[list(range(len(p))) for p in prompts])
+                prompts, n, return_logits=True, prompt_logits_positions=[list(range(len(p))) for p in prompts]
+            )
     finally:
         for _, mlp in blocks:
             del mlp.route
     a = model.groups.attn_tp.size
 
-    def real_rows(log):   # per layer, per forward: every rank's real rows, in rank (= packed) order
+    def real_rows(log):  # per layer, per forward: every rank's real rows, in rank (= packed) order
         out = {}
         for i, per_forward in log.items():
             for rows, dp in zip(per_forward, steps):
-                sizes = comm.all_gather(torch.tensor([rows.shape[0]], device=rows.device),
-                                        model.groups.world.group).tolist()
+                sizes = comm.all_gather(
+                    torch.tensor([rows.shape[0]], device=rows.device), model.groups.world.group
+                ).tolist()
                 chunks = comm.all_gather(rows, model.groups.world.group, sizes=sizes).split(sizes)
-                out.setdefault(i, []).append(torch.cat([c[:dp.active(r // a, r % a)] for r, c in enumerate(chunks)]))
+                out.setdefault(i, []).append(torch.cat([c[: dp.active(r // a, r % a)] for r, c in enumerate(chunks)]))
         return out
-    return on_host({"tokens": res.tokens, "logits": res.logits, "prompt_logits": res.prompt_logits,
-                    "routes": real_rows(ids_log), "router_inputs": real_rows(inputs_log),
-                    "kv_heads": model.layers[0].self_attn.num_kv_heads})
+
+    return on_host(
+        {
+            "tokens": res.tokens,
+            "logits": res.logits,
+            "prompt_logits": res.prompt_logits,
+            "routes": real_rows(ids_log),
+            "router_inputs": real_rows(inputs_log),
+            "kv_heads": model.layers[0].self_attn.num_kv_heads,
+        }
+    )
 
 
 def _request_routes(routes: dict, prompts, tokens, world: int, lay: dict) -> list[dict]:
@@ -232,18 +286,18 @@ def _request_routes(routes: dict, prompts, tokens, world: int, lay: dict) -> lis
     groups = [list(range(d, batch, dp)) for d in range(dp)]
     out = [{i: [] for i in routes} for _ in range(batch)]
     at = 0
-    for g in groups:                                   # the prefill packs group by group
+    for g in groups:  # the prefill packs group by group
         for b in g:
             for i, r in routes.items():
-                out[b][i].append(r[0][at:at + len(prompts[b])])
+                out[b][i].append(r[0][at : at + len(prompts[b])])
             at += len(prompts[b])
-        at += 0 if g else 1                            # an idle group's dummy token
+        at += 0 if g else 1  # an idle group's dummy token
     for s in range(max(len(t) for t in tokens) - 1):
         order = [r for g in groups for r in ([r for r in g if s < len(tokens[r]) - 1] or [None])]
         for row, b in enumerate(order):
             if b is not None:
                 for i, r in routes.items():
-                    out[b][i].append(r[1 + s][row:row + 1])
+                    out[b][i].append(r[1 + s][row : row + 1])
     return [{i: torch.cat(rows) for i, rows in per.items()} for per in out]
 
 
@@ -259,22 +313,25 @@ def test_attn_dp_bf16_within_tolerance_routing_flip_aware(world, lay):
     near_tie = tolerance("router_tie.model.bfloat16").rtol
 
     def check(prompts):
-        got = same_on_all_ranks(get_pool(world).run(_generate_bf16_task, path, lay, prompts, GEN_TOKENS, timeout=180),
-                                "attn DP bf16 generation")
+        got = same_on_all_ranks(
+            get_pool(world).run(_generate_bf16_task, path, lay, prompts, GEN_TOKENS, timeout=180),
+            "attn DP bf16 generation",
+        )
         stats: list[RoutingStats] = []
         mine, replayed, own = [], [], []
-        for b, (prompt, ids_of_layer) in enumerate(zip(prompts, _request_routes(got["routes"], prompts, got["tokens"],
-                                                                                 world, lay))):
+        for b, (prompt, ids_of_layer) in enumerate(
+            zip(prompts, _request_routes(got["routes"], prompts, got["tokens"], world, lay))
+        ):
             tokens = got["tokens"][b]
             seq = torch.tensor([prompt + tokens[:-1]])
             with torch.no_grad(), replayed_routing(ref, ids_of_layer, near_tie, stats):
                 want = ref(seq)[0].float()
             with torch.no_grad():
-                own.append(ref(seq)[0].float()[len(prompt) - 1:])
+                own.append(ref(seq)[0].float()[len(prompt) - 1 :])
             what = f"{_describe(lay)} bf16 request {b}"
-            assert_close(got["prompt_logits"][b], want[:len(prompt)], "model.parallel.bfloat16", f"{what} prompt")
-            assert_close(got["logits"][b], want[len(prompt) - 1:], "model.parallel.bfloat16", f"{what} generated")
-            at_choice = want[len(prompt) - 1:]
+            assert_close(got["prompt_logits"][b], want[: len(prompt)], "model.parallel.bfloat16", f"{what} prompt")
+            assert_close(got["logits"][b], want[len(prompt) - 1 :], "model.parallel.bfloat16", f"{what} generated")
+            at_choice = want[len(prompt) - 1 :]
             chosen = at_choice.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
             best = at_choice.max(-1).values
             slack = tol.atol + tol.rtol * best.abs()
@@ -284,8 +341,10 @@ def test_attn_dp_bf16_within_tolerance_routing_flip_aware(world, lay):
             replayed.append(at_choice)
         total = sum(stats, RoutingStats())
         a, r, o = torch.cat(mine), torch.cat(replayed), torch.cat(own)
-        report = (f"{_describe(lay)} bf16 batch {len(prompts)}: {total}; replayed max_abs {max_abs(a, r):.2e}, "
-                  f"top-1 {top1_agreement(a, r):.4f}; own routing top-1 {top1_agreement(a, o):.4f}")
+        report = (
+            f"{_describe(lay)} bf16 batch {len(prompts)}: {total}; replayed max_abs {max_abs(a, r):.2e}, "
+            f"top-1 {top1_agreement(a, r):.4f}; own routing top-1 {top1_agreement(a, o):.4f}"
+        )
         print(report)
         assert total.clear_flips == 0, report
 
@@ -304,6 +363,7 @@ def _gathers_task(rank, world, path, lay, prompts, n):
     def recorded(x, group, *a, **k):
         seen.append((1 if group is None else torch.distributed.get_world_size(group), str(x.dtype), tuple(x.shape)))
         return all_gather(x, group, *a, **k)
+
     collectives.all_gather = recorded
     try:
         tokens = ModelRunner(model, BLOCK_SIZE).generate(prompts, n).tokens
@@ -320,11 +380,12 @@ def test_attn_dp_shares_chosen_ids_not_logits():
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     out = get_pool(4).run(_gathers_task, str(checkpoint("tiny")), dp_layout(4, 2), prompts, 3, timeout=180)
     for rank, r in enumerate(out):
-        wide = [s for s in r["seen"] if s[0] > 1 and s[2][-1] == CONFIG.vocab_size]   # (a 1-rank gather is a no-op)
+        wide = [s for s in r["seen"] if s[0] > 1 and s[2][-1] == CONFIG.vocab_size]  # (a 1-rank gather is a no-op)
         assert not wide, f"rank {rank}: vocab-wide all_gathers {wide}"
         ids = [s for s in r["seen"] if s[0] > 1 and len(s[2]) == 1]
-        assert ids and all(size == 2 and dtype == "torch.float32" and shape[0] <= 2 for size, dtype, shape in ids), \
+        assert ids and all(size == 2 and dtype == "torch.float32" and shape[0] <= 2 for size, dtype, shape in ids), (
             f"rank {rank}: id shares {ids} (DP 2: a group of 2, at most 2 rows per group)"
+        )
     same_on_all_ranks([r["tokens"] for r in out], "tokens")
 
 
@@ -332,11 +393,12 @@ def _cached_reference(ref, prompt, tokens, ids_of_layer, near_tie, stats, kv_hea
     """The reference through its own cache (per-token FP8 with `kv_heads_per_scale`, None: 16-bit): the prompt in
     one forward, then each generated token, replaying the DP run's routing; the logits each token was chosen from."""
     from reference.fake_quant import fake_quantize_kv_cache
+
     model = ref if kv_heads_per_scale is None else fake_quantize_kv_cache(ref, kv_heads_per_scale)
     cache, out, at = model.new_cache(), [], 0
     try:
         for ids in [prompt] + [[t] for t in tokens[:-1]]:
-            rows = {i: r[at:at + len(ids)] for i, r in ids_of_layer.items()}
+            rows = {i: r[at : at + len(ids)] for i, r in ids_of_layer.items()}
             with torch.no_grad(), replayed_routing(ref, rows, near_tie, stats):
                 out.append(model(torch.tensor([ids]), cache)[0][-1:].float())
             at += len(ids)
@@ -356,12 +418,15 @@ def test_attn_dp_fp8_kv_cache_within_the_fp8_kv_reference(world, lay):
     ref = reference_model("tiny", "bfloat16")
     near_tie = tolerance("router_tie.model.bfloat16").rtol
     prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(20, 39)), [9, 8, 7]]
-    got = same_on_all_ranks(get_pool(world).run(_generate_bf16_task, path, lay, prompts, GEN_TOKENS, "float8",
-                                                timeout=240), "attn DP fp8 kv generation")
+    got = same_on_all_ranks(
+        get_pool(world).run(_generate_bf16_task, path, lay, prompts, GEN_TOKENS, "float8", timeout=240),
+        "attn DP fp8 kv generation",
+    )
     stats: list[RoutingStats] = []
     near = far = 0.0
-    for b, (prompt, ids_of_layer) in enumerate(zip(prompts, _request_routes(got["routes"], prompts, got["tokens"],
-                                                                             world, lay))):
+    for b, (prompt, ids_of_layer) in enumerate(
+        zip(prompts, _request_routes(got["routes"], prompts, got["tokens"], world, lay))
+    ):
         tokens = got["tokens"][b]
         fp8 = _cached_reference(ref, prompt, tokens, ids_of_layer, near_tie, stats, got["kv_heads"])
         plain = _cached_reference(ref, prompt, tokens, ids_of_layer, near_tie, [], None)
@@ -381,14 +446,16 @@ def test_attn_dp_kv_pool_blocks_is_per_dp_group_and_refused_when_too_small():
     out = get_pool(4).run(_pool_task, str(checkpoint("tiny")), dp_layout(4, 2), timeout=180)
     for rank, (blocks, error) in enumerate(out):
         assert blocks == 6, f"rank {rank}: pool of {blocks} blocks, kv_pool_blocks 6 asked"
-        assert error.startswith("kv_pool_blocks=3 is too small: these requests need 5 blocks of 16 tokens per DP "
-                                "group"), error
+        assert error.startswith(
+            "kv_pool_blocks=3 is too small: these requests need 5 blocks of 16 tokens per DP group"
+        ), error
 
 
 @torch.no_grad()
 def _pool_task(rank, world, path, lay):
     from optimized.executor.engine import Engine
     from optimized.executor.model_runner import ModelRunner
+
     model = rank_model(path, lay, torch.float32)
     sizes = []
     init = Engine.__init__
@@ -396,9 +463,10 @@ def _pool_task(rank, world, path, lay):
     def record(self, *a, **k):
         init(self, *a, **k)
         sizes.append(self.cache.num_blocks)
+
     Engine.__init__ = record
     try:
-        prompts = [[1] * 20, [2] * 5, [3] * 20]     # group 0: requests 0 and 2 (2 + 2 blocks + null); group 1: 1
+        prompts = [[1] * 20, [2] * 5, [3] * 20]  # group 0: requests 0 and 2 (2 + 2 blocks + null); group 1: 1
         ModelRunner(model, BLOCK_SIZE, kv_pool_blocks=6).generate(prompts, 3)
         try:
             ModelRunner(model, BLOCK_SIZE, kv_pool_blocks=3).generate(prompts, 3)

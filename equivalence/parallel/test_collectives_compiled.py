@@ -3,6 +3,7 @@ functional collectives (`_c10d_functional.*`, what torchair lowers to HCCL ops) 
 on real gloo ranks (graph DP decode at attention TP > 1 traces `reduce_scatter` after o_proj). Their results are the
 collectives' own outputs: dynamo's rewrite of an in-place `dist` collective adds a buffer (`new_empty`) and a
 `copy_` into it per call, an extra device copy per collective per layer in every decode graph."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,8 @@ def _compiled_vs_eager(rank, world, rows_per_rank, splits, seed):
     pg = dist.group.WORLD
     torch.manual_seed(seed + rank)
     x = torch.randn(rows_per_rank * world, 3)
-    send = splits[rank]                                  # rows this rank sends to each rank
-    recv = [splits[src][rank] for src in range(world)]   # rows each rank sends this one
+    send = splits[rank]  # rows this rank sends to each rank
+    recv = [splits[src][rank] for src in range(world)]  # rows each rank sends this one
     y = torch.randn(sum(send), 5).to(torch.bfloat16)
 
     def step(x, y):
@@ -44,11 +45,13 @@ def _compiled_vs_eager(rank, world, rows_per_rank, splits, seed):
 
 
 @settings(max_examples=4, deadline=None)
-@given(rows=st.integers(1, 3), splits=st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=2), min_size=2,
-                                              max_size=2), seed=st.integers(0, 100))
+@given(
+    rows=st.integers(1, 3),
+    splits=st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=2), min_size=2, max_size=2),
+    seed=st.integers(0, 100),
+)
 def test_reduce_scatter_and_all_to_all_trace_as_functional_collectives_equal_to_eager(rows, splits, seed):
-    for rank, (results, frames, ops) in enumerate(get_pool(2).run(_compiled_vs_eager, rows, splits, seed,
-                                                                  timeout=120)):
+    for rank, (results, frames, ops) in enumerate(get_pool(2).run(_compiled_vs_eager, rows, splits, seed, timeout=120)):
         assert frames == 1, f"rank {rank}: {frames} graphs (a graph break)"
         assert all(equal for _, _, equal in results), (rank, results)
         functional = " ".join(ops)

@@ -16,6 +16,7 @@ the same tokens, so every rank's output must also be bitwise the same (`same_on_
   reference returns x + attn + mlp. Checked with and without an incoming residual, on sparse and dense
   (tiny-dense: mlp_only_layers / decoder_sparse_step) layers.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,10 +25,24 @@ from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_close, tolerance
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import (paged_cache, rank_model, reference_model, routing_check, run_property,
-                                          runner_of, same_on_all_ranks)
-from equivalence.support.strategies import (corner_layouts, describe_layout, hidden_kinds, hidden_states, layouts,
-                                    prompt_lengths, seeds)
+from equivalence.support.parallel_support import (
+    paged_cache,
+    rank_model,
+    reference_model,
+    routing_check,
+    run_property,
+    runner_of,
+    same_on_all_ranks,
+)
+from equivalence.support.strategies import (
+    corner_layouts,
+    describe_layout,
+    hidden_kinds,
+    hidden_states,
+    layouts,
+    prompt_lengths,
+    seeds,
+)
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from reference.model import LayerCache, SparseMoeBlock, rope_cos_sin
@@ -37,8 +52,12 @@ pytestmark = pytest.mark.distributed
 TOL = "layer.float32"
 WORLDS = (1, 2, 4, 8)
 # hypothesis examples per (world size, layout source): few for W=8 (8 ranks share 2 cores).
-EXAMPLES = {1: {"corner": 4, "drawn": 0}, 2: {"corner": 2, "drawn": 3}, 4: {"corner": 2, "drawn": 2},
-            8: {"corner": 1, "drawn": 2}}
+EXAMPLES = {
+    1: {"corner": 4, "drawn": 0},
+    2: {"corner": 2, "drawn": 3},
+    4: {"corner": 2, "drawn": 2},
+    8: {"corner": 1, "drawn": 2},
+}
 CONFIG = tiny_config("tiny")  # every fixture shares the parallel-relevant shapes (heads, experts, sizes)
 H = CONFIG.hidden_size
 
@@ -54,7 +73,8 @@ def layout_cases():
 
 
 def _short(lay) -> str:
-    return f"a{lay['attn_tp_size']}t{lay['moe_tp_size']}e{lay['moe_ep_size']}v{lay['embed_tp_size']}l{lay['lmhead_tp_size']}"
+    sizes = ("attn_tp_size", "moe_tp_size", "moe_ep_size", "embed_tp_size", "lmhead_tp_size")
+    return "".join(f"{letter}{lay[key]}" for letter, key in zip("atevl", sizes))
 
 
 def _layout_strategy(world, lay):
@@ -66,6 +86,7 @@ def _salted(seed: int, lay: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------------ worker tasks
+
 
 @torch.no_grad()
 def _attention_task(rank, world, path, lay, layer_idx, lengths, x_prefill, x_decode):
@@ -105,6 +126,7 @@ def _decoder_task(rank, world, path, lay, layer_idx, lengths, hidden, residual):
 
 # ----------------------------------------------------------------------------------------- reference side
 
+
 def _requests(lengths):
     off = 0
     for b, n in enumerate(lengths):
@@ -126,12 +148,14 @@ def _reference_attention(attn, lengths, x_prefill, x_decode):
         caches.append(cache)
     out = {"prefill": torch.cat(prefill)}
     for step, x in enumerate(x_decode):
-        out[f"decode{step}"] = torch.cat([attn(x[b][None, None], *_rope([n + step]), caches[b])[0]
-                                          for b, n in enumerate(lengths)])
+        out[f"decode{step}"] = torch.cat(
+            [attn(x[b][None, None], *_rope([n + step]), caches[b])[0] for b, n in enumerate(lengths)]
+        )
     return out
 
 
 # ----------------------------------------------------------------------------------------------- tests
+
 
 @pytest.mark.parametrize("world, lay, n", layout_cases())
 def test_attention_prefill_and_paged_decode_equal_reference(world, lay, n):
@@ -142,15 +166,28 @@ def test_attention_prefill_and_paged_decode_equal_reference(world, lay, n):
         seed = _salted(seed, layout)
         x_prefill = hidden_states("random", seed, sum(lengths), H)
         x_decode = [hidden_states("random", seed + 1 + s, len(lengths), H) for s in range(steps)]
-        got = same_on_all_ranks(get_pool(world).run(_attention_task, path, layout, layer_idx, lengths, x_prefill,
-                                                    x_decode, timeout=120), "attention")
+        got = same_on_all_ranks(
+            get_pool(world).run(_attention_task, path, layout, layer_idx, lengths, x_prefill, x_decode, timeout=120),
+            "attention",
+        )
         want = _reference_attention(ref.model.layers[layer_idx].self_attn, lengths, x_prefill, x_decode)
         for key in want:
-            assert_close(got[key], want[key], TOL, f"{describe_layout(layout)} lengths={lengths} layer {layer_idx} "
-                                                   f"attention {key}")
+            assert_close(
+                got[key],
+                want[key],
+                TOL,
+                f"{describe_layout(layout)} lengths={lengths} layer {layer_idx} attention {key}",
+            )
 
-    run_property(check, n, layout=_layout_strategy(world, lay), lengths=prompt_lengths(1, 3, 40),
-                 steps=st.integers(1, 3), layer_idx=st.integers(0, CONFIG.num_hidden_layers - 1), seed=seeds)
+    run_property(
+        check,
+        n,
+        layout=_layout_strategy(world, lay),
+        lengths=prompt_lengths(1, 3, 40),
+        steps=st.integers(1, 3),
+        layer_idx=st.integers(0, CONFIG.num_hidden_layers - 1),
+        seed=seeds,
+    )
 
 
 @pytest.mark.parametrize("world, lay, n", layout_cases())
@@ -173,8 +210,15 @@ def test_moe_block_equals_reference_including_skewed_routing(world, lay, n):
         assert stats.clear_flips == 0, f"{what}: {stats}"
         assert_close(got["out"], want, TOL, f"{what} MoE block ({stats})")
 
-    run_property(check, n + 1, layout=_layout_strategy(world, lay), tokens=st.integers(1, 40), kind=hidden_kinds,
-                 layer_idx=st.integers(0, CONFIG.num_hidden_layers - 1), seed=seeds)
+    run_property(
+        check,
+        n + 1,
+        layout=_layout_strategy(world, lay),
+        tokens=st.integers(1, 40),
+        kind=hidden_kinds,
+        layer_idx=st.integers(0, CONFIG.num_hidden_layers - 1),
+        seed=seeds,
+    )
 
 
 @pytest.mark.parametrize("world, lay, n", layout_cases())
@@ -187,8 +231,10 @@ def test_decoder_layer_with_residual_equals_reference(world, lay, n):
         seed = _salted(seed, layout)
         hidden = hidden_states("random", seed, sum(lengths), H)
         residual = hidden_states("random", seed + 1, sum(lengths), H)
-        got = same_on_all_ranks(get_pool(world).run(_decoder_task, path, layout, layer_idx, lengths, hidden,
-                                                    residual, timeout=120), "decoder layer")
+        got = same_on_all_ranks(
+            get_pool(world).run(_decoder_task, path, layout, layer_idx, lengths, hidden, residual, timeout=120),
+            "decoder layer",
+        )
         layer = ref.model.layers[layer_idx]
         for variant, x in (("no_residual", hidden), ("residual", hidden + residual)):
             mlp_out, new_residual = got[variant]
@@ -203,5 +249,12 @@ def test_decoder_layer_with_residual_equals_reference(world, lay, n):
             assert_close(new_residual, torch.cat(want_residual), TOL, f"{what}: residual = x + attn")
             assert_close(mlp_out + new_residual, torch.cat(want), TOL, f"{what}: mlp_out + residual = layer(x)")
 
-    run_property(check, n, layout=_layout_strategy(world, lay), name=st.sampled_from(["tiny-dense", "tiny"]),
-                 lengths=prompt_lengths(1, 3, 40), layer_idx=st.integers(0, 2), seed=seeds)
+    run_property(
+        check,
+        n,
+        layout=_layout_strategy(world, lay),
+        name=st.sampled_from(["tiny-dense", "tiny"]),
+        lengths=prompt_lengths(1, 3, 40),
+        layer_idx=st.integers(0, 2),
+        seed=seeds,
+    )

@@ -13,6 +13,7 @@ The set of parameter names must match too, so no parameter goes unchecked. Bytes
 must equal the bytes of exactly these slices (nothing read twice, nothing extra), and for the fully sharded
 layouts (every size = world) the per-rank share of the checkpoint is reported and bounded.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ MAX_SHARE = {1: 1.0, 2: 1.05, 4: 1.10, 8: 1.25}
 
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     out = {}
     for file in files:
         with safe_open(path / file, framework="pt") as f:
@@ -63,21 +65,27 @@ def expected_shards(full: dict[str, torch.Tensor], config, lay: dict, rank: int)
     kv_heads = range(a * nkv // A, (a + 1) * nkv // A) if nkv >= A else [a * qh // (nq // nkv)]
 
     def heads(w, hs):
-        return torch.cat([w[h * d:(h + 1) * d] for h in hs])
+        return torch.cat([w[h * d : (h + 1) * d] for h in hs])
 
     def chunk(n, parts, i):
         return slice(i * n // parts, (i + 1) * n // parts)
 
-    out = {"embed_tokens.weight": full["model.embed_tokens.weight"][chunk(config.vocab_size, V, rank % V)],
-           "lm_head.weight": full["lm_head.weight"][chunk(config.vocab_size, L, rank % L)],
-           "norm.weight": full["model.norm.weight"]}
+    out = {
+        "embed_tokens.weight": full["model.embed_tokens.weight"][chunk(config.vocab_size, V, rank % V)],
+        "lm_head.weight": full["lm_head.weight"][chunk(config.vocab_size, L, rank % L)],
+        "norm.weight": full["model.norm.weight"],
+    }
     for i in range(config.num_hidden_layers):
         src, dst = f"model.layers.{i}", f"layers.{i}"
         q = full[f"{src}.self_attn.q_proj.weight"]
-        out[f"{dst}.self_attn.merged_qkv_proj.weight"] = torch.cat([
-            heads(q, range(a * qh, (a + 1) * qh)), heads(full[f"{src}.self_attn.k_proj.weight"], kv_heads),
-            heads(full[f"{src}.self_attn.v_proj.weight"], kv_heads)])
-        out[f"{dst}.self_attn.o_proj.weight"] = full[f"{src}.self_attn.o_proj.weight"][:, a * qh * d:(a + 1) * qh * d]
+        out[f"{dst}.self_attn.merged_qkv_proj.weight"] = torch.cat(
+            [
+                heads(q, range(a * qh, (a + 1) * qh)),
+                heads(full[f"{src}.self_attn.k_proj.weight"], kv_heads),
+                heads(full[f"{src}.self_attn.v_proj.weight"], kv_heads),
+            ]
+        )
+        out[f"{dst}.self_attn.o_proj.weight"] = full[f"{src}.self_attn.o_proj.weight"][:, a * qh * d : (a + 1) * qh * d]
         for norm in ("self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm"):
             out[f"{dst}.{norm}.weight"] = full[f"{src}.{norm}.weight"]
         if f"{src}.mlp.gate.weight" in full:
@@ -85,22 +93,27 @@ def expected_shards(full: dict[str, torch.Tensor], config, lay: dict, rank: int)
             cols = chunk(config.moe_intermediate_size, T, t)
             local = range(e * config.num_experts // EP, (e + 1) * config.num_experts // EP)
             x = f"{src}.mlp.experts"
-            out[f"{dst}.mlp.experts.w13"] = torch.stack([
-                torch.cat([full[f"{x}.{j}.gate_proj.weight"][cols].t(), full[f"{x}.{j}.up_proj.weight"][cols].t()], 1)
-                for j in local])
+            out[f"{dst}.mlp.experts.w13"] = torch.stack(
+                [
+                    torch.cat(
+                        [full[f"{x}.{j}.gate_proj.weight"][cols].t(), full[f"{x}.{j}.up_proj.weight"][cols].t()], 1
+                    )
+                    for j in local
+                ]
+            )
             out[f"{dst}.mlp.experts.w2"] = torch.stack([full[f"{x}.{j}.down_proj.weight"][:, cols].t() for j in local])
         else:
             cols = chunk(config.intermediate_size, T, t)
-            out[f"{dst}.mlp.gate_up_proj.weight"] = torch.cat([full[f"{src}.mlp.gate_proj.weight"][cols],
-                                                               full[f"{src}.mlp.up_proj.weight"][cols]])
+            out[f"{dst}.mlp.gate_up_proj.weight"] = torch.cat(
+                [full[f"{src}.mlp.gate_proj.weight"][cols], full[f"{src}.mlp.up_proj.weight"][cols]]
+            )
             out[f"{dst}.mlp.down_proj.weight"] = full[f"{src}.mlp.down_proj.weight"][:, cols]
     return out
 
 
 def _loaded_task(rank, world, path, lay):
     model = rank_model(path, lay, torch.float32)
-    return {"params": {k: v.clone() for k, v in model.named_parameters()},
-            "bytes_read": model.weight_source.bytes_read}
+    return {"params": {k: v.clone() for k, v in model.named_parameters()}, "bytes_read": model.weight_source.bytes_read}
 
 
 def _check_layout(name: str, sharded: bool, lay: dict) -> list[float]:
@@ -136,10 +149,14 @@ def full_elem(full) -> int:
 def test_fully_sharded_ranks_load_their_slices_and_read_about_one_over_world(world, sharded):
     lay = layout(world, attn_tp_size=world, moe_tp_size=1, embed_tp_size=world, lmhead_tp_size=world)
     shares = _check_layout("tiny", sharded, lay)
-    print(f"{describe_layout(lay)} ({'sharded' if sharded else 'single'}): bytes read / (checkpoint / W) per rank "
-          f"{[round(s, 4) for s in shares]}")
-    assert max(shares) <= MAX_SHARE[world], (f"{describe_layout(lay)}: a rank read {max(shares):.3f}x its 1/{world} "
-                                             f"share (bound {MAX_SHARE[world]}); shares {shares}")
+    print(
+        f"{describe_layout(lay)} ({'sharded' if sharded else 'single'}): bytes read / (checkpoint / W) per rank "
+        f"{[round(s, 4) for s in shares]}"
+    )
+    assert max(shares) <= MAX_SHARE[world], (
+        f"{describe_layout(lay)}: a rank read {max(shares):.3f}x its 1/{world} "
+        f"share (bound {MAX_SHARE[world]}); shares {shares}"
+    )
 
 
 @pytest.mark.parametrize("world", WORLDS[1:])
@@ -148,6 +165,10 @@ def test_drawn_layouts_load_exact_slices(world):
         _check_layout(name, sharded, lay)
 
     corner = corner_layouts(world, CONFIG)[-1]
-    run_property(check, {2: 3, 4: 3, 8: 2}[world],
-                 lay=st.one_of(st.just(corner), layouts(world, CONFIG)),
-                 name=st.sampled_from(["tiny", "tiny-dense"]), sharded=st.booleans())
+    run_property(
+        check,
+        {2: 3, 4: 3, 8: 2}[world],
+        lay=st.one_of(st.just(corner), layouts(world, CONFIG)),
+        name=st.sampled_from(["tiny", "tiny-dense"]),
+        sharded=st.booleans(),
+    )

@@ -1,7 +1,8 @@
 """Decode through MC2 (`moe_infer_dispatch_combine`: npu_moe_distribute_dispatch_v2 / combine_v2) over real gloo
 ranks equals the reference, and each rank receives the slots the routing sends it.
 
-- Layouts with moe_tp 1 and EP = world (2, 4, 8; the tiny model's top_k 4 is above, equal to and below the EP size) after the
+- Layouts with moe_tp 1 and EP = world (2, 4, 8; the tiny model's top_k 4 is above, equal to and below the EP size)
+after the
   tensor-parallel prefill and after the sequence-parallel prefill (both EP schemes' layouts): fp32 prefill and
   teacher-forced decode logits within `model.float32` of the reference, for batches of 1-3 requests (so some EP
   ranks exchange only masked padding), and every decode step of every MoE layer called the dispatch operator once
@@ -13,6 +14,7 @@ ranks equals the reference, and each rank receives the slots the routing sends i
   rounding). The bytes the portable kernels moved are printed beside `decode_plan.mc2_volume` (information: they
   are the emulation's own traffic, not what an NPU's kernels move).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,7 +32,7 @@ from fixtures.tiny import tiny_config
 pytestmark = pytest.mark.distributed
 
 CONFIG = tiny_config("tiny")
-MOE_LAYERS = CONFIG.num_hidden_layers            # "tiny": every layer sparse (checked below)
+MOE_LAYERS = CONFIG.num_hidden_layers  # "tiny": every layer sparse (checked below)
 DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
 
 
@@ -41,7 +43,6 @@ def _mc2_layout(world: int, prefill: str) -> dict:
 
 
 def _mc2_logits_task(rank, world, path, lay, prompts, forced):
-    from optimized import distributed as comm
 
     from equivalence.npu.record_npu_calls import NpuOpCounter
 
@@ -62,8 +63,9 @@ def test_mc2_decode_logits_equal_reference_fp32(world, prefill):
 
     def check(prompts, steps, seed):
         forced = _draw_forced(seed, len(prompts), steps)
-        got = same_on_all_ranks(get_pool(world).run(_mc2_logits_task, path, lay, prompts, forced, timeout=120),
-                                "logits")
+        got = same_on_all_ranks(
+            get_pool(world).run(_mc2_logits_task, path, lay, prompts, forced, timeout=120), "logits"
+        )
         what = f"{describe_layout(lay)} batch {len(prompts)}"
         assert got["decode_exchange"] == "MoeInferDispatchCombine", f"{what}: decode uses {got['decode_exchange']}"
         # one dispatch and one combine operator call per MoE layer per decode step; none in the prefill
@@ -79,7 +81,7 @@ def test_mc2_decode_logits_equal_reference_fp32(world, prefill):
 
 # ------------------------------------------------------------------------------------------ bytes moved
 
-H235, E235, K235, LAYERS235 = 4096, 128, 8, 94          # Qwen3-235B-A22B: hidden, experts, top_k, MoE layers
+H235, E235, K235, LAYERS235 = 4096, 128, 8, 94  # Qwen3-235B-A22B: hidden, experts, top_k, MoE layers
 
 
 class _IdentityExperts:
@@ -91,7 +93,7 @@ class _IdentityExperts:
         self.received: list[int] = []
 
     def __call__(self, x, tokens_per_expert):
-        self.received = tokens_per_expert.tolist()     # slots per local expert, as the dispatch delivered them
+        self.received = tokens_per_expert.tolist()  # slots per local expert, as the dispatch delivered them
         return x
 
 
@@ -111,7 +113,7 @@ def _slots(ids: torch.Tensor, rank: int, ep: int, n: int) -> tuple[int, int]:
     """(slots rank `rank` sends to other ranks, slots it receives from them) when rank s dispatches tokens
     [s*n, (s+1)*n) of the batch."""
     local = E235 // ep
-    owner = ids.long() // local                                                 # [B, K]
+    owner = ids.long() // local  # [B, K]
     source = (torch.arange(ids.shape[0]) // n).unsqueeze(1).expand_as(owner)
     out = int(((source == rank) & (owner != rank)).sum())
     inc = int(((owner == rank) & (source != rank)).sum())
@@ -131,21 +133,23 @@ def test_mc2_decode_qwen3_235b_shape_each_rank_receives_its_slots_and_combines_e
         n = tokens_per_rank(batch, world)
         acc = torch.zeros(batch, H235)
         for j in range(K235):
-            acc = acc + weights[:, j:j + 1] * x.float()
+            acc = acc + weights[:, j : j + 1] * x.float()
         formula = []
         local = E235 // world
         for rank, (out, sent, received) in enumerate(results):
             slots_out, slots_in = _slots(ids, rank, world, n)
             formula.append(sum(mc2_volume(n, H235, K235, world, E235, 2, slots_out, slots_in).parts.values()))
             what = f"{kind} batch {batch} rank {rank} (slots out {slots_out}, in {slots_in})"
-            want = torch.bincount(ids.long().flatten(), minlength=E235)[rank * local:(rank + 1) * local].tolist()
+            want = torch.bincount(ids.long().flatten(), minlength=E235)[rank * local : (rank + 1) * local].tolist()
             assert received == want, f"{what}: slots per local expert {received}, the routing sends {want}"
             assert_bitwise_equal(out, acc.to(torch.bfloat16), f"{what}: combined output")
         uniform = mc2_volume(n, H235, K235, world, E235, 2)
         measured = sum(results[0][1].values())
-        print(f"\nMC2 decode, Qwen3-235B-A22B shape, EP {world}, batch {batch} ({kind}), rank 0 per MoE layer: "
-              f"measured {results[0][1]} = {measured} B; formula with these slots {formula[0]} B; uniform-routing "
-              f"formula {uniform.parts} ~ {uniform.total} B; per decode step ({LAYERS235} MoE layers) measured "
-              f"{measured * LAYERS235} B, uniform formula {uniform.total * LAYERS235} B")
+        print(
+            f"\nMC2 decode, Qwen3-235B-A22B shape, EP {world}, batch {batch} ({kind}), rank 0 per MoE layer: "
+            f"measured {results[0][1]} = {measured} B; formula with these slots {formula[0]} B; uniform-routing "
+            f"formula {uniform.parts} ~ {uniform.total} B; per decode step ({LAYERS235} MoE layers) measured "
+            f"{measured * LAYERS235} B, uniform formula {uniform.total * LAYERS235} B"
+        )
 
     run_property(check, 3, kind=routing_kinds, batch=st.sampled_from([4, 6, 8]), seed=seeds)

@@ -3,9 +3,11 @@ through `torchrun -m optimized generate` as the recipe means them, pointed at a 
 to 4 or 8 (attention TP kept, the DP degree scaled), and give the reference's greedy tokens (fp32; the W4A8 file: the
 fake-quant reference's, within the W4A8 table entry); the ge_graph files decode in graph mode. The W4A4 + Hadamard
 file runs on the W4A4 fixture with its rotation directory and prints the tokens of the library's run, whose logits
-equivalence/quant/test_w4a4_recipe.py proves against the fake-quant W4A4 reference: all eight files run, none refused. With $QWEN3_MOE_RECIPE_CONFIG_DIR naming a checkout's `models/qwen3_moe/config`, its YAML files are
+equivalence/quant/test_w4a4_recipe.py proves against the fake-quant W4A4 reference: all eight files run, none refused.
+With $QWEN3_MOE_RECIPE_CONFIG_DIR naming a checkout's `models/qwen3_moe/config`, its YAML files are
 compared with the transcription and run as they are.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +35,10 @@ pytestmark = [pytest.mark.equivalence, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4
-CONTEXTS = {"narrativeqa.jsonl": ["The fox ran over the hill and the hill was green.", "Rain fell on the old town."],
-            "data/qasper.jsonl": ["A model reads tokens and writes tokens."]}
+CONTEXTS = {
+    "narrativeqa.jsonl": ["The fox ran over the hill and the hill was green.", "Rain fell on the old town."],
+    "data/qasper.jsonl": ["A model reads tokens and writes tokens."],
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,9 @@ def longbench(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("longbench")
     for name, contexts in CONTEXTS.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text("".join(json.dumps({"context": c, "input": "", "answers": []}) + "\n"
-                                         for c in contexts))
+        (root / name).write_text(
+            "".join(json.dumps({"context": c, "input": "", "answers": []}) + "\n" for c in contexts)
+        )
     return str(root)
 
 
@@ -56,9 +61,26 @@ def _generate(config: dict, world: int, tmp_path: Path) -> subprocess.CompletedP
     # exception" after its generation; not reproduced alone (noted in the issue).
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(world), "-m", "optimized", "generate", "--config", str(path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            "-m",
+            "optimized",
+            "generate",
+            "--config",
+            str(path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _requests(stdout: str) -> list[tuple[list[int], list[int]]]:
@@ -67,13 +89,13 @@ def _requests(stdout: str) -> list[tuple[list[int], list[int]]]:
     prompts = [ln.split("prompt ids: ")[1] for ln in lines if "prompt ids: " in ln]
     generated = [ln.split("generated ids: ")[1] for ln in lines if "generated ids: " in ln]
     assert prompts and len(prompts) == len(generated), stdout
-    ids = lambda s: [int(t) for t in s.split(",") if t]   # noqa: E731
+    ids = lambda s: [int(t) for t in s.split(",") if t]  # noqa: E731
     return [(ids(p), ids(g)) for p, g in zip(prompts, generated)]
 
 
 # name: (world size, fixture, what the start-up lines must say about the layout the file means)
 RUNS = {
-    "qwen3_235b_16tp": (4, "tiny", "prefill path: tensor parallel"),                     # TP 4, graph decode
+    "qwen3_235b_16tp": (4, "tiny", "prefill path: tensor parallel"),  # TP 4, graph decode
     "qwen3_235b_1tp_16ep": (4, "tiny", "prefill path: attention data parallel (4 DP groups x attention TP 1"),
     # attention TP 4 inside each of 2 DP groups (the file: TP 4 x DP 8)
     "qwen3_235b_attn4tp8dp": (8, "tiny", "prefill path: attention data parallel (2 DP groups x attention TP 4"),
@@ -99,8 +121,7 @@ def _assert_exe_mode(config: dict, stdout: str) -> None:
 
 def _run_and_compare(name: str, source: dict | None, longbench: str, tmp_path: Path) -> None:
     world, fixture, layout_line = RUNS[name]
-    config = scaled(name, world, f"fixture:{fixture}", max_new_tokens=NEW_TOKENS, dataset_path=longbench,
-                    source=source)
+    config = scaled(name, world, f"fixture:{fixture}", max_new_tokens=NEW_TOKENS, dataset_path=longbench, source=source)
     out = _generate(config, world, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert any(line.startswith(layout_line) for line in out.stdout.splitlines()), out.stdout
@@ -122,8 +143,10 @@ def test_recipe_config_gives_the_reference_greedy_tokens(name, longbench, tmp_pa
 def _checkout() -> dict[str, dict]:
     files = recipe_files()
     if not files:
-        pytest.skip(f"${RECIPE_DIR_ENV} is not set: name a checkout's models/qwen3_moe/config to compare and run "
-                    f"its YAML files as they are")
+        pytest.skip(
+            f"${RECIPE_DIR_ENV} is not set: name a checkout's models/qwen3_moe/config to compare and run "
+            f"its YAML files as they are"
+        )
     return files
 
 
@@ -171,8 +194,9 @@ def test_scaling_keeps_attention_tp_and_scales_the_dp_degree(name, factor):
         assert config["scheduler_config"]["batch_size"] == file["scheduler_config"]["batch_size"]
     for key in ("moe_tp_size", "embed_tp_size", "lmhead_tp_size"):
         assert p[key] == (world if fp[key] == fp["world_size"] else fp[key]), (key, p)
-    assert {k: v for k, v in config["model_config"].items() if k not in ("model_path", "dtype")} == \
-        {k: v for k, v in file["model_config"].items() if k != "model_path"}, "every other key as the file sets it"
+    assert {k: v for k, v in config["model_config"].items() if k not in ("model_path", "dtype")} == {
+        k: v for k, v in file["model_config"].items() if k != "model_path"
+    }, "every other key as the file sets it"
 
 
 def test_attn4tp8dp_at_world_8_is_attention_tp_4_by_dp_2():
@@ -190,13 +214,14 @@ def test_recipe_mxfp48_config_runs_w4a8_within_the_fake_quant_reference(longbenc
     `convert --quant w4a8`), bf16 as W4A8 runs: greedy agreement with the fake-quant reference's own greedy run at
     least the table's `model.w4a8.bfloat16` min_greedy."""
     path = w4a8_checkpoint("tiny")
-    config = scaled("qwen3_235b_mxfp48_opt", 4, str(path), max_new_tokens=NEW_TOKENS, dataset_path=longbench,
-                    dtype="bfloat16")
+    config = scaled(
+        "qwen3_235b_mxfp48_opt", 4, str(path), max_new_tokens=NEW_TOKENS, dataset_path=longbench, dtype="bfloat16"
+    )
     out = _generate(config, 4, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     ref = load_fake_quant_model(checkpoint("tiny"), torch.bfloat16, router_dtype="float32")
     for prompt, generated in _requests(out.stdout):
-        want = greedy_generate(ref, torch.tensor([prompt]), NEW_TOKENS)[0][:len(generated)]
+        want = greedy_generate(ref, torch.tensor([prompt]), NEW_TOKENS)[0][: len(generated)]
         got = torch.tensor(generated)
         assert token_agreement(got[None], want[None]) >= tolerance("model.w4a8.bfloat16").min_greedy, (got, want)
 
@@ -206,6 +231,7 @@ def _library_tokens(rank, world, cfg_dict, prompts, n):
     """The same file through the library (as equivalence/quant/test_w4a4_recipe.py runs it, its logits proven there
     against the fake-quant W4A4 reference with the same rotations): the greedy tokens of `prompts`."""
     from equivalence.quant.test_w4a4_recipe import recipe_task
+
     return recipe_task(rank, world, cfg_dict, prompts, [[0]] * len(prompts))["tokens"]
 
 
@@ -214,14 +240,16 @@ def test_recipe_mxfp4_hadamard_config_runs_as_the_library_proves_it(longbench, t
     `generate` on the W4A4 fixture converted with the non-symmetric orthogonal rotations runs it (nothing refused),
     says what enable_hadamard does, and prints the tokens the library's run of the same config gives."""
     path, rotations = w4a4_checkpoint("tiny-h256", "orthogonal"), rotation_dir("orthogonal")
-    config = scaled("qwen3_235b_mxfp4_hadamard", 4, str(path), max_new_tokens=NEW_TOKENS, dataset_path=longbench,
-                    dtype="bfloat16")
+    config = scaled(
+        "qwen3_235b_mxfp4_hadamard", 4, str(path), max_new_tokens=NEW_TOKENS, dataset_path=longbench, dtype="bfloat16"
+    )
     config["model_config"]["hadamard_weight_path"] = str(rotations)
     config["data_config"] = {"dataset": "prompts", "prompts": ["x"], "input_max_len": 64}
     out = _generate(config, 4, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"hadamard rotation: layer_{{i}}_self_attn.pt from {rotations}" in out.stdout, out.stdout
-    (prompt, generated), = _requests(out.stdout)
-    want = same_on_all_ranks(get_pool(4).run(_library_tokens, config, [prompt], NEW_TOKENS, timeout=240),
-                             "library run")[0]
-    assert generated == want[:len(generated)] and len(generated) == NEW_TOKENS, (generated, want)
+    ((prompt, generated),) = _requests(out.stdout)
+    want = same_on_all_ranks(
+        get_pool(4).run(_library_tokens, config, [prompt], NEW_TOKENS, timeout=240), "library run"
+    )[0]
+    assert generated == want[: len(generated)] and len(generated) == NEW_TOKENS, (generated, want)

@@ -1,5 +1,6 @@
 """Sampling over several ranks: every rank draws the same tokens (the seed is rank 0's when none is given),
 and EOS ends a request on every rank at the same step, so the sharded model never sees diverging inputs."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,13 @@ def _sample_task(rank, world, path):
     # EOS: a token request 0 draws at step 2 (seeded, so the rerun draws the same tokens up to it)
     eos = seeded.tokens[0][2]
     stopped = runner.generate(PROMPTS, 6, sampling=SamplingParams(temperature=1.0, seed=5), eos_token_id=[eos])
-    return {"unseeded": unseeded.tokens, "seeded": seeded.tokens, "eos": eos, "stopped": stopped.tokens,
-            "finish": stopped.finish_reasons}
+    return {
+        "unseeded": unseeded.tokens,
+        "seeded": seeded.tokens,
+        "eos": eos,
+        "stopped": stopped.tokens,
+        "finish": stopped.finish_reasons,
+    }
 
 
 def test_ranks_draw_the_same_tokens_with_and_without_a_seed():

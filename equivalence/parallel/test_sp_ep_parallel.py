@@ -19,6 +19,7 @@ embedding and lm_head either vocab-parallel over all ranks or replicated (drawn)
 - whole model, bf16: logits within `model.parallel.bfloat16` of the reference replaying the optimized
   routing (flips allowed on near-ties only, rate reported).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,12 +29,32 @@ from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import (paged_cache, rank_model, reference_model,
-                                          run_property, runner_of, same_on_all_ranks)
-from equivalence.support.strategies import (describe_layout, expert_routing, hidden_states, prompt_length, routing_kinds,
-                                    seeds, sp_layout)
-from equivalence.parallel.test_e2e_parallel import (GEN_TOKENS, _draw_forced, _generate_task, _logits_task, _model_logits,
-                                           _reference_logits, assert_bf16_logits_match_replayed_reference)
+from equivalence.support.parallel_support import (
+    paged_cache,
+    rank_model,
+    reference_model,
+    run_property,
+    runner_of,
+    same_on_all_ranks,
+)
+from equivalence.support.strategies import (
+    describe_layout,
+    expert_routing,
+    hidden_states,
+    prompt_length,
+    routing_kinds,
+    seeds,
+    sp_layout,
+)
+from equivalence.parallel.test_e2e_parallel import (
+    GEN_TOKENS,
+    _draw_forced,
+    _generate_task,
+    _logits_task,
+    _model_logits,
+    _reference_logits,
+    assert_bf16_logits_match_replayed_reference,
+)
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from reference.generate import greedy_generate
@@ -77,10 +98,11 @@ def _prompts(lengths, seed):
 def _mine(x: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
     """Rank `rank`'s rows of the packed rows x (padded with zeros to a multiple of `ranks`)."""
     n = -(-x.shape[0] // ranks)
-    return F.pad(x, (0, 0, 0, n * ranks - x.shape[0]))[rank * n:(rank + 1) * n]
+    return F.pad(x, (0, 0, 0, n * ranks - x.shape[0]))[rank * n : (rank + 1) * n]
 
 
 # ------------------------------------------------------------------------------------------ worker tasks
+
 
 @torch.no_grad()
 def _ep_schemes_task(rank, world, path, lay, layer_idx, x, ids, weights):
@@ -115,9 +137,10 @@ def _sp_attention_task(rank, world, path, lay, layer_idx, lengths, x, residual):
         _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
         cos, sin = model.rotary(meta.positions)
         if path_name == "sp":
-            y = model.prefill.step.attention(layer.self_attn, _mine(x, sp.rank, sp.size), cos, sin, meta,
-                                             cache.layers[0], model.atten_mask)
-            out["sp"] = comm.all_gather(y, sp.group)[:x.shape[0]]
+            y = model.prefill.step.attention(
+                layer.self_attn, _mine(x, sp.rank, sp.size), cos, sin, meta, cache.layers[0], model.atten_mask
+            )
+            out["sp"] = comm.all_gather(y, sp.group)[: x.shape[0]]
         else:
             out["tp"] = layer.self_attn(x, cos, sin, meta, cache.layers[0], model.atten_mask)
         caches[path_name] = cache.layers[0]
@@ -125,13 +148,22 @@ def _sp_attention_task(rank, world, path, lay, layer_idx, lengths, x, residual):
     cache, table = paged_cache(model, lengths, num_layers=1)
     _, meta, _ = runner.prefill_inputs([[0] * n for n in lengths], table)
     cos, sin = model.rotary(meta.positions)
-    mlp_out, new_residual = layer(_mine(x, sp.rank, sp.size), _mine(residual, sp.rank, sp.size), cos, sin, meta,
-                                  cache.layers[0], model.atten_mask, model.prefill.step)
-    out["layer"] = [comm.all_gather(t, sp.group)[:x.shape[0]] for t in (mlp_out, new_residual)]
+    mlp_out, new_residual = layer(
+        _mine(x, sp.rank, sp.size),
+        _mine(residual, sp.rank, sp.size),
+        cos,
+        sin,
+        meta,
+        cache.layers[0],
+        model.atten_mask,
+        model.prefill.step,
+    )
+    out["layer"] = [comm.all_gather(t, sp.group)[: x.shape[0]] for t in (mlp_out, new_residual)]
     return out
 
 
 # ----------------------------------------------------------------------------------------------- oracles
+
 
 @torch.no_grad()
 def _textbook_moe(block, x, ids, weights):
@@ -155,6 +187,7 @@ def _slots(ids: torch.Tensor, ranks: int, rank: int) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------------------------- tests
 
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_ep_schemes_equal_reference_and_each_other_on_adversarial_routings(world):
     path = str(checkpoint("tiny"))
@@ -174,8 +207,14 @@ def test_ep_schemes_equal_reference_and_each_other_on_adversarial_routings(world
             assert_close(got[scheme], want, "layer.float32", f"{what}: {scheme} vs reference experts")
         assert_close(got["allgather"], got["alltoall"], "layer.float32", f"{what}: allgather vs alltoall")
 
-    run_property(check, examples, kind=routing_kinds, per_rank=st.integers(1, 6),
-                 layer_idx=st.integers(0, CONFIG.num_hidden_layers - 1), seed=seeds)
+    run_property(
+        check,
+        examples,
+        kind=routing_kinds,
+        per_rank=st.integers(1, 6),
+        layer_idx=st.integers(0, CONFIG.num_hidden_layers - 1),
+        seed=seeds,
+    )
 
 
 @pytest.mark.parametrize("world", (2, 4))
@@ -188,8 +227,9 @@ def test_ep_scheme_bytes_moved_equal_the_formula(world):
         tokens = per_rank * world
         x = hidden_states("random", seed, tokens, H)
         ids, weights = expert_routing(kind, seed, tokens, E, K, world)
-        results = get_pool(world).run(_ep_schemes_task, path, sp_layout(world, "alltoall"), 0, x, ids, weights,
-                                      timeout=120)
+        results = get_pool(world).run(
+            _ep_schemes_task, path, sp_layout(world, "alltoall"), 0, x, ids, weights, timeout=120
+        )
         for rank, got in enumerate(results):
             slots_out, slots_in = _slots(ids, world, rank)
             want_ag = allgather_volume(per_rank, H, K, world, 4).parts
@@ -214,7 +254,7 @@ def test_sp_attention_writes_the_tp_cache_and_sp_layer_equals_reference(world, s
         residual = hidden_states("random", seed + 1, sum(lengths), H)
         results = get_pool(world).run(_sp_attention_task, path, lay, layer_idx, lengths, x, residual, timeout=120)
         what = f"{describe_layout(lay)} {name} lengths={lengths} layer {layer_idx}"
-        for rank, res in enumerate(results):   # each rank caches its own KV heads
+        for rank, res in enumerate(results):  # each rank caches its own KV heads
             (k_sp, v_sp), (k_tp, v_tp) = res.pop("caches").values()
             assert_bitwise_equal(k_sp, k_tp, f"{what}: rank {rank} SP-written K cache vs TP-written")
             assert_bitwise_equal(v_sp, v_tp, f"{what}: rank {rank} SP-written V cache vs TP-written")
@@ -226,7 +266,7 @@ def test_sp_attention_writes_the_tp_cache_and_sp_layer_equals_reference(world, s
         with torch.no_grad():
             for length in lengths:
                 cos, sin = rope_cos_sin(config, torch.arange(length), torch.float32)
-                xb = (x + residual)[off:off + length][None]
+                xb = (x + residual)[off : off + length][None]
                 want.append(layer(xb, cos, sin, LayerCache())[0])
                 want_residual.append((xb + layer.self_attn(layer.input_layernorm(xb), cos, sin))[0])
                 off += length
@@ -234,8 +274,14 @@ def test_sp_attention_writes_the_tp_cache_and_sp_layer_equals_reference(world, s
         assert_close(new_residual, torch.cat(want_residual), "layer.float32", f"{what}: SP residual = x + attn")
         assert_close(mlp_out + new_residual, torch.cat(want), "layer.float32", f"{what}: SP layer(x)")
 
-    run_property(check, n, name=st.sampled_from(["tiny", "tiny-dense"]), lengths=sp_prompt_lengths(world),
-                 layer_idx=st.integers(0, 2), seed=seeds)
+    run_property(
+        check,
+        n,
+        name=st.sampled_from(["tiny", "tiny-dense"]),
+        lengths=sp_prompt_lengths(world),
+        layer_idx=st.integers(0, 2),
+        seed=seeds,
+    )
 
 
 @pytest.mark.parametrize("world, scheme, n", cases({2: 3, 4: 2, 8: 2}))
@@ -245,8 +291,9 @@ def test_sp_prefill_then_tp_decode_logits_equal_reference_fp32(world, scheme, n)
         path = str(checkpoint(name))
         prompts = _prompts(lengths, seed)
         forced = _draw_forced(seed, len(prompts), steps)
-        got = same_on_all_ranks(get_pool(world).run(_logits_task, path, lay, "float32", prompts, forced,
-                                                    timeout=120), "SP logits")
+        got = same_on_all_ranks(
+            get_pool(world).run(_logits_task, path, lay, "float32", prompts, forced, timeout=120), "SP logits"
+        )
         assert got["ep_scheme"] == lay["moe_ep_scheme"], (got["ep_scheme"], lay)
         want = _reference_logits(reference_model(name), prompts, forced)
         for b, ((gp, gd), (wp, wd)) in enumerate(zip(_model_logits(got, prompts, forced), want)):
@@ -254,8 +301,15 @@ def test_sp_prefill_then_tp_decode_logits_equal_reference_fp32(world, scheme, n)
             assert_close(gp, wp, "model.float32", f"{what}: SP prefill logits")
             assert_close(gd, wd, "model.float32", f"{what}: TP decode logits from the SP-written cache ({steps} steps)")
 
-    run_property(check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world), steps=st.integers(1, 3),
-                 vocab_tp=st.sampled_from([world, 1]), seed=seeds)
+    run_property(
+        check,
+        n,
+        name=st.sampled_from(FIXTURES),
+        lengths=sp_prompt_lengths(world),
+        steps=st.integers(1, 3),
+        vocab_tp=st.sampled_from([world, 1]),
+        seed=seeds,
+    )
 
 
 @pytest.mark.parametrize("world, scheme, n", cases({2: 2, 4: 2, 8: 1}))
@@ -264,28 +318,40 @@ def test_sp_greedy_generation_identical_to_reference_fp32(world, scheme, n):
         lay = sp_layout(world, scheme, embed_tp_size=vocab_tp, lmhead_tp_size=vocab_tp)
         path = str(checkpoint(name))
         prompts = _prompts(lengths, seed)
-        got = same_on_all_ranks(get_pool(world).run(_generate_task, path, lay, "float32", prompts, GEN_TOKENS,
-                                                    timeout=120), "SP generation")
+        got = same_on_all_ranks(
+            get_pool(world).run(_generate_task, path, lay, "float32", prompts, GEN_TOKENS, timeout=120), "SP generation"
+        )
         ref = reference_model(name)
         for b, (g, p) in enumerate(zip(got, prompts)):
             w = greedy_generate(ref, torch.tensor([p]), GEN_TOKENS)[0].tolist()
             assert g == w, f"{describe_layout(lay)} {name} request {b} (len {len(p)}): optimized {g} != reference {w}"
 
-    run_property(check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world),
-                 vocab_tp=st.sampled_from([world, 1]), seed=seeds)
+    run_property(
+        check,
+        n,
+        name=st.sampled_from(FIXTURES),
+        lengths=sp_prompt_lengths(world),
+        vocab_tp=st.sampled_from([world, 1]),
+        seed=seeds,
+    )
 
 
 @pytest.mark.parametrize("world, scheme, n", cases({2: 2, 4: 2, 8: 1}))
 def test_sp_logits_bf16_within_tolerance_routing_flip_aware(world, scheme, n):
     lay = sp_layout(world, scheme)
+
     def check(name, lengths, steps, seed):
         prompts = _prompts(lengths, seed)
         forced = _draw_forced(seed, len(prompts), steps)
-        got = same_on_all_ranks(get_pool(world).run(_logits_task, str(checkpoint(name)), lay, "bfloat16", prompts,
-                                                    forced, timeout=120), "SP bf16 logits")
+        got = same_on_all_ranks(
+            get_pool(world).run(_logits_task, str(checkpoint(name)), lay, "bfloat16", prompts, forced, timeout=120),
+            "SP bf16 logits",
+        )
         assert got["ep_scheme"] == lay["moe_ep_scheme"], (got["ep_scheme"], lay)
-        assert_bf16_logits_match_replayed_reference(got, name, prompts, forced,
-                                                    f"{describe_layout(lay)} {name} lengths={lengths}")
+        assert_bf16_logits_match_replayed_reference(
+            got, name, prompts, forced, f"{describe_layout(lay)} {name} lengths={lengths}"
+        )
 
-    run_property(check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world), steps=st.integers(1, 2),
-                 seed=seeds)
+    run_property(
+        check, n, name=st.sampled_from(FIXTURES), lengths=sp_prompt_lengths(world), steps=st.integers(1, 2), seed=seeds
+    )

@@ -1,4 +1,5 @@
-"""The W4A8 sequence-parallel prefill with MXFP8 on the wire (`MxSequenceParallelStep`, optimized/phases.py) computes what the
+"""The W4A8 sequence-parallel prefill with MXFP8 on the wire (`MxSequenceParallelStep`, optimized/phases.py) computes
+what the
 bf16-wire SP prefill computes, and moves (1 + 1/32) / 2 of its activation bytes.
 
 Quantizing on the owning rank before a row gather / exchange is the quantization the MXFP8 linear or the W4A8
@@ -22,6 +23,7 @@ schemes, drawn prompt lengths with padding, the tiny W4A8 checkpoints including 
 Whole-model logits of this path vs the fake-quant reference: the `sp2-alltoall` / `sp4-allgather` cases of
 equivalence/quant/test_e2e_w4a8.py (the SP layouts build this path for a W4A8 checkpoint).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +36,15 @@ from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close, describe, rel_l2, tolerance
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import (RoutingStats, input_tie_margins, paged_cache, rank_model, routing_check,
-                                          run_property, runner_of)
+from equivalence.support.parallel_support import (
+    RoutingStats,
+    input_tie_margins,
+    paged_cache,
+    rank_model,
+    routing_check,
+    run_property,
+    runner_of,
+)
 from equivalence.support.strategies import describe_layout, hidden_states, seeds, sp_layout
 from equivalence.parallel.test_sp_ep_parallel import _mine, _slots, sp_prompt_lengths
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
@@ -67,6 +76,7 @@ def _routing_recorded(mlp, log: dict, wire: str, forced: torch.Tensor | None):
         if mlp.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights, forced
+
     mlp.route = recorded
     try:
         yield
@@ -87,13 +97,14 @@ def _wire_task(rank, world, path, unquantized_path, lay, layer_idx, lengths, x, 
         model = rank_model(path, lay, torch.bfloat16)
         layer, runner, sp = model.layers[layer_idx], runner_of(model), model.groups.attn_tp
         step, total = model.prefill.step, x.shape[0]
-        assert isinstance(step, MxSequenceParallelStep), \
+        assert isinstance(step, MxSequenceParallelStep), (
             "a W4A8 checkpoint under the SP prefill must build the MXFP8-wire step"
-        steps = {"bf16": SequenceParallelStep(step.exchange), "mx": step}      # the same exchange, two wires
+        )
+        steps = {"bf16": SequenceParallelStep(step.exchange), "mx": step}  # the same exchange, two wires
         sparse = isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)
         xm = _mine(x, sp.rank, sp.size)
         rm = None if residual is None else _mine(residual, sp.rank, sp.size)
-        h = layer.input_layernorm(xm) if rm is None else layer.input_layernorm(xm, rm)[0]   # bf16 normed input
+        h = layer.input_layernorm(xm) if rm is None else layer.input_layernorm(xm, rm)[0]  # bf16 normed input
         out, caches = {}, {}
 
         def gather(t):
@@ -133,7 +144,7 @@ def _wire_task(rank, world, path, unquantized_path, lay, layer_idx, lengths, x, 
         (xq, xs), res = step.input_norm(layer.input_layernorm, xm, rm)
         want_q, want_s = mx_quant(h)
         out["norm"] = [gather(t.view(torch.uint8)) for t in (xq, want_q, xs, want_s)]
-        out["ids"] = comm.all_gather(layer.mlp.route(h)[1], sp.group) if sparse else None   # padding kept
+        out["ids"] = comm.all_gather(layer.mlp.route(h)[1], sp.group) if sparse else None  # padding kept
         out["n"] = xm.shape[0]
         return out
     finally:
@@ -148,8 +159,9 @@ def _check_bytes(got, world, rank, n, attn_width, scheme, what):
 
     for wire, mx in (("bf16", False), ("mx", True)):
         want = attention_volume(n, H, attn_width, world, 2, mx).parts
-        assert got[f"attn_bytes_{wire}"] == want, f"{what}: attention {wire} wire sent {got[f'attn_bytes_{wire}']}, " \
-                                                  f"formula {want}"
+        assert got[f"attn_bytes_{wire}"] == want, (
+            f"{what}: attention {wire} wire sent {got[f'attn_bytes_{wire}']}, formula {want}"
+        )
     for op in ("all_gather", "all_to_all"):
         mx, bf = got["attn_bytes_mx"][op], got["attn_bytes_bf16"][op]
         assert mx == bf * WIRE_RATIO, f"{what}: attention {op} MXFP8 {mx} B vs bf16 {bf} B, ratio {mx / bf}"
@@ -157,10 +169,14 @@ def _check_bytes(got, world, rank, n, attn_width, scheme, what):
         return
     slots_out, slots_in = _slots(got["ids"], world, rank)
     for wire, mx in (("bf16", False), ("mx", True)):
-        want = (allgather_volume(n, H, K, world, 2, mx) if scheme == "allgather"
-                else alltoall_volume(n, H, K, world, E, 2, slots_out, slots_in, mx)).parts
-        assert got[f"moe_bytes_{wire}"] == want, f"{what}: MoE {scheme} {wire} wire sent " \
-                                                 f"{got[f'moe_bytes_{wire}']}, formula {want}"
+        want = (
+            allgather_volume(n, H, K, world, 2, mx)
+            if scheme == "allgather"
+            else alltoall_volume(n, H, K, world, E, 2, slots_out, slots_in, mx)
+        ).parts
+        assert got[f"moe_bytes_{wire}"] == want, (
+            f"{what}: MoE {scheme} {wire} wire sent {got[f'moe_bytes_{wire}']}, formula {want}"
+        )
 
 
 def _check_wire(world, scheme, name, lengths, layer_idx, first, seed) -> RoutingStats:
@@ -172,8 +188,9 @@ def _check_wire(world, scheme, name, lengths, layer_idx, first, seed) -> Routing
     total = sum(lengths)
     x = hidden_states("random", seed, total, H, torch.bfloat16)
     residual = None if first else hidden_states("random", seed + 1, total, H, torch.bfloat16)
-    results = get_pool(world).run(_wire_task, path, str(checkpoint(name)), lay, layer_idx, lengths, x, residual,
-                                  timeout=180)
+    results = get_pool(world).run(
+        _wire_task, path, str(checkpoint(name)), lay, layer_idx, lengths, x, residual, timeout=180
+    )
     what = f"{describe_layout(lay)} {name} lengths={lengths} layer {layer_idx} first={first}"
     width = config.num_attention_heads // world * config.head_dim
     for rank, got in enumerate(results):
@@ -191,18 +208,21 @@ def _check_wire(world, scheme, name, lengths, layer_idx, first, seed) -> Routing
     (y_mx, res_mx), (y_bf, res_bf) = got["layer_mx"], got["layer_bf16"]
     assert_bitwise_equal(res_mx, res_bf, f"{what}: residual, MXFP8 wire vs bf16 wire")
     stats = RoutingStats()
-    if got["ids"] is not None:     # every rank's tokens: the MXFP8 wire's ids vs the bf16 wire router's own
+    if got["ids"] is not None:  # every rank's tokens: the MXFP8 wire's ids vs the bf16 wire router's own
         for rank, r in enumerate(results):
             router = r["router"]
             probs = torch.softmax(router["in_bf16"].double() @ router["gate"].double().t(), dim=-1)
-            bound = input_tie_margins(router["gate"], router["in_bf16"], router["in_mx"],
-                                      tolerance("router_tie.float32").rtol)
+            bound = input_tie_margins(
+                router["gate"], router["in_bf16"], router["in_mx"], tolerance("router_tie.float32").rtol
+            )
             stats += routing_check(probs, K, router["ids_mx"], bound)
     # 0 on a dense layer (the MXFP8 linears see the same bytes); an unquantized layer is then still far
     wire_diff, unquantized_diff = rel_l2(y_mx, y_bf), rel_l2(y_mx, got["layer_unquantized"])
     separation = unquantized_diff / wire_diff if wire_diff else (math.inf if unquantized_diff else 0.0)
-    report = (f"{what}: layer output MXFP8 wire vs bf16 wire replaying its routing ({stats}) {describe(y_mx, y_bf)}; "
-              f"vs the unquantized layer rel_l2 {unquantized_diff:.3e}: {separation:.1f}x")
+    report = (
+        f"{what}: layer output MXFP8 wire vs bf16 wire replaying its routing ({stats}) {describe(y_mx, y_bf)}; "
+        f"vs the unquantized layer rel_l2 {unquantized_diff:.3e}: {separation:.1f}x"
+    )
     print(report)
     assert stats.clear_flips == 0, report
     assert_close(y_mx, y_bf, "layer.w4a8.bfloat16", report)
@@ -215,8 +235,15 @@ def test_mxfp8_wire_sp_layer_equals_bf16_wire_and_moves_fewer_bytes(world, schem
     def check(name, lengths, layer_idx, first, seed):
         _check_wire(world, scheme, name, lengths, layer_idx, first, seed)
 
-    run_property(check, 4, name=st.sampled_from(["tiny", "tiny-dense"]), lengths=sp_prompt_lengths(world),
-                 layer_idx=st.integers(0, 3), first=st.booleans(), seed=seeds)
+    run_property(
+        check,
+        4,
+        name=st.sampled_from(["tiny", "tiny-dense"]),
+        lengths=sp_prompt_lengths(world),
+        layer_idx=st.integers(0, 3),
+        first=st.booleans(),
+        seed=seeds,
+    )
 
 
 def test_mxfp8_wire_layer_replays_a_router_near_tie():

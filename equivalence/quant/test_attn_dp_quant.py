@@ -12,7 +12,8 @@ rank holds only padding in decode, and group 0's prefill rows end in padding.
   replaying the expert ids every DP rank chose, within `model.w4a8.bfloat16` / `model.w8a8.bfloat16` (a flip only where
   the router input difference can overturn the token's margin, as test_e2e_w4a8 / test_e2e_w8a8 excuse it), and
   `min_separation` times closer to it than to the BF16 reference replaying the same routing (so DP quantizes);
-- W4A8: greedy tokens follow the fake-quant reference's own greedy run, parting only at a step where the reference scores the
+- W4A8: greedy tokens follow the fake-quant reference's own greedy run, parting only at a step where the reference
+scores the
   two tokens within `model.w4a8.bfloat16` (a near-tie);
 - a request's tokens and prompt / generated logits are bitwise the same whatever fills the rest of the batch (a
   dummy, another request, padding rows on its own TP rank in a batch of 5, the other DP group, the other TP rank):
@@ -21,6 +22,7 @@ rank holds only padding in decode, and group 0's prefill rows end in padding.
   matmul on MXFP8 activations (one skipped MX point hides inside the whole-model tolerance);
 - graph-mode DP decode (GraphDecoder, each DP group padded to the captured bucket) gives eager's tokens and logits.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +34,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from equivalence.support.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement
 from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import RoutingStats, rank_model, runner_of, same_on_all_ranks
-from equivalence.parallel.test_attn_dp_parallel import (COMBINE, DISPATCH, _describe, _generate_bf16_task, _generate_task,
-                                               _request_routes, dp_layout)
+from equivalence.parallel.test_attn_dp_parallel import (
+    COMBINE,
+    DISPATCH,
+    _describe,
+    _generate_bf16_task,
+    _generate_task,
+    _request_routes,
+    dp_layout,
+)
 from equivalence.parallel.test_e2e_parallel import replayed_routing
 from equivalence.quant.test_e2e_w4a8 import bf16_reference, fake_quant_reference as w4a8_reference
 from equivalence.quant.test_e2e_w8a8 import fake_quant_reference as w8a8_reference
@@ -63,8 +72,9 @@ PROMPTS = _prompts(12, (9, 17, 25))
 @functools.lru_cache(maxsize=None)
 def _dp_generation(scheme: str) -> dict:
     """bf16 `generate` of PROMPTS under the DP layout with the expert ids and router inputs of every DP rank."""
-    out = get_pool(WORLD).run(_generate_bf16_task, str(CHECKPOINTS[scheme]("tiny")), LAYOUT, PROMPTS, GEN_TOKENS,
-                              timeout=300)
+    out = get_pool(WORLD).run(
+        _generate_bf16_task, str(CHECKPOINTS[scheme]("tiny")), LAYOUT, PROMPTS, GEN_TOKENS, timeout=300
+    )
     return same_on_all_ranks(out, f"attn DP {scheme} generation")
 
 
@@ -86,12 +96,12 @@ def test_attn_dp_quantized_logits_match_fake_quant_reference_replaying_routing(s
         seq = torch.tensor([prompt + tokens[:-1]])
         with torch.no_grad(), replayed_routing(oracle, routes[b], slack, stats, inputs[b]):
             want = oracle(seq)[0].float()
-        with torch.no_grad(), replayed_routing(plain, routes[b], 1.0, []):   # the same routing, no quantization
+        with torch.no_grad(), replayed_routing(plain, routes[b], 1.0, []):  # the same routing, no quantization
             unquantized.append(plain(seq)[0].float())
         what = f"{_describe(LAYOUT)} {scheme} request {b}"
-        assert_close(got["prompt_logits"][b], want[:len(prompt)], tol, f"{what} prompt")
-        assert_close(got["logits"][b], want[len(prompt) - 1:], tol, f"{what} generated")
-        at_choice = want[len(prompt) - 1:]                       # every chosen token: the replayed argmax or a tie
+        assert_close(got["prompt_logits"][b], want[: len(prompt)], tol, f"{what} prompt")
+        assert_close(got["logits"][b], want[len(prompt) - 1 :], tol, f"{what} generated")
+        at_choice = want[len(prompt) - 1 :]  # every chosen token: the replayed argmax or a tie
         chosen = at_choice.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
         best = at_choice.max(-1).values
         bad = (best - chosen > tolerance(tol).atol + tolerance(tol).rtol * best.abs()).nonzero().flatten().tolist()
@@ -101,9 +111,11 @@ def test_attn_dp_quantized_logits_match_fake_quant_reference_replaying_routing(s
     total = sum(stats, RoutingStats())
     a, r, u = torch.cat(mine), torch.cat(replayed), torch.cat(unquantized)
     separation = rel_l2(a, u) / max(rel_l2(a, r), 1e-30)
-    report = (f"{_describe(LAYOUT)} {scheme.upper()} batch {len(PROMPTS)}: {total}; vs fake-quant replayed: max_abs "
-              f"{max_abs(a, r):.2e} rel_l2 {rel_l2(a, r):.2e} top-1 {top1_agreement(a, r):.4f}; BF16 replaying the "
-              f"routing rel_l2 {rel_l2(a, u):.2e}: {separation:.2f}x farther")
+    report = (
+        f"{_describe(LAYOUT)} {scheme.upper()} batch {len(PROMPTS)}: {total}; vs fake-quant replayed: max_abs "
+        f"{max_abs(a, r):.2e} rel_l2 {rel_l2(a, r):.2e} top-1 {top1_agreement(a, r):.4f}; BF16 replaying the "
+        f"routing rel_l2 {rel_l2(a, u):.2e}: {separation:.2f}x farther"
+    )
     print(report)
     assert total.clear_flips == 0, report
     assert separation >= tolerance(tol).min_separation, report
@@ -123,12 +135,13 @@ def test_attn_dp_w4a8_greedy_run_leaves_the_fake_quant_reference_only_at_a_near_
         if split is None:
             continue
         with torch.no_grad():
-            scores = ref(torch.tensor([prompt + want[:split]]))[0, -1].float()   # the reference at the parting step
+            scores = ref(torch.tensor([prompt + want[:split]]))[0, -1].float()  # the reference at the parting step
         best, mine = scores[want[split]], scores[got[b][split]]
         parted.append((b, split, float(best - mine)))
         assert best - mine <= tol.atol + tol.rtol * best.abs(), (
             f"request {b} step {split}: DP chose {got[b][split]} (reference score {float(mine):.4f}), the fake-quant "
-            f"reference {want[split]} ({float(best):.4f}): not a near-tie within model.w4a8.bfloat16")
+            f"reference {want[split]} ({float(best):.4f}): not a near-tie within model.w4a8.bfloat16"
+        )
     print(f"{_describe(LAYOUT)} W4A8 greedy: parted from the fake-quant reference at (request, step, margin) {parted}")
 
 
@@ -145,9 +158,12 @@ def test_attn_dp_quantized_request_does_not_depend_on_padding_or_other_dp_group(
     runs = {}
     for name, (batch, where) in batches.items():
         got = same_on_all_ranks(
-            [{k: v for k, v in r.items() if k != "kv_blocks"} for r in
-             get_pool(WORLD).run(_generate_task, path, LAYOUT, "bfloat16", batch, n, None, timeout=300)],
-            f"{scheme} {name}")
+            [
+                {k: v for k, v in r.items() if k != "kv_blocks"}
+                for r in get_pool(WORLD).run(_generate_task, path, LAYOUT, "bfloat16", batch, n, None, timeout=300)
+            ],
+            f"{scheme} {name}",
+        )
         steps = got["decode_steps"]
         want_calls = {DISPATCH: 2 * steps * CONFIG.num_hidden_layers, COMBINE: steps * CONFIG.num_hidden_layers}
         assert got["mc2_calls"] == want_calls, f"{scheme} {name}: MC2 calls {got['mc2_calls']} != {want_calls}"
@@ -208,8 +224,16 @@ def test_graph_decode_under_attention_dp_quantized_equals_eager(scheme):
     pads to the bucket of the largest (3 -> 4; the padding rows are quantized and exchanged as real rows of the
     graph, their results dropped), one graph, no break, and eager's tokens and logits bitwise (aot_eager runs eager's
     kernels; MX scales are per row, so the padding cannot move a real row)."""
-    results = get_pool(WORLD).run(_graph_dp_vs_eager_task, str(CHECKPOINTS[scheme]("tiny")), LAYOUT, "aot_eager",
-                                  DP_PROMPTS, NEW_TOKENS, torch.bfloat16, timeout=300)
+    results = get_pool(WORLD).run(
+        _graph_dp_vs_eager_task,
+        str(CHECKPOINTS[scheme]("tiny")),
+        LAYOUT,
+        "aot_eager",
+        DP_PROMPTS,
+        NEW_TOKENS,
+        torch.bfloat16,
+        timeout=300,
+    )
     for rank, r in enumerate(results):
         (tokens, logits), (want_tokens, want_logits) = r["graph"], r["eager"]
         assert tokens == want_tokens, f"{scheme} rank {rank}: graph {tokens} != eager {want_tokens}"

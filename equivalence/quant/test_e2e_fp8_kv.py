@@ -26,6 +26,7 @@ routing.
   `model.fp8_kv.w4a8` `min_separation` times the two oracles' distance (a cache that silently stays 16-bit
   moves them by exactly 0).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,15 @@ import torch
 
 from equivalence.support.compare import assert_close, describe, rel_l2, tolerance
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import (RoutingStats, on_host, paged_cache, rank_model, reference_model, runner_of,
-                                         same_on_all_ranks)
+from equivalence.support.parallel_support import (
+    RoutingStats,
+    on_host,
+    paged_cache,
+    rank_model,
+    reference_model,
+    runner_of,
+    same_on_all_ranks,
+)
 from equivalence.support.strategies import BLOCK_SIZE, describe_layout, layout, sp_layout
 from equivalence.parallel.test_e2e_parallel import _draw_forced, _rows, replayed_routing, teacher_forced_run
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
@@ -48,17 +56,23 @@ from reference.fake_quant import fake_quant_kv, fake_quantize_kv_cache, load_fak
 pytestmark = pytest.mark.distributed
 
 CONFIG = tiny_config("tiny")
-CASES = {"tp1": (1, layout(1)),
-         "tp2": (2, layout(2, attn_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)),
-         "tp4": (4, layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4)),
-         "sp2": (2, sp_layout(2, "alltoall", embed_tp_size=2, lmhead_tp_size=2)),
-         "sp4": (4, sp_layout(4, "allgather"))}
+CASES = {
+    "tp1": (1, layout(1)),
+    "tp2": (2, layout(2, attn_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)),
+    "tp4": (4, layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4)),
+    "sp2": (2, sp_layout(2, "alltoall", embed_tp_size=2, lmhead_tp_size=2)),
+    "sp4": (4, sp_layout(4, "allgather")),
+}
 
 
 def _prompt_slots(prompts, table) -> torch.Tensor:
     """The cache slots of every prompt token (request by request), through the block table."""
-    return torch.cat([table[b, torch.arange(len(p)) // BLOCK_SIZE].long() * BLOCK_SIZE
-                      + torch.arange(len(p)) % BLOCK_SIZE for b, p in enumerate(prompts)])
+    return torch.cat(
+        [
+            table[b, torch.arange(len(p)) // BLOCK_SIZE].long() * BLOCK_SIZE + torch.arange(len(p)) % BLOCK_SIZE
+            for b, p in enumerate(prompts)
+        ]
+    )
 
 
 def _decode_slots(prompts, steps: int, table) -> torch.Tensor:
@@ -81,6 +95,7 @@ def _recording_decode_writes(model, written: dict, plant_layer: int | None = Non
                 if _i == plant_layer:
                     meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping - 1)
             return _update(k, v, meta, kv_cache)
+
         attn.kv_cache_update = update
     try:
         yield
@@ -109,14 +124,16 @@ def _fp8_logits_task(rank, world, path, lay, prompts, forced, plant_layer=None):
     for s in range(len(forced)):
         out[f"decode16_{s}"] = run16[f"decode{s}"]
     slots = _prompt_slots(prompts, table.cpu()).to(table.device)
-    flat = lambda t: t.reshape(-1, *t.shape[2:])[slots]     # noqa: E731  [slots, (Nkv_r, D)]
-    out["cache8"] = [tuple(flat(t) for t in layer) for layer in cache.layers]       # k, v, k_scale, v_scale
-    out["cache16"] = [tuple(flat(t) for t in layer) for layer in cache16.layers]    # k, v
+    flat = lambda t: t.reshape(-1, *t.shape[2:])[slots]  # noqa: E731  [slots, (Nkv_r, D)]
+    out["cache8"] = [tuple(flat(t) for t in layer) for layer in cache.layers]  # k, v, k_scale, v_scale
+    out["cache16"] = [tuple(flat(t) for t in layer) for layer in cache16.layers]  # k, v
     decode_slots = _decode_slots(prompts, len(forced), table.cpu()).to(table.device)
-    at_decode = lambda t: t.reshape(-1, *t.shape[2:])[decode_slots]     # noqa: E731
+    at_decode = lambda t: t.reshape(-1, *t.shape[2:])[decode_slots]  # noqa: E731
     out["decode8"] = [tuple(at_decode(t) for t in layer) for layer in cache.layers]
-    out["decode_written"] = [tuple(torch.cat([w[j] for w in written[i]]) if forced else layer[j][:0].float()
-                                   for j in range(2)) for i, layer in enumerate(cache.layers)]
+    out["decode_written"] = [
+        tuple(torch.cat([w[j] for w in written[i]]) if forced else layer[j][:0].float() for j in range(2))
+        for i, layer in enumerate(cache.layers)
+    ]
     out["kv_heads"] = model.layers[0].self_attn.num_kv_heads
     return on_host(out)
 
@@ -127,10 +144,12 @@ def assert_cache_is_the_reference_quantization(got, what: str) -> None:
     heads = got["kv_heads"]
     for i, ((k8, v8, ks, vs), (k16, v16)) in enumerate(zip(got["cache8"], got["cache16"])):
         for name, q, scale, x in (("K", k8, ks, k16), ("V", v8, vs, v16)):
-            deq = q.double() * scale.double()[:, None, None]                            # [T, Nkv_r, D]
+            deq = q.double() * scale.double()[:, None, None]  # [T, Nkv_r, D]
             want = fake_quant_kv(x.double().transpose(0, 1)[None], heads)[0].transpose(0, 1)
-            assert torch.equal(deq, want), (f"{what}: layer {i} {name} cache is not the per-token FP8 quantization "
-                                            f"of the K/V written: {describe(deq, want)}")
+            assert torch.equal(deq, want), (
+                f"{what}: layer {i} {name} cache is not the per-token FP8 quantization "
+                f"of the K/V written: {describe(deq, want)}"
+            )
             assert (deq != x.double()).any(), f"{what}: layer {i} {name} cache equals its 16-bit values"
 
 
@@ -141,10 +160,12 @@ def assert_decode_writes_are_the_quantization(got, what: str) -> None:
     heads = got["kv_heads"]
     for i, ((k8, v8, ks, vs), (k, v)) in enumerate(zip(got["decode8"], got["decode_written"])):
         for name, q, scale, x in (("K", k8, ks, k), ("V", v8, vs, v)):
-            deq = q.double() * scale.double()[:, None, None]                            # [steps*B, Nkv_r, D]
+            deq = q.double() * scale.double()[:, None, None]  # [steps*B, Nkv_r, D]
             want = fake_quant_kv(x.double().transpose(0, 1)[None], heads)[0].transpose(0, 1)
-            assert torch.equal(deq, want), (f"{what}: layer {i} {name} cache at the decode slots is not the per-token "
-                                            f"FP8 quantization of the decode steps' K/V: {describe(deq, want)}")
+            assert torch.equal(deq, want), (
+                f"{what}: layer {i} {name} cache at the decode slots is not the per-token "
+                f"FP8 quantization of the decode steps' K/V: {describe(deq, want)}"
+            )
             assert (deq != x.double()).any(), f"{what}: layer {i} {name} decode entries equal their 16-bit values"
 
 
@@ -165,25 +186,31 @@ def cached_reference_logits(ref, prompts, forced, routes, near_tie, stats, kv_he
     for b, (p, rows) in enumerate(zip(prompts, _rows(prompts))):
         model = ref if kv_heads_per_scale is None else fake_quantize_kv_cache(ref, kv_heads_per_scale)
         cache = model.new_cache()
+
         def pick(per_layer, index):
             return None if per_layer is None else {i: r[index] for i, r in per_layer.items()}
+
         chunks = [(torch.tensor([p]), rows)]
-        chunks += [(torch.tensor([[forced[s][b]]]), slice(total + s * batch + b, total + s * batch + b + 1))
-                   for s in range(steps)]
+        chunks += [
+            (torch.tensor([[forced[s][b]]]), slice(total + s * batch + b, total + s * batch + b + 1))
+            for s in range(steps)
+        ]
         logits = []
         for ids, index in chunks:
             with torch.no_grad(), replayed_routing(ref, pick(routes, index), near_tie, stats, pick(inputs, index)):
                 logits.append(model(ids, cache)[0])
         out.append((logits[0], torch.cat(logits[1:])))
         if kv_heads_per_scale is not None:
-            del ref.new_cache                  # back to the class's 16-bit cache
+            del ref.new_cache  # back to the class's 16-bit cache
     return out
 
 
 # weights -> (checkpoint, tolerance vs the FP8-KV oracle, near-tie rule: W4A8's is derived per token from the
 # router inputs, with this slack, as equivalence/quant/test_e2e_w4a8.py does)
-WEIGHTS = {"bf16": (lambda: checkpoint("tiny"), "model.parallel.bfloat16", "router_tie.model.bfloat16"),
-           "w4a8": (lambda: w4a8_checkpoint("tiny", kv_cache="fp8"), "model.w4a8.bfloat16", "router_tie.float32")}
+WEIGHTS = {
+    "bf16": (lambda: checkpoint("tiny"), "model.parallel.bfloat16", "router_tie.model.bfloat16"),
+    "w4a8": (lambda: w4a8_checkpoint("tiny", kv_cache="fp8"), "model.w4a8.bfloat16", "router_tie.float32"),
+}
 
 
 @pytest.mark.parametrize("weights", list(WEIGHTS))
@@ -195,14 +222,16 @@ def test_fp8_kv_logits_match_reference_with_fp8_kv(case, weights):
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (19, 7)]
     forced = _draw_forced(world + 20, len(prompts), 4)
     results = get_pool(world).run(_fp8_logits_task, str(make_path()), lay, prompts, forced, timeout=180)
-    caches = [{key: r.pop(key) for key in ("cache8", "cache16", "kv_heads", "decode8", "decode_written")}
-              for r in results]   # per rank
+    caches = [
+        {key: r.pop(key) for key in ("cache8", "cache16", "kv_heads", "decode8", "decode_written")} for r in results
+    ]  # per rank
     got = same_on_all_ranks(results, "fp8 kv logits")
     ref, near_tie = oracle(weights), tolerance(tie).rtol
     stats: list[RoutingStats] = []
     inputs = got["router_inputs"] if weights == "w4a8" else None
-    with_fp8 = cached_reference_logits(ref, prompts, forced, got["routes"], near_tie, stats, caches[0]["kv_heads"],
-                                       inputs)
+    with_fp8 = cached_reference_logits(
+        ref, prompts, forced, got["routes"], near_tie, stats, caches[0]["kv_heads"], inputs
+    )
     with_16 = cached_reference_logits(ref, prompts, forced, got["routes"], near_tie, [], None, inputs)
     total = sum(stats, RoutingStats())
     what = f"{describe_layout(lay)} {weights} weights + FP8 KV: {total}"
@@ -220,17 +249,22 @@ def test_fp8_kv_logits_match_reference_with_fp8_kv(case, weights):
         assert_close(decode, ref_decode, tol, report)
         near, far = max(near, rel_l2(decode, ref_decode)), max(far, rel_l2(decode, ref16_decode))
         apart = max(apart, rel_l2(ref_decode, ref16_decode))
-        moved = min(moved, rel_l2(decode, decode16) / rel_l2(ref_decode, ref16_decode)) if b else \
-            rel_l2(decode, decode16) / rel_l2(ref_decode, ref16_decode)
+        moved = (
+            min(moved, rel_l2(decode, decode16) / rel_l2(ref_decode, ref16_decode))
+            if b
+            else rel_l2(decode, decode16) / rel_l2(ref_decode, ref16_decode)
+        )
     # prefill attends to its fresh 16-bit K/V (the recipe's exec_qkv; spec §5.12): the cache dtype cannot show
     assert torch.equal(got["prefill"], got["prefill16"]), f"{what}: prefill logits depend on the cache dtype"
-    report = (f"{what}; decode rel_l2 vs the FP8-KV oracle {near:.3e}, vs the 16-bit-KV oracle {far:.3e} "
-              f"(oracles {apart:.3e} apart); FP8 vs 16-bit cache in the optimized run: at least {moved:.2f}x the "
-              f"oracles' distance")
+    report = (
+        f"{what}; decode rel_l2 vs the FP8-KV oracle {near:.3e}, vs the 16-bit-KV oracle {far:.3e} "
+        f"(oracles {apart:.3e} apart); FP8 vs 16-bit cache in the optimized run: at least {moved:.2f}x the "
+        f"oracles' distance"
+    )
     print(report)
     if weights == "bf16":
         assert far >= tolerance("model.fp8_kv.bfloat16").min_separation * near, report
-    else:     # W4A8's own noise is as large as the KV quantization's effect on the tiny logits
+    else:  # W4A8's own noise is as large as the KV quantization's effect on the tiny logits
         assert moved >= tolerance("model.fp8_kv.w4a8").min_separation, report
 
 
@@ -242,9 +276,11 @@ def test_fp8_kv_decode_write_check_fails_on_a_planted_wrong_slot():
     forced = _draw_forced(23, len(prompts), 2)
     (clean,) = get_pool(1).run(_fp8_logits_task, str(checkpoint("tiny")), layout(1), prompts, forced, timeout=180)
     assert_decode_writes_are_the_quantization(clean, "clean")
-    (planted,) = get_pool(1).run(_fp8_logits_task, str(checkpoint("tiny")), layout(1), prompts, forced,
-                                 plant_layer=1, timeout=180)
-    assert_decode_writes_are_the_quantization({**planted, "decode8": planted["decode8"][:1],
-                                               "decode_written": planted["decode_written"][:1]}, "layer 0")
+    (planted,) = get_pool(1).run(
+        _fp8_logits_task, str(checkpoint("tiny")), layout(1), prompts, forced, plant_layer=1, timeout=180
+    )
+    assert_decode_writes_are_the_quantization(
+        {**planted, "decode8": planted["decode8"][:1], "decode_written": planted["decode_written"][:1]}, "layer 0"
+    )
     with pytest.raises(AssertionError, match="layer 1 K cache at the decode slots"):
         assert_decode_writes_are_the_quantization(planted, "planted")

@@ -15,6 +15,7 @@ grouped matmul with the weight scale in `scale`, npu_swiglu, then npu_dynamic_mx
   replaying the optimized routing within `model.w8a8.bfloat16`, and `min_separation` times closer to it than to
   the BF16 reference replaying the same routing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,13 @@ from equivalence.support.compare import assert_close, describe, rel_l2, toleranc
 from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import reference_model, routing_check, same_on_all_ranks
 from equivalence.support.strategies import describe_layout, hidden_states, layout, sp_layout
-from equivalence.parallel.test_e2e_parallel import (_draw_forced, _logits_task, _moe_bf16_task, _reference_logits,
-                                           assert_bf16_logits_match_replayed_reference)
+from equivalence.parallel.test_e2e_parallel import (
+    _draw_forced,
+    _logits_task,
+    _moe_bf16_task,
+    _reference_logits,
+    assert_bf16_logits_match_replayed_reference,
+)
 from fixtures.checkpoints import checkpoint, w8a8_checkpoint
 from fixtures.tiny import tiny_config
 from reference.fake_quant import load_fake_quant_model
@@ -36,9 +42,11 @@ pytestmark = pytest.mark.distributed
 
 CONFIG = tiny_config("tiny")
 H = CONFIG.hidden_size
-CASES = {"tp1": (1, layout(1), "tiny"),
-         "tp2": (2, layout(2, attn_tp_size=2, embed_tp_size=2, lmhead_tp_size=2), "tiny-dense"),
-         "sp2-alltoall": (2, sp_layout(2, "alltoall", embed_tp_size=2, lmhead_tp_size=2), "tiny")}
+CASES = {
+    "tp1": (1, layout(1), "tiny"),
+    "tp2": (2, layout(2, attn_tp_size=2, embed_tp_size=2, lmhead_tp_size=2), "tiny-dense"),
+    "sp2-alltoall": (2, sp_layout(2, "alltoall", embed_tp_size=2, lmhead_tp_size=2), "tiny"),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,12 +61,13 @@ def bf16_reference(name: str):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_w8a8_moe_block_equals_fake_quant_reference(world):
-    lay = layout(world)                                     # expert parallel over all ranks
+    lay = layout(world)  # expert parallel over all ranks
     path = str(w8a8_checkpoint("tiny"))
     near_tie = tolerance("router_tie.bfloat16").rtol
     tol = tolerance("layer.w8a8.bfloat16")
-    for kind, seed, layer_idx in {1: [("random", 1, 0), ("large", 3, 1)], 2: [("random", 4, 1)],
-                                  4: [("large", 6, 0)]}[world]:
+    for kind, seed, layer_idx in {1: [("random", 1, 0), ("large", 3, 1)], 2: [("random", 4, 1)], 4: [("large", 6, 0)]}[
+        world
+    ]:
         x = hidden_states(kind, seed, 37, H, torch.bfloat16)
         got = same_on_all_ranks(get_pool(world).run(_moe_bf16_task, path, lay, layer_idx, x, timeout=120), "w8a8 moe")
         block = fake_quant_reference("tiny").model.layers[layer_idx].mlp
@@ -69,9 +78,11 @@ def test_w8a8_moe_block_equals_fake_quant_reference(world):
             unquantized = bf16_reference("tiny").model.layers[layer_idx].mlp(x, expert_ids=ids)
             w4a8 = fake_quant_reference("tiny", "w4a8").model.layers[layer_idx].mlp(x, expert_ids=ids)
         near = rel_l2(got["out"], want)
-        what = (f"{describe_layout(lay)} {kind} layer {layer_idx}: {stats}; vs fake-quant W8A8 "
-                f"{describe(got['out'], want)}; rel_l2 vs BF16 {rel_l2(got['out'], unquantized):.3e}, vs fake-quant "
-                f"W4A8 {rel_l2(got['out'], w4a8):.3e}")
+        what = (
+            f"{describe_layout(lay)} {kind} layer {layer_idx}: {stats}; vs fake-quant W8A8 "
+            f"{describe(got['out'], want)}; rel_l2 vs BF16 {rel_l2(got['out'], unquantized):.3e}, vs fake-quant "
+            f"W4A8 {rel_l2(got['out'], w4a8):.3e}"
+        )
         print(what)
         assert stats.clear_flips == 0, what
         assert_close(got["out"], want, "layer.w8a8.bfloat16", what)
@@ -86,17 +97,29 @@ def test_w8a8_logits_match_fake_quant_reference(case):
     g = torch.Generator().manual_seed(world + 40)
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (17, 6)]
     forced = _draw_forced(world + 41, len(prompts), 2)
-    got = same_on_all_ranks(get_pool(world).run(_logits_task, path, lay, "bfloat16", prompts, forced, timeout=180),
-                            "w8a8 logits")
+    got = same_on_all_ranks(
+        get_pool(world).run(_logits_task, path, lay, "bfloat16", prompts, forced, timeout=180), "w8a8 logits"
+    )
     assert got["ep_scheme"] == ("alltoall" if case.startswith("sp") else None)
     a, r, _, report = assert_bf16_logits_match_replayed_reference(
-        got, name, prompts, forced, f"{describe_layout(lay)} {name} W8A8",
-        replayed_ref=fake_quant_reference(name), own_ref=bf16_reference(name), tol="model.w8a8.bfloat16",
-        near_tie="router_tie.float32", ties_from_router_inputs=True)
-    unquantized = torch.cat([torch.cat(x) for x in _reference_logits(bf16_reference(name), prompts, forced,
-                                                                     got["routes"], 1.0, [])])
+        got,
+        name,
+        prompts,
+        forced,
+        f"{describe_layout(lay)} {name} W8A8",
+        replayed_ref=fake_quant_reference(name),
+        own_ref=bf16_reference(name),
+        tol="model.w8a8.bfloat16",
+        near_tie="router_tie.float32",
+        ties_from_router_inputs=True,
+    )
+    unquantized = torch.cat(
+        [torch.cat(x) for x in _reference_logits(bf16_reference(name), prompts, forced, got["routes"], 1.0, [])]
+    )
     separation = rel_l2(a, unquantized) / max(rel_l2(a, r), 1e-30)
-    report += (f"; vs BF16 replaying the routing rel_l2 {rel_l2(a, unquantized):.3e}: {separation:.2f}x farther "
-               f"than the fake-quant reference")
+    report += (
+        f"; vs BF16 replaying the routing rel_l2 {rel_l2(a, unquantized):.3e}: {separation:.2f}x farther "
+        f"than the fake-quant reference"
+    )
     print(report)
     assert separation >= tolerance("model.w8a8.bfloat16").min_separation, report

@@ -13,6 +13,7 @@
 - `--quant w8a8` (w8a8c16): the experts MXFP8 too, bit for bit `mx_oracle.convert_weight` (e4m3), §8.3's config
   without group_1; an unknown `--quant` names the allowed values.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,13 +30,19 @@ from equivalence.ops.mx_oracle import mx_inputs
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from optimized.model_loader.build import load_model
-from optimized.model_loader.quantize import (MXFP4, MXFP8, ConversionError, convert_checkpoint, mx_quantize_weight,
-                                            quant_format)
+from optimized.model_loader.quantize import (
+    MXFP4,
+    MXFP8,
+    ConversionError,
+    convert_checkpoint,
+    mx_quantize_weight,
+    quant_format,
+)
 from reference.checkpoint import read_state_dict
 from reference.fake_quant import E2M1, E4M3, quantize_activation, quantize_weight
 
 CONFIG = tiny_config("tiny")
-FP4_VALUES = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+FP4_VALUES = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
 
 
 def bf16(bits: list[int]) -> torch.Tensor:
@@ -63,9 +70,40 @@ def reference_bytes(w: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------- worked examples
 
-SPEC_10_1 = [0x4049, 0xBFC0, 0x0000, 0x3F40, 0xBEC0, 0x4000, 0x3DCD, 0xBD4D, 0x3FA0, 0xC030, 0x3F30, 0x3C80,
-             0xBB00, 0x3E9A, 0x3F66, 0xBF66, 0x3F80, 0xBF80, 0x3F00, 0xBF00, 0x3E80, 0x4020, 0xC040, 0x3E00,
-             0x3FE0, 0xBF20, 0x3D80, 0x3E4D, 0xBC24, 0x3EE0, 0x4010, 0xBF90]
+SPEC_10_1 = [
+    0x4049,
+    0xBFC0,
+    0x0000,
+    0x3F40,
+    0xBEC0,
+    0x4000,
+    0x3DCD,
+    0xBD4D,
+    0x3FA0,
+    0xC030,
+    0x3F30,
+    0x3C80,
+    0xBB00,
+    0x3E9A,
+    0x3F66,
+    0xBF66,
+    0x3F80,
+    0xBF80,
+    0x3F00,
+    0xBF00,
+    0x3E80,
+    0x4020,
+    0xC040,
+    0x3E00,
+    0x3FE0,
+    0xBF20,
+    0x3D80,
+    0x3E4D,
+    0xBC24,
+    0x3EE0,
+    0x4010,
+    0xBF90,
+]
 SPEC_10_1_Y = bytes.fromhex("7DF4006CE478 55CD72FB6B40A8626EEE70F068E8607AFC5876EA505DBA6679F1".replace(" ", ""))
 
 
@@ -79,7 +117,7 @@ def test_reference_activation_quant_special_blocks_spec_10_5():
     x = torch.zeros(4, 32)
     x[1, 3] = float("inf")
     x[2, 0] = float("nan")
-    x[3, :2] = torch.tensor([2.0 ** -129, -(2.0 ** -130)])   # tiny block: byte 0, flushed to signed zeros
+    x[3, :2] = torch.tensor([2.0**-129, -(2.0**-130)])  # tiny block: byte 0, flushed to signed zeros
     q = quantize_activation(x.to(torch.bfloat16))
     assert q.scale[:, 0].tolist() == [0, 255, 255, 0]
     assert (q.elements == 0).all() and torch.signbit(q.elements[3, 1]) and not torch.signbit(q.elements[3, 0])
@@ -91,14 +129,15 @@ def test_weight_quantizers_reproduce_spec_rows_10_3(quantizer):
     w = torch.tensor([[3.75, 1.0, -0.5] + [0.0] * 29, [2.5 / 4, 0.25 / 4, 1.0] + [0.0] * 29]).to(torch.bfloat16)
     # row 0: §10.3 (E4M3 byte 121, 240/64/-32; E2M1 byte 127, 4.0/1.0/-0.5 = codes 6 2 9); row 1: amax 1.0 ->
     # E4M3 byte 119, E2M1 byte 125, 2.5 -> 3 (code 5) and 0.25 -> 0.5 (code 1): ties go away from zero.
-    fp8 = (reference_bytes(w, MXFP8) if quantizer == "reference" else mx_quantize_weight(w, MXFP8))
-    fp4 = (reference_bytes(w, MXFP4) if quantizer == "reference" else mx_quantize_weight(w, MXFP4))
+    fp8 = reference_bytes(w, MXFP8) if quantizer == "reference" else mx_quantize_weight(w, MXFP8)
+    fp4 = reference_bytes(w, MXFP4) if quantizer == "reference" else mx_quantize_weight(w, MXFP4)
     assert fp8[1].tolist() == [[121], [119]] and fp4[1].tolist() == [[127], [125]]
     assert fp8[0][0, :3].float().tolist() == [240.0, 64.0, -32.0]
     assert unpack_fp4(fp4[0])[0, :3].tolist() == [6, 2, 9] and unpack_fp4(fp4[0])[1, :3].tolist() == [5, 1, 6]
 
 
 # ----------------------------------------------------------------------------- converter vs reference
+
 
 @st.composite
 def bf16_weights(draw):
@@ -108,12 +147,12 @@ def bf16_weights(draw):
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     kind = draw(st.sampled_from(["raw", "grid", "zeros_and_raw"]))
-    if kind == "grid":   # exact grid points and midpoints of both formats, scaled by one power of two
-        w = (torch.randint(-64, 65, (n, k), generator=g).float() / 8) * 2.0 ** scale_exp
+    if kind == "grid":  # exact grid points and midpoints of both formats, scaled by one power of two
+        w = (torch.randint(-64, 65, (n, k), generator=g).float() / 8) * 2.0**scale_exp
     else:
         bits = torch.randint(0, 1 << 16, (n, k), generator=g, dtype=torch.int32)
         exponent = (bits >> 7) & 0xFF
-        bits = torch.where(exponent == 0xFF, bits & ~0x4000, bits)     # no Inf/NaN in weights
+        bits = torch.where(exponent == 0xFF, bits & ~0x4000, bits)  # no Inf/NaN in weights
         w = bits.to(torch.int16).view(torch.bfloat16).float()
         if kind == "zeros_and_raw":
             w[:, : k // 2] = 0.0
@@ -129,8 +168,12 @@ def test_converter_quantizer_equals_reference_bitwise(w, fp4):
     assert_bitwise_equal(q, want_q, "elements")
 
 
-@given(seed=st.integers(0, 2**31 - 1), k=st.integers(1, 70).map(lambda n: 2 * n),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]), fp4=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    k=st.integers(1, 70).map(lambda n: 2 * n),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    fp4=st.booleans(),
+)
 def test_converter_quantizer_equals_mx_oracle_bitwise(seed, k, dtype, fp4):
     """vs `equivalence/mx_oracle.convert_weight` (float64 numpy, ml_dtypes casts): finite adversarial blocks
     (ties, mantissa 1.5 / 1.75 boundaries, tiny, zero, huge), bf16 and fp32 sources."""
@@ -143,6 +186,7 @@ def test_converter_quantizer_equals_mx_oracle_bitwise(seed, k, dtype, fp4):
 
 # ----------------------------------------------------------------------------------- whole checkpoints
 
+
 def _tensors(path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -154,23 +198,54 @@ def _tensors(path) -> dict[str, torch.Tensor]:
 def spec_quantization_config(layers: int, kv_cache: str = "fp8", quant: str = "w4a8") -> dict:
     """§8.3 for w4a8c16, restated: the recipe writes the per-token FP8 kv_cache_scheme (strings "true");
     `--kv-cache bf16` writes null instead. w8a8c16: no group_1 (§8.3 note)."""
-    kv_scheme = {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1, "dynamic": "true",
-                 "symmetric": "true"}
-    act = {"actorder": None, "block_structure": None, "dynamic": True, "group_size": 32, "num_bits": 8,
-           "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
-    group_0 = {"input_activations": act, "activation_use_clip": False, "output_activations": None,
-               "targets": ["Linear"], "weights": dict(act, dynamic=False)}
+    kv_scheme = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "token",
+        "group_size": -1,
+        "dynamic": "true",
+        "symmetric": "true",
+    }
+    act = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": True,
+        "group_size": 32,
+        "num_bits": 8,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "strategy": "group",
+        "symmetric": True,
+        "type": "float",
+    }
+    group_0 = {
+        "input_activations": act,
+        "activation_use_clip": False,
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": dict(act, dynamic=False),
+    }
     group_1 = dict(group_0, targets=["MoEGMM"], weights=dict(act, dynamic=False, num_bits=4))
     ignore = []
     for i in range(layers):
-        ignore += [f"model.layers.{i}.input_layernorm", f"model.layers.{i}.post_attention_layernorm",
-                   f"model.layers.{i}.mlp.gate", f"model.layers.{i}.self_attn.k_norm",
-                   f"model.layers.{i}.self_attn.q_norm"]
+        ignore += [
+            f"model.layers.{i}.input_layernorm",
+            f"model.layers.{i}.post_attention_layernorm",
+            f"model.layers.{i}.mlp.gate",
+            f"model.layers.{i}.self_attn.k_norm",
+            f"model.layers.{i}.self_attn.q_norm",
+        ]
     groups = {"group_0": group_0, "group_1": group_1} if quant == "w4a8" else {"group_0": group_0}
-    return {"config_groups": groups, "format": "float-quantized",
-            "global_compression_ratio": "null", "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": kv_scheme if kv_cache == "fp8" else None, "quant_method": "compressed-tensors",
-            "quantization_status": "compressed", "weight_block_size": [1, 32]}
+    return {
+        "config_groups": groups,
+        "format": "float-quantized",
+        "global_compression_ratio": "null",
+        "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
+        "kv_cache_scheme": kv_scheme if kv_cache == "fp8" else None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "weight_block_size": [1, 32],
+    }
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -188,13 +263,20 @@ def test_converted_tiny_checkpoint_round_trip(tmp_path, sharded):
         if ".mlp.experts." in name:
             q, s = out[name], out[name + "_scale"]
             n, k = w.shape
-            assert (q.dtype, tuple(q.shape), s.dtype, tuple(s.shape)) == (torch.uint8, (n, k // 2), torch.uint8,
-                                                                          (n, -(-k // 32))), name
+            assert (q.dtype, tuple(q.shape), s.dtype, tuple(s.shape)) == (
+                torch.uint8,
+                (n, k // 2),
+                torch.uint8,
+                (n, -(-k // 32)),
+            ), name
             want = reference_bytes(w, MXFP4)
         elif name.endswith("_proj.weight"):
             q, s = out[name], out[name + "_scale"]
-            assert (q.dtype, tuple(q.shape), tuple(s.shape)) == (torch.float8_e4m3fn, tuple(w.shape),
-                                                                 (w.shape[0], -(-w.shape[1] // 32))), name
+            assert (q.dtype, tuple(q.shape), tuple(s.shape)) == (
+                torch.float8_e4m3fn,
+                tuple(w.shape),
+                (w.shape[0], -(-w.shape[1] // 32)),
+            ), name
             want = reference_bytes(w, MXFP8)
         else:
             assert_bitwise_equal(out[name], w, f"kept tensor {name}")
@@ -204,7 +286,9 @@ def test_converted_tiny_checkpoint_round_trip(tmp_path, sharded):
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"] == spec_quantization_config(2)
     assert list(config["quantization_config"]) == list(spec_quantization_config(2))
-    assert list(config["quantization_config"]["kv_cache_scheme"]) == list(spec_quantization_config(2)["kv_cache_scheme"])
+    assert list(config["quantization_config"]["kv_cache_scheme"]) == list(
+        spec_quantization_config(2)["kv_cache_scheme"]
+    )
     if sharded:
         index = json.loads((dst / "model.safetensors.index.json").read_text())
         src_files = {p.name for p in src.glob("*.safetensors")}
@@ -231,6 +315,7 @@ def test_converter_refuses_quantized_source_and_nonempty_destination(tmp_path):
 def test_row_chunked_conversion_writes_the_same_bytes(tmp_path, monkeypatch):
     """Chunks of 3 rows (quantized) / 1 KB (kept) give byte-identical files to whole-tensor conversion."""
     import optimized.model_loader.quantize as quantize
+
     convert_checkpoint(checkpoint("tiny"), tmp_path / "whole", progress=False)
     monkeypatch.setattr(quantize, "QUANT_CHUNK_VALUES", 3 * 64)
     monkeypatch.setattr(quantize, "KEPT_CHUNK_BYTES", 1024)
@@ -247,12 +332,17 @@ def test_converter_kv_cache_choice_writes_the_recipes_scheme_or_none(tmp_path, k
     from optimized.cli.main import main as cli_main
     from optimized.layers.quantization.kv_cache import kv_cache_dtype
     from optimized.model_loader.hf_config import load_hf_config
+
     dst = tmp_path / kv_cache
-    assert cli_main(["convert", "--quant", "w4a8", "--no-progress", "--kv-cache", kv_cache, str(checkpoint("tiny")),
-                     str(dst)]) == 0
+    assert (
+        cli_main(
+            ["convert", "--quant", "w4a8", "--no-progress", "--kv-cache", kv_cache, str(checkpoint("tiny")), str(dst)]
+        )
+        == 0
+    )
     written = json.loads((dst / "config.json").read_text())["quantization_config"]
     want = spec_quantization_config(2, kv_cache)
-    assert json.dumps(written) == json.dumps(want)        # verbatim: values, types and key order
+    assert json.dumps(written) == json.dumps(want)  # verbatim: values, types and key order
     assert (written["kv_cache_scheme"] is None) == (kv_cache == "bf16")
     runs = kv_cache_dtype(load_hf_config(dst), "auto", torch.bfloat16)
     assert runs == (torch.float8_e4m3fn if kv_cache == "fp8" else torch.bfloat16)
@@ -279,7 +369,11 @@ def test_converted_w8a8_checkpoint_quantizes_every_linear_to_mxfp8(tmp_path, sha
             continue
         q, sc = out[name], out[name + "_scale"]
         assert (q.dtype, tuple(q.shape), sc.dtype, tuple(sc.shape)) == (
-            torch.float8_e4m3fn, tuple(w.shape), torch.uint8, (w.shape[0], -(-w.shape[1] // 32))), name
+            torch.float8_e4m3fn,
+            tuple(w.shape),
+            torch.uint8,
+            (w.shape[0], -(-w.shape[1] // 32)),
+        ), name
         want_q, want_s = mx_oracle.convert_weight(w, "e4m3")
         assert_bitwise_equal(q.view(torch.uint8), torch.from_numpy(want_q), f"{name} elements")
         assert_bitwise_equal(sc, torch.from_numpy(want_s), f"{name} scale")
@@ -308,8 +402,15 @@ def test_dense_gate_proj_mxfp8_by_default_16_bit_as_the_recipe_with_the_option(t
     from optimized.model import is_sparse_layer
 
     src = checkpoint("tiny-dense")
-    args = ["convert", "--quant", "w4a8", "--no-progress", *(["--keep-dense-gate-proj"] if keep else []),
-            str(src), str(tmp_path / "out")]
+    args = [
+        "convert",
+        "--quant",
+        "w4a8",
+        "--no-progress",
+        *(["--keep-dense-gate-proj"] if keep else []),
+        str(src),
+        str(tmp_path / "out"),
+    ]
     assert cli_main(args) == 0
     out, source = _tensors(tmp_path / "out"), read_state_dict(src)
     config = tiny_config("tiny-dense")

@@ -7,6 +7,7 @@ by inverse(T_out)^T per 128 in-features in fp32, rounded to the source's bf16, t
 norms, router, embeddings and lm_head copied. Also: config.json's quantization_config equals §3.4's literally, and
 converting in small row chunks writes the same bytes as whole tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ def tensors(path) -> dict[str, torch.Tensor]:
 def fp4_bytes(q: torch.Tensor) -> torch.Tensor:
     """float64 elements on the E2M1 grid [..., K] -> packed codes [..., K/2] (sign bit 3, element 2t low nibble)."""
     mag = torch.tensor(FP4, dtype=torch.float64)
-    code = (q.abs()[..., None] == mag).to(torch.uint8).argmax(-1).to(torch.uint8) | (torch.signbit(q).to(torch.uint8) << 3)
+    code = (q.abs()[..., None] == mag).to(torch.uint8).argmax(-1).to(torch.uint8) | (
+        torch.signbit(q).to(torch.uint8) << 3
+    )
     return code[..., 0::2] | (code[..., 1::2] << 4)
 
 
@@ -47,7 +50,7 @@ def test_w4a4_conversion_equals_the_restatement_byte_for_byte(rotation):
         if name.endswith("_proj.weight") and ("experts" in parts or parts[3] == "self_attn"):
             if rot is not None and parts[3] == "self_attn":
                 t = rot[int(parts[2])][1 if parts[4] == "o_proj" else 0]
-                w = rotate(w.float(), torch.linalg.inv(t).T).to(w.dtype)     # the bf16 round trip
+                w = rotate(w.float(), torch.linalg.inv(t).T).to(w.dtype)  # the bf16 round trip
             q = quantize_weight(w, E2M1)
             assert torch.equal(out[name], fp4_bytes(q.elements)), name
             assert torch.equal(out[name.removesuffix("weight") + "weight_scale"], q.scale), name
@@ -60,28 +63,58 @@ def test_w4a4_conversion_equals_the_restatement_byte_for_byte(rotation):
 
 def test_w4a4_quantization_config_is_the_recipes():
     config = json.loads((w4a4_checkpoint(NAME, "orthogonal") / "config.json").read_text())
-    args = lambda dynamic: {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32,  # noqa
-                            "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
-                            "symmetric": True, "type": "float"}
-    group = lambda target: {"input_activations": args(True), "activation_use_clip": False,  # noqa: E731
-                            "output_activations": None, "targets": [target], "weights": args(False)}
-    ignore = [f"model.layers.{i}.{m}" for i in range(2) for m in ("input_layernorm", "post_attention_layernorm",
-                                                                  "mlp.gate", "self_attn.k_norm", "self_attn.q_norm")]
-    want = {"config_groups": {"group_0": group("Linear"), "group_1": group("MoEGMM")}, "format": "float-quantized",
-            "global_compression_ratio": None, "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "weight_block_size": [1, 32]}
+
+    def args(dynamic):
+        return {
+            "actorder": None,
+            "block_structure": None,
+            "dynamic": dynamic,
+            "group_size": 32,  # noqa
+            "num_bits": 4,
+            "observer": "minmax",
+            "observer_kwargs": {},
+            "strategy": "group",
+            "symmetric": True,
+            "type": "float",
+        }
+
+    def group(target):
+        return {
+            "input_activations": args(True),
+            "activation_use_clip": False,  # noqa: E731
+            "output_activations": None,
+            "targets": [target],
+            "weights": args(False),
+        }
+
+    ignore = [
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm", "self_attn.q_norm")
+    ]
+    want = {
+        "config_groups": {"group_0": group("Linear"), "group_1": group("MoEGMM")},
+        "format": "float-quantized",
+        "global_compression_ratio": None,
+        "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "weight_block_size": [1, 32],
+    }
     qc = config["quantization_config"]
     assert qc == want and list(qc) == list(want)
     assert list(qc["config_groups"]["group_0"]) == list(want["config_groups"]["group_0"])
-    assert "hadamard" not in json.dumps(config)                  # nothing records the rotation (§3.4)
+    assert "hadamard" not in json.dumps(config)  # nothing records the rotation (§3.4)
 
 
 def test_row_chunks_convert_as_whole_tensors(tmp_path, monkeypatch):
     import optimized.model_loader.quantize as quantize
-    monkeypatch.setattr(quantize, "QUANT_CHUNK_VALUES", 3 * 128)   # 3 rows of a 128-wide weight per chunk
-    quantize.convert_checkpoint(bf16_checkpoint(NAME), tmp_path / "c", "w4a4", progress=False,
-                                hadamard_weight_path=rotation_dir("invertible"))
+
+    monkeypatch.setattr(quantize, "QUANT_CHUNK_VALUES", 3 * 128)  # 3 rows of a 128-wide weight per chunk
+    quantize.convert_checkpoint(
+        bf16_checkpoint(NAME), tmp_path / "c", "w4a4", progress=False, hadamard_weight_path=rotation_dir("invertible")
+    )
     whole = w4a4_checkpoint(NAME, "invertible")
     for f in whole.glob("*.safetensors"):
         assert (tmp_path / "c" / f.name).read_bytes() == f.read_bytes(), f.name

@@ -1,10 +1,12 @@
-"""The W4A4 model with the Hadamard rotation runs on a device that is not the CPU (equivalence.support.fake_device npu:0).
+"""The W4A4 model with the Hadamard rotation runs on a device that is not the CPU (equivalence.support.fake_device
+npu:0).
 
 Built there (`load_model(..., device=npu, hadamard_weight_path=DIR)`): every parameter and buffer, the rotation
 matrices included, lands on npu:0; greedy generation gives bitwise the tokens and logits of the same run on the CPU;
 one forward step (prefill or decode) reads nothing back from the device and copies no host data onto it (the
 rotation's matmul and the FP4 operators take only device tensors).
 """
+
 from __future__ import annotations
 
 import pytest

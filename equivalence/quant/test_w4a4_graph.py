@@ -1,6 +1,7 @@
 """Graph mode (exe_mode ge_graph: the decode step compiled, inductor on a CPU) of the rotated W4A4 model decodes
 bitwise what eager mode decodes: the rotation's fp32 matmul and the FP4 operators' fake kernels trace, and the
 compiled step changes no rounding on a CPU. tiny-h128 cut to one decoder layer, the invertible rotation."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,13 @@ pytestmark = [pytest.mark.equivalence, pytest.mark.slow]
 
 
 def test_rotated_w4a4_graph_decode_equals_eager_bitwise():
-    model = load_model(w4a4_checkpoint("tiny-h128", "invertible"), dtype=torch.bfloat16, device="cpu",
-                       num_hidden_layers=1, hadamard_weight_path=rotation_dir("invertible"))
+    model = load_model(
+        w4a4_checkpoint("tiny-h128", "invertible"),
+        dtype=torch.bfloat16,
+        device="cpu",
+        num_hidden_layers=1,
+        hadamard_weight_path=rotation_dir("invertible"),
+    )
     prompts = [[5, 1, 7, 300, 2, 9, 44], [17, 3]]
     eager = ModelRunner(model, 16).generate(prompts, 4, return_logits=True)
     graph = ModelRunner(model, 16, exe_mode="ge_graph").generate(prompts, 4, return_logits=True)

@@ -12,6 +12,7 @@ non-symmetric orthogonal or the non-orthogonal invertible rotation directory. Mo
 - Sharding invariance: the logits at attention TP 2 and 4 vs TP 1 on the same prompts, within the same entry
   (each rank rotates its own 128-aligned slice of heads before the row-parallel o_proj).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,12 @@ from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import on_host, paged_cache, reference_model, runner_of, same_on_all_ranks
 from equivalence.support.parallel_support import test_device as worker_device
 from equivalence.support.strategies import describe_layout, layout
-from equivalence.parallel.test_e2e_parallel import (_draw_forced, _reference_logits, assert_bf16_logits_match_replayed_reference,
-                                           teacher_forced_run)
+from equivalence.parallel.test_e2e_parallel import (
+    _draw_forced,
+    _reference_logits,
+    assert_bf16_logits_match_replayed_reference,
+    teacher_forced_run,
+)
 from fixtures.checkpoints import bf16_checkpoint, rotation_dir, w4a4_checkpoint
 from reference.fake_quant import load_fake_quant_model
 
@@ -44,21 +49,38 @@ def rotated_logits_task(rank, world, path, lay, rotation_path, prompts, forced):
     """`teacher_forced_run` of the W4A4 checkpoint `path` with the rotation directory `rotation_path`."""
     from optimized.distributed import ParallelState
     from optimized.model_loader.build import load_model
-    model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.bfloat16, device=worker_device(),
-                       hadamard_weight_path=rotation_path)
+
+    model = load_model(
+        path,
+        parallel=ParallelState.build(**lay),
+        dtype=torch.bfloat16,
+        device=worker_device(),
+        hadamard_weight_path=rotation_path,
+    )
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
     return on_host(teacher_forced_run(model, runner_of(model), prompts, forced, cache, table))
 
 
 def run(name: str, rotation: str, world: int, attn_tp: int, prompts, forced) -> dict:
     lay = layout(world, attn_tp_size=attn_tp)
-    got = get_pool(world).run(rotated_logits_task, str(w4a4_checkpoint(name, rotation)), lay,
-                              str(rotation_dir(rotation)), prompts, forced, timeout=180)
+    got = get_pool(world).run(
+        rotated_logits_task,
+        str(w4a4_checkpoint(name, rotation)),
+        lay,
+        str(rotation_dir(rotation)),
+        prompts,
+        forced,
+        timeout=180,
+    )
     return same_on_all_ranks(got, f"w4a4 {name} {describe_layout(lay)}")
 
 
-CASES = [("tiny-h128", "orthogonal", 1, 1), ("tiny-h128", "invertible", 2, 2), ("tiny-h256", "invertible", 4, 4),
-         ("tiny-h256", "orthogonal", 2, 2)]
+CASES = [
+    ("tiny-h128", "orthogonal", 1, 1),
+    ("tiny-h128", "invertible", 2, 2),
+    ("tiny-h256", "invertible", 4, 4),
+    ("tiny-h256", "orthogonal", 2, 2),
+]
 
 
 def _prompts(seed: int, sizes=(17, 5)):
@@ -72,9 +94,17 @@ def test_rotated_w4a4_logits_match_fake_quant_reference(name, rotation, world, a
     got = run(name, rotation, world, attn_tp, prompts, forced)
     bf16 = reference_model(name, "bfloat16")
     a, r, _, report = assert_bf16_logits_match_replayed_reference(
-        got, name, prompts, forced, f"{name} {rotation} W4A4 attn_tp {attn_tp} world {world}",
-        replayed_ref=fake_quant_reference(name, rotation), own_ref=bf16, tol="model.w4a4.bfloat16",
-        near_tie="router_tie.float32", ties_from_router_inputs=True)
+        got,
+        name,
+        prompts,
+        forced,
+        f"{name} {rotation} W4A4 attn_tp {attn_tp} world {world}",
+        replayed_ref=fake_quant_reference(name, rotation),
+        own_ref=bf16,
+        tol="model.w4a4.bfloat16",
+        near_tie="router_tie.float32",
+        ties_from_router_inputs=True,
+    )
     unquantized = torch.cat([torch.cat(x) for x in _reference_logits(bf16, prompts, forced, got["routes"], 1.0, [])])
     separation = rel_l2(a, unquantized) / max(rel_l2(a, r), 1e-30)
     report += f"; BF16 replaying the routing rel_l2 {rel_l2(a, unquantized):.3e}: {separation:.2f}x farther"
@@ -85,7 +115,7 @@ def test_rotated_w4a4_logits_match_fake_quant_reference(name, rotation, world, a
 @pytest.mark.parametrize("name,tps", [("tiny-h128", (2,)), ("tiny-h256", (2, 4))])
 def test_rotated_w4a4_attention_tp_is_sharding_invariant(name, tps):
     prompts, forced = _prompts(11, (13, 6)), _draw_forced(11, 2, 2)
-    base = run(name, "invertible", max(tps), 1, prompts, forced)      # attention TP 1 (replicated), same EP
+    base = run(name, "invertible", max(tps), 1, prompts, forced)  # attention TP 1 (replicated), same EP
     for tp in tps:
         got = run(name, "invertible", max(tps), tp, prompts, forced)
         for key in ["prefill", "decode0", "decode1"]:

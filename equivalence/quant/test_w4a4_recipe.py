@@ -13,6 +13,7 @@ for W4A4) and the MC2 dispatch / combine decode.
 - Its prefill and teacher-forced decode logits equal the fake-quant W4A4 reference with the same rotations replaying
   the routing, within `model.w4a4.bfloat16` (and `min_separation` closer than the BF16 reference).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,12 @@ from equivalence.support.compare import rel_l2, tolerance
 from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import on_host, paged_cache, reference_model, runner_of, same_on_all_ranks
 from equivalence.support.parallel_support import test_device as worker_device
-from equivalence.parallel.test_e2e_parallel import (_draw_forced, _reference_logits, assert_bf16_logits_match_replayed_reference,
-                                           teacher_forced_run)
+from equivalence.parallel.test_e2e_parallel import (
+    _draw_forced,
+    _reference_logits,
+    assert_bf16_logits_match_replayed_reference,
+    teacher_forced_run,
+)
 from equivalence.quant.test_w4a4_model import fake_quant_reference
 from fixtures.checkpoints import rotation_dir, w4a4_checkpoint
 
@@ -34,12 +39,20 @@ pytestmark = pytest.mark.distributed
 NAME, ROTATION = "tiny-h256", "orthogonal"
 # qwen3_235b_mxfp4_hadamard.yaml's keys (recipe fbc225d), the paths and the dataset scaled to the test world
 RECIPE = {
-    "model_config": {"model_name": "qwen3_moe", "model_path": "<W4A4 checkpoint>", "exe_mode": "eager",
-                     "enable_profiler": False, "with_ckpt": True, "enable_cache_compile": False, "force_eplb": False,
-                     "platform_version": "950", "enable_hadamard": True, "hadamard_weight_path": "<rotations>"},
+    "model_config": {
+        "model_name": "qwen3_moe",
+        "model_path": "<W4A4 checkpoint>",
+        "exe_mode": "eager",
+        "enable_profiler": False,
+        "with_ckpt": True,
+        "enable_cache_compile": False,
+        "force_eplb": False,
+        "platform_version": "950",
+        "enable_hadamard": True,
+        "hadamard_weight_path": "<rotations>",
+    },
     "data_config": {"dataset": "prompts", "prompts": ["x"]},
-    "parallel_config": {"world_size": 4, "attn_tp_size": 4, "moe_tp_size": 1, "embed_tp_size": 1,
-                        "lmhead_tp_size": 1},
+    "parallel_config": {"world_size": 4, "attn_tp_size": 4, "moe_tp_size": 1, "embed_tp_size": 1, "lmhead_tp_size": 1},
     "scheduler_config": {"max_new_tokens": 6, "batch_size": 1},
 }
 
@@ -57,17 +70,26 @@ def recipe_task(rank, world, cfg_dict, prompts, forced):
     from optimized.distributed import ParallelState
     from optimized.model_loader.build import load_model
     from optimized.model_loader.hf_config import load_hf_config
+
     cfg = InferenceConfig.from_dict(cfg_dict)
     m = cfg.model_config
     cfg.validate_for_model(load_hf_config(m.model_path))
-    model = load_model(m.model_path, parallel=ParallelState.build(cfg.parallel_config), dtype=m.torch_dtype,
-                       device=worker_device(), hadamard_weight_path=m.hadamard)
+    model = load_model(
+        m.model_path,
+        parallel=ParallelState.build(cfg.parallel_config),
+        dtype=m.torch_dtype,
+        device=worker_device(),
+        hadamard_weight_path=m.hadamard,
+    )
     runner = runner_of(model)
     tokens = runner.generate(prompts[:1], cfg.scheduler_config.max_new_tokens).tokens
     cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
     out = teacher_forced_run(model, runner, prompts, forced, cache, table)
-    out.update(tokens=tokens, decode_exchange=type(model.decode.step.exchange).__name__,
-               prefill_phase=type(model.prefill).__name__)
+    out.update(
+        tokens=tokens,
+        decode_exchange=type(model.decode.step.exchange).__name__,
+        prefill_phase=type(model.prefill).__name__,
+    )
     return on_host(out)
 
 
@@ -75,16 +97,25 @@ def test_recipe_mxfp4_hadamard_runs_and_matches_the_fake_quant_reference():
     g = torch.Generator().manual_seed(37)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (15, 7)]
     forced = _draw_forced(37, 2, 2)
-    got = same_on_all_ranks(get_pool(4).run(recipe_task, recipe_config(), prompts, forced, timeout=240),
-                            "recipe mxfp4_hadamard")
+    got = same_on_all_ranks(
+        get_pool(4).run(recipe_task, recipe_config(), prompts, forced, timeout=240), "recipe mxfp4_hadamard"
+    )
     assert len(got["tokens"][0]) == 6
-    assert got["prefill_phase"] == "TensorParallelPhase", got["prefill_phase"]      # prefill_opt off for W4A4
+    assert got["prefill_phase"] == "TensorParallelPhase", got["prefill_phase"]  # prefill_opt off for W4A4
     assert got["decode_exchange"] != "NoneType", "the MC2 decode was expected at moe_tp 1, EP 4"
     bf16 = reference_model(NAME, "bfloat16")
     a, r, _, report = assert_bf16_logits_match_replayed_reference(
-        got, NAME, prompts, forced, "recipe qwen3_235b_mxfp4_hadamard (world 4, attn_tp 4, EP 4)",
-        replayed_ref=fake_quant_reference(NAME, ROTATION), own_ref=bf16, tol="model.w4a4.bfloat16",
-        near_tie="router_tie.float32", ties_from_router_inputs=True)
+        got,
+        NAME,
+        prompts,
+        forced,
+        "recipe qwen3_235b_mxfp4_hadamard (world 4, attn_tp 4, EP 4)",
+        replayed_ref=fake_quant_reference(NAME, ROTATION),
+        own_ref=bf16,
+        tol="model.w4a4.bfloat16",
+        near_tie="router_tie.float32",
+        ties_from_router_inputs=True,
+    )
     unquantized = torch.cat([torch.cat(x) for x in _reference_logits(bf16, prompts, forced, got["routes"], 1.0, [])])
     separation = rel_l2(a, unquantized) / max(rel_l2(a, r), 1e-30)
     print(f"{report}; tokens {got['tokens']}; BF16 replaying the routing {separation:.2f}x farther")

@@ -15,6 +15,7 @@ output). Oracle: `reference.fake_quant` (W4A4 with rotation, written independent
   `x @ T^T` on activations; `W @ T` and `W @ T^T` on weights instead of `W @ inverse(T)^T`; input and output
   matrices swapped; a layer given another layer's matrix.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,7 @@ from hypothesis import given, settings, strategies as st
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close, describe, rel_l2, tolerance
 from equivalence.support.parallel_support import run_property, runner_of
-from fixtures.checkpoints import (ROTATION_KINDS, bf16_checkpoint, rotation_dir, rotation_matrix, w4a4_checkpoint)
+from fixtures.checkpoints import ROTATION_KINDS, bf16_checkpoint, rotation_dir, rotation_matrix, w4a4_checkpoint
 from optimized.layers import hadamard
 from reference.fake_quant import load_fake_quant_model
 
@@ -35,17 +36,20 @@ NAME = "tiny-h128"
 @functools.lru_cache(maxsize=None)
 def optimized_model(name: str, rotation: str | None, rotation_path=None):
     from optimized.model_loader.build import load_model
+
     path = rotation_path or (rotation_dir(rotation) if rotation else None)
     return load_model(w4a4_checkpoint(name, rotation), dtype=torch.bfloat16, device="cpu", hadamard_weight_path=path)
 
 
 @functools.lru_cache(maxsize=None)
 def fake_quant_reference(name: str, rotation: str | None):
-    return load_fake_quant_model(bf16_checkpoint(name), torch.bfloat16, "float32", "w4a4",
-                                 rotation_dir(rotation) if rotation else None)
+    return load_fake_quant_model(
+        bf16_checkpoint(name), torch.bfloat16, "float32", "w4a4", rotation_dir(rotation) if rotation else None
+    )
 
 
 # ------------------------------------------------------------------------------------------- float algebra
+
 
 @settings(max_examples=12, deadline=None)
 @given(kind=st.sampled_from(ROTATION_KINDS), blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
@@ -60,6 +64,7 @@ def test_rotation_cancels_in_float_algebra(kind, blocks, seed):
 
 # ------------------------------------------------------------------------------------ layers vs the oracle
 
+
 def linear_mismatches(model, ref, seed: int = 0, rows: int = 9, scale: float = 1.0) -> list[str]:
     """Every layer's merged_qkv_proj / o_proj vs the reference's q|k|v / o on the same bf16 input (`rows` tokens of
     randn * scale): the layers whose outputs differ in any bit (empty: all bitwise equal)."""
@@ -72,8 +77,10 @@ def linear_mismatches(model, ref, seed: int = 0, rows: int = 9, scale: float = 1
             x = (torch.randn(rows, config.hidden_size, generator=g) * scale).bfloat16()
             o_in = (torch.randn(rows, config.num_attention_heads * config.head_dim, generator=g) * scale).bfloat16()
             want = torch.cat([r.q_proj(x), r.k_proj(x), r.v_proj(x)], dim=-1)
-            for what, got, expected in (("merged_qkv_proj", attn.merged_qkv_proj(x), want),
-                                        ("o_proj", attn.o_proj(o_in), r.o_proj(o_in))):
+            for what, got, expected in (
+                ("merged_qkv_proj", attn.merged_qkv_proj(x), want),
+                ("o_proj", attn.o_proj(o_in), r.o_proj(o_in)),
+            ):
                 try:
                     assert_bitwise_equal(got, expected, f"layer {i} {what}")
                 except AssertionError as e:
@@ -90,12 +97,21 @@ def test_w4a4_attention_linears_equal_fake_quant_reference_bitwise(name, rotatio
 
 def test_w4a4_attention_linears_are_bitwise_for_drawn_inputs():
     """Drawn rotation kind, token count (1: the row the recipe duplicates on the NPU), input scale and seed."""
+
     def check(kind, rows, log_scale, seed):
-        bad = linear_mismatches(optimized_model(NAME, kind), fake_quant_reference(NAME, kind), seed, rows,
-                                10.0 ** log_scale)
+        bad = linear_mismatches(
+            optimized_model(NAME, kind), fake_quant_reference(NAME, kind), seed, rows, 10.0**log_scale
+        )
         assert not bad, f"{kind} rows {rows} scale 1e{log_scale} seed {seed}: {bad}"
-    run_property(check, 20, kind=st.sampled_from(ROTATION_KINDS), rows=st.integers(1, 24),
-                 log_scale=st.integers(-4, 4), seed=st.integers(0, 2**16))
+
+    run_property(
+        check,
+        20,
+        kind=st.sampled_from(ROTATION_KINDS),
+        rows=st.integers(1, 24),
+        log_scale=st.integers(-4, 4),
+        seed=st.integers(0, 2**16),
+    )
 
 
 def test_rotation_buffers_are_replicated_float32_and_not_in_the_state_dict():
@@ -109,9 +125,11 @@ def test_rotation_buffers_are_replicated_float32_and_not_in_the_state_dict():
 
 # ---------------------------------------------------------------------------------------------- identity
 
+
 def _run(model, prompts, steps):
-    out = runner_of(model).generate(prompts, steps, prompt_logits_positions=[list(range(len(p))) for p in prompts],
-                                    return_logits=True)
+    out = runner_of(model).generate(
+        prompts, steps, prompt_logits_positions=[list(range(len(p))) for p in prompts], return_logits=True
+    )
     return out
 
 
@@ -130,6 +148,7 @@ def test_identity_rotation_is_bitwise_the_unrotated_model():
 
 
 # ------------------------------------------------------------------------------------------ planted bugs
+
 
 def _attach_with(model, choose):
     """Re-attaches rotations to `model` with `choose(i, t_in, t_out, all) -> (for qkv, for o)` (a planted bug)."""
@@ -151,13 +170,18 @@ RUNTIME_BUGS = {
 @pytest.mark.parametrize("bug", RUNTIME_BUGS)
 def test_planted_runtime_orientation_bug_is_caught(bug):
     from optimized.model_loader.build import load_model
-    model = load_model(w4a4_checkpoint(NAME, "invertible"), dtype=torch.bfloat16, device="cpu",
-                       hadamard_weight_path=rotation_dir("invertible"))
+
+    model = load_model(
+        w4a4_checkpoint(NAME, "invertible"),
+        dtype=torch.bfloat16,
+        device="cpu",
+        hadamard_weight_path=rotation_dir("invertible"),
+    )
     ref = fake_quant_reference(NAME, "invertible")
-    assert not linear_mismatches(model, ref)                      # the check passes on the correct model...
+    assert not linear_mismatches(model, ref)  # the check passes on the correct model...
     _attach_with(model, RUNTIME_BUGS[bug])
     bad = linear_mismatches(model, ref)
-    assert len(bad) == 2 * len(model.layers), f"{bug}: only {bad} caught"   # ...and fails every linear with the bug
+    assert len(bad) == 2 * len(model.layers), f"{bug}: only {bad} caught"  # ...and fails every linear with the bug
 
 
 WEIGHT_BUGS = {"weights W @ T": lambda t: t.float(), "weights W @ T^T": lambda t: t.float().T}
@@ -167,11 +191,18 @@ WEIGHT_BUGS = {"weights W @ T": lambda t: t.float(), "weights W @ T^T": lambda t
 def test_planted_converter_orientation_bug_is_caught(bug, tmp_path, monkeypatch):
     from optimized.model_loader.build import load_model
     from optimized.model_loader.quantize import convert_checkpoint
+
     monkeypatch.setattr(hadamard, "weight_rotation", WEIGHT_BUGS[bug])
-    convert_checkpoint(bf16_checkpoint(NAME), tmp_path / "ckpt", "w4a4", progress=False,
-                       hadamard_weight_path=rotation_dir("invertible"))
-    model = load_model(tmp_path / "ckpt", dtype=torch.bfloat16, device="cpu",
-                       hadamard_weight_path=rotation_dir("invertible"))
+    convert_checkpoint(
+        bf16_checkpoint(NAME),
+        tmp_path / "ckpt",
+        "w4a4",
+        progress=False,
+        hadamard_weight_path=rotation_dir("invertible"),
+    )
+    model = load_model(
+        tmp_path / "ckpt", dtype=torch.bfloat16, device="cpu", hadamard_weight_path=rotation_dir("invertible")
+    )
     bad = linear_mismatches(model, fake_quant_reference(NAME, "invertible"))
     assert len(bad) == 2 * len(model.layers), f"{bug}: only {bad} caught"
 
@@ -190,6 +221,7 @@ def test_w4a4_moe_block_equals_fake_quant_reference(name, layers):
     """The W4A4 experts vs the oracle replaying the optimized expert ids, within `layer.w4a4.bfloat16`, and at least
     `min_separation` times closer to it than to the BF16 reference replaying the same ids."""
     from equivalence.support.parallel_support import reference_model
+
     model, ref, plain = optimized_model(name, None), fake_quant_reference(name, None), reference_model(name, "bfloat16")
     tol = tolerance("layer.w4a4.bfloat16")
     for seed in range(3):

@@ -12,6 +12,7 @@ quantization_config as text (§8.3: per-token FP8 kv_cache_scheme, global_compre
 generates what the project's own conversion generates, with the FP8 cache; each deviation from it is one
 QuantConfigError naming the key.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ from optimized.model_loader.loader import CheckpointError, StateDictSource
 from optimized.model_loader.quantize import MXFP4, mx_quantize_weight
 
 CONFIG = tiny_config("tiny")
-LAYOUTS = [layout(1), layout(2, attn_tp_size=2, embed_tp_size=2), layout(2, lmhead_tp_size=2),
-           layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4), layout(4, attn_tp_size=2)]
+LAYOUTS = [
+    layout(1),
+    layout(2, attn_tp_size=2, embed_tp_size=2),
+    layout(2, lmhead_tp_size=2),
+    layout(4, attn_tp_size=4, embed_tp_size=4, lmhead_tp_size=4),
+    layout(4, attn_tp_size=2),
+]
 
 
 def rank_params(path, lay: dict, rank: int):
@@ -52,7 +58,7 @@ def expected(full: dict, lay: dict, rank: int) -> dict:
     """Rank `rank`'s parameters by the layout definitions, from the world-1 parameters `full`."""
     a_tp, e_tp, v_tp, l_tp = lay["attn_tp_size"], lay["moe_ep_size"], lay["embed_tp_size"], lay["lmhead_tp_size"]
     a, e = rank % a_tp, rank // lay["moe_tp_size"]
-    nq, nkv, d, H = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim, CONFIG.hidden_size
+    nq, nkv, d, _H = CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim, CONFIG.hidden_size
     qh = nq // a_tp
     kv = range(a * nkv // a_tp, (a + 1) * nkv // a_tp) if nkv >= a_tp else [a * qh // (nq // nkv)]
     rows = [h * d + i for h in range(a * qh, (a + 1) * qh) for i in range(d)]
@@ -63,7 +69,7 @@ def expected(full: dict, lay: dict, rank: int) -> dict:
 
     def chunk(t, parts, i):
         n = t.shape[0] // parts
-        return t[i * n:(i + 1) * n]
+        return t[i * n : (i + 1) * n]
 
     out = {}
     for name, t in full.items():
@@ -131,8 +137,11 @@ def test_fp4_down_proj_is_sliced_on_whole_bytes_under_moe_tp():
     source.check_all_used()
     assert_bitwise_equal(layer.w2_weight[0], state["m.1.down_proj.weight"][:, 32:64], "w2 packed bytes")
     assert_bitwise_equal(layer.w2_weight_scale[0], state["m.1.down_proj.weight_scale"][:, 2:4], "w2 scales")
-    assert_bitwise_equal(layer.w13_weight[0], torch.cat([state["m.1.gate_proj.weight"][64:],
-                                                         state["m.1.up_proj.weight"][64:]]), "w13 rows")
+    assert_bitwise_equal(
+        layer.w13_weight[0],
+        torch.cat([state["m.1.gate_proj.weight"][64:], state["m.1.up_proj.weight"][64:]]),
+        "w13 rows",
+    )
 
 
 def test_k_slice_off_the_block_grid_is_an_error_naming_the_tensor():
@@ -140,8 +149,15 @@ def test_k_slice_off_the_block_grid_is_an_error_naming_the_tensor():
     state = {}
     for proj, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
         state[f"m.0.{proj}.weight"], state[f"m.0.{proj}.weight_scale"] = mx_quantize_weight(torch.randn(shape), MXFP4)
-    layer = FusedMoEGMM(1, 64, 32, SimpleNamespace(size=2, rank=1, group=None),
-                        SimpleNamespace(size=1, rank=0, group=None), torch.bfloat16, W4A8MxFp4MoEGMMMethod())
+    layer = FusedMoEGMM(
+        1,
+        64,
+        32,
+        SimpleNamespace(size=2, rank=1, group=None),
+        SimpleNamespace(size=1, rank=0, group=None),
+        torch.bfloat16,
+        W4A8MxFp4MoEGMMMethod(),
+    )
     with pytest.raises(CheckpointError, match=r"'m\.0\.down_proj\.weight'.*K-slice \[16, 32\) of K=32 .*32-element"):
         layer.load(StateDictSource(state), "m")
 
@@ -157,8 +173,11 @@ def test_bf16_tensor_in_w4a8_checkpoint_is_named(w4a8_copy):
     tensors = load_file(w4a8_copy / "model.safetensors")
     tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.k_proj.weight"].float()
     save_file(tensors, w4a8_copy / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has dtype torch\.float32 "
-                                              r"but the model is built for MXFP8"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has dtype torch\.float32 "
+        r"but the model is built for MXFP8",
+    ):
         load_model(w4a8_copy)
 
 
@@ -167,8 +186,11 @@ def test_quantized_checkpoint_without_quantization_config_is_named(w4a8_copy):
     del config["quantization_config"]
     (w4a8_copy / "config.json").write_text(json.dumps(config))
     # blamed on the missing key, not on the FP8 dtype its absence makes look wrong
-    with pytest.raises(CheckpointError, match=r"config\.json has no 'quantization_config', but the checkpoint holds "
-                                              r"quantized tensors \(\d+ MX scale tensors, e\.g\. model\.layers\."):
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json has no 'quantization_config', but the checkpoint holds "
+        r"quantized tensors \(\d+ MX scale tensors, e\.g\. model\.layers\.",
+    ):
         load_model(w4a8_copy)
 
 
@@ -176,8 +198,11 @@ def test_unsupported_quantization_config_names_the_key(w4a8_copy):
     config = json.loads((w4a8_copy / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     (w4a8_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantConfigError, match=r"quantization_config\.config_groups \(\(weight, activation\) bits per target; w4a8: .*, w8a8: .*\)="
-                                               r"\{'Linear': \(4, 8\), 'MoEGMM': \(4, 8\)\} is not supported"):
+    with pytest.raises(
+        QuantConfigError,
+        match=r"quantization_config\.config_groups \(\(weight, activation\) bits per target; w4a8: .*, w8a8: .*\)="
+        r"\{'Linear': \(4, 8\), 'MoEGMM': \(4, 8\)\} is not supported",
+    ):
         load_model(w4a8_copy)
 
 
@@ -210,7 +235,7 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
         tp, ep = SimpleNamespace(size=tp_size, rank=tp_rank, group=None), SimpleNamespace(size=1, rank=0, group=None)
         moe = FusedMoEGMM(experts, H, inter, tp, ep, torch.bfloat16, W4A8MxFp4MoEGMMMethod())
         moe.load(StateDictSource(state), "m")
-        process_weights_after_loading(moe)      # built by hand: the build's post-load step
+        process_weights_after_loading(moe)  # built by hand: the build's post-load step
         return moe
 
     full = layer(1, 0)
@@ -219,8 +244,12 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
     for rank in range(2):
         part = layer(2, rank)
         got, unsharded = (checkpoint_layout_parameters(m)["w13_weight"] for m in (part, full))
-        assert_bitwise_equal(got, torch.cat([unsharded[:, rank * 64:(rank + 1) * 64],
-                                             unsharded[:, 128 + rank * 64:128 + (rank + 1) * 64]], 1))
+        assert_bitwise_equal(
+            got,
+            torch.cat(
+                [unsharded[:, rank * 64 : (rank + 1) * 64], unsharded[:, 128 + rank * 64 : 128 + (rank + 1) * 64]], 1
+            ),
+        )
         parts.append(part(x, counts).double())
     # Each partial and the unsharded output are fp32 sums rounded once to bf16 (<= 1/2 ulp each, ulp <= eps*|v|);
     # partials cancel, so the bound is on their magnitudes, not on the (smaller) result's.
@@ -233,10 +262,14 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
 
 # The recipe converter's config.json quantization_config for w4a8c16 (spec mx_quant.md §8.3), as text, for the
 # 2-layer tiny model: group_1 is group_0 with weights.num_bits 4 and targets ["MoEGMM"].
-_ARGS = ('"actorder": null, "block_structure": null, "dynamic": %s, "group_size": 32, "num_bits": %d, '
-         '"observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": true, "type": "float"')
-_GROUP = ('{"input_activations": {%s}, "activation_use_clip": false, "output_activations": null, '
-          '"targets": ["%s"], "weights": {%s}}')
+_ARGS = (
+    '"actorder": null, "block_structure": null, "dynamic": %s, "group_size": 32, "num_bits": %d, '
+    '"observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": true, "type": "float"'
+)
+_GROUP = (
+    '{"input_activations": {%s}, "activation_use_clip": false, "output_activations": null, '
+    '"targets": ["%s"], "weights": {%s}}'
+)
 RECIPE_QUANTIZATION_TEMPLATE = """{
   "config_groups": {%s},
   "format": "float-quantized",
@@ -251,10 +284,11 @@ RECIPE_QUANTIZATION_TEMPLATE = """{
   "quant_method": "compressed-tensors",
   "quantization_status": "compressed",
   "weight_block_size": [1, 32]
-}"""   # %s: the config_groups entries
+}"""  # %s: the config_groups entries
 RECIPE_LINEAR_GROUP = _GROUP % (_ARGS % ("true", 8), "Linear", _ARGS % ("false", 8))
 RECIPE_QUANTIZATION_CONFIG = RECIPE_QUANTIZATION_TEMPLATE % (
-    f'"group_0": {RECIPE_LINEAR_GROUP}, "group_1": {_GROUP % (_ARGS % ("true", 8), "MoEGMM", _ARGS % ("false", 4))}')
+    f'"group_0": {RECIPE_LINEAR_GROUP}, "group_1": {_GROUP % (_ARGS % ("true", 8), "MoEGMM", _ARGS % ("false", 4))}'
+)
 
 
 @pytest.fixture
@@ -271,6 +305,7 @@ def test_recipe_format_checkpoint_loads_and_generates_with_the_fp8_kv_cache(reci
     loads; the FP8 cache runs by default and generates what the project's own `--kv-cache fp8` conversion
     generates; kv_cache_dtype bfloat16 overrides it to a 16-bit cache."""
     from optimized.executor.model_runner import ModelRunner
+
     prompts = [[5, 6, 7, 8, 9], list(range(20, 37))]
     model = load_model(recipe_checkpoint, dtype=torch.bfloat16)
     runner = ModelRunner(model, 16)
@@ -284,13 +319,36 @@ def _torchrun_generate(config_path, model_path, prompt: list[int], new_tokens: i
     import os
     import subprocess
     import sys
+
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "optimized", "generate", "--config", str(config_path), "--model-path", str(model_path),
-                          "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(new_tokens)],
-                         cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "optimized",
+            "generate",
+            "--config",
+            str(config_path),
+            "--model-path",
+            str(model_path),
+            "--prompt-ids",
+            ",".join(map(str, prompt)),
+            "--max-new-tokens",
+            str(new_tokens),
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.splitlines()
 
@@ -303,6 +361,7 @@ def test_recipe_format_checkpoint_under_torchrun_fp8_kv_and_bfloat16_override(re
     import yaml
 
     from optimized.executor.model_runner import ModelRunner
+
     repo_configs = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
     prompt = [5, 6, 7, 8, 9, 10, 11]
     single = ModelRunner(load_model(recipe_checkpoint, dtype=torch.bfloat16), 16).generate([prompt], 3).tokens[0]
@@ -315,23 +374,41 @@ def test_recipe_format_checkpoint_under_torchrun_fp8_kv_and_bfloat16_override(re
     override["model_config"]["kv_cache_dtype"] = "bfloat16"
     (tmp_path / "bf16_kv.yaml").write_text(yaml.safe_dump(override))
     lines = _torchrun_generate(tmp_path / "bf16_kv.yaml", recipe_checkpoint, prompt, 3)
-    assert any(line.startswith("kv cache: bfloat16 (unquantized") and "kv_cache_dtype: bfloat16" in line
-               for line in lines), lines
+    assert any(
+        line.startswith("kv cache: bfloat16 (unquantized") and "kv_cache_dtype: bfloat16" in line for line in lines
+    ), lines
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda q: q.update(global_compression_ratio=None),
-     r"quantization_config\.global_compression_ratio=None is not supported \(the converter writes 'null'\)"),
-    (lambda q: q.update(observer="minmax"), r"quantization_config\.observer is not a key the converter writes"),
-    (lambda q: q.pop("quantization_status"), r"quantization_config\.quantization_status is missing"),
-    (lambda q: q["ignore"].__setitem__(2, "model.layers.0.mlp.experts"),
-     r"quantization_config\.ignore\[2\]='model\.layers\.0\.mlp\.experts' is not supported"),
-    (lambda q: q["ignore"].pop(), r"quantization_config\.ignore has 12 entries; the converter writes 13"),
-    (lambda q: q["config_groups"]["group_1"]["input_activations"].update(group_size=16),
-     r"quantization_config\.config_groups\.group_1\.input_activations\.group_size=16 is not supported"),
-    (lambda q: q.update(format="pack-quantized"), r"quantization_config\.format='pack-quantized' is not supported"),
-], ids=["compression_ratio_json_null", "extra_key", "missing_key", "ignore_entry", "ignore_short", "group_size",
-        "format"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda q: q.update(global_compression_ratio=None),
+            r"quantization_config\.global_compression_ratio=None is not supported \(the converter writes 'null'\)",
+        ),
+        (lambda q: q.update(observer="minmax"), r"quantization_config\.observer is not a key the converter writes"),
+        (lambda q: q.pop("quantization_status"), r"quantization_config\.quantization_status is missing"),
+        (
+            lambda q: q["ignore"].__setitem__(2, "model.layers.0.mlp.experts"),
+            r"quantization_config\.ignore\[2\]='model\.layers\.0\.mlp\.experts' is not supported",
+        ),
+        (lambda q: q["ignore"].pop(), r"quantization_config\.ignore has 12 entries; the converter writes 13"),
+        (
+            lambda q: q["config_groups"]["group_1"]["input_activations"].update(group_size=16),
+            r"quantization_config\.config_groups\.group_1\.input_activations\.group_size=16 is not supported",
+        ),
+        (lambda q: q.update(format="pack-quantized"), r"quantization_config\.format='pack-quantized' is not supported"),
+    ],
+    ids=[
+        "compression_ratio_json_null",
+        "extra_key",
+        "missing_key",
+        "ignore_entry",
+        "ignore_short",
+        "group_size",
+        "format",
+    ],
+)
 def test_recipe_config_deviation_is_an_error_naming_the_key(recipe_checkpoint, change, message):
     config = json.loads((recipe_checkpoint / "config.json").read_text())
     change(config["quantization_config"])
@@ -342,6 +419,7 @@ def test_recipe_config_deviation_is_an_error_naming_the_key(recipe_checkpoint, c
 
 def test_recipe_config_without_kv_cache_scheme_runs_a_16_bit_cache(recipe_checkpoint):
     from optimized.executor.model_runner import ModelRunner
+
     config = json.loads((recipe_checkpoint / "config.json").read_text())
     del config["quantization_config"]["kv_cache_scheme"]
     (recipe_checkpoint / "config.json").write_text(json.dumps(config))
@@ -355,6 +433,7 @@ def test_recipe_dense_layer_with_16_bit_gate_proj_loads_as_it_is(tmp_path):
     up/down the MXFP8 bytes), and the model generates."""
     from optimized.executor.model_runner import ModelRunner
     from optimized.model import is_sparse_layer
+
     src, converted = checkpoint("tiny-dense"), w4a8_checkpoint("tiny-dense", kv_cache="fp8")
     for item in converted.iterdir():
         shutil.copy(item, tmp_path / item.name)
@@ -371,10 +450,14 @@ def test_recipe_dense_layer_with_16_bit_gate_proj_loads_as_it_is(tmp_path):
     for i in dense:
         mlp = model.layers[i].mlp
         assert mlp.gate_up_proj is None and not hasattr(mlp.gate_proj, "weight_scale")
-        assert_bitwise_equal(mlp.gate_proj.weight, source[f"model.layers.{i}.mlp.gate_proj.weight"].bfloat16(),
-                             f"layer {i} gate_proj")
-        assert_bitwise_equal(checkpoint_layout_parameters(mlp.up_proj)["weight"],
-                             tensors[f"model.layers.{i}.mlp.up_proj.weight"], f"layer {i} up")
+        assert_bitwise_equal(
+            mlp.gate_proj.weight, source[f"model.layers.{i}.mlp.gate_proj.weight"].bfloat16(), f"layer {i} gate_proj"
+        )
+        assert_bitwise_equal(
+            checkpoint_layout_parameters(mlp.up_proj)["weight"],
+            tensors[f"model.layers.{i}.mlp.up_proj.weight"],
+            f"layer {i} up",
+        )
         assert mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     runner = ModelRunner(model, 16)
     assert runner.kv_cache_dtype == torch.float8_e4m3fn

@@ -9,6 +9,7 @@
 - A W4A8 (MXFP4 expert) tensor under a W8A8 config, and a group_1 the converter never writes, are errors naming
   the tensor / the key.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,9 @@ CONFIG = tiny_config("tiny")
 RECIPE_W8A8_QUANTIZATION_CONFIG = RECIPE_QUANTIZATION_TEMPLATE % f'"group_0": {RECIPE_LINEAR_GROUP}'
 
 
-@pytest.mark.parametrize("lay", [layout(1), layout(2, attn_tp_size=2), layout(4)], ids=lambda l: f"ep{l['moe_ep_size']}")
+@pytest.mark.parametrize(
+    "lay", [layout(1), layout(2, attn_tp_size=2), layout(4)], ids=lambda l: f"ep{l['moe_ep_size']}"
+)
 def test_w8a8_experts_load_the_checkpoint_bytes_of_their_expert_range(lay):
     path = w8a8_checkpoint("tiny")
     tensors = load_file(path / "model.safetensors")
@@ -49,7 +52,7 @@ def test_w8a8_experts_load_the_checkpoint_bytes_of_their_expert_range(lay):
         model = load_model(path, parallel=state, dtype=torch.bfloat16)
         for i, layer in enumerate(model.layers):
             experts = layer.mlp.experts
-            loaded = SimpleNamespace(**checkpoint_layout_parameters(experts))   # as loaded, not the runtime layouts
+            loaded = SimpleNamespace(**checkpoint_layout_parameters(experts))  # as loaded, not the runtime layouts
             assert isinstance(experts.quant_method, MxFp8MoEGMMMethod)
             assert isinstance(layer.self_attn.merged_qkv_proj.quant_method, MxFp8LinearMethod)
             assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.float8_e4m3fn
@@ -75,6 +78,7 @@ def w8a8_copy(tmp_path):
 
 def test_recipe_w8a8_config_loads_and_generates_with_the_fp8_kv_cache(w8a8_copy):
     from optimized.executor.model_runner import ModelRunner
+
     ours = ModelRunner(load_model(w8a8_copy, dtype=torch.bfloat16), 16)
     config = json.loads((w8a8_copy / "config.json").read_text())
     assert json.dumps(config["quantization_config"]) == json.dumps(json.loads(RECIPE_W8A8_QUANTIZATION_CONFIG))
@@ -90,8 +94,11 @@ def test_w4a8_expert_tensor_under_a_w8a8_config_is_named(w8a8_copy):
     for item in w4a8_checkpoint("tiny").glob("*.safetensors"):
         shutil.copy(item, w8a8_copy / item.name)
     # packed FP4 [N, K/2] where MXFP8 stores [N, K]: the shape check names it first
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight' has shape "
-                                              r"\(32, 32\); the model expects \(32, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight' has shape "
+        r"\(32, 32\); the model expects \(32, 64\)",
+    ):
         load_model(w8a8_copy, dtype=torch.bfloat16)
 
 
@@ -100,5 +107,8 @@ def test_w8a8_config_with_an_8_bit_moe_group_is_an_error_naming_the_key(w8a8_cop
     groups = config["quantization_config"]["config_groups"]
     groups["group_1"] = dict(groups["group_0"], targets=["MoEGMM"])
     (w8a8_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantConfigError, match=r"config_groups \(\(weight, activation\) bits per target.*\{'Linear': \(8, 8\), 'MoEGMM': \(8, 8\)\}"):
+    with pytest.raises(
+        QuantConfigError,
+        match=r"config_groups \(\(weight, activation\) bits per target.*\{'Linear': \(8, 8\), 'MoEGMM': \(8, 8\)\}",
+    ):
         load_model(w8a8_copy, dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
 """`python -m equivalence.report`: see equivalence/report/divergence.py."""
+
 from equivalence.report.divergence import main
 
 main()

@@ -7,7 +7,8 @@ Runs the optimized model of an inference config on its device (eager, or graph-m
 the CPU on the same prompts: a prefill, then N greedy decode steps whose tokens (the optimized model's choice) are
 teacher-forced into the reference. The reference replays the optimized model's expert ids in every sparse layer
 (`test_e2e_parallel.replayed_routing`); a token whose expert set differs from the reference's own top-k is a flip,
-allowed only on a near-tie (`routing_check`), and counted. Every layer's checkpoints (equivalence/support/checkpoints.py)
+allowed only on a near-tie (`routing_check`), and counted. Every layer's checkpoints
+(equivalence/support/checkpoints.py)
 are compared on the host: cosine, max abs / rel error, rel_l2, the share of elements within 1e-3 and 5e-3
 relative error, and the tolerance ratio max(|a - e| / (atol + rtol |e|), rel_l2 / max_rel_l2) against the entry
 `checkpoint.<kind>.<dtype>` of the tolerance table (equivalence/support/compare.py); a checkpoint passes at ratio <= 1.
@@ -21,6 +22,7 @@ tensors; not yet the sequence-parallel prefill or attention DP (refused with a c
 checkpoints. Eager or graph decode (graph decode steps: the per-layer activations live inside the compiled graph,
 so those steps check each layer's KV-cache write, read back from the cache, and the logits).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +33,14 @@ from pathlib import Path
 
 import torch
 
-from equivalence.support.checkpoints import FINAL_KINDS, KINDS, Capture, optimized_hooks, read_kv_writes, reference_hooks
+from equivalence.support.checkpoints import (
+    FINAL_KINDS,
+    KINDS,
+    Capture,
+    optimized_hooks,
+    read_kv_writes,
+    reference_hooks,
+)
 from equivalence.support.compare import Tolerance, cosine, max_abs, rel_l2, tolerance
 
 RELATIVE_SHARES = (1e-3, 5e-3)
@@ -43,6 +52,7 @@ class ReportError(ValueError):
 
 # ------------------------------------------------------------------------------------------------ metrics
 
+
 def tolerance_name(kind: str, dtype: torch.dtype) -> str:
     return f"checkpoint.{kind}.{str(dtype).removeprefix('torch.')}"
 
@@ -51,7 +61,7 @@ def tolerance_ratio(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance
     """How far past its tolerance a checkpoint is: <= 1 passes (elementwise atol + rtol |e|, and rel_l2)."""
     a, e = actual.double(), expected.double()
     diff, bound = (a - e).abs(), tol.atol + tol.rtol * e.abs()
-    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / bound)   # bound 0 and diff > 0: inf
+    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / bound)  # bound 0 and diff > 0: inf
     worst = float(ratio.max()) if ratio.numel() else 0.0
     if tol.max_rel_l2:
         worst = max(worst, rel_l2(actual, expected) / tol.max_rel_l2)
@@ -64,8 +74,12 @@ def metrics(actual: torch.Tensor, expected: torch.Tensor) -> dict:
     rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
     # compare.cosine calls two zero vectors aligned (1.0); one zero side (an unwritten cache slot) is not
     one_zero = (a.norm() == 0) != (e.norm() == 0)
-    out = {"cosine": 0.0 if one_zero else cosine(actual, expected), "max_abs": max_abs(actual, expected),
-           "max_rel": float(rel.max()) if rel.numel() else 0.0, "rel_l2": rel_l2(actual, expected)}
+    out = {
+        "cosine": 0.0 if one_zero else cosine(actual, expected),
+        "max_abs": max_abs(actual, expected),
+        "max_rel": float(rel.max()) if rel.numel() else 0.0,
+        "rel_l2": rel_l2(actual, expected),
+    }
     for share in RELATIVE_SHARES:
         out[f"within_{share:g}"] = float((diff <= share * scale).double().mean()) if diff.numel() else 1.0
     return out
@@ -99,35 +113,45 @@ class Report:
 
     def to_json(self) -> dict:
         first = self.first_divergence
-        return {"meta": self.meta, "routing": self.routing,
-                "first_divergence": None if first is None else asdict(first),
-                "checkpoints": [asdict(c) for c in self.checkpoints]}
+        return {
+            "meta": self.meta,
+            "routing": self.routing,
+            "first_divergence": None if first is None else asdict(first),
+            "checkpoints": [asdict(c) for c in self.checkpoints],
+        }
 
     def summary(self) -> str:
         first = self.first_divergence
         flips = self.routing
-        route = (f"; routing flips {flips['flips']}/{flips['tokens']} tokens, {flips['clear_flips']} not near-ties"
-                 if flips else "")
+        route = (
+            f"; routing flips {flips['flips']}/{flips['tokens']} tokens, {flips['clear_flips']} not near-ties"
+            if flips
+            else ""
+        )
         if first is None:
             return f"no divergence: {len(self.checkpoints)} checkpoints within their tolerance{route}"
         m = first.metrics
-        return (f"first divergence: {first.where} ({first.tolerance} exceeded {first.ratio:.3g}x; rel_l2 "
-                f"{m['rel_l2']:.3e}, max_abs {m['max_abs']:.3e}, cosine {m['cosine']:.6f}"
-                f"{'; ' + first.note if first.note else ''}){route}")
+        return (
+            f"first divergence: {first.where} ({first.tolerance} exceeded {first.ratio:.3g}x; rel_l2 "
+            f"{m['rel_l2']:.3e}, max_abs {m['max_abs']:.3e}, cosine {m['cosine']:.6f}"
+            f"{'; ' + first.note if first.note else ''}){route}"
+        )
 
 
 # ---------------------------------------------------------------------------------------- optimized run
 
+
 @dataclass
 class OptimizedRun:
-    captures: dict[str, Capture]          # step -> what the optimized model produced
-    tokens: list[list[int]]               # per step after the prefill: the decode input of each request [B]
-    graph_steps: set = field(default_factory=set)   # decode steps run as a compiled graph (no layer hooks)
+    captures: dict[str, Capture]  # step -> what the optimized model produced
+    tokens: list[list[int]]  # per step after the prefill: the decode input of each request [B]
+    graph_steps: set = field(default_factory=set)  # decode steps run as a compiled graph (no layer hooks)
 
 
 @torch.no_grad()
-def run_optimized(model, prompts: list[list[int]], decode_steps: int, *, exe_mode: str = "eager",
-                  block_size: int = 16, progress=None) -> OptimizedRun:
+def run_optimized(
+    model, prompts: list[list[int]], decode_steps: int, *, exe_mode: str = "eager", block_size: int = 16, progress=None
+) -> OptimizedRun:
     """Prefill the packed prompts, then `decode_steps` greedy steps, capturing every checkpoint of each step."""
     from equivalence.support.parallel_support import paged_cache
     from optimized.executor.model_runner import ModelRunner
@@ -168,6 +192,7 @@ def run_optimized(model, prompts: list[list[int]], decode_steps: int, *, exe_mod
 
 # ------------------------------------------------------------------------------------- several ranks
 
+
 def gather_heads(run: OptimizedRun, model) -> None:
     """Per-rank qkv / kv_write captures (this rank's heads) -> full tensors, every head in order, on every rank:
     gathered over the attention TP group; replicated KV heads (fewer KV heads than ranks) taken once."""
@@ -182,39 +207,41 @@ def gather_heads(run: OptimizedRun, model) -> None:
     device = next(model.parameters()).device
     firsts = [first_kv_head(cfg.num_key_value_heads, tp.size, r) for r in range(tp.size)]
 
-    def kv_full(parts):                        # parts[r]: [T, nkv*d] of rank r -> [T, Nkv*d]
+    def kv_full(parts):  # parts[r]: [T, nkv*d] of rank r -> [T, Nkv*d]
         out = [None] * cfg.num_key_value_heads
         for r, part in enumerate(parts):
             for h in range(nkv):
-                out[firsts[r] + h] = part[:, h * d:(h + 1) * d]
+                out[firsts[r] + h] = part[:, h * d : (h + 1) * d]
         return torch.cat(out, dim=-1)
 
     for cap in run.captures.values():
         for (layer, kind), value in list(cap.values.items()):
             if kind not in ("qkv", "kv_write"):
                 continue
-            ranks = comm.all_gather(value.to(device)[None], tp.group).cpu()        # [P, T, F_r]
+            ranks = comm.all_gather(value.to(device)[None], tp.group).cpu()  # [P, T, F_r]
             if kind == "qkv":
-                q = torch.cat([r[:, :nq * d] for r in ranks], dim=-1)
-                k = kv_full([r[:, nq * d:(nq + nkv) * d] for r in ranks])
-                v = kv_full([r[:, (nq + nkv) * d:] for r in ranks])
+                q = torch.cat([r[:, : nq * d] for r in ranks], dim=-1)
+                k = kv_full([r[:, nq * d : (nq + nkv) * d] for r in ranks])
+                v = kv_full([r[:, (nq + nkv) * d :] for r in ranks])
                 cap.values[(layer, kind)] = torch.cat([q, k, v], dim=-1)
             else:
-                k = kv_full([r[:, :nkv * d] for r in ranks])
-                v = kv_full([r[:, nkv * d:] for r in ranks])
+                k = kv_full([r[:, : nkv * d] for r in ranks])
+                v = kv_full([r[:, nkv * d :] for r in ranks])
                 cap.values[(layer, kind)] = torch.cat([k, v], dim=-1)
 
 
-def _rank_report_task(rank, world, model_dir, parallel, dtype_name, prompts, decode_steps, exe_mode, block_size,
-                      plant=None):
+def _rank_report_task(
+    rank, world, model_dir, parallel, dtype_name, prompts, decode_steps, exe_mode, block_size, plant=None
+):
     """One rank of a multi-rank report (equivalence.support.dist pool): its run, heads gathered; rank 0's is used.
     plant(model, rank): a test's planted bug, applied to this rank's model (built for this task only)."""
     from equivalence.support.parallel_support import dtype_of, test_device
     from optimized.distributed import ParallelState
     from optimized.model_loader.build import load_model
 
-    model = load_model(model_dir, parallel=ParallelState.build(parallel), dtype=dtype_of(dtype_name),
-                       device=test_device())
+    model = load_model(
+        model_dir, parallel=ParallelState.build(parallel), dtype=dtype_of(dtype_name), device=test_device()
+    )
     if plant is not None:
         plant(model, rank)
     try:
@@ -227,12 +254,15 @@ def _rank_report_task(rank, world, model_dir, parallel, dtype_name, prompts, dec
 
 def check_layout(parallel) -> None:
     if parallel.sp_prefill or parallel.attn_dp_size > 1:
-        raise ReportError("the report hooks the tensor-parallel data flow: parallel_config with prefill_opt "
-                          "(sequence-parallel prefill) or attn_dp is not covered yet; run the same model with "
-                          "prefill_opt: false and attn_dp: false")
+        raise ReportError(
+            "the report hooks the tensor-parallel data flow: parallel_config with prefill_opt "
+            "(sequence-parallel prefill) or attn_dp is not covered yet; run the same model with "
+            "prefill_opt: false and attn_dp: false"
+        )
 
 
 # ---------------------------------------------------------------------------------------- reference run
+
 
 def _step_rows(prompts, decode_steps):
     """{step: [(request, row in that request's sequence), ...]} in the optimized model's token order."""
@@ -262,11 +292,11 @@ def run_reference(ref, prompts, run: OptimizedRun, progress=None) -> tuple[dict[
         own = _own_expert_ids(ref, seq) if run.graph_steps else {}
         ids = {}
         for i in sparse:
-            rows = [run.captures["prefill"].extra[(i, "router_ids")][offset:offset + len(p)]]
+            rows = [run.captures["prefill"].extra[(i, "router_ids")][offset : offset + len(p)]]
             for s in range(steps):
                 opt = run.captures[f"decode{s}"].extra.get((i, "router_ids"))
                 # a graph step recorded no ids: the reference keeps its own choice for that row
-                rows.append(opt[b:b + 1] if opt is not None else own[i][len(p) + s:len(p) + s + 1])
+                rows.append(opt[b : b + 1] if opt is not None else own[i][len(p) + s : len(p) + s + 1])
             ids[i] = torch.cat(rows)
         capture = Capture()
         with reference_hooks(ref, capture), replayed_routing(ref, ids, 0.0, []):
@@ -287,14 +317,19 @@ def _own_expert_ids(ref, seq) -> dict[int, torch.Tensor]:
     capture = Capture()
     with reference_hooks(ref, capture):
         ref(seq)
-    return {i: probs.sort(dim=-1, descending=True, stable=True).indices[:, :ref.model.layers[i].mlp.top_k]
-            for (i, kind), probs in capture.extra.items() if kind == "router_probs"}
+    return {
+        i: probs.sort(dim=-1, descending=True, stable=True).indices[:, : ref.model.layers[i].mlp.top_k]
+        for (i, kind), probs in capture.extra.items()
+        if kind == "router_probs"
+    }
 
 
 # ----------------------------------------------------------------------------------------------- compare
 
-def compare(run: OptimizedRun, reference: dict[str, Capture], num_layers: int, dtype: torch.dtype,
-            near_tie: float) -> tuple[list[Checkpoint], dict]:
+
+def compare(
+    run: OptimizedRun, reference: dict[str, Capture], num_layers: int, dtype: torch.dtype, near_tie: float
+) -> tuple[list[Checkpoint], dict]:
     """Every checkpoint both sides captured, in execution order, judged against the table."""
     from equivalence.support.parallel_support import RoutingStats, routing_check
 
@@ -309,69 +344,141 @@ def compare(run: OptimizedRun, reference: dict[str, Capture], num_layers: int, d
             name = tolerance_name(kind, dtype)
             tol = tolerance(name)
             if a.shape != e.shape:
-                out.append(Checkpoint(step, layer, kind, name, float("inf"), False, {},
-                                      f"shape {tuple(a.shape)} != reference {tuple(e.shape)}"))
+                out.append(
+                    Checkpoint(
+                        step,
+                        layer,
+                        kind,
+                        name,
+                        float("inf"),
+                        False,
+                        {},
+                        f"shape {tuple(a.shape)} != reference {tuple(e.shape)}",
+                    )
+                )
                 continue
             ratio, note = tolerance_ratio(a, e, tol), ""
             ok = ratio <= 1.0
             if kind == "router":
-                stats = routing_check(ref.extra[(layer, "router_probs")], a.shape[-1],
-                                      opt.extra[(layer, "router_ids")], near_tie)
+                stats = routing_check(
+                    ref.extra[(layer, "router_probs")], a.shape[-1], opt.extra[(layer, "router_ids")], near_tie
+                )
                 total = total + stats
                 note = str(stats)
                 ok = ok and stats.clear_flips == 0
             out.append(Checkpoint(step, layer, kind, name, ratio, ok, metrics(a, e), note))
-    routing = {"tokens": total.tokens, "flips": total.flips, "clear_flips": total.clear_flips,
-               "worst_margin": total.worst_margin}
+    routing = {
+        "tokens": total.tokens,
+        "flips": total.flips,
+        "clear_flips": total.clear_flips,
+        "worst_margin": total.worst_margin,
+    }
     return out, routing
 
 
 # ----------------------------------------------------------------------------------------------- driver
 
+
 def near_tie_of(dtype: torch.dtype) -> float:
     return tolerance("router_tie.float32" if dtype == torch.float32 else "router_tie.model.bfloat16").rtol
 
 
-def build_report(model, ref, prompts: list[list[int]], decode_steps: int, *, exe_mode: str = "eager",
-                 block_size: int = 16, meta: dict | None = None, progress=None) -> Report:
+def build_report(
+    model,
+    ref,
+    prompts: list[list[int]],
+    decode_steps: int,
+    *,
+    exe_mode: str = "eager",
+    block_size: int = 16,
+    meta: dict | None = None,
+    progress=None,
+) -> Report:
     """The report of `model` (optimized, any device, one process) against `ref` (the reference, on the CPU)."""
     say = progress or (lambda msg: None)
     run = run_optimized(model, prompts, decode_steps, exe_mode=exe_mode, block_size=block_size, progress=say)
-    return report_of_run(run, ref, prompts, len(model.layers), model.dtype, exe_mode,
-                         dict(meta or {}, device=str(next(model.parameters()).device)), say)
+    return report_of_run(
+        run,
+        ref,
+        prompts,
+        len(model.layers),
+        model.dtype,
+        exe_mode,
+        dict(meta or {}, device=str(next(model.parameters()).device)),
+        say,
+    )
 
 
-def build_parallel_report(model_dir, parallel, ref, prompts, decode_steps: int, *, dtype: torch.dtype,
-                          exe_mode: str = "eager", block_size: int = 16, meta: dict | None = None,
-                          progress=None, plant=None) -> Report:
-    """The report of a multi-rank layout: parallel_config.world_size gloo ranks (equivalence.support.dist), each capturing
+def build_parallel_report(
+    model_dir,
+    parallel,
+    ref,
+    prompts,
+    decode_steps: int,
+    *,
+    dtype: torch.dtype,
+    exe_mode: str = "eager",
+    block_size: int = 16,
+    meta: dict | None = None,
+    progress=None,
+    plant=None,
+) -> Report:
+    """The report of a multi-rank layout: parallel_config.world_size gloo ranks (equivalence.support.dist), each
+    capturing
     its checkpoints, per-rank heads gathered to full tensors; rank 0's run compared with the reference."""
     from equivalence.support.dist import get_pool
 
     say = progress or (lambda msg: None)
     check_layout(parallel)
     say(f"optimized run on {parallel.world_size} ranks")
-    results = get_pool(parallel.world_size).run(_rank_report_task, str(model_dir), parallel,
-                                                str(dtype).removeprefix("torch."), prompts, decode_steps, exe_mode,
-                                                block_size, plant, timeout=600)
+    results = get_pool(parallel.world_size).run(
+        _rank_report_task,
+        str(model_dir),
+        parallel,
+        str(dtype).removeprefix("torch."),
+        prompts,
+        decode_steps,
+        exe_mode,
+        block_size,
+        plant,
+        timeout=600,
+    )
     first = results[0]
-    return report_of_run(first["run"], ref, prompts, first["num_layers"], dtype, exe_mode,
-                         dict(meta or {}, device=first["device"], world_size=parallel.world_size), say)
+    return report_of_run(
+        first["run"],
+        ref,
+        prompts,
+        first["num_layers"],
+        dtype,
+        exe_mode,
+        dict(meta or {}, device=first["device"], world_size=parallel.world_size),
+        say,
+    )
 
 
-def report_of_run(run: OptimizedRun, ref, prompts, num_layers: int, dtype: torch.dtype, exe_mode: str,
-                  meta: dict, say) -> Report:
+def report_of_run(
+    run: OptimizedRun, ref, prompts, num_layers: int, dtype: torch.dtype, exe_mode: str, meta: dict, say
+) -> Report:
     decode_steps = len(run.tokens)
     reference, _ = run_reference(ref, prompts, run, progress=say)
     say("comparing")
     checkpoints, routing = compare(run, reference, num_layers, dtype, near_tie_of(dtype))
     info = dict(meta)
-    info.update(dtype=str(dtype).removeprefix("torch."), exe_mode=exe_mode, decode_steps=decode_steps,
-                prompts=prompts, decode_inputs=run.tokens, num_layers=num_layers, kinds=list(KINDS),
-                graph_steps=sorted(run.graph_steps))
+    info.update(
+        dtype=str(dtype).removeprefix("torch."),
+        exe_mode=exe_mode,
+        decode_steps=decode_steps,
+        prompts=prompts,
+        decode_inputs=run.tokens,
+        num_layers=num_layers,
+        kinds=list(KINDS),
+        graph_steps=sorted(run.graph_steps),
+    )
     if run.graph_steps:
-        info["not_captured"] = ("graph-mode decode steps: per-layer activations are inside the compiled graph; "
-                                "checked there: each layer's kv_write (read from the cache) and the logits")
+        info["not_captured"] = (
+            "graph-mode decode steps: per-layer activations are inside the compiled graph; "
+            "checked there: each layer's kv_write (read from the cache) and the logits"
+        )
     return Report(info, checkpoints, routing)
 
 
@@ -392,8 +499,10 @@ def load_config(path: str | Path):
 
     path = Path(path)
     if not path.is_file():
-        raise ReportError(f"config file {str(path)!r} not found (give an inference config YAML, e.g. "
-                          "fixtures/configs/tiny_single.yaml)")
+        raise ReportError(
+            f"config file {str(path)!r} not found (give an inference config YAML, e.g. "
+            "fixtures/configs/tiny_single.yaml)"
+        )
     try:
         return InferenceConfig.from_yaml(path)
     except ConfigError as e:
@@ -414,18 +523,23 @@ def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
     if dtype is not None:
         m.dtype = dtype
     if m.scheme[0] == "preset" or not m.with_ckpt:
-        raise ReportError("the report compares real weights: model_config needs a checkpoint (with_ckpt: true, "
-                          "a directory or fixture:NAME), not random weights")
+        raise ReportError(
+            "the report compares real weights: model_config needs a checkpoint (with_ckpt: true, "
+            "a directory or fixture:NAME), not random weights"
+        )
     model_dir = resolve_model_path(m.model_path, *m.scheme)
     if getattr(load_hf_config(model_dir), "quantization_config", None):
-        raise ReportError(f"{m.model_path} is a quantized checkpoint: the report covers 16-bit and fp32 "
-                          "checkpoints so far (no checkpoint tolerances for W4A8 / W8A8 yet)")
+        raise ReportError(
+            f"{m.model_path} is a quantized checkpoint: the report covers 16-bit and fp32 "
+            "checkpoints so far (no checkpoint tolerances for W4A8 / W8A8 yet)"
+        )
     torch_dtype = m.torch_dtype
     ref = load_reference(model_dir, torch_dtype, router_dtype="float32")
-    if p.world_size > 1:         # built on the ranks (equivalence.support.dist), not here
+    if p.world_size > 1:  # built on the ranks (equivalence.support.dist), not here
         return None, ref, model_dir
-    model = load_model(model_dir, parallel=ParallelState.build(p), dtype=torch_dtype,
-                       device=device or platform.device())
+    model = load_model(
+        model_dir, parallel=ParallelState.build(p), dtype=torch_dtype, device=device or platform.device()
+    )
     return model, ref, model_dir
 
 
@@ -451,14 +565,21 @@ def prompts_of(args, cfg, model_dir, vocab_size: int) -> list[list[int]]:
 def parse_args(argv=None):
     from optimized.cli.common import parse_prompt_ids
 
-    ap = argparse.ArgumentParser(prog="python -m equivalence.report",
-                                 description="run the optimized model and the reference on the same prompts and "
-                                             "name the first checkpoint where they diverge (report.json + .html)")
+    ap = argparse.ArgumentParser(
+        prog="python -m equivalence.report",
+        description="run the optimized model and the reference on the same prompts and "
+        "name the first checkpoint where they diverge (report.json + .html)",
+    )
     ap.add_argument("--config", required=True, help="inference config YAML (optimized/config.py)")
     prompt = ap.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
-    prompt.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS",
-                        help="comma-separated token ids; repeat for a batch")
+    prompt.add_argument(
+        "--prompt-ids",
+        action="append",
+        type=parse_prompt_ids,
+        metavar="IDS",
+        help="comma-separated token ids; repeat for a batch",
+    )
     ap.add_argument("--decode-steps", type=int, default=2, help="greedy decode steps after the prefill (default 2)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="overrides model_config.dtype")
     ap.add_argument("--exe-mode", choices=["eager", "ge_graph", "acl_graph"], help="overrides model_config.exe_mode")
@@ -471,33 +592,60 @@ def parse_args(argv=None):
     return args
 
 
-def report_for_config(config: str | Path, *, prompt=None, prompt_ids=None, decode_steps: int = 2, dtype=None,
-                      exe_mode=None, device=None, progress=None) -> Report:
+def report_for_config(
+    config: str | Path,
+    *,
+    prompt=None,
+    prompt_ids=None,
+    decode_steps: int = 2,
+    dtype=None,
+    exe_mode=None,
+    device=None,
+    progress=None,
+) -> Report:
     cfg = load_config(config)
     model, ref, model_dir = models_of_config(cfg, dtype, device)
     ns = argparse.Namespace(prompt=prompt, prompt_ids=prompt_ids)
     prompts = prompts_of(ns, cfg, model_dir, ref.config.vocab_size)
     mode = exe_mode or cfg.model_config.exe_mode
     if max(len(p) for p in prompts) + decode_steps > ref.config.max_position_embeddings:
-        raise ReportError(f"prompt + {decode_steps} decode steps exceed max_position_embeddings="
-                          f"{ref.config.max_position_embeddings}")
+        raise ReportError(
+            f"prompt + {decode_steps} decode steps exceed max_position_embeddings={ref.config.max_position_embeddings}"
+        )
     meta = {"config": str(config), "model_path": cfg.model_config.model_path}
     block_size = cfg.scheduler_config.block_size
     if model is None:
-        return build_parallel_report(model_dir, cfg.parallel_config, ref, prompts, decode_steps,
-                                     dtype=cfg.model_config.torch_dtype, exe_mode=mode, block_size=block_size,
-                                     meta=meta, progress=progress)
-    return build_report(model, ref, prompts, decode_steps, exe_mode=mode, block_size=block_size, meta=meta,
-                        progress=progress)
+        return build_parallel_report(
+            model_dir,
+            cfg.parallel_config,
+            ref,
+            prompts,
+            decode_steps,
+            dtype=cfg.model_config.torch_dtype,
+            exe_mode=mode,
+            block_size=block_size,
+            meta=meta,
+            progress=progress,
+        )
+    return build_report(
+        model, ref, prompts, decode_steps, exe_mode=mode, block_size=block_size, meta=meta, progress=progress
+    )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     progress = None if args.quiet else (lambda msg: print(f"[report] {msg}", file=sys.stderr, flush=True))
     try:
-        report = report_for_config(args.config, prompt=args.prompt, prompt_ids=args.prompt_ids,
-                                   decode_steps=args.decode_steps, dtype=args.dtype, exe_mode=args.exe_mode,
-                                   device=args.device, progress=progress)
+        report = report_for_config(
+            args.config,
+            prompt=args.prompt,
+            prompt_ids=args.prompt_ids,
+            decode_steps=args.decode_steps,
+            dtype=args.dtype,
+            exe_mode=args.exe_mode,
+            device=args.device,
+            progress=progress,
+        )
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

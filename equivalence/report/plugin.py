@@ -1,10 +1,12 @@
 """`pytest --equivalence-report DIR`: when an equivalence test fails, write the equivalence report there.
 
-The report (equivalence/report/divergence.py) runs the config of `--equivalence-report-config` (default the single-process
+The report (equivalence/report/divergence.py) runs the config of `--equivalence-report-config` (default the
+single-process
 fp32 fixture config) once per session, into DIR/<config name>/report.json and report.html, and the terminal
 summary names the first diverging checkpoint beside the failed tests. A report that cannot be made is named
 there too; it never changes a test's outcome.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,16 +14,23 @@ from pathlib import Path
 import pytest
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "tiny_single.yaml"
-_WRITTEN: dict[str, str] = {}      # config -> summary line (or why no report)
+_WRITTEN: dict[str, str] = {}  # config -> summary line (or why no report)
 _FAILED: list[str] = []
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("equivalence report")
-    group.addoption("--equivalence-report", metavar="DIR",
-                    help="on an equivalence test failure, write the first-diverging-layer report (JSON + HTML) here")
-    group.addoption("--equivalence-report-config", metavar="YAML", default=str(DEFAULT_CONFIG),
-                    help="the inference config the report runs (world_size 1; default %(default)s)")
+    group.addoption(
+        "--equivalence-report",
+        metavar="DIR",
+        help="on an equivalence test failure, write the first-diverging-layer report (JSON + HTML) here",
+    )
+    group.addoption(
+        "--equivalence-report-config",
+        metavar="YAML",
+        default=str(DEFAULT_CONFIG),
+        help="the inference config the report runs (world_size 1; default %(default)s)",
+    )
 
 
 def write_failure_report(out_dir: str | Path, config: str | Path) -> str:
@@ -29,6 +38,7 @@ def write_failure_report(out_dir: str | Path, config: str | Path) -> str:
     key = str(config)
     if key not in _WRITTEN:
         from equivalence.report.divergence import ReportError, report_for_config, write_report
+
         try:
             report = report_for_config(config)
             json_path, html_path = write_report(report, Path(out_dir) / Path(config).stem)

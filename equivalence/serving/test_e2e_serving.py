@@ -6,6 +6,7 @@ equal the reference's greedy generation of its prompt alone, and the logits each
 within `model.float32` of the reference's logits along the same tokens. The logprobs the engine reports are the
 reference's log-softmax within the same tolerance.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,6 +29,7 @@ BLOCK = 16
 def _models():
     from optimized import ModelRunner, load_model
     from reference.checkpoint import load_model as load_reference
+
     path = checkpoint("tiny")
     runner = ModelRunner(load_model(path, dtype=torch.float32), block_size=BLOCK)
     return runner, load_reference(path, torch.float32, router_dtype="float32")
@@ -36,7 +38,7 @@ def _models():
 def reference_logits(ref, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """[len(tokens), V]: the reference's logits each of `tokens` is predicted from (prompt alone, full forward)."""
     seq = torch.tensor([prompt + tokens[:-1]])
-    return ref(seq, None)[0, len(prompt) - 1:].float()
+    return ref(seq, None)[0, len(prompt) - 1 :].float()
 
 
 def run_engine(engine, arrivals: list[tuple[int, object]], max_steps: int = 500):
@@ -56,17 +58,23 @@ prompt_st = st.lists(st.integers(0, 255), min_size=1, max_size=24)
 
 
 @settings(max_examples=6)
-@given(prompts=st.lists(prompt_st, min_size=1, max_size=4), data=st.data(),
-       batch_size=st.integers(1, 3), budget=st.sampled_from([0, 24, 40]), spare_blocks=st.integers(0, 3))
-def test_continuous_batching_greedy_equals_reference_per_request_fp32(prompts, data, batch_size, budget,
-                                                                      spare_blocks):
+@given(
+    prompts=st.lists(prompt_st, min_size=1, max_size=4),
+    data=st.data(),
+    batch_size=st.integers(1, 3),
+    budget=st.sampled_from([0, 24, 40]),
+    spare_blocks=st.integers(0, 3),
+)
+def test_continuous_batching_greedy_equals_reference_per_request_fp32(prompts, data, batch_size, budget, spare_blocks):
     from optimized.executor.engine import Engine
     from optimized.executor.scheduler import Request
+
     runner, ref = _models()
     max_tokens = data.draw(st.lists(st.integers(1, 6), min_size=len(prompts), max_size=len(prompts)), "max_tokens")
     steps = data.draw(st.lists(st.integers(0, 5), min_size=len(prompts), max_size=len(prompts)), "arrival steps")
-    requests = [Request(f"r{i}", p, n, record_logits=True, logprobs=2)
-                for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    requests = [
+        Request(f"r{i}", p, n, record_logits=True, logprobs=2) for i, (p, n) in enumerate(zip(prompts, max_tokens))
+    ]
     # A pool that holds the largest request plus a few blocks: admission has to wait for blocks to free up.
     largest = max(-(-r.budget // BLOCK) for r in requests)
     engine = Engine(runner, batch_size=batch_size, max_prefill_tokens=budget, num_blocks=1 + largest + spare_blocks)
@@ -83,6 +91,7 @@ def test_continuous_batching_greedy_equals_reference_per_request_fp32(prompts, d
 def test_engine_logprobs_equal_reference_log_softmax():
     from optimized.executor.engine import Engine
     from optimized.executor.scheduler import Request
+
     runner, ref = _models()
     prompts = [[5, 9, 200, 17, 3], [44, 1, 2], list(range(30, 52))]
     requests = [Request(f"r{i}", p, 4, logprobs=3, prompt_logprobs=True) for i, p in enumerate(prompts)]
@@ -95,14 +104,19 @@ def test_engine_logprobs_equal_reference_log_softmax():
             logprobs[event.request.request_id].append((event.token, event.logprob, event.top_logprobs))
     for r in requests:
         full = torch.log_softmax(ref(torch.tensor([r.prompt + r.tokens[:-1]]), None)[0].float(), dim=-1)
-        gen = full[len(r.prompt) - 1:]
+        gen = full[len(r.prompt) - 1 :]
         got = torch.tensor([lp for _, lp, _ in logprobs[r.request_id]])
-        assert_close(got, gen[torch.arange(len(r.tokens)), torch.tensor(r.tokens)], "model.float32",
-                     f"{r.request_id} token logprobs")
+        assert_close(
+            got,
+            gen[torch.arange(len(r.tokens)), torch.tensor(r.tokens)],
+            "model.float32",
+            f"{r.request_id} token logprobs",
+        )
         top = torch.tensor([[v for _, v in t] for _, _, t in logprobs[r.request_id]])
         assert_close(top, torch.topk(gen, 3, dim=-1).values, "model.float32", f"{r.request_id} top-3 logprobs")
-        assert [[t for t, _ in row] for _, _, row in logprobs[r.request_id]] == \
-            torch.topk(gen, 3, dim=-1).indices.tolist()
+        assert [[t for t, _ in row] for _, _, row in logprobs[r.request_id]] == torch.topk(
+            gen, 3, dim=-1
+        ).indices.tolist()
         prompt_lp = torch.tensor([v for v, _ in r.prompt_logprob_values])
         want = full[torch.arange(len(r.prompt) - 1), torch.tensor(r.prompt[1:])]
         assert_close(prompt_lp, want, "model.float32", f"{r.request_id} prompt logprobs")
@@ -111,12 +125,15 @@ def test_engine_logprobs_equal_reference_log_softmax():
 def _engine_run(runner, sampling):
     from optimized.executor.engine import Engine
     from optimized.executor.scheduler import Request
+
     prompts = [[5, 9, 200, 17, 3], [44, 1, 2], list(range(30, 52))]
-    requests = [Request(f"r{i}", p, 4, sampling=sampling, logprobs=2, prompt_logprobs=True, record_logits=True)
-                for i, p in enumerate(prompts)]
+    requests = [
+        Request(f"r{i}", p, 4, sampling=sampling, logprobs=2, prompt_logprobs=True, record_logits=True)
+        for i, p in enumerate(prompts)
+    ]
     engine = Engine(runner, batch_size=2, max_prefill_tokens=24, num_blocks=5)
     events = []
-    for step, request in enumerate(requests):       # one arrival per step
+    for step, request in enumerate(requests):  # one arrival per step
         engine.add(request)
         events += [(e.request.request_id, e.token, e.logprob, e.top_logprobs) for e in engine.step()[1]]
     while not engine.idle:
@@ -131,6 +148,7 @@ def test_engine_on_a_non_cpu_device_equals_the_cpu_engine(sampling):
     from equivalence.support.fake_device import on_fake_device, register, to_host
     from optimized import ModelRunner, load_model
     from optimized.executor.sampling import GREEDY, SamplingParams
+
     params = GREEDY if sampling == "greedy" else SamplingParams(0.8, 20, 0.9, seed=3)
     with on_fake_device():
         model = load_model(checkpoint("tiny"), dtype=torch.float32, device=register())

@@ -2,8 +2,10 @@
 mid-flight, with the reference's greedy tokens per prompt alone (fp32), under attention TP 2 with MoE EP 2, and under
 attention DP (TP 1 x DP 2 with EP 2, TP 2 x DP 2 with EP 4: MC2 decode, each request in one DP group, idle groups
 stepping dummy rows), and the endpoint checker (equivalence.endpoint: every position's logprobs) agrees with the
-TP 2 x EP 2 and TP 2 x DP 2 servers; and a driver whose rank broadcast fails (a rank that died) stops, telling every waiting request
+TP 2 x EP 2 and TP 2 x DP 2 servers; and a driver whose rank broadcast fails (a rank that died) stops, telling every
+waiting request
 and the server."""
+
 from __future__ import annotations
 
 import os
@@ -32,9 +34,12 @@ data_config: {{input_max_len: 48}}
 parallel_config: {{{parallel}}}
 scheduler_config: {{batch_size: {batch}, max_new_tokens: 8, block_size: 16, max_prefill_tokens: 32}}
 """
-LAYOUTS = {   # name: (world size, parallel_config, batch_size)
-    "tp2_ep2": (2, "world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, "
-                   "lmhead_tp_size: 2", 2),
+LAYOUTS = {  # name: (world size, parallel_config, batch_size)
+    "tp2_ep2": (
+        2,
+        "world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2",
+        2,
+    ),
     "tp1xdp2_ep2": (2, "world_size: 2, attn_tp_size: 1, moe_tp_size: 1, embed_tp_size: 1, lmhead_tp_size: 1", 2),
     "tp2xdp2_ep4": (4, "world_size: 4, attn_tp_size: 2, moe_tp_size: 1, embed_tp_size: 2, lmhead_tp_size: 2", 4),
 }
@@ -56,7 +61,7 @@ def _free_port() -> int:
 @pytest.mark.equivalence
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
-    checkpoint("tiny")                                   # built before the ranks race for it
+    checkpoint("tiny")  # built before the ranks race for it
     world, parallel, batch = LAYOUTS[layout]
     config = tmp_path / f"{layout}.yaml"
     config.write_text(CONFIG.format(parallel=parallel, batch=batch))
@@ -64,9 +69,27 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                             "-m", "optimized", "serve", "--config", str(config), "--port", str(port)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            "-m",
+            "optimized",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_S
@@ -85,13 +108,22 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
             try:
                 time.sleep(0.05 * i)
                 if i % 2:
-                    ids = [t for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
-                                                                 temperature=0, stream=True,
-                                                                 extra_body={"ignore_eos": True})
-                           for t in ch.choices[0].model_extra["token_ids"]]
+                    ids = [
+                        t
+                        for ch in client.completions.create(
+                            model="tiny",
+                            prompt=prompt,
+                            max_tokens=5,
+                            temperature=0,
+                            stream=True,
+                            extra_body={"ignore_eos": True},
+                        )
+                        for t in ch.choices[0].model_extra["token_ids"]
+                    ]
                 else:
-                    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
-                                                  extra_body={"ignore_eos": True})
+                    r = client.completions.create(
+                        model="tiny", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+                    )
                     ids = r.choices[0].model_extra["token_ids"]
                 results[i] = ids
             except Exception as e:  # noqa: BLE001 - reported below
@@ -99,7 +131,7 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
 
         log.seek(0)
         started = log.read()
-        if "dp" in layout:     # the plan says the decode runs MC2 under attention DP
+        if "dp" in layout:  # the plan says the decode runs MC2 under attention DP
             assert "under attention DP" in started and "MC2 window" in started, started
         threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS[:4])]
         for t in threads:
@@ -109,11 +141,12 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
         assert not errors, errors
         for i, prompt in enumerate(PROMPTS[:4]):
             assert results[i] == ref_greedy(prompt, 5), f"request {i}"
-        if layout in ENDPOINT_CHECKED:   # the endpoint checker on the same server: every position's logprobs (echo)
+        if layout in ENDPOINT_CHECKED:  # the endpoint checker on the same server: every position's logprobs (echo)
             r = run_check(url + "/v1", checkpoint("tiny"), prompts=ENDPOINT_PROMPTS, max_tokens=4, concurrency=2)
             assert r.ok, r.summary()
-            assert r.meta["mode"] == "echo" and sum(len(x.positions) for x in r.requests) == \
-                sum(len(p) - 1 + 4 for p in ENDPOINT_PROMPTS)
+            assert r.meta["mode"] == "echo" and sum(len(x.positions) for x in r.requests) == sum(
+                len(p) - 1 + 4 for p in ENDPOINT_PROMPTS
+            )
     finally:
         proc.terminate()
         try:
@@ -126,6 +159,7 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
 
 class _DeadPeer:
     """A broadcast whose peer is gone, as gloo reports it."""
+
     def send(self, items):
         raise RuntimeError("[gloo] Connection closed by peer")
 
@@ -136,6 +170,7 @@ def test_driver_stops_with_the_error_when_a_rank_fails():
     from optimized.executor.engine import Engine
     from optimized.executor.scheduler import Request
     from optimized.serving.driver import Driver, EngineStopped
+
     fatal, got = [], []
     driver = Driver(Engine(_models()[0], batch_size=2, num_blocks=4), on_fatal=fatal.append, broadcast=_DeadPeer())
     driver.start()

@@ -1,8 +1,10 @@
 """equivalence.endpoint against servers it starts on loopback: our own (one process, fp32 and bf16; under torchrun
-the checker runs on the servers of test_e2e_serving_ranks.py) agrees with the reference; the same server with a planted bug (rotary, one expert x1.5, the
+the checker runs on the servers of test_e2e_serving_ranks.py) agrees with the reference; the same server with a planted
+bug (rotary, one expert x1.5, the
 decode token's KV one slot early, a reduction done twice) fails, naming the first position affected; a checkpoint the
 endpoint does not serve fails at the first positions; transformers' own `transformers serve` (no logprobs, text
 prompts: greedy mode) agrees. `pytest -m equivalence --endpoint URL --endpoint-model-path CKPT` checks any server."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -94,6 +96,7 @@ def test_our_bf16_server_agrees_within_the_calibrated_bound(tmp_path):
 
 def _transformers_serve_missing() -> str | None:
     from transformers.utils.import_utils import is_serve_available
+
     if not is_serve_available():
         return "transformers serve needs fastapi, uvicorn, pydantic and openai"
     if importlib.util.find_spec("accelerate") is None:
@@ -106,11 +109,13 @@ def test_transformers_serve_agrees_in_greedy_mode_and_another_checkpoint_fails(t
     """An implementation nobody here wrote, on the same fixture directory: no logprobs, text prompts only."""
     model_dir = checkpoint("tiny")
     port = servers.free_port()
-    with servers.serving(servers.transformers_serve(model_dir, port), port, tmp_path / "server.log",
-                         health="/v1/models") as url:
+    with servers.serving(
+        servers.transformers_serve(model_dir, port), port, tmp_path / "server.log", health="/v1/models"
+    ) as url:
         from reference.tokenizer import load_tokenizer
+
         tok = load_tokenizer(model_dir)
-        prompts = [tok.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,")]   # text must round-trip
+        prompts = [tok.encode(t) for t in ("The capital of France is", "1, 2, 3, 4,")]  # text must round-trip
         r = run_check(url, model_dir, prompts=prompts, max_tokens=6, concurrency=2)
         other = run_check(url, checkpoint("tiny-nonorm"), prompts=prompts[:1], max_tokens=6, concurrency=1)
     assert r.meta["mode"] == "greedy" and not r.meta["ids_prompt"]
@@ -135,12 +140,30 @@ def test_cli_writes_the_report_and_names_bad_input(planted, tmp_path, capsys):
     import json
     import shutil
     from equivalence.endpoint.__main__ import main
+
     url, bug = planted
     bug.write_text("")
     model = checkpoint("tiny")
     out = tmp_path / "report"
-    assert main(["--url", url, "--model-path", str(model), "--prompt-ids", "5,9,200,17", "--max-tokens", "3",
-                 "--concurrency", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--url",
+                url,
+                "--model-path",
+                str(model),
+                "--prompt-ids",
+                "5,9,200,17",
+                "--max-tokens",
+                "3",
+                "--concurrency",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "report.json").read_text())
     assert data["ok"] and data["meta"]["mode"] == "echo" and len(data["requests"][0]["positions"]) == 3 + 3
     page = (out / "report.html").read_text()
@@ -156,6 +179,7 @@ def test_cli_writes_the_report_and_names_bad_input(planted, tmp_path, capsys):
     shutil.copytree(model, mixed)
     tok = json.loads((mixed / "tokenizer.json").read_text())
     from reference.tokenizer import load_tokenizer
+
     first = load_tokenizer(model).convert_ids_to_tokens(load_tokenizer(model).encode("The capital of France is"))[0]
     vocab = tok["model"]["vocab"]
     other = next(t for t in vocab if t != first and len(t) > 1)
@@ -168,10 +192,12 @@ def test_cli_writes_the_report_and_names_bad_input(planted, tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------- quantized precisions
 
+
 @pytest.fixture(scope="module")
 def planted_w4a8(tmp_path_factory):
     """Our server on tiny's W4A8 conversion (16-bit KV cache) through the planted-bug launcher: (url, bug file)."""
     from equivalence.endpoint.calibrate import served_checkpoint
+
     d = tmp_path_factory.mktemp("planted_w4a8")
     (d / "c.yaml").write_text(servers.config_yaml("bfloat16", model=str(served_checkpoint("w4a8"))))
     bug = d / "bug"
@@ -220,6 +246,7 @@ def test_planted_bug_fails_at_w4a8_on_all_positions(planted_w4a8):
 @pytest.mark.parametrize("precision", ["fp8kv", "w8a8"])
 def test_our_fp8_kv_and_w8a8_servers_agree_with_the_fake_quant_reference(precision, tmp_path):
     from equivalence.endpoint.calibrate import served_checkpoint
+
     (tmp_path / "c.yaml").write_text(servers.config_yaml("bfloat16", model=str(served_checkpoint(precision))))
     port = servers.free_port()
     with servers.serving(servers.ours(tmp_path / "c.yaml", port), port, tmp_path / "server.log") as url:
@@ -232,6 +259,7 @@ def test_fp8_kv_reference_decodes_over_the_quantized_cache():
     as a decode step over the FP8 cache: its prompt rows are the W4A8 reference's, its later rows are not."""
     from equivalence.endpoint.check import Reference
     import torch
+
     ids = PROMPTS[0] + [3, 4, 5]
     fp8 = Reference(checkpoint("tiny"), torch.bfloat16, "w4a8", fp8_kv=True)
     w4a8 = Reference(checkpoint("tiny"), torch.bfloat16, "w4a8")

@@ -1,4 +1,5 @@
-"""Device discipline over whole engine steps, not only the forward: on the fake npu:0 (equivalence/support/fake_device.py)
+"""Device discipline over whole engine steps, not only the forward: on the fake npu:0
+(equivalence/support/fake_device.py)
 with its transfer counter around `Engine.step`, prefill and decode, single process and under real gloo ranks.
 
 The documented budget of an engine step (optimized/executor/engine.py):
@@ -13,6 +14,7 @@ The documented budget of an engine step (optimized/executor/engine.py):
 A decode step that rebuilt its block table, ids or positions on the host, or a sampler that moved logits to the
 host, fails here, naming the line.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +27,7 @@ from equivalence.support.strategies import BLOCK_SIZE
 
 ENGINE_READ = "optimized/executor/engine.py"
 METADATA_BUILD = ("optimized/executor/model_runner.py", "optimized/executor/device_batch.py")
-MODEL_READS = ("optimized/layers/exchange.py",)   # the double routing's all_to_all_v split sizes (host lists)
+MODEL_READS = ("optimized/layers/exchange.py",)  # the double routing's all_to_all_v split sizes (host lists)
 # an odd batch; one crosses a block at admission, one takes its second block in its second decode
 PROMPTS = [[1, 2, 3], list(range(4, 21)), [9, 10, 11, 12, 13], list(range(30, 45))]
 GROW = "optimized/executor/device_batch.py"
@@ -44,8 +46,10 @@ def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_c
     steps, tokens = [], []
     with on_fake_device() as mode:
         engine = Engine(runner, batch_size=4, num_blocks=num_blocks)
-        requests = [Request(f"r{i}", p, max_tokens, sampling or GREEDY, logprobs=logprobs, stream=i)
-                    for i, p in enumerate(prompts)]
+        requests = [
+            Request(f"r{i}", p, max_tokens, sampling or GREEDY, logprobs=logprobs, stream=i)
+            for i, p in enumerate(prompts)
+        ]
         for r in requests:
             engine.add(r)
         while not engine.idle:
@@ -66,8 +70,9 @@ def check_budget(steps) -> None:
         assert len(mine) == 1, f"step {i} ({kind}): the engine read the device {len(mine)} times: {mine}"
         assert not others, f"step {i} ({kind}): undocumented device reads: {others}"
         if kind == "decode" and grown:
-            assert len(transfers) == 1 and GROW in transfers[0], \
+            assert len(transfers) == 1 and GROW in transfers[0], (
                 f"step {i} (decode, {grown} row(s) took a block) copied more than the new table entries: {transfers}"
+            )
         elif kind == "decode":
             assert not transfers, f"step {i} (decode) copied host data onto the device: {transfers}"
         else:
@@ -80,19 +85,29 @@ def _fake_model(name: str):
     from equivalence.support.fake_device import on_fake_device, register
     from fixtures.checkpoints import checkpoint
     from optimized.model_loader.build import load_model
+
     with on_fake_device():
         return load_model(checkpoint(name), dtype=torch.float32, device=register())
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("sampled", [False, True, "penalized"],
-                         ids=["greedy", "sampled-with-logprobs", "penalties-logit-bias-min-tokens"])
+@pytest.mark.parametrize(
+    "sampled", [False, True, "penalized"], ids=["greedy", "sampled-with-logprobs", "penalties-logit-bias-min-tokens"]
+)
 def test_engine_steps_read_once_and_copy_only_their_metadata(sampled):
     from optimized.executor.sampling import SamplingParams
+
     sampling = SamplingParams(0.8, 5, 0.9, seed=7) if sampled is True else None
-    if sampled == "penalized":      # the processors' device state: written at admission, counts stepped on the device
-        sampling = SamplingParams(0.8, seed=7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
-                                  logit_bias={3: 1.0, 9: -2.0}, min_tokens=2)
+    if sampled == "penalized":  # the processors' device state: written at admission, counts stepped on the device
+        sampling = SamplingParams(
+            0.8,
+            seed=7,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.2,
+            logit_bias={3: 1.0, 9: -2.0},
+            min_tokens=2,
+        )
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 4, sampling, logprobs=2 if sampled else None)
     check_budget(steps)
     assert any(grown for *_, grown, _ in steps), "no step took a block: the budget's growth rule is untested"
@@ -115,8 +130,9 @@ def test_a_growth_copied_row_by_row_fails_the_budget(monkeypatch):
 
     def row_by_row(self, blocks):
         for row, column, block in blocks:
-            self.table[row, column:column + 1] = torch.tensor([block], dtype=self.table.dtype, device=self.device)
-            self.table[row, column:column + 1] = torch.tensor([block], dtype=self.table.dtype, device=self.device)
+            self.table[row, column : column + 1] = torch.tensor([block], dtype=self.table.dtype, device=self.device)
+            self.table[row, column : column + 1] = torch.tensor([block], dtype=self.table.dtype, device=self.device)
+
     monkeypatch.setattr(DeviceBatch, "grow", row_by_row)
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 4)
     with pytest.raises(AssertionError, match="copied more than the new table entries"):
@@ -133,9 +149,10 @@ def test_a_planted_host_rebuild_of_the_block_table_fails_the_budget(monkeypatch)
     original = DeviceBatch.slots
 
     def rebuilt(self, start, end, block_size):
-        table = block_table([[1]] * (end - start), self.device)     # a host rebuild, every step
+        table = block_table([[1]] * (end - start), self.device)  # a host rebuild, every step
         self.table[start:end, :1] = table
         return original(self, start, end, block_size)
+
     monkeypatch.setattr(DeviceBatch, "slots", rebuilt)
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 3)
     with pytest.raises(AssertionError, match="copied host data onto the device"):
@@ -147,8 +164,9 @@ def test_a_planted_host_rebuild_of_the_block_table_fails_the_budget(monkeypatch)
 LAYOUTS = {
     "tp2": dict(world_size=2, attn_tp_size=2, moe_tp_size=2, moe_ep_size=1, embed_tp_size=2, lmhead_tp_size=2),
     "mc2": dict(world_size=2, attn_tp_size=2, moe_tp_size=1, moe_ep_size=2, embed_tp_size=2, lmhead_tp_size=2),
-    "tp2xdp2": dict(world_size=4, attn_tp_size=2, moe_tp_size=1, moe_ep_size=4, embed_tp_size=2, lmhead_tp_size=2,
-                    attn_dp=True),
+    "tp2xdp2": dict(
+        world_size=4, attn_tp_size=2, moe_tp_size=1, moe_ep_size=4, embed_tp_size=2, lmhead_tp_size=2, attn_dp=True
+    ),
 }
 
 
@@ -158,8 +176,9 @@ def _rank_steps_task(rank, world, layout_name, fixture, fp8):
     from fixtures.checkpoints import checkpoint
     from optimized.distributed import ParallelState
     from optimized.model_loader.build import load_model
+
     state = ParallelState.build(**LAYOUTS[layout_name])
-    dtype = torch.bfloat16 if fp8 else torch.float32     # the per-token FP8 KV cache quantizes 16-bit K/V
+    dtype = torch.bfloat16 if fp8 else torch.float32  # the per-token FP8 KV cache quantizes 16-bit K/V
     with on_fake_device():
         model = load_model(checkpoint(fixture), parallel=state, dtype=dtype, device=register())
     steps, tokens = _engine_steps(model, PROMPTS, 3, kv_cache_dtype="float8" if fp8 else "auto")

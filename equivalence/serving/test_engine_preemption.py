@@ -9,6 +9,7 @@ reference's greedy generation of its prompt alone, and every seeded request's to
 pool that holds it whole (its draw counter goes on where it stopped). A fixed case asserts that preemptions happen,
 with logprobs, echo and recorded logits across the recompute, and that /metrics counts them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,8 +34,10 @@ def _alone(request) -> list[int]:
     """The request's tokens run alone in a pool that holds its whole budget."""
     from optimized.executor.engine import Engine
     from optimized.executor.scheduler import Request
-    copy = Request(request.request_id, list(request.prompt), request.max_tokens, request.sampling,
-                   stream=request.stream)
+
+    copy = Request(
+        request.request_id, list(request.prompt), request.max_tokens, request.sampling, stream=request.stream
+    )
     run_engine(Engine(_models()[0], batch_size=1, num_blocks=1 + _blocks(copy)), [(0, copy)])
     return copy.tokens
 
@@ -43,6 +46,7 @@ def check_tables(engine) -> None:
     """The device batch's table rows are the running requests' blocks (the rest of each row the null block): a
     block taken but not written into the row would send the request's keys to the null block."""
     from optimized.executor.kv_cache import NULL_BLOCK
+
     running = engine.scheduler.running[engine.dp_rank]
     assert engine.batch.n == len(running)
     for row, r in enumerate(running):
@@ -68,31 +72,42 @@ def _check(done, ref) -> None:
         assert r.finish_reason == "length"
         if r.sampling.greedy:
             want = greedy_generate(ref, torch.tensor([r.prompt]), r.max_tokens)[0].tolist()
-            assert r.tokens == want, (f"{r.request_id} (preempted {r.preemptions} times): {r.tokens} != reference "
-                                      f"{want}")
+            assert r.tokens == want, f"{r.request_id} (preempted {r.preemptions} times): {r.tokens} != reference {want}"
         else:
             want = _alone(r)
             assert r.tokens == want, f"{r.request_id} (preempted {r.preemptions} times): {r.tokens} != alone {want}"
 
 
-sampling_st = st.one_of(st.none(), st.tuples(st.sampled_from([0.8, 1.0]), st.sampled_from([0, 20]),
-                                             st.sampled_from([1.0, 0.9]), st.integers(0, 2**64 - 1)))
+sampling_st = st.one_of(
+    st.none(),
+    st.tuples(
+        st.sampled_from([0.8, 1.0]), st.sampled_from([0, 20]), st.sampled_from([1.0, 0.9]), st.integers(0, 2**64 - 1)
+    ),
+)
 
 
 @settings(max_examples=8, deadline=None)
-@given(specs=st.lists(st.tuples(st.integers(8, 30), st.integers(4, 20), sampling_st), min_size=2, max_size=4),
-       batch_size=st.integers(2, 4), spare_blocks=st.integers(0, 1), data=st.data())
+@given(
+    specs=st.lists(st.tuples(st.integers(8, 30), st.integers(4, 20), sampling_st), min_size=2, max_size=4),
+    batch_size=st.integers(2, 4),
+    spare_blocks=st.integers(0, 1),
+    data=st.data(),
+)
 def test_preempted_requests_end_with_the_tokens_they_would_have_had(specs, batch_size, spare_blocks, data):
     from optimized.executor.engine import Engine
     from optimized.executor.sampling import GREEDY, SamplingParams
     from optimized.executor.scheduler import Request
+
     runner, ref = _models()
-    prompts = data.draw(st.tuples(*(st.lists(st.integers(0, 255), min_size=p, max_size=p) for p, _, _ in specs)),
-                        "prompts")
+    prompts = data.draw(
+        st.tuples(*(st.lists(st.integers(0, 255), min_size=p, max_size=p) for p, _, _ in specs)), "prompts"
+    )
     arrivals = data.draw(st.lists(st.integers(0, 4), min_size=len(specs), max_size=len(specs)), "arrival steps")
-    requests = [Request(f"r{i}", list(p), n, GREEDY if s is None else SamplingParams(*s), stream=i)
-                for i, (p, (_, n, s)) in enumerate(zip(prompts, specs))]
-    num_blocks = 1 + max(map(_blocks, requests)) + spare_blocks      # too small for all of them at once
+    requests = [
+        Request(f"r{i}", list(p), n, GREEDY if s is None else SamplingParams(*s), stream=i)
+        for i, (p, (_, n, s)) in enumerate(zip(prompts, specs))
+    ]
+    num_blocks = 1 + max(map(_blocks, requests)) + spare_blocks  # too small for all of them at once
     engine = Engine(runner, batch_size=batch_size, num_blocks=num_blocks)
     preemptions = run_checked(engine, list(zip(arrivals, requests)))
     assert engine.cache.free_blocks == num_blocks - 1, "the pool did not return to full"
@@ -106,14 +121,18 @@ def _fixed_case():
     later ones are preempted."""
     from optimized.executor.sampling import GREEDY, SamplingParams
     from optimized.executor.scheduler import Request
+
     prompts = [list(range(40, 55)), list(range(100, 114)), list(range(7, 22))]
     params = [GREEDY, SamplingParams(1.0, 20, 0.9, seed=5), GREEDY]
-    return [Request(f"r{i}", p, 12, q, stream=i, logprobs=2, prompt_logprobs=i == 2, record_logits=True)
-            for i, (p, q) in enumerate(zip(prompts, params))]
+    return [
+        Request(f"r{i}", p, 12, q, stream=i, logprobs=2, prompt_logprobs=i == 2, record_logits=True)
+        for i, (p, q) in enumerate(zip(prompts, params))
+    ]
 
 
 def test_a_pool_too_small_for_all_preempts_and_recomputes_every_request_right():
     from optimized.executor.engine import Engine
+
     runner, ref = _models()
     requests = _fixed_case()
     engine = Engine(runner, batch_size=3, num_blocks=4)
@@ -137,8 +156,9 @@ def test_a_pool_too_small_for_all_preempts_and_recomputes_every_request_right():
         assert_close(torch.stack(r.logits), expected, "model.float32", f"{r.request_id} logits")
         lp = torch.log_softmax(expected, dim=-1)
         got = torch.tensor([e.logprob for e in events[r.request_id]])
-        assert_close(got, lp[torch.arange(len(r.tokens)), torch.tensor(r.tokens)], "model.float32",
-                     f"{r.request_id} logprobs")
+        assert_close(
+            got, lp[torch.arange(len(r.tokens)), torch.tensor(r.tokens)], "model.float32", f"{r.request_id} logprobs"
+        )
     echo = requests[2]
     assert echo.preemptions, "the echo request was not preempted: the case no longer tests its recompute"
     assert len(echo.prompt_logprob_values) == len(echo.prompt) - 1, "the recompute replaced the prompt's logprobs"
@@ -150,6 +170,7 @@ def test_a_pool_too_small_for_all_preempts_and_recomputes_every_request_right():
 def test_metrics_count_the_preemptions():
     from optimized.executor.engine import Engine
     from optimized.serving.driver import Driver
+
     runner, _ = _models()
     requests = _fixed_case()
     driver = Driver(Engine(runner, batch_size=3, num_blocks=4)).start()
@@ -158,6 +179,7 @@ def test_metrics_count_the_preemptions():
     def sink(event):
         if isinstance(event, BaseException) or event.finished:
             done.release()
+
     try:
         for r in requests:
             driver.submit(r, sink)
@@ -185,6 +207,7 @@ def _dp_task(rank, world, path, lay):
     from optimized.executor.model_runner import ModelRunner
     from optimized.executor.sampling import GREEDY, SamplingParams
     from optimized.executor.scheduler import Request
+
     engine = Engine(ModelRunner(rank_model(path, lay, dtype_of("float32")), BLOCK_SIZE), batch_size=4, num_blocks=4)
     params = [GREEDY, GREEDY, GREEDY, SamplingParams(1.0, 20, 0.9, seed=5)]
     requests = [Request(f"r{i}", p, 10, q, stream=i) for i, (p, q) in enumerate(zip(DP_PROMPTS, params))]
@@ -193,10 +216,20 @@ def _dp_task(rank, world, path, lay):
         engine.add(r)
     while not engine.idle:
         step, _ = engine.step()
-        log.append((step.kind, [r.request_id for r in step.requests], [(r.request_id, row) for r, row in step.preempted],
-                    [(r.request_id, c) for r, c in step.grown]))
-    return {"tokens": [r.tokens for r in requests], "groups": [r.dp_group for r in requests], "log": log,
-            "free": [p.free_blocks for p in engine.pools]}
+        log.append(
+            (
+                step.kind,
+                [r.request_id for r in step.requests],
+                [(r.request_id, row) for r, row in step.preempted],
+                [(r.request_id, c) for r, c in step.grown],
+            )
+        )
+    return {
+        "tokens": [r.tokens for r in requests],
+        "groups": [r.dp_group for r in requests],
+        "log": log,
+        "free": [p.free_blocks for p in engine.pools],
+    }
 
 
 @pytest.mark.distributed
@@ -208,14 +241,17 @@ def test_attn_dp_preempts_within_each_group_the_same_on_every_rank():
     from equivalence.support.parallel_support import same_on_all_ranks
     from equivalence.parallel.test_attn_dp_parallel import dp_layout
     from fixtures.checkpoints import checkpoint
-    got = same_on_all_ranks(get_pool(2).run(_dp_task, str(checkpoint("tiny")), dp_layout(2, 1), timeout=180),
-                            "attn DP preemption")
+
+    got = same_on_all_ranks(
+        get_pool(2).run(_dp_task, str(checkpoint("tiny")), dp_layout(2, 1), timeout=180), "attn DP preemption"
+    )
     assert got["groups"] == [0, 1, 0, 1] and got["free"] == [3, 3]
     preempted = [p for _, _, step, _ in got["log"] for p in step]
     assert {r for r, _ in preempted} >= {"r2", "r3"}, f"no preemption in both groups: {preempted}"
     ref = _models()[1]
     from optimized.executor.sampling import SamplingParams
     from optimized.executor.scheduler import Request
+
     for i, (prompt, tokens) in enumerate(zip(DP_PROMPTS, got["tokens"])):
         if i < 3:
             want = greedy_generate(ref, torch.tensor([prompt]), 10)[0].tolist()

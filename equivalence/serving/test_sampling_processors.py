@@ -7,6 +7,7 @@ Hypothesis draws the batch: rows with and without processors, their prompts, the
 at admission, as a recompute rebuilds them, the rest recorded step by step as the engine does), stop ids, logits
 with ties and zeros, and a row removed from the middle (the rows close up).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,29 +25,37 @@ V = 40
 
 params_st = st.one_of(
     st.none(),
-    st.builds(dict,
-              presence_penalty=st.sampled_from([0.0, 0.5, -1.3, 2.0]),
-              frequency_penalty=st.sampled_from([0.0, 0.7, -2.0, 1.1]),
-              repetition_penalty=st.sampled_from([1.0, 1.3, 0.6, 2.5]),
-              logit_bias=st.dictionaries(st.integers(0, V - 1), st.sampled_from([-100.0, -3.7, 0.0, 0.25, 100.0]),
-                                         max_size=5),
-              min_tokens=st.integers(0, 4)))
-row_st = st.tuples(params_st, st.lists(st.integers(0, V - 1), min_size=1, max_size=12),      # prompt
-                   st.lists(st.integers(0, V - 1), max_size=8),                              # generated
-                   st.integers(0, 8),                                                        # of which at admission
-                   st.frozensets(st.integers(0, V - 1), max_size=3))                        # stop ids
+    st.builds(
+        dict,
+        presence_penalty=st.sampled_from([0.0, 0.5, -1.3, 2.0]),
+        frequency_penalty=st.sampled_from([0.0, 0.7, -2.0, 1.1]),
+        repetition_penalty=st.sampled_from([1.0, 1.3, 0.6, 2.5]),
+        logit_bias=st.dictionaries(
+            st.integers(0, V - 1), st.sampled_from([-100.0, -3.7, 0.0, 0.25, 100.0]), max_size=5
+        ),
+        min_tokens=st.integers(0, 4),
+    ),
+)
+row_st = st.tuples(
+    params_st,
+    st.lists(st.integers(0, V - 1), min_size=1, max_size=12),  # prompt
+    st.lists(st.integers(0, V - 1), max_size=8),  # generated
+    st.integers(0, 8),  # of which at admission
+    st.frozensets(st.integers(0, V - 1), max_size=3),
+)  # stop ids
 
 
 def _batch(rows):
     from optimized.executor.device_batch import DeviceBatch
     from optimized.executor.sampling import GREEDY, SamplingParams
     from optimized.executor.scheduler import Request
+
     batch = DeviceBatch(len(rows), 2, torch.device("cpu"), V)
     requests = []
     for i, (params, prompt, generated, admitted, stops) in enumerate(rows):
         q = GREEDY if params is None else SamplingParams(**params)
         r = Request(f"r{i}", prompt, 16, q, stop_ids=stops, blocks=[1])
-        r.tokens = generated[:admitted]            # what a recompute after a preemption admits with
+        r.tokens = generated[:admitted]  # what a recompute after a preemption admits with
         requests.append(r)
     batch.admit(requests)
     return batch, requests
@@ -56,18 +65,18 @@ def _batch(rows):
 @given(rows=st.lists(row_st, min_size=1, max_size=6), data=st.data())
 def test_batched_processors_equal_the_reference_bit_for_bit(rows, data):
     from optimized.executor.sampling import apply_penalties, choose
+
     batch, requests = _batch(rows)
     # the rest of each row's generated tokens, recorded step by step (all rows step together; a finished one pads)
     steps = max(len(g) - min(a, len(g)) for _, _, g, a, _ in rows)
     for s in range(steps):
-        chosen = torch.tensor([g[min(a, len(g)) + s] if min(a, len(g)) + s < len(g) else 0
-                               for _, _, g, a, _ in rows])
+        chosen = torch.tensor([g[min(a, len(g)) + s] if min(a, len(g)) + s < len(g) else 0 for _, _, g, a, _ in rows])
         before = batch.sampling.draws.clone()
         batch.record(0, len(rows), chosen, decoded=True)
         for i, (_, _, g, a, _) in enumerate(rows):
             if min(a, len(g)) + s < len(g):
                 requests[i].tokens.append(int(chosen[i]))
-            else:   # undo the pad's count and draw: this row has no token this step
+            else:  # undo the pad's count and draw: this row has no token this step
                 if batch.penalties is not None:
                     batch.penalties.counts[i, 0] -= 1
                 batch.sampling.draws[i] = before[i]
@@ -76,8 +85,14 @@ def test_batched_processors_equal_the_reference_bit_for_bit(rows, data):
         batch.remove(gone)
         requests.pop(gone)
     n = batch.n
-    logits = data.draw(st.lists(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.25, 3.0, 7.125, -11.0, 0.1]),
-                                         min_size=V, max_size=V), min_size=n, max_size=n), "logits")
+    logits = data.draw(
+        st.lists(
+            st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.25, 3.0, 7.125, -11.0, 0.1]), min_size=V, max_size=V),
+            min_size=n,
+            max_size=n,
+        ),
+        "logits",
+    )
     logits = torch.tensor(logits, dtype=torch.float32) + torch.randn(n, V) * data.draw(st.sampled_from([0.0, 1.0]))
     penalties = batch.penalty_rows(0, n)
     if not any(r.sampling.penalized for r in requests):
@@ -85,17 +100,22 @@ def test_batched_processors_equal_the_reference_bit_for_bit(rows, data):
         got = logits
     else:
         got = apply_penalties(logits, penalties, batch.sampling.draws[:n])
-    want = torch.stack([process_with(logits[i], r.sampling, r.prompt, r.tokens, r.stop_ids)
-                        for i, r in enumerate(requests)])
+    want = torch.stack(
+        [process_with(logits[i], r.sampling, r.prompt, r.tokens, r.stop_ids) for i, r in enumerate(requests)]
+    )
     assert torch.equal(got, want), (got - want).abs().max()
-    if penalties is not None:                      # the greedy choice is the argmax of the processed logits
+    if penalties is not None:  # the greedy choice is the argmax of the processed logits
         assert torch.equal(choose(logits, None, penalties, batch.sampling.draws[:n]), want.argmax(-1))
 
 
 def test_penalty_state_is_allocated_only_while_a_row_uses_it():
     from optimized.executor.sampling import SamplingParams
-    rows = [(None, [1, 2], [], 0, frozenset()), ({"repetition_penalty": 1.2}, [3], [], 0, frozenset()),
-            (None, [4], [], 0, frozenset())]
+
+    rows = [
+        (None, [1, 2], [], 0, frozenset()),
+        ({"repetition_penalty": 1.2}, [3], [], 0, frozenset()),
+        (None, [4], [], 0, frozenset()),
+    ]
     batch, _ = _batch(rows)
     assert batch.penalties is not None and batch.penalty_rows(0, 1) is None and batch.penalty_rows(0, 2) is not None
     batch.remove(1)
@@ -106,8 +126,7 @@ def test_penalty_state_is_allocated_only_while_a_row_uses_it():
 # ---------------------------------------------------------------------------------------------- end to end
 
 # 12 to 15 tokens: every request starts its second KV block while it decodes (a small pool preempts)
-PROMPTS = [[5, 9, 200, 17, 3] * 3, [44, 1, 2] * 4, list(range(30, 44)), [3, 3, 3, 7] * 3,
-           [1, 2, 3, 4, 5, 6] * 2 + [9]]
+PROMPTS = [[5, 9, 200, 17, 3] * 3, [44, 1, 2] * 4, list(range(30, 44)), [3, 3, 3, 7] * 3, [1, 2, 3, 4, 5, 6] * 2 + [9]]
 
 
 def _cases(plain):
@@ -116,7 +135,7 @@ def _cases(plain):
         ({"repetition_penalty": 1.8}, frozenset()),
         ({"frequency_penalty": 2.0, "presence_penalty": 0.5}, frozenset()),
         ({"logit_bias": {plain[2][0]: -100.0, 7: 3.0}}, frozenset()),
-        ({"min_tokens": 4}, frozenset({plain[3][0], plain[3][1]})),     # its first tokens are its stop ids
+        ({"min_tokens": 4}, frozenset({plain[3][0], plain[3][1]})),  # its first tokens are its stop ids
         ({"presence_penalty": -2.0, "repetition_penalty": 0.7, "logit_bias": {11: 2.5}}, frozenset({0})),
     ]
 
@@ -126,13 +145,16 @@ def test_engine_with_processors_equals_the_reference_greedy_loop(pool):
     from optimized.executor.engine import Engine
     from optimized.executor.sampling import SamplingParams
     from optimized.executor.scheduler import Request
+
     runner, ref = _models()
     n = 8
     plain = [greedy_generate(ref, torch.tensor([p]), n)[0].tolist() for p in PROMPTS]
     cases = _cases(plain) + [(None, frozenset())]
-    prompts = PROMPTS + [[9, 8, 7] * 4]                                     # a row without processors
-    requests = [Request(f"r{i}", p, n, SamplingParams(**q) if q else SamplingParams(), stop_ids=stops)
-                for i, (p, (q, stops)) in enumerate(zip(prompts, cases))]
+    prompts = PROMPTS + [[9, 8, 7] * 4]  # a row without processors
+    requests = [
+        Request(f"r{i}", p, n, SamplingParams(**q) if q else SamplingParams(), stop_ids=stops)
+        for i, (p, (q, stops)) in enumerate(zip(prompts, cases))
+    ]
     largest = max(-(-r.budget // BLOCK) for r in requests)
     blocks = 1 + (largest + 1 if pool == "preempting" else sum(-(-r.budget // BLOCK) for r in requests))
     engine = Engine(runner, batch_size=4, num_blocks=blocks)
@@ -151,6 +173,7 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_back_eos():
     from optimized.executor.engine import Engine
     from optimized.executor.sampling import SamplingParams
     from optimized.executor.scheduler import Request
+
     runner, _ = _models()
     forced = Request("f", [5, 9, 200], 5, SamplingParams(logit_bias={123: 100}))
     sampled = Request("s", [5, 9, 200], 5, SamplingParams(1.0, seed=3, logit_bias={77: 100}))

@@ -11,6 +11,7 @@ input_max_len, a body beyond the 16 MiB limit) mixed in. Afterwards:
   liveness bound, far above the milliseconds it takes, not a speed measurement).
 Bounded: 48 requests of at most 6 tokens on the tiny model, 6 clients at a time.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ CONFIG = """model_config: {model_path: "fixture:tiny", dtype: float32}
 data_config: {input_max_len: 32}
 scheduler_config: {batch_size: 4, max_new_tokens: 6, block_size: 16, max_prefill_tokens: 96}
 """
-HEALTH_S = 1.0          # the liveness bound of a /health probe
+HEALTH_S = 1.0  # the liveness bound of a /health probe
 TIMEOUT_S = 60
 
 
@@ -56,8 +57,10 @@ def test_loopback_load_with_disconnects_bad_and_oversized_requests(tmp_path):
     config.write_text(CONFIG)
     port = servers.free_port()
     cmd = servers.ours(config, port) + ["--kv-pool-blocks", "6"]
-    with servers.server_process(cmd, port, tmp_path / "server.log") as (url, proc), \
-            httpx.Client(base_url=url, timeout=TIMEOUT_S) as http:
+    with (
+        servers.server_process(cmd, port, tmp_path / "server.log") as (url, proc),
+        httpx.Client(base_url=url, timeout=TIMEOUT_S) as http,
+    ):
         warm = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
         assert warm.status_code == 200, warm.text
         rss_before = _rss_bytes(proc.pid)
@@ -82,24 +85,38 @@ def test_loopback_load_with_disconnects_bad_and_oversized_requests(tmp_path):
         def run(job):
             i, kind, prompt = job
             if kind == "good":
-                r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
-                                                       "temperature": 0, "ignore_eos": True})
-                return kind, prompt, r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 \
-                    else r.text
-            if kind == "disconnect":        # read the first chunk of a stream, then go away
-                with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": prompt,
-                                                                   "max_tokens": 6, "stream": True}) as r:
+                r = http.post(
+                    "/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                )
+                return (
+                    kind,
+                    prompt,
+                    r.status_code,
+                    r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text,
+                )
+            if kind == "disconnect":  # read the first chunk of a stream, then go away
+                with http.stream(
+                    "POST", "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "stream": True}
+                ) as r:
                     next(r.iter_lines())
                     return kind, prompt, r.status_code, None
             if kind == "bad":
-                bodies = [b"{not json", json.dumps({"model": "other", "prompt": "x"}).encode(),
-                          json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(),
-                          json.dumps({"model": "tiny", "prompt": "a\\ud800b"}).encode()]
-                r = http.post("/v1/completions", content=bodies[i % len(bodies)],
-                              headers={"content-type": "application/json"})
+                bodies = [
+                    b"{not json",
+                    json.dumps({"model": "other", "prompt": "x"}).encode(),
+                    json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(),
+                    json.dumps({"model": "tiny", "prompt": "a\\ud800b"}).encode(),
+                ]
+                r = http.post(
+                    "/v1/completions", content=bodies[i % len(bodies)], headers={"content-type": "application/json"}
+                )
                 return kind, prompt, r.status_code, r.text
-            body = ({"model": "tiny", "prompt": list(range(40)), "max_tokens": 2} if i % 2 else
-                    {"model": "tiny", "prompt": "x" * (17 << 20)})
+            body = (
+                {"model": "tiny", "prompt": list(range(40)), "max_tokens": 2}
+                if i % 2
+                else {"model": "tiny", "prompt": "x" * (17 << 20)}
+            )
             r = http.post("/v1/completions", json=body)
             return kind, prompt, r.status_code, r.text
 
@@ -123,10 +140,13 @@ def test_loopback_load_with_disconnects_bad_and_oversized_requests(tmp_path):
             elif kind == "oversized":
                 assert status == 413, (status, body)
         deadline = time.monotonic() + TIMEOUT_S
-        while True:             # the aborts are applied between engine steps
+        while True:  # the aborts are applied between engine steps
             metrics = http.get("/metrics").text
-            if (_metric(metrics, "qwen3_moe_requests_running"), _metric(metrics, "qwen3_moe_requests_waiting"),
-                    _metric(metrics, "qwen3_moe_kv_cache_usage_ratio")) == (0, 0, 0):
+            if (
+                _metric(metrics, "qwen3_moe_requests_running"),
+                _metric(metrics, "qwen3_moe_requests_waiting"),
+                _metric(metrics, "qwen3_moe_kv_cache_usage_ratio"),
+            ) == (0, 0, 0):
                 break
             assert time.monotonic() < deadline, f"the pool did not return to full:\n{metrics}"
             time.sleep(0.2)
@@ -135,5 +155,7 @@ def test_loopback_load_with_disconnects_bad_and_oversized_requests(tmp_path):
         assert health and not slow, f"/health probes slower than {HEALTH_S} s or failed: {slow[:5]}"
         rss_after = _rss_bytes(proc.pid)
         assert rss_after <= 1.2 * rss_before, f"RSS {rss_before >> 20} MiB before the load, {rss_after >> 20} after"
-        print(f"load: {len(results)} requests, {len(health)} health probes (max {max(s for _, s in health):.3f} s), "
-              f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
+        print(
+            f"load: {len(results)} requests, {len(health)} health probes (max {max(s for _, s in health):.3f} s), "
+            f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB"
+        )

@@ -21,17 +21,18 @@ layer_out            decoder layer output summed (mlp out + residual)  decoder l
 logits               the model's logits [T, V]                          lm_head output
 
 qkv: per token q heads, then k heads, then v heads, each head's D values (the optimized merged layout, this
-rank's heads; single-process only, see equivalence/report/divergence.py). Wrappers restore what was there before, so a test
+rank's heads; single-process only, see equivalence/report/divergence.py). Wrappers restore what was there before, so a
+test
 may plant a bug with the same kind of wrapper underneath.
 """
+
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-KINDS = ("input_norm", "qkv", "kv_write", "attention", "residual", "post_attention_norm", "router", "mlp",
-         "layer_out")
+KINDS = ("input_norm", "qkv", "kv_write", "attention", "residual", "post_attention_norm", "router", "mlp", "layer_out")
 FINAL_KINDS = ("logits",)
 
 
@@ -51,6 +52,7 @@ def _wrap_method(obj, name: str, make):
             setattr(obj, name, before)
         else:
             delattr(obj, name)
+
     return restore
 
 
@@ -59,13 +61,14 @@ class Capture:
 
     def __init__(self):
         self.values: dict[tuple, torch.Tensor] = {}
-        self.extra: dict[tuple, object] = {}      # routing ids, probabilities (not compared elementwise)
+        self.extra: dict[tuple, object] = {}  # routing ids, probabilities (not compared elementwise)
 
     def put(self, layer, kind: str, value: torch.Tensor) -> None:
         self.values[(layer, kind)] = _rows(value)
 
 
 # ------------------------------------------------------------------------------------------ optimized side
+
 
 @contextlib.contextmanager
 def optimized_hooks(model, capture_of_step):
@@ -75,14 +78,19 @@ def optimized_hooks(model, capture_of_step):
     def hook(layer, kind, pick):
         def fn(module, args, out):
             capture_of_step().put(layer, kind, pick(out))
+
         return fn
 
     for i, layer in enumerate(model.layers):
-        handles.append(layer.input_layernorm.register_forward_hook(
-            hook(i, "input_norm", lambda out: out[0] if isinstance(out, tuple) else out)))
+        handles.append(
+            layer.input_layernorm.register_forward_hook(
+                hook(i, "input_norm", lambda out: out[0] if isinstance(out, tuple) else out)
+            )
+        )
         handles.append(layer.self_attn.register_forward_hook(hook(i, "attention", lambda out: out)))
-        handles.append(layer.post_attention_layernorm.register_forward_hook(
-            hook(i, "post_attention_norm", lambda out: out[0])))
+        handles.append(
+            layer.post_attention_layernorm.register_forward_hook(hook(i, "post_attention_norm", lambda out: out[0]))
+        )
         handles.append(layer.post_attention_layernorm.register_forward_hook(hook(i, "residual", lambda out: out[1])))
         handles.append(layer.mlp.register_forward_hook(hook(i, "mlp", lambda out: out)))
         handles.append(layer.register_forward_hook(hook(i, "layer_out", lambda out: out[0] + out[1])))
@@ -91,13 +99,17 @@ def optimized_hooks(model, capture_of_step):
             def recorded(hidden, cos, sin):
                 q, k, v = qkv(hidden, cos, sin)
                 tokens = q.shape[0]
-                capture_of_step().put(_i, "qkv", torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1),
-                                                           v.reshape(tokens, -1)], dim=-1))
+                capture_of_step().put(
+                    _i, "qkv", torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+                )
                 return q, k, v
+
             return recorded
+
         restores.append(_wrap_method(layer.self_attn, "qkv", qkv_recorder))
 
         if hasattr(layer.mlp, "route"):
+
             def route_recorder(route, _i=i):
                 def recorded(hidden):
                     weights, ids = route(hidden)
@@ -105,7 +117,9 @@ def optimized_hooks(model, capture_of_step):
                     cap.put(_i, "router", weights)
                     cap.extra[(_i, "router_ids")] = ids.detach().long().cpu()
                     return weights, ids
+
                 return recorded
+
             restores.append(_wrap_method(layer.mlp, "route", route_recorder))
     try:
         yield
@@ -134,6 +148,7 @@ def read_kv_writes(model, kv_caches, slot_mapping: torch.Tensor, capture: Captur
 
 # ------------------------------------------------------------------------------------------ reference side
 
+
 @contextlib.contextmanager
 def reference_hooks(ref, capture: Capture):
     """Record the reference's checkpoints of one forward (batch 1: rows are the sequence's positions)."""
@@ -145,22 +160,25 @@ def reference_hooks(ref, capture: Capture):
     def hook(layer, kind, pick=lambda out: out):
         def fn(module, args, out):
             capture.put(layer, kind, pick(out))
+
         return fn
 
     def enter_attention(layer):
         def fn(module, args):
             current["layer"], current["rope"] = layer, []
+
         return fn
 
     def leave_attention(layer):
         def fn(module, args, out):
-            q, k = current["rope"][:2]                                   # [1, N, S, D], [1, KV, S, D]
+            q, k = current["rope"][:2]  # [1, N, S, D], [1, KV, S, D]
             v = capture.values.pop((layer, "_v"))
-            rows = lambda t: t.transpose(1, 2).reshape(t.shape[2], -1)   # noqa: E731  [S, heads*D]
+            rows = lambda t: t.transpose(1, 2).reshape(t.shape[2], -1)  # noqa: E731  [S, heads*D]
             capture.put(layer, "qkv", torch.cat([rows(q), rows(k).float(), v], dim=-1))
             capture.put(layer, "kv_write", torch.cat([rows(k).float(), v], dim=-1))
             capture.put(layer, "attention", out)
             current["layer"] = None
+
         return fn
 
     apply_rope = rm.apply_rope
@@ -176,12 +194,16 @@ def reference_hooks(ref, capture: Capture):
         handles.append(layer.self_attn.register_forward_pre_hook(enter_attention(i)))
         handles.append(layer.self_attn.v_proj.register_forward_hook(hook(i, "_v")))
         handles.append(layer.self_attn.register_forward_hook(leave_attention(i)))
-        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
-            lambda module, args, _i=i: capture.put(_i, "residual", args[0])))
+        handles.append(
+            layer.post_attention_layernorm.register_forward_pre_hook(
+                lambda module, args, _i=i: capture.put(_i, "residual", args[0])
+            )
+        )
         handles.append(layer.post_attention_layernorm.register_forward_hook(hook(i, "post_attention_norm")))
         handles.append(layer.mlp.register_forward_hook(hook(i, "mlp")))
         handles.append(layer.register_forward_hook(hook(i, "layer_out")))
         if hasattr(layer.mlp, "route"):
+
             def route_recorder(route, _i=i):
                 def recorded(x, expert_ids=None):
                     weights, ids, probs = route(x, expert_ids)
@@ -192,7 +214,9 @@ def reference_hooks(ref, capture: Capture):
                     if expert_ids is None:
                         capture.extra[(_i, "router_probs")] = probs.detach().float().cpu()
                     return weights, ids, probs
+
                 return recorded
+
             restores.append(_wrap_method(layer.mlp, "route", route_recorder))
     handles.append(ref.lm_head.register_forward_hook(hook("final", "logits")))
     rm.apply_rope = recorded_rope

@@ -25,6 +25,7 @@ in a broken state; the parent never initializes torch.distributed. Workers ignor
 handles Ctrl-C and kills them), close the pipe ends of every other worker, and on Linux ask the kernel
 to kill them when the parent dies (PR_SET_PDEATHSIG), so no worker outlives a crashed test run.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -62,6 +63,7 @@ class DistTimeoutError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ worker
 
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
@@ -74,6 +76,7 @@ def _die_with_parent() -> None:
 def _dumps(obj) -> bytes:
     """Pickle through torch.save: plain pickle cannot load float8 tensors on torch 2.13."""
     import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -81,6 +84,7 @@ def _dumps(obj) -> bytes:
 
 def _loads(data: bytes):
     import torch
+
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
@@ -98,6 +102,7 @@ def _compile_in_process() -> None:
     their threads, and a compile in the rank would wait on them forever: each rank compiles in-process instead."""
     import torch._inductor.config as inductor_config
     from torch._inductor import async_compile
+
     inductor_config.compile_threads = 1
     for name in ("pool", "process_pool"):
         cached = getattr(async_compile.AsyncCompile, name, None)
@@ -126,8 +131,13 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn) -> None:
     torch.set_num_threads(1)
     _compile_in_process()
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=600),
+        )
         dist.barrier()
         _send(conn, ("ready", True, os.getpid()))
     except BaseException:
@@ -153,6 +163,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn) -> None:
 
 # -------------------------------------------------------------------------------------------------- pool
 
+
 class WorkerPool:
     """`world_size` forked gloo ranks serving `run(fn, ...)` calls. See the module docstring."""
 
@@ -170,8 +181,12 @@ class WorkerPool:
         init_file = os.path.join(self._tmpdir, "rendezvous")
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_worker_main, name=f"distpool{world_size}-rank{rank}",
-                            args=(rank, world_size, init_file, child_end), daemon=True)
+            p = ctx.Process(
+                target=_worker_main,
+                name=f"distpool{world_size}-rank{rank}",
+                args=(rank, world_size, init_file, child_end),
+                daemon=True,
+            )
             p.start()
             child_end.close()
             _ALL_PARENT_CONNS.append(parent_end)
@@ -190,8 +205,10 @@ class WorkerPool:
         """`fn(rank, world_size, *args, **kwargs)` on every rank; the results in rank order."""
         with self._lock:
             if not self.alive:
-                raise RuntimeError(f"this WorkerPool(world_size={self.world_size}) was shut down after a failure; "
-                                   f"get a fresh one with get_pool({self.world_size})")
+                raise RuntimeError(
+                    f"this WorkerPool(world_size={self.world_size}) was shut down after a failure; "
+                    f"get a fresh one with get_pool({self.world_size})"
+                )
             self._task += 1
             # Each task runs under its caller's NPU-limit strictness (the equivalence conftest sets it per test),
             # not the one of whichever test happened to fork the pool.
@@ -263,8 +280,11 @@ class WorkerPool:
         for r in sorted(dead):
             parts.append(f"--- rank {r} died (exit code {dead[r]})")
         if silent:
-            reason = "after another rank failed (likely blocked in a collective)" if (errors or dead) \
+            reason = (
+                "after another rank failed (likely blocked in a collective)"
+                if (errors or dead)
                 else f"within the timeout of {timeout:g} s"
+            )
             parts.append(f"--- ranks {silent} did not answer {reason}")
         parts.append("The pool was shut down; the next get_pool() starts a fresh one.")
         msg = "\n".join(parts)

@@ -26,6 +26,7 @@ Why not FakeTensorMode with a fake `cuda`: it has no values, so data-dependent r
 runner's `.tolist()`) need seams, and indexing with None fails without a CUDA build; this device runs the
 unchanged model.
 """
+
 from __future__ import annotations
 
 import collections
@@ -117,11 +118,12 @@ def _register_backend_kernels() -> None:
         host_src = src.host if isinstance(src, DeviceTensor) else src
         host_dst = dst.host if isinstance(dst, DeviceTensor) else dst
         to_device, from_device = isinstance(dst, DeviceTensor), isinstance(src, DeviceTensor)
-        if to_device != from_device:          # e.g. torch.tensor(data, device="npu"): no dispatch mode sees it
+        if to_device != from_device:  # e.g. torch.tensor(data, device="npu"): no dispatch mode sees it
             for mode in _ACTIVE:
                 (mode.transfers if to_device else mode.host_reads).append(
                     f"aten._copy_from ({'host -> device' if to_device else 'device -> host'}, "
-                    f"{tuple(src.shape)} {src.dtype}) at {_origin()}")
+                    f"{tuple(src.shape)} {src.dtype}) at {_origin()}"
+                )
         host_dst.copy_(host_src)
         return dst
 
@@ -135,9 +137,15 @@ class DeviceTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, host: torch.Tensor):
-        out = torch.Tensor._make_wrapper_subclass(cls, host.shape, strides=host.stride(), dtype=host.dtype,
-                                                  storage_offset=host.storage_offset(), device=register(),
-                                                  requires_grad=host.requires_grad)
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            host.shape,
+            strides=host.stride(),
+            dtype=host.dtype,
+            storage_offset=host.storage_offset(),
+            device=register(),
+            requires_grad=host.requires_grad,
+        )
         out.host = host
         return out
 
@@ -171,8 +179,12 @@ def _is_collective(func) -> bool:
 def _foreign_subclass(args, kwargs) -> bool:
     """A tensor subclass other than DeviceTensor (a functional collective's AsyncCollectiveTensor): its own
     __torch_dispatch__ runs first and calls again with what it wraps."""
-    return any(isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter)
-               and not isinstance(t, DeviceTensor) for t in tree_flatten((args, kwargs))[0])
+    return any(
+        isinstance(t, torch.Tensor)
+        and type(t) not in (torch.Tensor, torch.nn.Parameter)
+        and not isinstance(t, DeviceTensor)
+        for t in tree_flatten((args, kwargs))[0]
+    )
 
 
 def _devices(args, kwargs) -> set[torch.device]:
@@ -190,7 +202,7 @@ class DeviceDiscipline(TorchDispatchMode):
         super().__init__()
         self.host_reads: list[str] = []
         self.transfers: list[str] = []
-        self.ops: collections.Counter[str] = collections.Counter()   # operator name -> calls
+        self.ops: collections.Counter[str] = collections.Counter()  # operator name -> calls
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -200,34 +212,36 @@ class DeviceDiscipline(TorchDispatchMode):
         self.calls += 1
         self.ops[str(func)] += 1
         devices = _devices(args, kwargs)
-        if func in _TRANSFERS and len(devices) > 1:                   # an explicit copy between devices
+        if func in _TRANSFERS and len(devices) > 1:  # an explicit copy between devices
             onto = isinstance(args[0], DeviceTensor)
             (self.transfers if onto else self.host_reads).append(
-                f"{func} ({'host -> device' if onto else 'device -> host'}, {_describe(args[1:2], {})}) at {_origin()}")
+                f"{func} ({'host -> device' if onto else 'device -> host'}, {_describe(args[1:2], {})}) at {_origin()}"
+            )
             return _rewrap(func(*_unwrap(args), **_unwrap(kwargs)), args, _unwrap(args))
         if len(devices) > 1:
-            raise DeviceMismatch(f"{func} received tensors on {sorted(map(str, devices))}: "
-                                 f"{_describe(args, kwargs)}")
+            raise DeviceMismatch(f"{func} received tensors on {sorted(map(str, devices))}: {_describe(args, kwargs)}")
         on_fake = bool(devices) and _is_fake(next(iter(devices)))
         if _is_collective(func) and devices and not on_fake and func._opname not in _DATALESS_COLLECTIVES:
-            raise DeviceMismatch(f"{func} received host tensors only ({_describe(args, kwargs)}) while the model "
-                                 f"runs on {register()}: HCCL moves device tensors only")
-        if str(func) == _WRAP_ASYNC and on_fake:      # a functional collective's result: waited, stays itself
+            raise DeviceMismatch(
+                f"{func} received host tensors only ({_describe(args, kwargs)}) while the model "
+                f"runs on {register()}: HCCL moves device tensors only"
+            )
+        if str(func) == _WRAP_ASYNC and on_fake:  # a functional collective's result: waited, stays itself
             torch.ops._c10d_functional.wait_tensor(args[0].host)
             return args[0]
         target = kwargs.get("device")
         if func is torch.ops.aten._local_scalar_dense.default and on_fake:
             self.host_reads.append(f"{func} at {_origin()}")
-        if _is_fake(target):                                          # a factory or a copy onto the device
-            if devices:                                               # .to("npu") of a host tensor
+        if _is_fake(target):  # a factory or a copy onto the device
+            if devices:  # .to("npu") of a host tensor
                 self.transfers.append(f"{func} (host -> device, {_describe(args, kwargs)}) at {_origin()}")
             kwargs = {**kwargs, "device": torch.device("cpu")}
             return tree_map(_wrap, func(*_unwrap(args), **_unwrap(kwargs)))
-        if not on_fake:                                               # host work (e.g. building metadata)
+        if not on_fake:  # host work (e.g. building metadata)
             return func(*args, **kwargs)
         host_args, host_kwargs = _unwrap(args), _unwrap(kwargs)
         out = func(*host_args, **host_kwargs)
-        if target is not None:                                        # .to("cpu"): leaves the device
+        if target is not None:  # .to("cpu"): leaves the device
             if func is torch.ops.aten._to_copy.default:
                 self.host_reads.append(f"{func} (device -> host, {_describe(args, kwargs)}) at {_origin()}")
             return out
@@ -252,6 +266,7 @@ def _rewrap(out, args, host_args):
         if not isinstance(t, torch.Tensor):
             return t
         return own[id(t)] if id(t) in own else _wrap(t)
+
     return tree_map(rewrap, out)
 
 

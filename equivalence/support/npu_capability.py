@@ -3,6 +3,7 @@
 An NPU-marked test skips only on this declaration (the SoC name torch_npu reports): MX formats and FP8 outputs are
 Ascend 950 features; on a device that declares an operator, a kernel error is a failure, never a skip.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,7 @@ def soc_name() -> str:
     """The NPU's SoC name as torch_npu reports it (e.g. 'Ascend910_9392' on an Atlas A3, an 'Ascend950...' name on
     an Atlas 950); '' without an NPU."""
     from optimized.platform import backend_name
+
     return torch.npu.get_device_name(0) if backend_name() == "npu" else ""
 
 

@@ -13,6 +13,7 @@ such token was a near-tie for the reference; `input_tie_margins` derives each to
 how far the optimized router's input is from the reference's), `run_property` (a hypothesis property run with a per-call
 example budget, capped by the active profile).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +38,7 @@ _MODEL_CACHE_SIZE = 4
 
 # ------------------------------------------------------------------------------------------ worker side
 
+
 def test_device() -> torch.device:
     """The optimized model's device in the model tests ($QWEN3_MOE_TEST_DEVICE, default the CPU)."""
     name = os.environ.get(TEST_DEVICE_ENV, "cpu")
@@ -49,6 +51,7 @@ def test_device() -> torch.device:
 def to_device(tree, device):
     """`tree` (nested lists, tuples, dicts) with every tensor moved to `device`."""
     from torch.utils._pytree import tree_map
+
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
@@ -78,6 +81,7 @@ def rank_model(path: str, layout: dict, dtype: torch.dtype, device: str | None =
 
 def runner_of(model):
     from optimized.executor.model_runner import ModelRunner
+
     return ModelRunner(model, BLOCK_SIZE)
 
 
@@ -87,9 +91,11 @@ def generation_with_phase_log(model, on_step):
     model may be cached per worker)."""
     phases = list({id(p): p for p in (model.prefill, model.decode)}.values())
     for phase in phases:
+
         def run(m, input_ids, cos, sin, meta, kv_caches, _run=phase.run):
             on_step(meta, input_ids)
             return _run(m, input_ids, cos, sin, meta, kv_caches)
+
         phase.run = run
     try:
         yield model
@@ -109,8 +115,15 @@ def paged_cache(model, budgets: list[int], num_layers: int | None = None, dtype:
 
     attn = model.layers[0].self_attn
     needs = [-(-n // BLOCK_SIZE) for n in budgets]
-    cache = PagedKVCache(num_layers or len(model.layers), 1 + sum(needs), BLOCK_SIZE, attn.num_kv_heads,
-                         attn.head_dim, dtype or model.dtype, model.atten_mask.device)
+    cache = PagedKVCache(
+        num_layers or len(model.layers),
+        1 + sum(needs),
+        BLOCK_SIZE,
+        attn.num_kv_heads,
+        attn.head_dim,
+        dtype or model.dtype,
+        model.atten_mask.device,
+    )
     blocks: list[list[int]] = [[] for _ in budgets]
     for step in range(max(needs)):
         for r, need in enumerate(needs):
@@ -124,6 +137,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------------ parent side
+
 
 @functools.lru_cache(maxsize=None)
 def reference_model(name: str, dtype_name: str = "float32"):
@@ -162,25 +176,32 @@ class RoutingStats:
     """Routing of `tokens` tokens by the optimized model vs the reference router on the same input."""
 
     tokens: int = 0
-    flips: int = 0            # tokens whose expert set differs from the reference's own top-k
-    clear_flips: int = 0      # ... of which the reference margin was NOT a near-tie (a bug)
+    flips: int = 0  # tokens whose expert set differs from the reference's own top-k
+    clear_flips: int = 0  # ... of which the reference margin was NOT a near-tie (a bug)
     worst_margin: float = 0.0  # the largest relative reference margin among flipped tokens
 
     def __add__(self, other: "RoutingStats") -> "RoutingStats":
-        return RoutingStats(self.tokens + other.tokens, self.flips + other.flips,
-                            self.clear_flips + other.clear_flips, max(self.worst_margin, other.worst_margin))
+        return RoutingStats(
+            self.tokens + other.tokens,
+            self.flips + other.flips,
+            self.clear_flips + other.clear_flips,
+            max(self.worst_margin, other.worst_margin),
+        )
 
     @property
     def flip_rate(self) -> float:
         return self.flips / self.tokens if self.tokens else 0.0
 
     def __str__(self) -> str:
-        return (f"routing flips {self.flips}/{self.tokens} tokens ({100 * self.flip_rate:.2f}%), "
-                f"{self.clear_flips} not near-ties, worst flipped relative margin {self.worst_margin:.2e}")
+        return (
+            f"routing flips {self.flips}/{self.tokens} tokens ({100 * self.flip_rate:.2f}%), "
+            f"{self.clear_flips} not near-ties, worst flipped relative margin {self.worst_margin:.2e}"
+        )
 
 
-def input_tie_margins(router_weight: torch.Tensor, reference_in: torch.Tensor, optimized_in: torch.Tensor,
-                      slack: float) -> torch.Tensor:
+def input_tie_margins(
+    router_weight: torch.Tensor, reference_in: torch.Tensor, optimized_in: torch.Tensor, slack: float
+) -> torch.Tensor:
     """Per token [T]: the largest relative top-k margin a router input difference can overturn.
 
     The router logits of the two inputs differ by d = W (x_ref - x_opt) [T, E]. Expert b can displace a
@@ -188,13 +209,14 @@ def input_tie_margins(router_weight: torch.Tensor, reference_in: torch.Tensor, o
     reference margin (p_k - p_(k+1)) / p_k = 1 - exp(-(l_k - l_(k+1))) of a token that flips is at most
     1 - exp(-s); `slack` adds the fp32 router's own rounding (`router_tie.float32`).
     """
-    d = (reference_in.double() - optimized_in.double()) @ router_weight.double().t()          # [T, E]
+    d = (reference_in.double() - optimized_in.double()) @ router_weight.double().t()  # [T, E]
     spread = d.max(-1).values - d.min(-1).values
     return (1 - torch.exp(-spread)).float() + slack
 
 
-def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor,
-                  near_tie: float | torch.Tensor) -> RoutingStats:
+def routing_check(
+    probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor, near_tie: float | torch.Tensor
+) -> RoutingStats:
     """Compare the optimized expert ids [T, K] with the reference router's probabilities [T, E].
 
     The reference's relative top-k margin of a token is (p_k - p_(k+1)) / p_k over its sorted
@@ -204,7 +226,7 @@ def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor,
     ordered = probs.float().sort(dim=-1, descending=True, stable=True)
     own = ordered.indices[:, :top_k].sort(-1).values
     theirs = optimized_ids.long().sort(-1).values
-    flipped = (own != theirs).any(-1)                                       # [T]
+    flipped = (own != theirs).any(-1)  # [T]
     if top_k < probs.shape[-1]:
         pk, pk1 = ordered.values[:, top_k - 1], ordered.values[:, top_k]
         margin = (pk - pk1) / pk.clamp_min(torch.finfo(torch.float32).tiny)  # [T]
@@ -212,9 +234,12 @@ def routing_check(probs: torch.Tensor, top_k: int, optimized_ids: torch.Tensor,
         margin = torch.zeros(probs.shape[0])
     flipped_margins = margin[flipped]
     bound = near_tie[flipped] if isinstance(near_tie, torch.Tensor) else near_tie
-    return RoutingStats(tokens=int(probs.shape[0]), flips=int(flipped.sum()),
-                        clear_flips=int((flipped_margins >= bound).sum()),
-                        worst_margin=float(flipped_margins.max()) if flipped_margins.numel() else 0.0)
+    return RoutingStats(
+        tokens=int(probs.shape[0]),
+        flips=int(flipped.sum()),
+        clear_flips=int((flipped_margins >= bound).sum()),
+        worst_margin=float(flipped_margins.max()) if flipped_margins.numel() else 0.0,
+    )
 
 
 def run_property(check, max_examples: int, **strategies) -> None:

@@ -18,6 +18,7 @@
   head_dim, odd expert counts, top-k, dense layers by each rule, eps, RoPE base, vocabulary), for the
   drawn-config properties of equivalence/model/test_config_sensitivity.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,15 +44,27 @@ def allowed_sizes(world_size: int, config) -> dict[str, list[int]]:
     ws = divisors(world_size)
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     attn = [a for a in ws if heads % a == 0 and (kv % a == 0 or a % kv == 0)]
-    moe_tp = [t for t in ws if config.moe_intermediate_size % t == 0 and config.num_experts % (world_size // t) == 0
-              and (not _has_dense_layers(config) or config.intermediate_size % t == 0)]
+    moe_tp = [
+        t
+        for t in ws
+        if config.moe_intermediate_size % t == 0
+        and config.num_experts % (world_size // t) == 0
+        and (not _has_dense_layers(config) or config.intermediate_size % t == 0)
+    ]
     vocab = [v for v in ws if config.vocab_size % v == 0]
     return {"attn_tp_size": attn, "moe_tp_size": moe_tp, "embed_tp_size": vocab, "lmhead_tp_size": vocab}
 
 
-def layout(world_size: int, attn_tp_size: int = 1, moe_tp_size: int | None = None, embed_tp_size: int = 1,
-           lmhead_tp_size: int = 1, prefill_opt: bool = False, moe_ep_scheme: str = "auto",
-           attn_dp: bool = False) -> dict:
+def layout(
+    world_size: int,
+    attn_tp_size: int = 1,
+    moe_tp_size: int | None = None,
+    embed_tp_size: int = 1,
+    lmhead_tp_size: int = 1,
+    prefill_opt: bool = False,
+    moe_ep_scheme: str = "auto",
+    attn_dp: bool = False,
+) -> dict:
     """Keyword sizes for `ParallelState.build` (moe_tp defaults to 1, i.e. pure expert parallelism).
 
     Attention is replicated over the world_size / attn_tp_size attention TP groups unless `attn_dp` (the config's
@@ -61,15 +74,30 @@ def layout(world_size: int, attn_tp_size: int = 1, moe_tp_size: int | None = Non
     world_size and moe_tp_size 1; see `sp_layout`), so a layout names the path it proves.
     """
     moe_tp_size = 1 if moe_tp_size is None else moe_tp_size
-    return dict(world_size=world_size, attn_tp_size=attn_tp_size, moe_tp_size=moe_tp_size,
-                moe_ep_size=world_size // moe_tp_size, embed_tp_size=embed_tp_size, lmhead_tp_size=lmhead_tp_size,
-                prefill_opt=prefill_opt, moe_ep_scheme=moe_ep_scheme, attn_dp=attn_dp)
+    return dict(
+        world_size=world_size,
+        attn_tp_size=attn_tp_size,
+        moe_tp_size=moe_tp_size,
+        moe_ep_size=world_size // moe_tp_size,
+        embed_tp_size=embed_tp_size,
+        lmhead_tp_size=lmhead_tp_size,
+        prefill_opt=prefill_opt,
+        moe_ep_scheme=moe_ep_scheme,
+        attn_dp=attn_dp,
+    )
 
 
 def sp_layout(world_size: int, moe_ep_scheme: str, embed_tp_size: int = 1, lmhead_tp_size: int = 1) -> dict:
     """The sequence-parallel prefill layout: attention TP = MoE EP = world, with the given EP scheme."""
-    return layout(world_size, attn_tp_size=world_size, moe_tp_size=1, embed_tp_size=embed_tp_size,
-                  lmhead_tp_size=lmhead_tp_size, prefill_opt=True, moe_ep_scheme=moe_ep_scheme)
+    return layout(
+        world_size,
+        attn_tp_size=world_size,
+        moe_tp_size=1,
+        embed_tp_size=embed_tp_size,
+        lmhead_tp_size=lmhead_tp_size,
+        prefill_opt=True,
+        moe_ep_scheme=moe_ep_scheme,
+    )
 
 
 @st.composite
@@ -86,15 +114,24 @@ def corner_layouts(world_size: int, config) -> list[dict[str, int]]:
     top = {k: max(v) for k, v in sizes.items()}
     out = [layout(world_size, **{**top, "moe_tp_size": min(sizes["moe_tp_size"])})]  # max EP, max attn TP
     if max(sizes["moe_tp_size"]) != min(sizes["moe_tp_size"]):
-        out.append(layout(world_size, attn_tp_size=top["attn_tp_size"], moe_tp_size=top["moe_tp_size"],
-                          embed_tp_size=1, lmhead_tp_size=top["lmhead_tp_size"]))
+        out.append(
+            layout(
+                world_size,
+                attn_tp_size=top["attn_tp_size"],
+                moe_tp_size=top["moe_tp_size"],
+                embed_tp_size=1,
+                lmhead_tp_size=top["lmhead_tp_size"],
+            )
+        )
     return out
 
 
 def describe_layout(lay: dict) -> str:
     sp = f" SP prefill, EP {lay['moe_ep_scheme']}" if lay.get("prefill_opt") else ""
-    return (f"W={lay['world_size']} attn_tp={lay['attn_tp_size']} moe_tp={lay['moe_tp_size']} "
-            f"moe_ep={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}{sp}")
+    return (
+        f"W={lay['world_size']} attn_tp={lay['attn_tp_size']} moe_tp={lay['moe_tp_size']} "
+        f"moe_ep={lay['moe_ep_size']} embed_tp={lay['embed_tp_size']} lmhead_tp={lay['lmhead_tp_size']}{sp}"
+    )
 
 
 def prompt_length(max_len: int = 40):
@@ -107,11 +144,11 @@ def prompt_lengths(min_batch: int = 1, max_batch: int = 3, max_len: int = 40):
 
 
 @st.composite
-def prompt_batches(draw, vocab_size: int, min_batch: int = 1, max_batch: int = 3, max_len: int = 40,
-                   distinct_lengths: bool = False) -> list[list[int]]:
+def prompt_batches(
+    draw, vocab_size: int, min_batch: int = 1, max_batch: int = 3, max_len: int = 40, distinct_lengths: bool = False
+) -> list[list[int]]:
     """Prompts (lists of token ids in [0, vocab_size)); `distinct_lengths` forces different lengths."""
-    lengths = draw(st.lists(prompt_length(max_len), min_size=min_batch, max_size=max_batch,
-                            unique=distinct_lengths))
+    lengths = draw(st.lists(prompt_length(max_len), min_size=min_batch, max_size=max_batch, unique=distinct_lengths))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
@@ -151,14 +188,22 @@ def tiny_model_configs(draw) -> dict:
     experts = draw(st.sampled_from([3, 5, 7, 8, 9]))
     layers, step, mlp_only = draw(st.sampled_from(DENSE_RULES).flatmap(lambda rule: _dense_layers(rule)))
     return dict(
-        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        num_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)),
-        norm_topk_prob=draw(st.booleans()), num_hidden_layers=layers, decoder_sparse_step=step,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        num_experts=experts,
+        num_experts_per_tok=draw(st.integers(1, experts)),
+        norm_topk_prob=draw(st.booleans()),
+        num_hidden_layers=layers,
+        decoder_sparse_step=step,
         mlp_only_layers=mlp_only,
-        intermediate_size=draw(st.sampled_from([24, 40, 64])), moe_intermediate_size=draw(st.sampled_from([8, 12, 20])),
+        intermediate_size=draw(st.sampled_from([24, 40, 64])),
+        moe_intermediate_size=draw(st.sampled_from([8, 12, 20])),
         rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5, 1e-4, 1e-3])),
         rope_theta=draw(st.sampled_from([100.0, 1e4, 5e5, 1e6])),
-        vocab_size=draw(st.sampled_from([64, 97, 131])), max_position_embeddings=draw(st.sampled_from([48, 64, 100])),
+        vocab_size=draw(st.sampled_from([64, 97, 131])),
+        max_position_embeddings=draw(st.sampled_from([48, 64, 100])),
     )
 
 
@@ -174,8 +219,13 @@ def _dense_layers(rule: str):
     if rule == "step":
         return st.sampled_from([(2, 2, []), (3, 2, []), (3, 3, []), (4, 3, []), (4, 2, [])])
     if rule == "mlp_only":  # mlp_only_layers: a proper subset of the layers
-        return st.integers(2, 4).flatmap(lambda n: st.tuples(st.just(n), st.just(1), st.lists(
-            st.integers(0, n - 1), min_size=1, max_size=n - 1, unique=True).map(sorted)))
+        return st.integers(2, 4).flatmap(
+            lambda n: st.tuples(
+                st.just(n),
+                st.just(1),
+                st.lists(st.integers(0, n - 1), min_size=1, max_size=n - 1, unique=True).map(sorted),
+            )
+        )
     return st.tuples(st.integers(2, 4), st.just(1), st.just([]))
 
 

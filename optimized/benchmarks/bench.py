@@ -3,6 +3,7 @@ beside the memory-bandwidth floor. `python -m optimized bench --help`.
 
 See docs/testing.md, "Notes from the code", optimized/benchmarks/bench.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,13 @@ from optimized.errors import UsageError
 from optimized.benchmarks.common import BENCH_PRESETS, DTYPES, GB, bench_config, full_layer_count, progress
 
 
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="qwen3_30b_a3b", choices=sorted(BENCH_PRESETS),
-                   help="model shapes: a released model's, or the tiny fixture's (default qwen3_30b_a3b)")
+    p.add_argument(
+        "--preset",
+        default="qwen3_30b_a3b",
+        choices=sorted(BENCH_PRESETS),
+        help="model shapes: a released model's, or the tiny fixture's (default qwen3_30b_a3b)",
+    )
     p.add_argument("--layers", type=int, default=2, help="decoder layers to build (default 2)")
     p.add_argument("--batch", type=int, default=1, help="requests per step (default 1)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length in tokens (default 128)")
@@ -37,33 +40,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=128, help="optimized model's KV block size (multiple of 16)")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--skip-hf", action="store_true", help="do not build HF transformers' model")
-    p.add_argument("--exe-mode", choices=EXE_MODES, default="eager",
-                   help="also time the optimized model's decode as a compiled graph (ge_graph / acl_graph), "
-                        "with its cold vs cached start-up (default eager: no graph)")
-    p.add_argument("--kv-pool-blocks", type=int, default=None, metavar="N",
-                   help="KV pool of the optimized model: N blocks per layer, the null block included (default: the "
-                        "blocks the requests need)")
-    p.add_argument("--pool-sweep", type=_int_list("--pool-sweep"), default=None, metavar="X,Y,...",
-                   help="also time the optimized decode with the KV pool at these multiples of the needed blocks "
-                        "(e.g. 1,8): decode should not depend on the pool size")
-    p.add_argument("--context-sweep", type=_int_list("--context-sweep"), default=None, metavar="L1,L2,...",
-                   help="also time the optimized decode at these prompt lengths (e.g. 128,1024,4096): decode grows "
-                        "with the KV bytes read, beside the floor at each length")
+    p.add_argument(
+        "--exe-mode",
+        choices=EXE_MODES,
+        default="eager",
+        help="also time the optimized model's decode as a compiled graph (ge_graph / acl_graph), "
+        "with its cold vs cached start-up (default eager: no graph)",
+    )
+    p.add_argument(
+        "--kv-pool-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV pool of the optimized model: N blocks per layer, the null block included (default: the "
+        "blocks the requests need)",
+    )
+    p.add_argument(
+        "--pool-sweep",
+        type=_int_list("--pool-sweep"),
+        default=None,
+        metavar="X,Y,...",
+        help="also time the optimized decode with the KV pool at these multiples of the needed blocks "
+        "(e.g. 1,8): decode should not depend on the pool size",
+    )
+    p.add_argument(
+        "--context-sweep",
+        type=_int_list("--context-sweep"),
+        default=None,
+        metavar="L1,L2,...",
+        help="also time the optimized decode at these prompt lengths (e.g. 128,1024,4096): decode grows "
+        "with the KV bytes read, beside the floor at each length",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
-    p.add_argument("--world-size", type=int, default=1,
-                   help="> 1: over this many processes, the prefill tensor-parallel vs sequence-parallel with each "
-                        "MoE EP scheme, and the decode tensor-parallel vs MC2 expert-parallel, with the bytes of "
-                        "each collective beside the formula (optimized/benchmarks/bench_parallel.py; --skip-hf and "
-                        "--exe-mode do not apply)")
-    p.add_argument("--host-overhead", action="store_true",
-                   help="measure only the engine's host overhead per decode step (step wall time minus the model "
-                        "forward's) at --host-overhead-batches; builds the optimized model alone "
-                        "(optimized/benchmarks/host_overhead.py)")
-    p.add_argument("--host-overhead-batches", type=_int_list("--host-overhead-batches"), default=[1, 16],
-                   metavar="B1,B2,...", help="batches of --host-overhead (default 1,16)")
-    p.add_argument("--formula-only", action="store_true",
-                   help="with --world-size > 1: print only the decode layouts' MoE bytes per rank and the MC2 "
-                        "MC2 window from the formula, at the preset's full depth; builds and runs nothing")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="> 1: over this many processes, the prefill tensor-parallel vs sequence-parallel with each "
+        "MoE EP scheme, and the decode tensor-parallel vs MC2 expert-parallel, with the bytes of "
+        "each collective beside the formula (optimized/benchmarks/bench_parallel.py; --skip-hf and "
+        "--exe-mode do not apply)",
+    )
+    p.add_argument(
+        "--host-overhead",
+        action="store_true",
+        help="measure only the engine's host overhead per decode step (step wall time minus the model "
+        "forward's) at --host-overhead-batches; builds the optimized model alone "
+        "(optimized/benchmarks/host_overhead.py)",
+    )
+    p.add_argument(
+        "--host-overhead-batches",
+        type=_int_list("--host-overhead-batches"),
+        default=[1, 16],
+        metavar="B1,B2,...",
+        help="batches of --host-overhead (default 1,16)",
+    )
+    p.add_argument(
+        "--formula-only",
+        action="store_true",
+        help="with --world-size > 1: print only the decode layouts' MoE bytes per rank and the MC2 "
+        "MC2 window from the formula, at the preset's full depth; builds and runs nothing",
+    )
 
 
 def _int_list(flag: str):
@@ -75,6 +112,7 @@ def _int_list(flag: str):
         if not values or any(v < 1 for v in values):
             raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers >= 1; got {text!r}")
         return values
+
     return parse
 
 
@@ -83,6 +121,7 @@ def synchronize() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- models
+
 
 def hf_model(config, reference, dtype: torch.dtype):
     """transformers' Qwen3MoeForCausalLM on the reference's tensors (experts stacked, the rest shared)."""
@@ -101,8 +140,9 @@ def hf_model(config, reference, dtype: torch.dtype):
     for prefix, tensors in experts.items():
         n = 1 + max(e for e, _ in tensors)
         out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[(e, "gate_proj")], tensors[(e, "up_proj")]]) for e in range(n)])   # [E, 2I, H]
-        out[f"{prefix}.down_proj"] = torch.stack([tensors[(e, "down_proj")] for e in range(n)])   # [E, H, I]
+            [torch.cat([tensors[(e, "gate_proj")], tensors[(e, "up_proj")]]) for e in range(n)]
+        )  # [E, 2I, H]
+        out[f"{prefix}.down_proj"] = torch.stack([tensors[(e, "down_proj")] for e in range(n)])  # [E, H, I]
     config = type(config).from_dict(config.to_dict())
     with torch.device("meta"):
         model = transformers.Qwen3MoeForCausalLM(config)
@@ -115,6 +155,7 @@ def hf_model(config, reference, dtype: torch.dtype):
 
 
 # --------------------------------------------------------------------------------------------- timing
+
 
 def run_reference(model, ids: torch.Tensor, steps: int):
     return time_reference(model, ids, steps, sync=synchronize)
@@ -147,6 +188,7 @@ def run_hf(model, ids: torch.Tensor, steps: int):
 
 # ------------------------------------------------------------------------------------------------ run
 
+
 def _available_memory() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -164,11 +206,12 @@ def _agreement(reference, ids: torch.Tensor, a: list[list[int]], b: list[list[in
     if a == b:
         return "same"
     from optimized.benchmarks.greedy_ties import LOGIT_NOISE, judge_tokens, merge
+
     lead = [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)]
     device = next(reference.parameters()).device
-    cand = torch.tensor(b, device=device)                                    # [B, N]
+    cand = torch.tensor(b, device=device)  # [B, N]
     with torch.no_grad():
-        logits = reference(torch.cat([ids.to(device), cand[:, :-1]], 1), None)[:, ids.shape[1] - 1:]   # [B, N, V]
+        logits = reference(torch.cat([ids.to(device), cand[:, :-1]], 1), None)[:, ids.shape[1] - 1 :]  # [B, N, V]
     atol, rtol = LOGIT_NOISE[dtype]
     judged = merge([judge_tokens(logits[i], cand[i], atol, rtol) for i in range(cand.shape[0])])
     return f"differ (first {min(lead)} of {len(a[0])} tokens agree): {judged.verdict()}"
@@ -194,6 +237,7 @@ def run(args) -> int:
         raise UsageError(f"--formula-only needs --world-size > 1; got {args.world_size}")
     if args.world_size > 1:
         from optimized.benchmarks import bench_parallel
+
         if args.formula_only:
             f = bench_parallel.formula(args)
             print("\n".join(bench_parallel.format_formula(f)).lstrip("\n"))
@@ -214,6 +258,7 @@ def run(args) -> int:
     config = bench_config(args.preset, args.layers)
     if args.host_overhead:
         from optimized.benchmarks import host_overhead
+
         rows = host_overhead.run(config, dtype, args, args.host_overhead_batches, progress)
         what = f"{BENCH_PRESETS[args.preset]}, {args.layers} layer(s), {args.dtype}, prompt {args.prompt_len}"
         print(host_overhead.format_report(rows, what))
@@ -223,13 +268,17 @@ def run(args) -> int:
     full_layers = full_layer_count(args.preset)
     for length in [args.prompt_len] + list(args.context_sweep or []):
         if length + args.decode_steps + 1 > config.max_position_embeddings:
-            raise UsageError(f"--prompt-len / --context-sweep {length} + --decode-steps exceed max_position_embeddings "
-                             f"({config.max_position_embeddings})")
+            raise UsageError(
+                f"--prompt-len / --context-sweep {length} + --decode-steps exceed max_position_embeddings "
+                f"({config.max_position_embeddings})"
+            )
     needed = 1 + args.batch * -(-(args.prompt_len + args.decode_steps + 1) // args.block_size)
     if args.kv_pool_blocks is not None and args.kv_pool_blocks < needed:
-        raise UsageError(f"--kv-pool-blocks {args.kv_pool_blocks} is too small: batch {args.batch} x (prompt "
-                         f"{args.prompt_len} + {args.decode_steps + 1} new tokens) needs {needed} blocks of "
-                         f"{args.block_size} (the null block included)")
+        raise UsageError(
+            f"--kv-pool-blocks {args.kv_pool_blocks} is too small: batch {args.batch} x (prompt "
+            f"{args.prompt_len} + {args.decode_steps + 1} new tokens) needs {needed} blocks of "
+            f"{args.block_size} (the null block included)"
+        )
     size = torch.finfo(dtype).bits // 8
     shapes = reference_shapes(config)
     params = sum(t.numel() for t in shapes.values())
@@ -241,21 +290,25 @@ def run(args) -> int:
     avail = _available_memory()
     hf_note, hf_impl = None, None
     if avail is not None and 1.1 * (2 * model_bytes + packed) > avail:
-        raise UsageError(f"reference + optimized models need ~{(2 * model_bytes + packed) / GB:.1f} GB"
-                         f"{' (packed CPU weights included)' if packed else ''}, only {avail / GB:.1f} GB available; "
-                         f"use fewer --layers")
+        raise UsageError(
+            f"reference + optimized models need ~{(2 * model_bytes + packed) / GB:.1f} GB"
+            f"{' (packed CPU weights included)' if packed else ''}, only {avail / GB:.1f} GB available; "
+            f"use fewer --layers"
+        )
     if not args.skip_hf and avail is not None and 1.1 * need > avail:
         args.skip_hf = True
-        hf_note = (f"HF transformers skipped: all three models need ~{need / GB:.1f} GB, {avail / GB:.1f} GB "
-                   f"available")
+        hf_note = f"HF transformers skipped: all three models need ~{need / GB:.1f} GB, {avail / GB:.1f} GB available"
         progress(hf_note)
 
     name = BENCH_PRESETS[args.preset]
-    progress(f"{name}: {args.layers} layer(s), {args.dtype}, ~{model_bytes / GB:.2f} GB per model "
-             f"({expert_bytes / GB:.2f} GB experts); {torch.get_num_threads()} threads")
+    progress(
+        f"{name}: {args.layers} layer(s), {args.dtype}, ~{model_bytes / GB:.2f} GB per model "
+        f"({expert_bytes / GB:.2f} GB experts); {torch.get_num_threads()} threads"
+    )
     t0 = time.perf_counter()
     progress("building the reference model (random weights, seed %d) ..." % args.seed)
     from optimized.model_loader.loader import RandomWeights
+
     ref = reference_model(config, RandomWeights(args.seed).read, dtype)
     progress(f"  done in {time.perf_counter() - t0:.1f} s; building the optimized model from its state_dict ...")
     t0 = time.perf_counter()
@@ -272,11 +325,15 @@ def run(args) -> int:
         progress("building HF transformers' model (experts stacked, other tensors shared) ...")
         hf = hf_model(config, ref, dtype)
         models["hf"] = (run_hf, hf)
-        hf_impl = (f"experts {getattr(hf.config, '_experts_implementation', None)}, "
-                   f"attention {getattr(hf.config, '_attn_implementation', None)}")
-        progress(f"  done in {time.perf_counter() - t0:.1f} s (experts implementation: "
-                 f"{getattr(hf.config, '_experts_implementation', None)}, attention: "
-                 f"{getattr(hf.config, '_attn_implementation', None)})")
+        hf_impl = (
+            f"experts {getattr(hf.config, '_experts_implementation', None)}, "
+            f"attention {getattr(hf.config, '_attn_implementation', None)}"
+        )
+        progress(
+            f"  done in {time.perf_counter() - t0:.1f} s (experts implementation: "
+            f"{getattr(hf.config, '_experts_implementation', None)}, attention: "
+            f"{getattr(hf.config, '_attn_implementation', None)})"
+        )
 
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len), generator=gen)
@@ -298,9 +355,11 @@ def run(args) -> int:
             if timed:
                 samples[m]["prefill"].append(prefill)
                 samples[m]["decode"].extend(decode)
-            progress(f"round {r + 1}/{rounds} ({'timed' if timed else 'warm-up'}) {m}: prefill "
-                     f"{1000 * prefill:.1f} ms, decode {1000 * statistics.median(decode):.1f} ms/token "
-                     f"({time.perf_counter() - t0:.1f} s)")
+            progress(
+                f"round {r + 1}/{rounds} ({'timed' if timed else 'warm-up'}) {m}: prefill "
+                f"{1000 * prefill:.1f} ms, decode {1000 * statistics.median(decode):.1f} ms/token "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
 
     # The floor is the optimized model's: bytes over the bandwidth of the memory its weights are in (HBM on an
     # accelerator, timed with a device sync; the CPU's copy bandwidth on the CPU).
@@ -309,8 +368,10 @@ def run(args) -> int:
     gemv_bandwidth = lm_head_bytes / statistics.median(gemv_seconds)
     context = args.prompt_len + (args.decode_steps + 1) / 2
 
-    results = {m: {"prefill_ms": summarize(s["prefill"]), "decode_ms_per_token": summarize(s["decode"])}
-               for m, s in samples.items()}
+    results = {
+        m: {"prefill_ms": summarize(s["prefill"]), "decode_ms_per_token": summarize(s["decode"])}
+        for m, s in samples.items()
+    }
     ratios = {}
     for m in models:
         if m == "optimized":
@@ -318,31 +379,50 @@ def run(args) -> int:
         ratios[f"{m}/optimized"] = {
             f"{phase}{suffix}": results[m][key][stat] / results["optimized"][key][stat]
             for stat, suffix in (("median", ""), ("min", "_best"))
-            for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"))}
+            for phase, key in (("prefill", "prefill_ms"), ("decode", "decode_ms_per_token"))
+        }
     from optimized.benchmarks.floor import cpu_hardware, decode_floor
+
     hardware = cpu_hardware(bandwidth)
     floor = decode_floor(config, hardware, dtype, args.batch, context)
     full = decode_floor(config, hardware, dtype, args.batch, context, num_layers=full_layers)
     floor_ms = 1000 * floor["floor_s"]
     report = {
-        "setup": {"preset": name, "layers": args.layers, "full_layers": full_layers, "dtype": args.dtype,
-                  "batch": args.batch, "prompt_len": args.prompt_len, "decode_steps": args.decode_steps,
-                  "warmup": args.warmup, "repeats": args.repeats, "block_size": args.block_size, "seed": args.seed,
-                  "threads": torch.get_num_threads(), "device": str(opt_device), "torch": torch.__version__,
-                  "hf": "skipped" if args.skip_hf else "measured", "hf_note": hf_note,
-                  "hf_implementation": hf_impl},
+        "setup": {
+            "preset": name,
+            "layers": args.layers,
+            "full_layers": full_layers,
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "prompt_len": args.prompt_len,
+            "decode_steps": args.decode_steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "block_size": args.block_size,
+            "seed": args.seed,
+            "threads": torch.get_num_threads(),
+            "device": str(opt_device),
+            "torch": torch.__version__,
+            "hf": "skipped" if args.skip_hf else "measured",
+            "hf_note": hf_note,
+            "hf_implementation": hf_impl,
+        },
         "results": results,
         "ratios": ratios,
-        "tokens": {m: _agreement(ref, ids, tokens["reference"], t, dtype)
-                   for m, t in tokens.items() if m != "reference"},
-        "floor": {"copy_bandwidth_gb_s": bandwidth / GB, "bytes_per_decode_step": floor["bytes"],
-                  "floor_ms_per_token": floor_ms,
-                  "optimized_over_floor": results["optimized"]["decode_ms_per_token"]["median"] / floor_ms,
-                  "copy_bandwidth_gb_s_per_round": [b / GB for b in bandwidths],
-                  "lm_head_gemv_gb_s": gemv_bandwidth / GB,
-                  "floor_at_gemv_bandwidth_ms_per_token": floor_ms * bandwidth / gemv_bandwidth,
-                  "full_model_bytes_per_decode_step": full["bytes"]["total"],
-                  "full_model_floor_ms_per_token": 1000 * full["floor_s"]},
+        "tokens": {
+            m: _agreement(ref, ids, tokens["reference"], t, dtype) for m, t in tokens.items() if m != "reference"
+        },
+        "floor": {
+            "copy_bandwidth_gb_s": bandwidth / GB,
+            "bytes_per_decode_step": floor["bytes"],
+            "floor_ms_per_token": floor_ms,
+            "optimized_over_floor": results["optimized"]["decode_ms_per_token"]["median"] / floor_ms,
+            "copy_bandwidth_gb_s_per_round": [b / GB for b in bandwidths],
+            "lm_head_gemv_gb_s": gemv_bandwidth / GB,
+            "floor_at_gemv_bandwidth_ms_per_token": floor_ms * bandwidth / gemv_bandwidth,
+            "full_model_bytes_per_decode_step": full["bytes"]["total"],
+            "full_model_floor_ms_per_token": 1000 * full["floor_s"],
+        },
     }
     if startup is not None:
         report["graph"] = graph_report(report, startup, args.exe_mode)
@@ -361,6 +441,7 @@ def run(args) -> int:
 def lm_head_seconds(model, batch: int, dtype: torch.dtype, repeats: int = 3) -> float:
     """Median seconds of the model's lm_head alone on `batch` hidden rows (a decode step's largest GEMV)."""
     from optimized.benchmarks.latency import measure
+
     weight = next(model.lm_head.parameters())
     x = torch.zeros(batch, model.lm_head.in_features, dtype=dtype, device=weight.device)
     with torch.no_grad():
@@ -371,6 +452,7 @@ def lm_head_seconds(model, batch: int, dtype: torch.dtype, repeats: int = 3) -> 
 def device_copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
     """Bytes moved per second (read + write) by a large copy on `device`, median of `repeats`."""
     from optimized.benchmarks.latency import copy_bandwidth, measure
+
     if device.type == "cpu":
         return copy_bandwidth(nbytes=nbytes, repeats=repeats)
     src = torch.ones(nbytes // 4, device=device)
@@ -381,6 +463,7 @@ def device_copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repea
 
 def transformers_version() -> str:
     import transformers
+
     return transformers.__version__
 
 
@@ -392,8 +475,12 @@ def _mb(n: float) -> str:
 
 def format_report(r: dict) -> str:
     s, res, fl = r["setup"], r["results"], r["floor"]
-    labels = {"reference": "reference", "optimized": "optimized", "hf": "HF transformers",
-              "graph": f"optimized {r.get('graph', {}).get('exe_mode', 'graph')}"}
+    labels = {
+        "reference": "reference",
+        "optimized": "optimized",
+        "hf": "HF transformers",
+        "graph": f"optimized {r.get('graph', {}).get('exe_mode', 'graph')}",
+    }
     lines = [
         f"{s['preset']} shapes, {s['layers']} of {s['full_layers']} layers, {s['dtype']}, batch {s['batch']}, "
         f"prompt {s['prompt_len']}, {s['decode_steps']} decode steps; warm-up {s['warmup']}, repeats "
@@ -404,19 +491,26 @@ def format_report(r: dict) -> str:
     ]
     for m, v in res.items():
         p, d = v["prefill_ms"], v["decode_ms_per_token"]
-        lines.append(f"{labels[m]:<18}{p['median']:>12.2f}{p['p90']:>10.2f}{p['min']:>10.2f}"
-                     f"{d['median']:>14.2f}{d['p90']:>10.2f}{d['min']:>10.2f}")
+        lines.append(
+            f"{labels[m]:<18}{p['median']:>12.2f}{p['p90']:>10.2f}{p['min']:>10.2f}"
+            f"{d['median']:>14.2f}{d['p90']:>10.2f}{d['min']:>10.2f}"
+        )
     if s["hf_implementation"]:
         lines.append(f"(HF transformers {transformers_version()}: {s['hf_implementation']})")
     if s["hf_note"]:
         lines.append(f"({s['hf_note']})")
     elif s["hf"] == "skipped":
         lines.append("(HF transformers skipped: --skip-hf)")
-    lines += ["", "ratios (time of the other model / optimized, this run; > 1 means the optimized model is faster;"
-                  " 'best' uses the fastest samples, robust to background load)"]
+    lines += [
+        "",
+        "ratios (time of the other model / optimized, this run; > 1 means the optimized model is faster;"
+        " 'best' uses the fastest samples, robust to background load)",
+    ]
     for name, v in r["ratios"].items():
-        lines.append(f"  {name:<20} prefill {v['prefill']:>6.2f}x (best {v['prefill_best']:.2f}x)   "
-                     f"decode {v['decode']:>6.2f}x (best {v['decode_best']:.2f}x)")
+        lines.append(
+            f"  {name:<20} prefill {v['prefill']:>6.2f}x (best {v['prefill_best']:.2f}x)   "
+            f"decode {v['decode']:>6.2f}x (best {v['decode_best']:.2f}x)"
+        )
     for m, verdict in r["tokens"].items():
         lines.append(f"  generated tokens, {labels[m]} vs reference: {verdict}")
     b = fl["bytes_per_decode_step"]
@@ -441,12 +535,15 @@ def format_report(r: dict) -> str:
     if "sweeps" in r:
         lines += format_sweeps(r["sweeps"])
     if s["full_layers"] != s["layers"]:
-        lines.append(f"  full model ({s['full_layers']} layers): {_mb(fl['full_model_bytes_per_decode_step'])} "
-                     f"per decode step, floor {fl['full_model_floor_ms_per_token']:.1f} ms/token at this bandwidth")
+        lines.append(
+            f"  full model ({s['full_layers']} layers): {_mb(fl['full_model_bytes_per_decode_step'])} "
+            f"per decode step, floor {fl['full_model_floor_ms_per_token']:.1f} ms/token at this bandwidth"
+        )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ graph mode
+
 
 def graph_startup(model, args, config):
     """A runner whose decode is the compiled graph, and its start-up: the first decode call compiling
@@ -469,18 +566,29 @@ def graph_startup(model, args, config):
         runner.generate(ids, 2)
         times[phase] = runner.decode_forward.startup[batch_bucket(args.batch)]
         progress(f"  {times[phase].source} in {times[phase].seconds:.1f} s")
-    return runner, {"cold": times["cold"], "cached": times["cached"], "cache_dir": str(cache.root),
-                    "decoder": runner.decode_forward}
+    return runner, {
+        "cold": times["cold"],
+        "cached": times["cached"],
+        "cache_dir": str(cache.root),
+        "decoder": runner.decode_forward,
+    }
 
 
 def graph_report(report: dict, startup: dict, exe_mode: str) -> dict:
     res, floor_ms = report["results"], report["floor"]["floor_ms_per_token"]
     g = res["graph"]["decode_ms_per_token"]
-    out = {"exe_mode": exe_mode, "lines": startup["decoder"].describe(),
-           "startup_s": {"cold": startup["cold"].seconds, "cached": startup["cached"].seconds,
-                         "cold_source": startup["cold"].source, "cached_source": startup["cached"].source},
-           "cold_over_cached": startup["cold"].seconds / startup["cached"].seconds,
-           "graph_over_floor": g["median"] / floor_ms}
+    out = {
+        "exe_mode": exe_mode,
+        "lines": startup["decoder"].describe(),
+        "startup_s": {
+            "cold": startup["cold"].seconds,
+            "cached": startup["cached"].seconds,
+            "cold_source": startup["cold"].source,
+            "cached_source": startup["cached"].source,
+        },
+        "cold_over_cached": startup["cold"].seconds / startup["cached"].seconds,
+        "graph_over_floor": g["median"] / floor_ms,
+    }
     for m in ("optimized", "hf", "reference"):
         if m in res:
             d = res[m]["decode_ms_per_token"]
@@ -497,13 +605,16 @@ def format_graph(g: dict) -> list[str]:
         if v:
             lines.append(f"  {label} / graph decode: {v['decode']:.2f}x (best {v['decode_best']:.2f}x)")
     st = g["startup_s"]
-    lines += [f"  graph decode / floor = {g['graph_over_floor']:.2f}x",
-              f"  start-up (first decode call): cold {st['cold']:.1f} s ({st['cold_source']}), cached "
-              f"{st['cached']:.1f} s ({st['cached_source']}): {g['cold_over_cached']:.1f}x faster from the cache"]
+    lines += [
+        f"  graph decode / floor = {g['graph_over_floor']:.2f}x",
+        f"  start-up (first decode call): cold {st['cold']:.1f} s ({st['cold_source']}), cached "
+        f"{st['cached']:.1f} s ({st['cached_source']}): {g['cold_over_cached']:.1f}x faster from the cache",
+    ]
     return lines
 
 
 # ----------------------------------------------------------------------------------------------- sweeps
+
 
 def sweeps(model, decoders: dict, args, config, dtype: torch.dtype, hardware) -> dict:
     """Decode time of the optimized model (eager, and the graph when built) against the KV pool size (multiples
@@ -515,19 +626,21 @@ def sweeps(model, decoders: dict, args, config, dtype: torch.dtype, hardware) ->
     def blocks(prompt_len: int) -> int:
         return 1 + args.batch * -(-(prompt_len + args.decode_steps + 1) // args.block_size)
 
-    points = []   # (sweep, value, prompt_len, pool blocks)
+    points = []  # (sweep, value, prompt_len, pool blocks)
     for factor in args.pool_sweep or []:
         points.append(("pool", factor, args.prompt_len, factor * blocks(args.prompt_len)))
     for length in args.context_sweep or []:
         points.append(("context", length, length, blocks(length)))
     gen = torch.Generator().manual_seed(args.seed + 2)
-    prompts = {n: torch.randint(0, config.vocab_size, (args.batch, n), generator=gen).tolist()
-               for n in sorted({p[2] for p in points})}
+    prompts = {
+        n: torch.randint(0, config.vocab_size, (args.batch, n), generator=gen).tolist()
+        for n in sorted({p[2] for p in points})
+    }
     runners = {}
     for point in points:
         for name, decoder in decoders.items():
             r = ModelRunner(model, args.block_size, kv_pool_blocks=point[3])
-            r.decode_forward = decoder        # the graph decoder's compiled step: the pool's block count is symbolic
+            r.decode_forward = decoder  # the graph decoder's compiled step: the pool's block count is symbolic
             runners[(point, name)] = r
     samples = {key: [] for key in runners}
     for rnd in range(args.warmup + args.repeats):
@@ -541,28 +654,43 @@ def sweeps(model, decoders: dict, args, config, dtype: torch.dtype, hardware) ->
         sweep, value, prompt_len, pool = point
         context = prompt_len + (args.decode_steps + 1) / 2
         fl = decode_floor(config, hardware, dtype, args.batch, context)
-        out[sweep].append({"model": name, "value": value, "prompt_len": prompt_len, "pool_blocks": pool,
-                           "decode_ms_per_token": summarize(s), "kv_bytes": fl["bytes"]["kv_cache"],
-                           "floor_ms_per_token": 1000 * fl["floor_s"]})
+        out[sweep].append(
+            {
+                "model": name,
+                "value": value,
+                "prompt_len": prompt_len,
+                "pool_blocks": pool,
+                "decode_ms_per_token": summarize(s),
+                "kv_bytes": fl["bytes"]["kv_cache"],
+                "floor_ms_per_token": 1000 * fl["floor_s"],
+            }
+        )
     return out
 
 
 def format_sweeps(sw: dict) -> list[str]:
     lines = []
-    titles = {"pool": "decode vs KV pool size (same prompts; the pool at x times the blocks they need)",
-              "context": "decode vs context length (prompt length; the pool each needs)"}
+    titles = {
+        "pool": "decode vs KV pool size (same prompts; the pool at x times the blocks they need)",
+        "context": "decode vs context length (prompt length; the pool each needs)",
+    }
     for sweep, rows in sw.items():
         if not rows:
             continue
-        lines += ["", titles[sweep],
-                  f"  {'model':<10}{'point':>8}{'blocks':>8}{'KV read':>11}{'median ms':>11}{'best ms':>10}"
-                  f"{'median/first':>14}{'best/first':>12}{'floor ms':>10}"]
+        lines += [
+            "",
+            titles[sweep],
+            f"  {'model':<10}{'point':>8}{'blocks':>8}{'KV read':>11}{'median ms':>11}{'best ms':>10}"
+            f"{'median/first':>14}{'best/first':>12}{'floor ms':>10}",
+        ]
         first = {}
         for row in rows:
             d = row["decode_ms_per_token"]
             f = first.setdefault(row["model"], d)
             label = f"{row['value']}x" if sweep == "pool" else str(row["value"])
-            lines.append(f"  {row['model']:<10}{label:>8}{row['pool_blocks']:>8}{_mb(row['kv_bytes']):>11}"
-                         f"{d['median']:>11.2f}{d['min']:>10.2f}{d['median'] / f['median']:>14.3f}"
-                         f"{d['min'] / f['min']:>12.3f}{row['floor_ms_per_token']:>10.2f}")
+            lines.append(
+                f"  {row['model']:<10}{label:>8}{row['pool_blocks']:>8}{_mb(row['kv_bytes']):>11}"
+                f"{d['median']:>11.2f}{d['min']:>10.2f}{d['median'] / f['median']:>14.3f}"
+                f"{d['min'] / f['min']:>12.3f}{row['floor_ms_per_token']:>10.2f}"
+            )
     return lines

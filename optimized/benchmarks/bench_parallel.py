@@ -4,6 +4,7 @@ beside the expert-parallel MC2 decode and the attention data-parallel one.
 
 See docs/parallel.md, "Notes from the code", optimized/benchmarks/bench_parallel.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,13 +30,16 @@ class DecodeLayout:
     name: str
     what: str
     sizes: Callable[[int], dict]
-    skip: Callable[[int, int], str | None] = lambda world, batch: None   # why it is not run, or None
+    skip: Callable[[int, int], str | None] = lambda world, batch: None  # why it is not run, or None
 
     def config(self, world: int):
         from optimized.config import ParallelConfig
 
-        return ParallelConfig(world_size=world, **{"embed_tp_size": world, "lmhead_tp_size": world,
-                                                   **self.sizes(world)}, prefill_opt=False).validate()
+        return ParallelConfig(
+            world_size=world,
+            **{"embed_tp_size": world, "lmhead_tp_size": world, **self.sizes(world)},
+            prefill_opt=False,
+        ).validate()
 
 
 DP_GROUPS = 2
@@ -43,25 +47,42 @@ DP_GROUPS = 2
 
 def _dp_skip(world: int, batch: int) -> str | None:
     if world % DP_GROUPS:
-        return (f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}); "
-                f"{world} is odd")
+        return (
+            f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}); "
+            f"{world} is odd"
+        )
     if world < 2 * DP_GROUPS:
-        return (f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}); "
-                f"at {world} attention TP would be 1, no attention collectives to compare (--formula-only shows it)")
+        return (
+            f"needs an even --world-size >= {2 * DP_GROUPS} (attention TP world/{DP_GROUPS} x DP {DP_GROUPS}); "
+            f"at {world} attention TP would be 1, no attention collectives to compare (--formula-only shows it)"
+        )
     if batch % DP_GROUPS:
-        return (f"--batch {batch} is not a multiple of attn_dp_size {DP_GROUPS} (the attention DP rule "
-                f"scheduler_config.batch_size % attn_dp_size == 0)")
+        return (
+            f"--batch {batch} is not a multiple of attn_dp_size {DP_GROUPS} (the attention DP rule "
+            f"scheduler_config.batch_size % attn_dp_size == 0)"
+        )
     return None
 
 
 DECODE_LAYOUTS = (
-    DecodeLayout("tp", "moe_infer_tp: experts split over moe_tp, all_reduce",
-                 lambda w: dict(attn_tp_size=w, moe_tp_size=w, moe_ep_size=1)),
-    DecodeLayout("mc2", "MC2 dispatch / combine over moe_ep, all_gather",
-                 lambda w: dict(attn_tp_size=w, moe_tp_size=1, moe_ep_size=w)),
-    DecodeLayout("dp", "attention DP: MC2 on own rows, no all_gather",
-                 lambda w: dict(attn_tp_size=w // DP_GROUPS, moe_tp_size=1, moe_ep_size=w, embed_tp_size=1,
-                                lmhead_tp_size=1, attn_dp=True), _dp_skip),
+    DecodeLayout(
+        "tp",
+        "moe_infer_tp: experts split over moe_tp, all_reduce",
+        lambda w: dict(attn_tp_size=w, moe_tp_size=w, moe_ep_size=1),
+    ),
+    DecodeLayout(
+        "mc2",
+        "MC2 dispatch / combine over moe_ep, all_gather",
+        lambda w: dict(attn_tp_size=w, moe_tp_size=1, moe_ep_size=w),
+    ),
+    DecodeLayout(
+        "dp",
+        "attention DP: MC2 on own rows, no all_gather",
+        lambda w: dict(
+            attn_tp_size=w // DP_GROUPS, moe_tp_size=1, moe_ep_size=w, embed_tp_size=1, lmhead_tp_size=1, attn_dp=True
+        ),
+        _dp_skip,
+    ),
 )
 DECODE_BY_NAME = {layout.name: layout for layout in DECODE_LAYOUTS}
 
@@ -70,9 +91,16 @@ def layout_config(name: str, world: int):
     from optimized.config import ParallelConfig
 
     sp = name != "tp"
-    return ParallelConfig(world_size=world, attn_tp_size=world, moe_tp_size=1, moe_ep_size=world,
-                          embed_tp_size=world, lmhead_tp_size=world, prefill_opt=sp,
-                          moe_ep_scheme=name.split("-", 1)[1] if sp else "auto").validate()
+    return ParallelConfig(
+        world_size=world,
+        attn_tp_size=world,
+        moe_tp_size=1,
+        moe_ep_size=world,
+        embed_tp_size=world,
+        lmhead_tp_size=world,
+        prefill_opt=sp,
+        moe_ep_scheme=name.split("-", 1)[1] if sp else "auto",
+    ).validate()
 
 
 def _moe_counted(exchange, log: list, act_bytes: int):
@@ -82,9 +110,9 @@ def _moe_counted(exchange, log: list, act_bytes: int):
 
     ep = exchange.moe_ep
 
-    def counted(experts, hidden, topk_idx, topk_weight):   # bf16 only: the bench's weights are BF16
+    def counted(experts, hidden, topk_idx, topk_weight):  # bf16 only: the bench's weights are BF16
         n, h, k, local = hidden.shape[0], hidden.shape[1], topk_idx.shape[1], experts.local_experts
-        ids = comm.all_gather(topk_idx, ep.group)                              # outside the counter
+        ids = comm.all_gather(topk_idx, ep.group)  # outside the counter
         owner_expert = ids.long() // local
         owner_token = torch.arange(ids.shape[0], device=ids.device)[:, None] // n
         remote = owner_expert != owner_token
@@ -99,6 +127,7 @@ def _moe_counted(exchange, log: list, act_bytes: int):
             uniform = alltoall_volume(n, h, k, ep.size, exchange.num_experts, act_bytes)
         log.append({"measured": counter.total, "formula": exact.total, "uniform": uniform.total})
         return out
+
     return counted
 
 
@@ -111,7 +140,7 @@ def _decode_moe_counted(exchange, log: list, parallel, num_experts: int, act_byt
     def counted(experts, hidden, topk_idx, topk_weight):
         b, h, k = hidden.shape[0], hidden.shape[1], topk_idx.shape[1]
         slots_out = slots_in = None
-        if uses_mc2_decode(parallel):   # every rank holds all B tokens' ids; EP rank s dispatches [s*n, (s+1)*n)
+        if uses_mc2_decode(parallel):  # every rank holds all B tokens' ids; EP rank s dispatches [s*n, (s+1)*n)
             me, n = exchange.moe_ep.rank, tokens_per_rank(b, exchange.moe_ep.size)
             owner = topk_idx.long() // experts.local_experts
             source = torch.arange(b, device=topk_idx.device)[:, None] // n
@@ -119,10 +148,15 @@ def _decode_moe_counted(exchange, log: list, parallel, num_experts: int, act_byt
             slots_in = int(((owner == me) & (source != me)).sum())
         with comm.count_bytes() as counter:
             out = exchange(experts, hidden, topk_idx, topk_weight)
-        log.append({"measured": dict(counter.bytes),
-                    "formula": decode_volume(parallel, b, h, k, num_experts, act_bytes, slots_out, slots_in).parts,
-                    "uniform": decode_volume(parallel, b, h, k, num_experts, act_bytes).parts})
+        log.append(
+            {
+                "measured": dict(counter.bytes),
+                "formula": decode_volume(parallel, b, h, k, num_experts, act_bytes, slots_out, slots_in).parts,
+                "uniform": decode_volume(parallel, b, h, k, num_experts, act_bytes).parts,
+            }
+        )
         return out
+
     return counted
 
 
@@ -156,14 +190,20 @@ class _CountedOwnRows:
             real = (torch.arange(n, device=ids.device)[None, :] < actives[:, None])[:, :, None]
             slots_out = int((real & (source == ep.rank) & (owner != ep.rank)).sum())
             slots_in = int((real & (owner == ep.rank) & (source != ep.rank)).sum())
-            b = parallel.attn_dp_size * parallel.attn_tp_size * n       # a batch with these rows (every row real)
+            b = parallel.attn_dp_size * parallel.attn_tp_size * n  # a batch with these rows (every row real)
             with comm.count_bytes() as counter:
                 out = inner(experts, hidden, topk_idx, topk_weight)
-            self.log.append({"measured": dict(counter.bytes),
-                             "formula": decode_volume(parallel, b, h, k, self.num_experts, self.act_bytes, slots_out,
-                                                      slots_in).parts,
-                             "uniform": decode_volume(parallel, b, h, k, self.num_experts, self.act_bytes).parts})
+            self.log.append(
+                {
+                    "measured": dict(counter.bytes),
+                    "formula": decode_volume(
+                        parallel, b, h, k, self.num_experts, self.act_bytes, slots_out, slots_in
+                    ).parts,
+                    "uniform": decode_volume(parallel, b, h, k, self.num_experts, self.act_bytes).parts,
+                }
+            )
             return out
+
         return counted
 
 
@@ -176,6 +216,7 @@ def _count_calls(fn, log: list):
             out = fn(*a, **kw)
         log.append(dict(counter.bytes))
         return out
+
     return counted
 
 
@@ -198,7 +239,6 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
 
     from optimized.benchmarks.common import DTYPES
     from optimized.distributed import ParallelState
-    from optimized.distributed import collectives as comm
     from optimized.executor.model_runner import ModelRunner
     from optimized.executor.plan import mc2_window
     from optimized.model_loader.build import model_from_source
@@ -206,8 +246,9 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
 
     dtype = DTYPES[args["dtype"]]
     parallel = layout.config(world)
-    state = ParallelState.build(parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager",
-                                                                   dtype.itemsize))
+    state = ParallelState.build(
+        parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager", dtype.itemsize)
+    )
     t0 = time.perf_counter()
     model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
     runner = ModelRunner(model, args["block_size"], device)
@@ -216,8 +257,8 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     for r in range(args["warmup"] + args["repeats"]):
         dist.barrier()
         steps = runner.generate(prompts, args["decode_steps"] + 1).decode_seconds
-        seconds = torch.tensor(steps, dtype=torch.float32, device=device)       # float32: every backend reduces it
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)                          # the slowest rank's step
+        seconds = torch.tensor(steps, dtype=torch.float32, device=device)  # float32: every backend reduces it
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's step
         if r >= args["warmup"]:
             times.extend(float(t) for t in seconds)
     # One decode step counted: the whole forward, and each MoE layer's exchange beside its formula.
@@ -229,41 +270,53 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
         # layer's attention on its own.
         phase, attn_log, logits_log = model.decode, [], []
         phase.run, phase.logits = _count_calls(phase.run, step_log), _count_calls(phase.logits, logits_log)
-        for_step = step.for_step                     # each step runs a per-step copy (`for_step`): count its attention
+        for_step = step.for_step  # each step runs a per-step copy (`for_step`): count its attention
 
         def counted_step(active, _for_step=for_step):
             copy = _for_step(active)
             copy.attention = _count_calls(copy.attention, attn_log)
             return copy
+
         step.for_step = counted_step
         step.exchange = _CountedOwnRows(exchange, moe_log, parallel, config.num_experts, dtype.itemsize)
     else:
-        step.exchange = _decode_moe_counted(exchange or _default_exchange(model), moe_log, parallel,
-                                            config.num_experts, dtype.itemsize)
+        step.exchange = _decode_moe_counted(
+            exchange or _default_exchange(model), moe_log, parallel, config.num_experts, dtype.itemsize
+        )
         runner.decode_forward = _count_calls(forward, step_log)
     try:
-        runner.generate(prompts, 2)                                              # one decode step
+        runner.generate(prompts, 2)  # one decode step
     finally:
         step.exchange, runner.decode_forward = exchange, forward
         if dp:
-            del phase.run, phase.logits, step.for_step                           # the class's methods again
+            del phase.run, phase.logits, step.for_step  # the class's methods again
     mine = {"step": step_log[0], "moe": moe_log}
     if dp:
         from optimized.distributed.decode_plan import by_collective, dp_step_volume
 
         mine["step"] = _add([step_log[0], logits_log[0]])
-        mine["parts"] = {"attention": _add(attn_log), "moe": _add([m["measured"] for m in moe_log]),
-                         "lm_head": logits_log[0]}
-        mine["step_formula"] = by_collective(dp_step_volume(config, parallel, len(prompts), dtype.itemsize,
-                                                            moe=_add([m["formula"] for m in moe_log])))
+        mine["parts"] = {
+            "attention": _add(attn_log),
+            "moe": _add([m["measured"] for m in moe_log]),
+            "lm_head": logits_log[0],
+        }
+        mine["step_formula"] = by_collective(
+            dp_step_volume(config, parallel, len(prompts), dtype.itemsize, moe=_add([m["formula"] for m in moe_log]))
+        )
         mine["attention_formula"] = dp_step_volume(config, parallel, len(prompts), dtype.itemsize)["attention"]
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     exchange_name = type(exchange or _default_exchange(model)).__name__
     del runner, model
-    out = {"decode_ms": [1000 * t for t in times], "build_s": build_s, "what": layout.what,
-           "exchange": exchange_name, "sizes": layout.sizes(world),
-           "step_bytes": [g["step"] for g in gathered], "moe": [g["moe"] for g in gathered]}
+    out = {
+        "decode_ms": [1000 * t for t in times],
+        "build_s": build_s,
+        "what": layout.what,
+        "exchange": exchange_name,
+        "sizes": layout.sizes(world),
+        "step_bytes": [g["step"] for g in gathered],
+        "moe": [g["moe"] for g in gathered],
+    }
     if dp:
         out.update({k: [g[k] for g in gathered] for k in ("parts", "step_formula", "attention_formula")})
     return out
@@ -283,8 +336,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
     from optimized.executor.plan import mc2_window
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    init_distributed(init_method=f"file://{init_file}", rank=rank, world_size=world,
-                     timeout=timedelta(seconds=1800))
+    init_distributed(init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
     device = platform.device(rank)
     try:
         dtype = DTYPES[args["dtype"]]
@@ -294,18 +346,18 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
         report = {}
         for name in args["layouts"]:
             parallel = layout_config(name, world)
-            state = ParallelState.build(parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager",
-                                                                           dtype.itemsize))
+            state = ParallelState.build(
+                parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager", dtype.itemsize)
+            )
             t0 = time.perf_counter()
-            model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype,
-                                      device=device)
+            model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
             runner = ModelRunner(model, args["block_size"], device)
             build_s = time.perf_counter() - t0
             times = []
             for r in range(args["warmup"] + args["repeats"]):
                 dist.barrier()
                 seconds = torch.tensor([runner.generate(prompts, 1).prefill_seconds], device=device)
-                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)                   # the slowest rank's prefill
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's prefill
                 if r >= args["warmup"]:
                     times.append(float(seconds))
             with comm.count_bytes() as counter:
@@ -313,20 +365,28 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
             step_bytes = torch.tensor([counter.total], dtype=torch.float64, device=device)
             dist.all_reduce(step_bytes)
             moe_log: list = []
-            if model.ep_scheme:   # one more prefill with each MoE layer's bytes counted
+            if model.ep_scheme:  # one more prefill with each MoE layer's bytes counted
                 step = model.prefill.step
                 exchange, step.exchange = step.exchange, _moe_counted(step.exchange, moe_log, dtype.itemsize)
                 runner.generate(prompts, 1)
                 step.exchange = exchange
-            report[name] = {"prefill_ms": [1000 * t for t in times], "build_s": build_s, "scheme": model.ep_scheme,
-                            "bytes_per_rank": float(step_bytes) / world, "moe_rank0": moe_log}
+            report[name] = {
+                "prefill_ms": [1000 * t for t in times],
+                "build_s": build_s,
+                "scheme": model.ep_scheme,
+                "bytes_per_rank": float(step_bytes) / world,
+                "moe_rank0": moe_log,
+            }
             del runner, model
-        decode = {name: _bench_decode(DECODE_BY_NAME[name], world, config, args, prompts, device)
-                  for name in args["decode_layouts"]}
+        decode = {
+            name: _bench_decode(DECODE_BY_NAME[name], world, config, args, prompts, device)
+            for name in args["decode_layouts"]
+        }
         if rank == 0:
             queue.put(("ok", {"prefill": report, "decode": decode}))
     except BaseException as e:  # report instead of leaving the parent waiting
         import traceback
+
         queue.put(("error", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))
         raise
     finally:
@@ -337,32 +397,46 @@ def run(args) -> dict:
     """Run the layouts over `args.world_size` processes; returns the report (printed by `format_report`)."""
     import multiprocessing as mp
 
-    from optimized.benchmarks.common import DTYPES, progress
+    from optimized.benchmarks.common import progress
     from optimized.errors import UsageError
 
     world = args.world_size
     config = check_world(args)
     if args.prompt_len + args.decode_steps + 1 > config.max_position_embeddings:
-        raise UsageError(f"--prompt-len + --decode-steps exceed max_position_embeddings "
-                         f"({config.max_position_embeddings})")
+        raise UsageError(
+            f"--prompt-len + --decode-steps exceed max_position_embeddings ({config.max_position_embeddings})"
+        )
     # A subset of the layouts (`args.prefill_layouts` / `args.decode_layouts`, names) is for library callers such as
     # the tests; the command line runs them all.
     prefill_layouts = list(getattr(args, "prefill_layouts", PREFILL_LAYOUTS))
     wanted = [DECODE_BY_NAME[n] for n in getattr(args, "decode_layouts", DECODE_BY_NAME)]
     skipped = {d.name: why for d in wanted if (why := d.skip(world, args.batch))}
     decode_layouts = [d for d in wanted if d.name not in skipped]
-    params = dict(preset=args.preset, layers=args.layers, dtype=args.dtype, seed=args.seed, batch=args.batch,
-                  prompt_len=args.prompt_len, block_size=args.block_size, warmup=args.warmup, repeats=args.repeats,
-                  decode_steps=args.decode_steps, layouts=prefill_layouts,
-                  decode_layouts=[d.name for d in decode_layouts])
+    params = dict(
+        preset=args.preset,
+        layers=args.layers,
+        dtype=args.dtype,
+        seed=args.seed,
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        block_size=args.block_size,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        decode_steps=args.decode_steps,
+        layouts=prefill_layouts,
+        decode_layouts=[d.name for d in decode_layouts],
+    )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="bench_rdzv_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        progress(f"{world} processes, prefill layouts {', '.join(prefill_layouts) or 'none'}, decode layouts "
-                 f"{', '.join(params['decode_layouts'])} ...")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, params, queue), daemon=True)
-                 for r in range(world)]
+        progress(
+            f"{world} processes, prefill layouts {', '.join(prefill_layouts) or 'none'}, decode layouts "
+            f"{', '.join(params['decode_layouts'])} ..."
+        )
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, init_file, params, queue), daemon=True) for r in range(world)
+        ]
         for p in procs:
             p.start()
         status, payload = queue.get()
@@ -372,9 +446,13 @@ def run(args) -> dict:
                 p.kill()
     if status != "ok":
         raise RuntimeError(f"multi-process bench failed: {payload}")
-    return {"setup": {**params, "world_size": world, "tokens": args.batch * args.prompt_len},
-            "layouts": payload["prefill"], "decode": payload["decode"], "decode_skipped": skipped,
-            "decode_formula": formula(args, config)}
+    return {
+        "setup": {**params, "world_size": world, "tokens": args.batch * args.prompt_len},
+        "layouts": payload["prefill"],
+        "decode": payload["decode"],
+        "decode_skipped": skipped,
+        "decode_formula": formula(args, config),
+    }
 
 
 def check_world(args):
@@ -384,13 +462,19 @@ def check_world(args):
 
     world = args.world_size
     config = bench_config(args.preset, args.layers)
-    for key, size in (("num_attention_heads", config.num_attention_heads), ("num_experts", config.num_experts),
-                      ("vocab_size", config.vocab_size), ("moe_intermediate_size", config.moe_intermediate_size)):
+    for key, size in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_experts", config.num_experts),
+        ("vocab_size", config.vocab_size),
+        ("moe_intermediate_size", config.moe_intermediate_size),
+    ):
         if size % world:
             raise UsageError(f"--world-size {world} must divide the model's {key} ({size})")
     if config.num_key_value_heads % world and world % config.num_key_value_heads:
-        raise UsageError(f"--world-size {world} must divide num_key_value_heads ({config.num_key_value_heads}) or be "
-                         f"a multiple of it")
+        raise UsageError(
+            f"--world-size {world} must divide num_key_value_heads ({config.num_key_value_heads}) or be "
+            f"a multiple of it"
+        )
     return config
 
 
@@ -402,8 +486,14 @@ def formula(args, config=None) -> dict:
 
     config = config or check_world(args)
     act, world, layers = DTYPES[args.dtype].itemsize, args.world_size, full_layer_count(args.preset)
-    out = {"preset": args.preset, "world_size": world, "batch": args.batch, "dtype": args.dtype,
-           "moe_layers": decode_plan.moe_layer_count(config, layers), "layouts": {}}
+    out = {
+        "preset": args.preset,
+        "world_size": world,
+        "batch": args.batch,
+        "dtype": args.dtype,
+        "moe_layers": decode_plan.moe_layer_count(config, layers),
+        "layouts": {},
+    }
     for layout in (d for d in DECODE_LAYOUTS if not d.sizes(world).get("attn_dp")):
         out["layouts"][layout.name] = _formula_entry(config, layout.config(world), args.batch, act, layers)
     # Attention DP: every split of the world into D >= 2 groups of attention TP world / D (the bench runs D = 2;
@@ -416,13 +506,23 @@ def formula(args, config=None) -> dict:
         if args.batch % d:
             out["dp_skipped"][name] = f"--batch {args.batch} is not a multiple of attn_dp_size {d}"
             continue
-        p = ParallelConfig(world_size=world, attn_tp_size=world // d, moe_tp_size=1, moe_ep_size=world,
-                           embed_tp_size=1, lmhead_tp_size=1, attn_dp=True).validate()
+        p = ParallelConfig(
+            world_size=world,
+            attn_tp_size=world // d,
+            moe_tp_size=1,
+            moe_ep_size=world,
+            embed_tp_size=1,
+            lmhead_tp_size=1,
+            attn_dp=True,
+        ).validate()
         entry = _formula_entry(config, p, args.batch, act, layers)
         parts = decode_plan.dp_step_volume(config, p, args.batch, act, layers)
-        entry.update(rows=decode_plan.dp_rows(args.batch, p), step_parts=parts,
-                     step_total=sum(decode_plan.by_collective(parts).values()),
-                     attention_per_layer=decode_plan.attention_dp_volume(p, args.batch, config.hidden_size, act))
+        entry.update(
+            rows=decode_plan.dp_rows(args.batch, p),
+            step_parts=parts,
+            step_total=sum(decode_plan.by_collective(parts).values()),
+            attention_per_layer=decode_plan.attention_dp_volume(p, args.batch, config.hidden_size, act),
+        )
         out["dp"][name] = entry
     return out
 
@@ -431,30 +531,42 @@ def _formula_entry(config, p, batch: int, act: int, layers: int) -> dict:
     from optimized.distributed import decode_plan
 
     one = decode_plan.decode_volume(p, batch, config.hidden_size, config.num_experts_per_tok, config.num_experts, act)
-    return {"per_layer": one.parts, "per_step": decode_plan.step_volume(config, p, batch, act, layers).parts,
-            "mc2_window_mb": decode_plan.window_for(config, p, batch, act)}
+    return {
+        "per_layer": one.parts,
+        "per_step": decode_plan.step_volume(config, p, batch, act, layers).parts,
+        "mc2_window_mb": decode_plan.window_for(config, p, batch, act),
+    }
 
 
 def format_report(r: dict) -> str:
     s, lay = r["setup"], r["layouts"]
-    if not lay:                                        # a decode-only subset (library callers)
+    if not lay:  # a decode-only subset (library callers)
         return "\n".join(format_decode(r)).lstrip("\n")
-    lines = [f"prefill over {s['world_size']} processes: {s['preset']} shapes, {s['layers']} layer(s), {s['dtype']}, "
-             f"batch {s['batch']} x {s['prompt_len']} tokens ({s['tokens']} packed); warm-up {s['warmup']}, "
-             f"repeats {s['repeats']}; time of the slowest rank", "",
-             f"{'layout':<16}{'EP scheme':>12}{'median ms':>12}{'best ms':>10}{'vs tp (best)':>14}"
-             f"{'sent/rank/prefill':>20}"]
+    lines = [
+        f"prefill over {s['world_size']} processes: {s['preset']} shapes, {s['layers']} layer(s), {s['dtype']}, "
+        f"batch {s['batch']} x {s['prompt_len']} tokens ({s['tokens']} packed); warm-up {s['warmup']}, "
+        f"repeats {s['repeats']}; time of the slowest rank",
+        "",
+        f"{'layout':<16}{'EP scheme':>12}{'median ms':>12}{'best ms':>10}{'vs tp (best)':>14}{'sent/rank/prefill':>20}",
+    ]
     tp_best = summarize([m / 1000 for m in lay["tp"]["prefill_ms"]])["min"] if "tp" in lay else math.nan
     for name, v in lay.items():
         st = summarize([m / 1000 for m in v["prefill_ms"]])
-        lines.append(f"{name:<16}{v['scheme'] or '-':>12}{st['median']:>12.2f}{st['min']:>10.2f}"
-                     f"{tp_best / st['min']:>13.2f}x{v['bytes_per_rank'] / 1e6:>17.2f} MB")
-    lines += ["", "MoE EP bytes per layer sent by rank 0: measured (comm.count_bytes) vs formula (prefill_plan, with "
-                  "the routing's slot counts) vs formula under uniform routing"]
+        lines.append(
+            f"{name:<16}{v['scheme'] or '-':>12}{st['median']:>12.2f}{st['min']:>10.2f}"
+            f"{tp_best / st['min']:>13.2f}x{v['bytes_per_rank'] / 1e6:>17.2f} MB"
+        )
+    lines += [
+        "",
+        "MoE EP bytes per layer sent by rank 0: measured (comm.count_bytes) vs formula (prefill_plan, with "
+        "the routing's slot counts) vs formula under uniform routing",
+    ]
     for name, v in lay.items():
         for i, m in enumerate(v["moe_rank0"]):
-            lines.append(f"  {name:<14} MoE layer {i}: measured {m['measured']:>12,d} B   formula "
-                         f"{m['formula']:>12,d} B   uniform {m['uniform']:>12,d} B")
+            lines.append(
+                f"  {name:<14} MoE layer {i}: measured {m['measured']:>12,d} B   formula "
+                f"{m['formula']:>12,d} B   uniform {m['uniform']:>12,d} B"
+            )
     return "\n".join(lines + format_decode(r))
 
 
@@ -469,80 +581,114 @@ def _parts(parts: dict) -> str:
 def _sizes(sizes: dict, world: int) -> str:
     if sizes.get("attn_dp"):
         t = sizes["attn_tp_size"]
-        return (f"attn_tp {t} x dp {world // t}, moe_tp {sizes['moe_tp_size']}, moe_ep {sizes['moe_ep_size']}, "
-                f"lm 1")
+        return f"attn_tp {t} x dp {world // t}, moe_tp {sizes['moe_tp_size']}, moe_ep {sizes['moe_ep_size']}, lm 1"
     return ", ".join(f"{k.replace('_size', '')} {n}" for k, n in sizes.items())
 
 
 def format_decode(r: dict) -> list[str]:
     s, dec = r["setup"], r["decode"]
-    lines = ["", f"decode over {s['world_size']} processes: batch {s['batch']}, prompt {s['prompt_len']}, "
-                 f"{s['decode_steps']} decode steps per round; warm-up {s['warmup']}, repeats {s['repeats']}; time "
-                 f"per step of the slowest rank", "",
-             f"{'layout':<8}{'sizes':<40}{'median ms':>10}{'best ms':>10}{'vs tp (best)':>14}"
-             f"{'MoE sent/rank/step':>20}{'all sent/rank/step':>20}   decode MoE path"]
+    lines = [
+        "",
+        f"decode over {s['world_size']} processes: batch {s['batch']}, prompt {s['prompt_len']}, "
+        f"{s['decode_steps']} decode steps per round; warm-up {s['warmup']}, repeats {s['repeats']}; time "
+        f"per step of the slowest rank",
+        "",
+        f"{'layout':<8}{'sizes':<40}{'median ms':>10}{'best ms':>10}{'vs tp (best)':>14}"
+        f"{'MoE sent/rank/step':>20}{'all sent/rank/step':>20}   decode MoE path",
+    ]
     best = {name: summarize([m / 1000 for m in v["decode_ms"]])["min"] for name, v in dec.items()}
     for name, v in dec.items():
         st = summarize([m / 1000 for m in v["decode_ms"]])
         sizes = _sizes(v["sizes"], s["world_size"])
         moe = sum(sum(m["measured"].values()) for m in v["moe"][0])
         step = sum(v["step_bytes"][0].values())
-        lines.append(f"{name:<8}{sizes:<40}{st['median']:>10.2f}{st['min']:>10.2f}"
-                     f"{best.get('tp', math.nan) / st['min']:>13.2f}x{_kb(moe):>20}{_kb(step):>20}   {v['what']}")
+        lines.append(
+            f"{name:<8}{sizes:<40}{st['median']:>10.2f}{st['min']:>10.2f}"
+            f"{best.get('tp', math.nan) / st['min']:>13.2f}x{_kb(moe):>20}{_kb(step):>20}   {v['what']}"
+        )
     for name, why in r.get("decode_skipped", {}).items():
         lines.append(f"{name:<8}skipped: {why}")
-    lines += ["", "bytes of one decode step sent by rank 0, per collective (comm.count_bytes; MoE, attention, "
-                  "embedding, lm_head):"]
+    lines += [
+        "",
+        "bytes of one decode step sent by rank 0, per collective (comm.count_bytes; MoE, attention, "
+        "embedding, lm_head):",
+    ]
     for name, v in dec.items():
         lines.append(f"  {name:<6} {_parts(v['step_bytes'][0])}")
         if "parts" in v:
             for part, ops in v["parts"][0].items():
                 lines.append(f"  {'':<6}   {part}: {_parts(ops) or 'nothing'}")
-    lines += ["", "MoE bytes per layer of one decode step, per collective: measured (comm.count_bytes) vs formula "
-                  "(decode_plan.decode_volume with the routing's slot counts) vs formula under uniform routing; "
-                  "rank 0 shown, every rank compared"]
+    lines += [
+        "",
+        "MoE bytes per layer of one decode step, per collective: measured (comm.count_bytes) vs formula "
+        "(decode_plan.decode_volume with the routing's slot counts) vs formula under uniform routing; "
+        "rank 0 shown, every rank compared",
+    ]
     for name, v in dec.items():
         for i, m in enumerate(v["moe"][0]):
             for op, want in m["formula"].items():
-                lines.append(f"  {name:<6} MoE layer {i}  {op:<32} measured {m['measured'].get(op, 0):>12,d} B   "
-                             f"formula {want:>12,d} B   uniform {m['uniform'][op]:>12,d} B")
-        bad = [(rank, i) for rank, logs in enumerate(v["moe"]) for i, m in enumerate(logs)
-               if m["measured"] != m["formula"]]
-        lines.append(f"  {name:<6} every rank, every MoE layer: measured == formula: "
-                     + ("yes" if not bad else f"NO (rank, layer) {bad}"))
+                lines.append(
+                    f"  {name:<6} MoE layer {i}  {op:<32} measured {m['measured'].get(op, 0):>12,d} B   "
+                    f"formula {want:>12,d} B   uniform {m['uniform'][op]:>12,d} B"
+                )
+        bad = [
+            (rank, i) for rank, logs in enumerate(v["moe"]) for i, m in enumerate(logs) if m["measured"] != m["formula"]
+        ]
+        lines.append(
+            f"  {name:<6} every rank, every MoE layer: measured == formula: "
+            + ("yes" if not bad else f"NO (rank, layer) {bad}")
+        )
     for name, v in dec.items():
         if "step_formula" not in v:
             continue
-        lines += ["", f"{name}: attention per decode step (all layers), rank 0: measured {_parts(v['parts'][0]['attention'])}"
-                      f"; formula (decode_plan.attention_dp_volume) {_parts(v['attention_formula'][0])}",
-                  f"{name}: whole decode step, rank 0: measured {_parts(v['step_bytes'][0])}; formula "
-                  f"(decode_plan.dp_step_volume, the routing's slot counts) {_parts(v['step_formula'][0])}"]
-        bad = [rank for rank in range(len(v["step_bytes"]))
-               if v["parts"][rank]["attention"] != v["attention_formula"][rank]
-               or v["step_bytes"][rank] != v["step_formula"][rank]]
-        lines.append(f"  {name:<6} every rank: attention and whole step measured == formula: "
-                     + ("yes" if not bad else f"NO ranks {bad}"))
+        lines += [
+            "",
+            f"{name}: attention per decode step (all layers), rank 0: measured {_parts(v['parts'][0]['attention'])}"
+            f"; formula (decode_plan.attention_dp_volume) {_parts(v['attention_formula'][0])}",
+            f"{name}: whole decode step, rank 0: measured {_parts(v['step_bytes'][0])}; formula "
+            f"(decode_plan.dp_step_volume, the routing's slot counts) {_parts(v['step_formula'][0])}",
+        ]
+        bad = [
+            rank
+            for rank in range(len(v["step_bytes"]))
+            if v["parts"][rank]["attention"] != v["attention_formula"][rank]
+            or v["step_bytes"][rank] != v["step_formula"][rank]
+        ]
+        lines.append(
+            f"  {name:<6} every rank: attention and whole step measured == formula: "
+            + ("yes" if not bad else f"NO ranks {bad}")
+        )
     return lines + format_formula(r["decode_formula"])
 
 
 def format_formula(f: dict) -> list[str]:
-    lines = ["", f"formula (decode_plan, uniform routing), {f['preset']} at full depth ({f['moe_layers']} MoE layers), "
-                 f"batch {f['batch']}, {f['dtype']}, {f['world_size']} ranks: MoE bytes per rank"]
+    lines = [
+        "",
+        f"formula (decode_plan, uniform routing), {f['preset']} at full depth ({f['moe_layers']} MoE layers), "
+        f"batch {f['batch']}, {f['dtype']}, {f['world_size']} ranks: MoE bytes per rank",
+    ]
     for name, v in f["layouts"].items():
         buffer = "" if v["mc2_window_mb"] is None else f"; MC2 window {v['mc2_window_mb']} MB (its own HCCL group)"
-        lines.append(f"  {name:<6} per layer: {_parts(v['per_layer'])} = {sum(v['per_layer'].values()):,d} B; "
-                     f"per decode step: {sum(v['per_step'].values()):,d} B{buffer}")
+        lines.append(
+            f"  {name:<6} per layer: {_parts(v['per_layer'])} = {sum(v['per_layer'].values()):,d} B; "
+            f"per decode step: {sum(v['per_step'].values()):,d} B{buffer}"
+        )
     if f.get("dp") or f.get("dp_skipped"):
-        lines += ["", "attention DP (attention TP x DP groups, embedding / lm_head TP 1, MC2 over every rank on its "
-                      "own rows, no all_gather): MoE bytes per rank, and the whole decode step's (attention "
-                      "all_gather + reduce_scatter per layer, MoE, lm_head's hidden-state all_gather)"]
+        lines += [
+            "",
+            "attention DP (attention TP x DP groups, embedding / lm_head TP 1, MC2 over every rank on its "
+            "own rows, no all_gather): MoE bytes per rank, and the whole decode step's (attention "
+            "all_gather + reduce_scatter per layer, MoE, lm_head's hidden-state all_gather)",
+        ]
     for name, v in f.get("dp", {}).items():
         per = sum(v["per_layer"].values())
-        lines.append(f"  {name:<11} {v['rows']} row(s) per rank; MoE per layer: {_parts(v['per_layer'])} = {per:,d} B; "
-                     f"attention per layer: {_parts(v['attention_per_layer']) or 'nothing'}; per decode step: MoE "
-                     f"{sum(v['per_step'].values()):,d} B + attention {sum(v['step_parts']['attention'].values()):,d} B"
-                     f" + lm_head {sum(v['step_parts']['lm_head'].values()):,d} B = {v['step_total']:,d} B; "
-                     f"MC2 window {v['mc2_window_mb']} MB")
+        lines.append(
+            f"  {name:<11} {v['rows']} row(s) per rank; MoE per layer: {_parts(v['per_layer'])} = {per:,d} B; "
+            f"attention per layer: {_parts(v['attention_per_layer']) or 'nothing'}; per decode step: MoE "
+            f"{sum(v['per_step'].values()):,d} B + attention {sum(v['step_parts']['attention'].values()):,d} B"
+            f" + lm_head {sum(v['step_parts']['lm_head'].values()):,d} B = {v['step_total']:,d} B; "
+            f"MC2 window {v['mc2_window_mb']} MB"
+        )
     for name, why in f.get("dp_skipped", {}).items():
         lines.append(f"  {name:<11} skipped: {why}")
     return lines

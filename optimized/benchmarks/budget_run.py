@@ -6,6 +6,7 @@ build, every rank and layout reads one model), whose router sends more tokens to
 the rest (`SKEWED_ROUTER`): random weights alone route near-uniformly, the best case of expert parallelism.
 Prompts: seeded random ids. Every report says which weights were measured (`weights_label`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,15 @@ from typing import Callable
 
 import torch
 
-from optimized.benchmarks.budgets import CHECKPOINT_ENV, DEFAULT_BUDGETS, DTYPES, Budget, load_budgets, \
-    phase_report, this_host
+from optimized.benchmarks.budgets import (
+    CHECKPOINT_ENV,
+    DEFAULT_BUDGETS,
+    DTYPES,
+    Budget,
+    load_budgets,
+    phase_report,
+    this_host,
+)
 from optimized.benchmarks.reference_timing import reference_model, time_reference
 from optimized.benchmarks.latency import CLOCKS, collective_latency, copy_bandwidth, interleave
 from optimized.model_loader.loader import RandomWeights
@@ -53,7 +61,7 @@ class PooledRandomWeights(RandomWeights):
         while filled < n:
             at = (start + filled) % P
             take = min(P - at, n - filled)
-            out[filled:filled + take] = self.pool[at:at + take]
+            out[filled : filled + take] = self.pool[at : at + take]
             filled += take
         return out
 
@@ -65,7 +73,7 @@ class PooledRandomWeights(RandomWeights):
             raise ValueError(f"{name}: only unit-step slices are supported, got {rows!r}")
         row = math.prod(shape[1:])
         t = self._stretch(start + first * row, (stop - first) * row).view(stop - first, *shape[1:])
-        if name.endswith(".mlp.gate.weight"):               # [E, H] router: rows of the hot experts scaled
+        if name.endswith(".mlp.gate.weight"):  # [E, H] router: rows of the hot experts scaled
             hot = torch.arange(first, stop) < int(shape[0] * SKEWED_ROUTER["hot_fraction"])
             t[hot] *= SKEWED_ROUTER["scale"]
         return t[(slice(None),) + tuple(index[1:])].clone() if len(index) > 1 else t
@@ -78,8 +86,11 @@ def routing_skew(router_weight: torch.Tensor, top_k: int, ep_size: int, tokens: 
     x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(seed))
     load = torch.bincount((x @ w.t()).topk(top_k, dim=-1).indices.flatten(), minlength=w.shape[0]).double()
     ranks = load.view(ep_size, -1).sum(1) if w.shape[0] % ep_size == 0 else load.sum(0, keepdim=True)
-    return {"expert_max_over_mean": (load.max() / load.mean()).item(),
-            "ep_rank_max_over_mean": (ranks.max() / ranks.mean()).item(), "ep_size": ep_size}
+    return {
+        "expert_max_over_mean": (load.max() / load.mean()).item(),
+        "ep_rank_max_over_mean": (ranks.max() / ranks.mean()).item(),
+        "ep_size": ep_size,
+    }
 
 
 def weights_label(model_path: str | None, config, ep_size: int = 1, seed: int = 0) -> dict:
@@ -87,11 +98,19 @@ def weights_label(model_path: str | None, config, ep_size: int = 1, seed: int = 
     if model_path:
         return {"weights": model_path}
     source = PooledRandomWeights(seed)
-    layer = next((i for i in range(config.num_hidden_layers) if i not in (config.mlp_only_layers or [])
-                  and (i + 1) % config.decoder_sparse_step == 0), 0)
+    layer = next(
+        (
+            i
+            for i in range(config.num_hidden_layers)
+            if i not in (config.mlp_only_layers or []) and (i + 1) % config.decoder_sparse_step == 0
+        ),
+        0,
+    )
     gate = source.read(f"model.layers.{layer}.mlp.gate.weight", (config.num_experts, config.hidden_size))
-    return {"weights": f"random (PooledRandomWeights), skewed routing {SKEWED_ROUTER}",
-            "routing_skew": routing_skew(gate, config.num_experts_per_tok, ep_size)}
+    return {
+        "weights": f"random (PooledRandomWeights), skewed routing {SKEWED_ROUTER}",
+        "routing_skew": routing_skew(gate, config.num_experts_per_tok, ep_size),
+    }
 
 
 def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_size: int = 128):
@@ -110,12 +129,13 @@ def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_siz
     def weights(name: str, shape: tuple) -> torch.Tensor:
         if ".mlp.experts." not in name:
             return source.read(name, shape)
-        parts = name.split(".")     # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+        parts = name.split(".")  # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
         experts, e, proj = opt.layers[int(parts[2])].mlp.experts, int(parts[5]), parts[6]
         i = experts.inter_per_rank
         w = {"gate_proj": experts.w13[e, :, :i], "up_proj": experts.w13[e, :, i:], "down_proj": experts.w2[e]}[proj].t()
         assert w.is_contiguous() and tuple(w.shape) == shape, name
         return w
+
     return reference_model(config, weights, dtype), ModelRunner(opt, block_size)
 
 
@@ -130,8 +150,9 @@ def generation_samples(runner, prompts: list[list[int]], decode_steps: int) -> d
     return {"prefill": [result.prefill_seconds], "decode": list(result.decode_seconds)}
 
 
-def reference_samples(model, prompts: list[list[int]], decode_steps: int,
-                      clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+def reference_samples(
+    model, prompts: list[list[int]], decode_steps: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, list[float]]:
     """The same for the reference model (its own contiguous KV cache, CPU only), timed as the runner times."""
     prefill, decode, _ = time_reference(model, torch.tensor(prompts), decode_steps, clock)
     return {"prefill": [prefill], "decode": decode}
@@ -152,43 +173,80 @@ def run_relative(budget: Budget) -> dict[str, dict]:
     ref, runner = reference_and_optimized(config, dtype, budget.seed)
     prompts = random_prompts(budget, config.vocab_size)
     clock = runner.clock = CLOCKS[budget.clock]
-    samples = interleave({"reference": lambda: reference_samples(ref, prompts, budget.decode_steps, clock),
-                          "optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
-                         warmup=budget.warmup, repeats=budget.repeats)
+    samples = interleave(
+        {
+            "reference": lambda: reference_samples(ref, prompts, budget.decode_steps, clock),
+            "optimized": lambda: generation_samples(runner, prompts, budget.decode_steps),
+        },
+        warmup=budget.warmup,
+        repeats=budget.repeats,
+    )
     # The CPU floors at the bandwidth of a copy measured now (same clock): neither model's p50 may be below. The
     # prefill one is a one-token prefill's (top_k experts read): the uniform-routing expectation of the experts a
     # whole prompt hits would overstate what a skewed routing reads (measured 59 ms vs 80 ms on the 30B layer).
     from optimized.benchmarks.floor import cpu_hardware, decode_floor, prefill_floor
+
     bandwidth = copy_bandwidth(clock)
     hw = cpu_hardware(bandwidth)
-    floors = {"prefill": prefill_floor(config, hw, dtype, [1])["floor_s"],
-              "decode": decode_floor(config, hw, dtype, budget.batch,
-                                     budget.prompt_len + (budget.decode_steps + 1) / 2)["floor_s"]}
+    floors = {
+        "prefill": prefill_floor(config, hw, dtype, [1])["floor_s"],
+        "decode": decode_floor(config, hw, dtype, budget.batch, budget.prompt_len + (budget.decode_steps + 1) / 2)[
+            "floor_s"
+        ],
+    }
     label = weights_label(None, config, seed=budget.seed)
     reports = {}
     for phase in budget.phases:
-        reports[phase] = phase_report(budget, phase, samples["optimized"][phase], floor_s=floors[phase],
-                                      reference_seconds=samples["reference"][phase])
+        reports[phase] = phase_report(
+            budget,
+            phase,
+            samples["optimized"][phase],
+            floor_s=floors[phase],
+            reference_seconds=samples["reference"][phase],
+        )
         reports[phase].update(copy_bandwidth_gb_s=bandwidth / 1e9, **label)
     return reports
 
 
 # ---------------------------------------------------------------------------------- NPU: one process per rank
 
-def launch_command(budget: Budget, json_path: str | os.PathLike, budgets_path: str | os.PathLike | None = None,
-                   model_path: str | None = None) -> list[str]:
+
+def launch_command(
+    budget: Budget,
+    json_path: str | os.PathLike,
+    budgets_path: str | os.PathLike | None = None,
+    model_path: str | None = None,
+) -> list[str]:
     """torchrun (torch.distributed.run) over `python -m optimized latency`, one process per rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(budget.world_size), "-m", "optimized", "latency", "--budget", budget.name,
-           "--budgets", str(budgets_path or DEFAULT_BUDGETS), "--json", str(json_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(budget.world_size),
+        "-m",
+        "optimized",
+        "latency",
+        "--budget",
+        budget.name,
+        "--budgets",
+        str(budgets_path or DEFAULT_BUDGETS),
+        "--json",
+        str(json_path),
+    ]
     return cmd + (["--model-path", model_path] if model_path else [])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", required=True, help="budget name in the budgets file")
-    p.add_argument("--budgets", default=str(DEFAULT_BUDGETS), help="budgets YAML (default optimized/benchmarks/budgets.yaml)")
-    p.add_argument("--model-path", help=f"checkpoint directory (else ${CHECKPOINT_ENV}, else random weights "
-                                        f"of the budget's model shapes)")
+    p.add_argument(
+        "--budgets", default=str(DEFAULT_BUDGETS), help="budgets YAML (default optimized/benchmarks/budgets.yaml)"
+    )
+    p.add_argument(
+        "--model-path",
+        help=f"checkpoint directory (else ${CHECKPOINT_ENV}, else random weights of the budget's model shapes)",
+    )
     p.add_argument("--json", required=True, metavar="PATH", help="rank 0 writes the raw samples here")
 
 
@@ -200,13 +258,17 @@ def check_applied(budget: Budget, model) -> None:
 
     quantized = quant_scheme(model.config) == "w4a8"
     if quantized != (budget.precision == "w4a8"):
-        raise UsageError(f"budget {budget.name} is {budget.precision} but the model is "
-                         f"{'W4A8' if quantized else 'not quantized'}: pass a matching checkpoint")
+        raise UsageError(
+            f"budget {budget.name} is {budget.precision} but the model is "
+            f"{'W4A8' if quantized else 'not quantized'}: pass a matching checkpoint"
+        )
     sp = model.ep_scheme is not None
     if sp != budget.sp_prefill:
-        raise UsageError(f"budget {budget.name} {'needs' if budget.sp_prefill else 'does not use'} the sequence-"
-                         f"parallel prefill, but its config {budget.config} builds the "
-                         f"{'SP' if sp else 'TP'} prefill (parallel_config.prefill_opt)")
+        raise UsageError(
+            f"budget {budget.name} {'needs' if budget.sp_prefill else 'does not use'} the sequence-"
+            f"parallel prefill, but its config {budget.config} builds the "
+            f"{'SP' if sp else 'TP'} prefill (parallel_config.prefill_opt)"
+        )
 
 
 def run(args) -> int:
@@ -222,53 +284,75 @@ def run(args) -> int:
         budget = load_budgets(args.budgets)[args.budget]
     except KeyError:
         raise UsageError(f"--budget: no budget named {args.budget!r} in {args.budgets}") from None
-    except OSError as e:    # (a BudgetError is a UsageError already)
+    except OSError as e:  # (a BudgetError is a UsageError already)
         raise UsageError(str(e)) from None
     if budget.kind != "absolute":
         raise UsageError(f"--budget {budget.name} is a relative budget: it runs in-process under pytest -m latency")
     from optimized import envs
+
     model_path = args.model_path or envs.latency_checkpoint()
     missing = budget.missing_checkpoint(model_path)
-    if missing:   # never measure random weights under the name of a checkpoint's budget
+    if missing:  # never measure random weights under the name of a checkpoint's budget
         raise UsageError(missing)
     unfit = budget.hardware.mismatch(this_host())
-    if unfit:   # the pytest skip's reason, before any process group or model (a 235B model on a CPU ...)
+    if unfit:  # the pytest skip's reason, before any process group or model (a 235B model on a CPU ...)
         raise UsageError(f"budget {budget.name} {unfit}")
     cfg = budget.inference_config()
     dtype = DTYPES[budget.dtype]
     env = init_distributed()
     try:
         from optimized.executor.plan import mc2_window
-        state = ParallelState.build(cfg.parallel_config, mc2_window_mb=mc2_window(
-            budget.hf_config(), cfg.parallel_config, budget.batch, budget.exe_mode, dtype.itemsize))
+
+        state = ParallelState.build(
+            cfg.parallel_config,
+            mc2_window_mb=mc2_window(
+                budget.hf_config(), cfg.parallel_config, budget.batch, budget.exe_mode, dtype.itemsize
+            ),
+        )
         dev = device(env.local_rank)
         if model_path:
             model = load_model(model_path, parallel=state, dtype=dtype, device=dev)
         else:
-            model = model_from_source(budget.hf_config(), PooledRandomWeights(budget.seed), parallel=state,
-                                      dtype=dtype, device=dev)
+            model = model_from_source(
+                budget.hf_config(), PooledRandomWeights(budget.seed), parallel=state, dtype=dtype, device=dev
+            )
         check_applied(budget, model)
         runner = ModelRunner(model, cfg.scheduler_config.block_size, dev, exe_mode=budget.exe_mode)
         prompts = random_prompts(budget, model.config.vocab_size)
-        samples = interleave({"optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
-                             warmup=budget.warmup, repeats=budget.repeats)["optimized"]
+        samples = interleave(
+            {"optimized": lambda: generation_samples(runner, prompts, budget.decode_steps)},
+            warmup=budget.warmup,
+            repeats=budget.repeats,
+        )["optimized"]
         measured_latency = None
-        if env.world_size > 1:   # a step lasts until its slowest rank is done: keep each sample's max over ranks
+        if env.world_size > 1:  # a step lasts until its slowest rank is done: keep each sample's max over ranks
             import torch.distributed as dist
+
             for phase, values in samples.items():
                 t = torch.tensor(values, dtype=torch.float64, device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 samples[phase] = t.tolist()
             measured_latency = collective_latency()
         if env.rank == 0:
-            Path(args.json).write_text(json.dumps({
-                "budget": budget.name, "world_size": env.world_size, "device": str(dev),
-                "soc": this_host().soc, "model": model_path or "random weights", "samples_s": samples,
-                **weights_label(model_path, model.config, cfg.parallel_config.moe_ep_size, budget.seed),
-                "collective_latency_s": measured_latency}, indent=1) + "\n")
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "budget": budget.name,
+                        "world_size": env.world_size,
+                        "device": str(dev),
+                        "soc": this_host().soc,
+                        "model": model_path or "random weights",
+                        "samples_s": samples,
+                        **weights_label(model_path, model.config, cfg.parallel_config.moe_ep_size, budget.seed),
+                        "collective_latency_s": measured_latency,
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
     finally:
         import torch.distributed as dist
+
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-

@@ -1,4 +1,5 @@
 """What the benchmarks share: the model shapes they run (released presets, the tiny fixture), dtypes, progress."""
+
 from __future__ import annotations
 
 import sys

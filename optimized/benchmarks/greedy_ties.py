@@ -2,6 +2,7 @@
 
 See docs/testing.md, "Notes from the code", optimized/benchmarks/greedy_ties.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -18,12 +19,12 @@ LOGIT_NOISE: dict[torch.dtype, tuple[float, float]] = {
 
 @dataclass
 class Position:
-    position: int           # index among the generated tokens
-    token: int              # the candidate's token
-    reference_token: int    # the reference's argmax there
-    margin: float           # reference logit of its argmax minus that of the candidate's token
-    top2_margin: float      # reference's top-1 minus top-2 logit
-    bound: float            # the margin the noise can overturn
+    position: int  # index among the generated tokens
+    token: int  # the candidate's token
+    reference_token: int  # the reference's argmax there
+    margin: float  # reference logit of its argmax minus that of the candidate's token
+    top2_margin: float  # reference's top-1 minus top-2 logit
+    bound: float  # the margin the noise can overturn
 
 
 @dataclass
@@ -43,9 +44,13 @@ class TokenJudgement:
         return diffs[0] if diffs else None
 
     def to_json(self) -> dict:
-        return {"positions": self.positions, "agree": self.agree, "ok": self.ok,
-                "near_ties": [asdict(p) for p in self.near_ties],
-                "divergences": [asdict(p) for p in self.divergences]}
+        return {
+            "positions": self.positions,
+            "agree": self.agree,
+            "ok": self.ok,
+            "near_ties": [asdict(p) for p in self.near_ties],
+            "divergences": [asdict(p) for p in self.divergences],
+        }
 
     def verdict(self) -> str:
         """One line: 'same', or the first difference (near-tie or divergence, with the reference's top-2 margin) and
@@ -54,27 +59,31 @@ class TokenJudgement:
         if first is None:
             return f"same ({self.positions} tokens)"
         tie = first in self.near_ties
-        return (f"{'near-tie' if tie else 'DIVERGENCE'} at token {first.position + 1} (reference top-2 margin "
-                f"{first.top2_margin:.3g}, margin to the chosen token {first.margin:.3g} {'<=' if tie else '>'} "
-                f"noise bound {first.bound:.3g}); after teacher forcing {self.agree} of {self.positions} agree, "
-                f"{len(self.near_ties)} near-tie(s), {len(self.divergences)} divergence(s)")
+        return (
+            f"{'near-tie' if tie else 'DIVERGENCE'} at token {first.position + 1} (reference top-2 margin "
+            f"{first.top2_margin:.3g}, margin to the chosen token {first.margin:.3g} {'<=' if tie else '>'} "
+            f"noise bound {first.bound:.3g}); after teacher forcing {self.agree} of {self.positions} agree, "
+            f"{len(self.near_ties)} near-tie(s), {len(self.divergences)} divergence(s)"
+        )
 
 
-def judge_tokens(reference_logits: torch.Tensor, tokens: torch.Tensor, atol: float, rtol: float,
-                 offset: int = 0) -> TokenJudgement:
+def judge_tokens(
+    reference_logits: torch.Tensor, tokens: torch.Tensor, atol: float, rtol: float, offset: int = 0
+) -> TokenJudgement:
     """reference_logits [N, V] (row j chose token j, teacher-forced), tokens [N] on the same device; one host read.
     offset: the position number of row 0 (for requests judged in parts)."""
-    logits = reference_logits.float()                                       # [N, V]
+    logits = reference_logits.float()  # [N, V]
     tokens = tokens.to(logits.device).long()
-    top = torch.topk(logits, min(2, logits.shape[-1]), dim=-1)              # [N, 2]
+    top = torch.topk(logits, min(2, logits.shape[-1]), dim=-1)  # [N, 2]
     top1 = top.values[:, 0]
     top2 = top.values[:, -1]
-    chosen = logits.gather(-1, tokens[:, None])[:, 0]                       # [N]
+    chosen = logits.gather(-1, tokens[:, None])[:, 0]  # [N]
     margin = top1 - chosen
     bound = 2 * atol + rtol * (top1.abs() + chosen.abs())
-    differs = margin > 0          # a token whose logit equals the maximum is an argmax too (exact ties agree)
-    rows = torch.stack([differs.float(), margin, top1 - top2, bound, top.indices[:, 0].float(),
-                        tokens.float()], dim=-1).tolist()                   # the one host read
+    differs = margin > 0  # a token whose logit equals the maximum is an argmax too (exact ties agree)
+    rows = torch.stack(
+        [differs.float(), margin, top1 - top2, bound, top.indices[:, 0].float(), tokens.float()], dim=-1
+    ).tolist()  # the one host read
     out = TokenJudgement(positions=len(rows), agree=0)
     for j, (diff, m, m2, b, ref, tok) in enumerate(rows):
         if not diff:

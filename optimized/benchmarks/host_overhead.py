@@ -7,6 +7,7 @@ forward's is timed around `runner.decode_forward` with a device sync. What is le
 scheduling, metadata, sampling, the read back, the bookkeeping. Reported as medians over the timed steps, and as a
 share of the step (the target: at most 5 %).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -23,11 +24,12 @@ def measure(runner, prompts: list[list[int]], decode_steps: int, rounds: int = 2
     decode = runner.decode_forward
 
     def timed(ids, meta, caches):
-        start = runner.clock()                       # the engine's own clock, so both times share one base
+        start = runner.clock()  # the engine's own clock, so both times share one base
         out = decode(ids, meta, caches)
         synchronize(runner.device)
         forward_s.append(runner.clock() - start)
         return out
+
     runner.decode_forward = timed
     try:
         for r in range(rounds):
@@ -42,14 +44,21 @@ def measure(runner, prompts: list[list[int]], decode_steps: int, rounds: int = 2
         runner.decode_forward = decode
     host = [s - f for s, f in zip(step_s, forwards)]
     step, forward, overhead = (1000 * statistics.median(x) for x in (step_s, forwards, host))
-    return {"batch": len(prompts), "steps": len(step_s), "step_ms": step, "forward_ms": forward,
-            "host_ms": overhead, "host_share": overhead / step if step else float("nan")}
+    return {
+        "batch": len(prompts),
+        "steps": len(step_s),
+        "step_ms": step,
+        "forward_ms": forward,
+        "host_ms": overhead,
+        "host_share": overhead / step if step else float("nan"),
+    }
 
 
 def run(config, dtype, args, batches: list[int], progress) -> list[dict]:
     from optimized.executor.model_runner import ModelRunner
     from optimized.model_loader.build import model_from_source
     from optimized.model_loader.loader import RandomWeights
+
     progress(f"host overhead: building the optimized model ({args.layers} layer(s), {args.dtype}) ...")
     model = model_from_source(config, RandomWeights(args.seed), dtype=dtype)
     runner = ModelRunner(model, args.block_size)
@@ -63,9 +72,13 @@ def run(config, dtype, args, batches: list[int], progress) -> list[dict]:
 
 
 def format_report(rows: list[dict], what: str) -> str:
-    lines = [f"engine host overhead per decode step ({what}; medians):",
-             f"  {'batch':>5}  {'step ms':>9}  {'forward ms':>10}  {'host ms':>8}  {'host share':>10}"]
+    lines = [
+        f"engine host overhead per decode step ({what}; medians):",
+        f"  {'batch':>5}  {'step ms':>9}  {'forward ms':>10}  {'host ms':>8}  {'host share':>10}",
+    ]
     for r in rows:
-        lines.append(f"  {r['batch']:>5}  {r['step_ms']:>9.2f}  {r['forward_ms']:>10.2f}  {r['host_ms']:>8.3f}  "
-                     f"{100 * r['host_share']:>9.2f}%")
+        lines.append(
+            f"  {r['batch']:>5}  {r['step_ms']:>9.2f}  {r['forward_ms']:>10.2f}  {r['host_ms']:>8.3f}  "
+            f"{100 * r['host_share']:>9.2f}%"
+        )
     return "\n".join(lines)

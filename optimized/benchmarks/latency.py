@@ -6,6 +6,7 @@ hardware figures measured in the same run (copy bandwidth, collective latency).
 alike; `summarize` gives p50 / p90 / p99 (nearest rank), min, max and mean in milliseconds. The budgets
 that use it are in `optimized.benchmarks.budgets` (the table) and `optimized.benchmarks.budget_run` (the measurements).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ CLOCKS = {"wall": time.perf_counter, "thread_cpu": time.thread_time}
 
 # ------------------------------------------------------------------------------------------ statistics
 
+
 def percentile(samples: list[float], q: float) -> float:
     """Nearest-rank percentile (q in (0, 100]): the smallest sample with at least q% of them <= it."""
     if not samples:
@@ -29,7 +31,7 @@ def percentile(samples: list[float], q: float) -> float:
     if not 0 < q <= 100:
         raise ValueError(f"percentile q must be in (0, 100], got {q}")
     ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q * len(ordered) / 100) - 1)]   # q * n first: 7 / 100 * 100 > 7
+    return ordered[max(0, math.ceil(q * len(ordered) / 100) - 1)]  # q * n first: 7 / 100 * 100 > 7
 
 
 def summarize(seconds: list[float]) -> dict:
@@ -38,15 +40,38 @@ def summarize(seconds: list[float]) -> dict:
     ms = sorted(1000 * s for s in seconds)
     if not ms:
         nan = float("nan")
-        return {"p50": nan, "p90": nan, "p99": nan, "median": nan, "min": nan, "max": nan, "mean": nan, "n": 0,
-                "samples": []}
-    return {"p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99),
-            "median": statistics.median(ms), "min": ms[0], "max": ms[-1], "mean": statistics.fmean(ms), "n": len(ms),
-            "samples": ms}
+        return {
+            "p50": nan,
+            "p90": nan,
+            "p99": nan,
+            "median": nan,
+            "min": nan,
+            "max": nan,
+            "mean": nan,
+            "n": 0,
+            "samples": [],
+        }
+    return {
+        "p50": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+        "median": statistics.median(ms),
+        "min": ms[0],
+        "max": ms[-1],
+        "mean": statistics.fmean(ms),
+        "n": len(ms),
+        "samples": ms,
+    }
 
 
-def measure(fn: Callable[[], object], *, warmup: int, repeats: int, sync: Callable[[], None] = lambda: None,
-            clock: Callable[[], float] = time.perf_counter) -> list[float]:
+def measure(
+    fn: Callable[[], object],
+    *,
+    warmup: int,
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
     """Seconds per call of `fn`: `warmup` discarded calls, then `repeats` timed ones, each between two syncs
     (the device finishes earlier work before the clock starts, and this call's work before it stops)."""
     if warmup < 0 or repeats < 1:
@@ -64,8 +89,9 @@ def measure(fn: Callable[[], object], *, warmup: int, repeats: int, sync: Callab
     return samples
 
 
-def interleave(workloads: dict[str, Callable[[], dict[str, list[float]]]], *, warmup: int,
-               repeats: int) -> dict[str, dict[str, list[float]]]:
+def interleave(
+    workloads: dict[str, Callable[[], dict[str, list[float]]]], *, warmup: int, repeats: int
+) -> dict[str, dict[str, list[float]]]:
     """Run every workload once per round, `warmup` discarded rounds then `repeats` timed ones.
 
     A workload returns its own samples per phase ({"prefill": [s], "decode": [s, s, ...]}); the timed
@@ -83,11 +109,12 @@ def interleave(workloads: dict[str, Callable[[], dict[str, list[float]]]], *, wa
     return out
 
 
-
 # ------------------------------------------------------------------------------------- hardware now
 
-def copy_bandwidth(clock: Callable[[], float] = time.perf_counter, nbytes: int = 128 * 2**20,
-                   repeats: int = 3) -> float:
+
+def copy_bandwidth(
+    clock: Callable[[], float] = time.perf_counter, nbytes: int = 128 * 2**20, repeats: int = 3
+) -> float:
     """Bytes moved per second (read + write) by a large tensor copy on this CPU, median of `repeats` after one
     warm-up copy, timed by `clock`."""
     src = torch.ones(nbytes // 4)
@@ -102,9 +129,9 @@ def collective_latency(group=None, repeats: int = 50) -> float:
     from optimized.platform import device
     from optimized.platform import synchronize
     from optimized import envs
+
     dev = device(envs.local_rank() or 0)
     x = torch.ones(4096, dtype=torch.bfloat16, device=dev)
-    return statistics.median(measure(lambda: dist.all_reduce(x, group=group), warmup=5, repeats=repeats,
-                                     sync=lambda: synchronize(dev)))
-
-
+    return statistics.median(
+        measure(lambda: dist.all_reduce(x, group=group), warmup=5, repeats=repeats, sync=lambda: synchronize(dev))
+    )

@@ -3,6 +3,7 @@
 The only module of the product that imports `reference` (installed beside `optimized`): bench and the CPU
 relative budgets report the optimized model against it. Nothing on the generate / convert path comes here.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,12 +32,17 @@ def reference_shapes(config) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def time_reference(model, ids: torch.Tensor, steps: int, clock: Callable[[], float] = time.perf_counter,
-                   sync: Callable[[], None] = lambda: None):
+def time_reference(
+    model,
+    ids: torch.Tensor,
+    steps: int,
+    clock: Callable[[], float] = time.perf_counter,
+    sync: Callable[[], None] = lambda: None,
+):
     """Greedy prefill + `steps` decode steps on the reference's own KV cache: (prefill s, [decode s], tokens)."""
     cache = model.new_cache()
     start = clock()
-    token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)       # [B, 1]
+    token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
     sync()
     prefill, decode, tokens = clock() - start, [], [token]
     for _ in range(steps):

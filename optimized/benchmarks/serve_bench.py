@@ -2,6 +2,7 @@
 
 See docs/serving.md, "Notes from the code", optimized/benchmarks/serve_bench.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,10 +27,18 @@ def add_arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default 16)")
     p.add_argument("--max-token-id", type=int, default=255, help="prompt ids are drawn from [0, this] (default 255)")
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="at most this many requests in flight; later arrivals wait for a free slot (default: no cap)")
-    p.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
-                   help="goodput targets, e.g. ttft:500 tpot:50: requests meeting every target given")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight; later arrivals wait for a free slot (default: no cap)",
+    )
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="METRIC:MS",
+        help="goodput targets, e.g. ttft:500 tpot:50: requests meeting every target given",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     p.add_argument("--json", help="also write the report as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -72,8 +81,14 @@ def prompt_lengths(args, rng: random.Random) -> list[int]:
 
 async def _one(client, url, model, prompt, output_len, timeout) -> Outcome:
     out = Outcome(len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as resp:
@@ -103,6 +118,7 @@ async def _one(client, url, model, prompt, output_len, timeout) -> Outcome:
 
 async def _run(args, rate: float, lengths: list[int], rng: random.Random) -> tuple[list[Outcome], float]:
     import httpx
+
     async with httpx.AsyncClient() as client:
         model = args.model
         if model is None:
@@ -153,8 +169,10 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         except ValueError:
             ms = math.nan
         if not sep or name not in GOODPUT_METRICS or not math.isfinite(ms) or ms <= 0:
-            raise UsageError(f"--goodput {item!r}: give METRIC:MS with METRIC one of {', '.join(GOODPUT_METRICS)} "
-                             f"and MS a positive number of milliseconds, e.g. ttft:500 tpot:50")
+            raise UsageError(
+                f"--goodput {item!r}: give METRIC:MS with METRIC one of {', '.join(GOODPUT_METRICS)} "
+                f"and MS a positive number of milliseconds, e.g. ttft:500 tpot:50"
+            )
         if name in targets:
             raise UsageError(f"--goodput gives {name} twice")
         targets[name] = ms
@@ -176,21 +194,34 @@ def meets(o: Outcome, targets: dict[str, float]) -> bool:
     return not ("tpot" in targets and t is not None and 1000 * t > targets["tpot"])
 
 
-def report(outcomes: list[Outcome], duration: float, goodput: dict[str, float] | None = None,
-           max_concurrency: int | None = None) -> dict:
+def report(
+    outcomes: list[Outcome],
+    duration: float,
+    goodput: dict[str, float] | None = None,
+    max_concurrency: int | None = None,
+) -> dict:
     ok = [o for o in outcomes if o.ok]
-    ms = lambda xs: {f"p{q}": 1000 * percentile(xs, q) for q in (50, 90, 99)}   # noqa: E731
+    ms = lambda xs: {f"p{q}": 1000 * percentile(xs, q) for q in (50, 90, 99)}  # noqa: E731
     extra = {"max_concurrency": max_concurrency}
     if goodput:
         good = sum(meets(o, goodput) for o in outcomes)
-        extra["goodput"] = {"targets_ms": dict(goodput), "good": good, "share": good / max(len(outcomes), 1),
-                            "rate": good / duration}
-    return {**extra,
-        "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
+        extra["goodput"] = {
+            "targets_ms": dict(goodput),
+            "good": good,
+            "share": good / max(len(outcomes), 1),
+            "rate": good / duration,
+        }
+    return {
+        **extra,
+        "requests": len(outcomes),
+        "completed": len(ok),
+        "failed": len(outcomes) - len(ok),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
         "duration_s": duration,
-        "request_throughput": len(ok) / duration, "output_token_throughput": sum(o.tokens for o in ok) / duration,
-        "total_input_tokens": sum(o.prompt_len for o in ok), "total_output_tokens": sum(o.tokens for o in ok),
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": sum(o.tokens for o in ok) / duration,
+        "total_input_tokens": sum(o.prompt_len for o in ok),
+        "total_output_tokens": sum(o.tokens for o in ok),
         "ttft_ms": ms([o.ttft for o in ok]),
         "tpot_ms": ms([tpot(o) for o in ok if o.tokens > 1]),
         "itl_ms": ms([g for o in ok for g in o.itl]),
@@ -199,10 +230,12 @@ def report(outcomes: list[Outcome], duration: float, goodput: dict[str, float] |
 
 
 def format_report(r: dict) -> str:
-    rows = [f"requests: {r['completed']} completed, {r['failed']} failed in {r['duration_s']:.2f} s",
-            f"throughput: {r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s "
-            f"({r['total_input_tokens']} input, {r['total_output_tokens']} output tokens)",
-            f"{'metric':<10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}"]
+    rows = [
+        f"requests: {r['completed']} completed, {r['failed']} failed in {r['duration_s']:.2f} s",
+        f"throughput: {r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s "
+        f"({r['total_input_tokens']} input, {r['total_output_tokens']} output tokens)",
+        f"{'metric':<10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}",
+    ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         v = r[f"{name}_ms"]
         rows.append(f"{name.upper():<10}{v['p50']:>10.2f}{v['p90']:>10.2f}{v['p99']:>10.2f}")
@@ -211,8 +244,10 @@ def format_report(r: dict) -> str:
     if r.get("goodput"):
         g = r["goodput"]
         targets = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in g["targets_ms"].items())
-        rows.append(f"goodput ({targets}): {g['good']} of {r['requests']} requests ({100 * g['share']:.1f} %), "
-                    f"{g['rate']:.2f} req/s")
+        rows.append(
+            f"goodput ({targets}): {g['good']} of {r['requests']} requests ({100 * g['share']:.1f} %), "
+            f"{g['rate']:.2f} req/s"
+        )
     rows += [f"error: {e}" for e in r["errors"]]
     return "\n".join(rows)
 

@@ -1,4 +1,5 @@
 """What every subcommand shares: the one-line error format and the argument parser that uses it."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ PROG = "python -m optimized"
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line (no usage block), exit status 2 like argparse
-        command = self.prog[len(PROG):].strip()
+        command = self.prog[len(PROG) :].strip()
         fail(f"{command}: {message}" if command else message)
 
 

@@ -2,9 +2,9 @@
 
 See docs/config.md, "Notes from the code", optimized/cli/generate.py.
 """
+
 from __future__ import annotations
 
-import os
 import sys
 
 from optimized import datasets
@@ -20,10 +20,19 @@ def add_parser(sub) -> None:
     gen.add_argument("--config", required=True, help="inference config YAML (see optimized/config.py)")
     gen.add_argument("--model-path", help="overrides model_config.model_path (directory, fixture:NAME, preset:NAME)")
     prompt = gen.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", action="append", metavar="TEXT",
-                        help="a prompt, encoded by the checkpoint's tokenizer; repeat for a batch")
-    prompt.add_argument("--prompt-ids", action="append", type=parse_prompt_ids, metavar="IDS",
-                        help="comma-separated token ids, e.g. 1,2,3; repeat for a batch")
+    prompt.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt, encoded by the checkpoint's tokenizer; repeat for a batch",
+    )
+    prompt.add_argument(
+        "--prompt-ids",
+        action="append",
+        type=parse_prompt_ids,
+        metavar="IDS",
+        help="comma-separated token ids, e.g. 1,2,3; repeat for a batch",
+    )
     gen.add_argument("--max-new-tokens", type=int, help="overrides scheduler_config.max_new_tokens")
     gen.add_argument("--dtype", choices=["bfloat16", "float32"], help="overrides model_config.dtype")
     gen.add_argument("--block-size", type=int, help="overrides scheduler_config.block_size (a multiple of 16)")
@@ -34,9 +43,11 @@ def add_parser(sub) -> None:
     gen.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--save-logits", metavar="FILE", help="torch.save the prompt and generation logits (rank 0)")
-    gen.add_argument("--no-weight-check", action="store_true",
-                     help="skip the load-time check that every weight is finite (it reads each weight once more)")
-
+    gen.add_argument(
+        "--no-weight-check",
+        action="store_true",
+        help="skip the load-time check that every weight is finite (it reads each weight once more)",
+    )
 
 
 def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
@@ -50,29 +61,37 @@ def build_prompts(args, cfg, vocab_size: int, tokenizer) -> list[list[int]]:
         prompts = list(args.prompt_ids)
     elif data.dataset == "random":
         import torch
+
         gen = torch.Generator().manual_seed(data.seed)
         prompts = torch.randint(0, vocab_size, (batch, data.input_max_len), generator=gen).tolist()
     elif data.dataset == "LongBench":
         if tokenizer is None:
             raise UsageError("data_config.dataset LongBench needs the checkpoint's tokenizer, and it has none")
         contexts = datasets.load_longbench(data.dataset_path, log=say)
-        prompts = [datasets.longbench_prompt(tokenizer, contexts[i % len(contexts)], data.truncation,
-                                             cfg.scheduler_config.max_new_tokens) for i in range(batch)]
-    else:   # prompts, or default: its default_prompt.json when dataset_path is set
+        prompts = [
+            datasets.longbench_prompt(
+                tokenizer, contexts[i % len(contexts)], data.truncation, cfg.scheduler_config.max_new_tokens
+            )
+            for i in range(batch)
+        ]
+    else:  # prompts, or default: its default_prompt.json when dataset_path is set
         texts, key = data.prompts, "data_config.prompts"
         if data.dataset == "default" and data.dataset_path:
             texts = datasets.load_default_prompts(data.dataset_path)
             key = f"{data.dataset_path}/{datasets.DEFAULT_PROMPT_FILE}"
-        prompts = [encode_prompt(tokenizer, texts[i % len(texts)], mode, f"{key}[{i % len(texts)}]")
-                   for i in range(batch)]
+        prompts = [
+            encode_prompt(tokenizer, texts[i % len(texts)], mode, f"{key}[{i % len(texts)}]") for i in range(batch)
+        ]
     if data.truncation is not None and (args.prompt is None and args.prompt_ids is None):
-        prompts, cut = datasets.truncate(prompts, data.truncation)   # the recipe's rule, said aloud
+        prompts, cut = datasets.truncate(prompts, data.truncation)  # the recipe's rule, said aloud
         if cut:
             say(f"data_config.input_truncated_len: {cut} prompt(s) cut to their first {data.truncation} tokens")
     for i, p in enumerate(prompts):
         if len(p) > data.input_max_len:  # never truncated silently
-            raise UsageError(f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
-                             f"{data.input_max_len}; shorten it or raise input_max_len")
+            raise UsageError(
+                f"prompt {i} has {len(p)} tokens, more than data_config.input_max_len="
+                f"{data.input_max_len}; shorten it or raise input_max_len"
+            )
     return prompts
 
 
@@ -80,32 +99,49 @@ def run(args) -> int:
     from optimized.executor import assembly
     from optimized.executor.sampling import SamplingParams
 
-    cfg = assembly.load_config(args.config, model_path=args.model_path, dtype=args.dtype,
-                               max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+    cfg = assembly.load_config(
+        args.config,
+        model_path=args.model_path,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+    )
     s = cfg.scheduler_config
     launch = assembly.prepare(cfg, "generate", check_weights=not args.no_weight_check)
     hf_config, model_dir, tokenizer = launch.hf_config, launch.model_dir, launch.tokenizer
-    try:   # the library's ValueErrors about what the command line gave: --temperature / --top-k / --top-p / --seed,
+    try:  # the library's ValueErrors about what the command line gave: --temperature / --top-k / --top-p / --seed,
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
         prompts = build_prompts(args, cfg, hf_config.vocab_size, tokenizer)
         # before loading the model: a bad prompt should not cost a checkpoint load
         check_prompts(prompts, s.max_new_tokens, hf_config.vocab_size, hf_config.max_position_embeddings)
-    except UsageError:      # PromptError, DatasetError: already named
+    except UsageError:  # PromptError, DatasetError: already named
         raise
     except ValueError as e:  # ... and the prompts (empty, ids outside the vocabulary, too long)
         raise UsageError(str(e)) from None
-    eos = [] if args.ignore_eos else eos_token_ids(model_dir)     # PromptError naming the file
+    eos = [] if args.ignore_eos else eos_token_ids(model_dir)  # PromptError naming the file
 
     from optimized.executor.plan import pool_blocks
+
     blocks = pool_blocks([len(q) + s.max_new_tokens for q in prompts], s.block_size, cfg.parallel_config.attn_dp_size)
-    run = launch.start(batch=len(prompts), prefill_tokens=sum(len(q) for q in prompts), kv_pool_blocks=blocks,
-                       prompts=prompts, agree=dict(sampling=repr(sampling), eos=eos, chat=args.chat))
+    run = launch.start(
+        batch=len(prompts),
+        prefill_tokens=sum(len(q) for q in prompts),
+        kv_pool_blocks=blocks,
+        prompts=prompts,
+        agree=dict(sampling=repr(sampling), eos=eos, chat=args.chat),
+    )
     try:
         with run.named_errors():
             positions = [list(range(len(q))) for q in prompts] if args.save_logits else None
             with run.profiled(args.config) as trace:
-                result = run.runner.generate(prompts, s.max_new_tokens, sampling=sampling, eos_token_id=eos,
-                                             prompt_logits_positions=positions, return_logits=bool(args.save_logits))
+                result = run.runner.generate(
+                    prompts,
+                    s.max_new_tokens,
+                    sampling=sampling,
+                    eos_token_id=eos,
+                    prompt_logits_positions=positions,
+                    return_logits=bool(args.save_logits),
+                )
             if trace is not None and run.env.rank == 0:
                 print(f"profiler trace: {trace.parent if trace.suffix else trace} (one per rank)", flush=True)
         if run.env.rank == 0:
@@ -121,20 +157,33 @@ def run(args) -> int:
 
 def _save_logits(path, prompts, result) -> None:
     import torch
+
     try:
         with open(path, "wb") as f:
-            torch.save({"prompts": prompts, "tokens": result.tokens, "prompt_logits": result.prompt_logits,
-                        "logits": result.logits, "finish_reasons": result.finish_reasons}, f)
-    except OSError as e:   # a read-only or missing directory, a full disk
+            torch.save(
+                {
+                    "prompts": prompts,
+                    "tokens": result.tokens,
+                    "prompt_logits": result.prompt_logits,
+                    "logits": result.logits,
+                    "finish_reasons": result.finish_reasons,
+                },
+                f,
+            )
+    except OSError as e:  # a read-only or missing directory, a full disk
         raise UsageError(f"--save-logits: cannot write {path!r}: {e.strerror or e}") from None
 
 
 def _print_result(cfg, model_dir, prompts, result, world_size: int, tokenizer) -> None:
     m, p = cfg.model_config, cfg.parallel_config
-    layout = ", ".join(f"{k} {getattr(p, k)}" for k in ("attn_tp_size", "moe_tp_size", "moe_ep_size",
-                                                         "embed_tp_size", "lmhead_tp_size"))
-    print(f"model: {m.model_path} ({model_dir}), {m.dtype}, {'checkpoint' if m.with_ckpt else 'random weights'}, "
-          f"world_size {world_size} ({layout}), exe_mode {m.exe_mode}")
+    layout = ", ".join(
+        f"{k} {getattr(p, k)}"
+        for k in ("attn_tp_size", "moe_tp_size", "moe_ep_size", "embed_tp_size", "lmhead_tp_size")
+    )
+    print(
+        f"model: {m.model_path} ({model_dir}), {m.dtype}, {'checkpoint' if m.with_ckpt else 'random weights'}, "
+        f"world_size {world_size} ({layout}), exe_mode {m.exe_mode}"
+    )
     many = len(prompts) > 1
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens)):
         tag = f"[{i}] " if many else ""
@@ -158,9 +207,8 @@ def _print_graph(decoder, result, compile_cache) -> None:
         print(f"compile cache: {compile_cache.root}")
     steady = result.decode_seconds[1:]
     if steady:
-        print(f"decode (graph, steps after the first): {1000 * sum(steady) / len(steady):.2f} ms/token "
-              f"({len(steady)} step(s))")
+        print(
+            f"decode (graph, steps after the first): {1000 * sum(steady) / len(steady):.2f} ms/token "
+            f"({len(steady)} step(s))"
+        )
     sys.stdout.flush()
-
-
-

@@ -2,6 +2,7 @@
 
 See docs/config.md, "Notes from the code", optimized/cli/main.py.
 """
+
 from __future__ import annotations
 
 from optimized.cli import bench, convert, generate, latency, serve

@@ -2,6 +2,7 @@
 
 See docs/serving.md, "Notes from the code", optimized/cli/serve.py.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,18 +23,24 @@ def add_parser(sub) -> None:
 
 def load_config(args):
     from optimized.executor.assembly import load_config as load
+
     return load(args.config, model_path=args.model_path)
 
 
 def start(cfg, kv_pool_blocks: int | None = None, check_weights: bool = True):
     """The assembly for serving: (started run, engine with every graph bucket ready)."""
     from optimized.executor.assembly import prepare
+
     if kv_pool_blocks is not None and kv_pool_blocks < 2:
         raise UsageError(f"--kv-pool-blocks={kv_pool_blocks} must be >= 2 (block 0 is the null block)")
     launch = prepare(cfg, "serve", check_weights=check_weights)
     s = cfg.scheduler_config
-    run = launch.start(batch=s.batch_size, prefill_tokens=s.batch_size * cfg.data_config.input_max_len,
-                       kv_pool_blocks=kv_pool_blocks, agree=dict(serve=True))
+    run = launch.start(
+        batch=s.batch_size,
+        prefill_tokens=s.batch_size * cfg.data_config.input_max_len,
+        kv_pool_blocks=kv_pool_blocks,
+        agree=dict(serve=True),
+    )
     try:
         return run, run.engine(warm_up=True)
     except BaseException:
@@ -44,6 +51,7 @@ def start(cfg, kv_pool_blocks: int | None = None, check_weights: bool = True):
 def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
     """(engine, tokenizer, stop ids, model dir) in this single process (library and tests)."""
     from optimized.model_loader.tokenizer import eos_token_ids
+
     run, engine = start(cfg, kv_pool_blocks, check_weights)
     return engine, run.launch.tokenizer, eos_token_ids(run.launch.model_dir), run.launch.model_dir
 
@@ -56,9 +64,14 @@ def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, host: str, po
 
     server_box = []
     driver = Driver(engine, on_fatal=lambda e: setattr(server_box[0], "should_exit", True), broadcast=broadcast)
-    app = build_app(driver, tokenizer, model_name, stop_ids=stop_ids,
-                    default_max_tokens=cfg.scheduler_config.max_new_tokens,
-                    max_prompt_tokens=cfg.data_config.input_max_len)
+    app = build_app(
+        driver,
+        tokenizer,
+        model_name,
+        stop_ids=stop_ids,
+        default_max_tokens=cfg.scheduler_config.max_new_tokens,
+        max_prompt_tokens=cfg.data_config.input_max_len,
+    )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
     server_box.append(server)
     return server, driver
@@ -88,6 +101,7 @@ def _serve_ranks(args, cfg, run_, engine) -> int:
     import datetime
     import torch.distributed as dist
     from optimized.serving.ranks import StepBroadcast, follow
+
     rank = run_.env.rank
     try:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=run_.timeout_s))
@@ -96,20 +110,25 @@ def _serve_ranks(args, cfg, run_, engine) -> int:
             return _serve(args, cfg, run_, engine, broadcast)
         follow(engine, broadcast)
         return 0
-    except RuntimeError as e:    # gloo: a peer closed its connection (a rank died)
+    except RuntimeError as e:  # gloo: a peer closed its connection (a rank died)
         raise UsageError(f"rank {rank}: a rank failed: {type(e).__name__}: {e}") from None
 
 
 def _serve(args, cfg, run_, engine, broadcast) -> int:
     from optimized.model_loader.tokenizer import eos_token_ids
+
     launch = run_.launch
     name = args.served_model_name or Path(str(cfg.model_config.model_path).split(":")[-1]).name
-    server, driver = make_server(cfg, engine, launch.tokenizer, eos_token_ids(launch.model_dir), name, args.host,
-                                 args.port, broadcast)
+    server, driver = make_server(
+        cfg, engine, launch.tokenizer, eos_token_ids(launch.model_dir), name, args.host, args.port, broadcast
+    )
     driver.start()
-    print(f"serving {name} ({launch.model_dir}) on http://{args.host}:{args.port} : batch_size "
-          f"{cfg.scheduler_config.batch_size}, KV pool {engine.cache.num_blocks} blocks of "
-          f"{engine.cache.block_size}{' per DP group' if engine.dp_size > 1 else ''}", flush=True)
+    print(
+        f"serving {name} ({launch.model_dir}) on http://{args.host}:{args.port} : batch_size "
+        f"{cfg.scheduler_config.batch_size}, KV pool {engine.cache.num_blocks} blocks of "
+        f"{engine.cache.block_size}{' per DP group' if engine.dp_size > 1 else ''}",
+        flush=True,
+    )
     try:
         server.run()
     finally:

@@ -2,6 +2,7 @@
 
 See docs/parallel.md, "Notes from the code", optimized/distributed/collectives.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,9 +21,18 @@ from optimized.ops.process_groups import add_traffic_observer
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_ONE_BYTE_FLOATS = tuple(getattr(torch, n) for n in (
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
-    if hasattr(torch, n))
+_ONE_BYTE_FLOATS = tuple(
+    getattr(torch, n)
+    for n in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
+    if hasattr(torch, n)
+)
 
 
 class CommCounter:
@@ -94,8 +104,10 @@ def _wire(x: torch.Tensor) -> torch.Tensor:
 
 def _check_reducible(x: torch.Tensor, what: str) -> None:
     if x.dtype in _ONE_BYTE_FLOATS:
-        raise TypeError(f"{what}: cannot sum {x.dtype} tensors on the wire (no backend reduces fp8/fp4 "
-                        f"exactly); dequantize to bfloat16/float32 first")
+        raise TypeError(
+            f"{what}: cannot sum {x.dtype} tensors on the wire (no backend reduces fp8/fp4 "
+            f"exactly); dequantize to bfloat16/float32 first"
+        )
 
 
 def all_reduce(x: torch.Tensor, group, *, upcast: bool = False) -> torch.Tensor:
@@ -196,8 +208,9 @@ def exchange_split_sizes(input_split_sizes: list[int], group, device: torch.devi
     return recv.tolist()
 
 
-def all_to_all_single(x: torch.Tensor, group, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None) -> torch.Tensor:
+def all_to_all_single(
+    x: torch.Tensor, group, output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None
+) -> torch.Tensor:
     """Rows of `x` (dim 0) split by `input_split_sizes` go to group ranks 0..n-1; returns what arrives.
 
     Equal splits when both are None. When only `input_split_sizes` is given, the output splits are
@@ -205,8 +218,11 @@ def all_to_all_single(x: torch.Tensor, group, output_split_sizes: list[int] | No
     """
     pg = _pg(group)
     if pg is None:
-        if input_split_sizes is not None and output_split_sizes is not None \
-                and list(input_split_sizes) != list(output_split_sizes):
+        if (
+            input_split_sizes is not None
+            and output_split_sizes is not None
+            and list(input_split_sizes) != list(output_split_sizes)
+        ):
             raise ValueError("all_to_all_single without a group: input and output splits must match")
         return x
     n = dist.get_world_size(pg)
@@ -214,24 +230,27 @@ def all_to_all_single(x: torch.Tensor, group, output_split_sizes: list[int] | No
         if splits is not None and len(splits) != n:
             raise ValueError(f"all_to_all_single: {name} has {len(splits)} entries for a group of {n} ranks")
     if input_split_sizes is not None and sum(input_split_sizes) != x.shape[0]:
-        raise ValueError(f"all_to_all_single: input_split_sizes sum to {sum(input_split_sizes)} but x has "
-                         f"{x.shape[0]} rows")
+        raise ValueError(
+            f"all_to_all_single: input_split_sizes sum to {sum(input_split_sizes)} but x has {x.shape[0]} rows"
+        )
     if input_split_sizes is None and x.shape[0] % n:
         raise ValueError(f"all_to_all_single: {x.shape[0]} rows cannot be split equally over {n} ranks")
     compiling = torch.compiler.is_compiling()
     if input_split_sizes is not None and output_split_sizes is None:
         if compiling:
-            raise ValueError("all_to_all_single: under torch.compile give output_split_sizes too (exchanging the "
-                             "split sizes reads them back to the host, which a graph cannot do)")
+            raise ValueError(
+                "all_to_all_single: under torch.compile give output_split_sizes too (exchanging the "
+                "split sizes reads them back to the host, which a graph cannot do)"
+            )
         output_split_sizes = exchange_split_sizes(input_split_sizes, pg, x.device)
     src = _wire(x.contiguous())
-    if compiling:   # graph mode: the traceable functional form, the same rows
+    if compiling:  # graph mode: the traceable functional form, the same rows
         out = funcol.all_to_all_single(src, output_split_sizes, input_split_sizes, pg)
         return out.view(x.dtype) if x.dtype in _ONE_BYTE_FLOATS else out
     rows = sum(output_split_sizes) if output_split_sizes is not None else src.shape[0]
     out = src.new_empty((rows, *src.shape[1:]))
     row = src[0].numel() * src.element_size() if src.shape[0] else 0
-    sent = (list(input_split_sizes) if input_split_sizes is not None else [src.shape[0] // n] * n)
+    sent = list(input_split_sizes) if input_split_sizes is not None else [src.shape[0] // n] * n
     _count("all_to_all", (sum(sent) - sent[dist.get_rank(pg)]) * row)
     dist.all_to_all_single(out, src, output_split_sizes, input_split_sizes, group=pg)
     return out.view(x.dtype) if x.dtype in _ONE_BYTE_FLOATS else out

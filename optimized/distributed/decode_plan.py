@@ -2,6 +2,7 @@
 
 See docs/parallel.md, "Notes from the code", optimized/distributed/decode_plan.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,13 +14,13 @@ from optimized.distributed.prefill_plan import EpVolume
 
 DISPATCH = "npu_moe_distribute_dispatch_v2"
 COMBINE = "npu_moe_distribute_combine_v2"
-COUNT_BYTES = 8          # counts and BS travel as int64
-META_BYTES = 8           # each dispatched row carries (source token, k slot) as int32
-WINDOW_ALIGN = 512       # every token slot of the MC2 window starts 512-byte aligned
-FULL_MESH_PIECE = 480    # fullmesh_v2 moves a token's data in 480-byte pieces, one per aligned slot
-WINDOW_RESERVE_MB = 11   # the window's own areas beyond the token slots (the recipe's reserve)
+COUNT_BYTES = 8  # counts and BS travel as int64
+META_BYTES = 8  # each dispatched row carries (source token, k slot) as int32
+WINDOW_ALIGN = 512  # every token slot of the MC2 window starts 512-byte aligned
+FULL_MESH_PIECE = 480  # fullmesh_v2 moves a token's data in 480-byte pieces, one per aligned slot
+WINDOW_RESERVE_MB = 11  # the window's own areas beyond the token slots (the recipe's reserve)
 MB = 1 << 20
-HCCL_DEFAULT_MB = 200    # HCCL's window per communicator unless a group sets its own
+HCCL_DEFAULT_MB = 200  # HCCL's window per communicator unless a group sets its own
 
 
 def uses_mc2_decode(parallel: ParallelConfig) -> bool:
@@ -36,8 +37,17 @@ def dp_rows(batch: int, parallel: ParallelConfig) -> int:
     return tokens_per_rank(tokens_per_rank(batch, parallel.attn_dp_size), parallel.attn_tp_size)
 
 
-def mc2_volume(tokens: int, hidden: int, top_k: int, ep: int, num_experts: int, act_bytes: int,
-               slots_out: float | None = None, slots_in: float | None = None, gather: bool = True) -> EpVolume:
+def mc2_volume(
+    tokens: int,
+    hidden: int,
+    top_k: int,
+    ep: int,
+    num_experts: int,
+    act_bytes: int,
+    slots_out: float | None = None,
+    slots_in: float | None = None,
+    gather: bool = True,
+) -> EpVolume:
     """Bytes one rank sends in one MoE layer of an MC2 decode step of `tokens` (= n) tokens per rank.
 
     slots_out / slots_in: slots this rank sends to / receives from other ranks (default: their expectation under
@@ -64,14 +74,31 @@ def tp_volume(tokens: int, hidden: int, moe_tp: int, moe_ep: int, act_bytes: int
     return EpVolume("tp", {"all_reduce": sum(2 * (p - 1) * size // p for p in (moe_tp, moe_ep))})
 
 
-def decode_volume(parallel: ParallelConfig, batch: int, hidden: int, top_k: int, num_experts: int, act_bytes: int,
-                  slots_out: float | None = None, slots_in: float | None = None) -> EpVolume:
+def decode_volume(
+    parallel: ParallelConfig,
+    batch: int,
+    hidden: int,
+    top_k: int,
+    num_experts: int,
+    act_bytes: int,
+    slots_out: float | None = None,
+    slots_in: float | None = None,
+) -> EpVolume:
     """Bytes one rank sends in one MoE layer of a decode step of `batch` requests, by collective, for the decode
     path this layout runs (`mc2_volume` or `tp_volume`; the slot counts only matter for MC2). Under attention DP:
     MC2 on each rank's `dp_rows`, nothing gathered."""
     if uses_mc2_decode(parallel) and parallel.attn_dp_size > 1:
-        return mc2_volume(dp_rows(batch, parallel), hidden, top_k, parallel.moe_ep_size, num_experts, act_bytes,
-                          slots_out, slots_in, gather=False)
+        return mc2_volume(
+            dp_rows(batch, parallel),
+            hidden,
+            top_k,
+            parallel.moe_ep_size,
+            num_experts,
+            act_bytes,
+            slots_out,
+            slots_in,
+            gather=False,
+        )
     if uses_mc2_decode(parallel):
         ep = parallel.moe_ep_size
         return mc2_volume(tokens_per_rank(batch, ep), hidden, top_k, ep, num_experts, act_bytes, slots_out, slots_in)
@@ -83,11 +110,13 @@ def moe_layer_count(hf_config, num_layers: int | None = None) -> int:
     return sum(is_sparse_layer(hf_config, i) for i in range(n))
 
 
-def step_volume(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int,
-                num_layers: int | None = None) -> EpVolume:
+def step_volume(
+    hf_config, parallel: ParallelConfig, batch: int, act_bytes: int, num_layers: int | None = None
+) -> EpVolume:
     """The MoE bytes one rank sends in one decode step (every MoE layer, uniform routing)."""
-    one = decode_volume(parallel, batch, hf_config.hidden_size, hf_config.num_experts_per_tok,
-                        hf_config.num_experts, act_bytes)
+    one = decode_volume(
+        parallel, batch, hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts, act_bytes
+    )
     layers = moe_layer_count(hf_config, num_layers)
     return EpVolume(one.scheme, {op: layers * b for op, b in one.parts.items()})
 
@@ -108,22 +137,35 @@ def lm_head_dp_volume(parallel: ParallelConfig, batch: int, hidden: int, act_byt
     return {"all_gather": (t - 1) * dp_rows(batch, parallel) * hidden * act_bytes} if t > 1 else {}
 
 
-def dp_step_volume(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int, num_layers: int | None = None,
-                   moe: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
+def dp_step_volume(
+    hf_config,
+    parallel: ParallelConfig,
+    batch: int,
+    act_bytes: int,
+    num_layers: int | None = None,
+    moe: dict[str, int] | None = None,
+) -> dict[str, dict[str, int]]:
     """One attention-DP decode step's bytes per rank, by part ("attention", "moe", "lm_head") and collective:
     every layer's attention, every MoE layer's MC2 (`moe`: their sum with the routing's slot counts; default
-    uniform routing) and lm_head's hidden-state gather. Needs lmhead_tp_size and embed_tp_size 1 (their collectives are not
+    uniform routing) and lm_head's hidden-state gather. Needs lmhead_tp_size and embed_tp_size 1 (their collectives are
+    not
     in it)."""
     if parallel.attn_dp_size < 2 or parallel.lmhead_tp_size != 1 or parallel.embed_tp_size != 1:
-        raise ValueError(f"dp_step_volume is the attention-DP decode with embed_tp_size and lmhead_tp_size 1; got "
-                         f"attn_dp_size {parallel.attn_dp_size}, embed_tp_size {parallel.embed_tp_size}, "
-                         f"lmhead_tp_size {parallel.lmhead_tp_size}")
+        raise ValueError(
+            f"dp_step_volume is the attention-DP decode with embed_tp_size and lmhead_tp_size 1; got "
+            f"attn_dp_size {parallel.attn_dp_size}, embed_tp_size {parallel.embed_tp_size}, "
+            f"lmhead_tp_size {parallel.lmhead_tp_size}"
+        )
     layers = hf_config.num_hidden_layers if num_layers is None else num_layers
-    attention = {op: layers * b for op, b in attention_dp_volume(parallel, batch, hf_config.hidden_size,
-                                                                  act_bytes).items()}
+    attention = {
+        op: layers * b for op, b in attention_dp_volume(parallel, batch, hf_config.hidden_size, act_bytes).items()
+    }
     moe = step_volume(hf_config, parallel, batch, act_bytes, num_layers).parts if moe is None else dict(moe)
-    return {"attention": attention, "moe": moe,
-            "lm_head": lm_head_dp_volume(parallel, batch, hf_config.hidden_size, act_bytes)}
+    return {
+        "attention": attention,
+        "moe": moe,
+        "lm_head": lm_head_dp_volume(parallel, batch, hf_config.hidden_size, act_bytes),
+    }
 
 
 def by_collective(parts: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -156,14 +198,21 @@ def window_for(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) 
     """The HCCL window (MB) the MC2 group of `parallel` needs for decode batches up to `batch`; None without MC2."""
     if not uses_mc2_decode(parallel):
         return None
-    return mc2_window_mb(max_tokens_per_rank(parallel, batch), hf_config.num_experts_per_tok, hf_config.hidden_size,
-                         parallel.moe_ep_size, hf_config.num_experts, act_bytes)
+    return mc2_window_mb(
+        max_tokens_per_rank(parallel, batch),
+        hf_config.num_experts_per_tok,
+        hf_config.hidden_size,
+        parallel.moe_ep_size,
+        hf_config.num_experts,
+        act_bytes,
+    )
 
 
 def mc2_group_options(backend: str, window_mb: int):
     """The process-group options that give the MC2 group its window: hccl's `hccl_buffer_size` (on 950 also exported
     as HCCL_BUFFSIZE: `platform.PlatformSettings`); None elsewhere (gloo and nccl have no such window)."""
     from optimized import platform
+
     return platform.applied_settings().group_options(backend, window_mb)
 
 
@@ -175,12 +224,14 @@ def check_mc2_window(hf_config, parallel: ParallelConfig, batch: int, act_bytes:
     """Start-up check: the MC2 group's window (`ParallelState.moe_ep_mc2.window_mb`) holds a decode of `batch`."""
     need = window_for(hf_config, parallel, batch, act_bytes)
     if need is not None and window_mb is not None and need > window_mb:
-        raise Mc2WindowError(f"a decode batch of {batch} needs an MC2 window of {need} MB, but the MC2 EP group was "
-                             f"built with {window_mb} MB; build the groups for this batch: ParallelState.build(..., "
-                             f"mc2_window_mb=decode_plan.window_for(hf_config, parallel, {batch}, {act_bytes}))")
+        raise Mc2WindowError(
+            f"a decode batch of {batch} needs an MC2 window of {need} MB, but the MC2 EP group was "
+            f"built with {window_mb} MB; build the groups for this batch: ParallelState.build(..., "
+            f"mc2_window_mb=decode_plan.window_for(hf_config, parallel, {batch}, {act_bytes}))"
+        )
 
 
-MC2_COMM_ALG = "fullmesh_v2"   # the dispatch's algorithm (layers/exchange.py): its limits apply
+MC2_COMM_ALG = "fullmesh_v2"  # the dispatch's algorithm (layers/exchange.py): its limits apply
 MC2_HIDDEN = mc2.HIDDEN_RANGE
 
 
@@ -195,12 +246,14 @@ def mc2_limit_violations(hf_config, parallel: ParallelConfig, batch: int) -> lis
     w, e, k, h = parallel.moe_ep_size, hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.hidden_size
     bs = max_tokens_per_rank(parallel, batch)
     k_max, bs_max, (lo, hi) = mc2.max_top_k(MC2_COMM_ALG), mc2.max_bs(MC2_COMM_ALG), MC2_HIDDEN
-    limits = [(w <= mc2.MAX_EP_WORLD_SIZE, f"moe_ep_size {w} > {mc2.MAX_EP_WORLD_SIZE}"),
-              (e <= mc2.MAX_EXPERTS, f"num_experts {e} > {mc2.MAX_EXPERTS}"),
-              (k <= k_max, f"num_experts_per_tok {k} > {k_max} ({MC2_COMM_ALG})"),
-              (bs <= bs_max, f"{bs} tokens per rank (batch {batch}) > {bs_max} ({MC2_COMM_ALG})"),
-              (lo <= h <= hi, f"hidden_size {h} outside [{lo}, {hi}]"),
-              (e <= mc2.MAX_SLOTS, f"L * W = num_experts {e} > {mc2.MAX_SLOTS}")]
+    limits = [
+        (w <= mc2.MAX_EP_WORLD_SIZE, f"moe_ep_size {w} > {mc2.MAX_EP_WORLD_SIZE}"),
+        (e <= mc2.MAX_EXPERTS, f"num_experts {e} > {mc2.MAX_EXPERTS}"),
+        (k <= k_max, f"num_experts_per_tok {k} > {k_max} ({MC2_COMM_ALG})"),
+        (bs <= bs_max, f"{bs} tokens per rank (batch {batch}) > {bs_max} ({MC2_COMM_ALG})"),
+        (lo <= h <= hi, f"hidden_size {h} outside [{lo}, {hi}]"),
+        (e <= mc2.MAX_SLOTS, f"L * W = num_experts {e} > {mc2.MAX_SLOTS}"),
+    ]
     return [why for ok, why in limits if not ok]
 
 
@@ -209,30 +262,38 @@ def check_mc2_limits(hf_config, parallel: ParallelConfig, batch: int, enforce: b
     strict mode); otherwise returns them (the portable kernels take any size: the tiny fixtures' hidden 64)."""
     broken = mc2_limit_violations(hf_config, parallel, batch)
     if broken and enforce:
-        raise Mc2LimitError(f"the MC2 decode (moe_tp_size 1, moe_ep_size {parallel.moe_ep_size}) breaks the NPU "
-                            f"kernels' limits: {'; '.join(broken)}; lower scheduler_config.batch_size, or decode "
-                            f"without MC2 (moe_tp_size > 1)")
+        raise Mc2LimitError(
+            f"the MC2 decode (moe_tp_size 1, moe_ep_size {parallel.moe_ep_size}) breaks the NPU "
+            f"kernels' limits: {'; '.join(broken)}; lower scheduler_config.batch_size, or decode "
+            f"without MC2 (moe_tp_size > 1)"
+        )
     return broken
 
 
 def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) -> str:
     """One line for the start of a run: the decode's MoE path and, for MC2, its group's window and volume."""
     if not uses_mc2_decode(parallel):
-        return (f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
-                f"{parallel.moe_ep_size}: expert range + all_reduce)")
+        return (
+            f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
+            f"{parallel.moe_ep_size}: expert range + all_reduce)"
+        )
     h, k, e, ep = hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts, parallel.moe_ep_size
-    if parallel.attn_dp_size > 1:   # each rank dispatches its own share of its DP group's batch, nothing gathered
+    if parallel.attn_dp_size > 1:  # each rank dispatches its own share of its DP group's batch, nothing gathered
         n = dp_rows(batch, parallel)
-        return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
-                f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
-                f"{n} tokens per rank, its own); MC2 window {mc2_window_mb(n, k, h, ep, e, act_bytes)} MB "
-                f"(its own HCCL group); lm_head on the group's rows gathered over attention TP, the chosen ids "
-                f"shared{_limits_note(hf_config, parallel, batch)}")
+        return (
+            f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
+            f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
+            f"{n} tokens per rank, its own); MC2 window {mc2_window_mb(n, k, h, ep, e, act_bytes)} MB "
+            f"(its own HCCL group); lm_head on the group's rows gathered over attention TP, the chosen ids "
+            f"shared{_limits_note(hf_config, parallel, batch)}"
+        )
     vol = mc2_volume(tokens_per_rank(batch, ep), h, k, ep, e, act_bytes)
-    return (f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
-            f"{tokens_per_rank(batch, ep)} tokens per rank); MC2 window "
-            f"{mc2_window_mb(tokens_per_rank(batch, ep), k, h, ep, e, act_bytes)} MB (its own HCCL group); per MoE layer "
-            f"and rank ~{vol.total} B (uniform routing){_limits_note(hf_config, parallel, batch)}")
+    return (
+        f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
+        f"{tokens_per_rank(batch, ep)} tokens per rank); MC2 window "
+        f"{mc2_window_mb(tokens_per_rank(batch, ep), k, h, ep, e, act_bytes)} MB (its own HCCL group); per MoE layer "
+        f"and rank ~{vol.total} B (uniform routing){_limits_note(hf_config, parallel, batch)}"
+    )
 
 
 def _limits_note(hf_config, parallel: ParallelConfig, batch: int) -> str:

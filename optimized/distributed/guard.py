@@ -3,6 +3,7 @@ rank holds the same config, model and prompts.
 
 See docs/errors.md, "Notes from the code", optimized/distributed/guard.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ class RankMismatchError(UsageError, RuntimeError):
 
 def collective_timeout_s(configured: float | None = None) -> float:
     """The collective timeout in seconds: the environment variable, else `configured`, else the default."""
-    value = envs.collective_timeout_s()   # an EnvError (a ValueError) unless a positive number
+    value = envs.collective_timeout_s()  # an EnvError (a ValueError) unless a positive number
     if value is not None:
         return value
     return float(configured) if configured is not None else DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -65,10 +66,13 @@ def named_collective_errors(timeout_s: float):
             raise CollectiveTimeoutError(
                 f"a collective did not complete within {TIMEOUT_KEY}={timeout_s:g} s (environment override "
                 f"{TIMEOUT_ENV}): another rank stopped, crashed or is stuck; check the other ranks' output, or "
-                f"raise the timeout if a step legitimately takes longer ({first_line(e)})") from None
+                f"raise the timeout if a step legitimately takes longer ({first_line(e)})"
+            ) from None
         if _is_peer_loss(e):
-            raise CollectiveTimeoutError(f"a collective failed because another rank exited or lost its connection; "
-                                         f"check the other ranks' output ({first_line(e)})") from None
+            raise CollectiveTimeoutError(
+                f"a collective failed because another rank exited or lost its connection; "
+                f"check the other ranks' output ({first_line(e)})"
+            ) from None
         raise
 
 
@@ -77,6 +81,7 @@ def first_line(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- agreement
+
 
 def digest(obj) -> str:
     data = obj if isinstance(obj, bytes) else json.dumps(obj, sort_keys=True, default=str).encode()
@@ -119,5 +124,7 @@ def check_ranks_agree(fields: dict, group=None) -> None:
         for key in list(base) + [k for k in other if k not in base]:
             mine, theirs = base.get(key, "<absent>"), other.get(key, "<absent>")
             if mine != theirs:
-                raise RankMismatchError(f"rank {rank} was started with {key}={theirs!r} but rank 0 with {key}="
-                                        f"{mine!r}; start every rank with the same config, model and prompts")
+                raise RankMismatchError(
+                    f"rank {rank} was started with {key}={theirs!r} but rank 0 with {key}="
+                    f"{mine!r}; start every rank with the same config, model and prompts"
+                )

@@ -2,6 +2,7 @@
 
 See docs/parallel.md, "Notes from the code", optimized/distributed/parallel_state.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from optimized import envs, platform
 from optimized.config import PARALLEL_OPTIONS, PARALLEL_SIZES, ParallelConfig
 from optimized.errors import UsageError
+
 # The name registry sits on the operators' floor (the MC2 kernels resolve `group_ep` there); filled from here.
 from optimized.ops.process_groups import group_by_name, register_group_name  # noqa: F401  (re-exported)
 
@@ -37,9 +39,11 @@ class LaunchError(UsageError, RuntimeError):
 def _required(name: str, value):
     """torchrun's `value` of variable `name` (an envs accessor's), or a LaunchError saying it is missing."""
     if value is None:
-        raise LaunchError(f"environment variable {name} is not set (WORLD_SIZE={envs.world_size()}); "
-                          f"start multi-process runs with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, "
-                          f"MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE for a single process")
+        raise LaunchError(
+            f"environment variable {name} is not set (WORLD_SIZE={envs.world_size()}); "
+            f"start multi-process runs with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, "
+            f"MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE for a single process"
+        )
     return value
 
 
@@ -53,9 +57,15 @@ def apply_backend_env(backend: str, hccl_op_expansion_mode: str | None = "AIV") 
         envs.set_default("HCCL_OP_EXPANSION_MODE", hccl_op_expansion_mode)
 
 
-def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: datetime.timedelta | None = None,
-                     init_method: str | None = None, rank: int | None = None,
-                     world_size: int | None = None, settings: "platform.PlatformSettings | None" = None) -> DistEnv:
+def init_distributed(
+    *,
+    hccl_op_expansion_mode: str | None = "AIV",
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    settings: "platform.PlatformSettings | None" = None,
+) -> DistEnv:
     """Join the job: the one place a process group is initialized (CLI, library, parallel bench).
 
     Default: torchrun's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); WORLD_SIZE unset
@@ -73,7 +83,7 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
         local = envs.local_rank()
         return DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_rank() if local is None else local)
     if init_method is None:
-        world_size = envs.world_size() or 1     # an EnvError (a UsageError) for a value that is not an integer >= 1
+        world_size = envs.world_size() or 1  # an EnvError (a UsageError) for a value that is not an integer >= 1
         if world_size <= 1:
             return DistEnv(0, 1, 0)
         rank = _required(envs.RANK, envs.rank())
@@ -81,8 +91,10 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
         local_rank = rank if local is None else local
         for name, value in ((envs.MASTER_ADDR, envs.master_addr()), (envs.MASTER_PORT, envs.master_port())):
             if value is None:
-                raise LaunchError(f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
-                                  f"start multi-process runs with torchrun")
+                raise LaunchError(
+                    f"environment variable {name} is not set (WORLD_SIZE={world_size}); "
+                    f"start multi-process runs with torchrun"
+                )
         init_method = "env://"
     elif rank is None or world_size is None:
         raise ValueError(f"init_distributed(init_method={init_method!r}) needs rank and world_size")
@@ -99,10 +111,17 @@ def init_distributed(*, hccl_op_expansion_mode: str | None = "AIV", timeout: dat
     settings.apply(backend)
     platform.set_device(local_rank)
     from optimized.distributed.guard import collective_timeout
+
     timeout = timeout if timeout is not None else collective_timeout()
     store = _join_store(init_method, rank, world_size, timeout)
-    dist.init_process_group(platform.dist_backend(), store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            pg_options=settings.group_options(platform.dist_backend(), default_group=True))
+    dist.init_process_group(
+        platform.dist_backend(),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        pg_options=settings.group_options(platform.dist_backend(), default_group=True),
+    )
     return DistEnv(rank, world_size, local_rank)
 
 
@@ -131,21 +150,29 @@ def _join_store(init_method: str, rank: int, world_size: int, timeout: datetime.
     thread = threading.Thread(target=join, name="rendezvous store", daemon=True)
     thread.start()
     thread.join(timeout.total_seconds())
-    where = (f"MASTER_ADDR:MASTER_PORT={envs.master_addr()}:{envs.master_port()}"
-             if init_method == "env://" else init_method)
+    where = (
+        f"MASTER_ADDR:MASTER_PORT={envs.master_addr()}:{envs.master_port()}" if init_method == "env://" else init_method
+    )
     error = joined.get("error")
     if error is not None and "EADDRINUSE" in str(error):
-        raise LaunchError(f"rank {rank} cannot start the job's rendezvous store at {where}: the port is already in "
-                          f"use by another program; choose a free MASTER_PORT (torchrun --master-port PORT, or "
-                          f"--standalone)") from None
+        raise LaunchError(
+            f"rank {rank} cannot start the job's rendezvous store at {where}: the port is already in "
+            f"use by another program; choose a free MASTER_PORT (torchrun --master-port PORT, or "
+            f"--standalone)"
+        ) from None
     if thread.is_alive() or (error is not None and "timed out" in str(error).lower()):
         host = rank == 0 and not envs.torchelastic_agent_store()
-        why = ("the other ranks did not connect: were they started, with the same MASTER_ADDR and MASTER_PORT?"
-               if host else "rank 0 did not start it (check rank 0's output, e.g. MASTER_PORT already in use) or "
-                            "another program answers on that port")
-        raise StoreTimeoutError(f"rank {rank} could not join the job's rendezvous store at {where} within "
-                                f"{TIMEOUT_KEY}={timeout.total_seconds():g} s (environment override {TIMEOUT_ENV}): "
-                                f"{why}" + (f" ({first_line(error)})" if error is not None else "")) from None
+        why = (
+            "the other ranks did not connect: were they started, with the same MASTER_ADDR and MASTER_PORT?"
+            if host
+            else "rank 0 did not start it (check rank 0's output, e.g. MASTER_PORT already in use) or "
+            "another program answers on that port"
+        )
+        raise StoreTimeoutError(
+            f"rank {rank} could not join the job's rendezvous store at {where} within "
+            f"{TIMEOUT_KEY}={timeout.total_seconds():g} s (environment override {TIMEOUT_ENV}): "
+            f"{why}" + (f" ({first_line(error)})" if error is not None else "")
+        ) from None
     if error is not None:
         raise error
     store = joined["store"]
@@ -179,6 +206,7 @@ def layout_ranks(parallel: ParallelConfig) -> dict[str, list[list[int]]]:
 
 # --------------------------------------------------------------------------------------- group registry
 
+
 def comm_name(group: "dist.ProcessGroup | None", rank: int | None = None) -> str:
     """The string an operator takes for `group`, registered so `group_by_name` resolves it.
 
@@ -210,7 +238,7 @@ class GroupInfo:
     group: "dist.ProcessGroup | None"
     size: int
     rank: int
-    window_mb: int | None = None   # the MC2 group's HCCL window (moe_ep_mc2 only)
+    window_mb: int | None = None  # the MC2 group's HCCL window (moe_ep_mc2 only)
 
 
 _GROUP_CACHE: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -231,6 +259,7 @@ def _new_mc2_group(ranks: tuple[int, ...], window_mb: int) -> "dist.ProcessGroup
     """The MC2 dispatch / combine's own group over `ranks`, with its HCCL window (every rank calls this for every
     EP group in the same order). Never the default group nor another kind's: the window is this group's alone."""
     from optimized.distributed.decode_plan import mc2_group_options
+
     key = ("mc2", window_mb) + ranks
     if key not in _GROUP_CACHE:
         options = mc2_group_options(platform.dist_backend(), window_mb)
@@ -255,9 +284,9 @@ class ParallelState:
     moe_ep: GroupInfo
     embed_tp: GroupInfo
     lmhead_tp: GroupInfo
-    attn_dp: GroupInfo | None = None      # set by `build`; size 1 without attention DP
-    world: GroupInfo | None = None        # every rank (the default group)
-    moe_ep_mc2: GroupInfo | None = None   # the MC2 decode's own EP group (moe_ep's ranks), with its HCCL window
+    attn_dp: GroupInfo | None = None  # set by `build`; size 1 without attention DP
+    world: GroupInfo | None = None  # every rank (the default group)
+    moe_ep_mc2: GroupInfo | None = None  # the MC2 decode's own EP group (moe_ep's ranks), with its HCCL window
 
     @property
     def dp_rank(self) -> int:
@@ -275,8 +304,15 @@ class ParallelState:
         return getattr(self, kind)
 
     @classmethod
-    def build(cls, parallel: ParallelConfig | None = None, rank: int | None = None, *,
-              create_groups: bool | None = None, mc2_window_mb: int | None = None, **sizes) -> "ParallelState":
+    def build(
+        cls,
+        parallel: ParallelConfig | None = None,
+        rank: int | None = None,
+        *,
+        create_groups: bool | None = None,
+        mc2_window_mb: int | None = None,
+        **sizes,
+    ) -> "ParallelState":
         """Groups for `parallel` (or keyword sizes: world_size=, attn_tp_size=, ...).
 
         mc2_window_mb: the HCCL window of the MC2 decode's own EP group (`decode_plan.window_for(hf_config,
@@ -295,8 +331,10 @@ class ParallelState:
                 sizes["world_size"] = dist.get_world_size() if initialized else 1
             unknown = set(sizes) - {"world_size", *PARALLEL_SIZES, *PARALLEL_OPTIONS}
             if unknown:
-                raise TypeError(f"unknown parallel sizes {sorted(unknown)}; allowed: world_size, "
-                                f"{', '.join(PARALLEL_SIZES + PARALLEL_OPTIONS)}")
+                raise TypeError(
+                    f"unknown parallel sizes {sorted(unknown)}; allowed: world_size, "
+                    f"{', '.join(PARALLEL_SIZES + PARALLEL_OPTIONS)}"
+                )
             parallel = ParallelConfig(**sizes)
         elif sizes:
             raise TypeError("pass either a ParallelConfig or keyword sizes, not both")
@@ -309,8 +347,9 @@ class ParallelState:
             if not initialized:
                 raise RuntimeError("create_groups=True needs an initialized torch.distributed (init_distributed())")
             if dist.get_world_size() != w:
-                raise ValueError(f"parallel_config.world_size ({w}) != torch.distributed world size "
-                                 f"({dist.get_world_size()})")
+                raise ValueError(
+                    f"parallel_config.world_size ({w}) != torch.distributed world size ({dist.get_world_size()})"
+                )
             rank = dist.get_rank() if rank is None else rank
         rank = 0 if rank is None else rank
         if not 0 <= rank < w:
@@ -325,7 +364,7 @@ class ParallelState:
                     mine = GroupInfo(kind, t, pg, len(t), t.index(rank))
             infos[kind] = mine
         dp_ranks = _strided(w, parallel.attn_tp_size)[rank % parallel.attn_tp_size]
-        if parallel.attn_dp_size > 1:   # created only for attention DP (every rank builds the same lists in order)
+        if parallel.attn_dp_size > 1:  # created only for attention DP (every rank builds the same lists in order)
             groups = [_new_group(tuple(r), w) if create_groups else None for r in _strided(w, parallel.attn_tp_size)]
             pg = groups[rank % parallel.attn_tp_size]
             infos["attn_dp"] = GroupInfo("attn_dp", tuple(dp_ranks), pg, len(dp_ranks), dp_ranks.index(rank))
@@ -334,9 +373,10 @@ class ParallelState:
         world_pg = dist.group.WORLD if create_groups and w > 1 else None
         infos["world"] = GroupInfo("world", tuple(range(w)), world_pg, w, rank)
         from optimized.distributed.decode_plan import HCCL_DEFAULT_MB, uses_mc2_decode
+
         if uses_mc2_decode(parallel):
             window = HCCL_DEFAULT_MB if mc2_window_mb is None else int(mc2_window_mb)
-            for ranks in layouts["moe_ep"]:   # same order on every rank
+            for ranks in layouts["moe_ep"]:  # same order on every rank
                 t = tuple(ranks)
                 pg = _new_mc2_group(t, window) if create_groups else None
                 if rank in t:
@@ -349,13 +389,15 @@ class ParallelState:
 
 
 def _check_launch(world_size: int, initialized: bool) -> None:
-    env = envs.world_size()     # an EnvError for a value that is not a positive integer
+    env = envs.world_size()  # an EnvError for a value that is not a positive integer
     if env is not None and env != world_size:
-        raise LaunchError(f"parallel_config.world_size is {world_size} but the environment says WORLD_SIZE={env}; "
-                          f"launch with `torchrun --nproc-per-node {world_size}` or fix parallel_config.world_size")
+        raise LaunchError(
+            f"parallel_config.world_size is {world_size} but the environment says WORLD_SIZE={env}; "
+            f"launch with `torchrun --nproc-per-node {world_size}` or fix parallel_config.world_size"
+        )
     if world_size > 1 and not initialized:
-        raise LaunchError(f"parallel_config.world_size is {world_size} but torch.distributed is not initialized: "
-                          f"call optimized.distributed.init_distributed() first, in every process started by torchrun "
-                          f"(or pass create_groups=False to inspect a layout without process groups)")
-
-
+        raise LaunchError(
+            f"parallel_config.world_size is {world_size} but torch.distributed is not initialized: "
+            f"call optimized.distributed.init_distributed() first, in every process started by torchrun "
+            f"(or pass create_groups=False to inspect a layout without process groups)"
+        )

@@ -2,6 +2,7 @@
 
 See docs/parallel.md, "Notes from the code", optimized/distributed/prefill_plan.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -9,9 +10,9 @@ from dataclasses import dataclass
 
 from optimized.config import ParallelConfig, mx_activation_bits
 
-INDEX_BYTES = 4      # int32 expert ids
-WEIGHT_BYTES = 4     # float32 routing weights
-COUNT_BYTES = 8      # int64 per-expert token counts
+INDEX_BYTES = 4  # int32 expert ids
+WEIGHT_BYTES = 4  # float32 routing weights
+COUNT_BYTES = 8  # int64 per-expert token counts
 
 
 def choose_ep_scheme(parallel: ParallelConfig, top_k: int) -> str:
@@ -38,70 +39,103 @@ def mx_row_bytes(width: int) -> int:
     return width + 2 * math.ceil(width / 64)
 
 
-def allgather_volume(tokens_per_rank: int, hidden: int, top_k: int, ep: int, act_bytes: int,
-                     mx: bool = False) -> EpVolume:
+def allgather_volume(
+    tokens_per_rank: int, hidden: int, top_k: int, ep: int, act_bytes: int, mx: bool = False
+) -> EpVolume:
     """mx: the tokens are gathered as MXFP8 (W4A8); the partial sums are reduce-scattered in `act_bytes`."""
     peers = ep - 1
     row = mx_row_bytes(hidden) if mx else hidden * act_bytes
-    return EpVolume("allgather", {
-        "all_gather": peers * tokens_per_rank * (row + top_k * (INDEX_BYTES + WEIGHT_BYTES)),
-        "reduce_scatter": peers * tokens_per_rank * hidden * act_bytes,
-    })
+    return EpVolume(
+        "allgather",
+        {
+            "all_gather": peers * tokens_per_rank * (row + top_k * (INDEX_BYTES + WEIGHT_BYTES)),
+            "reduce_scatter": peers * tokens_per_rank * hidden * act_bytes,
+        },
+    )
 
 
-def alltoall_volume(tokens_per_rank: int, hidden: int, top_k: int, ep: int, num_experts: int, act_bytes: int,
-                    slots_out: float | None = None, slots_in: float | None = None, mx: bool = False) -> EpVolume:
+def alltoall_volume(
+    tokens_per_rank: int,
+    hidden: int,
+    top_k: int,
+    ep: int,
+    num_experts: int,
+    act_bytes: int,
+    slots_out: float | None = None,
+    slots_in: float | None = None,
+    mx: bool = False,
+) -> EpVolume:
     """slots_out / slots_in: expert slots this rank sends to / receives from other ranks (default: their
     expectation under uniform routing, n * top_k * (P - 1) / P). mx: the slots are dispatched as MXFP8 (W4A8),
     the expert outputs come back in `act_bytes`."""
     expected = tokens_per_rank * top_k * (ep - 1) / ep
     slots_out = expected if slots_out is None else slots_out
     slots_in = expected if slots_in is None else slots_in
-    return EpVolume("alltoall", {
-        "all_to_all": round((ep - 1) * (num_experts // ep) * COUNT_BYTES
-                            + slots_out * (mx_row_bytes(hidden) if mx else hidden * act_bytes)
-                            + slots_in * hidden * act_bytes),
-    })
+    return EpVolume(
+        "alltoall",
+        {
+            "all_to_all": round(
+                (ep - 1) * (num_experts // ep) * COUNT_BYTES
+                + slots_out * (mx_row_bytes(hidden) if mx else hidden * act_bytes)
+                + slots_in * hidden * act_bytes
+            ),
+        },
+    )
 
 
-def attention_volume(tokens_per_rank: int, hidden: int, width_per_rank: int, tp: int, act_bytes: int,
-                     mx: bool = False) -> EpVolume:
+def attention_volume(
+    tokens_per_rank: int, hidden: int, width_per_rank: int, tp: int, act_bytes: int, mx: bool = False
+) -> EpVolume:
     """Bytes one rank sends around one SP attention: the all_gather of its tokens' normed hidden states and the
     all_to_all of its heads' outputs for the other ranks' tokens (`width_per_rank` = heads per rank * head_dim)."""
     # The all_to_all sends only the real scale bytes, one per 32-block (the (W/64, 2) pair layout would pad).
     gather_row = mx_row_bytes(hidden) if mx else hidden * act_bytes
     a2a_row = width_per_rank + math.ceil(width_per_rank / 32) if mx else width_per_rank * act_bytes
-    return EpVolume("attention", {"all_gather": (tp - 1) * tokens_per_rank * gather_row,
-                                  "all_to_all": (tp - 1) * tokens_per_rank * a2a_row})
+    return EpVolume(
+        "attention",
+        {"all_gather": (tp - 1) * tokens_per_rank * gather_row, "all_to_all": (tp - 1) * tokens_per_rank * a2a_row},
+    )
 
 
-def ep_comm_volumes(hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: int,
-                    mx: bool = False) -> dict[str, EpVolume]:
+def ep_comm_volumes(
+    hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: int, mx: bool = False
+) -> dict[str, EpVolume]:
     """Both schemes' bytes per rank per MoE layer for a prefill of `num_tokens` packed tokens (uniform routing)."""
     ep = parallel.moe_ep_size
     n = math.ceil(num_tokens / ep)
     h, k, e = hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts
-    return {"allgather": allgather_volume(n, h, k, ep, act_bytes, mx),
-            "alltoall": alltoall_volume(n, h, k, ep, e, act_bytes, mx=mx)}
+    return {
+        "allgather": allgather_volume(n, h, k, ep, act_bytes, mx),
+        "alltoall": alltoall_volume(n, h, k, ep, e, act_bytes, mx=mx),
+    }
 
 
 def describe(hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: int, mx: bool = False) -> str:
     """One line for the start of a run: the prefill path, the MoE EP scheme and both schemes' volumes."""
     if parallel.attn_dp_size > 1:
-        return (f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
-                f"{parallel.attn_tp_size}: each group prefills its own requests, all-gather before QKV, reduce-scatter "
-                f"after o_proj), MoE EP {parallel.moe_ep_size} by double routing (alltoall) of each rank's tokens")
+        return (
+            f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
+            f"{parallel.attn_tp_size}: each group prefills its own requests, all-gather before QKV, reduce-scatter "
+            f"after o_proj), MoE EP {parallel.moe_ep_size} by double routing (alltoall) of each rank's tokens"
+        )
     if not parallel.sp_prefill or mx_activation_bits(hf_config) == 4:
-        why = "W4A4 checkpoint: the recipe's prefill_opt excludes it" if parallel.sp_prefill else \
-            f"prefill_opt {parallel.prefill_opt}"
-        return (f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); "
-                f"{why}")
+        why = (
+            "W4A4 checkpoint: the recipe's prefill_opt excludes it"
+            if parallel.sp_prefill
+            else f"prefill_opt {parallel.prefill_opt}"
+        )
+        return f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); {why}"
     k, ep = hf_config.num_experts_per_tok, parallel.moe_ep_size
     scheme = choose_ep_scheme(parallel, k)
-    why = (f"auto: top_k {k} {'>=' if k >= ep else '<'} moe_ep_size {ep}" if parallel.moe_ep_scheme == "auto"
-           else "moe_ep_scheme")
+    why = (
+        f"auto: top_k {k} {'>=' if k >= ep else '<'} moe_ep_size {ep}"
+        if parallel.moe_ep_scheme == "auto"
+        else "moe_ep_scheme"
+    )
     vol = ep_comm_volumes(hf_config, parallel, num_tokens, act_bytes, mx)
     wire = "MXFP8 activations on the wire (W4A8)" if mx else "activations on the wire in the model dtype"
-    return (f"prefill path: sequence parallel over {parallel.attn_tp_size} ranks (Attention SP+TP), MoE EP scheme "
-            f"{scheme} ({why}), {wire}; per MoE layer and rank for {num_tokens} tokens: allgather "
-            f"{vol['allgather'].total} B, alltoall ~{vol['alltoall'].total} B (uniform routing)")
+    return (
+        f"prefill path: sequence parallel over {parallel.attn_tp_size} ranks (Attention SP+TP), MoE EP scheme "
+        f"{scheme} ({why}), {wire}; per MoE layer and rank for {num_tokens} tokens: allgather "
+        f"{vol['allgather'].total} B, alltoall ~{vol['alltoall'].total} B (uniform routing)"
+    )

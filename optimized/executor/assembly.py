@@ -2,6 +2,7 @@
 
 See docs/architecture.md, "Notes from the code", optimized/executor/assembly.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,11 +14,17 @@ from optimized import envs
 from optimized.errors import UsageError
 
 
-
-def load_config(path, *, model_path: str | None = None, dtype: str | None = None, max_new_tokens: int | None = None,
-                block_size: int | None = None):
+def load_config(
+    path,
+    *,
+    model_path: str | None = None,
+    dtype: str | None = None,
+    max_new_tokens: int | None = None,
+    block_size: int | None = None,
+):
     """The inference config YAML with the command line's overrides; UsageError naming what is wrong."""
     from optimized.config import ConfigError, InferenceConfig
+
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"config file {str(path)!r} is a directory; give the inference config YAML file in it")
@@ -48,14 +55,16 @@ def load_config(path, *, model_path: str | None = None, dtype: str | None = None
 
 def check_launch(world_size: int, command: str) -> None:
     """parallel_config.world_size against the launcher, before any process group exists."""
-    env_world = envs.world_size()   # an EnvError for a value that is not a positive integer
+    env_world = envs.world_size()  # an EnvError for a value that is not a positive integer
     launched = env_world or 1
     if launched == world_size:
         return
     how = f"launched with WORLD_SIZE={launched}" if env_world else "launched as a single process"
     if world_size > 1:
-        raise UsageError(f"parallel_config.world_size is {world_size} but this job was {how}; start it with "
-                         f"`torchrun --nproc-per-node {world_size} -m optimized {command} ...`")
+        raise UsageError(
+            f"parallel_config.world_size is {world_size} but this job was {how}; start it with "
+            f"`torchrun --nproc-per-node {world_size} -m optimized {command} ...`"
+        )
     raise UsageError(f"parallel_config.world_size is 1 but this job was {how}; run it as a single process")
 
 
@@ -66,23 +75,25 @@ def open_compile_cache(cfg):
     if not m.enable_cache_compile:
         return None
     from optimized.executor.compile_cache import CompileCache, case_dir, default_case_name
+
     case = envs.case_name()
     try:
         root = case_dir(case or default_case_name(m.scheme[1], m.dtype, p, m.exe_mode))
-    except ValueError as e:     # only a CASE_NAME can break the rule (a derived name follows it)
+    except ValueError as e:  # only a CASE_NAME can break the rule (a derived name follows it)
         raise envs.EnvError(envs.CASE_NAME, case, "a plain directory name", f"environment variable {e}") from None
-    return CompileCache(root, trust=m.trust_compile_cache)    # CompileCacheError: a UsageError
+    return CompileCache(root, trust=m.trust_compile_cache)  # CompileCacheError: a UsageError
 
 
 def say(message: str) -> None:
     """A start-up line, printed once (by rank 0 under torchrun)."""
-    if not envs.rank():     # unset or 0
+    if not envs.rank():  # unset or 0
         print(message, flush=True)
 
 
 @dataclass
 class Launch:
     """The host-side half of the assembly: everything checked and read before the job starts."""
+
     cfg: object
     command: str
     model_dir: Path
@@ -91,51 +102,69 @@ class Launch:
     compile_cache: object
     check_weights: bool = True
 
-    def start(self, *, batch: int, prefill_tokens: int, kv_pool_blocks: int | None = None,
-              prompts: list[list[int]] | None = None, agree: dict | None = None) -> "Assembly":
+    def start(
+        self,
+        *,
+        batch: int,
+        prefill_tokens: int,
+        kv_pool_blocks: int | None = None,
+        prompts: list[list[int]] | None = None,
+        agree: dict | None = None,
+    ) -> "Assembly":
         """Join the job, plan, build the groups, the model and the runner. batch: the most requests decoding
         together; prefill_tokens: the tokens of a first prefill (the plan's volumes); kv_pool_blocks: the engine's
         pool per DP group (None: what `batch` requests of input_max_len + max_new_tokens need); agree: what every
         rank must hold the same (sampling, ...) besides the config, the model and the prompts."""
         from optimized.distributed import ParallelState, init_distributed
-        from optimized.distributed.guard import (CollectiveTimeoutError, RankMismatchError, check_ranks_agree,
-                                                 collective_timeout_s, named_collective_errors, run_fingerprint)
+        from optimized.distributed.guard import (
+            CollectiveTimeoutError,
+            check_ranks_agree,
+            collective_timeout_s,
+            named_collective_errors,
+            run_fingerprint,
+        )
         from optimized.executor.plan import ExecutionPlan, group_batch
+
         cfg = self.cfg
         m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
         if kv_pool_blocks is None:
             per_request = -(-(cfg.data_config.input_max_len + s.max_new_tokens) // s.block_size)
             kv_pool_blocks = 1 + group_batch(batch, p.attn_dp_size) * per_request
         if kv_pool_blocks < 2:
-            raise UsageError(f"the KV pool of {kv_pool_blocks} block(s) must hold at least 2 (block 0 is the null "
-                             f"block)")
-        timeout_s = collective_timeout_s(p.collective_timeout_s)     # EnvError: a bad QWEN3_MOE_COLLECTIVE_TIMEOUT_S
+            raise UsageError(
+                f"the KV pool of {kv_pool_blocks} block(s) must hold at least 2 (block 0 is the null block)"
+            )
+        timeout_s = collective_timeout_s(p.collective_timeout_s)  # EnvError: a bad QWEN3_MOE_COLLECTIVE_TIMEOUT_S
         from optimized import platform
-        settings = platform.PlatformSettings(m.platform, m.exe_mode)    # model_config.platform_version, here only
+
+        settings = platform.PlatformSettings(m.platform, m.exe_mode)  # model_config.platform_version, here only
         try:  # a rank that never joins (it failed before) makes the rendezvous time out: named
             with named_collective_errors(timeout_s):
                 env = init_distributed(timeout=datetime.timedelta(seconds=timeout_s), settings=settings)
         except CollectiveTimeoutError as e:
             raise UsageError(f"joining the job: {e}") from None
-        if env.world_size == 1:     # no process group: the settings are applied here
+        if env.world_size == 1:  # no process group: the settings are applied here
             settings.apply()
         run = Assembly(self, env, timeout_s)
         try:
             with run.named_errors():
-                check_ranks_agree(run_fingerprint(cfg.to_dict(), self.model_dir, prompts or [], command=self.command,
-                                                  **(agree or {})))
-                run.plan = ExecutionPlan.build(cfg, self.hf_config, batch=batch, prefill_tokens=prefill_tokens,
-                                               kv_pool_blocks=kv_pool_blocks)
+                check_ranks_agree(
+                    run_fingerprint(cfg.to_dict(), self.model_dir, prompts or [], command=self.command, **(agree or {}))
+                )
+                run.plan = ExecutionPlan.build(
+                    cfg, self.hf_config, batch=batch, prefill_tokens=prefill_tokens, kv_pool_blocks=kv_pool_blocks
+                )
                 if env.rank == 0:
                     print(f"{run.plan.describe()}\n{settings.describe()}", flush=True)
                     if m.enable_hadamard:
                         from optimized.layers import hadamard
                         from optimized.layers.quantization.schemes import quant_scheme
+
                         print(hadamard.describe(quant_scheme(self.hf_config), m.hadamard_weight_path), flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env)
                 run.runner = self._runner(run.model)
-                try:     # mem_fraction_static: the weights and the plan's KV pool fit, before any cache exists
+                try:  # mem_fraction_static: the weights and the plan's KV pool fit, before any cache exists
                     run.runner.check_memory(run.plan.kv_pool_blocks)
                 except ValueError as e:
                     raise UsageError(str(e)) from None
@@ -151,23 +180,40 @@ class Launch:
         from optimized.layers.quantization.errors import QuantConfigError
         from optimized.model_loader.build import load_model
         from optimized.model_loader.loader import CheckpointError
+
         m = self.cfg.model_config
         try:
-            return load_model(self.model_dir, parallel=state, dtype=m.torch_dtype, random_weights=not m.with_ckpt,
-                              seed=self.cfg.data_config.seed, num_hidden_layers=m.num_hidden_layers,
-                              device=platform.device(env.local_rank), check_weights=self.check_weights,
-                              force_eplb=m.eplb, weight_nz=m.enable_weight_nz, hadamard_weight_path=m.hadamard)
+            return load_model(
+                self.model_dir,
+                parallel=state,
+                dtype=m.torch_dtype,
+                random_weights=not m.with_ckpt,
+                seed=self.cfg.data_config.seed,
+                num_hidden_layers=m.num_hidden_layers,
+                device=platform.device(env.local_rank),
+                check_weights=self.check_weights,
+                force_eplb=m.eplb,
+                weight_nz=m.enable_weight_nz,
+                hadamard_weight_path=m.hadamard,
+            )
         except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint if not
             raise UsageError(str(e) if str(self.model_dir) in str(e) else f"checkpoint {self.model_dir}: {e}") from None
 
     def _runner(self, model):
         from optimized.executor.model_runner import ModelRunner
         from optimized.layers.quantization.errors import QuantConfigError
+
         m, s = self.cfg.model_config, self.cfg.scheduler_config
         try:
-            return ModelRunner(model, s.block_size, exe_mode=m.exe_mode, compile_cache=self.compile_cache,
-                               kv_cache_dtype=m.kv_cache_dtype, max_prefill_tokens=s.max_prefill_tokens,
-                               mem_fraction_static=s.mem_fraction_static)
+            return ModelRunner(
+                model,
+                s.block_size,
+                exe_mode=m.exe_mode,
+                compile_cache=self.compile_cache,
+                kv_cache_dtype=m.kv_cache_dtype,
+                max_prefill_tokens=s.max_prefill_tokens,
+                mem_fraction_static=s.mem_fraction_static,
+            )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
 
@@ -179,16 +225,19 @@ def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
     from optimized.model_loader.model_path import resolve_model_path
     from optimized.model_loader.tokenizer import CheckpointTokenizer
     from optimized.executor.model_runner import BLOCK_GRANULARITY
+
     m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
     if s.block_size < 1 or s.block_size % BLOCK_GRANULARITY:
-        raise UsageError(f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
-                         f"(the paged attention kernel's block granularity)")
-    compile_cache = open_compile_cache(cfg)    # an unusable cache directory fails before anything is loaded
+        raise UsageError(
+            f"scheduler_config.block_size ({s.block_size}) must be a multiple of {BLOCK_GRANULARITY} "
+            f"(the paged attention kernel's block granularity)"
+        )
+    compile_cache = open_compile_cache(cfg)  # an unusable cache directory fails before anything is loaded
     check_launch(p.world_size, command)
     model_dir = resolve_model_path(m.model_path, *m.scheme)
     try:
         hf_config = load_hf_config(model_dir)
-    except UsageError:      # ModelConfigError, CheckpointError: they name the file and the key
+    except UsageError:  # ModelConfigError, CheckpointError: they name the file and the key
         raise
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
@@ -196,15 +245,18 @@ def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
         cfg.validate_for_model(hf_config)
     except ConfigError as e:
         source = getattr(cfg, "source", None)
-        raise UsageError(f"inference config {source or ''} does not fit the model {m.model_path}: ".replace("  ", " ")
-                         + "; ".join(f"{k}: {msg}" for k, msg in e.errors)) from None
-    tokenizer = CheckpointTokenizer.load(model_dir)     # PromptError naming the tokenizer file
+        raise UsageError(
+            f"inference config {source or ''} does not fit the model {m.model_path}: ".replace("  ", " ")
+            + "; ".join(f"{k}: {msg}" for k, msg in e.errors)
+        ) from None
+    tokenizer = CheckpointTokenizer.load(model_dir)  # PromptError naming the tokenizer file
     return Launch(cfg, command, model_dir, hf_config, tokenizer, compile_cache, check_weights)
 
 
 @dataclass
 class Assembly:
     """A started run: the job, the plan, the groups, the model and its runner."""
+
     launch: Launch
     env: object
     timeout_s: float
@@ -222,12 +274,17 @@ class Assembly:
         """The serving engine over the plan's KV pool; warm_up: every graph bucket compiled (or loaded from the
         compile cache) now, so no compile ever happens on the request path."""
         from optimized.executor.engine import Engine
+
         s = self.cfg.scheduler_config
         with self.named_errors():
             try:
-                engine = Engine(self.runner, batch_size=s.batch_size, max_prefill_tokens=s.max_prefill_tokens,
-                                num_blocks=self.plan.kv_pool_blocks)
-            except ValueError as e:     # the MC2 window / limits, mem_fraction_static
+                engine = Engine(
+                    self.runner,
+                    batch_size=s.batch_size,
+                    max_prefill_tokens=s.max_prefill_tokens,
+                    num_blocks=self.plan.kv_pool_blocks,
+                )
+            except ValueError as e:  # the MC2 window / limits, mem_fraction_static
                 raise UsageError(str(e)) from None
             if warm_up and self.plan.graph:
                 engine.warm_up(self.plan.buckets)
@@ -239,11 +296,12 @@ class Assembly:
         from optimized.distributed.guard import CollectiveTimeoutError, RankMismatchError, named_collective_errors
         from optimized.executor.compile_cache import CompileCacheError
         from optimized.executor.model_runner import NonFiniteLogitsError
+
         try:
             with named_collective_errors(self.timeout_s):
                 yield
         except (CollectiveTimeoutError, RankMismatchError, NonFiniteLogitsError, CompileCacheError) as e:
-            if self.env.world_size > 1:     # which rank says it
+            if self.env.world_size > 1:  # which rank says it
                 raise UsageError(f"rank {self.env.rank}: {e}") from None
             if isinstance(e, UsageError):
                 raise
@@ -256,8 +314,9 @@ class Assembly:
         if not m.enable_profiler:
             return contextlib.nullcontext(None)
         from optimized.executor.profiling import ensure_writable, profiled, trace_directory
+
         directory = trace_directory(m.output_path, config_file)
-        ensure_writable(directory)      # ProfilerError naming the directory
+        ensure_writable(directory)  # ProfilerError naming the directory
         return profiled(directory, self.env.rank)
 
     def close(self) -> None:
@@ -266,6 +325,7 @@ class Assembly:
             return
         self._closed = True
         import torch.distributed as dist
+
         if dist.is_available() and dist.is_initialized():
             if self.state is not None:
                 self.state.close()

@@ -2,6 +2,7 @@
 
 See docs/graph_mode.md, "Notes from the code", optimized/executor/compile_cache.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ from optimized.errors import UsageError
 
 CACHE_ROOT = "compile_cache"
 KEY_FILE, ARTIFACT_FILE = "key.json", "artifacts.bin"
-KEY_ENV = envs.COMPILE_CACHE_KEY                 # where the per-user MAC key lives (tests: a tmp_path)
+KEY_ENV = envs.COMPILE_CACHE_KEY  # where the per-user MAC key lives (tests: a tmp_path)
 _CASE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -41,6 +42,7 @@ class CompileCacheError(UsageError, ValueError):
 def torch_npu_version() -> str | None:
     try:
         from importlib.metadata import PackageNotFoundError, version
+
         return version("torch_npu")
     except PackageNotFoundError:
         return None
@@ -61,8 +63,8 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
         "parallel_layout": {k: getattr(parallel, k) for k in sorted(vars(parallel))},
         "rank": model.groups.rank,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "force_eplb": bool(model.force_eplb),      # the balanced expert ids are built inside the traced step
-        "weight_nz": bool(getattr(model, "weight_nz", False)),   # frozen parameters in the NZ or the ND layout
+        "force_eplb": bool(model.force_eplb),  # the balanced expert ids are built inside the traced step
+        "weight_nz": bool(getattr(model, "weight_nz", False)),  # frozen parameters in the NZ or the ND layout
         "batch_bucket": batch_bucket,
         "block_size": block_size,
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
@@ -71,7 +73,7 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
         "torch": torch.__version__,
         "torch_npu": torch_npu_version(),
         "python": sys.version.split()[0],
-        "inlined_kernels": inline_in_inductor() if inductor else [],   # what the graph traces through
+        "inlined_kernels": inline_in_inductor() if inductor else [],  # what the graph traces through
         "kernels_source": kernels_source_hash() if inductor else None,  # and their code
     }
 
@@ -82,16 +84,16 @@ def key_hash(key: dict) -> str:
 
 def check_case_name(name: str) -> str:
     if not _CASE_NAME_RE.match(name) or ".." in name:
-        raise ValueError(f"CASE_NAME {name!r} must be a plain directory name (letters, digits, '.', '_', '-'; "
-                         f"no '/' or '..')")
+        raise ValueError(
+            f"CASE_NAME {name!r} must be a plain directory name (letters, digits, '.', '_', '-'; no '/' or '..')"
+        )
     return name
 
 
 def default_case_name(model_name: str, dtype: str, parallel, exe_mode: str) -> str:
     """A case name derived from the config: model, dtype, layout and mode, e.g. tiny-float32-w2a2t1e2v1l2-ge_graph."""
     p = parallel
-    layout = (f"w{p.world_size}a{p.attn_tp_size}t{p.moe_tp_size}e{p.moe_ep_size}"
-              f"v{p.embed_tp_size}l{p.lmhead_tp_size}")
+    layout = f"w{p.world_size}a{p.attn_tp_size}t{p.moe_tp_size}e{p.moe_ep_size}v{p.embed_tp_size}l{p.lmhead_tp_size}"
     model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model_name.rstrip("/")).name or "model").lstrip("._-") or "model"
     return f"{model}-{dtype}-{layout}-{exe_mode}"
 
@@ -103,6 +105,7 @@ def case_dir(case_name: str, workdir: str | os.PathLike | None = None) -> Path:
 
 # ------------------------------------------------------------------------------------- ownership, the key
 
+
 def private_dir(path: Path, what: str) -> Path:
     """`path` as an owner-only directory: the missing parts created 0o700, the whole checked `check_private`."""
     missing = []
@@ -113,11 +116,13 @@ def private_dir(path: Path, what: str) -> Path:
     for part in reversed(missing):
         try:
             os.mkdir(part, 0o700)
-        except FileExistsError:   # another rank made it meanwhile: checked below like any existing directory
+        except FileExistsError:  # another rank made it meanwhile: checked below like any existing directory
             pass
         except OSError as e:
-            raise CompileCacheError(f"cannot create the {what} {part} ({e.strerror}): run from a writable directory "
-                                    f"or turn the compile cache off (enable_cache_compile: false)") from None
+            raise CompileCacheError(
+                f"cannot create the {what} {part} ({e.strerror}): run from a writable directory "
+                f"or turn the compile cache off (enable_cache_compile: false)"
+            ) from None
     return check_private(path, what)
 
 
@@ -126,13 +131,17 @@ def check_private(path: Path, what: str) -> Path:
     CompileCacheError: whoever can write there can make this process run their code."""
     st = path.stat()
     if st.st_uid != os.geteuid():
-        raise CompileCacheError(f"the {what} {path} belongs to user id {st.st_uid}, not to this user ({os.geteuid()})"
-                                f": loading it would run another user's code; remove it or use another CASE_NAME")
-    loose = 0o077 if not stat.S_ISDIR(st.st_mode) else 0o022   # the key must not even be readable by others
+        raise CompileCacheError(
+            f"the {what} {path} belongs to user id {st.st_uid}, not to this user ({os.geteuid()})"
+            f": loading it would run another user's code; remove it or use another CASE_NAME"
+        )
+    loose = 0o077 if not stat.S_ISDIR(st.st_mode) else 0o022  # the key must not even be readable by others
     if st.st_mode & loose:
-        raise CompileCacheError(f"the {what} {path} has mode {stat.filemode(st.st_mode)} (open to group or others): "
-                                f"whoever can {'read' if loose == 0o077 else 'write'} it can make this process run "
-                                f"their code; chmod {'600' if loose == 0o077 else 'go-w'} {path}")
+        raise CompileCacheError(
+            f"the {what} {path} has mode {stat.filemode(st.st_mode)} (open to group or others): "
+            f"whoever can {'read' if loose == 0o077 else 'write'} it can make this process run "
+            f"their code; chmod {'600' if loose == 0o077 else 'go-w'} {path}"
+        )
     return path
 
 
@@ -157,8 +166,10 @@ def user_key(path: Path | None = None) -> bytes:
     check_private(path, "compile cache key")
     key = path.read_bytes()
     if len(key) < 32:
-        raise CompileCacheError(f"the compile cache key {path} holds {len(key)} bytes, fewer than 32: remove it (a "
-                                f"new key is made; entries written under the old one are then compiled again)")
+        raise CompileCacheError(
+            f"the compile cache key {path} holds {len(key)} bytes, fewer than 32: remove it (a "
+            f"new key is made; entries written under the old one are then compiled again)"
+        )
     return key
 
 
@@ -182,6 +193,7 @@ def entry_mac(secret: bytes, key: dict, files: dict[str, str]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- entries
+
 
 @dataclass
 class CompileCache:
@@ -224,24 +236,32 @@ class CacheEntry:
         try:
             files = file_digests(self.path)
             if not files and not (self.path / KEY_FILE).exists():
-                return False          # an empty directory: nothing was ever written
+                return False  # an empty directory: nothing was ever written
             manifest = json.loads((self.path / KEY_FILE).read_text())
             if manifest.get("key") != self.key:
                 raise ValueError("its key.json holds another key")
             written = manifest.get("files") or {}
             if files != written:
                 changed = sorted(f for f in set(files) | set(written) if files.get(f) != written.get(f))
-                raise ValueError(f"{len(changed)} file(s) missing, added or differing from key.json's checksums "
-                                 f"(e.g. {changed[0]}): truncated, corrupt or modified")
+                raise ValueError(
+                    f"{len(changed)} file(s) missing, added or differing from key.json's checksums "
+                    f"(e.g. {changed[0]}): truncated, corrupt or modified"
+                )
             mac = manifest.get("mac")
             if not (isinstance(mac, str) and hmac.compare_digest(mac, entry_mac(secret, self.key, files))):
                 if not self.trust:
-                    raise ValueError(f"this user did not write it (its MAC does not verify under {key_path()}), and "
-                                     f"loading it would run its code; set model_config.trust_compile_cache: true to "
-                                     f"load entries copied from another node")
-                warnings.warn(f"compile cache entry {self.path} was written under another key; loading it because "
-                              f"the cache is trusted (trust_compile_cache)", CompileCacheWarning, stacklevel=3)
-        except (OSError, ValueError, AttributeError, TypeError, RecursionError) as e:   # unreadable: drop it
+                    raise ValueError(
+                        f"this user did not write it (its MAC does not verify under {key_path()}), and "
+                        f"loading it would run its code; set model_config.trust_compile_cache: true to "
+                        f"load entries copied from another node"
+                    )
+                warnings.warn(
+                    f"compile cache entry {self.path} was written under another key; loading it because "
+                    f"the cache is trusted (trust_compile_cache)",
+                    CompileCacheWarning,
+                    stacklevel=3,
+                )
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError) as e:  # unreadable: drop it
             self.discard(f"{type(e).__name__}: {e}")
             return False
         return True
@@ -281,8 +301,11 @@ class CacheEntry:
         _atomic_write(self.path / KEY_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
     def discard(self, why: str) -> None:
-        warnings.warn(f"compile cache entry {self.path} is unusable ({why}); discarding it and compiling fresh",
-                      CompileCacheWarning, stacklevel=3)
+        warnings.warn(
+            f"compile cache entry {self.path} is unusable ({why}); discarding it and compiling fresh",
+            CompileCacheWarning,
+            stacklevel=3,
+        )
         shutil.rmtree(self.path, ignore_errors=True)
 
 

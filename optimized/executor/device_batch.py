@@ -3,6 +3,7 @@ the scheduler runs them, from when it is admitted until it finishes.
 
 See docs/architecture.md, "Notes from the code", optimized/executor/device_batch.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,24 +11,28 @@ import torch
 from optimized.executor.kv_cache import NULL_BLOCK, slot_mapping
 from optimized.executor.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, BatchPenalties, BatchSampling, seed_key
 
-PAD_KV_LEN = 2   # KV length of a dummy or padding row: never 1, which a graph compiler specializes (executor/graph.py)
+PAD_KV_LEN = 2  # KV length of a dummy or padding row: never 1, which a graph compiler specializes (executor/graph.py)
 
 
 class DeviceBatch:
     def __init__(self, capacity: int, width: int, device: torch.device, vocab_size: int = 0):
         """capacity: the most rows (the DP group's share of batch_size); width: block-table columns
         (ceil(max_position_embeddings / block_size)); vocab_size: the penalty state's width."""
-        rows = capacity + 1                                    # + the dummy row
+        rows = capacity + 1  # + the dummy row
         self.capacity, self.width, self.device, self.n = capacity, width, device, 0
         self.vocab_size = vocab_size
         self.penalties: BatchPenalties | None = None
-        self.penalized: list[bool] = []                        # host: which running rows have a processor on
+        self.penalized: list[bool] = []  # host: which running rows have a processor on
         self.table = torch.full((rows, width), NULL_BLOCK, dtype=torch.int32, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.last_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.sampling = BatchSampling(torch.zeros(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device),
-                                      torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.int64, device=device),
-                                      torch.zeros(rows, dtype=torch.int64, device=device))
+        self.sampling = BatchSampling(
+            torch.zeros(rows, device=device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+            torch.ones(rows, device=device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+        )
         self._tensors = (self.table, self.positions, self.last_ids, *vars(self.sampling).values())
 
     @property
@@ -37,12 +42,17 @@ class DeviceBatch:
     def _new_penalties(self) -> BatchPenalties:
         rows, v, d = self.capacity + 1, self.vocab_size, self.device
         return BatchPenalties(
-            torch.zeros(rows, v, dtype=torch.int32, device=d), torch.zeros(rows, v, dtype=torch.bool, device=d),
-            torch.ones(rows, device=d), torch.zeros(rows, device=d), torch.zeros(rows, device=d),
+            torch.zeros(rows, v, dtype=torch.int32, device=d),
+            torch.zeros(rows, v, dtype=torch.bool, device=d),
+            torch.ones(rows, device=d),
+            torch.zeros(rows, device=d),
+            torch.zeros(rows, device=d),
             torch.zeros(rows, dtype=torch.int64, device=d),
-            torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.int64, device=d), torch.zeros(rows, MAX_LOGIT_BIAS, device=d),
+            torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.int64, device=d),
+            torch.zeros(rows, MAX_LOGIT_BIAS, device=d),
             torch.zeros(rows, MAX_STOP_IDS, dtype=torch.int64, device=d),
-            torch.zeros(rows, MAX_STOP_IDS, dtype=torch.bool, device=d))
+            torch.zeros(rows, MAX_STOP_IDS, dtype=torch.bool, device=d),
+        )
 
     def _tensor_list(self):
         return self._tensors + (tuple(vars(self.penalties).values()) if self.penalties is not None else ())
@@ -83,16 +93,14 @@ class DeviceBatch:
         p.bias[at] = torch.tensor(bias, device=d)
         stops = [sorted(r.stop_ids) if r.sampling.min_tokens else [] for _, r in rows]
         p.stop_ids[at] = torch.tensor([s + [0] * (MAX_STOP_IDS - len(s)) for s in stops], device=d)
-        p.stop_valid[at] = torch.tensor([[True] * len(s) + [False] * (MAX_STOP_IDS - len(s)) for s in stops],
-                                        device=d)
+        p.stop_valid[at] = torch.tensor([[True] * len(s) + [False] * (MAX_STOP_IDS - len(s)) for s in stops], device=d)
         # the prompt mask and the counts of tokens already generated (a recompute), as (row, token) pairs
         prompt = [(i, t) for i, r in rows for t in r.prompt]
-        pairs = torch.tensor(prompt + [(i, t) for i, r in rows for t in r.tokens], device=d)    # [k, 2]
-        p.prompt[pairs[:len(prompt), 0], pairs[:len(prompt), 1]] = True
+        pairs = torch.tensor(prompt + [(i, t) for i, r in rows for t in r.tokens], device=d)  # [k, 2]
+        p.prompt[pairs[: len(prompt), 0], pairs[: len(prompt), 1]] = True
         if len(pairs) > len(prompt):
-            gen = pairs[len(prompt):]
-            p.counts.index_put_((gen[:, 0], gen[:, 1]), torch.ones_like(gen[:, 0], dtype=torch.int32),
-                                accumulate=True)
+            gen = pairs[len(prompt) :]
+            p.counts.index_put_((gen[:, 0], gen[:, 1]), torch.ones_like(gen[:, 0], dtype=torch.int32), accumulate=True)
 
     def admit(self, requests) -> tuple[int, int]:
         """Rows for newly admitted requests (blocks allocated): their table rows, positions and sampling rows,
@@ -109,9 +117,10 @@ class DeviceBatch:
             s.temperature[start:end] = torch.tensor([float(p.temperature) for p in params], device=self.device)
             s.top_k[start:end] = torch.tensor([p.top_k for p in params], device=self.device)
             s.top_p[start:end] = torch.tensor([float(p.top_p) for p in params], device=self.device)
-            s.keys[start:end] = torch.tensor([seed_key(p.seed or 0, r.stream) for p, r in zip(params, requests)],
-                                             device=self.device)
-            if any(r.tokens for r in requests):      # recomputed: their draws go on from the tokens they have
+            s.keys[start:end] = torch.tensor(
+                [seed_key(p.seed or 0, r.stream) for p, r in zip(params, requests)], device=self.device
+            )
+            if any(r.tokens for r in requests):  # recomputed: their draws go on from the tokens they have
                 s.draws[start:end] = torch.tensor([len(r.tokens) for r in requests], device=self.device)
             else:
                 s.draws[start:end] = 0
@@ -123,9 +132,11 @@ class DeviceBatch:
         """(row, column, block) entries written into the block table: one host-to-device copy of the triples."""
         for row, column, _ in blocks:
             if not (0 <= row < self.n and 0 <= column < self.width):
-                raise IndexError(f"table entry ({row}, {column}) is outside the running rows 0..{self.n - 1} or the "
-                                 f"table's {self.width} columns")
-        entries = torch.tensor(blocks, dtype=torch.int64, device=self.device)        # [k, 3]
+                raise IndexError(
+                    f"table entry ({row}, {column}) is outside the running rows 0..{self.n - 1} or the "
+                    f"table's {self.width} columns"
+                )
+        entries = torch.tensor(blocks, dtype=torch.int64, device=self.device)  # [k, 3]
         self.table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(self.table.dtype)
 
     def remove(self, row: int) -> None:
@@ -134,11 +145,11 @@ class DeviceBatch:
             raise IndexError(f"row {row} is not a running row (0..{self.n - 1})")
         if row < self.n - 1:
             for t in self._tensor_list():
-                t[row:self.n - 1] = t[row + 1:self.n].clone()
+                t[row : self.n - 1] = t[row + 1 : self.n].clone()
         del self.penalized[row]
         self.n -= 1
         if self.penalties is not None and not any(self.penalized):
-            self.penalties = None                  # no running row has a processor on: free the state
+            self.penalties = None  # no running row has a processor on: free the state
 
     def sampling_rows(self, start: int, end: int) -> BatchSampling:
         s = self.sampling
@@ -154,7 +165,7 @@ class DeviceBatch:
         """After a step: rows [start, end) chose `chosen` (-1: non-finite); a decode step also moved them one
         position on."""
         self.last_ids[start:end] = chosen.clamp(min=0)
-        if self.penalties is not None:      # the generated-token counts (a row that chose -1 finishes: no count)
+        if self.penalties is not None:  # the generated-token counts (a row that chose -1 finishes: no count)
             ones = (chosen >= 0).to(torch.int32).unsqueeze(-1)
             self.penalties.counts[start:end].scatter_add_(1, chosen.clamp(min=0).unsqueeze(-1), ones)
         self.sampling.draws[start:end] += 1

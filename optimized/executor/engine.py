@@ -2,6 +2,7 @@
 
 See docs/architecture.md, "Notes from the code", optimized/executor/engine.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,12 +26,13 @@ class RequestTooLarge(UsageError, ValueError):
 @dataclass
 class TokenEvent:
     """One generated token of one request, as a step produced it."""
+
     request: Request
     token: int
-    logprob: float | None = None                        # log-softmax of the chosen token (when asked)
+    logprob: float | None = None  # log-softmax of the chosen token (when asked)
     top_logprobs: list[tuple[int, float]] | None = None  # the request's top-k (token, logprob), best first
     finished: bool = False
-    error: str | None = None                            # the request failed at this step (non-finite logits)
+    error: str | None = None  # the request failed at this step (non-finite logits)
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,21 @@ class Engine:
         self.runner, self.model, self.device = runner, runner.model, runner.device
         self.dp_size, self.dp_rank = runner.dp_size, runner.dp_rank
         self.scheduler = Scheduler(batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1, self.dp_size)
-        runner.check_mc2(batch_size)          # the largest decode batch: MC2 window and kernel limits
-        runner.check_memory(num_blocks)       # mem_fraction_static: the weights and this pool fit
-        self.cache = PagedKVCache(runner.num_layers, num_blocks, runner.block_size, runner.kv_heads, runner.head_dim,
-                                  runner.kv_cache_dtype, self.device)
+        runner.check_mc2(batch_size)  # the largest decode batch: MC2 window and kernel limits
+        runner.check_memory(num_blocks)  # mem_fraction_static: the weights and this pool fit
+        self.cache = PagedKVCache(
+            runner.num_layers,
+            num_blocks,
+            runner.block_size,
+            runner.kv_heads,
+            runner.head_dim,
+            runner.kv_cache_dtype,
+            self.device,
+        )
         # Every DP group's block bookkeeping (host), this rank's with its tensors.
-        self.pools = [self.cache if g == self.dp_rank else BlockPool(num_blocks, runner.block_size)
-                      for g in range(self.dp_size)]
+        self.pools = [
+            self.cache if g == self.dp_rank else BlockPool(num_blocks, runner.block_size) for g in range(self.dp_size)
+        ]
         width = math.ceil(runner.max_positions / runner.block_size)
         self.batch = DeviceBatch(self.scheduler.group_batch, width, self.device, runner.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -80,8 +90,10 @@ class Engine:
         if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise ValueError(f"max_tokens={request.max_tokens!r} must be an integer >= 1")
         if len(request.prompt) + request.max_tokens > r.max_positions:
-            raise RequestTooLarge(f"{len(request.prompt)} prompt tokens + max_tokens {request.max_tokens} exceed the "
-                                  f"model's context length max_position_embeddings={r.max_positions}")
+            raise RequestTooLarge(
+                f"{len(request.prompt)} prompt tokens + max_tokens {request.max_tokens} exceed the "
+                f"model's context length max_position_embeddings={r.max_positions}"
+            )
         q = request.sampling
         bad = [t for t, _ in q.logit_bias if t >= r.vocab_size]
         if bad:
@@ -89,8 +101,9 @@ class Engine:
         if q.min_tokens > request.max_tokens:
             raise ValueError(f"min_tokens={q.min_tokens} is more than max_tokens={request.max_tokens}")
         if q.min_tokens and len(request.stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"min_tokens holds back at most {MAX_STOP_IDS} stop ids; the request has "
-                             f"{len(request.stop_ids)}")
+            raise ValueError(
+                f"min_tokens holds back at most {MAX_STOP_IDS} stop ids; the request has {len(request.stop_ids)}"
+            )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         try:
@@ -143,18 +156,23 @@ class Engine:
             start = self.runner.clock()
             zeros = torch.zeros(bucket, dtype=torch.int64, device=self.device)
             meta = ForwardMetadata(
-                is_prefill=False, positions=zeros, actual_seq_lengths_cu_q=list(range(1, bucket + 1)),
-                actual_seq_lengths_kv=[PAD_KV_LEN] * bucket, slot_mapping=zeros,
+                is_prefill=False,
+                positions=zeros,
+                actual_seq_lengths_cu_q=list(range(1, bucket + 1)),
+                actual_seq_lengths_kv=[PAD_KV_LEN] * bucket,
+                slot_mapping=zeros,
                 block_table=torch.zeros(bucket, 1, dtype=torch.int32, device=self.device),
-                block_size=self.runner.block_size, dp=self._dp([bucket] * self.dp_size))
+                block_size=self.runner.block_size,
+                dp=self._dp([bucket] * self.dp_size),
+            )
             self.runner.decode_forward(zeros, meta, self.cache.layers).float().sum().item()
             self.warm_up_timings[bucket] = self.runner.clock() - start
 
     # ---- one step
     @torch.no_grad()
     def step(self) -> tuple[Step, list[TokenEvent]]:
-        start = self.runner.clock()    # the step's wall time: scheduling to bookkeeping (the host overhead's base)
-        step = self.scheduler.schedule(self.pools)     # admitted requests take their blocks, running ones grow
+        start = self.runner.clock()  # the step's wall time: scheduling to bookkeeping (the host overhead's base)
+        step = self.scheduler.schedule(self.pools)  # admitted requests take their blocks, running ones grow
         self.steps += 1
         if step.kind == "idle":
             self.last_timing = StepTiming("idle", 0.0)
@@ -183,8 +201,7 @@ class Engine:
         for request, row in step.preempted:
             if request.dp_group == self.dp_rank:
                 self.batch.remove(row)
-        grown = [(running.index(r), column, r.blocks[column]) for r, column in step.grown
-                 if r.dp_group == self.dp_rank]
+        grown = [(running.index(r), column, r.blocks[column]) for r, column in step.grown if r.dp_group == self.dp_rank]
         if grown:
             self.batch.grow(grown)
 
@@ -204,17 +221,20 @@ class Engine:
         admitted request runs one dummy token into the null block (logits row dropped)."""
         own = groups[self.dp_rank]
         if own:
-            table = self.batch.table[span[0]:span[1]]
+            table = self.batch.table[span[0] : span[1]]
             # the columns the prompts use, contiguous as the attention kernel takes it (a device copy)
-            table = table[:, :max(math.ceil(len(r.prefill_ids) / self.runner.block_size) for r in own)].contiguous()
-            ids, meta, indices = self.runner.prefill_inputs([r.prefill_ids for r in own], table,
-                                                            keep=[r.kept_prompt_positions for r in own])
+            table = table[:, : max(math.ceil(len(r.prefill_ids) / self.runner.block_size) for r in own)].contiguous()
+            ids, meta, indices = self.runner.prefill_inputs(
+                [r.prefill_ids for r in own], table, keep=[r.kept_prompt_positions for r in own]
+            )
         else:
             dummy = self.batch.dummy
-            ids, meta, indices = self.runner.prefill_inputs([[0]], self.batch.table[dummy:dummy + 1, :1])
+            ids, meta, indices = self.runner.prefill_inputs([[0]], self.batch.table[dummy : dummy + 1, :1])
         n_kept = sum(len(r.kept_prompt_positions) for r in own)
-        meta.dp = self._dp([sum(len(r.prefill_ids) for r in g) or 1 for g in groups],
-                           [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups])
+        meta.dp = self._dp(
+            [sum(len(r.prefill_ids) for r in g) or 1 for g in groups],
+            [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups],
+        )
         logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
         return logits[n_kept:], logits[:n_kept], ids
 
@@ -224,10 +244,15 @@ class Engine:
         kv_lens = [r.length + 1 for r in own] or [PAD_KV_LEN]
         width = max(math.ceil(n / self.runner.block_size) for n in kv_lens)
         meta = ForwardMetadata(
-            is_prefill=False, positions=b.positions[start:end], actual_seq_lengths_cu_q=list(range(1, end - start + 1)),
-            actual_seq_lengths_kv=kv_lens, slot_mapping=b.slots(start, end, self.runner.block_size),
-            block_table=b.table[start:end, :width].contiguous(), block_size=self.runner.block_size,
-            dp=self._dp([len(g) or 1 for g in groups]))
+            is_prefill=False,
+            positions=b.positions[start:end],
+            actual_seq_lengths_cu_q=list(range(1, end - start + 1)),
+            actual_seq_lengths_kv=kv_lens,
+            slot_mapping=b.slots(start, end, self.runner.block_size),
+            block_table=b.table[start:end, :width].contiguous(),
+            block_size=self.runner.block_size,
+            dp=self._dp([len(g) or 1 for g in groups]),
+        )
         return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
 
     # ---- choosing and reading back
@@ -236,7 +261,7 @@ class Engine:
         for logprobs, every row's chosen logprob and top-k values and ids (k: the most any row asked; no row index
         to copy to the device); in a prefill, the echo rows' prompt logprobs and their top-k."""
         if not rows:
-            return [1]                                         # the dummy's id
+            return [1]  # the dummy's id
         k = max((r.logprobs for r in rows if r.logprobs is not None), default=-1)
         n = len(rows)
         sizes = [n, n if k >= 0 else 0, 2 * n * max(k, 0)]
@@ -267,9 +292,9 @@ class Engine:
             lp, targets, offset, token = [], [], 0, 0
             for r in rows:
                 n = len(r.kept_prompt_positions)
-                if r.echo:    # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
-                    lp.append(torch.log_softmax(kept[offset:offset + n].float(), dim=-1))
-                    targets.append(ids[token + 1:token + len(r.prompt)])
+                if r.echo:  # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
+                    lp.append(torch.log_softmax(kept[offset : offset + n].float(), dim=-1))
+                    targets.append(ids[token + 1 : token + len(r.prompt)])
                 offset += n
                 token += len(r.prefill_ids)
             lp = torch.cat(lp)
@@ -281,9 +306,14 @@ class Engine:
 
     def _choose(self, logits: torch.Tensor, span, sampled: bool) -> torch.Tensor:
         from optimized.executor.sampling import choose
+
         b = self.batch
-        return choose(logits, b.sampling_rows(*span) if sampled else None, b.penalty_rows(*span),
-                      b.sampling.draws[span[0]:span[1]])
+        return choose(
+            logits,
+            b.sampling_rows(*span) if sampled else None,
+            b.penalty_rows(*span),
+            b.sampling.draws[span[0] : span[1]],
+        )
 
     def _share(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every DP group's rows of `x`, group by group, gathered over the attention DP group (one rank per DP
@@ -302,7 +332,7 @@ class Engine:
         self._keep_logits_rows(groups, logits, kept, kind)
         out, at = [], 0
         for n in sizes:
-            out.append(values[at:at + n])
+            out.append(values[at : at + n])
             at += n
         return out
 
@@ -324,7 +354,7 @@ class Engine:
         every = self._share(rows.float(), sizes).cpu()
         at = 0
         for g, n in zip(groups, sizes):
-            block, at = every[at:at + n], at + n
+            block, at = every[at : at + n], at + n
             if not g:
                 continue
             n_kept = sum(len(r.kept_prompt_positions) for r in g) if kind == "prefill" else 0
@@ -334,7 +364,7 @@ class Engine:
                 if kind == "prefill":
                     n = len(r.kept_prompt_positions)
                     if r.prompt_positions is not None and not r.tokens:
-                        r.prompt_logits = prompt_rows[offset:offset + n]
+                        r.prompt_logits = prompt_rows[offset : offset + n]
                     offset += n
                 if r.record_logits:
                     r.logits.append(last_rows[i])
@@ -348,9 +378,13 @@ class Engine:
             n = len(rows)
             ids = [int(t) for t in v[:n]]
             k = sizes[2] // (2 * n)
-            chosen_lp, top_v, top_i = v[n:n + sizes[1]], v[2 * n:2 * n + n * k], v[2 * n + n * k:2 * n + 2 * n * k]
+            chosen_lp, top_v, top_i = (
+                v[n : n + sizes[1]],
+                v[2 * n : 2 * n + n * k],
+                v[2 * n + n * k : 2 * n + 2 * n * k],
+            )
             if step.kind == "prefill":
-                self._prompt_logprobs(rows, v[sum(sizes[:3]):])
+                self._prompt_logprobs(rows, v[sum(sizes[:3]) :])
             for i, (request, token) in enumerate(zip(rows, ids)):
                 lp = top = None
                 if request.logprobs is not None:
@@ -365,20 +399,27 @@ class Engine:
             return
         k = max(r.logprobs or 0 for r in echo)
         n_echo = sum(len(r.prompt) - 1 for r in echo)
-        values, top_v, top_i = v[:n_echo], v[n_echo:n_echo + n_echo * k], v[n_echo + n_echo * k:n_echo + 2 * n_echo * k]
+        values, top_v, top_i = (
+            v[:n_echo],
+            v[n_echo : n_echo + n_echo * k],
+            v[n_echo + n_echo * k : n_echo + 2 * n_echo * k],
+        )
         at = 0
         for r in echo:
             n, m = len(r.prompt) - 1, r.logprobs or 0
             r.prompt_logprob_values = [
                 (values[at + j], [(int(top_i[(at + j) * k + t]), top_v[(at + j) * k + t]) for t in range(m)])
-                for j in range(n)]
+                for j in range(n)
+            ]
             at += n
 
     def _take(self, request: Request, token: int, lp, top) -> TokenEvent:
         if token < 0:
             request.finish_reason = "error"
-            request.error = (f"step {self.steps} produced non-finite logits (NaN or inf) for request "
-                             f"{request.request_id!r} after {len(request.tokens)} generated token(s)")
+            request.error = (
+                f"step {self.steps} produced non-finite logits (NaN or inf) for request "
+                f"{request.request_id!r} after {len(request.tokens)} generated token(s)"
+            )
             return TokenEvent(request, token, finished=True, error=request.error)
         if not request.tokens:
             request.first_token_step = self.steps
@@ -395,7 +436,8 @@ class Engine:
 def shared_seed(device: torch.device) -> int:
     """A fresh random seed, the same on every rank (rank 0's, broadcast) when the model is sharded."""
     import torch.distributed as dist
-    seed = torch.tensor([fresh_seed()], device=device)   # hccl / nccl broadcast device tensors only
+
+    seed = torch.tensor([fresh_seed()], device=device)  # hccl / nccl broadcast device tensors only
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(seed, src=0)
     return int(seed)

@@ -2,6 +2,7 @@
 
 See docs/graph_mode.md, "Notes from the code", optimized/executor/graph.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,7 @@ from optimized.executor.kv_cache import NULL_BLOCK
 # compiled before the registration would be reused without the inlining. Not on import: importing inductor's
 # decompositions costs about 2 s of CPU, which every eager process (each rank of a torchrun job) would pay.
 
-PAD_KV_LEN = 2   # KV length of a padding slot (see the module docstring): never 1, which the compiler specializes
+PAD_KV_LEN = 2  # KV length of a padding slot (see the module docstring): never 1, which the compiler specializes
 
 # Dynamo settings while a graph step runs (and compiles): see the module docstring.
 DYNAMO_SETTINGS = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)
@@ -45,8 +46,11 @@ def compile_settings():
     registry.inline_in_inductor()
     ours, tag = f"qwen3_moe_kernels={registry.kernels_source_hash()}", torch.compiler.config.cache_key_tag
     tag = tag if ours in tag.split("|") else "|".join(filter(None, (tag, ours)))
-    with torch._dynamo.config.patch(**DYNAMO_SETTINGS), inductor_config.patch(**INDUCTOR_SETTINGS), \
-            torch.compiler.config.patch(cache_key_tag=tag):
+    with (
+        torch._dynamo.config.patch(**DYNAMO_SETTINGS),
+        inductor_config.patch(**INDUCTOR_SETTINGS),
+        torch.compiler.config.patch(cache_key_tag=tag),
+    ):
         yield
 
 
@@ -64,9 +68,16 @@ class DecodeStep(nn.Module):
         # Attention DP: every DP group runs the same bucket (GraphDecoder pads each to it), so the step's DP sizes
         # follow from the static batch alone.
         dp = DataParallelBatch((batch,) * self.dp_groups, self.attn_tp_size) if self.dp_groups > 1 else None
-        meta = ForwardMetadata(is_prefill=False, positions=positions,
-                               actual_seq_lengths_cu_q=list(range(1, batch + 1)), actual_seq_lengths_kv=kv_lens,
-                               slot_mapping=slot_mapping, block_table=block_table, block_size=self.block_size, dp=dp)
+        meta = ForwardMetadata(
+            is_prefill=False,
+            positions=positions,
+            actual_seq_lengths_cu_q=list(range(1, batch + 1)),
+            actual_seq_lengths_kv=kv_lens,
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            block_size=self.block_size,
+            dp=dp,
+        )
         return self.model(input_ids, meta, kv_caches)
 
 
@@ -82,8 +93,15 @@ class Startup:
 class GraphDecoder:
     """Drop-in for the model's decode call: (input_ids [B], decode meta, kv_caches) -> logits [B, V]."""
 
-    def __init__(self, model, exe_mode: str = "ge_graph", cache: CompileCache | None = None, *,
-                 buckets: tuple[int, ...] | None = None, compiler=None):
+    def __init__(
+        self,
+        model,
+        exe_mode: str = "ge_graph",
+        cache: CompileCache | None = None,
+        *,
+        buckets: tuple[int, ...] | None = None,
+        compiler=None,
+    ):
         """buckets: the captured batch sizes (default: powers of two, each captured on first use).
         compiler: `compile(step) -> callable`, default `platform.graph_compiler(exe_mode)`."""
         if exe_mode not in GRAPH_MODES:
@@ -92,7 +110,7 @@ class GraphDecoder:
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
         self.compiler = compiler or platform.graph_compiler(exe_mode)
-        self.inlined = registry.inline_in_inductor()   # before any step of this decoder compiles
+        self.inlined = registry.inline_in_inductor()  # before any step of this decoder compiles
         # On NPU torchair's cache_compile owns the cache: one directory and one compiled step per batch bucket (its
         # saver treats a second input shape as a recompile, and a loaded cache replays without shape guards); that
         # directory is the bucket's cache entry, verified before torchair reads it and signed after its first call.
@@ -101,9 +119,9 @@ class GraphDecoder:
         # (block_size, KV dtype, bucket) -> compiled DecodeStep; inductor's buckets share one (bucket None): dynamo
         # guards and recompiles per shape, while each torchair bucket has its own cache_compile directory.
         self.steps: dict[tuple, object] = {}
-        self.startup: dict[int, Startup] = {}       # bucket -> how its graph was obtained
-        self.padding: dict[int, int] = {}           # batch -> bucket, for every batch that was padded
-        self._marked = None                         # the KV cache whose shapes were last marked static
+        self.startup: dict[int, Startup] = {}  # bucket -> how its graph was obtained
+        self.padding: dict[int, int] = {}  # batch -> bucket, for every batch that was padded
+        self._marked = None  # the KV cache whose shapes were last marked static
 
     @torch.no_grad()  # always: grad mode is part of what a compiled graph is guarded on
     def __call__(self, input_ids: torch.Tensor, meta: ForwardMetadata, kv_caches) -> torch.Tensor:
@@ -119,12 +137,12 @@ class GraphDecoder:
             raise ValueError(f"position {max(kv_lens) - 1} exceeds max_position_embeddings={self.max_positions}")
         inputs = self.pad_inputs(input_ids, meta, kv_lens, bucket)
         caches = list(kv_caches)
-        if self._marked is None or self._marked() is not caches[0][0]:   # a new cache: mark it once
-            for layer_cache in caches:                 # (k, v) or, FP8, (k, v, k_scale, v_scale)
+        if self._marked is None or self._marked() is not caches[0][0]:  # a new cache: mark it once
+            for layer_cache in caches:  # (k, v) or, FP8, (k, v, k_scale, v_scale)
                 for t in layer_cache:
                     for dim in range(1, t.dim()):  # the block count stays symbolic: the pool size may change
                         torch._dynamo.mark_static(t, dim)
-            self._marked = weakref.ref(caches[0][0])   # a weak reference: the cache is freed after its run
+            self._marked = weakref.ref(caches[0][0])  # a weak reference: the cache is freed after its run
         kv_dtype = caches[0][0].dtype
         step_key = (meta.block_size, kv_dtype, bucket if self.torchair_cache else None)
         step = self.steps.get(step_key)
@@ -136,14 +154,17 @@ class GraphDecoder:
             return step(*inputs, caches)[:batch]
 
     def _entry(self, block_size: int, kv_dtype: torch.dtype, bucket: int):
-        return self.cache.entry(cache_key(self.model, batch_bucket=bucket, block_size=block_size,
-                                          exe_mode=self.exe_mode, kv_cache_dtype=kv_dtype))
+        return self.cache.entry(
+            cache_key(
+                self.model, batch_bucket=bucket, block_size=block_size, exe_mode=self.exe_mode, kv_cache_dtype=kv_dtype
+            )
+        )
 
     def _compile(self, block_size: int, kv_dtype: torch.dtype, bucket: int):
         if self.torchair_cache:  # one cache_compile directory per bucket: the bucket's entry (its key names the bucket)
             entry = self._entry(block_size, kv_dtype, bucket)
-            entry.verify()       # an entry this user did not write (or a broken one) is discarded before torchair reads it
-            entry.create()       # owner-only, before torchair writes into it
+            entry.verify()  # an entry this user did not write (or a broken one) is discarded before torchair reads it
+            entry.create()  # owner-only, before torchair writes into it
             compiler = platform.graph_compiler(self.exe_mode, cache_dir=entry.path)
             return compiler(DecodeStep(self.model, block_size))
         return self.compiler(DecodeStep(self.model, block_size))
@@ -154,11 +175,13 @@ class GraphDecoder:
         width = math.ceil(self.max_positions / block_size)
         table = meta.block_table
         if table.shape[1] > width:
-            raise ValueError(f"block_table has {table.shape[1]} columns; at most {width} "
-                             f"(max_position_embeddings {self.max_positions} / block_size {block_size})")
+            raise ValueError(
+                f"block_table has {table.shape[1]} columns; at most {width} "
+                f"(max_position_embeddings {self.max_positions} / block_size {block_size})"
+            )
         pad = bucket - batch
         padded_table = table.new_full((bucket, width), NULL_BLOCK)
-        padded_table[:batch, :table.shape[1]] = table
+        padded_table[:batch, : table.shape[1]] = table
         ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
         positions = torch.cat([meta.positions, meta.positions.new_zeros(pad)])
         slots = torch.cat([meta.slot_mapping, meta.slot_mapping.new_full((pad,), NULL_BLOCK * block_size)])
@@ -181,23 +204,31 @@ class GraphDecoder:
                 out = step(*inputs, caches)
                 if inductor_entry and source == "compiled":
                     entry.save(torch.compiler.save_cache_artifacts())
-                elif entry is not None:   # loaded or torchair's: sign what is there now (files it added included)
+                elif entry is not None:  # loaded or torchair's: sign what is there now (files it added included)
                     entry.sign()
         self.startup[bucket] = Startup(source, time.perf_counter() - start)
         return out
 
     def describe(self) -> list[str]:
         """Lines for the user: backend, how each bucket's graph was obtained, and any batch padding."""
-        lines = [f"graph mode {platform.graph_backend_description(self.exe_mode)}; decode captured per batch "
-                 f"bucket {sorted(self.startup)}"]
+        lines = [
+            f"graph mode {platform.graph_backend_description(self.exe_mode)}; decode captured per batch "
+            f"bucket {sorted(self.startup)}"
+        ]
         if self.inlined:
-            lines.append(f"  inlined (traced and fused by the compiler, not called as operators): {', '.join(self.inlined)}")
+            lines.append(
+                f"  inlined (traced and fused by the compiler, not called as operators): {', '.join(self.inlined)}"
+            )
         for bucket, s in sorted(self.startup.items()):
-            lines.append(f"  bucket {bucket}: {s.source}{' from the compile cache' if s.source == 'loaded' else ''}"
-                         f" in {s.seconds:.1f} s (first call)")
+            lines.append(
+                f"  bucket {bucket}: {s.source}{' from the compile cache' if s.source == 'loaded' else ''}"
+                f" in {s.seconds:.1f} s (first call)"
+            )
         for batch, bucket in sorted(self.padding.items()):
-            lines.append(f"  batch {batch} padded to the captured bucket {bucket} ({bucket - batch} padding slot(s) "
-                         f"write only the null KV block; their logits are dropped)")
+            lines.append(
+                f"  batch {batch} padded to the captured bucket {bucket} ({bucket - batch} padding slot(s) "
+                f"write only the null KV block; their logits are dropped)"
+            )
         return lines
 
 
@@ -206,6 +237,7 @@ def _fresh_artifacts():
     """Record only this compile's cache artefacts (so one entry holds one bucket's graph)."""
     try:
         from torch.compiler._cache import CacheArtifactManager
+
         manager = CacheArtifactManager.with_fresh_cache()
     except (ImportError, AttributeError):  # older torch: save whatever was recorded
         manager = contextlib.nullcontext()

@@ -3,9 +3,11 @@
 Cache tensors are [num_blocks, block_size, kv_heads, head_dim] ("BnBsND"); attention reads them as
 BnBsH. A float8_e4m3fn cache (the recipe's per-token FP8 KV cache) adds one float32 scale cache per K and V,
 [num_blocks, block_size]: one de-quantization scale per token, written through the same slot mapping, so
-a layer's cache is (k, v) or (k, v, k_scale, v_scale). Block 0 is the null block: padding entries of block tables point at it and it is never handed
+a layer's cache is (k, v) or (k, v, k_scale, v_scale). Block 0 is the null block: padding entries of block tables point
+at it and it is never handed
 out, so a stray write to it cannot corrupt a request.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,7 +16,7 @@ import torch
 
 NULL_BLOCK = 0
 QUANTIZED_DTYPES = (torch.float8_e4m3fn,)
-SCALE_BYTES = 4   # one float32 de-quantization scale per token, for K and for V
+SCALE_BYTES = 4  # one float32 de-quantization scale per token, for K and for V
 
 
 def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -36,7 +38,7 @@ class BlockPool:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be positive")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))   # pop() hands out 1, 2, 3, ...
+        self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out 1, 2, 3, ...
 
     @property
     def free_blocks(self) -> int:
@@ -46,15 +48,18 @@ class BlockPool:
         """Blocks for a request of up to `num_tokens` tokens."""
         needed = math.ceil(num_tokens / self.block_size)
         if needed > len(self._free):
-            raise RuntimeError(f"KV cache out of blocks: a request of {num_tokens} tokens needs {needed} blocks of "
-                               f"{self.block_size}, {len(self._free)} free of {self.num_blocks - 1}")
+            raise RuntimeError(
+                f"KV cache out of blocks: a request of {num_tokens} tokens needs {needed} blocks of "
+                f"{self.block_size}, {len(self._free)} free of {self.num_blocks - 1}"
+            )
         return self.take(needed)
 
     def take(self, count: int) -> list[int]:
         """`count` more blocks (a running request whose next token starts a new block)."""
         if count > len(self._free):
-            raise RuntimeError(f"KV cache out of blocks: {count} asked, {len(self._free)} free of "
-                               f"{self.num_blocks - 1}")
+            raise RuntimeError(
+                f"KV cache out of blocks: {count} asked, {len(self._free)} free of {self.num_blocks - 1}"
+            )
         return [self._free.pop() for _ in range(count)]
 
     def release(self, blocks: list[int]) -> None:
@@ -62,8 +67,16 @@ class BlockPool:
 
 
 class PagedKVCache(BlockPool):
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         super().__init__(num_blocks, block_size)
         self.dtype = dtype
         shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -74,6 +87,7 @@ class PagedKVCache(BlockPool):
                 return kv
             scales = [torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device) for _ in range(2)]
             return kv + tuple(scales)
+
         self.layers = [layer() for _ in range(num_layers)]
 
     @property
@@ -85,11 +99,12 @@ def block_table(requests_blocks: list[list[int]], device: torch.device | str) ->
     """[B, max_blocks] int32, each row padded with the null block."""
     width = max((len(blocks) for blocks in requests_blocks), default=0) or 1
     rows = [blocks + [NULL_BLOCK] * (width - len(blocks)) for blocks in requests_blocks]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(rows), width)   # [B, W], also for B 0
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(rows), width)  # [B, W], also for B 0
 
 
-def slot_mapping(table: torch.Tensor, request_of_token: torch.Tensor, positions: torch.Tensor,
-                 block_size: int) -> torch.Tensor:
+def slot_mapping(
+    table: torch.Tensor, request_of_token: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Cache slot of each token: block_table[b, pos // block_size] * block_size + pos % block_size."""
     blocks = table[request_of_token, positions // block_size].long()
     return blocks * block_size + positions % block_size

@@ -5,6 +5,7 @@ The engine (executor/engine.py) is the one loop that runs these steps; `ModelRun
 short form of it: the engine run to completion over a batch of prompts, timed per step (the time of a step ends
 at its one host read, so it is honest on asynchronous devices too).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -33,8 +34,10 @@ class NonFiniteLogitsError(RuntimeError):
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int, max_positions: int) -> None:
     """ValueError naming the first prompt that cannot be generated from (not token ids, empty, bad id, too long)."""
     if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in prompts):
-        raise ValueError(f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]]; got {type(prompts).__name__} "
-                         f"{str(prompts)[:80]}")
+        raise ValueError(
+            f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]]; got {type(prompts).__name__} "
+            f"{str(prompts)[:80]}"
+        )
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -42,22 +45,25 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
     for i, prompt in enumerate(prompts):
         j = next((j for j, t in enumerate(prompt) if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
         if j is not None:
-            raise ValueError(f"prompts[{i}][{j}] = {prompt[j]!r} ({type(prompt[j]).__name__}) is not an integer "
-                             f"token id")
+            raise ValueError(
+                f"prompts[{i}][{j}] = {prompt[j]!r} ({type(prompt[j]).__name__}) is not an integer token id"
+            )
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if len(prompt) + max_new_tokens > max_positions:
-            raise ValueError(f"prompt {i}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed "
-                             f"max_position_embeddings={max_positions}")
+            raise ValueError(
+                f"prompt {i}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed "
+                f"max_position_embeddings={max_positions}"
+            )
 
 
 @dataclass
 class GenerationResult:
-    tokens: list[list[int]]                       # generated ids per request (the EOS id included when hit)
+    tokens: list[list[int]]  # generated ids per request (the EOS id included when hit)
     prefill_seconds: float = 0.0
-    decode_seconds: list[float] = field(default_factory=list)   # one entry per decode step
-    finish_reasons: list[str] = field(default_factory=list)     # per request: "eos" or "length"
+    decode_seconds: list[float] = field(default_factory=list)  # one entry per decode step
+    finish_reasons: list[str] = field(default_factory=list)  # per request: "eos" or "length"
     # float32 logits on the host, when asked for: prompt_logits[i] [len(positions[i]), V] at the requested
     # prompt positions (row j predicts the token after position j); logits[i] [len(tokens[i]), V], the
     # logits each generated token was chosen from (row 0 from the prefill's last position).
@@ -71,8 +77,10 @@ class GenerationResult:
 
 def check_block_size(block_size) -> int:
     if not isinstance(block_size, int) or block_size < 1 or block_size % BLOCK_GRANULARITY:
-        raise ValueError(f"block_size={block_size!r} must be a positive multiple of {BLOCK_GRANULARITY} (the paged "
-                         f"attention kernel's block granularity), e.g. 128")
+        raise ValueError(
+            f"block_size={block_size!r} must be a positive multiple of {BLOCK_GRANULARITY} (the paged "
+            f"attention kernel's block granularity), e.g. 128"
+        )
     return block_size
 
 
@@ -83,10 +91,19 @@ def _eos_set(eos_token_id) -> frozenset[int]:
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int = 128, device: torch.device | str | None = None, *,
-                 exe_mode: str = "eager", compile_cache=None, kv_cache_dtype: str = "auto",
-                 kv_pool_blocks: int | None = None, max_prefill_tokens: int = 0,
-                 mem_fraction_static: float | None = None):
+    def __init__(
+        self,
+        model,
+        block_size: int = 128,
+        device: torch.device | str | None = None,
+        *,
+        exe_mode: str = "eager",
+        compile_cache=None,
+        kv_cache_dtype: str = "auto",
+        kv_pool_blocks: int | None = None,
+        max_prefill_tokens: int = 0,
+        mem_fraction_static: float | None = None,
+    ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
         max_prefill_tokens (scheduler_config): prompt tokens one prefill step packs at most; the prompts are
@@ -96,8 +113,10 @@ class ModelRunner:
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
-            raise ValueError(f"ModelRunner device {device} differs from the model's device {model_device}; "
-                             f"build the model on the device it runs on (load_model(..., device=...))")
+            raise ValueError(
+                f"ModelRunner device {device} differs from the model's device {model_device}; "
+                f"build the model on the device it runs on (load_model(..., device=...))"
+            )
         self.model, self.block_size, self.device = model, check_block_size(block_size), model_device
         if kv_pool_blocks is not None and (not isinstance(kv_pool_blocks, int) or kv_pool_blocks < 2):
             raise ValueError(f"kv_pool_blocks={kv_pool_blocks!r} must be an int >= 2 (block 0 is the null block)")
@@ -105,12 +124,16 @@ class ModelRunner:
         if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be an int >= 0 (0: no limit)")
         self.max_prefill_tokens, self.mem_fraction_static = max_prefill_tokens, mem_fraction_static
-        self.clock = time.perf_counter   # phase timer; the latency harness may swap it (e.g. thread CPU time)
+        self.clock = time.perf_counter  # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
         # runs in its own, smaller captured bucket).
         groups = model.groups
-        self.dp_size, self.dp_rank, self.attn_tp_size = groups.parallel.attn_dp_size, groups.dp_rank, groups.attn_tp.size
+        self.dp_size, self.dp_rank, self.attn_tp_size = (
+            groups.parallel.attn_dp_size,
+            groups.dp_rank,
+            groups.attn_tp.size,
+        )
         self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
         config = model.config
         attn = model.layers[0].self_attn
@@ -119,19 +142,30 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         # 'auto': the checkpoint's quantization_config.kv_cache_scheme decides (per-token FP8 or 16-bit).
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, kv_cache_dtype, model.dtype)
-        if self.kv_cache_dtype in QUANTIZED_DTYPES:     # an old torch_npu without it fails here, not mid-step
+        if self.kv_cache_dtype in QUANTIZED_DTYPES:  # an old torch_npu without it fails here, not mid-step
             check_operators(FP8_KV_CACHE)
 
     def describe_kv_cache(self, choice: str = "auto") -> str:
         """The start-up line's KV cache: its dtype and where that came from."""
         origin = "the checkpoint's kv_cache_scheme" if choice == "auto" else f"kv_cache_dtype: {choice}"
-        kind = ("per-token FP8, fp32 scale caches" if self.kv_cache_dtype in QUANTIZED_DTYPES else "unquantized, the model dtype")
+        kind = (
+            "per-token FP8, fp32 scale caches"
+            if self.kv_cache_dtype in QUANTIZED_DTYPES
+            else "unquantized, the model dtype"
+        )
         return f"{str(self.kv_cache_dtype).replace('torch.', '')} ({kind}; from {origin})"
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, sampling: SamplingParams | None = None,
-                 eos_token_id: int | list[int] | None = None, prompt_logits_positions: list[list[int]] | None = None,
-                 return_logits: bool = False) -> GenerationResult:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        eos_token_id: int | list[int] | None = None,
+        prompt_logits_positions: list[list[int]] | None = None,
+        return_logits: bool = False,
+    ) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt: the engine (executor/engine.py) run to completion.
 
         sampling: greedy when None (or temperature 0); request i samples with stream i of the seed. eos_token_id:
@@ -141,18 +175,33 @@ class ModelRunner:
         chosen from.
         """
         from optimized.executor.engine import Engine, shared_seed
+
         check_prompts(prompts, max_new_tokens, self.vocab_size, self.max_positions)
         sampling = sampling or GREEDY
-        if not sampling.greedy and sampling.seed is None:    # one collective when sharded; greedy and seeded: none
+        if not sampling.greedy and sampling.seed is None:  # one collective when sharded; greedy and seeded: none
             sampling = replace(sampling, seed=shared_seed(self.device))
         positions = self._check_positions(prompts, prompt_logits_positions)
         self._check_prefill_budget(prompts)
         eos = _eos_set(eos_token_id)
-        requests = [Request(str(i), list(p), max_new_tokens, sampling, eos, record_logits=return_logits,
-                            prompt_positions=None if positions is None else positions[i], stream=i)
-                    for i, p in enumerate(prompts)]
-        engine = Engine(self, batch_size=len(prompts), max_prefill_tokens=self.max_prefill_tokens,
-                        num_blocks=self.pool_blocks(prompts, max_new_tokens))
+        requests = [
+            Request(
+                str(i),
+                list(p),
+                max_new_tokens,
+                sampling,
+                eos,
+                record_logits=return_logits,
+                prompt_positions=None if positions is None else positions[i],
+                stream=i,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        engine = Engine(
+            self,
+            batch_size=len(prompts),
+            max_prefill_tokens=self.max_prefill_tokens,
+            num_blocks=self.pool_blocks(prompts, max_new_tokens),
+        )
         for request in requests:
             engine.add(request)
         result = GenerationResult(tokens=[r.tokens for r in requests], finish_reasons=["length"] * len(prompts))
@@ -170,7 +219,8 @@ class ModelRunner:
                     f"{'the prefill' if timing.kind == 'prefill' else f'decode step {step}'} produced non-finite "
                     f"logits (NaN or inf) for request {int(failed.request.request_id)}, after "
                     f"{len(failed.request.tokens)} generated token(s): generation stopped; a weight is not finite "
-                    f"(the load-time weight check names it) or the activations overflowed")
+                    f"(the load-time weight check names it) or the activations overflowed"
+                )
         result.finish_reasons = ["eos" if r.finish_reason == "stop" else "length" for r in requests]
         if positions is not None:
             result.prompt_logits = [r.prompt_logits for r in requests]
@@ -183,12 +233,15 @@ class ModelRunner:
         runner's fixed `kv_pool_blocks` when it holds them (ValueError when it does not). Under attention DP the
         engine deals a batch added together round robin (request i to group i mod D)."""
         from optimized.executor.plan import pool_blocks
+
         need = pool_blocks([len(p) + max_new_tokens for p in prompts], self.block_size, self.dp_size)
         if self.kv_pool_blocks is not None:
             if self.kv_pool_blocks < need:
                 where = " per DP group" if self.dp_size > 1 else ""
-                raise ValueError(f"kv_pool_blocks={self.kv_pool_blocks} is too small: these requests need {need} "
-                                 f"blocks of {self.block_size} tokens{where} (the null block included)")
+                raise ValueError(
+                    f"kv_pool_blocks={self.kv_pool_blocks} is too small: these requests need {need} "
+                    f"blocks of {self.block_size} tokens{where} (the null block included)"
+                )
             need = self.kv_pool_blocks
         return need
 
@@ -196,8 +249,10 @@ class ModelRunner:
         budget = self.max_prefill_tokens
         for i, prompt in enumerate(prompts):
             if budget and len(prompt) > budget:
-                raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than max_prefill_tokens={budget} "
-                                 f"(scheduler_config): no prefill step can hold it")
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens, more than max_prefill_tokens={budget} "
+                    f"(scheduler_config): no prefill step can hold it"
+                )
 
     def check_memory(self, num_blocks: int) -> None:
         """mem_fraction_static: the weights and a KV pool of `num_blocks` blocks fit that share of the device."""
@@ -205,16 +260,22 @@ class ModelRunner:
             return
         from optimized.executor.kv_cache import bytes_per_token
         from optimized.platform import memory_bytes
+
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        kv = num_blocks * self.block_size * bytes_per_token(self.num_layers, self.kv_heads, self.head_dim,
-                                                            self.kv_cache_dtype)
+        kv = (
+            num_blocks
+            * self.block_size
+            * bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_cache_dtype)
+        )
         total = memory_bytes(self.device)
         if weights + kv > self.mem_fraction_static * total:
             gib = 1 << 30
-            raise ValueError(f"the weights ({weights / gib:.2f} GiB) and the KV cache ({kv / gib:.2f} GiB, "
-                             f"{num_blocks} blocks of {self.block_size} tokens) need more than mem_fraction_static="
-                             f"{self.mem_fraction_static} of the device's {total / gib:.2f} GiB; shorten the "
-                             f"requests, lower the batch, or raise scheduler_config.mem_fraction_static")
+            raise ValueError(
+                f"the weights ({weights / gib:.2f} GiB) and the KV cache ({kv / gib:.2f} GiB, "
+                f"{num_blocks} blocks of {self.block_size} tokens) need more than mem_fraction_static="
+                f"{self.mem_fraction_static} of the device's {total / gib:.2f} GiB; shorten the "
+                f"requests, lower the batch, or raise scheduler_config.mem_fraction_static"
+            )
 
     def check_mc2(self, batch: int) -> None:
         """The MC2 group's HCCL window holds this decode batch (as dispatched: padded to its graph bucket in graph
@@ -226,12 +287,14 @@ class ModelRunner:
             from optimized.distributed.decode_plan import check_mc2_limits, check_mc2_window
             from optimized.ops.validation import DIMS, strict_npu_limits
             from optimized.executor.plan import dispatch_batch
+
             parallel = self.model.groups.parallel
             # a graph decode pads each DP group's share to its bucket: the padding rows are real rows to MC2
             batch = dispatch_batch(batch, self.dp_size, self.decode_forward is not self.model)
             check_mc2_window(self.model.config, parallel, batch, self.model.dtype.itemsize, mc2.window_mb)
-            check_mc2_limits(self.model.config, parallel, batch,
-                             enforce=platform.backend_name() == "npu" or strict_npu_limits(DIMS))
+            check_mc2_limits(
+                self.model.config, parallel, batch, enforce=platform.backend_name() == "npu" or strict_npu_limits(DIMS)
+            )
 
     def _check_positions(self, prompts, positions):
         if positions is None:
@@ -241,8 +304,9 @@ class ModelRunner:
         for i, (prompt, pos) in enumerate(zip(prompts, positions)):
             bad = [j for j in pos if not (isinstance(j, int) and 0 <= j < len(prompt))]
             if bad:
-                raise ValueError(f"prompt_logits_positions[{i}]: position {bad[0]!r} is outside prompt {i} "
-                                 f"(length {len(prompt)})")
+                raise ValueError(
+                    f"prompt_logits_positions[{i}]: position {bad[0]!r} is outside prompt {i} (length {len(prompt)})"
+                )
         return [list(pos) for pos in positions]
 
     def prefill_inputs(self, prompts: list[list[int]], table: torch.Tensor, keep: list[list[int]] | None = None):
@@ -250,14 +314,19 @@ class ModelRunner:
         positions whose logits to keep besides: their indices first, then the last tokens'). The runner knows the
         prompts on the host: the host lists (cumulative lengths) are computed here, once per step, and every
         tensor is created on the model's device from them (the step's metadata build)."""
-        cu = [sum(len(p) for p in prompts[:i + 1]) for i in range(len(prompts))]
+        cu = [sum(len(p) for p in prompts[: i + 1]) for i in range(len(prompts))]
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         request_of_token = torch.tensor([i for i, p in enumerate(prompts) for _ in p], device=self.device)
         positions = torch.tensor([j for p in prompts for j in range(len(p))], device=self.device)
         meta = ForwardMetadata(
-            is_prefill=True, positions=positions, actual_seq_lengths_cu_q=cu, actual_seq_lengths_kv=list(cu),
+            is_prefill=True,
+            positions=positions,
+            actual_seq_lengths_cu_q=cu,
+            actual_seq_lengths_kv=list(cu),
             slot_mapping=slot_mapping(table, request_of_token, positions, self.block_size),
-            block_table=table, block_size=self.block_size)
+            block_table=table,
+            block_size=self.block_size,
+        )
         starts = [0, *cu[:-1]]
         kept = [start + j for start, positions in zip(starts, keep or []) for j in positions]
         return ids, meta, torch.tensor(kept + [n - 1 for n in cu], device=self.device)
@@ -267,7 +336,11 @@ class ModelRunner:
         batch = len(lengths)
         positions = torch.tensor(lengths, device=self.device)
         return ForwardMetadata(
-            is_prefill=False, positions=positions, actual_seq_lengths_cu_q=list(range(1, batch + 1)),
+            is_prefill=False,
+            positions=positions,
+            actual_seq_lengths_cu_q=list(range(1, batch + 1)),
             actual_seq_lengths_kv=[n + 1 for n in lengths],
             slot_mapping=slot_mapping(table, torch.arange(batch, device=self.device), positions, self.block_size),
-            block_table=table, block_size=self.block_size)
+            block_table=table,
+            block_size=self.block_size,
+        )

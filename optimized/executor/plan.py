@@ -6,6 +6,7 @@ graph buckets, the MC2 window and the KV pool. The MC2 window is sized from the 
 dispatch: in graph mode the padded bucket (padding rows are real rows to MC2), and under attention DP each group's
 share padded to its bucket. Tests and the equivalence report read the plan to know which path ran.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,15 +57,15 @@ def pool_blocks(lengths: list[int], block_size: int, dp_groups: int = 1) -> int:
 
 @dataclass(frozen=True)
 class ExecutionPlan:
-    batch: int                    # the most requests decoding together (scheduler_config.batch_size, or the prompts)
+    batch: int  # the most requests decoding together (scheduler_config.batch_size, or the prompts)
     dp_groups: int
     exe_mode: str
-    buckets: tuple[int, ...]      # graph mode's captured decode batches (empty in eager mode)
-    dispatch_batch: int           # the largest decode batch a step dispatches (padded in graph mode)
-    mc2_window_mb: int | None     # the MC2 group's HCCL window; None: no MC2 decode
-    kv_pool_blocks: int           # per DP group, the null block included
+    buckets: tuple[int, ...]  # graph mode's captured decode batches (empty in eager mode)
+    dispatch_batch: int  # the largest decode batch a step dispatches (padded in graph mode)
+    mc2_window_mb: int | None  # the MC2 group's HCCL window; None: no MC2 decode
+    kv_pool_blocks: int  # per DP group, the null block included
     block_size: int
-    prefill: str                  # the start-up lines of the prefill and decode paths
+    prefill: str  # the start-up lines of the prefill and decode paths
     decode: str
 
     @property
@@ -76,35 +77,54 @@ class ExecutionPlan:
         return self.mc2_window_mb is not None
 
     @classmethod
-    def build(cls, cfg: InferenceConfig, hf_config, *, batch: int, prefill_tokens: int,
-              kv_pool_blocks: int) -> "ExecutionPlan":
+    def build(
+        cls, cfg: InferenceConfig, hf_config, *, batch: int, prefill_tokens: int, kv_pool_blocks: int
+    ) -> "ExecutionPlan":
         m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
         from optimized.phases import uses_mx_prefill
+
         graph = m.exe_mode in GRAPH_MODES
         dp, act = p.attn_dp_size, m.torch_dtype.itemsize
         dispatched = dispatch_batch(batch, dp, graph)
-        return cls(batch=batch, dp_groups=dp, exe_mode=m.exe_mode,
-                   buckets=graph_buckets(batch, dp) if graph else (), dispatch_batch=dispatched,
-                   mc2_window_mb=mc2_window(hf_config, p, batch, m.exe_mode, act),
-                   kv_pool_blocks=kv_pool_blocks, block_size=s.block_size,
-                   prefill=prefill_plan.describe(hf_config, p, prefill_tokens, act, mx=uses_mx_prefill(hf_config, p)),
-                   decode=decode_plan.describe(hf_config, p, dispatched, act))
+        return cls(
+            batch=batch,
+            dp_groups=dp,
+            exe_mode=m.exe_mode,
+            buckets=graph_buckets(batch, dp) if graph else (),
+            dispatch_batch=dispatched,
+            mc2_window_mb=mc2_window(hf_config, p, batch, m.exe_mode, act),
+            kv_pool_blocks=kv_pool_blocks,
+            block_size=s.block_size,
+            prefill=prefill_plan.describe(hf_config, p, prefill_tokens, act, mx=uses_mx_prefill(hf_config, p)),
+            decode=decode_plan.describe(hf_config, p, dispatched, act),
+        )
 
     def describe(self) -> str:
         """The start-up block: one line per decision."""
-        dp = f", {self.dp_groups} attention-DP groups of up to {group_batch(self.batch, self.dp_groups)}" \
-            if self.dp_groups > 1 else ""
+        dp = (
+            f", {self.dp_groups} attention-DP groups of up to {group_batch(self.batch, self.dp_groups)}"
+            if self.dp_groups > 1
+            else ""
+        )
         if self.graph:
-            graph = (f"decode steps as {self.exe_mode} graphs: buckets {list(self.buckets)}; a step dispatches up "
-                     f"to {self.dispatch_batch} rows (padded)")
+            graph = (
+                f"decode steps as {self.exe_mode} graphs: buckets {list(self.buckets)}; a step dispatches up "
+                f"to {self.dispatch_batch} rows (padded)"
+            )
         else:
             graph = "decode steps eager"
-        window = (f"MC2 window {self.mc2_window_mb} MB (sized for {self.dispatch_batch} dispatched rows)"
-                  if self.mc2 else "no MC2 decode")
-        return "\n".join([
-            f"plan: batch {self.batch}{dp}",
-            self.prefill,
-            self.decode,
-            f"{graph}; {window}",
-            f"KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
-            f"{' per DP group' if self.dp_groups > 1 else ''} (null block included)"])
+        window = (
+            f"MC2 window {self.mc2_window_mb} MB (sized for {self.dispatch_batch} dispatched rows)"
+            if self.mc2
+            else "no MC2 decode"
+        )
+        return "\n".join(
+            [
+                f"plan: batch {self.batch}{dp}",
+                self.prefill,
+                self.decode,
+                f"{graph}; {window}",
+                f"KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
+                f"{' per DP group' if self.dp_groups > 1 else ''} (null block included)",
+            ]
+        )

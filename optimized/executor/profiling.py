@@ -6,6 +6,7 @@ when present), written as a Chrome trace `directory/rank<r>.json` (chrome://trac
 `model_config.output_path`, or the config file's directory when that is empty (the recipe's default), plus
 `profile/`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,10 @@ def ensure_writable(directory: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ProfilerError(f"model_config.enable_profiler: cannot write the trace to {directory}: "
-                            f"{e.strerror or e}; set model_config.output_path to a writable directory") from None
+        raise ProfilerError(
+            f"model_config.enable_profiler: cannot write the trace to {directory}: "
+            f"{e.strerror or e}; set model_config.output_path to a writable directory"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -42,13 +45,16 @@ def profiled(directory: Path, rank: int):
     Call `ensure_writable(directory)` first to fail before the run rather than after it."""
     if platform.backend_name() == "npu":  # pragma: no cover - needs torch_npu
         import torch_npu
+
         where = directory / f"rank{rank}"
         activities = [torch_npu.profiler.ProfilerActivity.CPU, torch_npu.profiler.ProfilerActivity.NPU]
-        with torch_npu.profiler.profile(activities=activities,
-                                        on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(str(where))):
+        with torch_npu.profiler.profile(
+            activities=activities, on_trace_ready=torch_npu.profiler.tensorboard_trace_handler(str(where))
+        ):
             yield where
         return
     from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     trace = directory / f"rank{rank}.json"
     with profile(activities=activities) as prof:

@@ -2,6 +2,7 @@
 
 See docs/architecture.md, "Notes from the code", optimized/executor/sampling.py.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -10,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 SEED_LIMIT = 1 << 64
-MAX_LOGIT_BIAS = 300        # logit_bias entries of one request
-MAX_BIAS = 100.0            # |bias| limit, as OpenAI's
-MAX_STOP_IDS = 8            # stop ids a request with min_tokens may have (its EOS ids)
+MAX_LOGIT_BIAS = 300  # logit_bias entries of one request
+MAX_BIAS = 100.0  # |bias| limit, as OpenAI's
+MAX_STOP_IDS = 8  # stop ids a request with min_tokens may have (its EOS ids)
 
 
 @dataclass(frozen=True)
@@ -24,19 +25,24 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, bias), sorted by id; a dict is converted
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id; a dict is converted
     min_tokens: int = 0
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0 or self.temperature == float("inf"):
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not self.temperature >= 0
+            or self.temperature == float("inf")
+        ):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0: no limit)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < SEED_LIMIT):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT
+        ):
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2^64) or None")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -73,8 +79,13 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Any logits processor on (the engine keeps penalty state for the batch only while a row has one)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 GREEDY = SamplingParams()
@@ -95,7 +106,7 @@ _GOLDEN, _M1, _M2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _s
 
 
 def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
-    return (x >> k) & ((1 << (64 - k)) - 1)        # logical: int64 >> is arithmetic
+    return (x >> k) & ((1 << (64 - k)) - 1)  # logical: int64 >> is arithmetic
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -120,68 +131,78 @@ def uniforms(keys: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 @dataclass
 class BatchSampling:
     """Per-row sampling parameters of a batch, as device tensors (written when a request joins a batch row)."""
-    temperature: torch.Tensor     # [B] float32, 0 for greedy rows
-    top_k: torch.Tensor           # [B] int64, 0: no limit
-    top_p: torch.Tensor           # [B] float32
-    keys: torch.Tensor            # [B] int64 (seed_key)
-    draws: torch.Tensor           # [B] int64, tokens the row's request has drawn so far
+
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [B] int64, 0: no limit
+    top_p: torch.Tensor  # [B] float32
+    keys: torch.Tensor  # [B] int64 (seed_key)
+    draws: torch.Tensor  # [B] int64, tokens the row's request has drawn so far
 
 
 @dataclass
 class BatchPenalties:
     """Per-row logits-processor state of a batch, on the device (executor/device_batch.py keeps it, only while a
     running row has a processor on; rows without one hold the neutral values, which change no logit)."""
-    counts: torch.Tensor          # [B, V] int32: each token's count among the row's generated tokens
-    prompt: torch.Tensor          # [B, V] bool: tokens of the row's prompt
-    repetition: torch.Tensor      # [B] float32, 1: off
-    frequency: torch.Tensor       # [B] float32
-    presence: torch.Tensor        # [B] float32
-    min_tokens: torch.Tensor      # [B] int64
-    bias_ids: torch.Tensor        # [B, MAX_LOGIT_BIAS] int64 (padding: token 0 with bias 0)
-    bias: torch.Tensor            # [B, MAX_LOGIT_BIAS] float32
-    stop_ids: torch.Tensor        # [B, MAX_STOP_IDS] int64 (padding: token 0, not valid)
-    stop_valid: torch.Tensor      # [B, MAX_STOP_IDS] bool
+
+    counts: torch.Tensor  # [B, V] int32: each token's count among the row's generated tokens
+    prompt: torch.Tensor  # [B, V] bool: tokens of the row's prompt
+    repetition: torch.Tensor  # [B] float32, 1: off
+    frequency: torch.Tensor  # [B] float32
+    presence: torch.Tensor  # [B] float32
+    min_tokens: torch.Tensor  # [B] int64
+    bias_ids: torch.Tensor  # [B, MAX_LOGIT_BIAS] int64 (padding: token 0 with bias 0)
+    bias: torch.Tensor  # [B, MAX_LOGIT_BIAS] float32
+    stop_ids: torch.Tensor  # [B, MAX_STOP_IDS] int64 (padding: token 0, not valid)
+    stop_valid: torch.Tensor  # [B, MAX_STOP_IDS] bool
 
 
 def apply_penalties(logits: torch.Tensor, p: BatchPenalties, generated: torch.Tensor) -> torch.Tensor:
     """[B, V] float32 logits -> the processed logits (module docstring, steps 1-4). generated: [B] int64, the
     tokens each row generated so far (the draw counters)."""
-    x = logits.float().scatter_add(1, p.bias_ids, p.bias)                                   # 1. logit_bias
+    x = logits.float().scatter_add(1, p.bias_ids, p.bias)  # 1. logit_bias
     active = p.stop_valid & (generated < p.min_tokens).unsqueeze(-1)
-    x = x.scatter_add(1, p.stop_ids, torch.where(active, float("-inf"), 0.0))              # 2. min_tokens
+    x = x.scatter_add(1, p.stop_ids, torch.where(active, float("-inf"), 0.0))  # 2. min_tokens
     seen = p.prompt | (p.counts > 0)
     r = p.repetition.unsqueeze(-1)
-    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)                              # 3. repetition
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)  # 3. repetition
     counts = p.counts.float()
     return x - (p.frequency.unsqueeze(-1) * counts + p.presence.unsqueeze(-1) * (p.counts > 0).float())  # 4.
 
 
-def sorted_filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                          top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] logits -> (probabilities [B, V] in descending-score order after temperature, top-k and top-p,
     and that order [B, V]). Rows with temperature 0 come out as if at temperature 1 (their choice is greedy)."""
     scores = logits.float() / torch.where(temperature > 0, temperature, 1.0).unsqueeze(-1)
     scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     vocab = scores.shape[-1]
-    kth = scores.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(-1))            # [B, 1] the k-th largest
-    limited = (top_k > 0).unsqueeze(-1) & (scores < kth)                            # ties at the k-th stay
+    kth = scores.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(-1))  # [B, 1] the k-th largest
+    limited = (top_k > 0).unsqueeze(-1) & (scores < kth)  # ties at the k-th stay
     probs = torch.softmax(scores.masked_fill(limited, float("-inf")), dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs                                    # mass of the likelier tokens
-    probs = probs.masked_fill(before >= top_p.unsqueeze(-1), 0.0)                   # the first token never drops
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of the likelier tokens
+    probs = probs.masked_fill(before >= top_p.unsqueeze(-1), 0.0)  # the first token never drops
     return probs / probs.sum(-1, keepdim=True), order
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[B, V] logits -> [B, V] float32 probabilities (vocabulary order) that one set of params samples from."""
     rows, device = logits.shape[0], logits.device
-    probs, order = sorted_filtered_probs(logits, torch.full((rows,), float(params.temperature), device=device),
-                                         torch.full((rows,), params.top_k, device=device),
-                                         torch.full((rows,), float(params.top_p), device=device))
+    probs, order = sorted_filtered_probs(
+        logits,
+        torch.full((rows,), float(params.temperature), device=device),
+        torch.full((rows,), params.top_k, device=device),
+        torch.full((rows,), float(params.top_p), device=device),
+    )
     return torch.zeros_like(probs).scatter(-1, order, probs)
 
 
-def choose(logits: torch.Tensor, sampling: BatchSampling | None, penalties: BatchPenalties | None = None,
-           generated: torch.Tensor | None = None) -> torch.Tensor:
+def choose(
+    logits: torch.Tensor,
+    sampling: BatchSampling | None,
+    penalties: BatchPenalties | None = None,
+    generated: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Chosen ids [B] (int64, on the logits' device), -1 where a row of logits is not finite.
 
     sampling None: every row greedy (no sampling work at all). Otherwise sampled rows draw with their own
@@ -190,12 +211,12 @@ def choose(logits: torch.Tensor, sampling: BatchSampling | None, penalties: Batc
     scores = logits.float()
     # A row's sum is finite exactly when every logit is (NaN and +-inf propagate; a finite row would have to reach
     # |logit| ~ 1e33 to overflow it): one cheap reduction instead of an elementwise isfinite over [B, V].
-    finite = torch.isfinite(scores.sum(-1))                                          # [B] (the model's logits)
+    finite = torch.isfinite(scores.sum(-1))  # [B] (the model's logits)
     if penalties is not None:
         scores = apply_penalties(scores, penalties, generated)
     chosen = scores.argmax(-1)
     if sampling is not None:
-        safe = scores.masked_fill(~finite.unsqueeze(-1), 0.0)     # a NaN row would poison the row's cumsum only
+        safe = scores.masked_fill(~finite.unsqueeze(-1), 0.0)  # a NaN row would poison the row's cumsum only
         probs, order = sorted_filtered_probs(safe, sampling.temperature, sampling.top_k, sampling.top_p)
         cdf = torch.cumsum(probs, dim=-1)
         u = uniforms(sampling.keys, sampling.draws).unsqueeze(-1) * cdf[:, -1:]

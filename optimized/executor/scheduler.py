@@ -3,6 +3,7 @@ only, no tensors).
 
 See docs/architecture.md, "Notes from the code", optimized/executor/scheduler.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,28 +16,29 @@ from optimized.executor.sampling import GREEDY, SamplingParams
 @dataclass(eq=False)
 class Request:
     """One generation request as the engine sees it (token ids in, token ids out)."""
+
     request_id: str
     prompt: list[int]
     max_tokens: int
     sampling: SamplingParams = GREEDY
-    stop_ids: frozenset[int] = frozenset()        # EOS ids of the checkpoint, unless ignored
-    logprobs: int | None = None                    # top-k logprobs per generated token (0: only the chosen one)
-    prompt_logprobs: bool = False                  # echo: the logprob of every prompt token after the first
-    record_logits: bool = False                    # keep fp32 logits of every chosen token (tests, debugging)
-    prompt_positions: list[int] | None = None      # prompt positions whose fp32 logits to keep (generate --save-logits)
-    stream: int = 0                                # the sampling stream of its seed (a batch's request index)
+    stop_ids: frozenset[int] = frozenset()  # EOS ids of the checkpoint, unless ignored
+    logprobs: int | None = None  # top-k logprobs per generated token (0: only the chosen one)
+    prompt_logprobs: bool = False  # echo: the logprob of every prompt token after the first
+    record_logits: bool = False  # keep fp32 logits of every chosen token (tests, debugging)
+    prompt_positions: list[int] | None = None  # prompt positions whose fp32 logits to keep (generate --save-logits)
+    stream: int = 0  # the sampling stream of its seed (a batch's request index)
     # filled by the engine
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     dp_group: int = 0
-    finish_reason: str | None = None               # "stop" (EOS / stop string), "length", "abort" or "error"
-    error: str | None = None                       # with finish_reason "error": what went wrong
+    finish_reason: str | None = None  # "stop" (EOS / stop string), "length", "abort" or "error"
+    error: str | None = None  # with finish_reason "error": what went wrong
     arrival_step: int = -1
     first_token_step: int = -1
-    logits: list = field(default_factory=list)     # with record_logits: [V] fp32 host rows, one per token
-    prompt_logits: object = None                   # with prompt_positions: [len(prompt_positions), V] fp32 host rows
-    prompt_logprob_values: list | None = None      # with prompt_logprobs: (logprob, top) per prompt token 1..
-    preemptions: int = 0                           # times its blocks were taken back (it was recomputed after)
+    logits: list = field(default_factory=list)  # with record_logits: [V] fp32 host rows, one per token
+    prompt_logits: object = None  # with prompt_positions: [len(prompt_positions), V] fp32 host rows
+    prompt_logprob_values: list | None = None  # with prompt_logprobs: (logprob, top) per prompt token 1..
+    preemptions: int = 0  # times its blocks were taken back (it was recomputed after)
 
     @property
     def budget(self) -> int:
@@ -72,8 +74,8 @@ class Request:
 
 @dataclass(frozen=True)
 class Step:
-    kind: str                 # "prefill" | "decode" | "idle"
-    requests: tuple[Request, ...] = ()   # every group's, group by group (a group's in its batch order)
+    kind: str  # "prefill" | "decode" | "idle"
+    requests: tuple[Request, ...] = ()  # every group's, group by group (a group's in its batch order)
     # a decode step's block changes, in the order taken: (request, its row in its group's batch before it left)
     # for each preempted request, (request, table column) for each block a running request took
     preempted: tuple[tuple[Request, int], ...] = ()
@@ -81,8 +83,9 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, batch_size: int, max_prefill_tokens: int, block_size: int, total_blocks: int,
-                 dp_groups: int = 1):
+    def __init__(
+        self, batch_size: int, max_prefill_tokens: int, block_size: int, total_blocks: int, dp_groups: int = 1
+    ):
         """total_blocks: blocks a request may ever hold, i.e. a group's pool without its null block.
         dp_groups: attention-DP groups; each runs at most ceil(batch_size / dp_groups) requests at once."""
         if batch_size < 1:
@@ -116,12 +119,16 @@ class Scheduler:
     def check_admissible(self, request: Request) -> None:
         """ValueError when the request could never run (so it is refused, never left waiting forever)."""
         if self.max_prefill_tokens and len(request.prompt) > self.max_prefill_tokens:
-            raise ValueError(f"the prompt has {len(request.prompt)} tokens, more than scheduler_config."
-                             f"max_prefill_tokens={self.max_prefill_tokens}")
+            raise ValueError(
+                f"the prompt has {len(request.prompt)} tokens, more than scheduler_config."
+                f"max_prefill_tokens={self.max_prefill_tokens}"
+            )
         if self.blocks_needed(request) > self.total_blocks:
-            raise ValueError(f"{len(request.prompt)} prompt + {request.max_tokens} max tokens need "
-                             f"{self.blocks_needed(request)} KV blocks of {self.block_size}; the pool has "
-                             f"{self.total_blocks}")
+            raise ValueError(
+                f"{len(request.prompt)} prompt + {request.max_tokens} max tokens need "
+                f"{self.blocks_needed(request)} KV blocks of {self.block_size}; the pool has "
+                f"{self.total_blocks}"
+            )
 
     def add(self, request: Request) -> None:
         self.check_admissible(request)
@@ -155,8 +162,9 @@ class Scheduler:
             head = waiting[0]
             n = len(head.prefill_ids)
             room = len(running) + len(admitted) < self.group_batch
-            within = (not self.max_prefill_tokens or tokens + n <= self.max_prefill_tokens
-                      or (not admitted and head.tokens))     # a recompute past the budget: alone
+            within = (
+                not self.max_prefill_tokens or tokens + n <= self.max_prefill_tokens or (not admitted and head.tokens)
+            )  # a recompute past the budget: alone
             need = self.blocks_at_admission(head)
             if not (room and within and need <= free):
                 break
@@ -174,7 +182,7 @@ class Scheduler:
             need = self._growth(request)
             while need > pool.free_blocks and running[-1] is not request:
                 self._preempt(group, pool, preempted)
-            if need > pool.free_blocks:              # it is the most recent itself
+            if need > pool.free_blocks:  # it is the most recent itself
                 self._preempt(group, pool, preempted)
                 break
             for block in pool.take(need):

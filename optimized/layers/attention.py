@@ -2,6 +2,7 @@
 
 See docs/architecture.md, "Notes from the code", optimized/layers/attention.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,8 @@ from optimized.layers.norm import RMSNorm
 
 # sparse_mode 3 reads this 2048x2048 template (True = masked) whatever the sequence length.
 CAUSAL_MASK_TEMPLATE_SIZE = 2048
-FLOAT8_E4M3FN = 24     # torch ScalarType code of the FP8 KV cache (npu_dynamic_quant dst_type)
-PER_TOKEN_PAGED = 4    # FIA key/value_quant_mode: one fp32 scale per token, stored per page
+FLOAT8_E4M3FN = 24  # torch ScalarType code of the FP8 KV cache (npu_dynamic_quant dst_type)
+PER_TOKEN_PAGED = 4  # FIA key/value_quant_mode: one fp32 scale per token, stored per page
 
 
 def causal_mask_template(device: torch.device | str | None = None) -> torch.Tensor:
@@ -26,41 +27,76 @@ def causal_mask_template(device: torch.device | str | None = None) -> torch.Tens
 
 
 class Qwen3MoeAttention(nn.Module):
-    def __init__(self, config, tp, dtype: torch.dtype, replicated_o_proj: bool = False,
-                 reduce_o_proj: bool = True, quant_config: QuantConfig | None = None, prefix: str = "self_attn"):
+    def __init__(
+        self,
+        config,
+        tp,
+        dtype: torch.dtype,
+        replicated_o_proj: bool = False,
+        reduce_o_proj: bool = True,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "self_attn",
+    ):
         """reduce_o_proj=False: o_proj returns its partial sums (attention DP sums them with a reduce-scatter).
         quant_config: the model's (parsed once); prefix: this module's checkpoint prefix, for its linears' methods."""
         super().__init__()
         self.tp = tp
         self.head_dim = head_dim = head_dim_of(config)
         quant = quant_config or QuantConfig.from_hf_config(config)
-        self.merged_qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                                 config.num_key_value_heads, tp, dtype,
-                                                 quant.linear_method(f"{prefix}.q_proj"))  # q, k, v: one method
-        self.num_heads = self.merged_qkv_proj.q_heads          # per rank
-        self.num_kv_heads = self.merged_qkv_proj.kv_heads      # per rank
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp, dtype,
-                                        quant.linear_method(f"{prefix}.o_proj"), reduce_results=reduce_o_proj)
+        self.merged_qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            tp,
+            dtype,
+            quant.linear_method(f"{prefix}.q_proj"),
+        )  # q, k, v: one method
+        self.num_heads = self.merged_qkv_proj.q_heads  # per rank
+        self.num_kv_heads = self.merged_qkv_proj.kv_heads  # per rank
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            tp,
+            dtype,
+            quant.linear_method(f"{prefix}.o_proj"),
+            reduce_results=reduce_o_proj,
+        )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
-        self.softmax_scale = head_dim ** -0.5
+        self.softmax_scale = head_dim**-0.5
         # A weight the SP prefill needs (phases.py asks for it): o_proj over this rank's tokens with every head,
         # the full weight on every rank; decode keeps the row-parallel o_proj.
-        self.o_proj_replicated = (ReplicatedLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                                   dtype, quant.linear_method(f"{prefix}.o_proj"))
-                                  if replicated_o_proj else None)
+        self.o_proj_replicated = (
+            ReplicatedLinear(
+                config.num_attention_heads * head_dim,
+                config.hidden_size,
+                dtype,
+                quant.linear_method(f"{prefix}.o_proj"),
+            )
+            if replicated_o_proj
+            else None
+        )
 
     def load(self, source, prefix: str) -> None:
-        self.merged_qkv_proj.load(source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight",
-                                  f"{prefix}.v_proj.weight")
+        self.merged_qkv_proj.load(
+            source, f"{prefix}.q_proj.weight", f"{prefix}.k_proj.weight", f"{prefix}.v_proj.weight"
+        )
         self.o_proj.load(source, f"{prefix}.o_proj.weight")
         if self.o_proj_replicated is not None:
             self.o_proj_replicated.load(source, f"{prefix}.o_proj.weight")
         self.q_norm.load(source, f"{prefix}.q_norm.weight")
         self.k_norm.load(source, f"{prefix}.k_norm.weight")
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], atten_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: ForwardMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        atten_mask: torch.Tensor,
+    ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden, cos, sin)
         out = self.attend(q, k, v, meta, kv_cache, atten_mask)
@@ -83,45 +119,69 @@ class Qwen3MoeAttention(nn.Module):
         qkv = self.merged_qkv_proj(hidden)
         tokens = qkv.shape[0]
         q, k, v = qkv.split(self.merged_qkv_proj.output_sizes, dim=-1)
-        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))        # [T, Nq, D]
-        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))     # [T, Nkv, D]
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)                  # [T, Nkv, D]
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))  # [T, Nq, D]
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))  # [T, Nkv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Nkv, D]
         q, k = torch.ops.npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="TND")
         return q, k, v
 
     def attention_prefill(self, q, k, v, meta: ForwardMetadata, atten_mask):
         # No prefix caching: a prompt attends only to itself, so q and kv lengths are the same prefix sums.
         return torch.ops.npu.npu_fused_infer_attention_score_v2(
-            q, k, v, num_query_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            softmax_scale=self.softmax_scale, input_layout="TND", sparse_mode=3, atten_mask=atten_mask,
-            actual_seq_qlen=meta.actual_seq_lengths_cu_q, actual_seq_kvlen=meta.actual_seq_lengths_cu_q)[0]
+            q,
+            k,
+            v,
+            num_query_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            softmax_scale=self.softmax_scale,
+            input_layout="TND",
+            sparse_mode=3,
+            atten_mask=atten_mask,
+            actual_seq_qlen=meta.actual_seq_lengths_cu_q,
+            actual_seq_kvlen=meta.actual_seq_lengths_cu_q,
+        )[0]
 
     def attention_decode(self, q, meta: ForwardMetadata, kv_cache, atten_mask):
         k_cache, v_cache, *scales = kv_cache
         num_blocks, block_size = k_cache.shape[:2]
         quant = {}
-        if scales:                                                             # FP8: sparse 0, no mask (§5.12)
-            k_scale, v_scale = scales                                          # [blocks, block_size] fp32
-            quant = dict(dequant_scale_key=k_scale, dequant_scale_value=v_scale, key_quant_mode=PER_TOKEN_PAGED,
-                         value_quant_mode=PER_TOKEN_PAGED)
+        if scales:  # FP8: sparse 0, no mask (§5.12)
+            k_scale, v_scale = scales  # [blocks, block_size] fp32
+            quant = dict(
+                dequant_scale_key=k_scale,
+                dequant_scale_value=v_scale,
+                key_quant_mode=PER_TOKEN_PAGED,
+                value_quant_mode=PER_TOKEN_PAGED,
+            )
         return torch.ops.npu.npu_fused_infer_attention_score_v2(
-            q, k_cache.view(num_blocks, block_size, -1), v_cache.view(num_blocks, block_size, -1),
-            num_query_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            softmax_scale=self.softmax_scale, input_layout="TND", sparse_mode=0 if scales else 3,
-            atten_mask=None if scales else atten_mask, actual_seq_qlen=meta.actual_seq_lengths_cu_q,
-            actual_seq_kvlen=meta.actual_seq_lengths_kv, block_table=meta.block_table, block_size=meta.block_size,
-            **quant)[0]
+            q,
+            k_cache.view(num_blocks, block_size, -1),
+            v_cache.view(num_blocks, block_size, -1),
+            num_query_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            softmax_scale=self.softmax_scale,
+            input_layout="TND",
+            sparse_mode=0 if scales else 3,
+            atten_mask=None if scales else atten_mask,
+            actual_seq_qlen=meta.actual_seq_lengths_cu_q,
+            actual_seq_kvlen=meta.actual_seq_lengths_kv,
+            block_table=meta.block_table,
+            block_size=meta.block_size,
+            **quant,
+        )[0]
 
     def kv_cache_update(self, k, v, meta: ForwardMetadata, kv_cache) -> None:
-        k_cache, v_cache, *scales = kv_cache                                   # [blocks, block_size, Nkv, D]
+        k_cache, v_cache, *scales = kv_cache  # [blocks, block_size, Nkv, D]
         tokens = k.shape[0]
         slots = meta.slot_mapping.view(-1, 1)
         if scales:
-            k_scale, v_scale = scales                                          # [blocks, block_size] fp32
-            k, ks = torch.ops.npu.npu_dynamic_quant(k.reshape(tokens, -1), dst_type=FLOAT8_E4M3FN,
-                                                    quant_mode="pertoken")     # [T, Nkv*D] fp8, [T] fp32
-            v, vs = torch.ops.npu.npu_dynamic_quant(v.reshape(tokens, -1), dst_type=FLOAT8_E4M3FN,
-                                                    quant_mode="pertoken")
+            k_scale, v_scale = scales  # [blocks, block_size] fp32
+            k, ks = torch.ops.npu.npu_dynamic_quant(
+                k.reshape(tokens, -1), dst_type=FLOAT8_E4M3FN, quant_mode="pertoken"
+            )  # [T, Nkv*D] fp8, [T] fp32
+            v, vs = torch.ops.npu.npu_dynamic_quant(
+                v.reshape(tokens, -1), dst_type=FLOAT8_E4M3FN, quant_mode="pertoken"
+            )
             k = k.view(tokens, self.num_kv_heads, self.head_dim)
             v = v.view(tokens, self.num_kv_heads, self.head_dim)
             torch.ops.npu.npu_scatter_nd_update_(k_scale.view(-1, 1, 1), slots, ks.view(tokens, 1, 1))

@@ -1,4 +1,5 @@
 """Vocabulary-parallel embedding and the column-parallel LM head."""
+
 from __future__ import annotations
 
 import torch

@@ -2,6 +2,7 @@
 
 See docs/parallel.md, "Notes from the code", optimized/layers/exchange.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,12 +32,14 @@ def re_routing(x, counts: torch.Tensor):
         permuted, _, idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(data, counts)
         return permuted, idx, expert_tokens
     permuted, permuted_scale, idx, expert_tokens = torch.ops.npu.npu_moe_re_routing(
-        data.view(torch.bfloat16), counts, per_token_scales=scale.flatten(1))
+        data.view(torch.bfloat16), counts, per_token_scales=scale.flatten(1)
+    )
     return MxRows(permuted.view(data.dtype), permuted_scale.view(scale.shape)), idx, expert_tokens
 
 
 class MoeExchange:
     """Sizes and groups every exchange needs; subclasses implement `__call__`."""
+
     name = ""
 
     def __init__(self, num_experts: int, top_k: int, moe_tp, moe_ep):
@@ -46,9 +49,16 @@ class MoeExchange:
         """npu_moe_init_routing_v2 over `expert_range`; an MX payload's scale rows move with their data rows."""
         data, scale = _rows_and_scale(x)
         expanded_x, expanded_row_idx, tokens_per_expert, expanded_scale = torch.ops.npu.npu_moe_init_routing_v2(
-            data, expert_idx=topk_idx, scale=scale, active_num=data.shape[0] * self.top_k,
-            expert_num=self.num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=True,
-            active_expert_range=expert_range, quant_mode=-1)
+            data,
+            expert_idx=topk_idx,
+            scale=scale,
+            active_num=data.shape[0] * self.top_k,
+            expert_num=self.num_experts,
+            expert_tokens_num_type=1,
+            expert_tokens_num_flag=True,
+            active_expert_range=expert_range,
+            quant_mode=-1,
+        )
         return _payload(expanded_x, None if scale is None else expanded_scale), expanded_row_idx, tokens_per_expert
 
     @staticmethod
@@ -59,8 +69,15 @@ class MoeExchange:
     def finalize(expert_out, expanded_row_idx, topk_weight, export_for_source_row=None) -> torch.Tensor:
         # Slots routed to experts of other EP ranks carry -1 and contribute nothing (drop_pad_mode 2).
         return torch.ops.npu.npu_moe_finalize_routing(
-            expert_out, skip1=None, skip2=None, bias=None, scales=topk_weight.to(expert_out.dtype),
-            expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=export_for_source_row, drop_pad_mode=2)
+            expert_out,
+            skip1=None,
+            skip2=None,
+            bias=None,
+            scales=topk_weight.to(expert_out.dtype),
+            expanded_src_to_dst_row=expanded_row_idx,
+            export_for_source_row=export_for_source_row,
+            drop_pad_mode=2,
+        )
 
     def __call__(self, experts, x, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -82,18 +99,18 @@ class MoeInferAG(MoeExchange):
     def __call__(self, experts, x, topk_idx, topk_weight):
         """Every rank holds n tokens (the same n on every rank) -> [n, H], its own tokens summed."""
         ep = self.moe_ep.group
-        x_all = map_rows(x, lambda t: comm.all_gather(t, ep))                     # [P*n, H] (+ scales)
-        idx_all, weight_all = comm.all_gather(topk_idx, ep), comm.all_gather(topk_weight, ep)   # [P*n, K]
+        x_all = map_rows(x, lambda t: comm.all_gather(t, ep))  # [P*n, H] (+ scales)
+        idx_all, weight_all = comm.all_gather(topk_idx, ep), comm.all_gather(topk_weight, ep)  # [P*n, K]
         expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x_all, idx_all, self.local_range(experts))
         out = self.finalize(experts(expanded_x, tokens_per_expert), expanded_row_idx, weight_all, idx_all)
-        return comm.reduce_scatter(out, ep)                                        # this rank's partial sum of all
+        return comm.reduce_scatter(out, ep)  # this rank's partial sum of all
 
 
 def split_sizes(sent: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
     """The all_to_all_v split sizes on the host (rows this rank sends to / receives from each rank) from the slot
     counts [P, L] it sends and receives: both stacked on the device and read in one device -> host transfer, the
     one host read of a double-routing exchange."""
-    send, recv = torch.stack([sent.sum(1), received.sum(1)]).tolist()          # [2, P]: the one read
+    send, recv = torch.stack([sent.sum(1), received.sum(1)]).tolist()  # [2, P]: the one read
     return send, recv
 
 
@@ -107,13 +124,16 @@ class MoeInferDoubleRouting(MoeExchange):
         # Counts [P*L]: how many slots each source rank sends to each of this rank's local experts.
         tokens_per_expert_group = comm.all_to_all_single(tokens_per_expert, ep)
         send, recv = split_sizes(tokens_per_expert.view(ranks, local), tokens_per_expert_group.view(ranks, local))
-        gathered = map_rows(expanded_x, lambda t: comm.all_to_all_single(t, ep, output_split_sizes=recv,
-                                                                          input_split_sizes=send))
+        gathered = map_rows(
+            expanded_x, lambda t: comm.all_to_all_single(t, ep, output_split_sizes=recv, input_split_sizes=send)
+        )
         if sum(recv):
-            permuted, permute_token_idx, expert_tokens = re_routing(gathered, tokens_per_expert_group.view(ranks, local))
+            permuted, permute_token_idx, expert_tokens = re_routing(
+                gathered, tokens_per_expert_group.view(ranks, local)
+            )
             expert_out = experts(permuted, expert_tokens)
             expert_out = expert_out.index_select(0, torch.argsort(permute_token_idx))  # back to arrival order
-        else:   # no slot for this rank's experts: skip them (the NPU kernels take no empty input, e.g. npu_swiglu)
+        else:  # no slot for this rank's experts: skip them (the NPU kernels take no empty input, e.g. npu_swiglu)
             expert_out = topk_weight.new_zeros(0, experts.hidden_size, dtype=experts.activation_dtype)
         combined = comm.all_to_all_single(expert_out, ep, output_split_sizes=send, input_split_sizes=recv)
         return self.finalize(combined, expanded_row_idx, topk_weight)
@@ -126,14 +146,24 @@ class MoeInferDispatchCombine(MoeExchange):
         """mc2: the MC2 operators' own EP group (`ParallelState.moe_ep_mc2`: moe_ep's ranks, its own HCCL window);
         the results' all_gather stays on moe_ep."""
         super().__init__(num_experts, top_k, moe_tp, moe_ep)
-        self.group_name = comm_name((mc2 or moe_ep).group)   # what the MC2 operators take (HCCL name on NPU)
+        self.group_name = comm_name((mc2 or moe_ep).group)  # what the MC2 operators take (HCCL name on NPU)
 
     def mc2_kwargs(self, x_active_mask) -> dict:
         """The arguments dispatch and combine share, as the recipe passes them (no TP domain, no shared experts)."""
-        return dict(group_ep=self.group_name, ep_world_size=self.moe_ep.size, ep_rank_id=self.moe_ep.rank,
-                    moe_expert_num=self.num_experts, x_active_mask=x_active_mask, global_bs=0,
-                    group_tp=self.group_name, tp_world_size=1, tp_rank_id=0, expert_shard_type=0,
-                    shared_expert_num=0, shared_expert_rank_num=0)
+        return dict(
+            group_ep=self.group_name,
+            ep_world_size=self.moe_ep.size,
+            ep_rank_id=self.moe_ep.rank,
+            moe_expert_num=self.num_experts,
+            x_active_mask=x_active_mask,
+            global_bs=0,
+            group_tp=self.group_name,
+            tp_world_size=1,
+            tp_rank_id=0,
+            expert_shard_type=0,
+            shared_expert_num=0,
+            shared_expert_rank_num=0,
+        )
 
     def __call__(self, experts, x, topk_idx, topk_weight):
         """Every rank's same B tokens [B, H]: EP rank r exchanges tokens [r*n, (r+1)*n), n = ceil(B / P) (past B:
@@ -143,7 +173,7 @@ class MoeInferDispatchCombine(MoeExchange):
         ep, tokens = self.moe_ep, x.shape[0]
         n = -(-tokens // ep.size)
         rows = torch.arange(ep.rank * n, (ep.rank + 1) * n, device=x.device)
-        mask = None if n * ep.size == tokens else rows < tokens                    # a True prefix
+        mask = None if n * ep.size == tokens else rows < tokens  # a True prefix
         rows = rows.clamp(max=tokens - 1)
         mine, ids, weights = x.index_select(0, rows), topk_idx.index_select(0, rows), topk_weight.index_select(0, rows)
         return comm.all_gather(self.dispatch_combine(experts, mine, ids, weights, mask), ep.group)[:tokens]
@@ -151,25 +181,36 @@ class MoeInferDispatchCombine(MoeExchange):
     def own_rows(self, active: int):
         """The exchange under attention DP: every rank holds its own n rows (the same n on every rank), the first
         `active` real and the rest padding, masked out by x_active_mask (never sent; they come back 0); no gather."""
+
         def exchange(experts, x, topk_idx, topk_weight):
             if isinstance(x, MxRows):
                 raise TypeError("moe_infer_dispatch_combine moves bf16 / fp32 rows (quant_mode 0); got MXFP8 rows")
             n = x.shape[0]
-            mask = None if active == n else torch.arange(n, device=x.device) < active   # a True prefix
+            mask = None if active == n else torch.arange(n, device=x.device) < active  # a True prefix
             return self.dispatch_combine(experts, x, topk_idx, topk_weight, mask)
+
         return exchange
 
     def dispatch_combine(self, experts, mine, ids, weights, mask):
         """npu_moe_distribute_dispatch_v2 of this rank's rows [n, H] (the rows `mask` leaves out stay home), grouped
         matmul, npu_moe_distribute_combine_v2 -> [n, H]."""
         kwargs = self.mc2_kwargs(mask)
-        expand_x, _, assist, tokens_per_expert, ep_recv_counts, tp_recv_counts = \
-            torch.ops.npu.npu_moe_distribute_dispatch_v2(mine, expert_ids=ids, scales=None, quant_mode=0,
-                                                         comm_alg="fullmesh_v2", **kwargs)[:6]
-        expert_out = experts(expand_x, tokens_per_expert)                          # rows past the counts: padding
+        expand_x, _, assist, tokens_per_expert, ep_recv_counts, tp_recv_counts = (
+            torch.ops.npu.npu_moe_distribute_dispatch_v2(
+                mine, expert_ids=ids, scales=None, quant_mode=0, comm_alg="fullmesh_v2", **kwargs
+            )[:6]
+        )
+        expert_out = experts(expand_x, tokens_per_expert)  # rows past the counts: padding
         out = torch.ops.npu.npu_moe_distribute_combine_v2(
-            expand_x=expert_out, expert_ids=ids, assist_info_for_combine=assist, ep_send_counts=ep_recv_counts,
-            tp_send_counts=tp_recv_counts, expert_scales=weights.float(), comm_quant_mode=0, **kwargs)
+            expand_x=expert_out,
+            expert_ids=ids,
+            assist_info_for_combine=assist,
+            ep_send_counts=ep_recv_counts,
+            tp_send_counts=tp_recv_counts,
+            expert_scales=weights.float(),
+            comm_quant_mode=0,
+            **kwargs,
+        )
         return out
 
 
@@ -177,6 +218,7 @@ EXCHANGES = {cls.name: cls for cls in (MoeInferTP, MoeInferAG, MoeInferDoubleRou
 
 
 def build_exchange(name: str, config, groups) -> MoeExchange:
-    """The exchange `name` ('tp', 'allgather', 'alltoall', 'dispatch_combine') for this model config and rank's groups."""
+    """The exchange `name` ('tp', 'allgather', 'alltoall', 'dispatch_combine') for this model config and rank's
+    groups."""
     extra = {"mc2": getattr(groups, "moe_ep_mc2", None)} if name == MoeInferDispatchCombine.name else {}
     return EXCHANGES[name](config.num_experts, config.num_experts_per_tok, groups.moe_tp, groups.moe_ep, **extra)

@@ -2,6 +2,7 @@
 
 See docs/parallel.md, "Notes from the code", optimized/layers/force_eplb.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ JOB, OWN, EP_SPLIT = "job", "own", "ep_split"
 @dataclass(frozen=True)
 class EplbRows:
     """What a phase's MoE input holds on this rank, for the balanced ids: decode or prefill, and whose rows."""
+
     decode: bool
     owner: str = JOB
 
@@ -35,7 +37,7 @@ class BalancedRouting:
 
     def __call__(self, rows: int, where: EplbRows, device) -> torch.Tensor:
         E, K = self.num_experts, self.top_k
-        j = torch.arange(rows * K, device=device).view(rows, K)                     # slot index, row-major
+        j = torch.arange(rows * K, device=device).view(rows, K)  # slot index, row-major
         if not where.decode:
             g = 0 if where.owner == JOB else self.global_rank
             return ((j + g) % E).to(torch.int32)
@@ -45,9 +47,9 @@ class BalancedRouting:
                 raise ValueError(f"model_config.force_eplb: {why}")
             return ((j % self.ep) * (E // self.ep) + j // self.ep).to(torch.int32)
         if where.owner == EP_SPLIT:
-            n = -(-rows // self.ep)                                                 # rows each EP rank dispatches
+            n = -(-rows // self.ep)  # rows each EP rank dispatches
             t = torch.arange(rows, device=device).view(rows, 1)
-            g = self.first_ep_rank + (t // n) * self.moe_tp_size                     # the row's dispatching rank
+            g = self.first_ep_rank + (t // n) * self.moe_tp_size  # the row's dispatching rank
             return self._decode_ep(((t % n) * K) + torch.arange(K, device=device), g, n).to(torch.int32)
         return self._decode_ep(j, 0 if where.owner == JOB else self.global_rank, rows).to(torch.int32)
 

@@ -2,6 +2,7 @@
 
 See docs/quantization.md, "Notes from the code", optimized/layers/hadamard.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,9 @@ from torch import nn
 from optimized.config import head_dim_of
 from optimized.errors import CheckpointError
 
-SIZE = 128                                              # the recipe's hard-coded block; independent of head_dim
-INPUT_KEY = "input_transform.transform.linear.weight"   # q/k/v (merged_qkv_proj)
-OUTPUT_KEY = "out_transform.transform.linear.weight"    # o_proj
+SIZE = 128  # the recipe's hard-coded block; independent of head_dim
+INPUT_KEY = "input_transform.transform.linear.weight"  # q/k/v (merged_qkv_proj)
+OUTPUT_KEY = "out_transform.transform.linear.weight"  # o_proj
 
 
 class RotationError(CheckpointError):
@@ -29,15 +30,20 @@ def layer_file(path, layer_idx: int) -> Path:
 def check_directory(path) -> Path:
     """The rotation directory, or a RotationError: empty path, missing, not a directory."""
     if path is None or str(path) == "":
-        raise RotationError("enable_hadamard is true, but hadamard_weight_path is empty: give the directory of "
-                            "layer_{i}_self_attn.pt rotation files")
+        raise RotationError(
+            "enable_hadamard is true, but hadamard_weight_path is empty: give the directory of "
+            "layer_{i}_self_attn.pt rotation files"
+        )
     p = Path(path)
     if not p.exists():
-        raise RotationError(f"hadamard_weight_path {p} does not exist (a directory of layer_{{i}}_self_attn.pt files "
-                            f"is expected)")
+        raise RotationError(
+            f"hadamard_weight_path {p} does not exist (a directory of layer_{{i}}_self_attn.pt files is expected)"
+        )
     if not p.is_dir():
-        raise RotationError(f"hadamard_weight_path {p} is not a directory (it must hold one layer_{{i}}_self_attn.pt "
-                            f"file per decoder layer)")
+        raise RotationError(
+            f"hadamard_weight_path {p} is not a directory (it must hold one layer_{{i}}_self_attn.pt "
+            f"file per decoder layer)"
+        )
     return p
 
 
@@ -46,33 +52,40 @@ def load_layer(path, layer_idx: int, device=None) -> tuple[torch.Tensor, torch.T
     (`torch.load(map_location="cpu", weights_only=True)`, as the recipe reads it), checked, then copied over once."""
     file = layer_file(check_directory(path), layer_idx)
     if not file.is_file():
-        raise RotationError(f"layer {layer_idx}: rotation file {file} not found (hadamard_weight_path needs "
-                            f"layer_0_self_attn.pt .. layer_{{L-1}}_self_attn.pt, one per decoder layer)")
+        raise RotationError(
+            f"layer {layer_idx}: rotation file {file} not found (hadamard_weight_path needs "
+            f"layer_0_self_attn.pt .. layer_{{L-1}}_self_attn.pt, one per decoder layer)"
+        )
     try:
         data = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:   # a pickle with custom classes, a truncated or foreign file: one line, named
+    except Exception as e:  # a pickle with custom classes, a truncated or foreign file: one line, named
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RotationError(f"layer {layer_idx}: cannot load {file} as a plain mapping of tensors "
-                            f"(torch.load weights_only=True): {first}") from None
+        raise RotationError(
+            f"layer {layer_idx}: cannot load {file} as a plain mapping of tensors "
+            f"(torch.load weights_only=True): {first}"
+        ) from None
     if not isinstance(data, dict):
-        raise RotationError(f"layer {layer_idx}: {file} holds a {type(data).__name__}; a mapping with the keys "
-                            f"{INPUT_KEY!r} and {OUTPUT_KEY!r} is expected")
+        raise RotationError(
+            f"layer {layer_idx}: {file} holds a {type(data).__name__}; a mapping with the keys "
+            f"{INPUT_KEY!r} and {OUTPUT_KEY!r} is expected"
+        )
     return tuple(_matrix(data, key, layer_idx, file).to(device) for key in (INPUT_KEY, OUTPUT_KEY))
 
 
 def _matrix(data: dict, key: str, layer_idx: int, file: Path) -> torch.Tensor:
     if key not in data:
         keys = ", ".join(sorted(map(str, data))) or "none"
-        raise RotationError(f"layer {layer_idx}: {file} has no key {key!r} (flat dotted keys expected; it has: "
-                            f"{keys})")
+        raise RotationError(f"layer {layer_idx}: {file} has no key {key!r} (flat dotted keys expected; it has: {keys})")
     t = data[key]
     if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
         what = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
-        raise RotationError(f"layer {layer_idx}: {file} key {key!r} is {what}; a floating [{SIZE}, {SIZE}] matrix "
-                            f"is expected")
+        raise RotationError(
+            f"layer {layer_idx}: {file} key {key!r} is {what}; a floating [{SIZE}, {SIZE}] matrix is expected"
+        )
     if tuple(t.shape) != (SIZE, SIZE):
-        raise RotationError(f"layer {layer_idx}: {file} key {key!r} has shape {list(t.shape)}; the rotation is "
-                            f"[{SIZE}, {SIZE}]")
+        raise RotationError(
+            f"layer {layer_idx}: {file} key {key!r} has shape {list(t.shape)}; the rotation is [{SIZE}, {SIZE}]"
+        )
     t = t.float()
     if not torch.isfinite(t).all():
         raise RotationError(f"layer {layer_idx}: {file} key {key!r} holds a NaN or inf")
@@ -81,17 +94,21 @@ def _matrix(data: dict, key: str, layer_idx: int, file: Path) -> torch.Tensor:
 
 def check_width(width: int, what: str) -> None:
     if width % SIZE:
-        raise RotationError(f"the Hadamard rotation acts on {SIZE}-feature blocks: {what} = {width} is not a multiple "
-                            f"of {SIZE} (a block would join features of two tokens); choose a model or attn_tp_size "
-                            f"where it is")
+        raise RotationError(
+            f"the Hadamard rotation acts on {SIZE}-feature blocks: {what} = {width} is not a multiple "
+            f"of {SIZE} (a block would join features of two tokens); choose a model or attn_tp_size "
+            f"where it is"
+        )
 
 
 def check_widths(config, attn_tp_size: int) -> None:
     """hidden_size (q/k/v input) and this rank's attention width (o_proj input) are multiples of 128 (spec §4.2)."""
     check_width(config.hidden_size, "hidden_size (the q/k/v input)")
     heads, d = config.num_attention_heads, head_dim_of(config)
-    check_width(heads // attn_tp_size * d, f"num_attention_heads / attn_tp_size * head_dim ({heads} / {attn_tp_size} "
-                                           f"* {d}, this rank's o_proj input)")
+    check_width(
+        heads // attn_tp_size * d,
+        f"num_attention_heads / attn_tp_size * head_dim ({heads} / {attn_tp_size} * {d}, this rank's o_proj input)",
+    )
 
 
 def rotate(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -118,17 +135,23 @@ def attach(model: nn.Module, path, attn_tp_size: int) -> None:
         for linear, t in ((attn.merged_qkv_proj, t_in), (attn.o_proj, t_out), (attn.o_proj_replicated, t_out)):
             if linear is None:
                 continue
-            if "input_rotation" not in linear._buffers:        # only MxFp4LinearMethod gives a linear the slot
-                raise RotationError(f"layer {i}: the Hadamard rotation applies to W4A4 (MXFP4) attention linears; "
-                                    f"this one runs {type(linear.quant_method).__name__}")
-            linear.input_rotation = t                      # a non-persistent buffer: not in the state dict
+            if "input_rotation" not in linear._buffers:  # only MxFp4LinearMethod gives a linear the slot
+                raise RotationError(
+                    f"layer {i}: the Hadamard rotation applies to W4A4 (MXFP4) attention linears; "
+                    f"this one runs {type(linear.quant_method).__name__}"
+                )
+            linear.input_rotation = t  # a non-persistent buffer: not in the state dict
 
 
 def describe(scheme: str | None, path) -> str:
     """The start-up line: what enable_hadamard does with this checkpoint (the recipe ignores it unless W4A4)."""
     if scheme == "w4a4":
-        return (f"hadamard rotation: layer_{{i}}_self_attn.pt from {os.fspath(path)}, applied to the inputs of "
-                f"merged_qkv_proj and o_proj")
+        return (
+            f"hadamard rotation: layer_{{i}}_self_attn.pt from {os.fspath(path)}, applied to the inputs of "
+            f"merged_qkv_proj and o_proj"
+        )
     kind = scheme.upper() if scheme else "BF16"
-    return (f"hadamard rotation: enable_hadamard ignored: the checkpoint is {kind}, and the rotation applies to W4A4 "
-            f"checkpoints only (as in the recipe)")
+    return (
+        f"hadamard rotation: enable_hadamard ignored: the checkpoint is {kind}, and the rotation applies to W4A4 "
+        f"checkpoints only (as in the recipe)"
+    )

@@ -5,6 +5,7 @@ Weights keep the checkpoint's `[out_features, in_features]` orientation. `tp` is
 method (optimized/layers/quantization/: unquantized by default; the model's `QuantConfig` picks one per layer) that
 creates its parameters, loads its slices and applies the matmul.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,15 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """Output features split across `tp`; rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
-    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype, gather_output: bool = False,
-                 quant_method=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp,
+        dtype: torch.dtype,
+        gather_output: bool = False,
+        quant_method=None,
+    ):
         super().__init__()
         self.tp, self.gather_output = tp, gather_output
         self.in_features, self.out_features = in_features, out_features
@@ -64,8 +72,15 @@ class RowParallelLinear(nn.Module):
     reduce_results=False: the layer returns this rank's partial product, for a caller that sums it its own way
     (attention DP reduce-scatters o_proj's partial sums back to each rank's rows, optimized/phases.py)."""
 
-    def __init__(self, in_features: int, out_features: int, tp, dtype: torch.dtype, quant_method=None,
-                 reduce_results: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp,
+        dtype: torch.dtype,
+        quant_method=None,
+        reduce_results: bool = True,
+    ):
         super().__init__()
         self.tp, self.reduce_results = tp, reduce_results
         self.in_features, self.out_features = in_features, out_features
@@ -97,8 +112,9 @@ class MergedColumnParallelLinear(nn.Module):
         offset = 0
         for name, total, per_rank in zip(names, self.out_features, self.out_per_rank):
             rows = slice(self.tp.rank * per_rank, (self.tp.rank + 1) * per_rank)
-            self.quant_method.load(self, source, name, (total, self.in_features), (rows,),
-                                   slice(offset, offset + per_rank))
+            self.quant_method.load(
+                self, source, name, (total, self.in_features), (rows,), slice(offset, offset + per_rank)
+            )
             offset += per_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +126,10 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     if num_kv_heads >= tp_size:
         return _split(num_kv_heads, tp_size, "num_key_value_heads")
     if tp_size % num_kv_heads:
-        raise ValueError(f"attention TP size {tp_size} is not a multiple of num_key_value_heads={num_kv_heads}; "
-                         "KV heads cannot be replicated evenly")
+        raise ValueError(
+            f"attention TP size {tp_size} is not a multiple of num_key_value_heads={num_kv_heads}; "
+            "KV heads cannot be replicated evenly"
+        )
     return 1
 
 
@@ -129,8 +147,16 @@ class QKVParallelLinear(nn.Module):
     KV heads than ranks each rank holds the one KV head its query heads use (so KV is replicated).
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp,
-                 dtype: torch.dtype, quant_method=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp,
+        dtype: torch.dtype,
+        quant_method=None,
+    ):
         super().__init__()
         self.tp, self.hidden_size, self.head_dim = tp, hidden_size, head_dim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -152,8 +178,9 @@ class QKVParallelLinear(nn.Module):
         q_size, kv_size = self.output_sizes[:2]
         load = self.quant_method.load
         load(self, source, q_name, (self.num_heads * d, self.hidden_size), (q_rows,), slice(0, q_size))
-        load(self, source, k_name, (self.num_kv_heads * d, self.hidden_size), (kv_rows,),
-             slice(q_size, q_size + kv_size))
+        load(
+            self, source, k_name, (self.num_kv_heads * d, self.hidden_size), (kv_rows,), slice(q_size, q_size + kv_size)
+        )
         load(self, source, v_name, (self.num_kv_heads * d, self.hidden_size), (kv_rows,), slice(q_size + kv_size, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

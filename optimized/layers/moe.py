@@ -5,6 +5,7 @@ intermediate dimension split across the MoE TP group. How tokens reach the exper
 (`moe_infer_tp` / `moe_infer_ag` / `moe_infer_double_routing`, optimized/layers/exchange.py), chosen once at
 build time by the model's phase strategies (optimized/phases.py) and passed in; the block itself names no layout.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,13 @@ from torch import nn
 
 from optimized.layers.exchange import MoeInferTP
 from optimized.layers.force_eplb import BalancedRouting, EplbRows
-from optimized.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
-                                     RowParallelLinear, _split)
+from optimized.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    _split,
+)
 from optimized.layers.quantization.config import QuantConfig, moe_method
 
 
@@ -21,8 +27,16 @@ class FusedMoEGMM(nn.Module):
     """This rank's experts merged for grouped matmul; the quant method owns the weights (unquantized:
     w13 [L, H, 2*I_r] (gate | up), w2 [L, I_r, H]; W4A8: MXFP4, W8A8: MXFP8 w13_weight / w2_weight with scales)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, moe_tp, moe_ep,
-                 dtype: torch.dtype, quant_method=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        moe_tp,
+        moe_ep,
+        dtype: torch.dtype,
+        quant_method=None,
+    ):
         super().__init__()
         self.moe_tp, self.moe_ep = moe_tp, moe_ep
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -41,7 +55,7 @@ class FusedMoEGMM(nn.Module):
             self.quant_method.load(self, source, f"{prefix}.{self.first_expert + local}", local, cols)
         # The other EP ranks' experts are theirs to read: deliberately unused here, not unexpected.
         local_range = range(self.first_expert, self.first_expert + self.local_experts)
-        for expert in set(range(self.num_experts)) - set(local_range):   # other EP ranks load these
+        for expert in set(range(self.num_experts)) - set(local_range):  # other EP ranks load these
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 for tensor in self.quant_method.tensors:
                     source.skip(f"{prefix}.{expert}.{proj}.{tensor}")
@@ -55,8 +69,16 @@ class FusedMoEGMM(nn.Module):
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """Router and experts; the token exchange is the phase's (layers/exchange.py), tensor parallel by default."""
 
-    def __init__(self, config, moe_tp, moe_ep, dtype: torch.dtype, force_eplb: bool = False,
-                 quant_config: QuantConfig | None = None, prefix: str = "mlp"):
+    def __init__(
+        self,
+        config,
+        moe_tp,
+        moe_ep,
+        dtype: torch.dtype,
+        force_eplb: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "mlp",
+    ):
         """quant_config: the model's (parsed once); prefix: this block's checkpoint prefix (`model.layers.N.mlp`)."""
         super().__init__()
         quant = quant_config or QuantConfig.from_hf_config(config)
@@ -64,13 +86,21 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         # The router runs in float32 (as the NPU recipe does), whatever the activation dtype.
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, torch.float32)
-        self.gate.router = True   # kept ND and contiguous when the weights go NZ (process_weights_after_loading)
-        self.experts = FusedMoEGMM(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                   moe_tp, moe_ep, dtype, quant.moe_method(f"{prefix}.experts"))
+        self.gate.router = True  # kept ND and contiguous when the weights go NZ (process_weights_after_loading)
+        self.experts = FusedMoEGMM(
+            config.num_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            moe_tp,
+            moe_ep,
+            dtype,
+            quant.moe_method(f"{prefix}.experts"),
+        )
         self.moe_infer_tp = MoeInferTP(config.num_experts, config.num_experts_per_tok, moe_tp, moe_ep)
         # model_config.force_eplb: the recipe's balanced expert ids replace the top-k ids (layers/force_eplb.py).
-        self.balanced = BalancedRouting(config.num_experts, config.num_experts_per_tok, moe_tp.size, moe_ep) \
-            if force_eplb else None
+        self.balanced = (
+            BalancedRouting(config.num_experts, config.num_experts_per_tok, moe_tp.size, moe_ep) if force_eplb else None
+        )
 
     def load(self, source, prefix: str) -> None:
         self.gate.load(source, f"{prefix}.gate.weight")
@@ -78,7 +108,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k weights [T, K] (float32, renormalized if configured) and expert ids [T, K] int32."""
-        router_logits = self.gate(hidden.float())                                       # [T, E]
+        router_logits = self.gate(hidden.float())  # [T, E]
         topk_weight, topk_idx, _ = torch.ops.npu.npu_moe_gating_top_k_softmax(router_logits, None, k=self.top_k)
         if self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
@@ -88,12 +118,13 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         """This block under a phase's step (optimized/phases.py): the step moves its tokens (`step.moe`)."""
         return step.moe(self, router_in, expert_in)
 
-    def forward(self, hidden, exchange=None, router_in: torch.Tensor | None = None,
-                eplb_rows: EplbRows | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden, exchange=None, router_in: torch.Tensor | None = None, eplb_rows: EplbRows | None = None
+    ) -> torch.Tensor:
         """hidden: the expert input (a tensor or MxRows); router_in: what the router reads (default: hidden);
         eplb_rows: whose rows these are, for force_eplb (the phase step's; default every rank's same prefill rows)."""
         topk_weight, topk_idx = self.route(hidden if router_in is None else router_in)
-        if self.balanced is not None:   # the gate's top-k weights stay, paired with the balanced ids
+        if self.balanced is not None:  # the gate's top-k weights stay, paired with the balanced ids
             topk_idx = self.balanced(topk_idx.shape[0], eplb_rows or EplbRows(decode=False), topk_idx.device)
         return (exchange or self.moe_infer_tp)(self.experts, hidden, topk_idx, topk_weight)
 
@@ -105,8 +136,9 @@ class Qwen3MoeMLP(nn.Module):
     gate_proj may be stored 16-bit beside MXFP8 up/down (the recipe's converter does so, config.py), and then gate
     and up are two column-parallel linears instead of the merged gate_up_proj, each in its own format."""
 
-    def __init__(self, config, moe_tp, dtype: torch.dtype, quant_config: QuantConfig | None = None,
-                 prefix: str = "mlp"):
+    def __init__(
+        self, config, moe_tp, dtype: torch.dtype, quant_config: QuantConfig | None = None, prefix: str = "mlp"
+    ):
         """quant_config: the model's (parsed once); prefix: this MLP's checkpoint prefix (`model.layers.N.mlp`)."""
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -135,7 +167,7 @@ class Qwen3MoeMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(hidden)                                      # [T, 2*I_r]
+            gate_up = self.gate_up_proj(hidden)  # [T, 2*I_r]
         else:
             gate_up = torch.cat([self.gate_proj(hidden), self.up_proj(hidden)], dim=-1)
         return self.down_proj(torch.ops.npu.npu_swiglu(gate_up))

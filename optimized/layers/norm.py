@@ -1,4 +1,5 @@
 """RMSNorm on the fused operators: `npu_rms_norm` alone, `npu_add_rms_norm` when a residual is carried."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """`load_model`: the optimized model for one rank, with its shard of a checkpoint (or random weights)."""
+
 from __future__ import annotations
 
 import os
@@ -17,11 +18,20 @@ from optimized.model import Qwen3MoeForCausalLM
 from optimized.ops.required import check_operators, required_operators
 
 
-def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None = None,
-               dtype: torch.dtype = torch.bfloat16, random_weights: bool = False, seed: int = 0,
-               num_hidden_layers: int | None = None, device: torch.device | str | None = None,
-               check_weights: bool = True, force_eplb: bool = False, weight_nz: bool = True,
-               hadamard_weight_path: str | os.PathLike | None = None) -> Qwen3MoeForCausalLM:
+def load_model(
+    model_path: str | os.PathLike,
+    *,
+    parallel: ParallelState | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    random_weights: bool = False,
+    seed: int = 0,
+    num_hidden_layers: int | None = None,
+    device: torch.device | str | None = None,
+    check_weights: bool = True,
+    force_eplb: bool = False,
+    weight_nz: bool = True,
+    hadamard_weight_path: str | os.PathLike | None = None,
+) -> Qwen3MoeForCausalLM:
     """Build the optimized Qwen3MoeForCausalLM for this rank and load this rank's weight shards.
 
     model_path: a directory with config.json (+ safetensors unless random_weights). parallel: the process
@@ -43,8 +53,11 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
     if random_weights:
         if getattr(config, "quantization_config", None):
             from optimized.layers.quantization.errors import QuantConfigError
-            raise QuantConfigError(f"{model_path}/config.json has a quantization_config: random weights are drawn in "
-                                   "the activation dtype, so run a quantized model from its checkpoint (with_ckpt: true)")
+
+            raise QuantConfigError(
+                f"{model_path}/config.json has a quantization_config: random weights are drawn in "
+                "the activation dtype, so run a quantized model from its checkpoint (with_ckpt: true)"
+            )
         source = RandomWeights(seed)
     else:
         source = CheckpointReader(model_path, check_weights)
@@ -52,33 +65,55 @@ def load_model(model_path: str | os.PathLike, *, parallel: ParallelState | None 
         for name in source.names():
             if _layer_of(name) >= config.num_hidden_layers:
                 source.skip(name)
-    return model_from_source(config, source, parallel=parallel, dtype=dtype, device=device, force_eplb=force_eplb,
-                             weight_nz=weight_nz, hadamard_weight_path=hadamard_weight_path)
+    return model_from_source(
+        config,
+        source,
+        parallel=parallel,
+        dtype=dtype,
+        device=device,
+        force_eplb=force_eplb,
+        weight_nz=weight_nz,
+        hadamard_weight_path=hadamard_weight_path,
+    )
 
 
-def model_from_source(config, source, *, parallel: ParallelState | None = None,
-                      dtype: torch.dtype = torch.bfloat16,
-                      device: torch.device | str | None = None, force_eplb: bool = False,
-                      weight_nz: bool = True,
-                      hadamard_weight_path: str | os.PathLike | None = None) -> Qwen3MoeForCausalLM:
+def model_from_source(
+    config,
+    source,
+    *,
+    parallel: ParallelState | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    force_eplb: bool = False,
+    weight_nz: bool = True,
+    hadamard_weight_path: str | os.PathLike | None = None,
+) -> Qwen3MoeForCausalLM:
     """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...)."""
     parallel = parallel or ParallelState.single()
     InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
     # The checkpoint's quantization, parsed once: the method of each layer, by prefix (a dense projection the
     # checkpoint stores 16-bit, without a scale partner, gets a 16-bit linear: the source is asked here).
     quant = QuantConfig.from_hf_config(config, getattr(source, "has", None))
-    rotated = hadamard_weight_path is not None and quant.scheme == W4A4   # else ignored, as the recipe does
-    if rotated:   # before the build: a bad directory or width costs no weight read
+    rotated = hadamard_weight_path is not None and quant.scheme == W4A4  # else ignored, as the recipe does
+    if rotated:  # before the build: a bad directory or width costs no weight read
         from optimized.layers import hadamard
+
         hadamard.check_directory(hadamard_weight_path)
         hadamard.check_widths(config, parallel.parallel.attn_tp_size)
     with torch.device(platform.device() if device is None else device):
         model = Qwen3MoeForCausalLM(config, parallel, dtype, force_eplb, quant)
-    check_operators(required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
-        w4a8=quant.scheme == W4A8, w8a8=quant.scheme == W8A8, w4a4=quant.scheme == W4A4,
-        sp_ep_scheme=model.ep_scheme,
-        mc2_decode=model.decode.step.exchange is not None, dp_prefill=parallel.parallel.attn_dp_size > 1,
-        dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)), weight_nz=weight_nz))
+    check_operators(
+        required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
+            w4a8=quant.scheme == W4A8,
+            w8a8=quant.scheme == W8A8,
+            w4a4=quant.scheme == W4A4,
+            sp_ep_scheme=model.ep_scheme,
+            mc2_decode=model.decode.step.exchange is not None,
+            dp_prefill=parallel.parallel.attn_dp_size > 1,
+            dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)),
+            weight_nz=weight_nz,
+        )
+    )
     if rotated:
         hadamard.attach(model, hadamard_weight_path, parallel.parallel.attn_tp_size)
     model.load_weights(source)

@@ -2,6 +2,7 @@
 
 See docs/architecture.md, "Notes from the code", optimized/model_loader/checkpoint_files.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,19 @@ FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|
 
 # safetensors dtype codes (slice.get_dtype()) -> torch dtypes
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
-
-
 
 
 def read_json(file: Path, error: type[Exception] = CheckpointError, fix: str = "re-download it"):
@@ -33,8 +41,9 @@ def read_json(file: Path, error: type[Exception] = CheckpointError, fix: str = "
     try:
         return json.loads(file.read_text())
     except RecursionError:
-        raise error(f"{file} is nested too deeply to be a checkpoint's JSON (more than {sys.getrecursionlimit()} "
-                    f"levels); {fix}") from None
+        raise error(
+            f"{file} is nested too deeply to be a checkpoint's JSON (more than {sys.getrecursionlimit()} levels); {fix}"
+        ) from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise error(f"{file} is not valid JSON ({getattr(e, 'strerror', None) or e}); {fix}") from None
 
@@ -47,8 +56,10 @@ def open_file(file: Path):
         raise CheckpointError(f"{file}: file not found; the checkpoint is incomplete (re-download it)") from None
     except Exception as e:  # safetensors raises its own SafetensorError (not an OSError) for bad files
         size = file.stat().st_size if file.exists() else 0
-        raise CheckpointError(f"{file} ({size} bytes) is not a readable safetensors file ({e}); it is truncated "
-                              f"or corrupt: re-download or re-convert it") from None
+        raise CheckpointError(
+            f"{file} ({size} bytes) is not a readable safetensors file ({e}); it is truncated "
+            f"or corrupt: re-download or re-convert it"
+        ) from None
 
 
 def weight_files(path: Path) -> dict[str, Path]:
@@ -58,14 +69,18 @@ def weight_files(path: Path) -> dict[str, Path]:
         data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index} has no 'weight_map' (tensor name -> shard file); re-download it, "
-                                  f"or remove it if the weights are one {SINGLE_FILE}")
+            raise CheckpointError(
+                f"{index} has no 'weight_map' (tensor name -> shard file); re-download it, "
+                f"or remove it if the weights are one {SINGLE_FILE}"
+            )
         files = {name: path / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
                 listed = sorted(n for n, f in files.items() if f == file)
-                raise CheckpointError(f"{index} lists shard {file.name} (for {len(listed)} tensor(s), e.g. "
-                                      f"{listed[0]}) but {file} does not exist; the download is incomplete")
+                raise CheckpointError(
+                    f"{index} lists shard {file.name} (for {len(listed)} tensor(s), e.g. "
+                    f"{listed[0]}) but {file} does not exist; the download is incomplete"
+                )
         return files
     if (path / SINGLE_FILE).exists():
         with open_file(path / SINGLE_FILE) as f:
@@ -85,11 +100,13 @@ def declared_dtype(path: Path, names=()) -> torch.dtype | None:
     if config.get("quantization_config"):  # quantized tensors have their own dtypes
         return None
     scales = sorted(n for n in names if n.endswith("weight_scale"))
-    if scales:   # only the converter writes them, always beside its quantization_config
-        raise CheckpointError(f"{path / 'config.json'} has no 'quantization_config', but the checkpoint holds "
-                              f"quantized tensors ({len(scales)} MX scale tensors, e.g. {scales[0]}): config.json lost "
-                              f"the key `python -m optimized convert` writes; restore it from the converted "
-                              f"checkpoint's config.json, or re-convert")
+    if scales:  # only the converter writes them, always beside its quantization_config
+        raise CheckpointError(
+            f"{path / 'config.json'} has no 'quantization_config', but the checkpoint holds "
+            f"quantized tensors ({len(scales)} MX scale tensors, e.g. {scales[0]}): config.json lost "
+            f"the key `python -m optimized convert` writes; restore it from the converted "
+            f"checkpoint's config.json, or re-convert"
+        )
     name = config.get("dtype") or config.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) else None
@@ -108,8 +125,10 @@ def expand_fused_experts(files: dict[str, Path], shape_of) -> dict[str, tuple[st
         prefix, kind = m.groups()
         shape = tuple(shape_of(name))
         if len(shape) != 3 or (kind == "gate_up_proj" and shape[1] % 2):
-            raise CheckpointError(f"fused expert tensor {name} has shape {shape}; expected [E, 2*I, H] "
-                                  f"(gate_up_proj) or [E, H, I] (down_proj)")
+            raise CheckpointError(
+                f"fused expert tensor {name} has shape {shape}; expected [E, 2*I, H] "
+                f"(gate_up_proj) or [E, H, I] (down_proj)"
+            )
         parts = ("gate", "up") if kind == "gate_up_proj" else ("down",)
         for e in range(shape[0]):
             for part in parts:
@@ -140,4 +159,4 @@ class FusedExpertView:
         if step != 1:
             raise TypeError(f"fused expert reads need contiguous row slices, got {rows}")
         rows = slice(self.offset + start, self.offset + stop)
-        return self.fused[self.expert:self.expert + 1, rows, cols][0]
+        return self.fused[self.expert : self.expert + 1, rows, cols][0]

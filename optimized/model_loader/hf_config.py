@@ -7,6 +7,7 @@ fix: another model_type, a missing or non-positive size / head / expert count, a
 optimized model does not implement (`model.UNSUPPORTED`). A `quantization_config` must be exactly what the
 recipe's converter writes (QuantConfigError naming the key otherwise).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,16 @@ from transformers import Qwen3MoeConfig
 from optimized.model_loader.checkpoint_files import read_json
 from optimized.errors import UsageError
 
-REQUIRED_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
+REQUIRED_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "max_position_embeddings",
+)
 
 
 class ModelConfigError(UsageError, ValueError):
@@ -26,8 +35,10 @@ class ModelConfigError(UsageError, ValueError):
 
 def _positive(raw: dict, key: str, file: Path) -> None:
     if key not in raw:
-        raise ModelConfigError(f"{file}: required key {key!r} is missing (transformers would silently use a "
-                               f"default); add it from the released model's config.json")
+        raise ModelConfigError(
+            f"{file}: required key {key!r} is missing (transformers would silently use a "
+            f"default); add it from the released model's config.json"
+        )
     value = raw[key]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ModelConfigError(f"{file}: {key}={value!r} must be a positive integer")
@@ -36,8 +47,10 @@ def _positive(raw: dict, key: str, file: Path) -> None:
 def check_config_dict(raw: dict, file: Path) -> None:
     """The checks that need config.json as written (before transformers fills in defaults)."""
     if raw.get("model_type") != "qwen3_moe":
-        raise ModelConfigError(f"{file} has model_type={raw.get('model_type')!r}; this project runs 'qwen3_moe' "
-                               f"(Qwen3-MoE) checkpoints only")
+        raise ModelConfigError(
+            f"{file} has model_type={raw.get('model_type')!r}; this project runs 'qwen3_moe' "
+            f"(Qwen3-MoE) checkpoints only"
+        )
     for key in REQUIRED_POSITIVE:
         _positive(raw, key, file)
     only = raw.get("mlp_only_layers") or []
@@ -46,19 +59,25 @@ def check_config_dict(raw: dict, file: Path) -> None:
         _positive(raw, "num_experts", file)
         _positive(raw, "num_experts_per_tok", file)
         if raw["num_experts_per_tok"] > raw["num_experts"]:
-            raise ModelConfigError(f"{file}: num_experts_per_tok={raw['num_experts_per_tok']} exceeds "
-                                   f"num_experts={raw['num_experts']}")
+            raise ModelConfigError(
+                f"{file}: num_experts_per_tok={raw['num_experts_per_tok']} exceeds num_experts={raw['num_experts']}"
+            )
     if raw["num_attention_heads"] % raw["num_key_value_heads"]:
-        raise ModelConfigError(f"{file}: num_attention_heads={raw['num_attention_heads']} is not a multiple of "
-                               f"num_key_value_heads={raw['num_key_value_heads']}")
+        raise ModelConfigError(
+            f"{file}: num_attention_heads={raw['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads={raw['num_key_value_heads']}"
+        )
 
 
 def check_supported(config, file) -> None:
     from optimized.model import unsupported_feature
+
     found = unsupported_feature(config)
     if found:
-        raise ModelConfigError(f"{file}: {found[0]}={found[1]!r} is not supported by the optimized model (the "
-                               f"released Qwen3-MoE checkpoints do not use it); use a checkpoint without it")
+        raise ModelConfigError(
+            f"{file}: {found[0]}={found[1]!r} is not supported by the optimized model (the "
+            f"released Qwen3-MoE checkpoints do not use it); use a checkpoint without it"
+        )
 
 
 def load_hf_config(path) -> Qwen3MoeConfig:
@@ -68,8 +87,9 @@ def load_hf_config(path) -> Qwen3MoeConfig:
         raise ModelConfigError(f"model path {str(path)!r} does not exist or is not a directory")
     file = path / "config.json"
     if not file.is_file():
-        raise ModelConfigError(f"model path {str(path)!r} has no config.json; point it at a Hugging Face "
-                               f"checkpoint directory")
+        raise ModelConfigError(
+            f"model path {str(path)!r} has no config.json; point it at a Hugging Face checkpoint directory"
+        )
     raw = read_json(file, ModelConfigError, "fix it, or re-download the checkpoint's config.json")
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{file} must hold a JSON object")
@@ -82,6 +102,7 @@ def load_hf_config(path) -> Qwen3MoeConfig:
     if raw.get("quantization_config"):
         from optimized.layers.quantization.converter_config import check_recipe_quantization_config
         from optimized.layers.quantization.schemes import quant_scheme
-        quant_scheme(config)                     # the scheme's own errors first (bits, block size, method)
+
+        quant_scheme(config)  # the scheme's own errors first (bits, block size, method)
         check_recipe_quantization_config(raw["quantization_config"], raw["num_hidden_layers"])
     return config

@@ -6,6 +6,7 @@ reads (checked by a test: about 1/world of the sharded weights per rank) and rem
 were used, so unexpected leftovers are reported by name. `RandomWeights` stands in for a checkpoint of
 the real shapes (benchmarks, latency runs) and never builds a full tensor either.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from optimized.model_loader.checkpoint_files import (INDEX_FILE, SAFETENSORS_DTYPES, CheckpointError, FusedExpertView,
-                                                     declared_dtype, expand_fused_experts, open_file, weight_files)
+from optimized.model_loader.checkpoint_files import (
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    FusedExpertView,
+    declared_dtype,
+    expand_fused_experts,
+    open_file,
+    weight_files,
+)
 
 
 def check_finite(tensor: torch.Tensor, name: str, label: str) -> None:
@@ -26,7 +35,7 @@ def check_finite(tensor: torch.Tensor, name: str, label: str) -> None:
     NaN and keeps +-inf; no temporary the size of the tensor); FP4 codes and other integers are always finite."""
     if tensor.numel() == 0:
         return
-    if tensor.dtype in _FP8_NAN_BITS:        # E4M3FN: S.1111.111 is NaN (no inf); E5M2: exponent 11111 is inf / NaN
+    if tensor.dtype in _FP8_NAN_BITS:  # E4M3FN: S.1111.111 is NaN (no inf); E5M2: exponent 11111 is inf / NaN
         bits = _FP8_NAN_BITS[tensor.dtype]
         bad = (tensor.view(torch.uint8) & bits) == bits
         what = "NaN / inf FP8 value(s)"
@@ -43,8 +52,9 @@ def check_finite(tensor: torch.Tensor, name: str, label: str) -> None:
         return
     count = int(bad.sum())
     if count:
-        raise CheckpointError(f"{label}: tensor {name!r} holds {count} {what}; the checkpoint is corrupt: "
-                              f"re-download or re-convert it")
+        raise CheckpointError(
+            f"{label}: tensor {name!r} holds {count} {what}; the checkpoint is corrupt: re-download or re-convert it"
+        )
 
 
 _FP8_NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
@@ -71,8 +81,9 @@ class _NamedSource:
         full = self._tensor(name)
         shape = tuple(full.get_shape() if hasattr(full, "get_shape") else full.shape)
         if shape != tuple(expected_shape):
-            raise CheckpointError(f"{self.label}: tensor {name!r} has shape {shape}; the model expects "
-                                  f"{tuple(expected_shape)}")
+            raise CheckpointError(
+                f"{self.label}: tensor {name!r} has shape {shape}; the model expects {tuple(expected_shape)}"
+            )
         tensor = full[index] if index else full[:]
         if self.check_weights:
             check_finite(tensor, name, self.label)
@@ -120,10 +131,12 @@ class CheckpointReader(_NamedSource):
             self._handles[file] = open_file(file)
         try:
             return self._handles[file].get_slice(name)
-        except SafetensorError:   # the index maps `name` to a shard that does not hold it
-            raise CheckpointError(f"{self.path / INDEX_FILE} maps tensor {name!r} to {file.name}, which does not "
-                                  f"contain it; the index does not match the shards: re-download the checkpoint "
-                                  f"(or its index)") from None
+        except SafetensorError:  # the index maps `name` to a shard that does not hold it
+            raise CheckpointError(
+                f"{self.path / INDEX_FILE} maps tensor {name!r} to {file.name}, which does not "
+                f"contain it; the index does not match the shards: re-download the checkpoint "
+                f"(or its index)"
+            ) from None
 
     def _tensor(self, name: str):
         if name in self._fused:
@@ -133,9 +146,11 @@ class CheckpointReader(_NamedSource):
             tensor = self._slice(name)
         dtype = SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype())
         if self.dtype is not None and dtype != self.dtype:
-            raise CheckpointError(f"{self.label}: tensor {name!r} has dtype {dtype} but config.json declares "
-                                  f"dtype {self.dtype}; the file is corrupt or was written by another "
-                                  f"conversion: re-download or re-convert it")
+            raise CheckpointError(
+                f"{self.label}: tensor {name!r} has dtype {dtype} but config.json declares "
+                f"dtype {self.dtype}; the file is corrupt or was written by another "
+                f"conversion: re-download or re-convert it"
+            )
         return tensor
 
 

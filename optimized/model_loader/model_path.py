@@ -4,6 +4,7 @@ model's config.json from the product's presets, random weights), `fixture:NAME` 
 `fixture:` reaches the repository's `fixtures/` package: this module is the product's only door to test data, and
 it says plainly, when the package is not importable (an installed wheel), that it needs a source checkout.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,7 +16,7 @@ from optimized import envs
 from optimized.errors import UsageError
 from optimized.model_loader.presets import PRESETS, preset_key
 
-PRESET_CACHE_ENV = envs.PRESET_CACHE   # where preset:NAME writes its config.json (default ~/.cache)
+PRESET_CACHE_ENV = envs.PRESET_CACHE  # where preset:NAME writes its config.json (default ~/.cache)
 
 
 def fixtures_module(module: str, what: str):
@@ -23,9 +24,11 @@ def fixtures_module(module: str, what: str):
     try:
         return importlib.import_module(f"fixtures.{module}")
     except ImportError:
-        raise UsageError(f"{what} uses the repository's test fixtures (the `fixtures/` package), which are not "
-                         f"installed with the product: run from a source checkout's root (or put it on "
-                         f"PYTHONPATH), or give a checkpoint directory") from None
+        raise UsageError(
+            f"{what} uses the repository's test fixtures (the `fixtures/` package), which are not "
+            f"installed with the product: run from a source checkout's root (or put it on "
+            f"PYTHONPATH), or give a checkpoint directory"
+        ) from None
 
 
 def fixture_config(name: str, what: str):
@@ -54,15 +57,18 @@ def preset_dir(name: str) -> Path:
 
 def resolve_model_path(model_path: str, scheme: str | None, name: str) -> Path:
     if scheme == "fixture":
-        fixture_config(name, f"model_path 'fixture:{name}'")          # the name checked first, clearly
+        fixture_config(name, f"model_path 'fixture:{name}'")  # the name checked first, clearly
         return fixtures_module("checkpoints", f"model_path 'fixture:{name}'").checkpoint(name)
     if scheme == "preset":
         return preset_dir(name)
     path = Path(model_path)
     if not path.exists():
-        raise UsageError(f"model_path {model_path!r} does not exist; give a checkpoint directory (config.json, "
-                         f"safetensors, tokenizer), fixture:NAME or preset:NAME")
+        raise UsageError(
+            f"model_path {model_path!r} does not exist; give a checkpoint directory (config.json, "
+            f"safetensors, tokenizer), fixture:NAME or preset:NAME"
+        )
     if not (path / "config.json").is_file():
-        raise UsageError(f"model_path {model_path!r} is not a directory with a config.json "
-                         f"(or use fixture:NAME / preset:NAME)")
+        raise UsageError(
+            f"model_path {model_path!r} is not a directory with a config.json (or use fixture:NAME / preset:NAME)"
+        )
     return path

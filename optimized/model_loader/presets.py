@@ -1,5 +1,6 @@
 """The released Qwen3-MoE models' config.json facts, shipped with the product (package data, `presets/*.json`):
 the shapes `bench`, the latency budgets and `preset:NAME` model paths use. Weights are never part of a preset."""
+
 from __future__ import annotations
 
 import copy
@@ -32,7 +33,8 @@ def preset_config(name: str, num_hidden_layers: int | None = None):
     kwargs.pop("model_type", None)
     if num_hidden_layers is not None:
         if not 1 <= num_hidden_layers <= kwargs["num_hidden_layers"]:
-            raise ValueError(f"num_hidden_layers={num_hidden_layers} must be in [1, {kwargs['num_hidden_layers']}]"
-                             f" for {key}")
+            raise ValueError(
+                f"num_hidden_layers={num_hidden_layers} must be in [1, {kwargs['num_hidden_layers']}] for {key}"
+            )
         kwargs["num_hidden_layers"] = num_hidden_layers
     return Qwen3MoeConfig(**kwargs)

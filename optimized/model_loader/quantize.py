@@ -2,6 +2,7 @@
 
 See docs/quantization.md, "Notes from the code", optimized/model_loader/quantize.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ import torch
 from optimized.errors import CheckpointError, UsageError
 from optimized.model_loader.checkpoint_files import INDEX_FILE, open_file, read_json, weight_files
 from optimized.ops import mx_format as mxf
+
 # config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
 from optimized.layers.quantization.converter_config import recipe_quantization_config as quantization_config
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
@@ -30,8 +32,10 @@ _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_pr
 _FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 _DENSE_GATE = re.compile(r"^model\.layers\.\d+\.mlp\.gate_proj\.weight$")
 _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight$")
-_KEPT = re.compile(r"^(model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm|mlp\.gate)"
-                   r"\.weight|model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)$")
+_KEPT = re.compile(
+    r"^(model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm|mlp\.gate)"
+    r"\.weight|model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight)$"
+)
 
 
 class ConversionError(UsageError, ValueError):
@@ -55,20 +59,24 @@ def quant_format(name: str, quant: str = "w4a8", keep_dense_gate_proj: bool = Fa
         return MXFP4 if quant == "w4a4" else MXFP8
     if _KEPT.match(name):
         return None
-    raise ConversionError(f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the MX converter knows "
-                          "(per-expert names expected, e.g. model.layers.0.mlp.experts.0.gate_proj.weight)")
+    raise ConversionError(
+        f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the MX converter knows "
+        "(per-expert names expected, e.g. model.layers.0.mlp.experts.0.gate_proj.weight)"
+    )
 
 
 # ------------------------------------------------------------------------------------------- config.json
 
 # ----------------------------------------------------------------------------------------------- writing
 
+
 @dataclass
 class _Entry:
     """One output tensor: where its bytes come from (`source` name, quantized part or kept) and its header."""
+
     name: str
     source: str
-    part: str            # "weight" | "scale" (quantized) | "kept"
+    part: str  # "weight" | "scale" (quantized) | "kept"
     dtype: str
     shape: list[int]
     nbytes: int
@@ -83,8 +91,10 @@ def _plan_file(handle, file: str, fmt_of) -> list[_Entry]:
         meta = handle.get_slice(name)
         dtype, shape = meta.get_dtype(), list(meta.get_shape())
         if dtype not in ("BF16", "F16", "F32"):
-            raise ConversionError(f"{file}: tensor {name!r} has dtype {dtype}: the source looks already quantized "
-                                  "(a BF16/FP16/FP32 checkpoint is expected)")
+            raise ConversionError(
+                f"{file}: tensor {name!r} has dtype {dtype}: the source looks already quantized "
+                "(a BF16/FP16/FP32 checkpoint is expected)"
+            )
         fmt = fmt_of(name)
         if fmt is None:
             entries.append(_Entry(name, name, "kept", dtype, shape, _ITEMSIZE[dtype] * _numel(shape)))
@@ -93,8 +103,10 @@ def _plan_file(handle, file: str, fmt_of) -> list[_Entry]:
             raise ConversionError(f"{file}: tensor {name!r} has shape {shape}; a 2-D [N, K] weight is expected")
         n, k = shape
         if fmt is MXFP4 and k % 2:
-            raise ConversionError(f"{file}: tensor {name!r} has K={k} (shape {shape}); MXFP4 packs two values per "
-                                  "byte along K, so K must be even")
+            raise ConversionError(
+                f"{file}: tensor {name!r} has K={k} (shape {shape}); MXFP4 packs two values per "
+                "byte along K, so K must be even"
+            )
         w_shape = [n, k] if fmt is MXFP8 else [n, k // 2]
         s_shape = [n, -(-k // BLOCK)]
         entries.append(_Entry(name, name, "weight", "F8_E4M3" if fmt is MXFP8 else "U8", w_shape, _numel(w_shape)))
@@ -142,6 +154,7 @@ class _Rotations:
         if self.path is None:
             return
         from optimized.layers import hadamard
+
         hadamard.check_directory(self.path)
         hadamard.check_width(hidden_size, "hidden_size (the q/k/v in-features)")
         hadamard.check_width(attn_width, "num_attention_heads * head_dim (the o_proj in-features)")
@@ -152,13 +165,16 @@ class _Rotations:
         if self.path is None:
             return None
         from optimized.layers import hadamard
+
         if layer not in self.cache:
             pair = hadamard.load_layer(self.path, layer)
             for t, key in zip(pair, (hadamard.INPUT_KEY, hadamard.OUTPUT_KEY)):
                 inverse, info = torch.linalg.inv_ex(t)
                 if info or not torch.isfinite(inverse).all():
-                    raise hadamard.RotationError(f"layer {layer}: {hadamard.layer_file(self.path, layer)} key {key!r} "
-                                                 f"is not invertible (the weights are rotated by its inverse)")
+                    raise hadamard.RotationError(
+                        f"layer {layer}: {hadamard.layer_file(self.path, layer)} key {key!r} "
+                        f"is not invertible (the weights are rotated by its inverse)"
+                    )
             self.cache[layer] = tuple(hadamard.weight_rotation(t) for t in pair)
         return self.cache[layer][1 if proj == "o" else 0]
 
@@ -167,11 +183,13 @@ class _Rotations:
         if m is None:
             return w
         from optimized.layers.hadamard import rotate
-        return rotate(w, self.matrix(int(m.group(1)), m.group(2)))      # cast(fp32(W) @ B(inverse(T))^T)
+
+        return rotate(w, self.matrix(int(m.group(1)), m.group(2)))  # cast(fp32(W) @ B(inverse(T))^T)
 
 
-def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, progress,
-                rotations: _Rotations | None = None) -> None:
+def _write_file(
+    handle, entries: list[_Entry], out_path: Path, stats: _Stats, progress, rotations: _Rotations | None = None
+) -> None:
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with open(out_path, "wb") as out:
         out.write(_header(entries))
@@ -184,7 +202,7 @@ def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, pr
                     out.write(_raw(handle.get_tensor(e.source)))
                 else:
                     for start in range(0, rows, step):
-                        out.write(_raw(meta[start:start + step]))
+                        out.write(_raw(meta[start : start + step]))
                 stats.tensors_in += 1
                 stats.bytes_in += e.nbytes
                 progress.update(1)
@@ -196,15 +214,15 @@ def _write_file(handle, entries: list[_Entry], out_path: Path, stats: _Stats, pr
                 step = max(1, QUANT_CHUNK_VALUES // k)
                 scales = []
                 for start in range(0, rows, step):
-                    w = meta[start:start + step]
+                    w = meta[start : start + step]
                     if rotations is not None:
-                        w = rotations.apply(e.source, w)             # per row: chunks rotate as the whole tensor
+                        w = rotations.apply(e.source, w)  # per row: chunks rotate as the whole tensor
                     q, s = mx_quantize_weight(w, fmt)
                     out.write(_raw(q))
                     scales.append(s)
                     stats.bytes_in += w.numel() * w.element_size()
                 stats.tensors_in += 1
-                quantized[e.source] = torch.cat(scales)        # its scale follows right after
+                quantized[e.source] = torch.cat(scales)  # its scale follows right after
                 progress.update(1)
             else:
                 out.write(_raw(quantized.pop(e.source)))
@@ -219,8 +237,15 @@ class ConversionReport:
     files: list[str]
 
 
-def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_cache: str | None = None,
-                       keep_dense_gate_proj: bool = False, hadamard_weight_path=None) -> ConversionReport:
+def convert_checkpoint(
+    src,
+    dst,
+    quant: str = "w4a8",
+    progress: bool = True,
+    kv_cache: str | None = None,
+    keep_dense_gate_proj: bool = False,
+    hadamard_weight_path=None,
+) -> ConversionReport:
     """Convert the BF16 (or FP16/FP32) Qwen3-MoE checkpoint directory `src` into a `quant` (w4a8 | w8a8 | w4a4)
     checkpoint at `dst` (kv_cache: "fp8" writes the recipe's per-token FP8 kv_cache_scheme, "bf16" none; None: the
     recipe's choice, fp8 for w4a8 / w8a8, bf16 for w4a4; keep_dense_gate_proj: dense MLPs' gate_proj stay 16-bit,
@@ -233,11 +258,14 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
     if kv_cache not in KV_CACHE_CHOICES:
         raise ConversionError(f"--kv-cache {kv_cache!r} is not supported; supported: {', '.join(KV_CACHE_CHOICES)}")
     if quant == "w4a4" and kv_cache != "bf16":
-        raise ConversionError("--kv-cache fp8 is not supported with --quant w4a4: the recipe's w4a4c16 writes no "
-                              "kv_cache_scheme (a 16-bit KV cache)")
+        raise ConversionError(
+            "--kv-cache fp8 is not supported with --quant w4a4: the recipe's w4a4c16 writes no "
+            "kv_cache_scheme (a 16-bit KV cache)"
+        )
     if hadamard_weight_path is not None and quant != "w4a4":
-        raise ConversionError(f"--hadamard-weight-path rotates W4A4 attention weights; it is not read with --quant "
-                              f"{quant}")
+        raise ConversionError(
+            f"--hadamard-weight-path rotates W4A4 attention weights; it is not read with --quant {quant}"
+        )
     config_path = src / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{src} has no config.json")
@@ -246,11 +274,13 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
         raise ConversionError(f"{config_path} must hold a JSON object")
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
-        raise ConversionError(f"{config_path} already has a quantization_config (quant_method {method!r}): the "
-                              "source is already quantized; convert the BF16 checkpoint instead")
+        raise ConversionError(
+            f"{config_path} already has a quantization_config (quant_method {method!r}): the "
+            "source is already quantized; convert the BF16 checkpoint instead"
+        )
     if config.get("model_type") != "qwen3_moe":
         raise ConversionError(f"{config_path} has model_type={config.get('model_type')!r}; expected 'qwen3_moe'")
-    files = sorted({path.name for path in weight_files(src).values()})   # CheckpointError: no / a broken index
+    files = sorted({path.name for path in weight_files(src).values()})  # CheckpointError: no / a broken index
     indexed = (src / INDEX_FILE).is_file()
     if dst.resolve() == src.resolve():
         raise ConversionError(f"destination {dst} is the source directory")
@@ -260,25 +290,40 @@ def convert_checkpoint(src, dst, quant: str = "w4a8", progress: bool = True, kv_
     # Plan every file first: a bad tensor or rotation anywhere fails before anything is written.
     rotations = _Rotations(hadamard_weight_path, config.get("num_hidden_layers", 0))
     try:
-        heads, dim = config.get("num_attention_heads", 0), config.get("head_dim") or (
-            config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1))
+        heads, dim = (
+            config.get("num_attention_heads", 0),
+            config.get("head_dim") or (config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1)),
+        )
         rotations.check(config.get("hidden_size", 0), heads * dim)
-    except CheckpointError as e:                            # hadamard.RotationError: directory, file, key, width
+    except CheckpointError as e:  # hadamard.RotationError: directory, file, key, width
         raise ConversionError(str(e)) from None
     handles = {file: open_file(src / file) for file in files}
-    plans = {file: _plan_file(handles[file], file, lambda name: quant_format(name, quant, keep_dense_gate_proj))
-             for file in files}
+    plans = {
+        file: _plan_file(handles[file], file, lambda name: quant_format(name, quant, keep_dense_gate_proj))
+        for file in files
+    }
     try:
         stats = _write(src, dst, quant, kv_cache, config, files, handles, plans, indexed, progress, rotations)
-    except OSError as e:   # a read-only or full destination: name it, never a traceback
+    except OSError as e:  # a read-only or full destination: name it, never a traceback
         where = Path(e.filename) if e.filename else dst
         verb = "write the converted checkpoint to" if where.resolve().is_relative_to(dst.resolve()) else "read"
         raise ConversionError(f"cannot {verb} {where}: {e.strerror or e}") from None
     return ConversionReport(stats.tensors_in, stats.bytes_in, stats.bytes_out, files)
 
 
-def _write(src: Path, dst: Path, quant: str, kv_cache: str, config: dict, files, handles, plans, indexed: bool,
-           progress, rotations: _Rotations | None = None) -> _Stats:
+def _write(
+    src: Path,
+    dst: Path,
+    quant: str,
+    kv_cache: str,
+    config: dict,
+    files,
+    handles,
+    plans,
+    indexed: bool,
+    progress,
+    rotations: _Rotations | None = None,
+) -> _Stats:
     """Every output file of the planned conversion (the streamed shards, the copies, the index, config.json)."""
     from tqdm import tqdm
 
@@ -288,7 +333,7 @@ def _write(src: Path, dst: Path, quant: str, kv_cache: str, config: dict, files,
     with tqdm(total=total, unit="tensor", desc=f"convert {quant}", disable=not progress) as bar:
         for file in files:
             bar.set_postfix_str(file)
-            _write_file(handles.pop(file), plans[file], dst / file, stats, bar, rotations)   # pop: unmap when done
+            _write_file(handles.pop(file), plans[file], dst / file, stats, bar, rotations)  # pop: unmap when done
 
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name not in ("config.json", INDEX_FILE):

@@ -6,6 +6,7 @@ None when the checkpoint ships no tokenizer (raw ids still work). Modes: `defaul
 `chat` wraps it as one user message through the tokenizer's chat template with the generation prompt.
 Every problem a user can fix raises PromptError naming the prompt, the file or the key, and the fix.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,7 @@ from optimized.errors import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_MODES = ("default", "chat")
-EOS_SOURCES = ("generation_config.json", "config.json")   # the first that names eos_token_id wins
+EOS_SOURCES = ("generation_config.json", "config.json")  # the first that names eos_token_id wins
 
 
 class PromptError(UsageError, ValueError):
@@ -28,8 +29,10 @@ def _require_utf8(text: str, what: str) -> None:
     if bad is not None:
         code = ord(text[bad])
         byte = f"0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else repr(text[bad])
-        raise PromptError(f"{what} is not valid UTF-8 (byte {byte} at character {bad}); pass UTF-8 text "
-                          f"or token ids with --prompt-ids")
+        raise PromptError(
+            f"{what} is not valid UTF-8 (byte {byte} at character {bad}); pass UTF-8 text "
+            f"or token ids with --prompt-ids"
+        )
 
 
 class CheckpointTokenizer:
@@ -42,11 +45,14 @@ class CheckpointTokenizer:
         if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
             return None
         from transformers import AutoTokenizer
+
         try:
             return cls(AutoTokenizer.from_pretrained(model_dir), model_dir)
         except Exception as e:  # transformers raises OSError, ValueError, JSON errors ... for broken files
-            raise PromptError(f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {e}); fix or remove "
-                              f"{' / '.join(TOKENIZER_FILES)}, or pass --prompt-ids") from None
+            raise PromptError(
+                f"cannot load the tokenizer of {model_dir} ({type(e).__name__}: {e}); fix or remove "
+                f"{' / '.join(TOKENIZER_FILES)}, or pass --prompt-ids"
+            ) from None
 
     def encode(self, text: str, mode: str = "default", what: str = "the prompt") -> list[int]:
         _require_utf8(text, what)
@@ -55,11 +61,14 @@ class CheckpointTokenizer:
         if mode == "default":
             return self.hf.encode(text)
         if not getattr(self.hf, "chat_template", None):
-            raise PromptError(f"chat mode needs a chat template, and the tokenizer of {self.model_dir} has none "
-                              f"(tokenizer_config.json 'chat_template'); use tokenizer_mode default")
-        wrapped = self.hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True)
-        return self.hf.encode(wrapped, add_special_tokens=False)   # the template already holds the specials
+            raise PromptError(
+                f"chat mode needs a chat template, and the tokenizer of {self.model_dir} has none "
+                f"(tokenizer_config.json 'chat_template'); use tokenizer_mode default"
+            )
+        wrapped = self.hf.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return self.hf.encode(wrapped, add_special_tokens=False)  # the template already holds the specials
 
     def decode(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids])
@@ -69,8 +78,10 @@ def encode_prompt(tokenizer: CheckpointTokenizer | None, text: str, mode: str, w
     """`tokenizer.encode`, with the error a text prompt gets when the checkpoint has no tokenizer."""
     if tokenizer is None:
         _require_utf8(text, what)
-        raise PromptError(f"{what} is text but the checkpoint has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
-                          f"pass token ids with --prompt-ids")
+        raise PromptError(
+            f"{what} is text but the checkpoint has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
+            f"pass token ids with --prompt-ids"
+        )
     return tokenizer.encode(text, mode, what)
 
 

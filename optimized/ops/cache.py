@@ -3,6 +3,7 @@
 Pure data movement, bit-exact for every dtype (fp8, bool and ints included): `self` and `updates` are
 bit-cast to a same-width integer dtype with `.view(dtype)` (which keeps `self`'s storage) before the write.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,7 @@ def _validate(op: str, self: torch.Tensor, indices: torch.Tensor, updates: torch
     check_dtype(op, "indices", indices, _INDEX_DTYPES)
     check(indices.dim() >= 2, op, f"indices must have at least 2 dims; got shape {tuple(indices.shape)}")
     a = indices.shape[-1]
-    check(1 <= a <= self.dim(), op,
-          f"indices.shape[-1] (index depth) must be in [1, self.dim()={self.dim()}]; got {a}")
+    check(1 <= a <= self.dim(), op, f"indices.shape[-1] (index depth) must be in [1, self.dim()={self.dim()}]; got {a}")
     check(updates.dtype == self.dtype, op, f"updates has dtype {updates.dtype}; expected self.dtype={self.dtype}")
     check_shape(op, "updates", updates, tuple(indices.shape[:-1]) + tuple(self.shape[a:]))
     if self.element_size() not in _BITS:
@@ -33,16 +33,18 @@ def _check_range(op: str, self: torch.Tensor, idx: torch.Tensor) -> None:
     a = idx.shape[-1]
     if idx.shape[0] == 0:
         return
-    low, high = torch.aminmax(idx, dim=0)   # one pass and one host read when every tuple is in range
+    low, high = torch.aminmax(idx, dim=0)  # one pass and one host read when every tuple is in range
     if min(low.tolist()) >= 0 and all(h < n for h, n in zip(high.tolist(), self.shape)):
         return
     limits = torch.tensor(self.shape[:a], dtype=torch.int64, device=idx.device)
     bad = ((idx < 0) | (idx >= limits)).any(dim=-1)
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
-        raise IndexError(f"{op}: indices tuple {tuple(int(v) for v in idx[first])} (at flat position {first} of "
-                         f"indices.shape[:-1]={tuple(bad.shape)}) is out of range for self shape "
-                         f"{tuple(self.shape)}; each index d must satisfy 0 <= index < self.shape[d]")
+        raise IndexError(
+            f"{op}: indices tuple {tuple(int(v) for v in idx[first])} (at flat position {first} of "
+            f"indices.shape[:-1]={tuple(bad.shape)}) is out of range for self shape "
+            f"{tuple(self.shape)}; each index d must satisfy 0 <= index < self.shape[d]"
+        )
 
 
 def _scatter_into(op: str, target: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> None:
@@ -53,7 +55,7 @@ def _scatter_into(op: str, target: torch.Tensor, indices: torch.Tensor, updates:
     upd = updates.reshape((idx.shape[0],) + tuple(target.shape[a:]))
     bits = _BITS[target.element_size()]
     target_bits = target.view(bits)  # same storage: the write lands in `target`
-    if idx.shape[0] == 1:            # one tuple (a decode step's token): no duplicates to resolve
+    if idx.shape[0] == 1:  # one tuple (a decode step's token): no duplicates to resolve
         target_bits.index_put_(tuple(idx.unbind(-1)), upd.view(bits))
         return
     # duplicates: keep only the LAST occurrence of each tuple (stable sort of the linear slot index), so the
@@ -130,12 +132,16 @@ def _npu_scatter_nd_update__functionalize(self, indices, updates):
 def auto_functionalized_in_place() -> bool:
     """Whether torch.compile functionalizes npu_scatter_nd_update_ as an in-place op (re-inplaced by inductor)."""
     from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
+
     return can_auto_functionalize(torch.ops.npu.npu_scatter_nd_update_.default)
 
 
 _FUNCTIONALIZE_LIB: torch.library.Library | None = None
-if not torch_npu_available() and not auto_functionalized_in_place() and not \
-        torch._C._dispatch_has_kernel_for_dispatch_key("npu::npu_scatter_nd_update_", "Functionalize"):
+if (
+    not torch_npu_available()
+    and not auto_functionalized_in_place()
+    and not torch._C._dispatch_has_kernel_for_dispatch_key("npu::npu_scatter_nd_update_", "Functionalize")
+):
     _FUNCTIONALIZE_LIB = torch.library.Library("npu", "FRAGMENT")
     _FUNCTIONALIZE_LIB.impl("npu_scatter_nd_update_", _npu_scatter_nd_update__functionalize, "Functionalize")
 

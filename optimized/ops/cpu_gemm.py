@@ -2,6 +2,7 @@
 
 See docs/devices.md, "Notes from the code", optimized/ops/cpu_gemm.py.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -15,7 +16,7 @@ from optimized import envs
 _PACKED: dict[tuple, tuple] = {}
 
 
-PREPACK_ENV = envs.CPU_PREPACK   # "0": plain F.linear, no packed copies (half the CPU weight memory)
+PREPACK_ENV = envs.CPU_PREPACK  # "0": plain F.linear, no packed copies (half the CPU weight memory)
 
 
 def _onednn_bf16() -> bool:
@@ -32,9 +33,15 @@ ONEDNN_BF16 = _onednn_bf16()
 
 def packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` takes the prepacked path (CPU, bf16 operands, a 2-D weight)."""
-    return (ONEDNN_BF16 and x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    return (
+        ONEDNN_BF16
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
 
 
 def _cached(key: tuple, weight: torch.Tensor, make):
@@ -50,12 +57,13 @@ def _cached(key: tuple, weight: torch.Tensor, make):
     def forget(ref, key=key):
         if _PACKED.get(key, (None,))[0] is ref:
             del _PACKED[key]
+
     _PACKED[key] = (weakref.ref(owner, forget), weight._version, value)
     return value
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)   # 1: the decode batch-size hint
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # 1: the decode batch-size hint
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -67,8 +75,9 @@ def packed_groups(weight: torch.Tensor) -> list:
     """The packed copies of a 3-D weight's groups ([G, K, N], each group a transposed view of [N, K] rows), one slot
     per group, packed when the group is first read. A decode step's grouped matmul visits tens of experts: one cache
     lookup per call instead of a view, a key and a lookup per expert (about 40 us each at batch 8)."""
-    return _cached(("groups", weight.data_ptr(), tuple(weight.shape), weight.stride()), weight,
-                   lambda: [None] * weight.shape[0])
+    return _cached(
+        ("groups", weight.data_ptr(), tuple(weight.shape), weight.stride()), weight, lambda: [None] * weight.shape[0]
+    )
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: list[int]) -> torch.Tensor:
@@ -90,7 +99,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: list[int]) -> to
 
 
 def _linear_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if weight.is_inference():   # no version counter to tell a rewritten weight: not cached
+    if weight.is_inference():  # no version counter to tell a rewritten weight: not cached
         return F.linear(x, weight)
     rows = x.reshape(-1, x.shape[-1])
     y = torch.ops.mkldnn._linear_pointwise(rows, packed_weight(weight), None, "none", [None], "")
@@ -112,7 +121,7 @@ torch.library.register_fake("qwen3_moe_cpu::linear", _linear_fake, lib=_lib)
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x weight^T, F.linear's result bit for bit; prepacked on CPU bf16 (see the module docstring)."""
     if packable(x, weight) and x.shape[-1] == weight.shape[1] and x.numel() > 0:
-        if torch.compiler.is_compiling():   # traced: the operator, opaque to the compiler
+        if torch.compiler.is_compiling():  # traced: the operator, opaque to the compiler
             return torch.ops.qwen3_moe_cpu.linear(x, weight)
         return _linear_kernel(x, weight)
     return F.linear(x, weight)

@@ -8,6 +8,7 @@ therefore the identity on values, returned as a new contiguous tensor (an operat
 and CUDA backends have one storage format. The model calls it once per weight, at load
 (`quantization.process_weights_after_loading`), never in a step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,11 +26,18 @@ _FORMATS = {ACL_FORMAT_ND: "ND", ACL_FORMAT_FRACTAL_NZ: "FRACTAL_NZ"}
 # schema: npu_format_cast(Tensor self, int acl_format) -> Tensor
 # values: unchanged (a layout of the same logical tensor); FRACTAL_NZ tiles the last two axes, so it needs >= 2 dims.
 def _validate(self: torch.Tensor, acl_format: int) -> None:
-    check(acl_format in _FORMATS, OP, f"acl_format={acl_format} is not supported; allowed: "
-                                      + ", ".join(f"{code} ({name})" for code, name in _FORMATS.items()))
+    check(
+        acl_format in _FORMATS,
+        OP,
+        f"acl_format={acl_format} is not supported; allowed: "
+        + ", ".join(f"{code} ({name})" for code, name in _FORMATS.items()),
+    )
     if acl_format == ACL_FORMAT_FRACTAL_NZ:
-        check(self.dim() >= 2, OP, f"FRACTAL_NZ (29) tiles the last two axes: self must have >= 2 dims; got shape "
-                                   f"{tuple(self.shape)}")
+        check(
+            self.dim() >= 2,
+            OP,
+            f"FRACTAL_NZ (29) tiles the last two axes: self must have >= 2 dims; got shape {tuple(self.shape)}",
+        )
 
 
 def npu_format_cast(self: torch.Tensor, acl_format: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ MXFP4 weight, weight scale in antiquant_scale), MXFP8 W8A8 and A4W4 (weight scal
 dequantized to fp32, then one fp32 matmul per group. Other quantized modes (int8 scale/offset, antiquant
 without MX, act_type) raise NotImplementedError; `tuning_config` is a tiling hint and is ignored.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,11 @@ def _out_dtype(op: str, x0: torch.Tensor, output_dtype) -> torch.dtype:
     if output_dtype is None:
         return x0.dtype
     dtype = output_dtype if isinstance(output_dtype, torch.dtype) else dtype_from_code(op, "output_dtype", output_dtype)
-    check(dtype == x0.dtype, op, f"output_dtype is {dtype}; expected {x0.dtype} (x[0].dtype) for a non-quantized "
-                                 f"grouped matmul")
+    check(
+        dtype == x0.dtype,
+        op,
+        f"output_dtype is {dtype}; expected {x0.dtype} (x[0].dtype) for a non-quantized grouped matmul",
+    )
     return dtype
 
 
@@ -72,12 +76,16 @@ def _check_x_weight_dtypes(op: str, x: Sequence[torch.Tensor], weight: Sequence[
                 unsupported(op, f"{name}[{i}] dtype {t.dtype} (quantized grouped matmul belongs to the MX/W4A8 family)")
             check_dtype(op, f"{name}[{i}]", t, FLOAT_DTYPES)
             check(t.dtype == x[0].dtype, op, f"{name}[{i}] has dtype {t.dtype}; expected {x[0].dtype} (x[0].dtype)")
-    check_npu_limit(len(x) <= 128 and len(weight) <= 128, op,
-                    f"len(x)={len(x)}, len(weight)={len(weight)}; at most 128 each")
+    check_npu_limit(
+        len(x) <= 128 and len(weight) <= 128, op, f"len(x)={len(x)}, len(weight)={len(weight)}; at most 128 each"
+    )
     for name, tensors in (("x", x), ("weight", weight)):
         for i, t in enumerate(tensors):
-            check_npu_limit(t.dim() == 0 or t.shape[-1] < 65536, op,
-                            f"{name}[{i}] last dim is {t.shape[-1] if t.dim() else None}; must be < 65536")
+            check_npu_limit(
+                t.dim() == 0 or t.shape[-1] < 65536,
+                op,
+                f"{name}[{i}] last dim is {t.shape[-1] if t.dim() else None}; must be < 65536",
+            )
 
 
 class _StackedGroups(Sequence):
@@ -102,8 +110,12 @@ def _weights(op: str, weight: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Te
         check_npu_limit(weight[0].shape[0] <= 1024, op, f"weight[0] has {weight[0].shape[0]} groups; at most 1024")
         return _StackedGroups(weight[0]), True
     for i, w in enumerate(weight):
-        check(w.dim() == 2, op, f"weight[{i}] has shape {tuple(w.shape)}; expected one 3-D weight [G, K, N] "
-                                f"or a list of 2-D weights [K, N]")
+        check(
+            w.dim() == 2,
+            op,
+            f"weight[{i}] has shape {tuple(w.shape)}; expected one 3-D weight [G, K, N] "
+            f"or a list of 2-D weights [K, N]",
+        )
     return list(weight), False
 
 
@@ -114,13 +126,20 @@ def _biases(op: str, bias, weight, Ws, single_3d: bool, out_dtype: torch.dtype) 
         return [None] * G
     for i, b in enumerate(bias):
         check_dtype(op, f"bias[{i}]", b, (out_dtype, torch.float32))
-        check_npu_limit(b.dtype == NPU_BIAS_DTYPE[out_dtype], op,
-                        f"bias[{i}] has dtype {b.dtype}; the NPU takes {NPU_BIAS_DTYPE[out_dtype]} for {out_dtype}")
+        check_npu_limit(
+            b.dtype == NPU_BIAS_DTYPE[out_dtype],
+            op,
+            f"bias[{i}] has dtype {b.dtype}; the NPU takes {NPU_BIAS_DTYPE[out_dtype]} for {out_dtype}",
+        )
     if single_3d and len(bias) == 1 and bias[0].dim() == 2:
         check_shape(op, "bias[0]", bias[0], (G, weight[0].shape[-1]))
         return list(bias[0].unbind(0))
-    check(len(bias) == G, op, f"bias has {len(bias)} tensors; expected {G} (one per group)"
-                              + (f" or one [{G}, N] tensor" if single_3d else ""))
+    check(
+        len(bias) == G,
+        op,
+        f"bias has {len(bias)} tensors; expected {G} (one per group)"
+        + (f" or one [{G}, N] tensor" if single_3d else ""),
+    )
     for i, (b, w) in enumerate(zip(bias, Ws)):
         check_shape(op, f"bias[{i}]", b, (w.shape[-1],))
     return list(bias)
@@ -141,9 +160,12 @@ def _mm(a: torch.Tensor, w: torch.Tensor, b, out_dtype: torch.dtype) -> torch.Te
 
 
 def _check_k(op: str, name: str, a: torch.Tensor, w: torch.Tensor, g: int) -> None:
-    check(a.shape[-1] == w.shape[0], op,
-          f"{name} has K={a.shape[-1]} (shape {tuple(a.shape)}) but weight group {g} has K={w.shape[0]} "
-          f"(logical [K, N] = {tuple(w.shape)})")
+    check(
+        a.shape[-1] == w.shape[0],
+        op,
+        f"{name} has K={a.shape[-1]} (shape {tuple(a.shape)}) but weight group {g} has K={w.shape[0]} "
+        f"(logical [K, N] = {tuple(w.shape)})",
+    )
 
 
 def _plan(op: str, x, weight, bias, n_list: int | None, split_item, group_type, output_dtype):
@@ -170,9 +192,12 @@ def _plan(op: str, x, weight, bias, n_list: int | None, split_item, group_type, 
 
     if group_type == 2:
         check(n_list is not None, op, "group_type=2 (group along K) needs a group_list")
-        check(len(x) == 1 and len(weight) == 1 and weight[0].dim() == 2, op,
-              f"group_type=2 needs one x [M, K] and one 2-D weight [K, N]; got {len(x)} x and weight shapes "
-              f"{[tuple(w.shape) for w in weight]}")
+        check(
+            len(x) == 1 and len(weight) == 1 and weight[0].dim() == 2,
+            op,
+            f"group_type=2 needs one x [M, K] and one 2-D weight [K, N]; got {len(x)} x and weight shapes "
+            f"{[tuple(w.shape) for w in weight]}",
+        )
         check(n_list >= 1, op, "group_list is empty; group_type=2 needs at least one group")
         check(bias is None, op, "bias is not supported with group_type=2 (undocumented; spec §13.15)")
         check_dim(op, "x[0]", x[0], (2,))
@@ -184,17 +209,24 @@ def _plan(op: str, x, weight, bias, n_list: int | None, split_item, group_type, 
         check_dim(op, f"x[{i}]", a, (2,))
     Bs = _biases(op, bias, weight, Ws, single_3d, out_dtype)
     if split_item in (2, 3) and not single_3d:
-        check(all(w.shape[-1] == Ws[0].shape[-1] for w in Ws), op,
-              f"split_item={split_item} concatenates the outputs, so every group needs the same N; "
-              f"got {[w.shape[-1] for w in Ws]}")
+        check(
+            all(w.shape[-1] == Ws[0].shape[-1] for w in Ws),
+            op,
+            f"split_item={split_item} concatenates the outputs, so every group needs the same N; "
+            f"got {[w.shape[-1] for w in Ws]}",
+        )
     if n_list is not None:
         check(n_list == G, op, f"group_list has {n_list} entries; expected {G} (one per weight group)")
     if n_list is not None and len(x) == 1:
-        for g, w in enumerate(Ws[:1] if single_3d else Ws):   # one 3-D weight: every group has its K
+        for g, w in enumerate(Ws[:1] if single_3d else Ws):  # one 3-D weight: every group has its K
             _check_k(op, "x[0]", x[0], w, g)
         return "m_single", Ws, Bs, out_dtype
-    check(len(x) == G, op, f"len(x)={len(x)} but there are {G} weight groups; with several x (or no group_list) "
-                           f"group_type=0 needs one x per group")
+    check(
+        len(x) == G,
+        op,
+        f"len(x)={len(x)} but there are {G} weight groups; with several x (or no group_list) "
+        f"group_type=0 needs one x per group",
+    )
     for g, (a, w) in enumerate(zip(x, Ws)):
         _check_k(op, f"x[{g}]", a, w, g)
     return "m_multi", Ws, Bs, out_dtype
@@ -204,8 +236,11 @@ def _ends_from_tensor(op: str, group_list: torch.Tensor, group_list_type) -> lis
     """Resolve a Tensor group_list to cumulative ends (spec §8.1)."""
     check_dtype(op, "group_list", group_list, (torch.int64,))
     if group_list_type == 2:
-        fail(op, "group_list_type=2 ((group_id, size) pairs) is documented for int8 (quantized) x only; "
-                 "the non-quantized grouped matmul takes 0 (cumsum) or 1 (count)")
+        fail(
+            op,
+            "group_list_type=2 ((group_id, size) pairs) is documented for int8 (quantized) x only; "
+            "the non-quantized grouped matmul takes 0 (cumsum) or 1 (count)",
+        )
     check(group_list_type in (0, 1), op, f"group_list_type={group_list_type}; allowed: 0 (cumsum), 1 (count)")
     check_dim(op, "group_list", group_list, (1,))
     values = group_list.tolist()
@@ -232,8 +267,11 @@ def _run(op: str, mode: str, x, Ws, Bs, ends, split_item: int, out_dtype: torch.
 
     if mode == "k":
         X, W = x[0], Ws[0]
-        check(not ends or ends[-1] <= X.shape[1], op,
-              f"group_list ends at {ends[-1] if ends else 0} but x[0] has K={X.shape[1]} columns")
+        check(
+            not ends or ends[-1] <= X.shape[1],
+            op,
+            f"group_list ends at {ends[-1] if ends else 0} but x[0] has K={X.shape[1]} columns",
+        )
         starts = [0] + ends[:-1]
         ys = [_mm(X[:, s:e], W[s:e], None, out_dtype) for s, e in zip(starts, ends)]
         return [torch.stack(ys)] if split_item in (2, 3) else ys
@@ -248,8 +286,11 @@ def _run(op: str, mode: str, x, Ws, Bs, ends, split_item: int, out_dtype: torch.
         pieces, M = list(x), sum(a.shape[0] for a in x)
         if ends is not None:
             sizes = [e - s for s, e in zip([0] + ends[:-1], ends)]
-            check(sizes == [a.shape[0] for a in x], op,
-                  f"group_list sizes {sizes} must equal the row counts of x {[a.shape[0] for a in x]}")
+            check(
+                sizes == [a.shape[0] for a in x],
+                op,
+                f"group_list sizes {sizes} must equal the row counts of x {[a.shape[0] for a in x]}",
+            )
 
     ys = [_mm(a, w, b, out_dtype) for a, w, b in zip(pieces, Ws, Bs)]
     if split_item in (0, 1):
@@ -257,7 +298,7 @@ def _run(op: str, mode: str, x, Ws, Bs, ends, split_item: int, out_dtype: torch.
     Y = torch.zeros(M, Ws[0].shape[-1], dtype=out_dtype, device=x[0].device)  # tail rows stay 0
     row = 0
     for y in ys:
-        Y[row:row + y.shape[0]] = y
+        Y[row : row + y.shape[0]] = y
         row += y.shape[0]
     return [Y]
 
@@ -269,16 +310,21 @@ def _run_stacked(op: str, X: torch.Tensor, W: torch.Tensor, Bs, ends: list[int],
     experts, where `_run`'s per-group slicing of every weight and row range is most of the time."""
     M = X.shape[0]
     check(not ends or ends[-1] <= M, op, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={M}")
-    if (all(b is None for b in Bs) and out_dtype == X.dtype and M > 0 and not W.is_inference()
-            and cpu_gemm.packable(X, W[0])):
-        return [cpu_gemm.grouped_linear(X, W, ends)]   # what _mm does per group, with one cache lookup per call
+    if (
+        all(b is None for b in Bs)
+        and out_dtype == X.dtype
+        and M > 0
+        and not W.is_inference()
+        and cpu_gemm.packable(X, W[0])
+    ):
+        return [cpu_gemm.grouped_linear(X, W, ends)]  # what _mm does per group, with one cache lookup per call
     Y = torch.empty(M, W.shape[-1], dtype=out_dtype, device=X.device)
     start = 0
     for g, end in enumerate(ends):
         if end > start:
             Y[start:end] = _mm(X[start:end], W[g], Bs[g], out_dtype)
         start = end
-    Y[start:] = 0                                 # rows past the last group (spec §13.12)
+    Y[start:] = 0  # rows past the last group (spec §13.12)
     return [Y]
 
 
@@ -305,27 +351,39 @@ def _is_mx(quant_args) -> bool:
 
 
 def _one(op: str, name: str, tensors):
-    check(tensors is not None and len(tensors) == 1, op, f"{name} must be a list of one tensor in MX mode; got "
-                                                         f"{None if tensors is None else len(tensors)}")
+    check(
+        tensors is not None and len(tensors) == 1,
+        op,
+        f"{name} must be a list of one tensor in MX mode; got {None if tensors is None else len(tensors)}",
+    )
     return tensors[0]
 
 
 def _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, q):
     """Validation shared by the MX kernel and its fake. Returns (fx, fw, K, N, xs, ws, out_dtype)."""
     op = OP
-    check(group_type == 0 and split_item in (2, 3), op,
-          f"MX mode takes group_type=0 with split_item 2 or 3; got group_type={group_type}, split_item={split_item}")
+    check(
+        group_type == 0 and split_item in (2, 3),
+        op,
+        f"MX mode takes group_type=0 with split_item 2 or 3; got group_type={group_type}, split_item={split_item}",
+    )
     check(group_list is not None, op, "MX mode needs a group_list (one entry per expert)")
     check(bias is None, op, "bias must be None in MX mode")
     check(act_type in (None, 0), op, f"act_type={act_type}; MX mode takes 0")
     for name in _MX_UNUSED:
         check(q.get(name) is None, op, f"{name} must be None in MX mode")
-    check(q.get("per_token_scale_dtype") == mxf.float8_e8m0fnu, op,
-          f"per_token_scale_dtype={q.get('per_token_scale_dtype')} in MX mode; allowed: 293 (float8_e8m0fnu)")
+    check(
+        q.get("per_token_scale_dtype") == mxf.float8_e8m0fnu,
+        op,
+        f"per_token_scale_dtype={q.get('per_token_scale_dtype')} in MX mode; allowed: 293 (float8_e8m0fnu)",
+    )
     if q.get("scale") is not None:
-        check(q.get("scale_dtype") == mxf.float8_e8m0fnu and q.get("antiquant_scale") is None, op,
-              f"MX weight scale in `scale` needs scale_dtype=293 and no antiquant_scale; got "
-              f"scale_dtype={q.get('scale_dtype')}")
+        check(
+            q.get("scale_dtype") == mxf.float8_e8m0fnu and q.get("antiquant_scale") is None,
+            op,
+            f"MX weight scale in `scale` needs scale_dtype=293 and no antiquant_scale; got "
+            f"scale_dtype={q.get('scale_dtype')}",
+        )
         ws = _one(op, "scale", q["scale"])
     else:
         check(q.get("scale_dtype") is None, op, f"scale_dtype={q.get('scale_dtype')} without a scale")
@@ -339,8 +397,12 @@ def _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type, outp
     k = a.shape[1] * (2 if fx.packed else 1)
     if fw.packed:
         axis = mxf.fp4_packed_axis(w.shape, k)
-        check(axis is not None, op, f"weight[0] has shape {tuple(w.shape)}; FP4 expects [E, K/2, N] (packed along "
-                                    f"K) or [E, K, N/2] (packed along N) with K={k} from x[0]")
+        check(
+            axis is not None,
+            op,
+            f"weight[0] has shape {tuple(w.shape)}; FP4 expects [E, K/2, N] (packed along "
+            f"K) or [E, K, N/2] (packed along N) with K={k} from x[0]",
+        )
         n = w.shape[2] * (2 if axis == -1 else 1)
     else:
         check(w.shape[1] == k, op, f"weight[0] has shape {tuple(w.shape)}; expected [E, K={k}, N]")
@@ -353,15 +415,17 @@ def _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type, outp
     return fx, fw, k, n, xs, ws, mx_output_dtype(op, "output_dtype", output_dtype, 15)
 
 
-def _mx_grouped_matmul(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type, output_dtype,
-                       quant_args):
-    fx, fw, k, n, xs, ws, out_dtype = _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type,
-                                               output_dtype, quant_args)
+def _mx_grouped_matmul(
+    x, weight, bias, group_list, split_item, group_type, group_list_type, act_type, output_dtype, quant_args
+):
+    fx, fw, k, n, xs, ws, out_dtype = _mx_plan(
+        x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, quant_args
+    )
     ends = _ends_from_tensor(OP, group_list, group_list_type)
     a, w = x[0], weight[0]
     m = a.shape[0]
     check(not ends or ends[-1] <= m, OP, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={m}")
-    xd = mxf.dequantize(a, xs, fx)                            # [M, K] fp32
+    xd = mxf.dequantize(a, xs, fx)  # [M, K] fp32
     y = torch.zeros(m, n, dtype=out_dtype, device=a.device)  # rows past the last group stay 0
     for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
         if end > start:  # an empty expert's weight is never decoded
@@ -371,14 +435,28 @@ def _mx_grouped_matmul(x, weight, bias, group_list, split_item, group_type, grou
 
 # The quantization arguments of the schema (scale, offset, antiquant_*, per_token_scale, activation_*,
 # x/weight/scale/per_token_scale dtypes) arrive in **quant_args; outside the MX modes any of them set is rejected.
-def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None, group_list_type=0,
-                       act_type=0, tuning_config=None, output_dtype=None, **quant_args):
+def npu_grouped_matmul(
+    x,
+    weight,
+    *,
+    bias=None,
+    group_list=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    tuning_config=None,
+    output_dtype=None,
+    **quant_args,
+):
     op = OP
     if _is_mx(quant_args):
-        return _mx_grouped_matmul(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
-                                  output_dtype, quant_args)
-    mode, Ws, Bs, out_dtype = _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type,
-                                           output_dtype, quant_args)
+        return _mx_grouped_matmul(
+            x, weight, bias, group_list, split_item, group_type, group_list_type, act_type, output_dtype, quant_args
+        )
+    mode, Ws, Bs, out_dtype = _tensor_plan(
+        x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, quant_args
+    )
     ends = None if group_list is None else _ends_from_tensor(op, group_list, group_list_type)
     if mode == "m_single" and split_item in (2, 3) and len(weight) == 1 and weight[0].dim() == 3:
         return _run_stacked(op, x[0], weight[0], Bs, ends, out_dtype)
@@ -387,19 +465,37 @@ def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, g
     return _run(op, mode, x, Ws, Bs, ends, split_item, out_dtype)
 
 
-def _npu_grouped_matmul_fake(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
-                             group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, **quant_args):
+def _npu_grouped_matmul_fake(
+    x,
+    weight,
+    *,
+    bias=None,
+    group_list=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    tuning_config=None,
+    output_dtype=None,
+    **quant_args,
+):
     if _is_mx(quant_args):
-        _, _, _, n, _, _, out_dtype = _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type,
-                                               output_dtype, quant_args)
+        _, _, _, n, _, _, out_dtype = _mx_plan(
+            x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, quant_args
+        )
         return [x[0].new_empty((x[0].shape[0], n), dtype=out_dtype)]
-    mode, Ws, _, out_dtype = _tensor_plan(x, weight, bias, group_list, split_item, group_type, act_type,
-                                          output_dtype, quant_args)
+    mode, Ws, _, out_dtype = _tensor_plan(
+        x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, quant_args
+    )
     if mode == "m_single" and split_item in (0, 1):
         # Per-group row counts live in group_list's values: data-dependent sizes.
         ctx = torch.library.get_ctx()
-        rows = [ctx.new_dynamic_size(min=0, max=int(x[0].shape[0])) if isinstance(x[0].shape[0], int)
-                else ctx.new_dynamic_size() for _ in Ws]
+        rows = [
+            ctx.new_dynamic_size(min=0, max=int(x[0].shape[0]))
+            if isinstance(x[0].shape[0], int)
+            else ctx.new_dynamic_size()
+            for _ in Ws
+        ]
         return [x[0].new_empty((r, w.shape[-1]), dtype=out_dtype) for r, w in zip(rows, Ws)]
     return _fake_outputs(mode, x, Ws, split_item, out_dtype)
 
@@ -424,39 +520,73 @@ def _fake_outputs(mode, x, Ws, split_item, out_dtype, rows=None):
 
 def _list_plan(x, weight, bias, group_list, split_item, group_type, group_list_type, output_dtype):
     op = OP_LIST
-    check(group_type is None, op, f"group_type={group_type}; the List overload takes group_type=None "
-                                  f"(it always groups along M)")
-    check(group_list_type in (None, 0), op, f"group_list_type={group_list_type}; the List overload takes 0 only "
-                                            f"(cumulative ends)")
+    check(
+        group_type is None,
+        op,
+        f"group_type={group_type}; the List overload takes group_type=None (it always groups along M)",
+    )
+    check(
+        group_list_type in (None, 0),
+        op,
+        f"group_list_type={group_list_type}; the List overload takes 0 only (cumulative ends)",
+    )
     if group_list is not None:
         values = list(group_list)
         check(len(values) != 1, op, f"group_list={values} has length 1; the List overload needs 0 or >= 2 entries")
         _check_cumsum(op, "group_list (cumulative ends)", values)
-    mode, Ws, Bs, out_dtype = _plan(op, x, weight, bias, None if group_list is None else len(group_list), split_item,
-                                    0, output_dtype)
+    mode, Ws, Bs, out_dtype = _plan(
+        op, x, weight, bias, None if group_list is None else len(group_list), split_item, 0, output_dtype
+    )
     if group_list is not None and mode == "m_single":
         M = x[0].shape[0]
         check(group_list[-1] <= M, op, f"group_list ends at {group_list[-1]} but x[0] has M={M} rows")
-        check(split_item in (0, 1) or len(Ws) == 1 or group_list[-1] == M, op,
-              f"group_list ends at {group_list[-1]} but x[0] has M={M} rows; with one x, several weights and "
-              f"split_item={split_item} they must be equal")
+        check(
+            split_item in (0, 1) or len(Ws) == 1 or group_list[-1] == M,
+            op,
+            f"group_list ends at {group_list[-1]} but x[0] has M={M} rows; with one x, several weights and "
+            f"split_item={split_item} they must be equal",
+        )
     return mode, Ws, Bs, out_dtype
 
 
-def npu_grouped_matmul_list(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
-                            group_list_type=0, act_type=0, output_dtype=None, **quant_args):
+def npu_grouped_matmul_list(
+    x,
+    weight,
+    *,
+    bias=None,
+    group_list=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    output_dtype=None,
+    **quant_args,
+):
     _reject_quant(OP_LIST, act_type, **quant_args)
-    mode, Ws, Bs, out_dtype = _list_plan(x, weight, bias, group_list, split_item, group_type, group_list_type,
-                                         output_dtype)
+    mode, Ws, Bs, out_dtype = _list_plan(
+        x, weight, bias, group_list, split_item, group_type, group_list_type, output_dtype
+    )
     ends = None if group_list is None else list(group_list)
     return _run(OP_LIST, mode, x, Ws, Bs, ends, split_item, out_dtype)
 
 
-def _npu_grouped_matmul_list_fake(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
-                                  group_list_type=0, act_type=0, output_dtype=None, **quant_args):
+def _npu_grouped_matmul_list_fake(
+    x,
+    weight,
+    *,
+    bias=None,
+    group_list=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    output_dtype=None,
+    **quant_args,
+):
     _reject_quant(OP_LIST, act_type, **quant_args)
-    mode, Ws, _, out_dtype = _list_plan(x, weight, bias, group_list, split_item, group_type, group_list_type,
-                                        output_dtype)
+    mode, Ws, _, out_dtype = _list_plan(
+        x, weight, bias, group_list, split_item, group_type, group_list_type, output_dtype
+    )
     rows = None
     if group_list is not None:  # int[] values are static: the row counts are known at trace time
         rows = [e - s for s, e in zip([0] + list(group_list[:-1]), group_list)]
@@ -479,11 +609,18 @@ OP_SWIGLU = "npu_swiglu"
 def _swiglu_check(x: torch.Tensor, dim: int) -> int:
     op = OP_SWIGLU
     check_dtype(op, "self", x, FLOAT_DTYPES)
-    check(-x.dim() <= dim < x.dim(), op, f"dim={dim} is out of range for self of shape {tuple(x.shape)} "
-                                         f"(allowed [{-x.dim()}, {x.dim() - 1}])")
+    check(
+        -x.dim() <= dim < x.dim(),
+        op,
+        f"dim={dim} is out of range for self of shape {tuple(x.shape)} (allowed [{-x.dim()}, {x.dim() - 1}])",
+    )
     dim = dim % x.dim()
-    check(x.shape[dim] % 2 == 0, op, f"self has odd size {x.shape[dim]} along dim={dim} (shape {tuple(x.shape)}); "
-                                     f"it must split into two equal halves")
+    check(
+        x.shape[dim] % 2 == 0,
+        op,
+        f"self has odd size {x.shape[dim]} along dim={dim} (shape {tuple(x.shape)}); "
+        f"it must split into two equal halves",
+    )
     check_npu_limit(1 <= x.dim() <= 8, op, f"self has {x.dim()} dims; the NPU takes 1 to 8")
     check_npu_limit(x.numel() > 0, op, f"self is empty (shape {tuple(x.shape)})")
     return dim

@@ -3,6 +3,7 @@ npu_moe_distribute_combine_v2. Contract: spec npu_ops_moe.md §10, §11 (and §1
 
 See docs/parallel.md, "Notes from the code", optimized/ops/mc2.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,17 +14,27 @@ import torch.distributed as dist
 from .process_groups import group_by_name, report_traffic
 from .registry import register
 from .routing import _as_bits, _zeros_like_rows, moe_finalize_routing, moe_init_routing_v2, moe_re_routing
-from .validation import DIMS, FP32, check, check_dim, check_dtype, check_npu_limit, check_rows_and_ids, check_shape, unsupported
+from .validation import (
+    DIMS,
+    FP32,
+    check,
+    check_dim,
+    check_dtype,
+    check_npu_limit,
+    check_rows_and_ids,
+    check_shape,
+    unsupported,
+)
 
 _DISPATCH = "npu_moe_distribute_dispatch_v2"
 _COMBINE = "npu_moe_distribute_combine_v2"
-_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # the NPU takes bf16 / f16 (strict mode)
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the NPU takes bf16 / f16 (strict mode)
 _COMM_ALGS = ("", "fullmesh", "fullmesh_v2", "hierarchy")
 # The kernels' size limits on Atlas A3 (§10.4); the model checks its layout against them at start-up
 # (distributed/decode_plan.py `mc2_limit_violations`).
-MAX_EP_WORLD_SIZE, MAX_EXPERTS, MAX_SLOTS = 768, 1024, 2048                   # W, E, L * W
-MAX_TOP_K = {"fullmesh_v2": 12}                                               # else 16
-MAX_BS = {"fullmesh_v2": 256, "hierarchy": 256}                               # else 512
+MAX_EP_WORLD_SIZE, MAX_EXPERTS, MAX_SLOTS = 768, 1024, 2048  # W, E, L * W
+MAX_TOP_K = {"fullmesh_v2": 12}  # else 16
+MAX_BS = {"fullmesh_v2": 256, "hierarchy": 256}  # else 512
 HIDDEN_RANGE = (1024, 8192)
 
 
@@ -59,21 +70,50 @@ def _handle_regions(a: int, bs: int, k: int, w: int) -> tuple[slice, slice, slic
 
 # ---------------------------------------------------------------------------------------------- checks
 
-def _common_check(op, bs, k, h, w, r, e, *, tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,
-                  shared_expert_rank_num, global_bs, comm_alg, zero_expert_num, copy_expert_num,
-                  const_expert_num, elastic_info, performance_info) -> tuple[int, int]:
+
+def _common_check(
+    op,
+    bs,
+    k,
+    h,
+    w,
+    r,
+    e,
+    *,
+    tp_world_size,
+    tp_rank_id,
+    expert_shard_type,
+    shared_expert_num,
+    shared_expert_rank_num,
+    global_bs,
+    comm_alg,
+    zero_expert_num,
+    copy_expert_num,
+    const_expert_num,
+    elastic_info,
+    performance_info,
+) -> tuple[int, int]:
     """The metadata checks both operators share; returns (L, A)."""
     check(w >= 1, op, f"ep_world_size={w} must be >= 1")
     check(0 <= r < w, op, f"ep_rank_id={r} must satisfy 0 <= ep_rank_id < ep_world_size={w}")
-    check(0 <= shared_expert_rank_num < w, op,
-          f"shared_expert_rank_num={shared_expert_rank_num} must satisfy 0 <= it < ep_world_size={w}")
-    check(e > 0 and e % (w - shared_expert_rank_num) == 0, op,
-          f"moe_expert_num={e} must be > 0 and divisible by ep_world_size - shared_expert_rank_num = "
-          f"{w - shared_expert_rank_num}")
+    check(
+        0 <= shared_expert_rank_num < w,
+        op,
+        f"shared_expert_rank_num={shared_expert_rank_num} must satisfy 0 <= it < ep_world_size={w}",
+    )
+    check(
+        e > 0 and e % (w - shared_expert_rank_num) == 0,
+        op,
+        f"moe_expert_num={e} must be > 0 and divisible by ep_world_size - shared_expert_rank_num = "
+        f"{w - shared_expert_rank_num}",
+    )
     combo = (shared_expert_num, shared_expert_rank_num)
-    check(combo in ((1, 0), (0, 0)) or (shared_expert_num > 0 and shared_expert_rank_num % shared_expert_num == 0),
-          op, f"(shared_expert_num, shared_expert_rank_num)={combo}; allowed: (1, 0), (0, 0), or "
-              f"shared_expert_rank_num a multiple of shared_expert_num")
+    check(
+        combo in ((1, 0), (0, 0)) or (shared_expert_num > 0 and shared_expert_rank_num % shared_expert_num == 0),
+        op,
+        f"(shared_expert_num, shared_expert_rank_num)={combo}; allowed: (1, 0), (0, 0), or "
+        f"shared_expert_rank_num a multiple of shared_expert_num",
+    )
     if shared_expert_rank_num > 0:
         unsupported(op, f"shared experts (shared_expert_rank_num={shared_expert_rank_num})")
     check(expert_shard_type == 0, op, f"expert_shard_type={expert_shard_type}; allowed: 0")
@@ -81,8 +121,11 @@ def _common_check(op, bs, k, h, w, r, e, *, tp_world_size, tp_rank_id, expert_sh
     if tp_world_size == 2:
         unsupported(op, "a TP domain (tp_world_size=2)")
     check(tp_rank_id == 0, op, f"tp_rank_id={tp_rank_id} must be 0 without a TP domain (tp_world_size <= 1)")
-    for name, value in (("zero_expert_num", zero_expert_num), ("copy_expert_num", copy_expert_num),
-                        ("const_expert_num", const_expert_num)):
+    for name, value in (
+        ("zero_expert_num", zero_expert_num),
+        ("copy_expert_num", copy_expert_num),
+        ("const_expert_num", const_expert_num),
+    ):
         check(value >= 0, op, f"{name}={value} must be >= 0")
         if value:
             unsupported(op, f"special experts ({name}={value})")
@@ -94,8 +137,11 @@ def _common_check(op, bs, k, h, w, r, e, *, tp_world_size, tp_rank_id, expert_sh
     check(1 <= k <= e, op, f"top-k K={k} (expert_ids.shape[1]) must satisfy 1 <= K <= moe_expert_num={e}")
     check(global_bs >= 0, op, f"global_bs={global_bs} must be >= 0 (0: BS * ep_world_size)")
     if global_bs:
-        check(global_bs % w == 0 and bs * w <= global_bs, op,
-              f"global_bs={global_bs} must be a multiple of ep_world_size={w} and >= BS * ep_world_size = {bs * w}")
+        check(
+            global_bs % w == 0 and bs * w <= global_bs,
+            op,
+            f"global_bs={global_bs} must be a multiple of ep_world_size={w} and >= BS * ep_world_size = {bs * w}",
+        )
     else:
         check(bs >= 1, op, "x has 0 rows; with global_bs=0 every rank needs BS >= 1 (pass global_bs to send none)")
     local = e // w
@@ -116,8 +162,11 @@ def _common_check(op, bs, k, h, w, r, e, *, tp_world_size, tp_rank_id, expert_sh
 def _mask_check(op, x_active_mask, bs, k):
     if x_active_mask is not None:
         check_dtype(op, "x_active_mask", x_active_mask, (torch.bool,))
-        check(tuple(x_active_mask.shape) in ((bs,), (bs, k)), op,
-              f"x_active_mask has shape {tuple(x_active_mask.shape)}; expected [BS={bs}] or [BS, K]=[{bs}, {k}]")
+        check(
+            tuple(x_active_mask.shape) in ((bs,), (bs, k)),
+            op,
+            f"x_active_mask has shape {tuple(x_active_mask.shape)}; expected [BS={bs}] or [BS, K]=[{bs}, {k}]",
+        )
 
 
 def _active_slots(x_active_mask, expert_ids) -> torch.Tensor:
@@ -126,8 +175,11 @@ def _active_slots(x_active_mask, expert_ids) -> torch.Tensor:
         return torch.ones_like(expert_ids, dtype=torch.bool)
     if x_active_mask.dim() == 1:
         m = x_active_mask.to(torch.int8)
-        check(m.numel() < 2 or bool((m[1:] <= m[:-1]).all()), _DISPATCH,
-              "a 1-D x_active_mask must be a True prefix (active tokens first)")
+        check(
+            m.numel() < 2 or bool((m[1:] <= m[:-1]).all()),
+            _DISPATCH,
+            "a 1-D x_active_mask must be a True prefix (active tokens first)",
+        )
         return x_active_mask.unsqueeze(1).expand_as(expert_ids)
     return x_active_mask
 
@@ -149,7 +201,11 @@ def _ep_group(op: str, group_ep: str, w: int, r: int) -> "dist.ProcessGroup | No
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
     """[n, H] of any dtype -> [n, H * itemsize] uint8, the same bits (what every backend moves)."""
-    return _as_bits(rows.contiguous()).view(torch.uint8).reshape(rows.shape[0], math.prod(rows.shape[1:]) * rows.element_size())
+    return (
+        _as_bits(rows.contiguous())
+        .view(torch.uint8)
+        .reshape(rows.shape[0], math.prod(rows.shape[1:]) * rows.element_size())
+    )
 
 
 def _exchange_rows(op: str, payload: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.Tensor:
@@ -173,8 +229,22 @@ def _exchange_rows(op: str, payload: torch.Tensor, group, send: list[int], recv:
 # ==================================================================================================
 
 
-def _dispatch_check(x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, scales, x_active_mask, expert_scales,
-                    quant_mode, expert_token_nums_type, y_dtype, x_dtype, scales_dtype, **common):
+def _dispatch_check(
+    x,
+    expert_ids,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    scales,
+    x_active_mask,
+    expert_scales,
+    quant_mode,
+    expert_token_nums_type,
+    y_dtype,
+    x_dtype,
+    scales_dtype,
+    **common,
+):
     op = _DISPATCH
     check_rows_and_ids(op, x, _X_DTYPES, expert_ids, "expert_ids")
     bs, k = expert_ids.shape
@@ -185,14 +255,18 @@ def _dispatch_check(x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, sc
     check(scales is None, op, "scales (smooth quantization scales) is only used with quant_mode=2; pass None")
     if expert_scales is not None:
         unsupported(op, "expert_scales (carried to expand_scales on A2 / hierarchy only)")
-    check(expert_token_nums_type in (0, 1), op,
-          f"expert_token_nums_type={expert_token_nums_type}; allowed: 0 (cumsum), 1 (count)")
+    check(
+        expert_token_nums_type in (0, 1),
+        op,
+        f"expert_token_nums_type={expert_token_nums_type}; allowed: 0 (cumsum), 1 (count)",
+    )
     for name, value in (("y_dtype", y_dtype), ("x_dtype", x_dtype), ("scales_dtype", scales_dtype)):
         if value is not None:
             unsupported(op, f"{name}={value} (storage reinterpretation)")
     _mask_check(op, x_active_mask, bs, k)
-    check_npu_limit(x.dtype in (torch.float16, torch.bfloat16), op, f"x has dtype {x.dtype}; allowed: bf16, f16",
-                    kind=FP32)
+    check_npu_limit(
+        x.dtype in (torch.float16, torch.bfloat16), op, f"x has dtype {x.dtype}; allowed: bf16, f16", kind=FP32
+    )
     return bs, k, local, a
 
 
@@ -203,24 +277,71 @@ def _check_expert_ids(op: str, expert_ids: torch.Tensor, e: int) -> None:
     lo, hi = int(expert_ids.min()), int(expert_ids.max())
     check(lo >= 0 and hi < e, op, f"expert_ids values must lie in [0, moe_expert_num={e}); got [{lo}, {hi}]")
     ordered = torch.sort(expert_ids, dim=1).values
-    check(not bool((ordered[:, 1:] == ordered[:, :-1]).any()), op,
-          "expert_ids has an expert twice in one row; each token's K experts must be distinct")
+    check(
+        not bool((ordered[:, 1:] == ordered[:, :-1]).any()),
+        op,
+        "expert_ids has an expert twice in one row; each token's K experts must be distinct",
+    )
 
 
-def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales=None,
-                               x_active_mask=None, expert_scales=None, elastic_info=None, performance_info=None,
-                               group_tp="", tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1,
-                               shared_expert_rank_num=0, quant_mode=0, global_bs=0, expert_token_nums_type=1,
-                               comm_alg="", zero_expert_num=0, copy_expert_num=0, const_expert_num=0, y_dtype=None,
-                               x_dtype=None, scales_dtype=None):
+def moe_distribute_dispatch_v2(
+    x,
+    expert_ids,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    scales=None,
+    x_active_mask=None,
+    expert_scales=None,
+    elastic_info=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    quant_mode=0,
+    global_bs=0,
+    expert_token_nums_type=1,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+    y_dtype=None,
+    x_dtype=None,
+    scales_dtype=None,
+):
     w, r, e = ep_world_size, ep_rank_id, moe_expert_num
     bs, k, local, a = _dispatch_check(
-        x, expert_ids, w, r, e, scales, x_active_mask, expert_scales, quant_mode, expert_token_nums_type, y_dtype,
-        x_dtype, scales_dtype, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num, global_bs=global_bs, comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-        elastic_info=elastic_info, performance_info=performance_info)
+        x,
+        expert_ids,
+        w,
+        r,
+        e,
+        scales,
+        x_active_mask,
+        expert_scales,
+        quant_mode,
+        expert_token_nums_type,
+        y_dtype,
+        x_dtype,
+        scales_dtype,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        global_bs=global_bs,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        elastic_info=elastic_info,
+        performance_info=performance_info,
+    )
     group = _ep_group(_DISPATCH, group_ep, w, r)
     _check_expert_ids(_DISPATCH, expert_ids, e)
     dev, h = x.device, x.shape[1]
@@ -228,15 +349,20 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     #    id E (init_routing's "finished" marker), so it is never sent.
     ids = torch.where(_active_slots(x_active_mask, expert_ids), expert_ids, e)
     sorted_x, row_idx, send_cnt, _ = moe_init_routing_v2(
-        x, ids, active_num=bs * k, expert_num=e, expert_tokens_num_type=1, expert_tokens_num_flag=True,
-        active_expert_range=[0, e])
+        x,
+        ids,
+        active_num=bs * k,
+        expert_num=e,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=[0, e],
+    )
     sent = row_idx >= 0
     n_send = int(sent.sum())
-    slot_of_row = torch.empty(n_send, dtype=torch.int64, device=dev)          # send position -> slot f
+    slot_of_row = torch.empty(n_send, dtype=torch.int64, device=dev)  # send position -> slot f
     slot_of_row[row_idx[sent].long()] = torch.arange(bs * k, device=dev)[sent]
     # 2. counts: cnt[s, e'] = rows rank s sends to this rank's local expert e' (each rank's BS rides along)
-    send_counts = torch.cat([send_cnt.view(w, local),
-                             torch.full((w, 1), bs, dtype=torch.int64, device=dev)], dim=1)
+    send_counts = torch.cat([send_cnt.view(w, local), torch.full((w, 1), bs, dtype=torch.int64, device=dev)], dim=1)
     if group is None:
         recv_counts = send_counts
     else:
@@ -245,11 +371,17 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
         dist.all_to_all_single(recv_counts, send_counts, group=group)
     cnt, bs_of = recv_counts[:, :local], recv_counts[:, local]
     if global_bs == 0:
-        check(bool((bs_of == bs).all()), _DISPATCH,
-              f"with global_bs=0 every EP rank needs the same BS; got {bs_of.tolist()} (pass global_bs = max BS * W)")
+        check(
+            bool((bs_of == bs).all()),
+            _DISPATCH,
+            f"with global_bs=0 every EP rank needs the same BS; got {bs_of.tolist()} (pass global_bs = max BS * W)",
+        )
     else:
-        check(bool((bs_of * w <= global_bs).all()), _DISPATCH,
-              f"global_bs={global_bs} is below BS * ep_world_size on some rank (BS per rank {bs_of.tolist()})")
+        check(
+            bool((bs_of * w <= global_bs).all()),
+            _DISPATCH,
+            f"global_bs={global_bs} is below BS * ep_world_size on some rank (BS per rank {bs_of.tolist()})",
+        )
     # 3. payload: the rows bit-exact as bytes, each with its (source token, k slot), rank d's rows to rank d
     meta = torch.stack([slot_of_row // k, slot_of_row % k], dim=1).to(torch.int32)
     payload = torch.cat([_as_bytes(sorted_x[:n_send]), _as_bytes(meta)], dim=1)
@@ -266,37 +398,92 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     src_rank = torch.repeat_interleave(torch.arange(w, device=dev), cnt.sum(1), output_size=n_recv)
     handle = torch.full((handle_length(bs, k, a),), -1, dtype=torch.int32, device=dev)
     received, slots, sends = _handle_regions(a, bs, k, w)
-    triplets = torch.stack([src_rank.index_select(0, gather_idx.long()).to(torch.int32),
-                            recv_meta.index_select(0, gather_idx.long())[:, 0],
-                            recv_meta.index_select(0, gather_idx.long())[:, 1]], dim=1)
-    handle[received][:3 * n_recv] = triplets.reshape(-1)
+    triplets = torch.stack(
+        [
+            src_rank.index_select(0, gather_idx.long()).to(torch.int32),
+            recv_meta.index_select(0, gather_idx.long())[:, 0],
+            recv_meta.index_select(0, gather_idx.long())[:, 1],
+        ],
+        dim=1,
+    )
+    handle[received][: 3 * n_recv] = triplets.reshape(-1)
     handle[slots] = row_idx
     handle[sends] = send_cnt.view(w, local).sum(1).to(torch.int32)
     handle[-2], handle[-1] = h, HANDLE_MAGIC
     expert_token_nums = per_expert if expert_token_nums_type == 1 else torch.cumsum(per_expert, 0)
-    ep_recv_counts = torch.cumsum(cnt.t().reshape(-1), 0).to(torch.int32)      # [e'*W + s]: inclusive block end
+    ep_recv_counts = torch.cumsum(cnt.t().reshape(-1), 0).to(torch.int32)  # [e'*W + s]: inclusive block end
     zeros = torch.zeros(a, dtype=torch.float32, device=dev)
     tp_recv_counts = torch.zeros(tp_world_size, dtype=torch.int32, device=dev)
     return expand_x, zeros, handle, expert_token_nums, ep_recv_counts, tp_recv_counts, zeros.clone()
 
 
-def _dispatch_fake(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales=None,
-                   x_active_mask=None, expert_scales=None, elastic_info=None, performance_info=None, group_tp="",
-                   tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1, shared_expert_rank_num=0,
-                   quant_mode=0, global_bs=0, expert_token_nums_type=1, comm_alg="", zero_expert_num=0,
-                   copy_expert_num=0, const_expert_num=0, y_dtype=None, x_dtype=None, scales_dtype=None):
+def _dispatch_fake(
+    x,
+    expert_ids,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    scales=None,
+    x_active_mask=None,
+    expert_scales=None,
+    elastic_info=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    quant_mode=0,
+    global_bs=0,
+    expert_token_nums_type=1,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+    y_dtype=None,
+    x_dtype=None,
+    scales_dtype=None,
+):
     w = ep_world_size
     bs, k, local, a = _dispatch_check(
-        x, expert_ids, w, ep_rank_id, moe_expert_num, scales, x_active_mask, expert_scales, quant_mode,
-        expert_token_nums_type, y_dtype, x_dtype, scales_dtype, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num, global_bs=global_bs, comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-        elastic_info=elastic_info, performance_info=performance_info)
-    return (x.new_empty((a, x.shape[1])), x.new_empty((a,), dtype=torch.float32),
-            x.new_empty((handle_length(bs, k, a),), dtype=torch.int32), x.new_empty((local,), dtype=torch.int64),
-            x.new_empty((w * local,), dtype=torch.int32), x.new_empty((tp_world_size,), dtype=torch.int32),
-            x.new_empty((a,), dtype=torch.float32))
+        x,
+        expert_ids,
+        w,
+        ep_rank_id,
+        moe_expert_num,
+        scales,
+        x_active_mask,
+        expert_scales,
+        quant_mode,
+        expert_token_nums_type,
+        y_dtype,
+        x_dtype,
+        scales_dtype,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        global_bs=global_bs,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        elastic_info=elastic_info,
+        performance_info=performance_info,
+    )
+    return (
+        x.new_empty((a, x.shape[1])),
+        x.new_empty((a,), dtype=torch.float32),
+        x.new_empty((handle_length(bs, k, a),), dtype=torch.int32),
+        x.new_empty((local,), dtype=torch.int64),
+        x.new_empty((w * local,), dtype=torch.int32),
+        x.new_empty((tp_world_size,), dtype=torch.int32),
+        x.new_empty((a,), dtype=torch.float32),
+    )
 
 
 register(_DISPATCH, moe_distribute_dispatch_v2, _dispatch_fake)
@@ -311,9 +498,26 @@ register(_DISPATCH, moe_distribute_dispatch_v2, _dispatch_fake)
 # ==================================================================================================
 
 
-def _combine_check(expand_x, expert_ids, handle, ep_send_counts, expert_scales, ep_world_size, ep_rank_id,
-                   moe_expert_num, tp_send_counts, x_active_mask, expand_scales, shared_expert_x, ori_x,
-                   const_expert_alpha_1, const_expert_alpha_2, const_expert_v, comm_quant_mode, **common):
+def _combine_check(
+    expand_x,
+    expert_ids,
+    handle,
+    ep_send_counts,
+    expert_scales,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    tp_send_counts,
+    x_active_mask,
+    expand_scales,
+    shared_expert_x,
+    ori_x,
+    const_expert_alpha_1,
+    const_expert_alpha_2,
+    const_expert_v,
+    comm_quant_mode,
+    **common,
+):
     op = _COMBINE
     check_dim(op, "expand_x", expand_x, (2,))
     check_dtype(op, "expand_x", expand_x, _X_DTYPES)
@@ -332,52 +536,123 @@ def _combine_check(expand_x, expert_ids, handle, ep_send_counts, expert_scales, 
     check(comm_quant_mode in (0, 2), op, f"comm_quant_mode={comm_quant_mode}; allowed: 0 (none), 2 (int8)")
     if comm_quant_mode == 2:
         unsupported(op, "comm_quant_mode=2 (int8 on the wire)")
-    for name, value in (("expand_scales", expand_scales), ("shared_expert_x", shared_expert_x), ("ori_x", ori_x),
-                        ("const_expert_alpha_1", const_expert_alpha_1), ("const_expert_alpha_2", const_expert_alpha_2),
-                        ("const_expert_v", const_expert_v)):
+    for name, value in (
+        ("expand_scales", expand_scales),
+        ("shared_expert_x", shared_expert_x),
+        ("ori_x", ori_x),
+        ("const_expert_alpha_1", const_expert_alpha_1),
+        ("const_expert_alpha_2", const_expert_alpha_2),
+        ("const_expert_v", const_expert_v),
+    ):
         if value is not None:
             unsupported(op, f"{name} (shared / special experts, A2 scales)")
     _mask_check(op, x_active_mask, bs, k)
-    check_npu_limit(expand_x.dtype in (torch.float16, torch.bfloat16), op,
-                    f"expand_x has dtype {expand_x.dtype}; allowed: bf16, f16", kind=FP32)
+    check_npu_limit(
+        expand_x.dtype in (torch.float16, torch.bfloat16),
+        op,
+        f"expand_x has dtype {expand_x.dtype}; allowed: bf16, f16",
+        kind=FP32,
+    )
     return bs, k, local, a
 
 
-def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
-                              ep_world_size, ep_rank_id, moe_expert_num, *, tp_send_counts=None, x_active_mask=None,
-                              expand_scales=None, shared_expert_x=None, elastic_info=None, ori_x=None,
-                              const_expert_alpha_1=None, const_expert_alpha_2=None, const_expert_v=None,
-                              performance_info=None, group_tp="", tp_world_size=0, tp_rank_id=0, expert_shard_type=0,
-                              shared_expert_num=1, shared_expert_rank_num=0, global_bs=0, comm_quant_mode=0,
-                              comm_alg="", zero_expert_num=0, copy_expert_num=0, const_expert_num=0):
+def moe_distribute_combine_v2(
+    expand_x,
+    expert_ids,
+    assist_info_for_combine,
+    ep_send_counts,
+    expert_scales,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    tp_send_counts=None,
+    x_active_mask=None,
+    expand_scales=None,
+    shared_expert_x=None,
+    elastic_info=None,
+    ori_x=None,
+    const_expert_alpha_1=None,
+    const_expert_alpha_2=None,
+    const_expert_v=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    global_bs=0,
+    comm_quant_mode=0,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+):
     w, r, handle = ep_world_size, ep_rank_id, assist_info_for_combine
     bs, k, local, a = _combine_check(
-        expand_x, expert_ids, handle, ep_send_counts, expert_scales, w, r, moe_expert_num, tp_send_counts,
-        x_active_mask, expand_scales, shared_expert_x, ori_x, const_expert_alpha_1, const_expert_alpha_2,
-        const_expert_v, comm_quant_mode, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num, global_bs=global_bs, comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-        elastic_info=elastic_info, performance_info=performance_info)
+        expand_x,
+        expert_ids,
+        handle,
+        ep_send_counts,
+        expert_scales,
+        w,
+        r,
+        moe_expert_num,
+        tp_send_counts,
+        x_active_mask,
+        expand_scales,
+        shared_expert_x,
+        ori_x,
+        const_expert_alpha_1,
+        const_expert_alpha_2,
+        const_expert_v,
+        comm_quant_mode,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        global_bs=global_bs,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        elastic_info=elastic_info,
+        performance_info=performance_info,
+    )
     h = expand_x.shape[1]
-    check(int(handle[-1]) == HANDLE_MAGIC, _COMBINE,
-          "assist_info_for_combine was not written by the portable npu_moe_distribute_dispatch_v2 (a torch_npu "
-          "handle is opaque and cannot be mixed with the portable kernels, spec §13.16)")
+    check(
+        int(handle[-1]) == HANDLE_MAGIC,
+        _COMBINE,
+        "assist_info_for_combine was not written by the portable npu_moe_distribute_dispatch_v2 (a torch_npu "
+        "handle is opaque and cannot be mixed with the portable kernels, spec §13.16)",
+    )
     check(int(handle[-2]) == h, _COMBINE, f"expand_x has H={h} but the dispatch moved rows of H={int(handle[-2])}")
     group = _ep_group(_COMBINE, group_ep, w, r)
     _, slots, sends = _handle_regions(a, bs, k, w)
     row_idx, sent_to = handle[slots], handle[sends]
     active = _active_slots(x_active_mask, expert_ids).reshape(-1)
-    check(bool(((row_idx >= 0) == active).all()), _COMBINE,
-          "x_active_mask differs from the one given to the dispatch that wrote assist_info_for_combine")
+    check(
+        bool(((row_idx >= 0) == active).all()),
+        _COMBINE,
+        "x_active_mask differs from the one given to the dispatch that wrote assist_info_for_combine",
+    )
     dest = expert_ids.reshape(-1)[active].long() // local
-    check(torch.equal(torch.bincount(dest, minlength=w)[:w].to(torch.int32), sent_to), _COMBINE,
-          "expert_ids is not the tensor given to the dispatch that wrote assist_info_for_combine")
-    ends = ep_send_counts.long()                                                # [e'*W + s]: inclusive block end
-    cnt = torch.diff(ends, prepend=ends.new_zeros(1)).view(local, w)            # [L, W]: rows from rank s
+    check(
+        torch.equal(torch.bincount(dest, minlength=w)[:w].to(torch.int32), sent_to),
+        _COMBINE,
+        "expert_ids is not the tensor given to the dispatch that wrote assist_info_for_combine",
+    )
+    ends = ep_send_counts.long()  # [e'*W + s]: inclusive block end
+    cnt = torch.diff(ends, prepend=ends.new_zeros(1)).view(local, w)  # [L, W]: rows from rank s
     n_recv = int(ends[-1]) if ends.numel() else 0
-    check(n_recv <= a and bool((cnt >= 0).all()), _COMBINE,
-          f"ep_send_counts is not a dispatch's ep_recv_counts (non-decreasing, ending at n_recv <= A={a})")
+    check(
+        n_recv <= a and bool((cnt >= 0).all()),
+        _COMBINE,
+        f"ep_send_counts is not a dispatch's ep_recv_counts (non-decreasing, ending at n_recv <= A={a})",
+    )
     # 1. (e', s, t) -> (s, e', t): re_routing with the roles of rank and expert swapped
     back, _, _, _ = moe_re_routing(expand_x[:n_recv], cnt)
     # 2. all_to_all_v back: each source rank gets its rows in the order it sent them
@@ -388,21 +663,71 @@ def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_
     return out.to(expand_x.dtype)
 
 
-def _combine_fake(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, group_ep,
-                  ep_world_size, ep_rank_id, moe_expert_num, *, tp_send_counts=None, x_active_mask=None,
-                  expand_scales=None, shared_expert_x=None, elastic_info=None, ori_x=None, const_expert_alpha_1=None,
-                  const_expert_alpha_2=None, const_expert_v=None, performance_info=None, group_tp="",
-                  tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1, shared_expert_rank_num=0,
-                  global_bs=0, comm_quant_mode=0, comm_alg="", zero_expert_num=0, copy_expert_num=0,
-                  const_expert_num=0):
+def _combine_fake(
+    expand_x,
+    expert_ids,
+    assist_info_for_combine,
+    ep_send_counts,
+    expert_scales,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    *,
+    tp_send_counts=None,
+    x_active_mask=None,
+    expand_scales=None,
+    shared_expert_x=None,
+    elastic_info=None,
+    ori_x=None,
+    const_expert_alpha_1=None,
+    const_expert_alpha_2=None,
+    const_expert_v=None,
+    performance_info=None,
+    group_tp="",
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    global_bs=0,
+    comm_quant_mode=0,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+):
     bs, _, _, _ = _combine_check(
-        expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, ep_world_size, ep_rank_id,
-        moe_expert_num, tp_send_counts, x_active_mask, expand_scales, shared_expert_x, ori_x, const_expert_alpha_1,
-        const_expert_alpha_2, const_expert_v, comm_quant_mode, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type, shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num, global_bs=global_bs, comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num, const_expert_num=const_expert_num,
-        elastic_info=elastic_info, performance_info=performance_info)
+        expand_x,
+        expert_ids,
+        assist_info_for_combine,
+        ep_send_counts,
+        expert_scales,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        tp_send_counts,
+        x_active_mask,
+        expand_scales,
+        shared_expert_x,
+        ori_x,
+        const_expert_alpha_1,
+        const_expert_alpha_2,
+        const_expert_v,
+        comm_quant_mode,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        global_bs=global_bs,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+        elastic_info=elastic_info,
+        performance_info=performance_info,
+    )
     return expand_x.new_empty((bs, expand_x.shape[1]))
 
 

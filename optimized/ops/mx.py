@@ -6,6 +6,7 @@ argument handling, validation (§3.4) and fake kernels. The MX grouped matmul is
     out = npu_quant_matmul(y, w_t, w_s, pertoken_scale=s, scale_dtype=293, pertoken_scale_dtype=293,
                            output_dtype=torch.bfloat16, group_sizes=[1, 1, 32])
 """
+
 from __future__ import annotations
 
 import math
@@ -30,21 +31,31 @@ def _format(op: str, arg: str, dst_type) -> mxf.MxFormat:
     return mxf.FORMATS[code]
 
 
-def _check_scale_alg_round_mode(op: str, fmt: mxf.MxFormat, scale_alg: int, round_mode: str,
-                                algs_fp8=(0, 1), algs_fp4=(0, 2)) -> None:
+def _check_scale_alg_round_mode(
+    op: str, fmt: mxf.MxFormat, scale_alg: int, round_mode: str, algs_fp8=(0, 1), algs_fp4=(0, 2)
+) -> None:
     """The validation matrix of §3.4."""
     algs = algs_fp4 if fmt.packed else algs_fp8
-    check(scale_alg in algs, op, f"scale_alg={scale_alg} is not allowed with dst_type {fmt.name}; allowed: "
-                                 f"{', '.join(map(str, algs))}")
+    check(
+        scale_alg in algs,
+        op,
+        f"scale_alg={scale_alg} is not allowed with dst_type {fmt.name}; allowed: {', '.join(map(str, algs))}",
+    )
     modes = mxf.FP4_ROUND_MODES if fmt.packed else ("rint",)
-    check(round_mode in modes, op, f"round_mode={round_mode!r} is not allowed with dst_type {fmt.name}; allowed: "
-                                   f"{', '.join(map(repr, modes))}")
+    check(
+        round_mode in modes,
+        op,
+        f"round_mode={round_mode!r} is not allowed with dst_type {fmt.name}; allowed: {', '.join(map(repr, modes))}",
+    )
 
 
 def _check_fp4_last_dim(op: str, arg: str, shape, fmt: mxf.MxFormat) -> None:
     if fmt.packed:
-        check(len(shape) >= 1 and shape[-1] % 2 == 0, op,
-              f"{arg} has shape {tuple(shape)}; FP4 output packs pairs along the last dim, which must be even")
+        check(
+            len(shape) >= 1 and shape[-1] % 2 == 0,
+            op,
+            f"{arg} has shape {tuple(shape)}; FP4 output packs pairs along the last dim, which must be even",
+        )
 
 
 def _scale_shape(shape, axis: int, block_size: int = mxf.BLOCK_SIZE) -> tuple:
@@ -72,43 +83,76 @@ def _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, ds
     op = OP_QUANT
     check_dtype(op, "input", input, _INPUT_DTYPES)
     check(1 <= input.dim() <= 7, op, f"input must have 1 to 7 dims; got shape {tuple(input.shape)}")
-    check(-input.dim() <= axis < input.dim(), op,
-          f"axis={axis} is out of range for input of shape {tuple(input.shape)} (allowed [{-input.dim()}, "
-          f"{input.dim() - 1}])")
+    check(
+        -input.dim() <= axis < input.dim(),
+        op,
+        f"axis={axis} is out of range for input of shape {tuple(input.shape)} (allowed [{-input.dim()}, "
+        f"{input.dim() - 1}])",
+    )
     fmt = _format(op, "dst_type", dst_type)
     alg = 0 if scale_alg is None else scale_alg
     _check_scale_alg_round_mode(op, fmt, alg, round_mode)
-    check(block_size > 0 and block_size % 32 == 0 and block_size <= 1024, op,
-          f"block_size={block_size}; allowed: a multiple of 32 in [32, 1024]")
-    check(block_size == 32 or input.dtype != torch.float32, op,
-          f"block_size={block_size} with a float32 input; allowed: 32")
+    check(
+        block_size > 0 and block_size % 32 == 0 and block_size <= 1024,
+        op,
+        f"block_size={block_size}; allowed: a multiple of 32 in [32, 1024]",
+    )
+    check(
+        block_size == 32 or input.dtype != torch.float32,
+        op,
+        f"block_size={block_size} with a float32 input; allowed: 32",
+    )
     check(block_size == 32 or alg != 2, op, f"block_size={block_size} with scale_alg=2; allowed: 32")
     if alg == 2:
-        check(dst_type_max == 0.0 or 6.0 <= dst_type_max <= 12.0, op,
-              f"dst_type_max={dst_type_max}; allowed: 0.0 or a value in [6.0, 12.0]")
+        check(
+            dst_type_max == 0.0 or 6.0 <= dst_type_max <= 12.0,
+            op,
+            f"dst_type_max={dst_type_max}; allowed: 0.0 or a value in [6.0, 12.0]",
+        )
     else:
-        check(dst_type_max == 0.0, op, f"dst_type_max={dst_type_max} with scale_alg={alg}; allowed: 0.0 "
-                                       f"(only scale_alg=2 uses it)")
+        check(
+            dst_type_max == 0.0,
+            op,
+            f"dst_type_max={dst_type_max} with scale_alg={alg}; allowed: 0.0 (only scale_alg=2 uses it)",
+        )
     check(max_low_bound >= 0.0, op, f"max_low_bound={max_low_bound}; allowed: >= 0.0")
-    check(max_low_bound == 0.0 or alg == 1, op, f"max_low_bound={max_low_bound} with scale_alg={alg}; allowed: "
-                                                f"0.0 (only scale_alg=1 uses it)")
+    check(
+        max_low_bound == 0.0 or alg == 1,
+        op,
+        f"max_low_bound={max_low_bound} with scale_alg={alg}; allowed: 0.0 (only scale_alg=1 uses it)",
+    )
     _check_fp4_last_dim(op, "input", input.shape, fmt)
     return fmt, alg
 
 
-def npu_dynamic_mx_quant(input: torch.Tensor, *, axis: int = -1, round_mode: str = "rint", dst_type: int = 296,
-                         block_size: int = 32, scale_alg: int | None = 0, dst_type_max: float = 0.0,
-                         max_low_bound: float = 0.0):
-    fmt, alg = _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, dst_type_max,
-                               max_low_bound)
-    return mxf.mx_quantize(input, fmt, axis=axis, round_mode=round_mode, scale_alg=alg, block_size=block_size,
-                           dst_type_max=dst_type_max, max_low_bound=max_low_bound)
+def npu_dynamic_mx_quant(
+    input: torch.Tensor,
+    *,
+    axis: int = -1,
+    round_mode: str = "rint",
+    dst_type: int = 296,
+    block_size: int = 32,
+    scale_alg: int | None = 0,
+    dst_type_max: float = 0.0,
+    max_low_bound: float = 0.0,
+):
+    fmt, alg = _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, dst_type_max, max_low_bound)
+    return mxf.mx_quantize(
+        input,
+        fmt,
+        axis=axis,
+        round_mode=round_mode,
+        scale_alg=alg,
+        block_size=block_size,
+        dst_type_max=dst_type_max,
+        max_low_bound=max_low_bound,
+    )
 
 
-def _npu_dynamic_mx_quant_fake(input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32, scale_alg=0,
-                               dst_type_max=0.0, max_low_bound=0.0):
-    fmt, _ = _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, dst_type_max,
-                             max_low_bound)
+def _npu_dynamic_mx_quant_fake(
+    input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32, scale_alg=0, dst_type_max=0.0, max_low_bound=0.0
+):
+    fmt, _ = _validate_quant(input, axis, round_mode, dst_type, block_size, scale_alg, dst_type_max, max_low_bound)
     y_shape, y_dtype = _y_meta(input.shape, fmt)
     scale_shape = _scale_shape(input.shape, axis % input.dim(), block_size)
     return input.new_empty(y_shape, dtype=y_dtype), input.new_empty(scale_shape, dtype=torch.uint8)
@@ -128,8 +172,9 @@ _OUT_DTYPES = {15: torch.bfloat16, 5: torch.float16, 6: torch.float32}
 
 def mx_output_dtype(op: str, arg: str, value, default: int) -> torch.dtype:
     code = default if value is None else mxf.dtype_code(value)
-    check(code in _OUT_DTYPES, op, f"{arg}={value} is not allowed; allowed codes: 15 (bfloat16), 5 (float16), "
-                                   f"6 (float32)")
+    check(
+        code in _OUT_DTYPES, op, f"{arg}={value} is not allowed; allowed codes: 15 (bfloat16), 5 (float16), 6 (float32)"
+    )
     return _OUT_DTYPES[code]
 
 
@@ -142,19 +187,31 @@ def _validate_anti(x, mxscale, axis, dst_type, src_type):
         check(x.dtype == fmt.torch_dtype, op, f"x has dtype {x.dtype}; src_type={src_type} needs {fmt.torch_dtype}")
     check(1 <= x.dim() <= 7, op, f"x must have 1 to 7 dims; got shape {tuple(x.shape)}")
     axis = -1 if axis is None else axis
-    check(-x.dim() <= axis < x.dim(), op,
-          f"axis={axis} is out of range for x of shape {tuple(x.shape)} (allowed [{-x.dim()}, {x.dim() - 1}])")
+    check(
+        -x.dim() <= axis < x.dim(),
+        op,
+        f"axis={axis} is out of range for x of shape {tuple(x.shape)} (allowed [{-x.dim()}, {x.dim() - 1}])",
+    )
     check_dtype(op, "mxscale", mxscale, (torch.uint8, torch.float8_e8m0fnu))
     logical = tuple(x.shape[:-1]) + ((2 * x.shape[-1],) if fmt.packed else tuple(x.shape[-1:]))
     expected = _scale_shape(logical, axis % x.dim())
-    check(tuple(mxscale.shape) == expected, op,
-          f"mxscale has shape {tuple(mxscale.shape)}; expected {expected} for x of logical shape {logical} "
-          f"quantized along axis {axis}")
+    check(
+        tuple(mxscale.shape) == expected,
+        op,
+        f"mxscale has shape {tuple(mxscale.shape)}; expected {expected} for x of logical shape {logical} "
+        f"quantized along axis {axis}",
+    )
     return fmt, axis % x.dim(), logical, mx_output_dtype(op, "dst_type", dst_type, 15)
 
 
-def npu_anti_mx_quant(x: torch.Tensor, mxscale: torch.Tensor, *, axis: int | None = -1, dst_type: int | None = 15,
-                      src_type: int | None = 292) -> torch.Tensor:
+def npu_anti_mx_quant(
+    x: torch.Tensor,
+    mxscale: torch.Tensor,
+    *,
+    axis: int | None = -1,
+    dst_type: int | None = 15,
+    src_type: int | None = 292,
+) -> torch.Tensor:
     fmt, axis, _, out_dtype = _validate_anti(x, mxscale, axis, dst_type, src_type)
     values = mxf.decode_elements(x, fmt).movedim(axis, -1)
     factors = mxf.expand_scales(mxscale.movedim(axis, -2), values.shape[-1])
@@ -186,12 +243,18 @@ _NORM_DTYPES = (torch.bfloat16, torch.float16)
 def _validate_norm(op, x_arg, x, gamma, beta, epsilon, scale_alg, round_mode, dst_type):
     check_dtype(op, x_arg, x, _NORM_DTYPES)
     check(1 <= x.dim() <= 7, op, f"{x_arg} must have 1 to 7 dims; got shape {tuple(x.shape)}")
-    check(gamma.dtype in (x.dtype, torch.float32), op,
-          f"gamma has dtype {gamma.dtype}; allowed: {x.dtype} ({x_arg}.dtype), torch.float32")
+    check(
+        gamma.dtype in (x.dtype, torch.float32),
+        op,
+        f"gamma has dtype {gamma.dtype}; allowed: {x.dtype} ({x_arg}.dtype), torch.float32",
+    )
     _check_norm_shapes(op, x_arg, x, gamma, epsilon)
     if beta is not None:
-        check(beta.dtype == gamma.dtype and beta.shape == gamma.shape, op,
-              f"beta is {beta.dtype}{tuple(beta.shape)}; expected gamma's {gamma.dtype}{tuple(gamma.shape)}")
+        check(
+            beta.dtype == gamma.dtype and beta.shape == gamma.shape,
+            op,
+            f"beta is {beta.dtype}{tuple(beta.shape)}; expected gamma's {gamma.dtype}{tuple(gamma.shape)}",
+        )
     fmt = _format(op, "dst_type", dst_type)
     _check_scale_alg_round_mode(op, fmt, scale_alg, round_mode, algs_fp4=(0,))
     _check_fp4_last_dim(op, x_arg, x.shape, fmt)
@@ -210,41 +273,64 @@ def _norm_quant(s: torch.Tensor, dtype, gamma, beta, epsilon, fmt, scale_alg, ro
 
 def _norm_fakes(x, gamma, fmt):
     y_shape, y_dtype = _y_meta(x.shape, fmt)
-    return (x.new_empty(y_shape, dtype=y_dtype), x.new_empty(_scale_shape(x.shape, x.dim() - 1), dtype=torch.uint8),
-            x.new_empty(_rstd_shape(x, gamma.dim()), dtype=torch.float32))
+    return (
+        x.new_empty(y_shape, dtype=y_dtype),
+        x.new_empty(_scale_shape(x.shape, x.dim() - 1), dtype=torch.uint8),
+        x.new_empty(_rstd_shape(x, gamma.dim()), dtype=torch.float32),
+    )
 
 
-def npu_rms_norm_dynamic_mx_quant(x: torch.Tensor, gamma: torch.Tensor, *, beta: torch.Tensor | None = None,
-                                  epsilon: float = 1e-06, scale_alg: int = 0, round_mode: str = "rint",
-                                  dst_type: int = 296):
+def npu_rms_norm_dynamic_mx_quant(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    beta: torch.Tensor | None = None,
+    epsilon: float = 1e-06,
+    scale_alg: int = 0,
+    round_mode: str = "rint",
+    dst_type: int = 296,
+):
     fmt = _validate_norm(OP_RMS, "x", x, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
     return _norm_quant(x.float(), x.dtype, gamma, beta, epsilon, fmt, scale_alg, round_mode)
 
 
-def _npu_rms_norm_dynamic_mx_quant_fake(x, gamma, *, beta=None, epsilon=1e-06, scale_alg=0, round_mode="rint",
-                                        dst_type=296):
+def _npu_rms_norm_dynamic_mx_quant_fake(
+    x, gamma, *, beta=None, epsilon=1e-06, scale_alg=0, round_mode="rint", dst_type=296
+):
     fmt = _validate_norm(OP_RMS, "x", x, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
     return _norm_fakes(x, gamma, fmt)
 
 
 def _validate_add_norm(x1, x2, gamma, beta, epsilon, scale_alg, round_mode, dst_type):
     fmt = _validate_norm(OP_ADD_RMS, "x1", x1, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
-    check(x2.dtype == x1.dtype and x2.shape == x1.shape, OP_ADD_RMS,
-          f"x2 is {x2.dtype}{tuple(x2.shape)}; expected x1's {x1.dtype}{tuple(x1.shape)}")
+    check(
+        x2.dtype == x1.dtype and x2.shape == x1.shape,
+        OP_ADD_RMS,
+        f"x2 is {x2.dtype}{tuple(x2.shape)}; expected x1's {x1.dtype}{tuple(x1.shape)}",
+    )
     return fmt
 
 
-def npu_add_rms_norm_dynamic_mx_quant(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, *,
-                                      beta: torch.Tensor | None = None, epsilon: float = 1e-06, scale_alg: int = 0,
-                                      round_mode: str = "rint", dst_type: int = 296):
+def npu_add_rms_norm_dynamic_mx_quant(
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    beta: torch.Tensor | None = None,
+    epsilon: float = 1e-06,
+    scale_alg: int = 0,
+    round_mode: str = "rint",
+    dst_type: int = 296,
+):
     fmt = _validate_add_norm(x1, x2, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
     s = x1.float() + x2.float()
     y, scale, rstd = _norm_quant(s, x1.dtype, gamma, beta, epsilon, fmt, scale_alg, round_mode)
     return y, s.to(x1.dtype).contiguous(), scale, rstd
 
 
-def _npu_add_rms_norm_dynamic_mx_quant_fake(x1, x2, gamma, *, beta=None, epsilon=1e-06, scale_alg=0,
-                                            round_mode="rint", dst_type=296):
+def _npu_add_rms_norm_dynamic_mx_quant_fake(
+    x1, x2, gamma, *, beta=None, epsilon=1e-06, scale_alg=0, round_mode="rint", dst_type=296
+):
     fmt = _validate_add_norm(x1, x2, gamma, beta, epsilon, scale_alg, round_mode, dst_type)
     y, scale, rstd = _norm_fakes(x1, gamma, fmt)
     return y, x1.new_empty(x1.shape), scale, rstd
@@ -267,31 +353,44 @@ register(OP_ADD_RMS, npu_add_rms_norm_dynamic_mx_quant, _npu_add_rms_norm_dynami
 OP_SWIGLU = "npu_swiglu_mx_quant"
 
 
-def _validate_swiglu(x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type, round_mode, scale_alg,
-                     max_dtype_value):
+def _validate_swiglu(
+    x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type, round_mode, scale_alg, max_dtype_value
+):
     op = OP_SWIGLU
     check_dtype(op, "x", x, _NORM_DTYPES)
     check(2 <= x.dim() <= 7, op, f"x must have 2 to 7 dims; got shape {tuple(x.shape)}")
     for name, dim in (("activate_dim", activate_dim), ("axis", axis)):
-        check(-x.dim() <= dim < x.dim(), op, f"{name}={dim} is out of range for x of shape {tuple(x.shape)} "
-                                             f"(allowed [{-x.dim()}, {x.dim() - 1}])")
+        check(
+            -x.dim() <= dim < x.dim(),
+            op,
+            f"{name}={dim} is out of range for x of shape {tuple(x.shape)} (allowed [{-x.dim()}, {x.dim() - 1}])",
+        )
     act, axis = activate_dim % x.dim(), axis % x.dim()
-    check(x.shape[act] % 2 == 0, op, f"x has odd size {x.shape[act]} along activate_dim={activate_dim}; it "
-                                     f"splits into two equal halves")
+    check(
+        x.shape[act] % 2 == 0,
+        op,
+        f"x has odd size {x.shape[act]} along activate_dim={activate_dim}; it splits into two equal halves",
+    )
     if swiglu_mode == 1:
         unsupported(op, "swiglu_mode=1 (clamped, interleaved SwiGLU)")
     check(swiglu_mode == 0, op, f"swiglu_mode={swiglu_mode}; allowed: 0, 1")
     fmt = _format(op, "dst_type", dst_type)
     _check_scale_alg_round_mode(op, fmt, scale_alg, round_mode, algs_fp4=(0,))
-    check(max_dtype_value == 0, op, f"max_dtype_value={max_dtype_value}; allowed: 0 (only scale_alg=2 uses it, "
-                                    f"which this operator does not take)")
+    check(
+        max_dtype_value == 0,
+        op,
+        f"max_dtype_value={max_dtype_value}; allowed: 0 (only scale_alg=2 uses it, which this operator does not take)",
+    )
     t_shape = list(x.shape)
     t_shape[act] //= 2
     _check_fp4_last_dim(op, "the activation (x with activate_dim halved)", t_shape, fmt)
     if group_index is not None:
         check_dtype(op, "group_index", group_index, (torch.int64,))
-        check(group_index.dim() == 1 and 1 <= group_index.shape[0] <= 256, op,
-              f"group_index must be 1-D with 1 to 256 groups; got shape {tuple(group_index.shape)}")
+        check(
+            group_index.dim() == 1 and 1 <= group_index.shape[0] <= 256,
+            op,
+            f"group_index must be 1-D with 1 to 256 groups; got shape {tuple(group_index.shape)}",
+        )
         check(group_mode in (0, 1), op, f"group_mode={group_mode}; allowed: 0 (counts), 1 (cumsum)")
         if act != x.dim() - 1 or axis != x.dim() - 1:
             unsupported(op, f"group_index with activate_dim={activate_dim}, axis={axis} (only the last dim)")
@@ -304,20 +403,36 @@ def _valid_rows(group_index: torch.Tensor, group_mode: int, rows: int) -> int:
         check(all(v >= 0 for v in values), OP_SWIGLU, f"group_index (group_mode=0, counts) must be >= 0; got {values}")
         total = sum(values)
     else:
-        check(all(v >= 0 for v in values) and all(a <= b for a, b in zip(values, values[1:])), OP_SWIGLU,
-              f"group_index (group_mode=1, cumsum) must be non-negative and non-decreasing; got {values}")
+        check(
+            all(v >= 0 for v in values) and all(a <= b for a, b in zip(values, values[1:])),
+            OP_SWIGLU,
+            f"group_index (group_mode=1, cumsum) must be non-negative and non-decreasing; got {values}",
+        )
         total = values[-1]
     check(total <= rows, OP_SWIGLU, f"group_index covers {total} rows but x has {rows}")
     return total
 
 
-def npu_swiglu_mx_quant(x: torch.Tensor, *, group_index: torch.Tensor | None = None, activate_dim: int = -1,
-                        activate_left: bool = False, swiglu_mode: int = 0, clamp_limit: float = 7.0,
-                        glu_alpha: float = 1.702, glu_bias: float = 1.0, group_mode: int = 0, axis: int = -1,
-                        dst_type: int = 296, round_mode: str = "rint", scale_alg: int = 0,
-                        max_dtype_value: float = 0):
-    fmt, act, axis, _ = _validate_swiglu(x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type,
-                                         round_mode, scale_alg, max_dtype_value)
+def npu_swiglu_mx_quant(
+    x: torch.Tensor,
+    *,
+    group_index: torch.Tensor | None = None,
+    activate_dim: int = -1,
+    activate_left: bool = False,
+    swiglu_mode: int = 0,
+    clamp_limit: float = 7.0,
+    glu_alpha: float = 1.702,
+    glu_bias: float = 1.0,
+    group_mode: int = 0,
+    axis: int = -1,
+    dst_type: int = 296,
+    round_mode: str = "rint",
+    scale_alg: int = 0,
+    max_dtype_value: float = 0,
+):
+    fmt, act, axis, _ = _validate_swiglu(
+        x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type, round_mode, scale_alg, max_dtype_value
+    )
     left, right = x.float().chunk(2, dim=act)
     a, b = (left, right) if activate_left else (right, left)
     t = (a * torch.sigmoid(a) * b).to(x.dtype)
@@ -331,11 +446,26 @@ def npu_swiglu_mx_quant(x: torch.Tensor, *, group_index: torch.Tensor | None = N
     return y, scale
 
 
-def _npu_swiglu_mx_quant_fake(x, *, group_index=None, activate_dim=-1, activate_left=False, swiglu_mode=0,
-                              clamp_limit=7.0, glu_alpha=1.702, glu_bias=1.0, group_mode=0, axis=-1, dst_type=296,
-                              round_mode="rint", scale_alg=0, max_dtype_value=0):
-    fmt, _, axis, t_shape = _validate_swiglu(x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type,
-                                             round_mode, scale_alg, max_dtype_value)
+def _npu_swiglu_mx_quant_fake(
+    x,
+    *,
+    group_index=None,
+    activate_dim=-1,
+    activate_left=False,
+    swiglu_mode=0,
+    clamp_limit=7.0,
+    glu_alpha=1.702,
+    glu_bias=1.0,
+    group_mode=0,
+    axis=-1,
+    dst_type=296,
+    round_mode="rint",
+    scale_alg=0,
+    max_dtype_value=0,
+):
+    fmt, _, axis, t_shape = _validate_swiglu(
+        x, group_index, activate_dim, swiglu_mode, group_mode, axis, dst_type, round_mode, scale_alg, max_dtype_value
+    )
     y_shape, y_dtype = _y_meta(t_shape, fmt)
     return x.new_empty(y_shape, dtype=y_dtype), x.new_empty(_scale_shape(t_shape, axis), dtype=torch.uint8)
 
@@ -360,12 +490,18 @@ def mx_operand_format(op: str, arg: str, t: torch.Tensor, dtype_arg: str, code) 
     """Element format of an MX matmul operand: a native fp8 tensor, or uint8 declared FP4 by its dtype code."""
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         fmt = mxf.E4M3 if t.dtype == torch.float8_e4m3fn else mxf.E5M2
-        check(code is None or mxf.FORMATS.get(mxf.dtype_code(code)) is fmt, op,
-              f"{dtype_arg}={code} contradicts {arg}.dtype {t.dtype}; allowed: None or its code")
+        check(
+            code is None or mxf.FORMATS.get(mxf.dtype_code(code)) is fmt,
+            op,
+            f"{dtype_arg}={code} contradicts {arg}.dtype {t.dtype}; allowed: None or its code",
+        )
         return fmt
-    check(t.dtype == torch.uint8 and code is not None and mxf.dtype_code(code) == mxf.float4_e2m1fn_x2, op,
-          f"{arg} is {t.dtype} with {dtype_arg}={code}; allowed: torch.float8_e4m3fn / torch.float8_e5m2, or "
-          f"torch.uint8 with {dtype_arg}=296 (packed float4_e2m1fn_x2)")
+    check(
+        t.dtype == torch.uint8 and code is not None and mxf.dtype_code(code) == mxf.float4_e2m1fn_x2,
+        op,
+        f"{arg} is {t.dtype} with {dtype_arg}={code}; allowed: torch.float8_e4m3fn / torch.float8_e5m2, or "
+        f"torch.uint8 with {dtype_arg}=296 (packed float4_e2m1fn_x2)",
+    )
     return mxf.E2M1
 
 
@@ -375,16 +511,35 @@ def check_mx_scale(op: str, arg: str, scale, expected: tuple) -> None:
     check(tuple(scale.shape) == tuple(expected), op, f"{arg} has shape {tuple(scale.shape)}; expected {expected}")
 
 
-def _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_dtype, x2_dtype,
-                  pertoken_scale_dtype, scale_dtype, group_sizes, y_scale):
+def _validate_qmm(
+    x1,
+    x2,
+    scale,
+    offset,
+    pertoken_scale,
+    bias,
+    output_dtype,
+    x1_dtype,
+    x2_dtype,
+    pertoken_scale_dtype,
+    scale_dtype,
+    group_sizes,
+    y_scale,
+):
     op = OP_QMM
     if mxf.float8_e8m0fnu not in (scale_dtype, pertoken_scale_dtype):
-        unsupported(op, f"scale_dtype={scale_dtype}, pertoken_scale_dtype={pertoken_scale_dtype} (only the MX "
-                        f"modes, scale_dtype=293 and pertoken_scale_dtype=293, are implemented)")
+        unsupported(
+            op,
+            f"scale_dtype={scale_dtype}, pertoken_scale_dtype={pertoken_scale_dtype} (only the MX "
+            f"modes, scale_dtype=293 and pertoken_scale_dtype=293, are implemented)",
+        )
     for name, code in (("scale_dtype", scale_dtype), ("pertoken_scale_dtype", pertoken_scale_dtype)):
         check(code == mxf.float8_e8m0fnu, op, f"{name}={code} in MX mode; allowed: 293 (float8_e8m0fnu)")
-    check(group_sizes is None or list(group_sizes) == [1, 1, 32], op,
-          f"group_sizes={group_sizes} in MX mode; allowed: [1, 1, 32] (or None)")
+    check(
+        group_sizes is None or list(group_sizes) == [1, 1, 32],
+        op,
+        f"group_sizes={group_sizes} in MX mode; allowed: [1, 1, 32] (or None)",
+    )
     check(offset is None and y_scale is None, op, "offset and y_scale must be None in MX mode")
     f1 = mx_operand_format(op, "x1", x1, "x1_dtype", x1_dtype)
     f2 = mx_operand_format(op, "x2", x2, "x2_dtype", x2_dtype)
@@ -393,8 +548,12 @@ def _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_
     check(x1.dim() in (2, 3), op, f"x1 must be [M, K] or [B, M, K]; got shape {tuple(x1.shape)}")
     check(x2.dim() == 2, op, f"x2 must be [K, N]; got shape {tuple(x2.shape)}")
     k = x1.shape[-1] * (2 if f1.packed else 1)
-    check(x2.shape[0] == k, op, f"x2 has shape {tuple(x2.shape)}; expected [K={k}, N{'/2' if f2.packed else ''}] "
-                                f"for x1 of shape {tuple(x1.shape)}")
+    check(
+        x2.shape[0] == k,
+        op,
+        f"x2 has shape {tuple(x2.shape)}; expected [K={k}, N{'/2' if f2.packed else ''}] "
+        f"for x1 of shape {tuple(x1.shape)}",
+    )
     n = x2.shape[1] * (2 if f2.packed else 1)
     kb = math.ceil(k / 64)
     check_mx_scale(op, "pertoken_scale", pertoken_scale, tuple(x1.shape[:-1]) + (kb, 2))
@@ -405,12 +564,38 @@ def _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_
     return f1, f2, k, n, mx_output_dtype(op, "output_dtype", output_dtype, 15)
 
 
-def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *, offset=None, pertoken_scale=None,
-                     bias=None, output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
-                     scale_dtype=None, group_sizes=None, y_scale=None) -> torch.Tensor:
-    f1, f2, k, _, out_dtype = _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_dtype,
-                                            x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
-    a = mxf.dequantize(x1, pertoken_scale, f1)                                 # [M, K] fp32
+def npu_quant_matmul(
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    offset=None,
+    pertoken_scale=None,
+    bias=None,
+    output_dtype=None,
+    x1_dtype=None,
+    x2_dtype=None,
+    pertoken_scale_dtype=None,
+    scale_dtype=None,
+    group_sizes=None,
+    y_scale=None,
+) -> torch.Tensor:
+    f1, f2, k, _, out_dtype = _validate_qmm(
+        x1,
+        x2,
+        scale,
+        offset,
+        pertoken_scale,
+        bias,
+        output_dtype,
+        x1_dtype,
+        x2_dtype,
+        pertoken_scale_dtype,
+        scale_dtype,
+        group_sizes,
+        y_scale,
+    )
+    a = mxf.dequantize(x1, pertoken_scale, f1)  # [M, K] fp32
     b = mxf.dequantize_weight(x2, scale, f2, k)
     y = a @ b
     if bias is not None:
@@ -418,16 +603,48 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
     return y.to(out_dtype)
 
 
-def _npu_quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
-                           x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None,
-                           group_sizes=None, y_scale=None):
-    _, _, _, n, out_dtype = _validate_qmm(x1, x2, scale, offset, pertoken_scale, bias, output_dtype, x1_dtype,
-                                          x2_dtype, pertoken_scale_dtype, scale_dtype, group_sizes, y_scale)
+def _npu_quant_matmul_fake(
+    x1,
+    x2,
+    scale,
+    *,
+    offset=None,
+    pertoken_scale=None,
+    bias=None,
+    output_dtype=None,
+    x1_dtype=None,
+    x2_dtype=None,
+    pertoken_scale_dtype=None,
+    scale_dtype=None,
+    group_sizes=None,
+    y_scale=None,
+):
+    _, _, _, n, out_dtype = _validate_qmm(
+        x1,
+        x2,
+        scale,
+        offset,
+        pertoken_scale,
+        bias,
+        output_dtype,
+        x1_dtype,
+        x2_dtype,
+        pertoken_scale_dtype,
+        scale_dtype,
+        group_sizes,
+        y_scale,
+    )
     return x1.new_empty(tuple(x1.shape[:-1]) + (n,), dtype=out_dtype)
 
 
 register(OP_QMM, npu_quant_matmul, _npu_quant_matmul_fake)
 
 
-__all__ = ["npu_dynamic_mx_quant", "npu_anti_mx_quant", "npu_rms_norm_dynamic_mx_quant",
-           "npu_add_rms_norm_dynamic_mx_quant", "npu_swiglu_mx_quant", "npu_quant_matmul"]
+__all__ = [
+    "npu_dynamic_mx_quant",
+    "npu_anti_mx_quant",
+    "npu_rms_norm_dynamic_mx_quant",
+    "npu_add_rms_norm_dynamic_mx_quant",
+    "npu_swiglu_mx_quant",
+    "npu_quant_matmul",
+]

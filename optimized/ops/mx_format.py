@@ -9,6 +9,7 @@ Conventions (normative, §0-§2):
 - packed FP4 E2M1: torch.uint8, element 2t in the low nibble of byte t, element 2t+1 in the high nibble.
 - FP8 elements are real torch float8 tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,14 @@ E2M1 = MxFormat("float4_e2m1fn", 2, 6.0, None, None)
 
 # dst_type / src_type code -> format; 23/24 are torch's ScalarType numbers, 291/292/296 torch_npu's.
 FORMATS: dict[int, MxFormat] = {23: E5M2, 291: E5M2, 24: E4M3, 292: E4M3, 296: E2M1}
-_TORCH_DTYPE_CODES = {torch.float8_e5m2: 23, torch.float8_e4m3fn: 24, torch.bfloat16: 15, torch.float16: 5,
-                      torch.float32: 6, torch.uint8: 0}
+_TORCH_DTYPE_CODES = {
+    torch.float8_e5m2: 23,
+    torch.float8_e4m3fn: 24,
+    torch.bfloat16: 15,
+    torch.float16: 5,
+    torch.float32: 6,
+    torch.uint8: 0,
+}
 
 # FP4 E2M1 magnitudes by 3-bit code (§1.3).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -79,7 +86,7 @@ def exponent_field(xf: torch.Tensor) -> torch.Tensor:
 def pow2(exp: torch.Tensor) -> torch.Tensor:
     """Exact fp32 2^exp for integer exp in [-149, 127] (built from bits: subnormals included)."""
     exp = exp.to(torch.int32)
-    normal = ((exp + 127).clamp(1, 254) << 23)
+    normal = (exp + 127).clamp(1, 254) << 23
     subnormal = torch.ones_like(exp) << (exp + 149).clamp(0, 22)
     return torch.where(exp >= -126, normal, subnormal).view(torch.float32)
 
@@ -173,8 +180,10 @@ def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, fmt: MxFormat, k: in
     if fmt.packed:
         axis = fp4_packed_axis(w.shape, k)
         if axis is None:
-            raise ValueError(f"dequantize_weight: FP4 weight view {tuple(w.shape)} is neither [..., K/2, N] nor "
-                             f"[..., K, N/2] for K={k}")
+            raise ValueError(
+                f"dequantize_weight: FP4 weight view {tuple(w.shape)} is neither [..., K/2, N] nor "
+                f"[..., K, N/2] for K={k}"
+            )
         values = decode_fp4(unpack_fp4(w, axis))
     else:
         values = w.float()
@@ -208,8 +217,14 @@ def _bf16_bits(amax: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
     return (amax.view(torch.int32) >> 16) & 0xFFFF
 
 
-def block_scales(blocks: torch.Tensor, fmt: MxFormat, scale_alg: int, input_dtype: torch.dtype,
-                 dst_type_max: float = 0.0, max_low_bound: float = 0.0):
+def block_scales(
+    blocks: torch.Tensor,
+    fmt: MxFormat,
+    scale_alg: int,
+    input_dtype: torch.dtype,
+    dst_type_max: float = 0.0,
+    max_low_bound: float = 0.0,
+):
     """Scale bytes (int32 `[..., nb]`) and fp32 reciprocals for fp32 blocks `[..., nb, bs]`.
 
     A reciprocal of 0 flushes the block to signed zeros (the NPU's rule for byte 0 under alg 0 and the
@@ -256,8 +271,8 @@ _FP4_STEPS = {
     "rint": ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)),
     "round": ((0.25, True), (0.75, True), (1.25, True), (1.75, True), (2.5, True), (3.5, True), (5.0, True)),
 }
-_FLOOR_UP = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)     # positive values: truncate the magnitude
-_FLOOR_DOWN = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)   # negative values: the magnitude rounds up
+_FLOOR_UP = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # positive values: truncate the magnitude
+_FLOOR_DOWN = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)  # negative values: the magnitude rounds up
 
 
 def encode_fp4(v: torch.Tensor, round_mode: str) -> torch.Tensor:
@@ -277,8 +292,16 @@ def encode_fp4(v: torch.Tensor, round_mode: str) -> torch.Tensor:
 # --- quantize -----------------------------------------------------------------------------------------
 
 
-def quantize_lastdim(x: torch.Tensor, fmt: MxFormat, *, round_mode: str = "rint", scale_alg: int = 0,
-                     block_size: int = BLOCK_SIZE, dst_type_max: float = 0.0, max_low_bound: float = 0.0):
+def quantize_lastdim(
+    x: torch.Tensor,
+    fmt: MxFormat,
+    *,
+    round_mode: str = "rint",
+    scale_alg: int = 0,
+    block_size: int = BLOCK_SIZE,
+    dst_type_max: float = 0.0,
+    max_low_bound: float = 0.0,
+):
     """MX-quantize along the last axis, no validation: (codes uint8 `[..., K]` unpacked, bytes int32 `[..., nb]`).
 
     codes are fp8 bytes or 4-bit FP4 codes; elements of non-finite blocks are +0 (§4.4).
@@ -294,16 +317,32 @@ def quantize_lastdim(x: torch.Tensor, fmt: MxFormat, *, round_mode: str = "rint"
     return codes.flatten(-2)[..., :k], byte
 
 
-def mx_quantize(x: torch.Tensor, fmt: MxFormat, *, axis: int = -1, round_mode: str = "rint", scale_alg: int = 0,
-                block_size: int = BLOCK_SIZE, dst_type_max: float = 0.0, max_low_bound: float = 0.0):
+def mx_quantize(
+    x: torch.Tensor,
+    fmt: MxFormat,
+    *,
+    axis: int = -1,
+    round_mode: str = "rint",
+    scale_alg: int = 0,
+    block_size: int = BLOCK_SIZE,
+    dst_type_max: float = 0.0,
+    max_low_bound: float = 0.0,
+):
     """`npu_dynamic_mx_quant` semantics without validation: (y, scale) per §6.1.
 
     y: fp8 tensor shaped like x, or uint8 packed FP4 with the LAST dim halved whatever the axis.
     scale: uint8, x's shape with `axis` -> ceil(nb/2) and a trailing pair dim (§2.2).
     """
     axis = axis % x.dim()
-    codes, byte = quantize_lastdim(x.movedim(axis, -1), fmt, round_mode=round_mode, scale_alg=scale_alg,
-                                   block_size=block_size, dst_type_max=dst_type_max, max_low_bound=max_low_bound)
+    codes, byte = quantize_lastdim(
+        x.movedim(axis, -1),
+        fmt,
+        round_mode=round_mode,
+        scale_alg=scale_alg,
+        block_size=block_size,
+        dst_type_max=dst_type_max,
+        max_low_bound=max_low_bound,
+    )
     codes = codes.movedim(-1, axis)
     y = pack_fp4(codes) if fmt.packed else codes.view(fmt.torch_dtype)
     scale = pair_scales(byte.to(torch.uint8)).movedim(-2, axis)
@@ -328,19 +367,19 @@ def mx_quantize_weight(w: torch.Tensor, fmt: MxFormat):
         raise ValueError(f"mx_quantize_weight: FP4 needs an even last dim; got shape {tuple(w.shape)}")
     nb = math.ceil(k / BLOCK_SIZE)
     x = torch.nn.functional.pad(w.float(), (0, nb * BLOCK_SIZE - k)).unflatten(-1, (nb, BLOCK_SIZE))
-    mantissa, exponent = torch.frexp(x.abs().amax(-1))           # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    mantissa, exponent = torch.frexp(x.abs().amax(-1))  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
     shared = (exponent - 1 + (mantissa > 0.875).to(exponent.dtype) - fmt.emax).clamp_min(-127)
-    shared = torch.where(mantissa > 0, shared, torch.full_like(shared, -127))   # an all-zero block: byte 0
-    a = x * pow2(-shared).unsqueeze(-1)                          # exact: power-of-two scaling
+    shared = torch.where(mantissa > 0, shared, torch.full_like(shared, -127))  # an all-zero block: byte 0
+    a = x * pow2(-shared).unsqueeze(-1)  # exact: power-of-two scaling
     byte = (shared + 127).to(torch.uint8)
     if fmt is E4M3:
         magnitude = a.abs()
         p = (torch.frexp(magnitude).exponent - 1).clamp_min(-6)  # binade; subnormal spacing 2^-9 below 2^-6
-        units = torch.floor(magnitude * pow2(3 - p) + 0.5)       # half away from zero on the element grid
+        units = torch.floor(magnitude * pow2(3 - p) + 0.5)  # half away from zero on the element grid
         q = torch.copysign((units * pow2(p - 3)).clamp_max(fmt.maxval), a)
         data = q.flatten(-2)[..., :k].to(torch.float8_e4m3fn)
     else:
-        data = pack_fp4(encode_fp4(a, "round").flatten(-2)[..., :k])   # ties away from zero, saturating at 6
+        data = pack_fp4(encode_fp4(a, "round").flatten(-2)[..., :k])  # ties away from zero, saturating at 6
     return data.contiguous(), byte.contiguous()
 
 

@@ -4,6 +4,7 @@ Every op normalizes over the trailing `gamma.dim()` axes with fp32 statistics; t
 they round. `soc_variant()` picks the cast points of Atlas A2/A3 (variant A, default) or Ascend 950
 (variant B) for the two fused add+norm ops; `npu_rms_norm` rounds once on every SoC.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,11 @@ from .validation import check, check_dtype, check_shape, soc_variant
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # (self, gamma) dtype pairs accepted by npu_rms_norm on Atlas A2/A3 (spec §1 table).
 _RMS_NORM_PAIRS = {
-    (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-    (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32),
 }
 
 
@@ -24,10 +28,13 @@ _RMS_NORM_PAIRS = {
 
 def _check_norm_shapes(op: str, x_arg: str, x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> None:
     check(1 <= x.dim() <= 8, op, f"{x_arg} must have 1 to 8 dims; got shape {tuple(x.shape)}")
-    check(1 <= gamma.dim() <= x.dim(), op,
-          f"gamma must have 1 to {x_arg}.dim()={x.dim()} dims (The gamma shape should not be bigger than "
-          f"self shape.); got gamma shape {tuple(gamma.shape)}")
-    check_shape(op, "gamma", gamma, tuple(x.shape[x.dim() - gamma.dim():]))
+    check(
+        1 <= gamma.dim() <= x.dim(),
+        op,
+        f"gamma must have 1 to {x_arg}.dim()={x.dim()} dims (The gamma shape should not be bigger than "
+        f"self shape.); got gamma shape {tuple(gamma.shape)}",
+    )
+    check_shape(op, "gamma", gamma, tuple(x.shape[x.dim() - gamma.dim() :]))
     check(epsilon >= 0, op, f"epsilon must be >= 0; got {epsilon}")
 
 
@@ -51,9 +58,12 @@ def _validate_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float) 
     op = "npu_rms_norm"
     check_dtype(op, "self", self, _FLOATS)
     check_dtype(op, "gamma", gamma, _FLOATS)
-    check((self.dtype, gamma.dtype) in _RMS_NORM_PAIRS, op,
-          f"(self, gamma) dtypes ({self.dtype}, {gamma.dtype}) not allowed; allowed pairs: "
-          f"{sorted((str(a), str(b)) for a, b in _RMS_NORM_PAIRS)}")
+    check(
+        (self.dtype, gamma.dtype) in _RMS_NORM_PAIRS,
+        op,
+        f"(self, gamma) dtypes ({self.dtype}, {gamma.dtype}) not allowed; allowed pairs: "
+        f"{sorted((str(a), str(b)) for a, b in _RMS_NORM_PAIRS)}",
+    )
     _check_norm_shapes(op, "self", self, gamma, epsilon)
 
 
@@ -120,7 +130,7 @@ register("npu_add_rms_norm", npu_add_rms_norm, _npu_add_rms_norm_fake, traceable
 
 
 # --- npu_add_rms_norm_cast ----------------------------------------------------------------------------
-# schema: npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor, Tensor)
+# schema: npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor, Tensor)  # noqa: E501 (the schema string as the spec writes it)
 # rounding A (a2a3): (y2, rstd, x) as npu_add_rms_norm variant A, y1 = f32(y2) exactly.
 # rounding B (950):  y1 = xs*rstd*f32(gamma) unrounded fp32, y2 = rne(y1).
 
@@ -140,7 +150,6 @@ def _npu_add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-06):
     return (x1.new_empty(x1.shape, dtype=torch.float32), x1.new_empty(x1.shape), rstd, x1.new_empty(x1.shape))
 
 
-register("npu_add_rms_norm_cast", npu_add_rms_norm_cast, _npu_add_rms_norm_cast_fake,
-         traceable=npu_add_rms_norm_cast)
+register("npu_add_rms_norm_cast", npu_add_rms_norm_cast, _npu_add_rms_norm_cast_fake, traceable=npu_add_rms_norm_cast)
 
 __all__ = ["npu_rms_norm", "npu_add_rms_norm", "npu_add_rms_norm_cast"]

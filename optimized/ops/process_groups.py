@@ -10,6 +10,7 @@ created outside this package can be passed by `group.group_name`.
 The traffic hook lets the byte counting of `optimized.distributed.collectives` see what operators send
 (`report_traffic`), again without the operators importing it.
 """
+
 from __future__ import annotations
 
 from typing import Callable

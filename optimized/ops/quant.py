@@ -2,6 +2,7 @@
 
 Returns `(y, scale)` with the DE-quantization scale: `x ≈ f32(y) * scale`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,7 @@ _DST = {
     _E4M3: ("float8_e4m3fn", 448.0),
 }
 _ALIASES = {291: _E5M2, 292: _E4M3}
-_TORCH_DTYPE_CODES = {torch.int8: _INT8, torch.quint4x2: _INT4, torch.float8_e5m2: _E5M2,
-                      torch.float8_e4m3fn: _E4M3}
+_TORCH_DTYPE_CODES = {torch.int8: _INT8, torch.quint4x2: _INT4, torch.float8_e5m2: _E5M2, torch.float8_e4m3fn: _E4M3}
 _FP8 = {_E5M2: torch.float8_e5m2, _E4M3: torch.float8_e4m3fn}
 
 
@@ -41,12 +41,15 @@ def _dst_code(dst_type) -> int:
     if code == 290:
         unsupported(OP, "dst_type=290 (hifloat8)")
     if code not in _DST:
-        fail(OP, f"dst_type={dst_type} not supported; allowed codes: 1 (int8), 16 (quint4x2), 23/291 "
-                 f"(float8_e5m2), 24/292 (float8_e4m3fn)")
+        fail(
+            OP,
+            f"dst_type={dst_type} not supported; allowed codes: 1 (int8), 16 (quint4x2), 23/291 "
+            f"(float8_e5m2), 24/292 (float8_e4m3fn)",
+        )
     return code
 
 
-# schema: npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, int? dst_type=None, str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, Tensor)
+# schema: npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, int? dst_type=None, str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, Tensor)  # noqa: E501 (the schema string as the spec writes it)
 # rounding: scale = amax * f32(1/DTYPE_MAX); q = xf / scale (fp32 division); int8/int4: round half to even, then
 #           saturate; fp8: clamp to [-DTYPE_MAX, DTYPE_MAX] BEFORE the RNE cast (a bare PyTorch cast may overflow
 #           to inf/NaN, and fp32->int8 wraps), because the NPU saturates.
@@ -57,8 +60,11 @@ def _dst_code(dst_type) -> int:
 
 def _validate(input, smooth_scales, group_index, dst_type, quant_mode, dst_type_max) -> int:
     check_dtype(OP, "input", input, _INPUT_DTYPES)
-    check(2 <= input.dim() <= 8, OP,
-          f"input must have 2 to 8 dims (Input shape dim should be greater than 1); got shape {tuple(input.shape)}")
+    check(
+        2 <= input.dim() <= 8,
+        OP,
+        f"input must have 2 to 8 dims (Input shape dim should be greater than 1); got shape {tuple(input.shape)}",
+    )
     check(quant_mode in _MODES, OP, f"quant_mode must be one of {_MODES}; got {quant_mode!r}")
     if dst_type_max != 0.0:
         unsupported(OP, f"dst_type_max={dst_type_max} (only meaningful for hifloat8)")
@@ -72,16 +78,25 @@ def _validate(input, smooth_scales, group_index, dst_type, quant_mode, dst_type_
         check_dtype(OP, "group_index", group_index, (torch.int32, torch.int64))
         check(group_index.dim() == 1, OP, f"group_index must be 1-D (E,); got shape {tuple(group_index.shape)}")
         e = group_index.shape[0]
-        check(tuple(smooth_scales.shape) == (e, h), OP,
-              f"smooth_scales has shape {tuple(smooth_scales.shape)}; expected (E, H) = {(e, h)} with group_index")
+        check(
+            tuple(smooth_scales.shape) == (e, h),
+            OP,
+            f"smooth_scales has shape {tuple(smooth_scales.shape)}; expected (E, H) = {(e, h)} with group_index",
+        )
         check_npu_limit(e <= 1024, OP, f"group_index has E={e} groups; at most 1024")
     elif smooth_scales is not None:
         expected = (input.shape[-2],) if quant_mode == "perchannel" else (h,)
-        check(tuple(smooth_scales.shape) == expected, OP,
-              f"smooth_scales has shape {tuple(smooth_scales.shape)}; expected {expected} for {quant_mode}")
+        check(
+            tuple(smooth_scales.shape) == expected,
+            OP,
+            f"smooth_scales has shape {tuple(smooth_scales.shape)}; expected {expected} for {quant_mode}",
+        )
     if smooth_scales is not None:
-        check(smooth_scales.dtype == input.dtype, OP,
-              f"smooth_scales has dtype {smooth_scales.dtype}; expected input.dtype={input.dtype}")
+        check(
+            smooth_scales.dtype == input.dtype,
+            OP,
+            f"smooth_scales has dtype {smooth_scales.dtype}; expected input.dtype={input.dtype}",
+        )
     return code
 
 
@@ -104,8 +119,7 @@ def _smooth(xf: torch.Tensor, smooth_scales, group_index, quant_mode) -> torch.T
         gi = group_index.to(torch.int64)
         n = rows.shape[0]
         if gi.numel() == 0 or bool((gi[1:] < gi[:-1]).any()) or bool(gi[0] < 0) or int(gi[-1]) != n:
-            fail(OP, f"group_index must be non-decreasing, start >= 0 and end at the row count {n}; "
-                     f"got {gi.tolist()}")
+            fail(OP, f"group_index must be non-decreasing, start >= 0 and end at the row count {n}; got {gi.tolist()}")
         # row r belongs to group e with group_index[e-1] <= r < group_index[e]
         group = torch.searchsorted(gi, torch.arange(n, device=gi.device), right=True)
         return (rows * s[group]).reshape(xf.shape)
@@ -121,9 +135,15 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # reinterpret as two's complement
 
 
-def npu_dynamic_quant(input: torch.Tensor, *, smooth_scales: torch.Tensor | None = None,
-                      group_index: torch.Tensor | None = None, dst_type: int | None = None,
-                      quant_mode: str = "pertoken", dst_type_max: float = 0.0):
+def npu_dynamic_quant(
+    input: torch.Tensor,
+    *,
+    smooth_scales: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+    dst_type: int | None = None,
+    quant_mode: str = "pertoken",
+    dst_type_max: float = 0.0,
+):
     code = _validate(input, smooth_scales, group_index, dst_type, quant_mode, dst_type_max)
     _, dmax = _DST[code]
     xf = _smooth(input.float(), smooth_scales, group_index, quant_mode)
@@ -150,8 +170,9 @@ def npu_dynamic_quant(input: torch.Tensor, *, smooth_scales: torch.Tensor | None
     return y.contiguous(), scale.contiguous()
 
 
-def _npu_dynamic_quant_fake(input, *, smooth_scales=None, group_index=None, dst_type=None,
-                            quant_mode="pertoken", dst_type_max=0.0):
+def _npu_dynamic_quant_fake(
+    input, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken", dst_type_max=0.0
+):
     code = _validate(input, smooth_scales, group_index, dst_type, quant_mode, dst_type_max)
     (y_shape, y_dtype), scale_shape = _out_meta(input, code, quant_mode)
     return input.new_empty(y_shape, dtype=y_dtype), input.new_empty(scale_shape, dtype=torch.float32)

@@ -5,6 +5,7 @@ family module (routing, gmm, norm, ...) calls `register(...)` at import time. Ei
 kernel stays reachable through `portable_kernel(name)`, so NPU-marked tests can compare the real kernel
 with it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,7 +43,9 @@ def is_defined(qualname: str) -> bool:
     return True
 
 
-def register(qualname: str, kernel: Callable, fake: Callable, tags: tuple = (), traceable: Callable | None = None) -> None:
+def register(
+    qualname: str, kernel: Callable, fake: Callable, tags: tuple = (), traceable: Callable | None = None
+) -> None:
     """Define `npu::<qualname>` with its torch_npu schema, the portable kernel and the fake kernel.
 
     Idempotent: a schema that already exists (torch_npu loaded, or this module imported twice) is left

@@ -6,6 +6,7 @@ compares each required operator's schema with `SCHEMAS`: every argument the mode
 the same name, type and keyword-only-ness, in the same order; extra arguments need defaults; returns must match.
 (equivalence/npu/test_recorded_npu_calls.py pins the sets below to the calls the model is recorded making.)
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -18,28 +19,45 @@ from optimized.errors import UsageError
 from .registry import NAMESPACE
 from .schemas import SCHEMAS
 
-COMMON = frozenset({
-    "npu_rms_norm", "npu_add_rms_norm", "npu_apply_rotary_pos_emb", "npu_fused_infer_attention_score_v2",
-    "npu_scatter_nd_update_", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2",
-    "npu_moe_finalize_routing", "npu_grouped_matmul",
-})
-MXFP8 = frozenset({"npu_dynamic_mx_quant", "npu_quant_matmul"})              # MXFP8 linears (W4A8 and W8A8)
-W4A8_EXPERTS = frozenset({"npu_swiglu_mx_quant"})                                # fused SwiGLU + MX quantization
-MX_SP_PREFILL = frozenset({"npu_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_dynamic_mx_quant",
-                           "npu_add_rms_norm_cast"})                                      # MXFP8 on the SP wire
+COMMON = frozenset(
+    {
+        "npu_rms_norm",
+        "npu_add_rms_norm",
+        "npu_apply_rotary_pos_emb",
+        "npu_fused_infer_attention_score_v2",
+        "npu_scatter_nd_update_",
+        "npu_moe_gating_top_k_softmax",
+        "npu_moe_init_routing_v2",
+        "npu_moe_finalize_routing",
+        "npu_grouped_matmul",
+    }
+)
+MXFP8 = frozenset({"npu_dynamic_mx_quant", "npu_quant_matmul"})  # MXFP8 linears (W4A8 and W8A8)
+W4A8_EXPERTS = frozenset({"npu_swiglu_mx_quant"})  # fused SwiGLU + MX quantization
+MX_SP_PREFILL = frozenset(
+    {"npu_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_dynamic_mx_quant", "npu_add_rms_norm_cast"}
+)  # MXFP8 on the SP wire
 DOUBLE_ROUTING = frozenset({"npu_moe_re_routing"})
-MC2_DECODE = frozenset({"npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"})   # EP decode
-FP8_KV_CACHE = frozenset({"npu_dynamic_quant"})     # per-token K/V quantization (checked by the runner)
-WEIGHT_NZ = frozenset({"npu_format_cast"})          # model_config.enable_weight_nz: each weight cast once at load
+MC2_DECODE = frozenset({"npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"})  # EP decode
+FP8_KV_CACHE = frozenset({"npu_dynamic_quant"})  # per-token K/V quantization (checked by the runner)
+WEIGHT_NZ = frozenset({"npu_format_cast"})  # model_config.enable_weight_nz: each weight cast once at load
 
 
 class MissingNpuOperatorError(UsageError, RuntimeError):
     """torch_npu lacks operators this model calls, or has them under other schemas (the message lists them)."""
 
 
-def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
-                       mc2_decode: bool = False, w8a8: bool = False, dp_prefill: bool = False,
-                       weight_nz: bool = True, w4a4: bool = False) -> frozenset[str]:
+def required_operators(
+    *,
+    w4a8: bool,
+    dense_mlp: bool,
+    sp_ep_scheme: str | None,
+    mc2_decode: bool = False,
+    w8a8: bool = False,
+    dp_prefill: bool = False,
+    weight_nz: bool = True,
+    w4a4: bool = False,
+) -> frozenset[str]:
     """The operators a model calls: W4A8, W8A8 or unquantized, with a dense (non-MoE) MLP layer or not, its SP
     prefill's EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall'), whether decode runs
     MC2 and whether the prefill is attention data parallel (its MoE by double routing, 16-bit on the wire), and
@@ -51,12 +69,12 @@ def required_operators(*, w4a8: bool, dense_mlp: bool, sp_ep_scheme: str | None,
     if mc2_decode:
         ops |= MC2_DECODE
     if w4a8 or w8a8 or w4a4:
-        ops |= MXFP8            # W4A4: the same two operators with FP4 operands
+        ops |= MXFP8  # W4A4: the same two operators with FP4 operands
     if w4a8:
         ops |= W4A8_EXPERTS
         if sp_ep_scheme is not None:
             ops |= MX_SP_PREFILL
-    if not w4a8 or dense_mlp:   # the bf16 and W8A8 experts and every dense MLP run npu_swiglu
+    if not w4a8 or dense_mlp:  # the bf16 and W8A8 experts and every dense MLP run npu_swiglu
         ops.add("npu_swiglu")
     if sp_ep_scheme == "alltoall" or dp_prefill:
         ops |= DOUBLE_ROUTING
@@ -119,4 +137,6 @@ def check_operators(required) -> None:
         provider = f"torch_npu {torch_npu_version()}" if torch_npu_available() else "the portable kernels"
         raise MissingNpuOperatorError(
             f"this model calls torch.ops.npu operators that {provider} does not provide as expected:\n  "
-            + "\n  ".join(problems) + "\nupgrade torch_npu (and CANN) to a release that has them")
+            + "\n  ".join(problems)
+            + "\nupgrade torch_npu (and CANN) to a release that has them"
+        )

@@ -4,13 +4,13 @@ The NPU kernel overwrites query/key in place despite its non-aliasing schema; th
 the schema instead: it never mutates its inputs and returns fresh tensors (spec §10.4). Only the returned
 values are meaningful on every backend.
 """
+
 from __future__ import annotations
 
 import torch
 
 from .registry import register
-from .validation import (DIMS, check, check_dtype, check_npu_limit, fail, soc_variant, strict_npu_limits,
-                         unsupported)
+from .validation import DIMS, check, check_dtype, check_npu_limit, fail, soc_variant, strict_npu_limits, unsupported
 
 OP = "npu_apply_rotary_pos_emb"
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,7 +24,7 @@ def _layout(layout: str) -> str:
     return layout if layout in ("BNSD", "SBND", "TND") else "BSND"
 
 
-# schema: npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', str rotary_mode='half') -> (Tensor, Tensor)
+# schema: npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', str rotary_mode='half') -> (Tensor, Tensor)  # noqa: E501 (the schema string as the spec writes it)
 # rounding: bf16 -> fp32 expression, one RNE rounding (the A2/A3 kernel rounds ties away; differs on exact ties
 #           only); fp16/fp32 -> native dtype arithmetic, a = rne(x*cos), b = rne(rot(x)*sin), out = rne(a + b).
 
@@ -35,12 +35,18 @@ def _validate(query, key, cos, sin, layout, rotary_mode) -> None:
     rank, n_axis, b_axis = _LAYOUTS[name]
     tensors = {"query": query, "key": key, "cos": cos, "sin": sin}
     for arg, t in tensors.items():
-        check(t.dim() == rank, OP,
-              f"{arg} must have {rank} dims for layout {layout!r} ({name}); got shape {tuple(t.shape)}")
+        check(
+            t.dim() == rank,
+            OP,
+            f"{arg} must have {rank} dims for layout {layout!r} ({name}); got shape {tuple(t.shape)}",
+        )
     check_dtype(OP, "query", query, _FLOATS)
     for arg in ("key", "cos", "sin"):
-        check(tensors[arg].dtype == query.dtype, OP,
-              f"{arg} has dtype {tensors[arg].dtype}; expected query.dtype={query.dtype}")
+        check(
+            tensors[arg].dtype == query.dtype,
+            OP,
+            f"{arg} has dtype {tensors[arg].dtype}; expected query.dtype={query.dtype}",
+        )
     d = query.shape[-1]
     check(key.shape[-1] == d, OP, f"key head dim {key.shape[-1]} != query head dim {d}")
     check(cos.shape == sin.shape, OP, f"sin shape {tuple(sin.shape)} != cos shape {tuple(cos.shape)}")
@@ -49,13 +55,19 @@ def _validate(query, key, cos, sin, layout, rotary_mode) -> None:
     check(cos.shape[-1] == d, OP, f"cos/sin head dim {cos.shape[-1]} must equal query head dim {d}")
     multiple = 4 if rotary_mode == "quarter" else 2
     check(d % multiple == 0, OP, f"head dim D={d} must be a multiple of {multiple} for rotary_mode {rotary_mode!r}")
-    check(cos.shape[n_axis] == 1, OP,
-          f"cos/sin N axis (dim {n_axis} in {name}) must be 1; got cos shape {tuple(cos.shape)}")
+    check(
+        cos.shape[n_axis] == 1,
+        OP,
+        f"cos/sin N axis (dim {n_axis} in {name}) must be 1; got cos shape {tuple(cos.shape)}",
+    )
     for axis in range(rank - 1):
         if axis == n_axis:
             continue
-        check(key.shape[axis] == query.shape[axis], OP,
-              f"key dim {axis} is {key.shape[axis]}; expected query's {query.shape[axis]} (layout {name})")
+        check(
+            key.shape[axis] == query.shape[axis],
+            OP,
+            f"key dim {axis} is {key.shape[axis]}; expected query's {query.shape[axis]} (layout {name})",
+        )
         # Ascend 950 lets cos/sin have batch 1 and broadcast; everything else must match exactly.
         ok = cos.shape[axis] == query.shape[axis] or (axis == b_axis and cos.shape[axis] == 1)
         check(ok, OP, f"cos/sin dim {axis} is {cos.shape[axis]}; expected query's {query.shape[axis]} (layout {name})")
@@ -64,8 +76,11 @@ def _validate(query, key, cos, sin, layout, rotary_mode) -> None:
         check_npu_limit(rotary_mode == "half", OP, f"rotary_mode must be 'half' on Atlas A2/A3; got {rotary_mode!r}")
         check_npu_limit(name in ("BSND", "TND"), OP, f"layout must be BSND or TND on Atlas A2/A3; got {layout!r}")
         check_npu_limit(query.numel() > 0 and key.numel() > 0, OP, "empty query/key not supported on Atlas A2/A3")
-        check_npu_limit(cos.shape[:-1] == query.shape[:n_axis] + (1,) + query.shape[n_axis + 1:-1], OP,
-                        "cos/sin batch broadcast is Ascend 950 only")
+        check_npu_limit(
+            cos.shape[:-1] == query.shape[:n_axis] + (1,) + query.shape[n_axis + 1 : -1],
+            OP,
+            "cos/sin batch broadcast is Ascend 950 only",
+        )
 
 
 def _rotate(x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -89,8 +104,14 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> 
     return out.contiguous()
 
 
-def npu_apply_rotary_pos_emb(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             layout: str = "BSND", rotary_mode: str = "half"):
+def npu_apply_rotary_pos_emb(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: str = "BSND",
+    rotary_mode: str = "half",
+):
     _validate(query, key, cos, sin, layout, rotary_mode)
     # cos/sin have N = 1 at the layout's N axis, so plain broadcasting applies them to every head.
     return _apply(query, cos, sin, rotary_mode), _apply(key, cos, sin, rotary_mode)

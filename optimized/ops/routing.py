@@ -6,6 +6,7 @@ checks (eager only: they read values), the kernel and the fake kernel. Row movem
 viewed as same-width integers before any gather/scatter, so fp8 bytes viewed as bf16 (NaN patterns included)
 survive. Regions the NPU leaves unwritten are written deterministically (0 for data, the stated index values).
 """
+
 from __future__ import annotations
 
 import torch
@@ -77,8 +78,11 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
     out_shape = lead + (k,)
     row_idx = torch.arange(n * k, dtype=torch.int32, device=x.device).reshape(k, n).t().contiguous()
     if k == 0 or n == 0:
-        return (x.new_zeros(out_shape), torch.zeros(out_shape, dtype=torch.int32, device=x.device),
-                row_idx.reshape(out_shape))
+        return (
+            x.new_zeros(out_shape),
+            torch.zeros(out_shape, dtype=torch.int32, device=x.device),
+            row_idx.reshape(out_shape),
+        )
     probs = torch.softmax(x.reshape(n, num_experts).float(), dim=-1)
     order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
     y = probs.gather(-1, order).to(x.dtype)
@@ -91,8 +95,11 @@ def moe_gating_top_k_softmax(x, finished=None, k=1):
 def _gating_fake(x, finished=None, k=1):
     _gating_check(x, finished, k)
     out_shape = tuple(x.shape[:-1]) + (k,)
-    return (x.new_empty(out_shape), x.new_empty(out_shape, dtype=torch.int32),
-            x.new_empty(out_shape, dtype=torch.int32))
+    return (
+        x.new_empty(out_shape),
+        x.new_empty(out_shape, dtype=torch.int32),
+        x.new_empty(out_shape, dtype=torch.int32),
+    )
 
 
 register(_GATING, moe_gating_top_k_softmax, _gating_fake, traceable=moe_gating_top_k_softmax)
@@ -115,8 +122,11 @@ def _v1_check(x, row_idx, expert_idx, active_num):
     check_dtype(_V1, "row_idx", row_idx, (torch.int32,))
     check_dtype(_V1, "expert_idx", expert_idx, (torch.int32,))
     check_shape(_V1, "row_idx", row_idx, tuple(expert_idx.shape))
-    check(x.shape[0] == expert_idx.shape[0], _V1,
-          f"x has {x.shape[0]} rows but expert_idx has {expert_idx.shape[0]}; they must match")
+    check(
+        x.shape[0] == expert_idx.shape[0],
+        _V1,
+        f"x has {x.shape[0]} rows but expert_idx has {expert_idx.shape[0]}; they must match",
+    )
     check(active_num >= 0, _V1, f"active_num={active_num} must be >= 0")
     check_npu_limit(x.numel() < 2**24, _V1, f"x.numel()={x.numel()} must be < 2^24")
 
@@ -127,9 +137,13 @@ def moe_init_routing(x, row_idx, expert_idx, active_num):
     nk = n * k
     flat_rows = row_idx.reshape(-1)
     if nk:
-        check(bool((flat_rows >= 0).all()) and bool((flat_rows < nk).all())
-              and int(torch.bincount(flat_rows.long(), minlength=nk).max()) == 1, _V1,
-              f"row_idx must be a permutation of [0, N*K={nk})")
+        check(
+            bool((flat_rows >= 0).all())
+            and bool((flat_rows < nk).all())
+            and int(torch.bincount(flat_rows.long(), minlength=nk).max()) == 1,
+            _V1,
+            f"row_idx must be a permutation of [0, N*K={nk})",
+        )
     flat_e = expert_idx.reshape(-1)
     perm = torch.sort(flat_e, stable=True).indices
     expanded_expert_idx = flat_e.index_select(0, perm)
@@ -145,8 +159,11 @@ def _v1_fake(x, row_idx, expert_idx, active_num):
     _v1_check(x, row_idx, expert_idx, active_num)
     n, k = expert_idx.shape
     rows = torch.sym_min(n, active_num) * k
-    return (x.new_empty((rows, x.shape[1])), x.new_empty((n * k,), dtype=torch.int32),
-            x.new_empty((n * k,), dtype=torch.int32))
+    return (
+        x.new_empty((rows, x.shape[1])),
+        x.new_empty((n * k,), dtype=torch.int32),
+        x.new_empty((n * k,), dtype=torch.int32),
+    )
 
 
 register(_V1, moe_init_routing, _v1_fake)
@@ -168,8 +185,21 @@ _X_DTYPE_CODES = (290, 291, 292, 296, 297, 23, 24)  # reinterpretations of 1-byt
 _FP4_CODES = (296, 297)
 
 
-def _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num, drop_pad_mode,
-                expert_tokens_num_type, quant_mode, active_expert_range, row_idx_type, x_dtype):
+def _v2_resolve(
+    x,
+    expert_idx,
+    scale,
+    offset,
+    active_num,
+    expert_capacity,
+    expert_num,
+    drop_pad_mode,
+    expert_tokens_num_type,
+    quant_mode,
+    active_expert_range,
+    row_idx_type,
+    x_dtype,
+):
     """Metadata checks; returns (s, e, rows_out) with rows_out the dropless row count."""
     check_rows_and_ids(_V2, x, _V2_X_DTYPES, expert_idx, "expert_idx")
     check(quant_mode in _V2_QUANT_MODES, _V2, f"quant_mode={quant_mode}; allowed: {list(_V2_QUANT_MODES)}")
@@ -177,40 +207,64 @@ def _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, exper
         unsupported(_V2, f"quant_mode={quant_mode} (only -1, no quantization, is implemented)")
     check(expert_num > 0, _V2, f"expert_num={expert_num} must be > 0 (the default -1 is invalid)")
     check(drop_pad_mode in (0, 1), _V2, f"drop_pad_mode={drop_pad_mode}; allowed: 0, 1")
-    check(expert_tokens_num_type in (0, 1, 2), _V2,
-          f"expert_tokens_num_type={expert_tokens_num_type}; allowed: 0 (cumsum), 1 (count), 2 (key-value)")
+    check(
+        expert_tokens_num_type in (0, 1, 2),
+        _V2,
+        f"expert_tokens_num_type={expert_tokens_num_type}; allowed: 0 (cumsum), 1 (count), 2 (key-value)",
+    )
     check(row_idx_type in (0, 1), _V2, f"row_idx_type={row_idx_type}; allowed: 0 (gather), 1 (scatter)")
     check(active_num >= -1, _V2, f"active_num={active_num} must be -1 or 0 (all) or > 0")
     rng = list(active_expert_range)
     check(len(rng) in (0, 2), _V2, f"active_expert_range={rng} must be [] or [start, end]")
     s, e = (0, expert_num) if not rng else (int(rng[0]), int(rng[1]))
-    check(0 <= s < e <= expert_num, _V2,
-          f"active_expert_range=[{s}, {e}] must satisfy 0 <= start < end <= expert_num={expert_num}")
+    check(
+        0 <= s < e <= expert_num,
+        _V2,
+        f"active_expert_range=[{s}, {e}] must satisfy 0 <= start < end <= expert_num={expert_num}",
+    )
     check(offset is None, _V2, "offset must be None when quant_mode=-1 (it is a static-quant input)")
     if x_dtype is not None:
         check(x_dtype in _X_DTYPE_CODES, _V2, f"x_dtype={x_dtype}; allowed: None, {list(_X_DTYPE_CODES)}")
-        check(x.element_size() == dtype_from_code(_V2, "x_dtype", x_dtype).itemsize, _V2,
-              f"x_dtype={x_dtype} reinterprets 1-byte storage; x has dtype {x.dtype}")
+        check(
+            x.element_size() == dtype_from_code(_V2, "x_dtype", x_dtype).itemsize,
+            _V2,
+            f"x_dtype={x_dtype} reinterprets 1-byte storage; x has dtype {x.dtype}",
+        )
     n = x.shape[0]
     if scale is not None:
-        check(scale.dim() >= 1 and scale.shape[0] == n, _V2,
-              f"scale has shape {tuple(scale.shape)}; expected [N={n}] (or [N, ...] for MX-scaled 1-byte x)")
+        check(
+            scale.dim() >= 1 and scale.shape[0] == n,
+            _V2,
+            f"scale has shape {tuple(scale.shape)}; expected [N={n}] (or [N, ...] for MX-scaled 1-byte x)",
+        )
         if scale.dim() == 1:
             check_dtype(_V2, "scale", scale, (torch.float32,))
         else:
             h = x.shape[1] * (2 if x_dtype in _FP4_CODES else 1)
-            check(x.element_size() == 1 and drop_pad_mode == 0, _V2,
-                  f"scale of shape {tuple(scale.shape)} (MX row scales) needs a 1-byte x in dropless mode; "
-                  f"x has dtype {x.dtype}, drop_pad_mode={drop_pad_mode}")
+            check(
+                x.element_size() == 1 and drop_pad_mode == 0,
+                _V2,
+                f"scale of shape {tuple(scale.shape)} (MX row scales) needs a 1-byte x in dropless mode; "
+                f"x has dtype {x.dtype}, drop_pad_mode={drop_pad_mode}",
+            )
             check_shape(_V2, "scale", scale, (n, -(-h // 64), 2))
     if drop_pad_mode == 1:
-        check((s, e) == (0, expert_num), _V2,
-              f"drop_pad_mode=1 needs the full active_expert_range [0, {expert_num}); got [{s}, {e}]")
+        check(
+            (s, e) == (0, expert_num),
+            _V2,
+            f"drop_pad_mode=1 needs the full active_expert_range [0, {expert_num}); got [{s}, {e}]",
+        )
         check(row_idx_type == 0, _V2, f"drop_pad_mode=1 needs row_idx_type=0; got {row_idx_type}")
-        check(0 < expert_capacity <= n, _V2,
-              f"drop_pad_mode=1 needs 0 < expert_capacity <= N={n}; got expert_capacity={expert_capacity}")
-    check_npu_limit(expert_num <= (5120 if expert_tokens_num_type == 2 else 10240), _V2,
-                    f"expert_num={expert_num} exceeds the NPU cap")
+        check(
+            0 < expert_capacity <= n,
+            _V2,
+            f"drop_pad_mode=1 needs 0 < expert_capacity <= N={n}; got expert_capacity={expert_capacity}",
+        )
+    check_npu_limit(
+        expert_num <= (5120 if expert_tokens_num_type == 2 else 10240),
+        _V2,
+        f"expert_num={expert_num} exceeds the NPU cap",
+    )
     nk = n * expert_idx.shape[1]
     rows_out = nk if active_num <= 0 else torch.sym_min(active_num, nk)
     return s, e, rows_out
@@ -224,12 +278,38 @@ def _v2_scale_shape(scale, rows):
     return (rows,) if scale is None else (rows, *scale.shape[1:])
 
 
-def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1, expert_num=-1,
-                        drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
-                        active_expert_range=(), row_idx_type=0, x_dtype=None):
-    s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
-                                 drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
-                                 row_idx_type, x_dtype)
+def moe_init_routing_v2(
+    x,
+    expert_idx,
+    *,
+    scale=None,
+    offset=None,
+    active_num=-1,
+    expert_capacity=-1,
+    expert_num=-1,
+    drop_pad_mode=0,
+    expert_tokens_num_type=0,
+    expert_tokens_num_flag=False,
+    quant_mode=-1,
+    active_expert_range=(),
+    row_idx_type=0,
+    x_dtype=None,
+):
+    s, e, rows_out = _v2_resolve(
+        x,
+        expert_idx,
+        scale,
+        offset,
+        active_num,
+        expert_capacity,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_num_type,
+        quant_mode,
+        active_expert_range,
+        row_idx_type,
+        x_dtype,
+    )
     dev = x.device
     n, k = expert_idx.shape
     nk = n * k
@@ -237,9 +317,12 @@ def moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1
     # Spec §4.1: ids are in [0, expert_num]; expert_num itself is gating's "finished" marker (dropped like any
     # id outside the active range). Anything else is a caller bug: refused, never silently dropped.
     check(nk == 0 or int(ef.min()) >= 0, _V2, f"expert_idx values must be >= 0; got {int(ef.min()) if nk else 0}")
-    check(nk == 0 or int(ef.max()) <= expert_num, _V2,
-          f"expert_idx value {int(ef.max()) if nk else 0} is outside [0, expert_num={expert_num}] (expert_num itself "
-          f"marks a finished row); pass the global expert count as expert_num")
+    check(
+        nk == 0 or int(ef.max()) <= expert_num,
+        _V2,
+        f"expert_idx value {int(ef.max()) if nk else 0} is outside [0, expert_num={expert_num}] (expert_num itself "
+        f"marks a finished row); pass the global expert count as expert_num",
+    )
     in_range, perm, counts = _sorted_slots(ef, s, e)
     avail = int(in_range.sum())
     if expert_tokens_num_type == 1:
@@ -282,7 +365,8 @@ def _sorted_slots(ef: torch.Tensor, s: int, e: int):
     key = torch.where(ef < s, torch.iinfo(torch.int64).max, ef)
     perm = torch.sort(key, stable=True).indices
     counts = torch.zeros(e - s, dtype=torch.int64, device=ef.device).scatter_add(
-        0, torch.where(in_range, ef - s, 0), in_range.long())
+        0, torch.where(in_range, ef - s, 0), in_range.long()
+    )
     return in_range, perm, counts
 
 
@@ -291,7 +375,7 @@ def _dropless_rows(x, scale, perm, avail, k: int, rows_out, row_idx_type: int):
     slot count, is an int (eager) or a 0-d tensor (traced): rows and indices are masked by it, never sliced."""
     dev, nk = x.device, perm.shape[0]
     position = torch.arange(nk, device=dev)
-    if row_idx_type == 0:   # slot perm[p] numbered p while p < avail, else -1
+    if row_idx_type == 0:  # slot perm[p] numbered p while p < avail, else -1
         numbered = torch.where(position < avail, position, -1).to(torch.int32)
         expanded_row_idx = torch.full((nk,), -1, dtype=torch.int32, device=dev).scatter(0, perm, numbered)
     else:
@@ -299,7 +383,7 @@ def _dropless_rows(x, scale, perm, avail, k: int, rows_out, row_idx_type: int):
     src_tokens = perm[:rows_out] // max(k, 1)
     valid_row = position[:rows_out] < avail
 
-    def rows_of(t):   # row p: t's row of sorted slot p while p < avail, else all-zero bits
+    def rows_of(t):  # row p: t's row of sorted slot p while p < avail, else all-zero bits
         bits = _as_bits(t).index_select(0, src_tokens)
         keep = valid_row.reshape(-1, *([1] * (t.dim() - 1)))
         return torch.where(keep, bits, torch.zeros((), dtype=bits.dtype, device=dev)).view(t.dtype)
@@ -308,41 +392,102 @@ def _dropless_rows(x, scale, perm, avail, k: int, rows_out, row_idx_type: int):
     return rows_of(x), expanded_row_idx, expanded_scale
 
 
-def moe_init_routing_v2_traced(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
-                               expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
-                               quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+def moe_init_routing_v2_traced(
+    x,
+    expert_idx,
+    *,
+    scale=None,
+    offset=None,
+    active_num=-1,
+    expert_capacity=-1,
+    expert_num=-1,
+    drop_pad_mode=0,
+    expert_tokens_num_type=0,
+    expert_tokens_num_flag=False,
+    quant_mode=-1,
+    active_expert_range=(),
+    row_idx_type=0,
+    x_dtype=None,
+):
     """The dropless kernel as a compiled graph inlines it: the same `_sorted_slots` and `_dropless_rows`, with the
     in-range count kept a tensor and without the host reads of the id range (equivalence/ops/test_ops_routing.py:
     bitwise the kernel). Drop/pad mode and key-value counts size their outputs by the data: NotImplemented keeps
     those calls operators."""
     if drop_pad_mode != 0 or expert_tokens_num_type == 2:
         return NotImplemented
-    s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
-                                 drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
-                                 row_idx_type, x_dtype)
+    s, e, rows_out = _v2_resolve(
+        x,
+        expert_idx,
+        scale,
+        offset,
+        active_num,
+        expert_capacity,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_num_type,
+        quant_mode,
+        active_expert_range,
+        row_idx_type,
+        x_dtype,
+    )
     in_range, perm, counts = _sorted_slots(expert_idx.reshape(-1).long(), s, e)
     tokens_out = counts if expert_tokens_num_type == 1 else torch.cumsum(counts, 0)
-    expanded_x, expanded_row_idx, expanded_scale = _dropless_rows(x, scale, perm, in_range.sum(), expert_idx.shape[1],
-                                                                  rows_out, row_idx_type)
+    expanded_x, expanded_row_idx, expanded_scale = _dropless_rows(
+        x, scale, perm, in_range.sum(), expert_idx.shape[1], rows_out, row_idx_type
+    )
     return expanded_x, expanded_row_idx, tokens_out, expanded_scale
 
 
-def _v2_fake(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1, expert_num=-1,
-             drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
-             active_expert_range=(), row_idx_type=0, x_dtype=None):
-    s, e, rows_out = _v2_resolve(x, expert_idx, scale, offset, active_num, expert_capacity, expert_num,
-                                 drop_pad_mode, expert_tokens_num_type, quant_mode, active_expert_range,
-                                 row_idx_type, x_dtype)
+def _v2_fake(
+    x,
+    expert_idx,
+    *,
+    scale=None,
+    offset=None,
+    active_num=-1,
+    expert_capacity=-1,
+    expert_num=-1,
+    drop_pad_mode=0,
+    expert_tokens_num_type=0,
+    expert_tokens_num_flag=False,
+    quant_mode=-1,
+    active_expert_range=(),
+    row_idx_type=0,
+    x_dtype=None,
+):
+    s, e, rows_out = _v2_resolve(
+        x,
+        expert_idx,
+        scale,
+        offset,
+        active_num,
+        expert_capacity,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_num_type,
+        quant_mode,
+        active_expert_range,
+        row_idx_type,
+        x_dtype,
+    )
     nk = expert_idx.shape[0] * expert_idx.shape[1]
     counts = x.new_empty(_v2_counts_shape(expert_num, s, e, expert_tokens_num_type), dtype=torch.int64)
     row_idx = x.new_empty((nk,), dtype=torch.int32)
     if drop_pad_mode == 1:
         cap = expert_capacity
-        return (x.new_empty((expert_num, cap, x.shape[1])), row_idx, counts,
-                x.new_empty((expert_num * cap,), dtype=torch.float32))
+        return (
+            x.new_empty((expert_num, cap, x.shape[1])),
+            row_idx,
+            counts,
+            x.new_empty((expert_num * cap,), dtype=torch.float32),
+        )
     scale_dtype = torch.float32 if scale is None else scale.dtype
-    return (x.new_empty((rows_out, x.shape[1])), row_idx, counts,
-            x.new_empty(_v2_scale_shape(scale, rows_out), dtype=scale_dtype))
+    return (
+        x.new_empty((rows_out, x.shape[1])),
+        row_idx,
+        counts,
+        x.new_empty(_v2_scale_shape(scale, rows_out), dtype=scale_dtype),
+    )
 
 
 register(_V2, moe_init_routing_v2, _v2_fake, traceable=moe_init_routing_v2_traced)
@@ -361,15 +506,21 @@ def _cet_check(sorted_expert_for_source_row, num_expert):
     check_dtype(_CET, "sorted_expert_for_source_row", sorted_expert_for_source_row, (torch.int32,))
     check(num_expert > 0, _CET, f"num_expert={num_expert} must be > 0")
     check_npu_limit(num_expert <= 2048, _CET, f"num_expert={num_expert} must be <= 2048")
-    check_npu_limit(sorted_expert_for_source_row.shape[0] < 2**24, _CET,
-                    f"sorted_expert_for_source_row has {sorted_expert_for_source_row.shape[0]} rows; must be < 2^24")
+    check_npu_limit(
+        sorted_expert_for_source_row.shape[0] < 2**24,
+        _CET,
+        f"sorted_expert_for_source_row has {sorted_expert_for_source_row.shape[0]} rows; must be < 2^24",
+    )
 
 
 def moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
     _cet_check(sorted_expert_for_source_row, num_expert)
     rows = sorted_expert_for_source_row
-    check_npu_limit(rows.numel() < 2 or bool((rows[1:] >= rows[:-1]).all()), _CET,
-                    "sorted_expert_for_source_row must be non-decreasing")
+    check_npu_limit(
+        rows.numel() < 2 or bool((rows[1:] >= rows[:-1]).all()),
+        _CET,
+        "sorted_expert_for_source_row must be non-decreasing",
+    )
     experts = torch.arange(num_expert, dtype=torch.int32, device=rows.device)
     return torch.searchsorted(rows.contiguous(), experts, right=True, out_int32=True)
 
@@ -410,8 +561,9 @@ def _fin_resolve(rows, skip1, skip2, bias, scales, idx, export, drop_pad_mode, k
         n, kk = scales.shape
     else:
         check(k >= 1, _FIN, f"k={k} must be >= 1 when scales is None")
-        check(idx.shape[0] % k == 0, _FIN,
-              f"expanded_src_to_dst_row has {idx.shape[0]} entries, not a multiple of k={k}")
+        check(
+            idx.shape[0] % k == 0, _FIN, f"expanded_src_to_dst_row has {idx.shape[0]} entries, not a multiple of k={k}"
+        )
         n, kk = idx.shape[0] // k, k
     check_shape(_FIN, "expanded_src_to_dst_row", idx, (n * kk,))
     for name, skip in (("skip1", skip1), ("skip2", skip2)):
@@ -430,38 +582,93 @@ def _fin_resolve(rows, skip1, skip2, bias, scales, idx, export, drop_pad_mode, k
     return mode, n, kk, h
 
 
-def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                         export_for_source_row, drop_pad_mode=0, k=1):
-    return _finalize(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                     export_for_source_row, drop_pad_mode, k, read_data=True)
+def moe_finalize_routing(
+    expanded_permuted_rows,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    expanded_src_to_dst_row,
+    export_for_source_row,
+    drop_pad_mode=0,
+    k=1,
+):
+    return _finalize(
+        expanded_permuted_rows,
+        skip1,
+        skip2,
+        bias,
+        scales,
+        expanded_src_to_dst_row,
+        export_for_source_row,
+        drop_pad_mode,
+        k,
+        read_data=True,
+    )
 
 
-def moe_finalize_routing_traced(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                                export_for_source_row, drop_pad_mode=0, k=1):
+def moe_finalize_routing_traced(
+    expanded_permuted_rows,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    expanded_src_to_dst_row,
+    export_for_source_row,
+    drop_pad_mode=0,
+    k=1,
+):
     """The kernel as a compiled graph inlines it: the same code without the host reads of the index ranges."""
-    return _finalize(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                     export_for_source_row, drop_pad_mode, k, read_data=False)
+    return _finalize(
+        expanded_permuted_rows,
+        skip1,
+        skip2,
+        bias,
+        scales,
+        expanded_src_to_dst_row,
+        export_for_source_row,
+        drop_pad_mode,
+        k,
+        read_data=False,
+    )
 
 
-def _finalize(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row, export_for_source_row,
-              drop_pad_mode, k, read_data: bool):
+def _finalize(
+    expanded_permuted_rows,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    expanded_src_to_dst_row,
+    export_for_source_row,
+    drop_pad_mode,
+    k,
+    read_data: bool,
+):
     rows, idx, export = expanded_permuted_rows, expanded_src_to_dst_row, export_for_source_row
     mode, n, kk, h = _fin_resolve(rows, skip1, skip2, bias, scales, idx, export, drop_pad_mode, k)
     rows2 = rows.reshape(-1, h)
     num_rows = rows2.shape[0]
     slot = idx.reshape(kk, n).t() if mode in (0, 1) else idx.reshape(n, kk)  # [N, K]: destination row of choice j
     valid = slot >= 0
-    check(not read_data or idx.numel() == 0 or (int(idx.min()) >= -1 and int(idx.max()) < num_rows), _FIN,
-          f"expanded_src_to_dst_row values must lie in [-1, {num_rows})")
+    check(
+        not read_data or idx.numel() == 0 or (int(idx.min()) >= -1 and int(idx.max()) < num_rows),
+        _FIN,
+        f"expanded_src_to_dst_row values must lie in [-1, {num_rows})",
+    )
     # -1 (and only -1) reads a zero row appended past the real ones; the where() below makes it contribute 0.
     padded = torch.cat([rows2, rows2.new_zeros((1, h))])
     gathered = padded.index_select(0, torch.where(valid, slot, num_rows).reshape(-1).long()).float()
     values = gathered.view(n, kk, h)
     if bias is not None:
         ex = export.long()
-        check(not read_data or not bool(valid.any()) or
-              (int(ex[valid].min()) >= 0 and int(ex[valid].max()) < bias.shape[0]), _FIN,
-              f"export_for_source_row values must lie in [0, {bias.shape[0]}) (bias rows) where an index is valid")
+        check(
+            not read_data
+            or not bool(valid.any())
+            or (int(ex[valid].min()) >= 0 and int(ex[valid].max()) < bias.shape[0]),
+            _FIN,
+            f"export_for_source_row values must lie in [0, {bias.shape[0]}) (bias rows) where an index is valid",
+        )
         values = values + bias.float().index_select(0, torch.where(valid, ex, 0).reshape(-1)).view(n, kk, h)
     if scales is not None:
         values = scales.float().unsqueeze(-1) * values
@@ -476,10 +683,28 @@ def _finalize(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_t
     return acc.to(rows.dtype)
 
 
-def _fin_fake(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row, export_for_source_row,
-              drop_pad_mode=0, k=1):
-    _, n, _, h = _fin_resolve(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                              export_for_source_row, drop_pad_mode, k)
+def _fin_fake(
+    expanded_permuted_rows,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    expanded_src_to_dst_row,
+    export_for_source_row,
+    drop_pad_mode=0,
+    k=1,
+):
+    _, n, _, h = _fin_resolve(
+        expanded_permuted_rows,
+        skip1,
+        skip2,
+        bias,
+        scales,
+        expanded_src_to_dst_row,
+        export_for_source_row,
+        drop_pad_mode,
+        k,
+    )
     return expanded_permuted_rows.new_empty((n, h))
 
 
@@ -500,35 +725,49 @@ def _rr_check(tokens, counts, per_token_scales, expert_token_num_type, idx_type,
     check_dim(_RR, "tokens", tokens, (2,))
     check_dim(_RR, "expert_token_num_per_rank", counts, (2,))
     check_dtype(_RR, "expert_token_num_per_rank", counts, (torch.int32, torch.int64))
-    check(expert_token_num_type in (0, 1), _RR,
-          f"expert_token_num_type={expert_token_num_type}; allowed: 0 (cumsum), 1 (count)")
+    check(
+        expert_token_num_type in (0, 1),
+        _RR,
+        f"expert_token_num_type={expert_token_num_type}; allowed: 0 (cumsum), 1 (count)",
+    )
     check(idx_type in (0, 1), _RR, f"idx_type={idx_type}; allowed: 0 (gather), 1 (scatter)")
     if tokens_dtype is not None:
         check(tokens_dtype in _RR_TOKEN_CODES, _RR, f"tokens_dtype={tokens_dtype}; allowed: None, 290, 296, 297")
         check_dtype(_RR, "tokens", tokens, (torch.uint8, torch.int8))
     if per_token_scales is not None:
-        check(per_token_scales.dim() >= 1 and per_token_scales.shape[0] == tokens.shape[0], _RR,
-              f"per_token_scales has shape {tuple(per_token_scales.shape)}; expected [A={tokens.shape[0]}, ...]")
+        check(
+            per_token_scales.dim() >= 1 and per_token_scales.shape[0] == tokens.shape[0],
+            _RR,
+            f"per_token_scales has shape {tuple(per_token_scales.shape)}; expected [A={tokens.shape[0]}, ...]",
+        )
     # The NPU kernel takes f16/bf16/int8 (and 1-byte storage via tokens_dtype); the movement here is dtype-agnostic.
-    check_npu_limit(tokens.dtype in (torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.float32), _RR,
-                    f"tokens has dtype {tokens.dtype}; allowed: float16, bfloat16, int8")
-    check_npu_limit(tokens.dtype != torch.float32, _RR, "tokens has dtype torch.float32; allowed: float16, bfloat16, "
-                    "int8", FP32)
+    check_npu_limit(
+        tokens.dtype in (torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.float32),
+        _RR,
+        f"tokens has dtype {tokens.dtype}; allowed: float16, bfloat16, int8",
+    )
+    check_npu_limit(
+        tokens.dtype != torch.float32, _RR, "tokens has dtype torch.float32; allowed: float16, bfloat16, int8", FP32
+    )
     check_npu_limit(0 < tokens.shape[1] < 16384, _RR, f"H={tokens.shape[1]} must satisfy 0 < H < 16384", DIMS)
 
 
-def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1, idx_type=0,
-                   tokens_dtype=None):
+def moe_re_routing(
+    tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1, idx_type=0, tokens_dtype=None
+):
     counts = expert_token_num_per_rank
     _rr_check(tokens, counts, per_token_scales, expert_token_num_type, idx_type, tokens_dtype)
     a = tokens.shape[0]
     dev = tokens.device
     cnt = counts.long()
     check(counts.numel() == 0 or int(cnt.min()) >= 0, _RR, "expert_token_num_per_rank values must be >= 0")
-    check(int(cnt.sum()) == a, _RR,
-          f"expert_token_num_per_rank sums to {int(cnt.sum())} but tokens has A={a} rows; they must match")
+    check(
+        int(cnt.sum()) == a,
+        _RR,
+        f"expert_token_num_per_rank sums to {int(cnt.sum())} but tokens has A={a} rows; they must match",
+    )
     src_start = _exclusive_cumsum(cnt.reshape(-1)).view(cnt.shape)  # rank-major input blocks (r, e)
-    cnt_out = cnt.t().reshape(-1)                                     # expert-major output blocks (e, r)
+    cnt_out = cnt.t().reshape(-1)  # expert-major output blocks (e, r)
     src_start_out = src_start.t().reshape(-1)
     dst_start_out = _exclusive_cumsum(cnt_out)
     block = torch.repeat_interleave(torch.arange(cnt_out.numel(), device=dev), cnt_out, output_size=a)
@@ -549,15 +788,23 @@ def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, 
     return permute_tokens, permute_scales, permute_idx, per_expert
 
 
-def _rr_fake(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1, idx_type=0,
-             tokens_dtype=None):
+def _rr_fake(
+    tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1, idx_type=0, tokens_dtype=None
+):
     counts = expert_token_num_per_rank
     _rr_check(tokens, counts, per_token_scales, expert_token_num_type, idx_type, tokens_dtype)
     a = tokens.shape[0]
-    scales = (tokens.new_empty((a,), dtype=torch.float32) if per_token_scales is None
-              else per_token_scales.new_empty(per_token_scales.shape))
-    return (tokens.new_empty(tokens.shape), scales, tokens.new_empty((a,), dtype=torch.int32),
-            counts.new_empty((counts.shape[1],)))
+    scales = (
+        tokens.new_empty((a,), dtype=torch.float32)
+        if per_token_scales is None
+        else per_token_scales.new_empty(per_token_scales.shape)
+    )
+    return (
+        tokens.new_empty(tokens.shape),
+        scales,
+        tokens.new_empty((a,), dtype=torch.int32),
+        counts.new_empty((counts.shape[1],)),
+    )
 
 
 register(_RR, moe_re_routing, _rr_fake)

@@ -2,6 +2,7 @@
 
 Errors always name the operator and the argument, and say what was expected and what arrived.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -52,7 +53,7 @@ def strict_npu_limits(kind: str = ROUTE) -> bool:
     """Whether caps of `kind` are enforced. QWEN3_MOE_STRICT_NPU_LIMITS: 0 (default) none, 1 every cap,
     `route` only the route caps (how the equivalence suite runs its tiny-model tests: what the model passes is
     what an NPU accepts, at any fixture size and also in the fp32 proofs)."""
-    return kind in STRICT_LEVELS[envs.strict_npu_limits()]   # an EnvError (a ValueError) for another value
+    return kind in STRICT_LEVELS[envs.strict_npu_limits()]  # an EnvError (a ValueError) for another value
 
 
 def soc_variant() -> str:
@@ -92,8 +93,9 @@ def check_shape(op: str, arg: str, tensor: torch.Tensor, expected: tuple) -> Non
         fail(op, f"{arg} has shape {tuple(tensor.shape)}; expected {tuple(expected)}")
 
 
-def check_rows_and_ids(op: str, x: torch.Tensor, x_dtypes: Iterable[torch.dtype], ids: torch.Tensor,
-                       ids_name: str) -> None:
+def check_rows_and_ids(
+    op: str, x: torch.Tensor, x_dtypes: Iterable[torch.dtype], ids: torch.Tensor, ids_name: str
+) -> None:
     """The routing operators' pair: 2-D rows `x` [N, H] and 2-D int32 expert ids [N, K] with as many rows."""
     check_dim(op, "x", x, (2,))
     check_dim(op, ids_name, ids, (2,))

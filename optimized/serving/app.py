@@ -2,6 +2,7 @@
 
 See docs/serving.md, "Notes from the code", optimized/serving/app.py.
 """
+
 import asyncio
 import functools
 import json
@@ -21,8 +22,8 @@ from optimized.serving.driver import EngineStopped
 from optimized.serving.protocol import ApiError
 from optimized.serving.text import Detokenizer, TextStream
 
-POLL_S = 1.0                        # how often a waiting non-streaming handler checks that its client is still there
-MAX_BODY_BYTES = 16 * 1024 * 1024   # the default request body limit
+POLL_S = 1.0  # how often a waiting non-streaming handler checks that its client is still there
+MAX_BODY_BYTES = 16 * 1024 * 1024  # the default request body limit
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -49,23 +50,33 @@ class Choice:
     index: int
     request: Request
     stream: TextStream
-    prompt_text: str = ""           # echo: the prompt's text, sent first
-    prompt_offsets: list = field(default_factory=list)   # echo + logprobs: text_offset of each prompt token
+    prompt_text: str = ""  # echo: the prompt's text, sent first
+    prompt_offsets: list = field(default_factory=list)  # echo + logprobs: text_offset of each prompt token
     events: list = field(default_factory=list)
-    offsets: list = field(default_factory=list)          # text_offset of each generated token (in `text`)
+    offsets: list = field(default_factory=list)  # text_offset of each generated token (in `text`)
     text: list = field(default_factory=list)
     reason: str | None = None
-    ended: bool = False             # the engine is done with it (finished, failed or aborted by us)
+    ended: bool = False  # the engine is done with it (finished, failed or aborted by us)
 
 
 class Choices(list):
     """The choices of one response, in index order; n: choices per prompt."""
+
     n = 1
 
 
-def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_tokens: int = 16,
-              max_prompt_tokens=None, max_body_bytes: int = MAX_BODY_BYTES, max_choices: int = protocol.MAX_CHOICES,
-              vocab_size: int | None = None):
+def build_app(
+    driver,
+    tokenizer,
+    model_name: str,
+    *,
+    stop_ids=(),
+    default_max_tokens: int = 16,
+    max_prompt_tokens=None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_choices: int = protocol.MAX_CHOICES,
+    vocab_size: int | None = None,
+):
     """max_prompt_tokens: the longest prompt accepted (data_config.input_max_len); longer ones get 413.
     max_body_bytes: the largest request body (413). max_choices: prompts x n of one request (400).
     vocab_size: the model's (logit_bias token ids are checked against it); None: the driver's engine's."""
@@ -89,7 +100,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         return JSONResponse(ApiError(422, str(e)).body(), status_code=422)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_, e):        # a bug: still an OpenAI-style JSON error, and the server goes on
+    async def _unexpected(_, e):  # a bug: still an OpenAI-style JSON error, and the server goes on
         return JSONResponse(error_of(e).body(), status_code=500)
 
     @app.get("/health")
@@ -112,8 +123,9 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != model_name:
-            raise ApiError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
+            raise ApiError(
+                404, f"model {model_id!r} does not exist; this server serves {model_name!r}", "model", "model_not_found"
+            )
         return model_card()
 
     async def body_of(http: HttpRequest) -> tuple[dict, int]:
@@ -136,22 +148,33 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
 
     def check_chars(n_chars: int, param: str) -> None:
         if max_prompt_chars is not None and n_chars > max_prompt_chars:
-            raise ApiError(413, f"the prompt has {n_chars} characters: more than data_config.input_max_len="
-                                f"{max_prompt_tokens} tokens can hold (at most {max_prompt_chars // max_prompt_tokens}"
-                                f" characters per token)", param)
+            raise ApiError(
+                413,
+                f"the prompt has {n_chars} characters: more than data_config.input_max_len="
+                f"{max_prompt_tokens} tokens can hold (at most {max_prompt_chars // max_prompt_tokens}"
+                f" characters per token)",
+                param,
+            )
 
     def check_tokens(prompt: list[int], param: str) -> None:
         if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
-            raise ApiError(413, f"the prompt has {len(prompt)} tokens, more than the server's limit "
-                                f"data_config.input_max_len={max_prompt_tokens}", param)
+            raise ApiError(
+                413,
+                f"the prompt has {len(prompt)} tokens, more than the server's limit "
+                f"data_config.input_max_len={max_prompt_tokens}",
+                param,
+            )
 
     def requests_of(body: dict, prompts: list[list[int]], n: int, chat: bool) -> tuple[str, list[Request]]:
         keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         max_tokens = protocol.max_tokens_of(body, default_max_tokens, keys)
         sampling = protocol.sampling_of(body, vocab_size)
         if sampling.min_tokens > max_tokens:
-            raise ApiError(400, f"'min_tokens' is {sampling.min_tokens}, more than the request's max tokens "
-                                f"({max_tokens})", "min_tokens")
+            raise ApiError(
+                400,
+                f"'min_tokens' is {sampling.min_tokens}, more than the request's max tokens ({max_tokens})",
+                "min_tokens",
+            )
         logprobs = protocol.logprobs_of(body, chat)
         echo = not chat and protocol._typed(body, "echo", bool, "a boolean", False)
         ignore_eos = protocol._typed(body, "ignore_eos", bool, "a boolean", False)
@@ -160,9 +183,17 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         for p, prompt in enumerate(prompts):
             for j in range(n):
                 s = sampling if sampling.greedy else replace(sampling, seed=protocol.choice_seed(sampling.seed, j))
-                out.append(Request(f"{base}-{p * n + j}", prompt, max_tokens, s,
-                                   frozenset(() if ignore_eos else stop_ids), logprobs,
-                                   prompt_logprobs=echo and logprobs is not None))
+                out.append(
+                    Request(
+                        f"{base}-{p * n + j}",
+                        prompt,
+                        max_tokens,
+                        s,
+                        frozenset(() if ignore_eos else stop_ids),
+                        logprobs,
+                        prompt_logprobs=echo and logprobs is not None,
+                    )
+                )
         return base, out
 
     def submit(requests: list[Request]) -> asyncio.Queue:
@@ -189,7 +220,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
                 continue
             offset = c.stream.offset
             try:
-                if item.finished and item.token in item.request.stop_ids:    # EOS: its text is not shown
+                if item.finished and item.token in item.request.stop_ids:  # EOS: its text is not shown
                     text = c.stream.finish()
                 else:
                     text = c.stream.add(item.token, item.finished)
@@ -220,13 +251,14 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
                 for (c, item), done in zip(batch, texts):
                     if c.ended:
                         continue
-                    if isinstance(item, BaseException):     # the driver is done with it
+                    if isinstance(item, BaseException):  # the driver is done with it
                         c.ended = True
                         raise error_of(item)
                     if isinstance(done, Exception):
-                        raise ApiError(500, f"detokenizing failed: {type(done).__name__}: {done}",
-                                       kind="server_error") from None
-                    c.request = item.request            # the engine's copy (with_seed): its prompt logprobs
+                        raise ApiError(
+                            500, f"detokenizing failed: {type(done).__name__}: {done}", kind="server_error"
+                        ) from None
+                    c.request = item.request  # the engine's copy (with_seed): its prompt logprobs
                     offset, text, stopped = done
                     c.offsets.append(offset)
                     # read here, on the event: the engine thread may already be past this token
@@ -234,7 +266,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
                     if reason is not None:
                         left -= 1
                         c.ended = True
-                        if not item.finished:       # a stop string: the engine would go on
+                        if not item.finished:  # a stop string: the engine would go on
                             driver.abort(c.request.request_id, "stop")
                     yield c, item, text, reason
         finally:
@@ -251,6 +283,7 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
 
     def sse(head: dict, chunks):
         """The SSE body: each chunk, `data: [DONE]`; an error after the headers went out is an `error` event."""
+
         async def body():
             try:
                 async for chunk in chunks:
@@ -258,15 +291,19 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
             except Exception as e:  # noqa: BLE001 - the status line is gone: tell the client in the stream
                 yield f"event: error\ndata: {json.dumps(error_of(e).body())}\n\n"
             yield "data: [DONE]\n\n"
+
         return StreamingResponse(body(), media_type="text/event-stream")
 
     def token_text(t: int) -> str:
         return tokenizer.decode([t]) if tokenizer is not None else ""
 
     def usage(choices: "Choices", completion_tokens: int) -> dict:
-        prompt = sum(len(c.request.prompt) for c in choices[::choices.n])     # each prompt once, whatever n
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+        prompt = sum(len(c.request.prompt) for c in choices[:: choices.n])  # each prompt once, whatever n
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
 
     # ---- /v1/completions
     def completion_logprobs(c: Choice, events, offsets, echo_prompt: bool):
@@ -303,8 +340,11 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         body, n = await body_of(http)
         raw = protocol.completion_prompts(body)
         if len(raw) * n > max_choices:
-            raise ApiError(400, f"{len(raw)} prompts x n={n} is {len(raw) * n} choices; allowed: at most "
-                                f"{max_choices} per request", "n" if n > 1 else "prompt")
+            raise ApiError(
+                400,
+                f"{len(raw)} prompts x n={n} is {len(raw) * n} choices; allowed: at most {max_choices} per request",
+                "n" if n > 1 else "prompt",
+            )
         stops, echo = protocol.stop_of(body), body.get("echo") is True
         if stops and tokenizer is None:
             raise ApiError(400, "'stop' strings need the checkpoint's tokenizer", "stop")
@@ -329,27 +369,40 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         head = {"id": base, "object": "text_completion", "created": int(time.time()), "model": model_name}
 
         if body.get("stream"):
+
             async def chunks():
                 total = 0
                 async for c, event, text, reason in run(choices, events, http):
                     first = not c.events
                     c.events.append(event)
                     total += 1
-                    choice = {"index": c.index, "text": (c.prompt_text if first else "") + text,
-                              "token_ids": ([*c.request.prompt] if first and echo else []) + [event.token],
-                              "finish_reason": reason,
-                              "logprobs": completion_logprobs(c, [event], c.offsets[-1:], echo and first)}
+                    choice = {
+                        "index": c.index,
+                        "text": (c.prompt_text if first else "") + text,
+                        "token_ids": ([*c.request.prompt] if first and echo else []) + [event.token],
+                        "finish_reason": reason,
+                        "logprobs": completion_logprobs(c, [event], c.offsets[-1:], echo and first),
+                    }
                     yield {"choices": [choice]}
                 if include_usage:
                     yield {"choices": [], "usage": usage(choices, total)}
+
             return sse(head, chunks())
 
         await collect(choices, events, http)
         # the logprobs' token texts decode every token: off the event loop, like the completion's text
-        out = await off_loop(lambda: [
-            {"index": c.index, "text": c.prompt_text + "".join(c.text), "finish_reason": c.reason,
-             "token_ids": ([*c.request.prompt] if echo else []) + [e.token for e in c.events],
-             "logprobs": completion_logprobs(c, c.events, c.offsets, echo)} for c in choices])
+        out = await off_loop(
+            lambda: [
+                {
+                    "index": c.index,
+                    "text": c.prompt_text + "".join(c.text),
+                    "finish_reason": c.reason,
+                    "token_ids": ([*c.request.prompt] if echo else []) + [e.token for e in c.events],
+                    "logprobs": completion_logprobs(c, c.events, c.offsets, echo),
+                }
+                for c in choices
+            ]
+        )
         return {**head, "choices": out, "usage": usage(choices, sum(len(c.events) for c in choices))}
 
     # ---- /v1/chat/completions
@@ -360,12 +413,17 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         def entry(t, lp):
             s = token_text(t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top_logprobs]}
-                            for e in events]}
+
+        return {
+            "content": [
+                {**entry(e.token, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top_logprobs]}
+                for e in events
+            ]
+        }
 
     def chat_tokens(messages) -> list[int]:
         text = tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.hf.encode(text, add_special_tokens=False)   # the template already holds the specials
+        return tokenizer.hf.encode(text, add_special_tokens=False)  # the template already holds the specials
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
@@ -376,8 +434,11 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         stops = protocol.stop_of(body)
         include_usage = protocol.include_usage_of(body)
         if tokenizer is None or not getattr(tokenizer.hf, "chat_template", None):
-            raise ApiError(400, "this checkpoint has no chat template (tokenizer_config.json 'chat_template'); "
-                                "use /v1/completions", "messages")
+            raise ApiError(
+                400,
+                "this checkpoint has no chat template (tokenizer_config.json 'chat_template'); use /v1/completions",
+                "messages",
+            )
         check_chars(sum(len(m["content"]) for m in messages), "messages")
         prompt = await off_loop(chat_tokens, messages)
         check_tokens(prompt, "messages")
@@ -388,26 +449,49 @@ def build_app(driver, tokenizer, model_name: str, *, stop_ids=(), default_max_to
         head = {"id": base, "created": int(time.time()), "model": model_name}
 
         if body.get("stream"):
+
             async def chunks():
                 for c in choices:
-                    yield {"object": "chat.completion.chunk", "choices": [
-                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+                    yield {
+                        "object": "chat.completion.chunk",
+                        "choices": [
+                            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        ],
+                    }
                 total = 0
                 async for c, event, text, reason in run(choices, events, http):
                     total += 1
-                    choice = {"index": c.index, "delta": {"content": text}, "token_ids": [event.token],
-                              "finish_reason": reason, "logprobs": chat_logprobs(c.request, [event])}
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": text},
+                        "token_ids": [event.token],
+                        "finish_reason": reason,
+                        "logprobs": chat_logprobs(c.request, [event]),
+                    }
                     yield {"object": "chat.completion.chunk", "choices": [choice]}
                 if include_usage:
                     yield {"object": "chat.completion.chunk", "choices": [], "usage": usage(choices, total)}
+
             return sse(head, chunks())
 
         await collect(choices, events, http)
-        out = await off_loop(lambda: [
-            {"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-             "finish_reason": c.reason, "token_ids": [e.token for e in c.events],
-             "logprobs": chat_logprobs(c.request, c.events)} for c in choices])
-        return {**head, "object": "chat.completion", "choices": out,
-                "usage": usage(choices, sum(len(c.events) for c in choices))}
+        out = await off_loop(
+            lambda: [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "finish_reason": c.reason,
+                    "token_ids": [e.token for e in c.events],
+                    "logprobs": chat_logprobs(c.request, c.events),
+                }
+                for c in choices
+            ]
+        )
+        return {
+            **head,
+            "object": "chat.completion",
+            "choices": out,
+            "usage": usage(choices, sum(len(c.events) for c in choices)),
+        }
 
     return app

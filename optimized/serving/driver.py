@@ -2,6 +2,7 @@
 thread-safe inbox between steps, steps while there is work, and hands every token event to the request's sink
 (the HTTP handler's queue). A step that fails (a rank failure, non-finite logits) stops the driver: every
 waiting handler gets the error and `on_fatal` is called, which stops the server."""
+
 from __future__ import annotations
 
 import queue
@@ -23,14 +24,15 @@ class RequestFailed(RuntimeError):
 
 
 class Driver:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None, on_fatal: Callable | None = None,
-                 broadcast=None):
+    def __init__(
+        self, engine: Engine, metrics: Metrics | None = None, on_fatal: Callable | None = None, broadcast=None
+    ):
         """broadcast: a `ranks.StepBroadcast` on rank 0 of a multi-rank server (None: a single process)."""
         self.engine, self.metrics, self.broadcast = engine, metrics or Metrics(), broadcast
         self.on_fatal = on_fatal
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[str, Callable] = {}
-        self.times: dict[str, list[float]] = {}     # request id -> [arrival, first token, last token]
+        self.times: dict[str, list[float]] = {}  # request id -> [arrival, first token, last token]
         self.error: BaseException | None = None
         self._pending: list = []
         self._stop = threading.Event()
@@ -52,7 +54,7 @@ class Driver:
             raise EngineStopped(f"the engine stopped: {self.error}")
         self.engine.check(request)
         self.inbox.put(("add", with_seed(request), sink, time.perf_counter()))
-        if not self._thread.is_alive() and self.error is not None:   # it stopped meanwhile: nobody will answer
+        if not self._thread.is_alive() and self.error is not None:  # it stopped meanwhile: nobody will answer
             raise EngineStopped(f"the engine stopped: {self.error}")
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -69,13 +71,13 @@ class Driver:
         except queue.Empty:
             pass
         items = [i for i in items if i is not None]
-        self._pending = items            # told of a failure too, should the broadcast fail
-        if self.broadcast is not None:   # every rank applies the same items before the same step
+        self._pending = items  # told of a failure too, should the broadcast fail
+        if self.broadcast is not None:  # every rank applies the same items before the same step
             self.broadcast.send([(i[0], i[1]) for i in items])
         for item in items:
             self._apply(item)
         self._pending = []
-        if items:                        # an abort frees blocks with no step after it: the gauges must see it
+        if items:  # an abort frees blocks with no step after it: the gauges must see it
             self._gauges()
 
     def _gauges(self) -> None:
@@ -89,7 +91,7 @@ class Driver:
             _, request, sink, arrival = item
             try:
                 self.engine.add(request)
-            except ValueError as e:        # checked at submit; a duplicate id can still land here
+            except ValueError as e:  # checked at submit; a duplicate id can still land here
                 sink(e)
                 return
             self.sinks[request.request_id] = sink
@@ -122,22 +124,24 @@ class Driver:
                 self._account(step, events, now)
                 for event in events:
                     sink = self.sinks.get(event.request.request_id)
-                    error = event.error        # this request failed alone (the engine goes on)
+                    error = event.error  # this request failed alone (the engine goes on)
                     if sink is not None:
                         sink(event if error is None else RequestFailed(error))
                     if event.finished or error is not None:
-                        self._forget(event.request.request_id,
-                                     "error" if error is not None else event.request.finish_reason)
+                        self._forget(
+                            event.request.request_id, "error" if error is not None else event.request.finish_reason
+                        )
             if self.broadcast is not None:
                 from optimized.serving.ranks import STOP
+
                 self.broadcast.send(STOP)
-        except BaseException as e:   # noqa: BLE001 - every handler must learn that the engine is gone
+        except BaseException as e:  # noqa: BLE001 - every handler must learn that the engine is gone
             self.error = e
             stopped = EngineStopped(f"the engine stopped: {type(e).__name__}: {e}")
             for sink in list(self.sinks.values()):
                 sink(stopped)
             self.sinks.clear()
-            while True:                      # requests not yet applied: drained this iteration or still queued
+            while True:  # requests not yet applied: drained this iteration or still queued
                 item = self._pending.pop() if self._pending else self._next_queued()
                 if item is False:
                     break
@@ -149,7 +153,7 @@ class Driver:
     def _account(self, step, events, now: float) -> None:
         m = self.metrics
         with m.lock:
-            if step.kind == "prefill":     # a request recomputed after a preemption is not a new prompt
+            if step.kind == "prefill":  # a request recomputed after a preemption is not a new prompt
                 m.prompt_tokens += sum(len(r.prompt) for r in step.requests if not r.preemptions)
             m.preemptions += len(step.preempted)
             m.generation_tokens += len(events)

@@ -1,4 +1,5 @@
 """Prometheus metrics of the server, in the text exposition format (no client library needed)."""
+
 from __future__ import annotations
 
 import threading
@@ -21,7 +22,11 @@ class Histogram:
 
     def lines(self, name: str) -> list[str]:
         out = [f'{name}_bucket{{le="{edge}"}} {n}' for edge, n in zip(self.buckets, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return out + [
+            f'{name}_bucket{{le="+Inf"}} {self.count}',
+            f"{name}_sum {self.sum}",
+            f"{name}_count {self.count}",
+        ]
 
 
 class Metrics:
@@ -54,19 +59,24 @@ class Metrics:
                 "# TYPE qwen3_moe_time_per_output_token_seconds histogram",
                 *self.tpot.lines("qwen3_moe_time_per_output_token_seconds"),
                 "# HELP qwen3_moe_requests_waiting Requests queued for admission.",
-                "# TYPE qwen3_moe_requests_waiting gauge", f"qwen3_moe_requests_waiting {self.waiting}",
+                "# TYPE qwen3_moe_requests_waiting gauge",
+                f"qwen3_moe_requests_waiting {self.waiting}",
                 "# HELP qwen3_moe_requests_running Requests in the running batch.",
-                "# TYPE qwen3_moe_requests_running gauge", f"qwen3_moe_requests_running {self.running}",
+                "# TYPE qwen3_moe_requests_running gauge",
+                f"qwen3_moe_requests_running {self.running}",
                 "# HELP qwen3_moe_kv_cache_usage_ratio Share of the paged KV pool's blocks held by requests.",
-                "# TYPE qwen3_moe_kv_cache_usage_ratio gauge", f"qwen3_moe_kv_cache_usage_ratio {self.kv_usage}",
+                "# TYPE qwen3_moe_kv_cache_usage_ratio gauge",
+                f"qwen3_moe_kv_cache_usage_ratio {self.kv_usage}",
                 "# HELP qwen3_moe_prompt_tokens_total Prompt tokens prefilled.",
-                "# TYPE qwen3_moe_prompt_tokens_total counter", f"qwen3_moe_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE qwen3_moe_prompt_tokens_total counter",
+                f"qwen3_moe_prompt_tokens_total {self.prompt_tokens}",
                 "# HELP qwen3_moe_generation_tokens_total Tokens generated.",
                 "# TYPE qwen3_moe_generation_tokens_total counter",
                 f"qwen3_moe_generation_tokens_total {self.generation_tokens}",
                 "# HELP qwen3_moe_preemptions_total Running requests preempted (KV blocks taken back when the pool ran "
                 "out; recomputed later).",
-                "# TYPE qwen3_moe_preemptions_total counter", f"qwen3_moe_preemptions_total {self.preemptions}",
+                "# TYPE qwen3_moe_preemptions_total counter",
+                f"qwen3_moe_preemptions_total {self.preemptions}",
                 "# HELP qwen3_moe_requests_finished_total Finished requests by reason: stop (EOS or a stop string), "
                 "length, abort (the client left), error (the request failed).",
                 "# TYPE qwen3_moe_requests_finished_total counter",

@@ -6,6 +6,7 @@ not implement...), 422 a field of the wrong type or a missing required one, 413 
 truncated or clamped, and no field that would change the output is silently ignored: the fields this server
 does not implement are refused unless they hold their neutral value (see `UNSUPPORTED`).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,18 +19,18 @@ MAX_TOP_LOGPROBS = 20
 # Below this temperature sampling is greedy (argmax), as other OpenAI-compatible servers do: dividing logits by a
 # smaller one overflows float32 (temperature 1e-300 made every logit inf and the draw NaN).
 GREEDY_TEMPERATURE = 1e-5
-MAX_SEED = 2 ** 64 - 1
+MAX_SEED = 2**64 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
-MAX_CHOICES = 64          # prompts x n of one request (each choice is one engine request)
+MAX_CHOICES = 64  # prompts x n of one request (each choice is one engine request)
 
 # field -> (is its value neutral?, what is allowed): refused with a 400 naming the field otherwise.
 UNSUPPORTED = {
-    "suffix": (lambda v: v == "", "\"\" (no suffix)"),
+    "suffix": (lambda v: v == "", '"" (no suffix)'),
     "tools": (lambda v: v == [], "[] (no tools)"),
-    "tool_choice": (lambda v: v == "none", "\"none\""),
+    "tool_choice": (lambda v: v == "none", '"none"'),
     "functions": (lambda v: v == [], "[] (no functions)"),
-    "function_call": (lambda v: v == "none", "\"none\""),
-    "response_format": (lambda v: v == {"type": "text"}, "{\"type\": \"text\"}"),
+    "function_call": (lambda v: v == "none", '"none"'),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
 }
 
 
@@ -46,8 +47,9 @@ def _typed(body: dict, key: str, types, what: str, default=None):
     value = body.get(key, default)
     if value is None:
         return default
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
-                                                                                    else (types,)))
+    ok = isinstance(value, types) and not (
+        isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
+    )
     if not ok:
         raise ApiError(422, f"'{key}' must be {what}, got {type(value).__name__} {str(value)[:60]!r}", key)
     return value
@@ -75,8 +77,11 @@ def check_unicode(body) -> None:
     hit = lone_surrogate(body)
     if hit is not None:
         path, i = hit
-        raise ApiError(400, f"'{path}' is not valid Unicode: a lone surrogate at character {i} "
-                            f"(UTF-16 halves must come in pairs)", path)
+        raise ApiError(
+            400,
+            f"'{path}' is not valid Unicode: a lone surrogate at character {i} (UTF-16 halves must come in pairs)",
+            path,
+        )
 
 
 def processors_of(body: dict, vocab_size: int | None = None) -> dict:
@@ -106,8 +111,9 @@ def processors_of(body: dict, vocab_size: int | None = None) -> dict:
             raise ApiError(400, f"'logit_bias' key {key[:40]!r} is not a token id (a string of digits)", "logit_bias")
         token = int(key)
         if vocab_size is not None and token >= vocab_size:
-            raise ApiError(400, f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size})",
-                           "logit_bias")
+            raise ApiError(
+                400, f"'logit_bias' token id {token} is outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ApiError(422, f"'logit_bias[{key}]' must be a number, got {type(value).__name__}", "logit_bias")
         if not -MAX_BIAS <= value <= MAX_BIAS:
@@ -177,21 +183,34 @@ def include_usage_of(body: dict) -> bool:
     if options is None:
         return False
     if not isinstance(options, dict):
-        raise ApiError(422, f"'stream_options' must be an object such as {{\"include_usage\": true}}, got "
-                            f"{type(options).__name__} {str(options)[:60]!r}", "stream_options")
+        raise ApiError(
+            422,
+            f"'stream_options' must be an object such as {{\"include_usage\": true}}, got "
+            f"{type(options).__name__} {str(options)[:60]!r}",
+            "stream_options",
+        )
     if body.get("stream") is not True:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
-        raise ApiError(400, f"'stream_options.{unknown[0]}' is not supported; allowed: include_usage",
-                       f"stream_options.{unknown[0]}")
+        raise ApiError(
+            400,
+            f"'stream_options.{unknown[0]}' is not supported; allowed: include_usage",
+            f"stream_options.{unknown[0]}",
+        )
     usage = options.get("include_usage", False)
     if not isinstance(usage, bool):
-        raise ApiError(422, f"'stream_options.include_usage' must be a boolean, got {type(usage).__name__}",
-                       "stream_options.include_usage")
+        raise ApiError(
+            422,
+            f"'stream_options.include_usage' must be a boolean, got {type(usage).__name__}",
+            "stream_options.include_usage",
+        )
     if options.get("continuous_usage_stats"):
-        raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported; allowed: false",
-                       "stream_options.continuous_usage_stats")
+        raise ApiError(
+            400,
+            "'stream_options.continuous_usage_stats' is not supported; allowed: false",
+            "stream_options.continuous_usage_stats",
+        )
     return usage
 
 
@@ -204,15 +223,19 @@ def check_common(body, model_name: str, vocab_size: int | None = None) -> int:
     if not isinstance(model, str):
         raise ApiError(422, "'model' is required: a string (GET /v1/models lists it)", "model")
     if model != model_name:
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}", "model",
-                       "model_not_found")
+        raise ApiError(
+            404, f"model {model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found"
+        )
     n = _typed(body, "n", int, "an integer", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"'n' is {n}; allowed: 1 to {MAX_CHOICES}", "n")
     best_of = _typed(body, "best_of", int, "an integer")
     if best_of is not None and best_of != n:
-        raise ApiError(400, f"'best_of' is {best_of}; ranking candidates is not supported, allowed: equal to 'n' "
-                            f"({n}) or absent", "best_of")
+        raise ApiError(
+            400,
+            f"'best_of' is {best_of}; ranking candidates is not supported, allowed: equal to 'n' ({n}) or absent",
+            "best_of",
+        )
     _typed(body, "stream", bool, "a boolean", False)
     for key, (neutral, allowed) in UNSUPPORTED.items():
         value = body.get(key)
@@ -236,15 +259,15 @@ def completion_prompts(body: dict) -> list:
     elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise ApiError(422, "'prompt' is required: a string, a list of token ids, or a non-empty list of either",
-                       "prompt")
+        raise ApiError(
+            422, "'prompt' is required: a string, a list of token ids, or a non-empty list of either", "prompt"
+        )
     for i, p in enumerate(prompt):
         if isinstance(p, str):
             if not p:
                 raise ApiError(400, f"'prompt[{i}]' is empty" if len(prompt) > 1 else "'prompt' is empty", "prompt")
         elif not (isinstance(p, list) and p and all(_is_id(t) for t in p)):
-            raise ApiError(422, f"'prompt[{i}]' must be a non-empty string or a non-empty list of token ids",
-                           "prompt")
+            raise ApiError(422, f"'prompt[{i}]' must be a non-empty string or a non-empty list of token ids", "prompt")
     return prompt
 
 
@@ -261,11 +284,13 @@ def chat_messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(422, f"messages[{i}] must be an object with a string 'role' and a 'content'",
-                           f"messages[{i}]")
+            raise ApiError(
+                422, f"messages[{i}] must be an object with a string 'role' and a 'content'", f"messages[{i}]"
+            )
         if m["role"] not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role is {m['role']!r}; allowed: system, user, assistant",
-                           f"messages[{i}].role")
+            raise ApiError(
+                400, f"messages[{i}].role is {m['role']!r}; allowed: system, user, assistant", f"messages[{i}].role"
+            )
         for key in ("tool_calls", "function_call"):
             if m.get(key):
                 raise ApiError(400, f"messages[{i}].{key} is not supported by this server", f"messages[{i}].{key}")
@@ -283,8 +308,9 @@ def chat_messages(body: dict) -> list[dict]:
                 texts.append(part["text"])
             content = "\n".join(texts)
         if not isinstance(content, str):
-            raise ApiError(422, f"messages[{i}].content must be a string or a list of text parts",
-                           f"messages[{i}].content")
+            raise ApiError(
+                422, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
+            )
         out.append({"role": m["role"], "content": content})
     return out
 

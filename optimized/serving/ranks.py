@@ -3,6 +3,7 @@ other ranks over a CPU gloo group; every rank applies the same items and steps t
 deterministic scheduler gives every rank the same batch and the model's collectives line up (TP / EP layouts).
 Rank 0 also sends while idle (a heartbeat every `Driver` poll), so a follower's wait never reaches the group's
 timeout, and a rank that died makes the next send fail: the server stops with that error named."""
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -33,7 +34,7 @@ def follow(engine, broadcast: StepBroadcast) -> None:
             if kind == "add":
                 try:
                     engine.add(value)
-                except ValueError:      # rank 0 refused it the same way (same engine state)
+                except ValueError:  # rank 0 refused it the same way (same engine state)
                     pass
             else:
                 engine.abort(value)

@@ -2,6 +2,7 @@
 
 See docs/serving.md, "Notes from the code", optimized/serving/text.py.
 """
+
 from __future__ import annotations
 
 MAX_PENDING = 8
@@ -16,8 +17,8 @@ class Detokenizer:
     def __init__(self, decode):
         self._decode = decode
         self.ids: list[int] = []
-        self.prefix = self.read = 0     # the window is ids[prefix:]; ids[prefix:read] is released context
-        self.released = 0               # characters of decode(ids[prefix:]) released, the context's included
+        self.prefix = self.read = 0  # the window is ids[prefix:]; ids[prefix:read] is released context
+        self.released = 0  # characters of decode(ids[prefix:]) released, the context's included
         self.decoded = 0
 
     def decode(self, ids) -> str:
@@ -32,25 +33,25 @@ class Detokenizer:
         return self._step(final=True) if self.read < len(self.ids) else ""
 
     def _take(self, text: str, end: int) -> str:
-        new = text[self.released:end] if end > self.released else ""
+        new = text[self.released : end] if end > self.released else ""
         self.released = max(self.released, end)
         return new
 
     def _step(self, final: bool) -> str:
-        text = self.decode(self.ids[self.prefix:])
+        text = self.decode(self.ids[self.prefix :])
         pending = len(self.ids) - self.read
         if final or not text.endswith(REPLACEMENT) or pending >= MAX_WINDOW:
-            new = self._take(text, len(text))                 # all of it is final: slide
+            new = self._take(text, len(text))  # all of it is final: slide
             self.prefix, self.read = self.read, len(self.ids)
-            self.released = len(self.decode(self.ids[self.prefix:self.read]))
+            self.released = len(self.decode(self.ids[self.prefix : self.read]))
             return new
         new = self._take(text, len(text.rstrip(REPLACEMENT)))
         if pending >= MAX_PENDING:
-            for k in range(len(self.ids) - 1, self.read, -1):    # the newest boundary no open sequence crosses
-                head = self.decode(self.ids[self.prefix:k])
+            for k in range(len(self.ids) - 1, self.read, -1):  # the newest boundary no open sequence crosses
+                head = self.decode(self.ids[self.prefix : k])
                 if head + self.decode(self.ids[k:]) == text:
-                    new += self._take(text, len(head))           # what is before k is final
-                    self.released -= len(head)                   # the window restarts at k, with no context
+                    new += self._take(text, len(head))  # what is before k is final
+                    self.released -= len(head)  # the window restarts at k, with no context
                     self.prefix = self.read = k
                     break
         return new
@@ -60,8 +61,8 @@ class TextStream:
     def __init__(self, tokenizer, stops: list[str]):
         self.stops = stops
         self.detok = Detokenizer(tokenizer.decode) if tokenizer is not None else None
-        self.text = ""          # stable text so far (held-back stop prefixes included)
-        self.sent = 0           # characters released to the client
+        self.text = ""  # stable text so far (held-back stop prefixes included)
+        self.sent = 0  # characters released to the client
         self.stopped = False
 
     @property
@@ -95,11 +96,11 @@ class TextStream:
         else:
             end = len(text)
             if not last:
-                for s in self.stops:          # hold back a tail that may grow into a stop string
+                for s in self.stops:  # hold back a tail that may grow into a stop string
                     for k in range(min(len(s) - 1, end - self.sent), 0, -1):
                         if text.endswith(s[:k], 0, end):
                             end -= k
                             break
-        new = text[self.sent:end] if end > self.sent else ""
+        new = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return new

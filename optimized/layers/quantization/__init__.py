@@ -2,16 +2,26 @@
 
 See docs/quantization.md, "Notes from the code", optimized/layers/quantization/__init__.py.
 """
+
 from optimized.layers.quantization.base import GMM_TUNING_CONFIG, FusedMoEMethod, LinearMethod, QuantMethod
 from optimized.layers.quantization.config import QuantConfig, linear_method, moe_method
-from optimized.layers.quantization.converter_config import (check_recipe_quantization_config,
-                                                            recipe_quantization_config)
+from optimized.layers.quantization.converter_config import check_recipe_quantization_config, recipe_quantization_config
 from optimized.layers.quantization.errors import QuantConfigError
 from optimized.layers.quantization.kv_cache import FLOAT8, KV_CACHE_SCHEME_FP8, kv_cache_dtype, kv_cache_scheme
-from optimized.layers.quantization.lifecycle import (ACL_FORMAT_FRACTAL_NZ, checkpoint_layout_parameters,
-                                                     process_weights_after_loading)
-from optimized.layers.quantization.mx_layout import (BLOCK, FLOAT4_E2M1, FLOAT8_E8M0, block_slice, even_blocks,
-                                                     transpose_packed_fp4, untranspose_packed_fp4)
+from optimized.layers.quantization.lifecycle import (
+    ACL_FORMAT_FRACTAL_NZ,
+    checkpoint_layout_parameters,
+    process_weights_after_loading,
+)
+from optimized.layers.quantization.mx_layout import (
+    BLOCK,
+    FLOAT4_E2M1,
+    FLOAT8_E8M0,
+    block_slice,
+    even_blocks,
+    transpose_packed_fp4,
+    untranspose_packed_fp4,
+)
 from optimized.layers.quantization.mx_wire import FLOAT8_E4M3FN, MxRows, map_rows, mx_quant, num_rows
 from optimized.layers.quantization.mxfp8 import MxFp8LinearMethod
 from optimized.layers.quantization.schemes import MX_SCHEMES, W4A4, W4A8, W8A8, quant_scheme, scheme_of
@@ -21,13 +31,47 @@ from optimized.layers.quantization.w4a8 import W4A8MxFp4MoEGMMMethod
 from optimized.layers.quantization.w8a8 import MxFp8MoEGMMMethod
 
 __all__ = [
-    "ACL_FORMAT_FRACTAL_NZ", "BLOCK", "FLOAT4_E2M1", "FLOAT8", "FLOAT8_E4M3FN", "FLOAT8_E8M0", "GMM_TUNING_CONFIG",
-    "KV_CACHE_SCHEME_FP8", "MX_SCHEMES", "W4A4", "W4A8", "W8A8",
-    "FusedMoEMethod", "LinearMethod", "MxFp4LinearMethod", "MxFp8LinearMethod", "MxFp8MoEGMMMethod", "MxRows",
-    "QuantConfig", "QuantConfigError", "QuantMethod", "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod",
-    "W4A4MxFp4MoEGMMMethod", "W4A8MxFp4MoEGMMMethod",
-    "block_slice", "check_recipe_quantization_config", "checkpoint_layout_parameters", "even_blocks", "fp4_quant",
-    "kv_cache_dtype", "kv_cache_scheme", "linear_method", "map_rows", "moe_method", "mx_quant", "num_rows",
-    "process_weights_after_loading", "quant_scheme", "recipe_quantization_config", "scheme_of",
-    "transpose_packed_fp4", "untranspose_packed_fp4",
+    "ACL_FORMAT_FRACTAL_NZ",
+    "BLOCK",
+    "FLOAT4_E2M1",
+    "FLOAT8",
+    "FLOAT8_E4M3FN",
+    "FLOAT8_E8M0",
+    "GMM_TUNING_CONFIG",
+    "KV_CACHE_SCHEME_FP8",
+    "MX_SCHEMES",
+    "W4A4",
+    "W4A8",
+    "W8A8",
+    "FusedMoEMethod",
+    "LinearMethod",
+    "MxFp4LinearMethod",
+    "MxFp8LinearMethod",
+    "MxFp8MoEGMMMethod",
+    "MxRows",
+    "QuantConfig",
+    "QuantConfigError",
+    "QuantMethod",
+    "UnquantizedFusedMoEMethod",
+    "UnquantizedLinearMethod",
+    "W4A4MxFp4MoEGMMMethod",
+    "W4A8MxFp4MoEGMMMethod",
+    "block_slice",
+    "check_recipe_quantization_config",
+    "checkpoint_layout_parameters",
+    "even_blocks",
+    "fp4_quant",
+    "kv_cache_dtype",
+    "kv_cache_scheme",
+    "linear_method",
+    "map_rows",
+    "moe_method",
+    "mx_quant",
+    "num_rows",
+    "process_weights_after_loading",
+    "quant_scheme",
+    "recipe_quantization_config",
+    "scheme_of",
+    "transpose_packed_fp4",
+    "untranspose_packed_fp4",
 ]

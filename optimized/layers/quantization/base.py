@@ -11,6 +11,7 @@ from the checkpoint's quantization_config). The layer delegates to it in four st
 
 `LinearMethod` and `FusedMoEMethod` fix the arguments for the two kinds of layer (linear.py, moe.py).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -20,13 +21,13 @@ from torch import nn
 
 from optimized.errors import CheckpointError
 
-GMM_TUNING_CONFIG = [0]      # the grouped matmuls' tuning_config (a tiling hint: the expected rows per expert)
+GMM_TUNING_CONFIG = [0]  # the grouped matmuls' tuning_config (a tiling hint: the expected rows per expert)
 
 
 class QuantMethod(ABC):
     """One layer's weight format. Holds no tensors itself: they live on the layer."""
 
-    tensors: tuple[str, ...] = ("weight",)   # the checkpoint tensors of one weight (MX: weight and weight_scale)
+    tensors: tuple[str, ...] = ("weight",)  # the checkpoint tensors of one weight (MX: weight and weight_scale)
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, *sizes, **kwargs) -> None:
@@ -57,8 +58,9 @@ class LinearMethod(QuantMethod):
         """Parameters for `out_rows` output rows of `in_features` inputs; `dtype`: the activation dtype."""
 
     @abstractmethod
-    def load(self, layer: nn.Module, source, name: str, full_shape: tuple, index: tuple = (),
-             rows: slice = slice(None)) -> None:
+    def load(
+        self, layer: nn.Module, source, name: str, full_shape: tuple, index: tuple = (), rows: slice = slice(None)
+    ) -> None:
         """Copy `name[index]` (checked to have `full_shape`) into the layer's weight rows `rows`."""
 
     @abstractmethod
@@ -85,12 +87,16 @@ class FusedMoEMethod(QuantMethod):
 def expect_dtype(source, name: str, tensor: torch.Tensor, dtype: torch.dtype, scheme: str) -> None:
     """A quantized checkpoint tensor has its scheme's storage dtype."""
     if tensor.dtype != dtype:
-        raise CheckpointError(f"{source.label}: tensor {name!r} has dtype {tensor.dtype} but the model is built for "
-                              f"{scheme} (from config.json's quantization_config), which stores it as {dtype}")
+        raise CheckpointError(
+            f"{source.label}: tensor {name!r} has dtype {tensor.dtype} but the model is built for "
+            f"{scheme} (from config.json's quantization_config), which stores it as {dtype}"
+        )
 
 
 def expect_float(source, name: str, tensor: torch.Tensor) -> None:
     """A 16-bit layer's checkpoint tensor is a float of 2 bytes or more (not a quantized one)."""
     if not tensor.dtype.is_floating_point or tensor.dtype.itemsize == 1:
-        raise CheckpointError(f"{source.label}: tensor {name!r} has dtype {tensor.dtype}: a quantized checkpoint "
-                              "tensor, but config.json has no quantization_config (the model is built unquantized)")
+        raise CheckpointError(
+            f"{source.label}: tensor {name!r} has dtype {tensor.dtype}: a quantized checkpoint "
+            "tensor, but config.json has no quantization_config (the model is built unquantized)"
+        )

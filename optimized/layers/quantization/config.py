@@ -2,6 +2,7 @@
 
 See docs/quantization.md, "Notes from the code", optimized/layers/quantization/config.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,9 +52,12 @@ class QuantConfig:
         scheme = quant_scheme(hf_config)
         sixteen_bit = frozenset()
         if stored is not None and isinstance(linear_method(scheme), MxFp8LinearMethod):
-            sixteen_bit = frozenset(prefix for i in dense_layers(hf_config)
-                                    for prefix in (f"model.layers.{i}.mlp.{p}" for p in DENSE_PROJECTIONS)
-                                    if not stored(scale_name(f"{prefix}.weight")))
+            sixteen_bit = frozenset(
+                prefix
+                for i in dense_layers(hf_config)
+                for prefix in (f"model.layers.{i}.mlp.{p}" for p in DENSE_PROJECTIONS)
+                if not stored(scale_name(f"{prefix}.weight"))
+            )
         return cls(scheme, sixteen_bit)
 
     def linear_method(self, prefix: str) -> LinearMethod:

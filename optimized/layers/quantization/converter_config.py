@@ -4,6 +4,7 @@ One writer for both sides: `python -m optimized convert` writes `recipe_quantiza
 converter's w4a8c16 / w8a8c16 / w4a4c16 output, spec mx_quant.md §8.3, key order as written), and loading a
 checkpoint compares its config against the same dict (`check_recipe_quantization_config`), so the two cannot drift.
 """
+
 from __future__ import annotations
 
 from optimized.layers.quantization.errors import QuantConfigError
@@ -19,35 +20,59 @@ def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8", sc
     if scheme not in MX_SCHEMES:
         raise ValueError(f"quantization scheme {scheme!r} is not one of {', '.join(MX_SCHEMES)}")
     if scheme == W4A4 and kv_cache != "bf16":
-        raise QuantConfigError("quantization_config.kv_cache_scheme: the recipe's w4a4c16 writes none (a 16-bit KV "
-                               "cache); a W4A4 checkpoint with an FP8 KV scheme is not one it writes")
+        raise QuantConfigError(
+            "quantization_config.kv_cache_scheme: the recipe's w4a4c16 writes none (a 16-bit KV "
+            "cache); a W4A4 checkpoint with an FP8 KV scheme is not one it writes"
+        )
     act_bits = 4 if scheme == W4A4 else 8
+
     def args(bits: int, dynamic: bool) -> dict:
-        return {"actorder": None, "block_structure": None, "dynamic": dynamic, "group_size": 32, "num_bits": bits,
-                "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "float"}
+        return {
+            "actorder": None,
+            "block_structure": None,
+            "dynamic": dynamic,
+            "group_size": 32,
+            "num_bits": bits,
+            "observer": "minmax",
+            "observer_kwargs": {},
+            "strategy": "group",
+            "symmetric": True,
+            "type": "float",
+        }
 
     def group(weight_bits: int, target: str) -> dict:
-        return {"input_activations": args(act_bits, True), "activation_use_clip": False, "output_activations": None,
-                "targets": [target], "weights": args(weight_bits, False)}
+        return {
+            "input_activations": args(act_bits, True),
+            "activation_use_clip": False,
+            "output_activations": None,
+            "targets": [target],
+            "weights": args(weight_bits, False),
+        }
 
-    ignore = [f"model.layers.{i}.{m}" for i in range(num_hidden_layers)
-              for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm",
-                        "self_attn.q_norm")]
+    ignore = [
+        f"model.layers.{i}.{m}"
+        for i in range(num_hidden_layers)
+        for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm", "self_attn.q_norm")
+    ]
     groups = {"group_0": group(4 if scheme == W4A4 else 8, "Linear")}
     if scheme in (W4A8, W4A4):
         groups["group_1"] = group(4, "MoEGMM")
-    return {"config_groups": groups,
-            "format": "float-quantized", "global_compression_ratio": None if scheme == W4A4 else "null",
-            "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
-            "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
-            "quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "weight_block_size": [1, 32]}
+    return {
+        "config_groups": groups,
+        "format": "float-quantized",
+        "global_compression_ratio": None if scheme == W4A4 else "null",
+        "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "weight_block_size": [1, 32],
+    }
 
 
 def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
     """`qc` is exactly what the recipe's converter writes for a model of `num_hidden_layers` layers (§8.3), with
     or without kv_cache_scheme: a missing key, another key or another value is an error naming it."""
-    kv = kv_cache_scheme(qc)                                  # the KV scheme's own errors name its key
+    kv = kv_cache_scheme(qc)  # the KV scheme's own errors name its key
     want = recipe_quantization_config(num_hidden_layers, "fp8" if kv else "bf16", scheme_of(qc))
     if "kv_cache_scheme" not in qc:
         del want["kv_cache_scheme"]
@@ -56,8 +81,11 @@ def check_recipe_quantization_config(qc: dict, num_hidden_layers: int) -> None:
 
 def _expect_same(got, want, path: str) -> None:
     def fail(what: str):
-        raise QuantConfigError(f"config.json {path}{what}; this model runs the quantization_config the recipe's "
-                               f"converter (and `python -m optimized convert --quant w4a8|w8a8|w4a4`) writes")
+        raise QuantConfigError(
+            f"config.json {path}{what}; this model runs the quantization_config the recipe's "
+            f"converter (and `python -m optimized convert --quant w4a8|w8a8|w4a4`) writes"
+        )
+
     if isinstance(want, dict):
         if not isinstance(got, dict):
             fail(f"={got!r} must be an object")

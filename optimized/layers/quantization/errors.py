@@ -1,4 +1,5 @@
 """The one error of the quantization package, in its own module so every other module can raise it."""
+
 from __future__ import annotations
 
 from optimized.errors import UsageError

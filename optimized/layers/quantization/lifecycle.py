@@ -6,12 +6,13 @@ re-lays them out (with `weight_nz`, also cast once to the NZ layout). Applying a
 it twice or loading into it after it, is an error naming the layer. `checkpoint_layout_parameters(model)` gives the
 parameters back in the checkpoint layouts (tests, inspection).
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-ACL_FORMAT_FRACTAL_NZ = 29   # npu_format_cast's acl_format for the NZ weight layout
+ACL_FORMAT_FRACTAL_NZ = 29  # npu_format_cast's acl_format for the NZ weight layout
 
 
 def layer_label(layer: nn.Module) -> str:
@@ -22,8 +23,10 @@ def layer_label(layer: nn.Module) -> str:
 def note_load(layer: nn.Module, name: str) -> None:
     """Remembers what the layer loads (its name in errors); a load into runtime layouts would scramble them."""
     if getattr(layer, "runtime_layout", False):
-        raise RuntimeError(f"{layer_label(layer)}: cannot load {name!r} after process_weights_after_loading (its "
-                           f"parameters are in the runtime layout now); load into a freshly built model")
+        raise RuntimeError(
+            f"{layer_label(layer)}: cannot load {name!r} after process_weights_after_loading (its "
+            f"parameters are in the runtime layout now); load into a freshly built model"
+        )
     names = layer.__dict__.setdefault("loaded_from", [])
     if name not in names:
         names.append(name)
@@ -32,15 +35,19 @@ def note_load(layer: nn.Module, name: str) -> None:
 def start_processing(layer: nn.Module) -> None:
     # Refused, not idempotent: a second pass would transpose the runtime layouts again.
     if getattr(layer, "runtime_layout", False):
-        raise RuntimeError(f"{layer_label(layer)}: process_weights_after_loading was already called; it runs "
-                           f"once per layer, after all its weights are loaded")
+        raise RuntimeError(
+            f"{layer_label(layer)}: process_weights_after_loading was already called; it runs "
+            f"once per layer, after all its weights are loaded"
+        )
 
 
 def check_processed(layer: nn.Module) -> None:
     if not layer.runtime_layout:
-        raise RuntimeError(f"{layer_label(layer)}: applied before process_weights_after_loading(layer): its MX "
-                           f"weights are still in the checkpoint layout (the model build calls it after loading; "
-                           f"a layer built by hand must call it too)")
+        raise RuntimeError(
+            f"{layer_label(layer)}: applied before process_weights_after_loading(layer): its MX "
+            f"weights are still in the checkpoint layout (the model build calls it after loading; "
+            f"a layer built by hand must call it too)"
+        )
 
 
 def param(t: torch.Tensor) -> nn.Parameter:

@@ -9,6 +9,7 @@ After processing: weights become their transposed views (`[K, N]`, experts `[L, 
 along N), scales the paired, transposed pairs `[nb/2, N, 2]` / `[L, nb/2, N, 2]`, contiguous (one copy at build).
 `MxExpertLayout` does this for the stacked experts of every MX scheme.
 """
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -22,15 +23,17 @@ from optimized.layers.quantization.lifecycle import nz, note_load, param, start_
 from optimized.ops import mx_format as mxf
 
 BLOCK = mxf.BLOCK_SIZE
-FLOAT4_E2M1 = mxf.float4_e2m1fn_x2   # uint8 holding two codes
-FLOAT8_E8M0 = mxf.float8_e8m0fnu     # scale bytes
+FLOAT4_E2M1 = mxf.float4_e2m1fn_x2  # uint8 holding two codes
+FLOAT8_E8M0 = mxf.float8_e8m0fnu  # scale bytes
 
 
 def check_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in (torch.bfloat16, torch.float16):
-        raise QuantConfigError(f"W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations, W4A4 ones too (the "
-                               f"MX matmuls write no float32, the fused SwiGLU + MX quantization takes none); got dtype "
-                               f"{dtype}")
+        raise QuantConfigError(
+            f"W4A8 / W8A8 checkpoints run with bfloat16 or float16 activations, W4A4 ones too (the "
+            f"MX matmuls write no float32, the fused SwiGLU + MX quantization takes none); got dtype "
+            f"{dtype}"
+        )
 
 
 def even_blocks(k: int) -> int:
@@ -42,9 +45,11 @@ def block_slice(cols: slice, k: int, name: str, per: int = BLOCK) -> slice:
     """The checkpoint columns `cols` of K as whole units of `per` (32: scale bytes, 2: packed FP4 bytes)."""
     start, stop, _ = cols.indices(k)
     if start % BLOCK or (stop % BLOCK and stop != k):
-        raise CheckpointError(f"tensor {name!r}: this rank's K-slice [{start}, {stop}) of K={k} does not fall on "
-                              f"{BLOCK}-element MX block boundaries; choose a parallel layout whose K per rank is a "
-                              f"multiple of {BLOCK}")
+        raise CheckpointError(
+            f"tensor {name!r}: this rank's K-slice [{start}, {stop}) of K={k} does not fall on "
+            f"{BLOCK}-element MX block boundaries; choose a parallel layout whose K per rank is a "
+            f"multiple of {BLOCK}"
+        )
     return slice(start // per, -(-stop // per))
 
 
@@ -83,14 +88,14 @@ class MxExpertLayout(FusedMoEMethod):
 
     def load(self, layer, source, name: str, local: int, cols: slice) -> None:
         inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
-        note_load(layer, name.rpartition(".")[0])                     # the experts' prefix, not each expert
+        note_load(layer, name.rpartition(".")[0])  # the experts' prefix, not each expert
         for offset, proj in ((0, "gate_proj"), (i_r, "up_proj")):
-            w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))     # [I_r, H(/2)], [I_r, nb]
-            layer.w13_weight[local, offset:offset + i_r].copy_(w)
-            layer.w13_weight_scale[local, offset:offset + i_r, :s.shape[1]].copy_(s)
+            w, s = self._read(source, f"{name}.{proj}.weight", (inter, hidden), (cols,))  # [I_r, H(/2)], [I_r, nb]
+            layer.w13_weight[local, offset : offset + i_r].copy_(w)
+            layer.w13_weight_scale[local, offset : offset + i_r, : s.shape[1]].copy_(s)
         w, s = self._read(source, f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r(/2)]
         layer.w2_weight[local].copy_(w)
-        layer.w2_weight_scale[local, :, :s.shape[1]].copy_(s)
+        layer.w2_weight_scale[local, :, : s.shape[1]].copy_(s)
 
     def process_weights_after_loading(self, layer) -> None:
         """npu_grouped_matmul's layouts, in place of the checkpoint's: w13_weight / w2_weight [L, K(/2), N] (the

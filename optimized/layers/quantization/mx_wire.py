@@ -4,19 +4,21 @@ An activation payload is a tensor or MxRows; a linear or the experts take either
 recipe's `dynamic_scale` / `pertoken_scale`). The W4A8 sequence-parallel prefill (optimized/phases.py) puts it on
 the wire; the exchanges move its rows together (`map_rows`); the MX quant methods consume it.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
 
-FLOAT8_E4M3FN = 24        # torch ScalarType code (== torch_npu 292)
+FLOAT8_E4M3FN = 24  # torch ScalarType code (== torch_npu 292)
 
 
 class MxRows(NamedTuple):
     """MXFP8 activation rows: data [M, K] float8_e4m3fn and their MX scale pairs [M, ceil(K/64), 2] (uint8).
 
     Rows move together: see `map_rows`."""
+
     data: torch.Tensor
     scale: torch.Tensor
 
@@ -38,8 +40,10 @@ def mx_quant(x: torch.Tensor) -> MxRows:
 def no_mx(x, what: str) -> None:
     """A 16-bit layer refuses MXFP8 rows."""
     if isinstance(x, MxRows):
-        raise TypeError(f"{what} holds 16-bit weights and cannot take MXFP8 rows (a payload is quantized only for "
-                        f"MX layers: W4A8 checkpoints)")
+        raise TypeError(
+            f"{what} holds 16-bit weights and cannot take MXFP8 rows (a payload is quantized only for "
+            f"MX layers: W4A8 checkpoints)"
+        )
 
 
 def no_mxfp8_rows(x, what: str) -> None:

@@ -5,6 +5,7 @@ group_0 Linear 8-bit alone (the recipe's `w8a8c16`: its experts fall to the Line
 4-bit weights and 4-bit activations (the recipe's `w4a4c16`, spec a4w4_hadamard.md §3) -> W4A4. Anything else is
 a QuantConfigError naming the key. The model build parses it once (config.py); this module only names the scheme.
 """
+
 from __future__ import annotations
 
 from optimized.layers.quantization.errors import QuantConfigError
@@ -16,8 +17,11 @@ W8A8 = "w8a8"
 W4A4 = "w4a4"
 MX_SCHEMES = (W4A8, W8A8, W4A4)
 # (weight bits, activation bits) per compressed-tensors target -> scheme (the recipe's converter writes exactly these)
-_BITS = {W4A8: {"Linear": (8, 8), "MoEGMM": (4, 8)}, W8A8: {"Linear": (8, 8)},
-         W4A4: {"Linear": (4, 4), "MoEGMM": (4, 4)}}
+_BITS = {
+    W4A8: {"Linear": (8, 8), "MoEGMM": (4, 8)},
+    W8A8: {"Linear": (8, 8)},
+    W4A4: {"Linear": (4, 4), "MoEGMM": (4, 4)},
+}
 
 
 def quantization_config_dict(hf_config) -> dict | None:
@@ -29,7 +33,8 @@ def quantization_config_dict(hf_config) -> dict | None:
 
 
 def quant_scheme(hf_config) -> str | None:
-    """None (unquantized), "w4a8", "w8a8" or "w4a4", from config.json's `quantization_config`; anything else is an error."""
+    """None (unquantized), "w4a8", "w8a8" or "w4a4", from config.json's `quantization_config`; anything else is an
+    error."""
     qc = quantization_config_dict(hf_config)
     return None if qc is None else scheme_of(qc)
 
@@ -39,24 +44,33 @@ def scheme_of(qc: dict) -> str:
 
     def need(ok: bool, key: str, value) -> None:
         if not ok:
-            raise QuantConfigError(f"config.json quantization_config.{key}={value!r} is not supported; this model "
-                                   "runs BF16 checkpoints and the W4A8 / W8A8 / W4A4 MX checkpoints of `python -m "
-                                   "optimized convert --quant w4a8|w8a8|w4a4`")
+            raise QuantConfigError(
+                f"config.json quantization_config.{key}={value!r} is not supported; this model "
+                "runs BF16 checkpoints and the W4A8 / W8A8 / W4A4 MX checkpoints of `python -m "
+                "optimized convert --quant w4a8|w8a8|w4a4`"
+            )
 
     need(qc.get("quant_method") == "compressed-tensors", "quant_method", qc.get("quant_method"))
-    need(list(qc.get("weight_block_size") or []) == [1, mxf.BLOCK_SIZE], "weight_block_size",
-         qc.get("weight_block_size"))
+    need(
+        list(qc.get("weight_block_size") or []) == [1, mxf.BLOCK_SIZE], "weight_block_size", qc.get("weight_block_size")
+    )
     bits = {}
     for name, group in (qc.get("config_groups") or {}).items():
         w, a = group.get("weights") or {}, group.get("input_activations") or {}
         need(w.get("type") == "float", f"config_groups.{name}.weights.type", w.get("type"))
-        need(a.get("type") == "float" and a.get("num_bits") in (4, 8) and a.get("dynamic") is True,
-             f"config_groups.{name}.input_activations", a)
+        need(
+            a.get("type") == "float" and a.get("num_bits") in (4, 8) and a.get("dynamic") is True,
+            f"config_groups.{name}.input_activations",
+            a,
+        )
         for target in group.get("targets") or []:
             bits[target] = (w.get("num_bits"), a.get("num_bits"))
     scheme = next((name for name, want in _BITS.items() if bits == want), None)
-    need(scheme is not None, "config_groups ((weight, activation) bits per target; w4a8: {'Linear': (8, 8), "
-                             "'MoEGMM': (4, 8)}, w8a8: {'Linear': (8, 8)}, w4a4: {'Linear': (4, 4), 'MoEGMM': (4, 4)})",
-         bits)
+    need(
+        scheme is not None,
+        "config_groups ((weight, activation) bits per target; w4a8: {'Linear': (8, 8), "
+        "'MoEGMM': (4, 8)}, w8a8: {'Linear': (8, 8)}, w4a4: {'Linear': (4, 4), 'MoEGMM': (4, 4)})",
+        bits,
+    )
     kv_cache_scheme(qc)
     return scheme

@@ -1,4 +1,5 @@
 """16-bit weights (BF16 checkpoints, and a 16-bit projection inside an MX checkpoint): plain matmuls."""
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         no_mx(x, "an unquantized linear")
-        return cpu_gemm.linear(x, layer.weight)   # F.linear, on CPU bf16 with oneDNN's prepacked weight
+        return cpu_gemm.linear(x, layer.weight)  # F.linear, on CPU bf16 with oneDNN's prepacked weight
 
 
 def _transposed_empty(groups: int, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -49,8 +50,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
 
     def load(self, layer, source, name: str, local: int, cols: slice) -> None:
         inter, hidden, i_r = layer.intermediate_size, layer.hidden_size, layer.inter_per_rank
-        gate = source.read(f"{name}.gate_proj.weight", (inter, hidden), (cols,))   # [I_r, H]
-        up = source.read(f"{name}.up_proj.weight", (inter, hidden), (cols,))       # [I_r, H]
+        gate = source.read(f"{name}.gate_proj.weight", (inter, hidden), (cols,))  # [I_r, H]
+        up = source.read(f"{name}.up_proj.weight", (inter, hidden), (cols,))  # [I_r, H]
         down = source.read(f"{name}.down_proj.weight", (hidden, inter), (slice(None), cols))  # [H, I_r]
         for proj, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             expect_float(source, f"{name}.{proj}.weight", t)
@@ -66,10 +67,22 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         no_mx(x, "the unquantized experts")
-        h = torch.ops.npu.npu_grouped_matmul([x], [layer.w13], group_list=tokens_per_expert, group_type=0,
-                                             group_list_type=1, split_item=3,
-                                             tuning_config=GMM_TUNING_CONFIG)[0]      # [M, 2*I_r]
-        h = torch.ops.npu.npu_swiglu(h)                                                # [M, I_r]
-        return torch.ops.npu.npu_grouped_matmul([h], [layer.w2], group_list=tokens_per_expert, group_type=0,
-                                                group_list_type=1, split_item=3,
-                                                tuning_config=GMM_TUNING_CONFIG)[0]   # [M, H]
+        h = torch.ops.npu.npu_grouped_matmul(
+            [x],
+            [layer.w13],
+            group_list=tokens_per_expert,
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+            tuning_config=GMM_TUNING_CONFIG,
+        )[0]  # [M, 2*I_r]
+        h = torch.ops.npu.npu_swiglu(h)  # [M, I_r]
+        return torch.ops.npu.npu_grouped_matmul(
+            [h],
+            [layer.w2],
+            group_list=tokens_per_expert,
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+            tuning_config=GMM_TUNING_CONFIG,
+        )[0]  # [M, H]

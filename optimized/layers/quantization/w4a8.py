@@ -1,4 +1,5 @@
 """W4A8 experts: MXFP4 expert weights x MXFP8 activations (the recipe's `w4a8c16`; its linears are mxfp8.py's)."""
+
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,15 @@ from torch import nn
 
 from optimized.layers.quantization.base import GMM_TUNING_CONFIG, expect_dtype
 from optimized.layers.quantization.lifecycle import check_processed
-from optimized.layers.quantization.mx_layout import (BLOCK, FLOAT4_E2M1, FLOAT8_E8M0, MxExpertLayout, block_slice,
-                                                     check_activation_dtype, even_blocks)
+from optimized.layers.quantization.mx_layout import (
+    BLOCK,
+    FLOAT4_E2M1,
+    FLOAT8_E8M0,
+    MxExpertLayout,
+    block_slice,
+    check_activation_dtype,
+    even_blocks,
+)
 from optimized.layers.quantization.mx_wire import FLOAT8_E4M3FN, MxRows, mx_quant
 from optimized.ops import mx_format as mxf
 
@@ -24,10 +32,13 @@ class W4A8MxFp4MoEGMMMethod(MxExpertLayout):
         def param(*shape, zeros=False):
             make = torch.zeros if zeros else torch.empty
             return nn.Parameter(make(*shape, dtype=torch.uint8), requires_grad=False)
+
         check_activation_dtype(dtype)
         if hidden % 2 or inter % 2:
-            raise ValueError(f"MXFP4 packs two values per byte along K: hidden_size={hidden} and the per-rank "
-                             f"moe_intermediate_size={inter} must be even")
+            raise ValueError(
+                f"MXFP4 packs two values per byte along K: hidden_size={hidden} and the per-rank "
+                f"moe_intermediate_size={inter} must be even"
+            )
         layer.w13_weight = param(experts, 2 * inter, hidden // 2)
         layer.w13_weight_scale = param(experts, 2 * inter, even_blocks(hidden), zeros=True)
         layer.w2_weight = param(experts, hidden, inter // 2)
@@ -47,17 +58,26 @@ class W4A8MxFp4MoEGMMMethod(MxExpertLayout):
 
     def _gmm(self, layer, x, x_scale, weight, weight_scale, tokens_per_expert):
         return torch.ops.npu.npu_grouped_matmul(
-            [x], [weight], antiquant_scale=[weight_scale],
-            per_token_scale=[x_scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
-            split_item=3, tuning_config=GMM_TUNING_CONFIG, output_dtype=mxf.dtype_code(layer.output_dtype),
+            [x],
+            [weight],
+            antiquant_scale=[weight_scale],
+            per_token_scale=[x_scale],
+            group_list=tokens_per_expert,
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+            tuning_config=GMM_TUNING_CONFIG,
+            output_dtype=mxf.dtype_code(layer.output_dtype),
             weight_dtype=FLOAT4_E2M1,
-            per_token_scale_dtype=FLOAT8_E8M0)[0]
+            per_token_scale_dtype=FLOAT8_E8M0,
+        )[0]
 
     def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: rows [M, H] in the activation dtype (quantized here) or MxRows already quantized -> [M, H]."""
         check_processed(layer)
-        xq, xs = x if isinstance(x, MxRows) else mx_quant(x)                                # [M, H] fp8
+        xq, xs = x if isinstance(x, MxRows) else mx_quant(x)  # [M, H] fp8
         h = self._gmm(layer, xq, xs, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
-        hq, hs = torch.ops.npu.npu_swiglu_mx_quant(h, group_index=tokens_per_expert, activate_left=True,
-                                                   dst_type=FLOAT8_E4M3FN)                  # [M, I_r] fp8
+        hq, hs = torch.ops.npu.npu_swiglu_mx_quant(
+            h, group_index=tokens_per_expert, activate_left=True, dst_type=FLOAT8_E4M3FN
+        )  # [M, I_r] fp8
         return self._gmm(layer, hq, hs, layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]

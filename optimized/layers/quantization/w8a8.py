@@ -1,4 +1,5 @@
 """W8A8 experts: MXFP8 expert weights x MXFP8 activations (the recipe's `w8a8c16`; its linears are mxfp8.py's)."""
+
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,14 @@ from torch import nn
 
 from optimized.layers.quantization.base import GMM_TUNING_CONFIG, expect_dtype
 from optimized.layers.quantization.lifecycle import check_processed
-from optimized.layers.quantization.mx_layout import (BLOCK, FLOAT8_E8M0, MxExpertLayout, block_slice,
-                                                     check_activation_dtype, even_blocks)
+from optimized.layers.quantization.mx_layout import (
+    BLOCK,
+    FLOAT8_E8M0,
+    MxExpertLayout,
+    block_slice,
+    check_activation_dtype,
+    even_blocks,
+)
 from optimized.layers.quantization.mx_wire import MxRows, mx_quant
 from optimized.ops import mx_format as mxf
 
@@ -26,6 +33,7 @@ class MxFp8MoEGMMMethod(MxExpertLayout):
         def param(*shape, dtype, zeros=False):
             make = torch.zeros if zeros else torch.empty
             return nn.Parameter(make(*shape, dtype=dtype), requires_grad=False)
+
         check_activation_dtype(dtype)
         fp8, u8 = torch.float8_e4m3fn, torch.uint8
         layer.w13_weight = param(experts, 2 * inter, hidden, dtype=fp8)
@@ -46,16 +54,24 @@ class MxFp8MoEGMMMethod(MxExpertLayout):
 
     def _gmm(self, layer, x: MxRows, weight, weight_scale, tokens_per_expert):
         return torch.ops.npu.npu_grouped_matmul(
-            [x.data], [weight], scale=[weight_scale],
-            per_token_scale=[x.scale], group_list=tokens_per_expert, group_type=0, group_list_type=1,
-            split_item=3, tuning_config=GMM_TUNING_CONFIG, output_dtype=mxf.dtype_code(layer.output_dtype),
+            [x.data],
+            [weight],
+            scale=[weight_scale],
+            per_token_scale=[x.scale],
+            group_list=tokens_per_expert,
+            group_type=0,
+            group_list_type=1,
+            split_item=3,
+            tuning_config=GMM_TUNING_CONFIG,
+            output_dtype=mxf.dtype_code(layer.output_dtype),
             scale_dtype=FLOAT8_E8M0,
-            per_token_scale_dtype=FLOAT8_E8M0)[0]
+            per_token_scale_dtype=FLOAT8_E8M0,
+        )[0]
 
     def apply(self, layer, x, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: rows [M, H] in the activation dtype (quantized here) or MxRows already quantized -> [M, H]."""
         check_processed(layer)
-        xq = x if isinstance(x, MxRows) else mx_quant(x)                                     # [M, H] fp8
+        xq = x if isinstance(x, MxRows) else mx_quant(x)  # [M, H] fp8
         h = self._gmm(layer, xq, layer.w13_weight, layer.w13_weight_scale, tokens_per_expert)  # [M, 2*I_r]
-        h = torch.ops.npu.npu_swiglu(h)                                                      # [M, I_r]
+        h = torch.ops.npu.npu_swiglu(h)  # [M, I_r]
         return self._gmm(layer, mx_quant(h), layer.w2_weight, layer.w2_weight_scale, tokens_per_expert)  # [M, H]
