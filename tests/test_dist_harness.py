@@ -478,3 +478,24 @@ def test_a_fixture_built_by_a_non_zero_rank_is_whole(tmp_path, monkeypatch):
     want = {p.name: p.read_bytes() for p in checkpoints.checkpoint("tiny").iterdir()}
     assert "config.json" in got and "model.safetensors" in got, sorted(got)
     assert got == want
+
+
+def _model_after_another_closes_task(rank, world):
+    """A cached rank model stays usable after another task's model closed its groups (destroy_groups)."""
+    from equivalence.support.parallel_support import rank_model
+    from fixtures.checkpoints import checkpoint
+
+    layout = dict(world_size=world, attn_tp_size=world, moe_tp_size=1, moe_ep_size=world)
+    first = rank_model(checkpoint("tiny"), layout, torch.float32)
+    comm.destroy_groups()  # what a closed model or run does to every cached subgroup of this rank
+    again = rank_model(checkpoint("tiny"), layout, torch.float32)
+    x = torch.ones(1)
+    comm.all_reduce(x, again.groups.moe_ep.group)
+    return again is not first, x.item()
+
+
+def test_a_cached_rank_model_is_rebuilt_after_its_groups_were_destroyed():
+    from fixtures.checkpoints import checkpoint
+
+    checkpoint("tiny")  # built here, not raced for by the ranks
+    assert get_pool(4).run(_model_after_another_closes_task, timeout=120) == [(True, 4.0)] * 4

@@ -66,8 +66,11 @@ def rank_model(path: str, layout: dict, dtype: torch.dtype, device: str | None =
     import optimized  # noqa: F401  (registers torch.ops.npu.*)
     from optimized.model_loader.build import load_model
     from optimized.distributed import ParallelState
+    from optimized.distributed.parallel_state import groups_generation
 
-    key = (str(path), tuple(sorted(layout.items())), dtype, device)
+    # The groups' generation is part of the key: a task that closed its model (destroy_groups, e.g. the equivalence
+    # report's) destroyed the groups every cached model of this rank holds.
+    key = (str(path), tuple(sorted(layout.items())), dtype, device, groups_generation())
     if key in _MODEL_CACHE:
         _MODEL_CACHE.move_to_end(key)
         return _MODEL_CACHE[key]

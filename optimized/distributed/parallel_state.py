@@ -267,11 +267,21 @@ def _new_mc2_group(ranks: tuple[int, ...], window_mb: int) -> "dist.ProcessGroup
     return _GROUP_CACHE[key]
 
 
+_GENERATION = [0]  # how many times the cached subgroups were destroyed in this process
+
+
 def destroy_groups() -> None:
-    """Destroy the cached subgroups (all ranks together); the default group stays."""
+    """Destroy the cached subgroups (all ranks together); the default group stays. Every ParallelState built
+    before holds destroyed groups afterwards: `groups_generation` tells a cache of models that it must rebuild."""
     for pg in _GROUP_CACHE.values():
         dist.destroy_process_group(pg)
     _GROUP_CACHE.clear()
+    _GENERATION[0] += 1
+
+
+def groups_generation() -> int:
+    """Changes whenever `destroy_groups` ran: models (ParallelStates) built under another generation are stale."""
+    return _GENERATION[0]
 
 
 @dataclass(frozen=True)
