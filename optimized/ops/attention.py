@@ -398,6 +398,25 @@ def _visible(
     return (rel >= delta - pre) & (rel <= delta + nxt)
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm into an output whose every matrix starts 64-byte aligned, as a lone request's output does. The CPU
+    GEMM rounds a product differently when its output matrix starts unaligned: in a contiguous batch, matrix i of
+    (2, 17) fp32 starts 136 bytes after matrix i - 1, and a request batched with others got scores one bit away from
+    its scores alone (bmm's matrix 0, and every matrix of an aligned output, equal torch.mm's)."""
+    # Only for plain tensors run eagerly, checked before any size is read: traced (the compiler inlines this kernel),
+    # its tensors take no out= and a size comparison would specialize the graph on the batch; the compiler picks
+    # its own GEMM anyway.
+    if type(a) is not torch.Tensor or torch.compiler.is_compiling():
+        return torch.bmm(a, b)
+    batch, rows, cols = a.shape[0], a.shape[1], b.shape[2]
+    per_align = max(1, 64 // a.element_size())
+    per = -(-(rows * cols) // per_align) * per_align
+    if batch == 1 or per == rows * cols:
+        return torch.bmm(a, b)
+    out = a.new_empty(batch * per).as_strided((batch, rows, cols), (per, cols, 1))
+    return torch.bmm(a, b, out=out)
+
+
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None, scale: float, p_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,10 +433,10 @@ def _attend(
     # Batched matmuls over contiguous operands of fixed per-request shapes, (G*Lq, D) @ (D, Lkv) per (request, KV
     # head): an einsum, or a strided operand, lets the GEMM path depend on how many requests share the call, and a
     # request batched with others would round differently from the same request alone.
-    # torch.bmm on 3-D operands: torch.matmul folds a batch of one into a plain mm, another GEMM path.
+    # torch.bmm on 3-D operands (`_bmm`): torch.matmul folds a batch of one into a plain mm, another GEMM path.
     qg = q.reshape(reqs, lq, nkv, group, q.shape[-1]).permute(0, 2, 3, 1, 4).reshape(reqs * nkv, group * lq, -1)
     kt = k.permute(0, 2, 3, 1).reshape(reqs * nkv, -1, lkv)  # (R*Nkv, D, Lkv)
-    s = torch.bmm(qg.contiguous(), kt.contiguous()).reshape(reqs, nkv, group, lq, lkv) * scale  # (R, Nkv, G, Lq, Lkv)
+    s = _bmm(qg.contiguous(), kt.contiguous()).reshape(reqs, nkv, group, lq, lkv) * scale  # (R, Nkv, G, Lq, Lkv)
     if vis is not None:
         s = s.masked_fill(~vis, -math.inf)
     m = s.amax(-1, keepdim=True)
@@ -425,7 +444,7 @@ def _attend(
     p = torch.exp(s - torch.where(valid, m, torch.zeros_like(m)))
     l = p.sum(-1, keepdim=True)
     probs = (p / torch.where(valid, l, torch.ones_like(l))).to(p_dtype).float()
-    out = torch.bmm(
+    out = _bmm(
         probs.reshape(reqs * nkv, group * lq, lkv).contiguous(),
         v.permute(0, 2, 1, 3).reshape(reqs * nkv, lkv, dv).contiguous(),
     )  # (R*Nkv, G*Lq, Dv)
