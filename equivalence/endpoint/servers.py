@@ -43,21 +43,21 @@ def serving(cmd: list[str], port: int, log_path: Path, health: str = "/health"):
 
 
 @contextlib.contextmanager
-def server_process(cmd: list[str], port: int, log_path: Path, health: str = "/health"):
-    """Run `cmd` (a server on 127.0.0.1:port) until the block ends, once `health` answers; yields (its base URL,
-    its process)."""
+def server_process(cmd: list[str], port: int, log_path: Path, health: str = "/health", start_s: float = START_S):
+    """Run `cmd` (a server on 127.0.0.1:port) until the block ends, once `health` answers within `start_s`; yields
+    (its base URL, its process)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + START_S
+            deadline = time.monotonic() + start_s
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"the server exited ({proc.returncode}): {log_path.read_text()[-3000:]}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start in {START_S} s: {log_path.read_text()[-3000:]}")
+                    raise RuntimeError(f"the server did not start in {start_s} s: {log_path.read_text()[-3000:]}")
                 try:
                     if httpx.get(base + health, timeout=2).status_code == 200:
                         break

@@ -3,23 +3,17 @@ mid-flight, with the reference's greedy tokens per prompt alone (fp32), under at
 attention DP (TP 1 x DP 2 with EP 2, TP 2 x DP 2 with EP 4: MC2 decode, each request in one DP group, idle groups
 stepping dummy rows), and the endpoint checker (equivalence.endpoint: every position's logprobs) agrees with the
 TP 2 x EP 2 and TP 2 x DP 2 servers; and a driver whose rank broadcast fails (a rank that died) stops, telling every
-waiting request
-and the server."""
+waiting request and the server."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from equivalence.endpoint import run_check
+from equivalence.endpoint import run_check, servers
 from equivalence.serving.test_e2e_serving_http import PROMPTS, ref_greedy
 from fixtures.checkpoints import checkpoint
 
@@ -27,7 +21,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-REPO = Path(__file__).resolve().parents[2]
 START_S, TIMEOUT_S = 180, 60
 CONFIG = """model_config: {{model_path: "fixture:tiny", dtype: float32}}
 data_config: {{input_max_len: 48}}
@@ -51,12 +44,6 @@ ENDPOINT_CHECKED = ("tp2_ep2", "tp2xdp2_ep4")
 ENDPOINT_PROMPTS = [[5, 9, 200, 17, 3, 44, 1], [100, 101, 102, 103]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.equivalence
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -65,42 +52,9 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
     world, parallel, batch = LAYOUTS[layout]
     config = tmp_path / f"{layout}.yaml"
     config.write_text(CONFIG.format(parallel=parallel, batch=batch))
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world),
-            "-m",
-            "optimized",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.poll() is None, f"the server exited: {(tmp_path / 'server.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    port, log = servers.free_port(), tmp_path / "server.log"
+    launch = servers.ours(config, port, ranks=world)
+    with servers.server_process(launch, port, log, start_s=START_S) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
         results, errors = {}, []
 
@@ -129,8 +83,7 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(repr(e))
 
-        log.seek(0)
-        started = log.read()
+        started = log.read_text()
         if "dp" in layout:  # the plan says the decode runs MC2 under attention DP
             assert "under attention DP" in started and "MC2 window" in started, started
         threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS[:4])]
@@ -147,14 +100,6 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
             assert r.meta["mode"] == "echo" and sum(len(x.positions) for x in r.requests) == sum(
                 len(p) - 1 + 4 for p in ENDPOINT_PROMPTS
             )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(TIMEOUT_S)
-        log.close()
 
 
 class _DeadPeer:
