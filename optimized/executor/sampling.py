@@ -52,10 +52,8 @@ class SamplingParams:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
             raise ValueError(f"repetition_penalty={r!r} must be a finite number > 0 (1: off)")
         bias = self.logit_bias
-        if isinstance(bias, dict):
-            bias = tuple(sorted(bias.items()))
         try:
-            bias = tuple(sorted((t, b) for t, b in bias))
+            bias = tuple(sorted((t, b) for t, b in (bias.items() if isinstance(bias, dict) else bias)))
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to numbers") from None
         for t, b in bias:
@@ -162,11 +160,10 @@ def apply_penalties(logits: torch.Tensor, p: BatchPenalties, generated: torch.Te
     x = logits.float().scatter_add(1, p.bias_ids, p.bias)  # 1. logit_bias
     active = p.stop_valid & (generated < p.min_tokens).unsqueeze(-1)
     x = x.scatter_add(1, p.stop_ids, torch.where(active, float("-inf"), 0.0))  # 2. min_tokens
-    seen = p.prompt | (p.counts > 0)
+    generated_once = p.counts > 0
     r = p.repetition.unsqueeze(-1)
-    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)  # 3. repetition
-    counts = p.counts.float()
-    return x - (p.frequency.unsqueeze(-1) * counts + p.presence.unsqueeze(-1) * (p.counts > 0).float())  # 4.
+    x = torch.where(p.prompt | generated_once, torch.where(x > 0, x / r, x * r), x)  # 3. repetition
+    return x - (p.frequency.unsqueeze(-1) * p.counts.float() + p.presence.unsqueeze(-1) * generated_once.float())  # 4.
 
 
 def sorted_filtered_probs(
