@@ -198,7 +198,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "model.w4a4.bfloat16": Tolerance(
         atol=4.0,
         rtol=5e-2,
-        max_rel_l2=0.35,
+        max_rel_l2=0.40,
         min_separation=1.4,
         why="optimized W4A4 model with the learned Hadamard rotation (equivalence/quant/test_w4a4_model.py: "
         "tiny-h128 / tiny-h256 in bf16, orthogonal and invertible rotations, attention TP 1/2/4, EP = world) vs the "
@@ -207,6 +207,9 @@ TOLERANCES: dict[str, Tolerance] = {
         "rel_l2 0.215-0.302, max_abs 1.20-2.44 (logits up to ~10); attention TP 2 / 4 vs TP 1 on their own "
         "routing (sharding invariance, 3 comparisons x 3 steps): rel_l2 0.105-0.246, max_abs <= 3.17; the recipe's "
         "mxfp4_hadamard layout (test_w4a4_recipe: world 4, attn_tp 4, EP 4, MC2 decode): rel_l2 0.280, max_abs 2.25. "
+        "Those figures are from an AVX2 host; on an AVX512-BF16 host (oneDNN's native bf16 dot products round the "
+        "unquantized bf16 paths differently) tiny-h256 invertible at attn_tp 4 / world 4 measures rel_l2 0.312 over "
+        "all logits and 0.3665 on one request's decode logits, hence 0.40. "
         "This wide because every attention linear and expert is bitwise equal to the oracle's (test_w4a4_rotation "
         "checks each layer bitwise), while the unquantized bf16 paths (fused norms, fp32-internal attention: "
         "model.parallel.bfloat16, 2.4e-2) differ by ulps, which MXFP4 activations (1 mantissa bit, 4 points per "
