@@ -31,7 +31,9 @@ def manual() -> list[Path]:
 
 
 def sources() -> list[Path]:
-    return sorted(p for pkg in ("optimized", "reference", "equivalence", "fixtures") for p in (REPO / pkg).rglob("*.py"))
+    return sorted(
+        p for pkg in ("optimized", "reference", "equivalence", "fixtures") for p in (REPO / pkg).rglob("*.py")
+    )
 
 
 def pasted_notes(text: str) -> list[str]:
