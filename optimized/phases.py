@@ -1,6 +1,19 @@
 """How a phase (prefill, decode) moves activations through the decoder layers: strategies chosen once at build time.
 
-See docs/parallel.md, "Notes from the code", optimized/phases.py.
+A phase owns the layer loop: `run(model, input_ids, cos, sin, meta, kv_caches)` takes this rank's packed ids [T] and
+returns final-normed hidden states (TP and SP: [T, H] for every token; DP: this rank's rows), and `logits(...)` turns
+them into logits. Its step says, for each piece of the decoder layer (`input_norm`, `attention`,
+`post_attention_norm`, `moe` for the sparse block, `dense_mlp`), how the activations move between ranks; the decoder
+layer (model.py) calls the step and names no layout.
+
+- `TensorParallelPhase` / `TensorParallelStep`: every rank runs every token (decode; prefill without SP); the MoE
+  through the block's own `moe_infer_tp` or, in decode with moe_tp 1 and EP > 1, MC2 dispatch / combine.
+- `SequenceParallelPrefill` / `SequenceParallelStep` (`MxSequenceParallelStep`: W4A8, MXFP8 on the wire): rank r
+  runs tokens [r*n, (r+1)*n), n = ceil(T / P); the padding is made and stripped in `run` alone.
+- `DataParallelPhase` / `DataParallelStep`: attention data parallel, each rank its `ForwardMetadata.dp` rows.
+
+`build_phases(config, groups, scheme)` returns (prefill, decode). Phases and steps hold only exchanges (sizes and
+process groups), never a module: the model is passed to `run`. The layouts: docs/parallel.md.
 """
 
 from __future__ import annotations

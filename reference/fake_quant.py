@@ -1,6 +1,20 @@
-"""MX fake quantization for the reference model: quantize, then dequantize, at the W4A8 points.
+"""MX fake quantization for the reference model: quantize, then dequantize, at the points the quantized model does.
 
-See docs/quantization.md, "Notes from the code", reference/fake_quant.py.
+A plain restatement of the MX rules (spec mx_quant.md, a4w4_hadamard.md) in float64 so every step is exact, the tight
+oracle of the quantized optimized model; nothing here comes from `optimized/`. A block is 32 values of the last axis
+sharing one scale 2^(byte - 127). Weights, as the converter writes them: exponent floor(log2 amax), +1 when amax's
+mantissa exceeds 1.75, minus the format's emax, elements half away from zero. Activations, as the model quantizes
+them at run time: E4M3 exponent floor(log2 amax) - 8, FP4 floor(log2 amax) - 2, half to even, saturated at the
+format's max, a block whose scale byte would be 0 written as zeros.
+
+`SCHEMES` gives each scheme's (attention weight, expert weight, activation) formats; the points are the q/k/v/o and
+expert weights and those linears' inputs (the SwiGLU product formed in fp32 and rounded once); norms, router,
+embeddings and lm_head stay unquantized. With the Hadamard rotation the inputs are rotated online and the weights
+offline as the model and converter do.
+
+    model = load_fake_quant_model(path, torch.bfloat16, scheme="w4a8")  # "w8a8", "w4a4" (hadamard_weight_path=)
+    fake_quantize(model, "w4a8")     # in place, on a model already loaded
+    fake_quantize_kv_cache(model)    # and the per-token FP8 KV cache (what later steps read)
 """
 
 from __future__ import annotations

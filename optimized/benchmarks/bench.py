@@ -1,7 +1,14 @@
 """Latency of one device: the reference, the optimized model and HF transformers on the same weights,
 beside the memory-bandwidth floor. `python -m optimized bench --help`.
 
-See docs/testing.md, "Notes from the code", optimized/benchmarks/bench.py.
+`run(args)` (single process, greedy, a batch of random prompts of `--prompt-len` ids): per model, a prefill to the
+first token's logits and `--decode-steps` decode steps, each with a device sync; `--warmup` discarded and `--repeats`
+timed rounds, the models interleaved round by round so background load hits all alike; median, p90 and best, and the
+ratios of medians and of best samples. Weights: `RandomWeights(seed)` at the preset's shapes, loaded into the
+reference; the optimized model reads its state_dict and transformers shares the same tensors (experts stacked into
+its fused layout). Beside the timings: the decode floor (optimized/benchmarks/floor.py at the copy bandwidth measured
+in every round), the lm_head GEMV's own bandwidth, and the token agreement judged tie-aware (greedy_ties.py).
+`--host-overhead`, `--exe-mode`, the sweeps and `--world-size N` (bench_parallel.py) are modes of the same command.
 """
 
 from __future__ import annotations

@@ -2,7 +2,14 @@
 tensor-parallel prefill beside the sequence-parallel one with each MoE EP scheme, then the tensor-parallel decode
 beside the expert-parallel MC2 decode and the attention data-parallel one.
 
-See docs/parallel.md, "Notes from the code", optimized/benchmarks/bench_parallel.py.
+`run(args) -> report dict`: N spawned processes build each layout of `PREFILL_LAYOUTS` (tp, sp-allgather,
+sp-alltoall) and `DECODE_LAYOUTS` (tp, mc2, dp) in turn with `RandomWeights(seed)` at the preset's shapes (each rank
+drawing only its shards), time `--warmup` discarded and `--repeats` timed runs (the slowest rank's time), and count
+one more run's bytes per collective with `comm.count_bytes`, per MoE layer set beside the formulas of prefill_plan /
+decode_plan (with the routing's slot counts they must be equal on every rank). `dp` needs an even N >= 4 and
+`--batch` a multiple of 2, else its report line says why it was skipped. `formula(args)` (`--formula-only`) builds
+nothing: the decode layouts' bytes and the MC2 window at the preset's full depth, and every DP split of N.
+docs/parallel.md.
 """
 
 from __future__ import annotations

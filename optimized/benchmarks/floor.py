@@ -1,6 +1,17 @@
 """Physical floors: the least time a prefill or a decode step can take on given hardware.
 
-See docs/testing.md, "Notes from the code", optimized/benchmarks/floor.py.
+A floor is a lower bound, so every figure is taken on the optimistic side (the fastest published `Hardware` number,
+routed experts spread evenly over the EP ranks, no launch cost, compute and memory fully overlapped); a measured
+latency is reported beside it as "measured / floor".
+- `decode_floor`: bytes this rank must read / HBM bandwidth + collectives per step x collective latency. Bytes: its
+  shard of the attention projections and norms, the router, the experts the batch hits (`experts_hit`:
+  E (1 - (1 - k/E)^B) under uniform routing, k at batch 1), dense MLPs, final norm, lm_head shard, embedding rows,
+  plus the KV cache at the given context.
+- `prefill_floor`: max(FLOPs / peak, bytes / HBM bandwidth) + bytes sent / link bandwidth, for the TP path or the
+  recipe's SP+TP attention with MoE EP by allgather (`sp=True`).
+`Layout.of(parallel)` follows optimized.distributed's rank layouts; `Precision` gives bytes per element by weight
+kind (MX formats with one E8M0 byte per 32). Shared by `bench` (this CPU at its measured copy bandwidth) and the
+NPU latency budgets.
 """
 
 from __future__ import annotations

@@ -1,6 +1,14 @@
 """Tie-aware judgement of generated tokens against a reference teacher-forced on them.
 
-See docs/testing.md, "Notes from the code", optimized/benchmarks/greedy_ties.py.
+`judge_tokens(reference_logits [N, V], tokens [N], atol, rtol) -> TokenJudgement`: row j is the reference run on the
+prompt and the candidate's own tokens before j (so one flip does not end the comparison), and each position is
+- agree: the candidate's token is a reference argmax (exact ties agree);
+- near-tie: not, but the reference's margin to it is within 2 atol + rtol (|x_top1| + |x_token|), what the logit
+  noise of two runs can overturn;
+- divergence: a larger margin.
+One implementation for `bench` (optimized vs reference, atol / rtol from `LOGIT_NOISE`, which
+tests/test_endpoint_judge.py pins to the tolerance table) and `equivalence.endpoint` (any server vs the reference,
+atol / rtol from the table).
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """`python -m optimized bench serve`: load a running `python -m optimized serve` with streaming completions.
 
-See docs/serving.md, "Notes from the code", optimized/benchmarks/serve_bench.py.
+Requests arrive as a Poisson process of `--request-rate` per second (`inf`: all at once), each a prompt of random
+token ids (lengths uniform in input_len * (1 -+ range_ratio), or `--prompt-lens`) generating exactly `--output-len`
+tokens (ignore_eos); `--max-concurrency N` holds an arrival past the cap until one finishes. Per request, from the
+SSE stream: TTFT (send to first token), ITL (gaps between tokens), TPOT ((last - first) / (tokens - 1)). `report`
+gives p50 / p90 / p99 of each, request and output-token throughput, and with `--goodput ttft:MS tpot:MS` the
+requests that met every target given, as a share and as a rate.
 """
 
 from __future__ import annotations

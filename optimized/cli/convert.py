@@ -25,8 +25,8 @@ QUANT_TYPES = [
 def add_parser(sub) -> None:
     conv = sub.add_parser(
         "convert",
-        help="offline BF16 -> W4A8 (MXFP4 experts, MXFP8 attention) or W8A8 (MXFP8 "
-        "experts and attention) checkpoint conversion",
+        help="offline BF16 -> W4A8 (MXFP4 experts, MXFP8 attention), W8A8 (MXFP8 experts and attention) "
+        "or W4A4 (MXFP4 experts and attention) checkpoint conversion",
     )
     conv.add_argument(
         "--quant",

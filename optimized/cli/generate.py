@@ -1,6 +1,14 @@
 """`python -m optimized generate` (single process, or one process per rank under torchrun).
 
-See docs/config.md, "Notes from the code", optimized/cli/generate.py.
+Reads the inference YAML (`--config`; options such as `--model-path`, `--max-new-tokens`, `--dtype` override it),
+takes the batch from `--prompt TEXT` / `--prompt-ids 1,2,3` (one request each) or else from data_config, assembles
+the run (optimized/executor/assembly.py: launch checks, rank agreement, the plan printed, the model) and runs the
+engine to completion: greedy unless `--temperature` > 0, each request stopping at an EOS id unless `--ignore-eos`.
+Rank 0 prints per request `prompt ids:`, `generated ids:`, `finish:` and, with a tokenizer, `text:` and
+`completion:` (the lines `python -m reference generate` prints), then the prefill time and the decode time per token
+(graph mode: the first decode step, which compiles or loads the graph, apart). `--save-logits FILE` writes the
+prompts, the tokens, the logits at every prompt position and those each generated token was chosen from.
+A prompt longer than data_config.input_max_len is an error, never truncated. docs/config.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Command line: `python -m optimized generate | serve | bench | latency | convert`, one module per subcommand.
 
-See docs/config.md, "Notes from the code", optimized/cli/main.py.
+`parser()` builds the whole parser from each subcommand module's `add_parser(sub)`; `main(argv)` parses, calls that
+module's `run(args) -> exit status`, and turns a `UsageError` (a bad config, prompt, launch, checkpoint, quantization
+config, destination, compile cache, rank disagreement, timeout, non-finite logits, or a budget on other hardware)
+into one line `python -m optimized: error: ...` on stderr and exit status 2. Every option: `--help`, or
+docs/config.md for the YAML they read.
 """
 
 from __future__ import annotations

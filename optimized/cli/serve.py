@@ -1,6 +1,11 @@
 """`python -m optimized serve --config X.yaml [--host 127.0.0.1] [--port 8000]`: the OpenAI-compatible server.
 
-See docs/serving.md, "Notes from the code", optimized/cli/serve.py.
+The YAML is `generate`'s inference config, assembled the same way (optimized/executor/assembly.py: the plan printed,
+the MC2 window sized for batch_size, the compile cache, mem_fraction_static, the profiler over the whole run);
+server-only settings are flags (--host, --port, --served-model-name, --kv-pool-blocks: default batch_size requests
+of input_max_len + max_new_tokens, per DP group under attention DP). In graph mode every decode bucket up to
+batch_size is compiled or loaded before the port opens. Under torchrun rank 0 serves HTTP and the other ranks follow
+its engine steps (optimized/serving/ranks.py). docs/serving.md.
 """
 
 from __future__ import annotations

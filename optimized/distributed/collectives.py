@@ -1,6 +1,14 @@
 """The collectives the model layers call, with byte counting.
 
-See docs/parallel.md, "Notes from the code", optimized/distributed/collectives.py.
+`all_reduce`, `all_gather` (`sizes=` for uneven shards), `reduce_scatter`, `all_to_all_single`, `broadcast` take a
+ProcessGroup, a `GroupInfo` or None and are the identity when the group is None or of size 1, so a single process
+needs no `torch.distributed` at all. Every call adds the bytes this rank sends to the active `count_bytes()` counter.
+
+Invariants, on every backend: 16-bit floats travel as they are (gloo rounds a sum at every reduction step, every rank
+still getting the same value; `upcast=True` sums in fp32 and rounds once); 1-byte types (fp8, E8M0 scales, packed
+FP4) move as uint8 views, bit-exact, and reducing them is refused; gloo's missing uneven all_gather is a pad, one
+gather and a trim. While torch.compile traces, the same collectives go through torch's functional collectives, so a
+decode step with TP / EP collectives captures as one graph. Findings pinned by tests/test_dist_harness.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,16 @@
 """The decode's MoE plan: when decode uses MC2 dispatch / combine, what it moves, and the HCCL window its group needs.
 
-See docs/parallel.md, "Notes from the code", optimized/distributed/decode_plan.py.
+- `uses_mc2_decode(parallel)`: the recipe's rule, MC2 whenever moe_tp_size == 1 and moe_ep_size > 1.
+- Bytes per rank and MoE layer, exactly what the portable kernels send: `mc2_volume` / `decode_volume` (dispatch,
+  combine, all_gather), `tp_volume` (the tensor-parallel all-reduces), `step_volume` for a decode step; under
+  attention DP `dp_rows`, `attention_dp_volume`, `lm_head_dp_volume` and `dp_step_volume`.
+- The window: `mc2_window_mb` (the recipe's fullmesh_v2 rule: 512-byte aligned token slots, both phases
+  double-buffered, an 11 MB reserve, at least HCCL's 200 MB), `window_for(hf_config, parallel, batch, act_bytes)`
+  from the most tokens one rank dispatches, `mc2_group_options` for the MC2 group alone; `check_mc2_window` raises
+  Mc2WindowError when a batch needs more than the group was built with, `check_mc2_limits` Mc2LimitError past the
+  NPU kernels' size limits.
+
+The formulas and the window's derivation: docs/parallel.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,13 @@
 """Fail fast in multi-rank runs: a collective timeout suited to inference, and a start-up check that every
 rank holds the same config, model and prompts.
 
-See docs/errors.md, "Notes from the code", optimized/distributed/guard.py.
+- `collective_timeout_s(configured)`: parallel_config.collective_timeout_s, overridden by
+  QWEN3_MOE_COLLECTIVE_TIMEOUT_S, default 120 s (torch's 30 minutes are for training). `named_collective_errors`
+  turns the backend's "timed out" into CollectiveTimeoutError naming the setting and the likely cause (a rank stopped
+  or stuck); a rendezvous store that does not answer in time is StoreTimeoutError.
+- `check_ranks_agree(fields)`: one all_gather of every rank's small {key: value} dict; RankMismatchError names the
+  first key on which a rank differs from rank 0, with both values. `run_fingerprint(...)` builds that dict: the
+  inference config, the checkpoint's config.json and weight files (digests), the prompts (digest), the options.
 """
 
 from __future__ import annotations

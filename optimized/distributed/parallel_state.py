@@ -1,6 +1,16 @@
 """Process groups: the rank layouts of a parallel config, the groups built from them, and joining the job.
 
-See docs/parallel.md, "Notes from the code", optimized/distributed/parallel_state.py.
+- `init_distributed(...)` joins the job from torchrun's environment (LaunchError for a launch it cannot use) and
+  applies the platform settings before the default group exists.
+- `layout_ranks(parallel) -> {kind: [rank lists]}`, pure: `attn_tp`, `moe_tp`, `embed_tp`, `lmhead_tp` contiguous,
+  `moe_ep` strided (the ranks with the same `rank % moe_tp_size`), and under attention DP `attn_dp` strided (the
+  ranks with the same attention TP rank).
+- `ParallelState.build(parallel, mc2_window_mb=...)`: the `torch.distributed` groups, this rank's `GroupInfo` per
+  kind, plus `moe_ep_mc2`, the MC2 group with its own HCCL window. Every rank calls `new_group` for every group of
+  every kind in the same order (a torch.distributed requirement); a group of size 1 is None, one spanning the world
+  is the default group, identical rank lists share one group. `destroy_groups()` ends the cached subgroups (the
+  default group stays) and bumps `groups_generation()`, which caches of models key on.
+- `comm_name(group)`: the communicator name the MC2 operators' `group_ep` takes.
 """
 
 from __future__ import annotations

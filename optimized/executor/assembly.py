@@ -1,6 +1,16 @@
 """The one assembly: an inference config (and the launch environment) to a running model and engine.
 
-See docs/architecture.md, "Notes from the code", optimized/executor/assembly.py.
+    launch = prepare(cfg, command="generate")       # host only: launch checks, compile cache, model config, tokenizer
+    run = launch.start(batch=..., prefill_tokens=..., prompts=..., agree={...})  # job, plan, groups, model, runner
+    run.runner.generate(...)  or  run.engine()      # the engine run to completion, or fed by a server
+    run.close()
+
+`prepare` runs before any process group exists and returns a `Launch`; `start` joins the job (bounded by the
+collective timeout), checks that every rank holds the same config, model, prompts and `agree` fields, computes the
+`ExecutionPlan` (printed by rank 0), builds the process groups with the plan's MC2 window, loads the model (weights
+prepared once) and the runner, and checks memory before any KV cache exists. It returns an `Assembly`, which owns
+the process groups until `close()`. A YAML key is honoured or refused here, once; every error a user can fix is a
+`UsageError` naming the key, file or option. docs/architecture.md tells the whole path.
 """
 
 from __future__ import annotations

@@ -1,6 +1,18 @@
 """Compile cache: compiled decode graphs kept under `compile_cache/<CASE_NAME>/` between runs.
 
-See docs/graph_mode.md, "Notes from the code", optimized/executor/compile_cache.py.
+`CompileCache(case_dir(name), trust=False).entry(cache_key(...))` is one entry per compiled graph (rank and batch
+bucket), in `compile_cache/<CASE_NAME>/<key hash>/`: key.json (the full key, every file's sha256, the entry's MAC),
+artifacts.bin (`torch.compiler.save_cache_artifacts()`), inductor/ (inductor's cache; on an NPU torchair's
+cache_compile files). The key holds everything the graph depends on (model config, layout and rank, dtype, bucket,
+block size, KV cache dtype, exe_mode, backend, inlined kernels and their source hash, torch / torch_npu / Python
+versions), so a changed key is another directory and a stale artefact is never loaded.
+
+The cache is code (loading an entry unpickles and imports it), so: directories are created owner-only, a case
+directory or entry owned by another user or writable by others is a CompileCacheError; every entry is checksummed
+and authenticated by an HMAC under a per-user key outside the cache (`key_path()`); an entry this user did not write
+is discarded with a CompileCacheWarning and compiled fresh unless `trust=True`. An unreadable entry is discarded and
+compiled again; entries are written artefact first and key.json last, each through an atomic rename, so a crash
+leaves an entry that is discarded, not loaded. docs/graph_mode.md.
 """
 
 from __future__ import annotations

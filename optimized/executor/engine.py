@@ -1,6 +1,16 @@
 """The engine: the one loop that generates. Continuous batching over a paged KV cache and a device-resident batch.
 
-See docs/architecture.md, "Notes from the code", optimized/executor/engine.py.
+`Engine.add(request)` queues a request (`RequestTooLarge` when it can never fit), `abort(request_id)` drops one, and
+`step() -> (Step, [TokenEvent])` runs one step the scheduler chose: a prefill of the newly admitted requests or a
+decode of every running one, then one batched token choice and one device-to-host read (the chosen ids and the
+logprobs asked for, packed in one float32 vector; raw logits rows only for requests that asked). `generate` is the
+engine run to completion (`ModelRunner.generate`), `serve` feeds it from HTTP.
+
+Invariants: a request's tokens depend only on its prompt and sampling (its own blocks and seeded draws), not on who
+else is in the batch; non-finite logits end that request with finish_reason "error", never the engine. Under
+attention DP every rank runs the same scheduler over the same requests, a group with nothing to run steps a dummy
+token, and the packed read vectors are gathered over the DP groups, so every rank knows every request's tokens.
+docs/architecture.md tells the loop.
 """
 
 from __future__ import annotations

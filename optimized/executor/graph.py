@@ -1,6 +1,17 @@
 """Graph mode: the decode step compiled to one static graph per batch bucket (exe_mode ge_graph / acl_graph).
 
-See docs/graph_mode.md, "Notes from the code", optimized/executor/graph.py.
+`decode_forward(model, exe_mode, cache)` is what `ModelRunner` calls for each decode step: the model itself in eager
+mode, a `GraphDecoder` otherwise, which pads the batch to its bucket (the next power of two), runs that bucket's
+compiled `DecodeStep` and returns the real rows' logits. Prefill stays eager.
+
+The compiled step is one whole decode forward (fullgraph) from tensors of static shape (ids, positions, slot mapping
+[Bp], block table [Bp, ceil(max_position_embeddings / block_size)]) and one host list of KV lengths (symbolic ints),
+the KV caches keeping a symbolic block count: nothing inside it syncs with the host, longer contexts and other pool
+sizes run the same graph, and the cache write is re-inplaced (no copy of a layer's cache). A padding slot decodes
+token 0 at position 0 with KV length 2 into the null block and its logits are dropped (`GraphDecoder.padding`);
+under attention DP every group pads to the bucket of the largest group's batch. Compiling never falls back to eager
+silently (the recompile limit is an error); `GraphDecoder.startup` records per bucket whether it was loaded from
+the compile cache or compiled. docs/graph_mode.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,17 @@
 """Next-token choice for a whole batch in one call: greedy rows and sampled rows together, on the logits' device.
 
-See docs/architecture.md, "Notes from the code", optimized/executor/sampling.py.
+`choose(logits [B, V], sampling, penalties, generated) -> ids [B]` (int64, -1 where a row is not finite).
+`SamplingParams(temperature, top_k, top_p, seed, ...)`: temperature 0 is the float32 argmax (first index on ties);
+otherwise logits / temperature, cut to top_k (ties at the k-th kept) and top_p (the most likely token always stays),
+and one token drawn by inverting the cumulative distribution at u = splitmix64(seed, stream, draw) on int64 tensors.
+`stream` tells apart requests sharing a seed, `draw` counts the request's own tokens: a request's tokens depend only
+on its logits and (seed, stream), not on the batch, the step it joined or the backend, and every rank draws alike.
+Seeds take any value in [0, 2^64); `fresh_seed` gives an unseeded request one, the same on every rank.
+
+Logits processors, applied to the float32 logits before all of the above (greedy rows too), in this order:
+logit_bias; min_tokens (EOS ids -inf until reached); repetition_penalty r over prompt and generated tokens (logit / r
+if positive else logit * r); frequency f and presence p over generated tokens (logit - f * count - p * (count > 0)).
+`apply_penalties` is the batched form of reference/sampling.py's per-row rules, equal bit for bit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,15 @@
 """Continuous batching: which requests the next engine step runs, and the KV blocks each holds (host bookkeeping
 only, no tensors).
 
-See docs/architecture.md, "Notes from the code", optimized/executor/scheduler.py.
+`Scheduler.schedule(pools) -> Step`: a prefill (the admitted requests, FIFO per attention-DP group, prefill first,
+within the group's batch share, `max_prefill_tokens` and free blocks), else a decode of every running request (with
+the blocks taken as tokens start new ones, `Step.grown`, and the group's most recent request preempted when its pool
+is empty, `Step.preempted`), else idle. A group with nothing to run in a non-idle step runs a dummy row.
+
+Invariants: the decode after a prefill never preempts (admission leaves the running requests' next blocks free); a
+request admitted can always finish (`check_admissible` refuses one whose whole budget cannot fit its pool alone); a
+preempted request goes back to the head of its queue keeping its tokens and is recomputed (`Request.prefill_ids`);
+every rank running the same scheduler over the same requests takes the same decisions. docs/architecture.md.
 """
 
 from __future__ import annotations

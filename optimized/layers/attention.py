@@ -1,6 +1,16 @@
 """Qwen3-MoE attention on the fused operators, tensor-parallel over the attention TP group.
 
-See docs/architecture.md, "Notes from the code", optimized/layers/attention.py.
+`Qwen3MoeAttention.forward(hidden [T, H], cos, sin, meta, kv_cache, atten_mask) -> [T, H]`:
+merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rotary_pos_emb (TND) ->
+npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache) -> o_proj
+(row-parallel, all_reduce; under attention DP the phase reduce-scatters its partial sums instead). New K/V go to
+the paged cache through `meta`'s slot mapping with npu_scatter_nd_update_.
+
+A layer's cache is (k, v), or (k, v, k_scale, v_scale) for the per-token FP8 cache: K and V quantized per token over
+this rank's KV heads by npu_dynamic_quant at the write, decode reading them with key/value_quant_mode 4. Prefill
+attends to its own 16-bit K/V, as the recipe does; only what later steps read passes through the cache. The SP
+prefill's data movement around these pieces is the phase's (optimized/phases.py); W4A4's Hadamard rotation is inside
+merged_qkv_proj's and o_proj's quant method.
 """
 
 from __future__ import annotations

@@ -1,6 +1,19 @@
 """The MoE token exchanges: how tokens reach the experts of their EP rank and come back, named as in the recipe.
 
-See docs/parallel.md, "Notes from the code", optimized/layers/exchange.py.
+Interface (`MoeExchange`): `exchange(experts, x, topk_idx, topk_weight) -> [rows of x, H]`, the rows' combined
+expert output weighted by `topk_weight`. `experts` is the layer's `FusedMoEGMM` (this rank's experts), `x` the expert
+input as a payload: a tensor, or MXFP8 `MxRows` (data + scales) whose scale rows travel with their data rows
+(`map_rows`), so the quantized and 16-bit paths are the same code. An exchange holds only sizes and process groups
+(no module: a model keeps no reference cycle through it) and calls only `torch.ops.npu.*` and the collectives.
+
+- `MoeInferTP` ("tp"): every rank holds the same tokens and routes them to its own experts only; the partial sums
+  are all-reduced over MoE TP and EP.
+- `MoeInferAG` ("allgather", SP prefill): rows, ids and weights all-gathered, `reduce_scatter` back.
+- `MoeInferDoubleRouting` ("alltoall", SP prefill and DP prefill): uneven all_to_all to the experts' ranks and back.
+- `MoeInferDispatchCombine` ("dispatch_combine", MC2 decode): each EP rank dispatches its share and the results are
+  all-gathered; under attention DP (`own_rows`) each rank exchanges its own rows, padding masked, nothing gathered.
+
+`build_exchange(name, config, groups)` builds one by name. Data flow and bytes: docs/parallel.md.
 """
 
 from __future__ import annotations

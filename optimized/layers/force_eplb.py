@@ -1,6 +1,16 @@
 """`model_config.force_eplb` (older files: `perfect_eplb`): the recipe's forced balanced routing, its benchmark mode.
 
-See docs/parallel.md, "Notes from the code", optimized/layers/force_eplb.py.
+The gate still computes its softmax top-k and keeps the top-k weights; only the expert ids are replaced, in every MoE
+layer, by a deterministic balanced list built from the global rank g and the rows reaching this rank's MoE (slot j
+row-major, K = top_k, E = num_experts, ep = moe_ep_size, L = E / ep):
+- prefill: ids[j] = (j + g) % E;
+- decode, moe_tp_size > 1: ids[j] = (j % ep) * L + j // ep (slot j on EP rank j % ep); needs B * K <= E;
+- decode, moe_tp_size == 1: step = L if rows * K < E and ep > 1 else 1;
+  ids[j] = ((j + g // step * step) * step + (g + (j % K) // ep) % step) % E (the `(j % K) // ep` term keeps a row from
+  naming one expert twice when top_k > ep; zero otherwise, the recipe's ids exactly).
+Which g (`EplbRows`): OWN rows use this rank's g (SP prefill, attention DP); JOB rows, held by every rank and summed
+by the exchange, use g = 0 everywhere; EP_SPLIT rows (MC2 decode) get the ids of the EP rank that dispatches them.
+Built from torch.arange on the input's device and host ints only, so a graph bakes in nothing but its shape.
 """
 
 from __future__ import annotations

@@ -1,6 +1,16 @@
 """The learned Hadamard rotation of W4A4 checkpoints (spec a4w4_hadamard.md): its directory, and where it acts.
 
-See docs/quantization.md, "Notes from the code", optimized/layers/hadamard.py.
+`hadamard_weight_path` is a directory with one file per decoder layer, `layer_{i}_self_attn.pt`: a flat mapping with
+two 128x128 float matrices (any floating dtype, used as float32; other keys ignored),
+`input_transform.transform.linear.weight` (T_in: q/k/v) and `out_transform.transform.linear.weight` (T_out: o).
+`load_layer` reads one (RotationError naming the file, key or matrix it cannot use); `attach(model, path, tp)` hands
+them to the W4A4 linears as non-persistent buffers on the model's device, replicated on every rank.
+
+- Activations, online: x <- bf16(fp32(x) @ T) per 128 features (`rotate`), right before the W4A4 linear quantizes
+  its input (`MxFp4LinearMethod.apply`), so every path that calls the linear rotates it.
+- Weights, offline (the converter): W <- cast(fp32(W) @ inverse(T)^T) per 128 in-features (`weight_rotation`):
+  inverse, never a transpose, since T need not be orthogonal. The two cancel.
+Every rotated width must be a multiple of 128 (`check_widths`: hidden_size; heads / attn_tp_size * head_dim).
 """
 
 from __future__ import annotations

@@ -1,6 +1,14 @@
 """The files of a safetensors checkpoint, opened with a named error for every way they can be broken.
 
-See docs/architecture.md, "Notes from the code", optimized/model_loader/checkpoint_files.py.
+- `weight_files(path) -> {tensor name: file}`, from `model.safetensors.index.json` (its `weight_map`) or the single
+  `model.safetensors`; bad JSON, an index without `weight_map`, a listed shard the directory lacks, and a truncated,
+  empty or corrupt-header file each raise CheckpointError naming the file and the fix.
+- `declared_dtype(path, names)`: the dtype config.json declares (`dtype`, or the older `torch_dtype`), which every
+  tensor read must have; MX scale tensors with no `quantization_config` in config.json are named as that key lost.
+- `read_json(file, error, fix)`: a JSON file, or `error` naming it (unreadable, not UTF-8, invalid, nested too deep).
+- `FusedExpertView`: transformers v5's one-tensor-per-layer experts (`...experts.gate_up_proj` [E, 2I, H],
+  `...experts.down_proj` [E, H, I]) presented per expert, reading only the requested slice (`get_slice`), so no
+  rank materializes the fused tensor.
 """
 
 from __future__ import annotations

@@ -1,6 +1,17 @@
 """Offline BF16 -> W4A8 / W8A8 / W4A4 checkpoint conversion (spec mx_quant.md §8), streamed tensor by tensor.
 
-See docs/quantization.md, "Notes from the code", optimized/model_loader/quantize.py.
+`convert_checkpoint(src, dst, quant, ...)` (`python -m optimized convert --quant w4a8|w8a8|w4a4 SRC DST`) writes:
+- W4A8 (`w4a8c16`): routed experts' gate/up/down MXFP4 E2M1 (uint8, two codes per byte along K, low nibble first),
+  attention q/k/v/o and dense-MLP weights MXFP8 E4M3;
+- W8A8 (`w8a8c16`): all of those MXFP8 E4M3, the experts too;
+- W4A4 (`w4a4c16`): all of those MXFP4, q/k/v and o first rotated by the layer's T_in / T_out when a rotation
+  directory is given (`cast(fp32(W) @ inverse(T)^T)`, back to the source dtype);
+each with `<name>_scale`, one E8M0 byte per 32-block of K ([N, ceil(K/32)]); norms, router, embeddings and lm_head
+copied unchanged; config.json's compressed-tensors `quantization_config` (with the per-token FP8 `kv_cache_scheme`
+for kv_cache="fp8", null for "bf16"); other files copied, an index rewritten with the same shard names.
+`keep_dense_gate_proj` leaves dense MLPs' gate_proj 16-bit, as the recipe's converter does. Every output header is
+computed from the source's metadata first, then each tensor is read, quantized and appended in row chunks: memory
+holds a few MB of one tensor. A quantized source or a non-empty destination is a ConversionError.
 """
 
 from __future__ import annotations

@@ -1,6 +1,15 @@
 """CPU bf16 linear on oneDNN's prepacked weight layout: `cpu_gemm.linear(x, weight)` == F.linear(x, weight).
 
-See docs/devices.md, "Notes from the code", optimized/ops/cpu_gemm.py.
+`linear(x, weight)` (and `grouped_linear` for the experts) returns F.linear's result bit for bit: the same products
+and fp32 accumulation with one bf16 rounding, read from a packed copy of the weight in oneDNN's own order instead of
+the plain [N, K] layout oneDNN would reorder inside every call (equivalence/ops/test_ops_cpu_gemm.py). Anything else
+(another device, fp32, autograd, an inference-mode weight without a version counter) is plain F.linear.
+
+Invariants: the packed copy is made lazily once per weight and keyed by the weight's memory, shape, strides, owner
+and version counter, so a weight rewritten in place or freed and its memory reused is packed again, never read
+stale. Traced by torch.compile, `linear` is the opaque operator `qwen3_moe_cpu::linear` (inductor cannot take
+oneDNN's packed tensors as graph inputs), so a compiled step calls the same kernel as eager.
+QWEN3_MOE_CPU_PREPACK=0 (read once at import) turns the path off. Why and how fast: docs/devices.md.
 """
 
 from __future__ import annotations

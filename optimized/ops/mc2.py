@@ -1,7 +1,19 @@
 """MC2 family: the expert-parallel token dispatch and combine collectives, npu_moe_distribute_dispatch_v2 and
 npu_moe_distribute_combine_v2. Contract: spec npu_ops_moe.md §10, §11 (and §13 items 16-18).
 
-See docs/parallel.md, "Notes from the code", optimized/ops/mc2.py.
+The portable kernels are the spec's explicit all-to-all steps over torch.distributed, on the EP group named by
+`group_ep` (resolved in `process_groups`, which optimized/distributed fills with the HCCL name on an NPU host and the
+ProcessGroup's own name elsewhere), reusing the routing family's kernels for the local steps:
+
+    dispatch (rank r):  init_routing_v2 over all experts (sorted by (dest rank, local expert, token), counts)
+                        -> all_to_all of the counts [W, L] (with each rank's BS, checked when global_bs = 0)
+                        -> all_to_all_v of the rows, bit-exact as bytes, with each row's (token, k slot)
+                        -> re_routing (s, e, t) -> (e, s, t): expand_x grouped by local expert
+    combine (rank r):   re_routing with rank and expert swapped, (e, s, t) -> (s, e, t)
+                        -> all_to_all_v back -> finalize_routing in fp32 (ascending j), one rounding
+
+W = 1 needs no group (the spec's relaxation of the NPU's W >= 2). Both kernels report the bytes they send to other
+ranks through `process_groups.report_traffic`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """The OpenAI-compatible HTTP routes over a `Driver` (FastAPI).
 
-See docs/serving.md, "Notes from the code", optimized/serving/app.py.
+`build_app(driver, tokenizer, ...)` -> a FastAPI app with /v1/completions and /v1/chat/completions (JSON, or SSE
+ending `data: [DONE]`), /v1/models, /v1/models/{id}, /health, /metrics. Contract: limits come before any work (body
+size, then every field, then a text prompt's length in characters, then tokenizing off the event loop on one worker
+thread, which also detokenizes); one choice is one engine request (choice index = prompt index * n + j, choice j
+seeded by `protocol.choice_seed(seed, j)`); each choice carries `token_ids`; a client that goes away aborts its
+requests; a request that fails alone gets a JSON error, or an SSE `error` event then `data: [DONE]` once streaming,
+and nothing else fails with it. Fields and status codes: docs/serving.md.
 """
 
 import asyncio

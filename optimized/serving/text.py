@@ -1,6 +1,16 @@
 """Generated ids -> text as it streams: incremental detokenizing and stop strings.
 
-See docs/serving.md, "Notes from the code", optimized/serving/text.py.
+`TextStream(tokenizer, stops)`: `add(token, last) -> str` the text this token releases (sets `stopped` when a stop
+string appeared; the completion is the text before it), `finish() -> str` what was held back when the request ends
+on a token whose text is not shown (EOS). Text is released only when it can no longer change: not an incomplete
+character and not a prefix of a stop string.
+
+`Detokenizer` decodes only a short window of ids per token, never the whole completion: the window keeps a little
+released context (a tokenizer's decode may depend on the token before), holds text ending in U+FFFD (a character
+split over byte-level tokens) until later tokens complete it, and after `MAX_PENDING` held tokens is cut at the
+newest boundary no open UTF-8 sequence crosses; a chain with no such boundary is released as it is after
+`MAX_WINDOW` tokens. So a token costs a few decodes of at most `MAX_WINDOW` + 1 ids, and the streamed text equals
+the whole completion's decode except in that last case.
 """
 
 from __future__ import annotations

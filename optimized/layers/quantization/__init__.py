@@ -1,6 +1,18 @@
 """Quant methods (vLLM-style): each linear / grouped-matmul layer owns one, chosen once when the model is built.
 
-See docs/quantization.md, "Notes from the code", optimized/layers/quantization/__init__.py.
+    base.py             the QuantMethod interface every method subclasses (create, load, process once, apply)
+    config.py           QuantConfig: the checkpoint's quantization_config parsed once; the method per layer prefix
+    schemes.py          which scheme a quantization_config is (None / w4a8 / w8a8 / w4a4)
+    unquantized.py      16-bit linears and experts
+    mxfp8.py, w8a8.py   MXFP8 linears; MXFP8 experts
+    w4a8.py, w4a4.py    MXFP4 experts with MXFP8 activations; MXFP4 linears (rotated input) and experts
+    mx_layout.py        MX weights' checkpoint and runtime layouts
+    lifecycle.py        load -> process_weights_after_loading once -> apply, and its errors
+    mx_wire.py          MxRows: MXFP8 activation rows as they move between ranks
+    kv_cache.py         the KV cache's dtype (kv_cache_scheme, model_config.kv_cache_dtype)
+    converter_config.py the quantization_config the converter writes, and the loader's exact check of it
+
+Import from the module that holds a name; this package re-exports the public ones for interactive use.
 """
 
 from optimized.layers.quantization.base import GMM_TUNING_CONFIG, FusedMoEMethod, LinearMethod, QuantMethod

@@ -1,6 +1,16 @@
 """The model's quantization, parsed once per build: which quant method each layer gets, by checkpoint prefix.
 
-See docs/quantization.md, "Notes from the code", optimized/layers/quantization/config.py.
+`QuantConfig.from_hf_config(hf_config, stored)` reads config.json's `quantization_config` once (schemes.py; a
+QuantConfigError names a key it cannot run) and the model asks it for each layer's method by checkpoint prefix
+(`model.layers.3.self_attn.o_proj`): `linear_method(prefix)`, `moe_method(prefix)`, each a fresh method.
+
+- unquantized: every linear and the experts 16-bit;
+- W4A8: attention and dense-MLP linears MXFP8, the routed experts MXFP4 x MXFP8;
+- W8A8: every linear and the experts MXFP8;
+- W4A4: attention and dense-MLP linears and the experts MXFP4 x MXFP4.
+`stored` (the weight source's `has`) tells a dense-MLP projection stored without its `weight_scale` partner in an
+MXFP8 checkpoint, which is then 16-bit (`sixteen_bit`): config.json cannot tell the recipe's converter's dense
+gate_proj apart from a quantized one.
 """
 
 from __future__ import annotations
