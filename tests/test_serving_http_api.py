@@ -107,12 +107,12 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def server():
-    import socket
-    import uvicorn
     from fixtures.checkpoints import checkpoint
     from optimized.model_loader.tokenizer import CheckpointTokenizer, eos_token_ids
     from optimized.serving.app import build_app
     from optimized.serving.driver import Driver
+    from optimized.serving.http_server import Server
+    from optimized.serving.listen import bind, bound_port
 
     path = checkpoint("tiny")
     tokenizer = CheckpointTokenizer.load(path)
@@ -127,10 +127,9 @@ def server():
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         max_body_bytes=MAX_BODY,
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    sock = bind("127.0.0.1", 0)
+    port = bound_port(sock)
+    srv = Server(app, sock)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + TIMEOUT_S
@@ -150,6 +149,7 @@ def server():
         srv.should_exit = True
         thread.join(TIMEOUT_S)
         driver.stop()
+        sock.close()
 
 
 @pytest.fixture
