@@ -637,3 +637,45 @@ def test_n_choices_are_sampled_with_a_seed_each(s):
     assert None not in seeds and seeds[0] != seeds[1]
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 20, "n": 4}), 400, "n")
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * (protocol.MAX_CHOICES + 1)}), 400, "prompt")
+
+
+# ---- a vanished client stops its work
+def raw_request(s, path: str, body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    return head.encode() + body
+
+
+def connect(s):
+    import socket
+
+    host, port = s.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=TIMEOUT_S)
+
+
+def wait_for(condition, what: str, limit_s: float = 60):
+    deadline = time.monotonic() + limit_s  # a bound for a hung server, not a timing claim
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(s, route):
+    """Tokens flow every step, so the request never waits a second for an event: it must still learn of the
+    disconnect (its blocks returned and counted `abort`), not run on to max_tokens and count `length`."""
+    max_tokens = 3000
+    s.engine.step_s = 0.005
+    s.engine.script = lambda r: s.tokenizer.hf.encode(" a") * max_tokens
+    abort = 'qwen3_moe_requests_finished_total{reason="abort"}'
+    before, added = _metric(s, abort), len(s.engine.added)
+    prompt = {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = json.dumps({"model": MODEL, "max_tokens": max_tokens, **prompt}).encode()
+    with connect(s) as c:
+        c.sendall(raw_request(s, route, body))
+        wait_for(lambda: len(s.engine.added) > added and s.engine.added[-1].tokens, "the request never started")
+        request = s.engine.added[-1]
+    wait_for(lambda: request not in s.engine.scheduler.running, "the request never ended")
+    assert request.request_id in s.engine.aborted and request.finish_reason is None
+    assert len(request.tokens) < max_tokens
+    wait_for(lambda: _metric(s, abort) == before + 1, "the abort was not counted")

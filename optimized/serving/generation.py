@@ -20,8 +20,6 @@ from optimized.serving.protocol import ApiError
 from optimized.serving.state import ServerState
 from optimized.serving.text import TextStream
 
-POLL_S = 1.0  # how often a waiting non-streaming handler checks that its client is still there
-
 
 def error_of(e: BaseException) -> ApiError:
     """The HTTP error of a request that failed in the engine's thread (its sink got the exception)."""
@@ -125,19 +123,21 @@ def detokenize(batch):
     return out
 
 
-async def next_batch(events: asyncio.Queue, http: HttpRequest) -> list | None:
+async def watch_disconnect(http: HttpRequest, events: asyncio.Queue) -> None:
+    """Waits for the client to go away (the body is read: the next ASGI message is the disconnect) and then puts a
+    `(None, None)` item on the choices' event queue, so the loop learns of it with its next item: one task per
+    response, nothing per token."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    events.put_nowait((None, None))
+
+
+async def next_batch(events: asyncio.Queue) -> list | None:
     """The events waiting (at least one), or None when the client went away."""
-    while True:
-        try:
-            first = await asyncio.wait_for(events.get(), POLL_S)
-            break
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                return None
-    batch = [first]
+    batch = [await events.get()]
     while not events.empty():
         batch.append(events.get_nowait())
-    return batch
+    return None if any(k is None for k, _ in batch) else batch
 
 
 def outcome(driver, c: Choice, item, done):
@@ -164,9 +164,10 @@ async def run(state: ServerState, choices: list[Choice], events: asyncio.Queue, 
     when the client leaves, a stop string hits, one fails or the handler is cancelled. The events waiting on the
     queue are detokenized together on the worker thread, never on the event loop."""
     left = len(choices)
+    watcher = asyncio.ensure_future(watch_disconnect(http, events))
     try:
         while left:
-            batch = await next_batch(events, http)
+            batch = await next_batch(events)
             if batch is None:
                 return
             batch = [(choices[k], item) for k, item in batch]
@@ -178,6 +179,7 @@ async def run(state: ServerState, choices: list[Choice], events: asyncio.Queue, 
                 left -= reason is not None
                 yield c, item, text, reason
     finally:
+        watcher.cancel()
         for c in choices:
             if not c.ended:
                 c.ended = True
