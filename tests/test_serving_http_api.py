@@ -679,3 +679,33 @@ def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(s, route):
     assert request.request_id in s.engine.aborted and request.finish_reason is None
     assert len(request.tokens) < max_tokens
     wait_for(lambda: _metric(s, abort) == before + 1, "the abort was not counted")
+
+
+# ---- special tokens other than EOS
+def test_special_tokens_are_skipped_by_default_and_kept_when_asked(s):
+    hf = s.tokenizer.hf
+    special = hf.convert_tokens_to_ids("<|im_start|>")
+    head, tail = hf.encode("Paris is"), hf.encode(" nice")
+    assert special not in s.eos
+    s.engine.script = lambda r: head + [special] + tail + [s.eos[0]]
+    d = s.tokenizer.decode
+    want = {
+        (): d(head) + d(tail),  # vLLM's default: skip_special_tokens true
+        (False, True): d(head) + " <|im_start|> " + d(tail),
+        (False, False): d(head + [special] + tail),
+    }
+    for flags, text in want.items():
+        extra = dict(zip(("skip_special_tokens", "spaces_between_special_tokens"), flags))
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, **extra}
+        r = post(s, "/v1/completions", body).json()["choices"][0]
+        assert (r["text"], r["finish_reason"]) == (text, "stop"), flags  # the EOS text never shows
+        chunks = chunks_of(sse_lines(s, "/v1/completions", {**body, "stream": True}))
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text, flags
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, **extra}
+        assert post(s, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"] == text, flags
+        deltas = chunks_of(sse_lines(s, "/v1/chat/completions", {**chat, "stream": True}))
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in deltas) == text, flags
+    for field in ("skip_special_tokens", "spaces_between_special_tokens"):
+        error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", field: "yes"}), 422, field)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: 1}
+        error_of(post(s, "/v1/chat/completions", chat), 422, field)

@@ -18,7 +18,7 @@ from optimized.serving import protocol
 from optimized.serving.driver import EngineStopped
 from optimized.serving.protocol import ApiError
 from optimized.serving.state import ServerState
-from optimized.serving.text import TextStream
+from optimized.serving.text import TextStream, text_decoder
 
 
 def error_of(e: BaseException) -> ApiError:
@@ -54,8 +54,11 @@ class Choices(list):
     n = 1
 
 
-def choices_of(state: ServerState, requests: list[Request], n: int, stops: list[str]) -> Choices:
-    choices = Choices(Choice(k, r, TextStream(state.tokenizer, stops)) for k, r in enumerate(requests))
+def choices_of(state: ServerState, body: dict, requests: list[Request], n: int) -> Choices:
+    """One choice per request, each streaming its text as the body asks (stop strings, special tokens)."""
+    stops = protocol.stop_of(body)
+    decode = text_decoder(state.tokenizer, *protocol.special_tokens_of(body)) if state.tokenizer is not None else None
+    choices = Choices(Choice(k, r, TextStream(state.tokenizer, stops, decode)) for k, r in enumerate(requests))
     choices.n = n
     return choices
 

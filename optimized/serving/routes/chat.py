@@ -41,6 +41,7 @@ async def prompt_of(state: ServerState, body: dict, n: int) -> list[int]:
         raise ApiError(400, f"'n' is {n}; allowed: at most {state.max_choices}", "n")
     protocol.stop_of(body)
     protocol.include_usage_of(body)
+    protocol.special_tokens_of(body)
     if state.tokenizer is None or not getattr(state.tokenizer.hf, "chat_template", None):
         raise ApiError(
             400,
@@ -94,7 +95,7 @@ async def chat_completions(http: HttpRequest):
     body, n = await state.body_of(http)
     prompt = await prompt_of(state, body, n)
     base, requests = requests_of(state, body, [prompt], n, chat=True)
-    choices = choices_of(state, requests, n, protocol.stop_of(body))
+    choices = choices_of(state, body, requests, n)
     events = submit(state.driver, requests)
     head = {"id": base, "created": int(time.time()), "model": state.model_name}
     if body.get("stream"):

@@ -59,6 +59,7 @@ async def prompts_of(state: ServerState, body: dict, n: int) -> list[list[int]]:
     if protocol.stop_of(body) and state.tokenizer is None:
         raise ApiError(400, "'stop' strings need the checkpoint's tokenizer", "stop")
     protocol.include_usage_of(body)
+    protocol.special_tokens_of(body)
     if any(isinstance(p, str) for p in raw) and state.tokenizer is None:
         raise ApiError(400, "'prompt' is text but the checkpoint has no tokenizer; send token ids", "prompt")
     for p in raw:
@@ -113,7 +114,7 @@ async def completions(http: HttpRequest):
     prompts = await prompts_of(state, body, n)
     echo = body.get("echo") is True
     base, requests = requests_of(state, body, prompts, n, chat=False)
-    choices = choices_of(state, requests, n, protocol.stop_of(body))
+    choices = choices_of(state, body, requests, n)
     if echo and state.tokenizer is not None:
         texts = await state.off_loop(lambda: [echo_texts(state.tokenizer, p) for p in prompts])
         for c in choices:
