@@ -78,3 +78,10 @@ def test_bind_names_a_bad_port_or_host():
         bind("127.0.0.1", 70000)
     with pytest.raises(UsageError, match="--host=192.0.2.1"):
         bind("192.0.2.1", 0)  # TEST-NET-1: not an address of this machine
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout"])
+def test_read_timeouts_must_be_positive(no_model, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--config", CONFIG, "--port", "0", flag, "0"])
+    assert e.value.code == 2 and not no_model and f"{flag}=0.0 must be" in capsys.readouterr().err

@@ -24,6 +24,7 @@ MODEL = "tiny"
 TIMEOUT_S = 30
 MAX_PROMPT_TOKENS = 40
 MAX_BODY = 64 * 1024
+SLOW_S = 5.0  # the header and body read bounds of the test server
 
 
 class _Queues(SimpleNamespace):
@@ -126,10 +127,11 @@ def server():
         default_max_tokens=8,
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         max_body_bytes=MAX_BODY,
+        body_timeout_s=SLOW_S,
     )
     sock = bind("127.0.0.1", 0)
     port = bound_port(sock)
-    srv = Server(app, sock)
+    srv = Server(app, sock, header_timeout_s=SLOW_S)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + TIMEOUT_S
@@ -709,3 +711,63 @@ def test_special_tokens_are_skipped_by_default_and_kept_when_asked(s):
         error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", field: "yes"}), 422, field)
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: 1}
         error_of(post(s, "/v1/chat/completions", chat), 422, field)
+
+
+# ---- slow and vanishing senders, unknown routes
+class Records(list):
+    """The log records of uvicorn's error logger (where a traceback of the app would go) while the block runs."""
+
+    def __enter__(self):
+        import logging
+
+        self.handler = logging.Handler()
+        self.handler.emit = self.append
+        logging.getLogger("uvicorn.error").addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger("uvicorn.error").removeHandler(self.handler)
+
+
+def read_to_eof(c) -> bytes:
+    out = b""
+    while chunk := c.recv(65536):
+        out += chunk
+    return out
+
+
+def test_a_client_gone_mid_body_is_one_log_line(s):
+    with Records() as records:
+        with connect(s) as c:
+            c.sendall(raw_request(s, "/v1/completions", b'{"model": "tiny", "pro', content_length=1000))
+        wait_for(lambda: records, "nothing was logged")
+        assert httpx.get(s.url + "/health", timeout=TIMEOUT_S).status_code == 200
+    record = records[0]
+    assert record.exc_info is None and "\n" not in record.getMessage(), record.getMessage()
+    assert "went away while sending the body of POST /v1/completions" in record.getMessage()
+
+
+def test_a_client_slow_to_send_its_headers_is_dropped(s):
+    with Records() as records, connect(s) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n")  # and never the rest
+        assert read_to_eof(c) == b""  # closed by the server (the socket's own timeout would raise)
+    assert any("--header-timeout" in r.getMessage() for r in records)
+
+
+def test_a_client_slow_to_send_its_body_gets_408_and_is_dropped(s):
+    with connect(s) as c:
+        c.sendall(raw_request(s, "/v1/completions", b'{"model": "tiny", "pro', content_length=1000))
+        reply = read_to_eof(c).decode()
+    assert reply.startswith("HTTP/1.1 408 "), reply[:200]
+    error = json.loads(reply.split("\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == 408 and "--body-timeout" in error["message"]
+
+
+def test_unknown_routes_and_methods_get_openai_errors(s):
+    r = httpx.get(s.url + "/v1/nothing", timeout=TIMEOUT_S)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "/v1/nothing" in r.json()["error"]["message"]
+    r = httpx.get(s.url + "/v1/completions", timeout=TIMEOUT_S)
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405 and r.headers["allow"] == "POST"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -20,6 +20,18 @@ def add_parser(sub) -> None:
         "--port-file",
         help="write the bound port to this file (one line) as soon as it is bound, before the model loads",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's headers (from its first byte); slower: dropped (30)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may take to send a request's body after its headers; slower: 408 and dropped (60)",
+    )
     p.add_argument("--served-model-name", help="the model id clients name (default: the model path's last part)")
     p.add_argument("--kv-pool-blocks", type=int, help="paged KV pool size in blocks, the null block included")
     p.add_argument("--no-weight-check", action="store_true", help="skip the load-time finite-weight check")
@@ -60,8 +72,9 @@ def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
     return engine, run.launch.tokenizer, eos_token_ids(run.launch.model_dir), run.launch.model_dir
 
 
-def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, sock, broadcast=None):
-    """(uvicorn server on the bound socket `sock`, driver): the driver's fatal error stops the server."""
+def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, sock, broadcast=None, timeouts=(30.0, 60.0)):
+    """(uvicorn server on the bound socket `sock`, driver): the driver's fatal error stops the server. timeouts:
+    (header, body) read bounds in seconds."""
     from optimized.serving.app import build_app
     from optimized.serving.driver import Driver
     from optimized.serving.http_server import Server
@@ -75,8 +88,9 @@ def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, sock, broadca
         stop_ids=stop_ids,
         default_max_tokens=cfg.scheduler_config.max_new_tokens,
         max_prompt_tokens=cfg.data_config.input_max_len,
+        body_timeout_s=timeouts[1],
     )
-    server = Server(app, sock)
+    server = Server(app, sock, header_timeout_s=timeouts[0])
     server_box.append(server)
     return server, driver
 
@@ -88,6 +102,9 @@ def run(args) -> int:
     except ImportError as e:
         raise UsageError(f"serve needs {e.name}: pip install 'qwen3-moe-npu[serve]'") from None
     cfg = load_config(args)
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < value < float("inf"):
+            raise UsageError(f"{flag}={value} must be a number of seconds > 0")
     sock = listen(args)
     try:
         run_, engine = start(cfg, args.kv_pool_blocks, not args.no_weight_check)
@@ -144,7 +161,9 @@ def _serve(args, cfg, run_, engine, broadcast, sock) -> int:
 
     launch = run_.launch
     name = args.served_model_name or Path(str(cfg.model_config.model_path).split(":")[-1]).name
-    server, driver = make_server(cfg, engine, launch.tokenizer, eos_token_ids(launch.model_dir), name, sock, broadcast)
+    timeouts = (args.header_timeout, args.body_timeout)
+    stop_ids = eos_token_ids(launch.model_dir)
+    server, driver = make_server(cfg, engine, launch.tokenizer, stop_ids, name, sock, broadcast, timeouts)
     driver.start()
     print(
         f"serving {name} ({launch.model_dir}) on http://{args.host}:{bound_port(sock)} : batch_size "

@@ -3,9 +3,13 @@ route modules (`routes/`) wired together; each route reads the state from `http.
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import logging
+
+from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from optimized.serving.generation import error_of
 from optimized.serving.protocol import ApiError
@@ -16,7 +20,25 @@ ROUTERS = (health.router, models.router, completions.router, chat.router)
 
 
 async def api_error(_, e: ApiError):
-    return JSONResponse(e.body(), status_code=e.status)
+    # a body not read to its end (too slow, too large): the connection cannot carry another request
+    close = {"connection": "close"} if e.status in (408, 413) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=close)
+
+
+async def http_error(http: HttpRequest, e: HTTPException):
+    """404 (no such route) and 405 (a route without that method) in the OpenAI error shape the other errors use."""
+    where = f"{http.method} {http.url.path}"
+    message = {404: f"{where}: no such route", 405: f"{where}: method not allowed"}.get(e.status_code, str(e.detail))
+    return JSONResponse(ApiError(e.status_code, message).body(), status_code=e.status_code, headers=e.headers)
+
+
+async def client_gone(http: HttpRequest, _):
+    """The client closed its connection while sending the body: one log line (nobody is left to answer)."""
+    client = "%s:%d" % tuple(http.client) if http.client else "a client"
+    logging.getLogger("uvicorn.error").warning(
+        "%s went away while sending the body of %s %s", client, http.method, http.url.path
+    )
+    return Response(status_code=400)
 
 
 async def validation_error(_, e):
@@ -29,13 +51,15 @@ async def unexpected_error(_, e):  # a bug: still an OpenAI-style JSON error, an
 
 def build_app(driver, tokenizer, model_name: str, **limits) -> FastAPI:
     """The app over `driver`; `limits` are `ServerState`'s keywords (stop_ids, default_max_tokens,
-    max_prompt_tokens, max_body_bytes, max_choices, vocab_size)."""
+    max_prompt_tokens, max_body_bytes, max_choices, vocab_size, body_timeout_s)."""
     state = ServerState(driver, tokenizer, model_name, **limits)
     app = FastAPI(title="qwen3-moe-npu", docs_url=None, redoc_url=None)
     app.state.server = state
     app.state.max_prompt_chars = state.max_prompt_chars
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, unexpected_error)
     for router in ROUTERS:
         app.include_router(router)

@@ -16,6 +16,7 @@ from optimized.serving import protocol
 from optimized.serving.protocol import ApiError
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # the default request body limit
+BODY_TIMEOUT_S = 60.0  # --body-timeout: from the last header line to the body's last byte (408 after it)
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -28,7 +29,8 @@ def max_chars_per_token(tokenizer) -> int:
 class ServerState:
     """max_prompt_tokens: the longest prompt accepted (data_config.input_max_len); longer ones get 413.
     max_body_bytes: the largest request body (413). max_choices: prompts x n of one request (400).
-    vocab_size: the model's (logit_bias token ids are checked against it)."""
+    vocab_size: the model's (logit_bias token ids are checked against it). body_timeout_s: the longest a body may
+    take to arrive after its headers (408 and the connection closed: a client trickling bytes holds nothing longer)."""
 
     driver: object
     tokenizer: object
@@ -39,6 +41,7 @@ class ServerState:
     max_body_bytes: int = MAX_BODY_BYTES
     max_choices: int = protocol.MAX_CHOICES
     vocab_size: int | None = None
+    body_timeout_s: float = BODY_TIMEOUT_S
     created: int = field(default_factory=lambda: int(time.time()))
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
 
@@ -61,11 +64,17 @@ class ServerState:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in http.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s (the server's --body-timeout)"
+            ) from None
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
