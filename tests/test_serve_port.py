@@ -85,3 +85,10 @@ def test_read_timeouts_must_be_positive(no_model, flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--config", CONFIG, "--port", "0", flag, "0"])
     assert e.value.code == 2 and not no_model and f"{flag}=0.0 must be" in capsys.readouterr().err
+
+
+def test_an_unwritable_port_file_is_named(no_model, tmp_path, capsys):
+    where = tmp_path / "missing" / "port"
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--config", CONFIG, "--port", "0", "--port-file", str(where)])
+    assert e.value.code == 2 and not no_model and f"--port-file={where}" in capsys.readouterr().err

@@ -132,7 +132,11 @@ def listen(args):
     sock = bind(args.host, args.port)
     port = bound_port(sock)
     if args.port_file:
-        write_port_file(args.port_file, port)
+        try:
+            write_port_file(args.port_file, port)
+        except UsageError:
+            sock.close()
+            raise
     print(f"bound http://{args.host}:{port} (the model loads next)", flush=True)
     return sock
 
