@@ -12,10 +12,17 @@ import pytest
 
 pytest.importorskip("httpx")
 from equivalence.endpoint.__main__ import main  # noqa: E402
-from equivalence.endpoint.servers import free_port  # noqa: E402
+from equivalence.endpoint.servers import unused_port  # noqa: E402
 from fixtures.checkpoints import checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def port():
+    """A loopback port nothing listens on (held bound for the test)."""
+    with unused_port() as p:
+        yield p
 
 
 def one_line_error(capsys) -> str:
@@ -32,14 +39,13 @@ def one_line_error(capsys) -> str:
         (["--url", "http://127.0.0.1:{port}/v1", "--max-tokens", "0"], "must be >= 1"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args, says, capsys, tmp_path):
-    port = free_port()  # nothing listens there
+def test_bad_input_is_one_line_and_exit_2(args, says, capsys, tmp_path, port):
     argv = [a.format(port=port) for a in args] + ["--model-path", str(checkpoint("tiny")), "--out", str(tmp_path)]
     assert main(argv) == 2
     assert says.format(port=port) in one_line_error(capsys)
 
 
-def test_quantized_checkpoint_as_model_path_is_named(capsys, tmp_path):
+def test_quantized_checkpoint_as_model_path_is_named(capsys, tmp_path, port):
     """At --precision w4a8 / w8a8 / fp8kv the reference fake-quantizes the BF16 checkpoint: a converted one is
     refused."""
     from fixtures.checkpoints import w4a8_checkpoint
@@ -49,7 +55,7 @@ def test_quantized_checkpoint_as_model_path_is_named(capsys, tmp_path):
         main(
             [
                 "--url",
-                f"http://127.0.0.1:{free_port()}/v1",
+                f"http://127.0.0.1:{port}/v1",
                 "--model-path",
                 str(quantized),
                 "--precision",
@@ -82,14 +88,14 @@ def test_missing_checkpoint_and_prompts_file(capsys, tmp_path):
     assert "--prompts" in one_line_error(capsys)
 
 
-def test_module_entry_point_exit_status():
+def test_module_entry_point_exit_status(port):
     r = subprocess.run(
         [
             sys.executable,
             "-m",
             "equivalence.endpoint",
             "--url",
-            f"http://127.0.0.1:{free_port()}/v1",
+            f"http://127.0.0.1:{port}/v1",
             "--model-path",
             str(checkpoint("tiny")),
         ],

@@ -24,6 +24,7 @@ MODEL = "tiny"
 TIMEOUT_S = 30
 MAX_PROMPT_TOKENS = 40
 MAX_BODY = 64 * 1024
+SLOW_S = 5.0  # the header and body read bounds of the test server
 
 
 class _Queues(SimpleNamespace):
@@ -107,12 +108,12 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def server():
-    import socket
-    import uvicorn
     from fixtures.checkpoints import checkpoint
     from optimized.model_loader.tokenizer import CheckpointTokenizer, eos_token_ids
     from optimized.serving.app import build_app
     from optimized.serving.driver import Driver
+    from optimized.serving.http_server import Server
+    from optimized.serving.listen import bind, bound_port
 
     path = checkpoint("tiny")
     tokenizer = CheckpointTokenizer.load(path)
@@ -126,11 +127,11 @@ def server():
         default_max_tokens=8,
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         max_body_bytes=MAX_BODY,
+        body_timeout_s=SLOW_S,
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    sock = bind("127.0.0.1", 0)
+    port = bound_port(sock)
+    srv = Server(app, sock, header_timeout_s=SLOW_S)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + TIMEOUT_S
@@ -150,6 +151,7 @@ def server():
         srv.should_exit = True
         thread.join(TIMEOUT_S)
         driver.stop()
+        sock.close()
 
 
 @pytest.fixture
@@ -637,3 +639,135 @@ def test_n_choices_are_sampled_with_a_seed_each(s):
     assert None not in seeds and seeds[0] != seeds[1]
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 20, "n": 4}), 400, "n")
     error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": ["a"] * (protocol.MAX_CHOICES + 1)}), 400, "prompt")
+
+
+# ---- a vanished client stops its work
+def raw_request(s, path: str, body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    return head.encode() + body
+
+
+def connect(s):
+    import socket
+
+    host, port = s.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=TIMEOUT_S)
+
+
+def wait_for(condition, what: str, limit_s: float = 60):
+    deadline = time.monotonic() + limit_s  # a bound for a hung server, not a timing claim
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_non_streamed_request_is_aborted_when_its_client_goes_away(s, route):
+    """Tokens flow every step, so the request never waits a second for an event: it must still learn of the
+    disconnect (its blocks returned and counted `abort`), not run on to max_tokens and count `length`."""
+    max_tokens = 3000
+    s.engine.step_s = 0.005
+    s.engine.script = lambda r: s.tokenizer.hf.encode(" a") * max_tokens
+    abort = 'qwen3_moe_requests_finished_total{reason="abort"}'
+    before, added = _metric(s, abort), len(s.engine.added)
+    prompt = {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = json.dumps({"model": MODEL, "max_tokens": max_tokens, **prompt}).encode()
+    with connect(s) as c:
+        c.sendall(raw_request(s, route, body))
+        wait_for(lambda: len(s.engine.added) > added and s.engine.added[-1].tokens, "the request never started")
+        request = s.engine.added[-1]
+    wait_for(lambda: request not in s.engine.scheduler.running, "the request never ended")
+    assert request.request_id in s.engine.aborted and request.finish_reason is None
+    assert len(request.tokens) < max_tokens
+    wait_for(lambda: _metric(s, abort) == before + 1, "the abort was not counted")
+
+
+# ---- special tokens other than EOS
+def test_special_tokens_are_skipped_by_default_and_kept_when_asked(s):
+    hf = s.tokenizer.hf
+    special = hf.convert_tokens_to_ids("<|im_start|>")
+    head, tail = hf.encode("Paris is"), hf.encode(" nice")
+    assert special not in s.eos
+    s.engine.script = lambda r: head + [special] + tail + [s.eos[0]]
+    d = s.tokenizer.decode
+    want = {
+        (): d(head) + d(tail),  # vLLM's default: skip_special_tokens true
+        (False, True): d(head) + " <|im_start|> " + d(tail),
+        (False, False): d(head + [special] + tail),
+    }
+    for flags, text in want.items():
+        extra = dict(zip(("skip_special_tokens", "spaces_between_special_tokens"), flags))
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, **extra}
+        r = post(s, "/v1/completions", body).json()["choices"][0]
+        assert (r["text"], r["finish_reason"]) == (text, "stop"), flags  # the EOS text never shows
+        chunks = chunks_of(sse_lines(s, "/v1/completions", {**body, "stream": True}))
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text, flags
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, **extra}
+        assert post(s, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"] == text, flags
+        deltas = chunks_of(sse_lines(s, "/v1/chat/completions", {**chat, "stream": True}))
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in deltas) == text, flags
+    for field in ("skip_special_tokens", "spaces_between_special_tokens"):
+        error_of(post(s, "/v1/completions", {"model": MODEL, "prompt": "hi", field: "yes"}), 422, field)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: 1}
+        error_of(post(s, "/v1/chat/completions", chat), 422, field)
+
+
+# ---- slow and vanishing senders, unknown routes
+class Records(list):
+    """The log records of uvicorn's error logger (where a traceback of the app would go) while the block runs."""
+
+    def __enter__(self):
+        import logging
+
+        self.handler = logging.Handler()
+        self.handler.emit = self.append
+        logging.getLogger("uvicorn.error").addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger("uvicorn.error").removeHandler(self.handler)
+
+
+def read_to_eof(c) -> bytes:
+    out = b""
+    while chunk := c.recv(65536):
+        out += chunk
+    return out
+
+
+def test_a_client_gone_mid_body_is_one_log_line(s):
+    with Records() as records:
+        with connect(s) as c:
+            c.sendall(raw_request(s, "/v1/completions", b'{"model": "tiny", "pro', content_length=1000))
+        wait_for(lambda: records, "nothing was logged")
+        assert httpx.get(s.url + "/health", timeout=TIMEOUT_S).status_code == 200
+    record = records[0]
+    assert record.exc_info is None and "\n" not in record.getMessage(), record.getMessage()
+    assert "went away while sending the body of POST /v1/completions" in record.getMessage()
+
+
+def test_a_client_slow_to_send_its_headers_is_dropped(s):
+    with Records() as records, connect(s) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n")  # and never the rest
+        assert read_to_eof(c) == b""  # closed by the server (the socket's own timeout would raise)
+    assert any("--header-timeout" in r.getMessage() for r in records)
+
+
+def test_a_client_slow_to_send_its_body_gets_408_and_is_dropped(s):
+    with connect(s) as c:
+        c.sendall(raw_request(s, "/v1/completions", b'{"model": "tiny", "pro', content_length=1000))
+        reply = read_to_eof(c).decode()
+    assert reply.startswith("HTTP/1.1 408 "), reply[:200]
+    error = json.loads(reply.split("\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == 408 and "--body-timeout" in error["message"]
+
+
+def test_unknown_routes_and_methods_get_openai_errors(s):
+    r = httpx.get(s.url + "/v1/nothing", timeout=TIMEOUT_S)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "/v1/nothing" in r.json()["error"]["message"]
+    r = httpx.get(s.url + "/v1/completions", timeout=TIMEOUT_S)
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405 and r.headers["allow"] == "POST"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -125,3 +125,27 @@ def test_stop_strings_across_tokens_and_held_back_prefixes():
     assert [t.add(ord(c), False) for c in "abX"] == ["a", "b", ""] and not t.stopped
     assert t.offset == 3  # the held "X" is stable text: the next token starts at 3
     assert t.finish() == "X"  # the request ended (EOS): the held prefix is released
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    words=st.lists(
+        st.sampled_from(["Paris", " is", " 🙂", "\n", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]), max_size=12
+    ),
+    skip=st.booleans(),
+    spaces=st.booleans(),
+)
+def test_streamed_text_with_special_tokens_equals_its_whole_decode(words, skip, spaces):
+    """Whatever the request's special-token options, the streamed text is the decode of the whole completion by the
+    same rule: special tokens dropped, or kept (set apart by spaces or not)."""
+    tok = _tokenizer()
+    ids = [i for w in words for i in tok.hf.encode(w, add_special_tokens=False)]
+    decode = text_mod.text_decoder(tok, skip, spaces)
+    got, _, _ = streamed(ids, decode)
+    assert got == decode(ids)
+    specials = {"<|im_start|>", "<|im_end|>", "<|endoftext|>"}
+    if skip:
+        assert got == tok.hf.decode(ids, skip_special_tokens=True)  # HF's own rule
+        assert not any(s in got for s in specials)
+    else:
+        assert [w for w in words if w in specials] == [w for w in got.split(" ") if w in specials] or not spaces

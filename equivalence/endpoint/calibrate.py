@@ -42,8 +42,7 @@ def calibrate(precision: str, n: int, max_tokens: int, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "c.yaml"
         cfg.write_text(servers.config_yaml(DTYPE[precision], model=str(served_checkpoint(precision))))
-        port = servers.free_port()
-        with servers.serving(servers.ours(cfg, port), port, Path(d) / "server.log") as url:
+        with servers.serving(servers.ours(cfg), Path(d) / "server.log") as url:
             r = run_check(url, model, prompts=prompts, max_tokens=max_tokens, concurrency=4, precision=precision)
     ratios = [p["ratio"] for x in r.requests + r.concurrent for p in x.positions]
     if r.meta["aggregate"]["judged"]:

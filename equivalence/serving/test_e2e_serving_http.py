@@ -46,9 +46,9 @@ def ref_greedy(prompt: list[int], n: int, eos=()) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server():
-    """The tiny fixture (fp32) served on a free 127.0.0.1 port in a thread; always shut down."""
-    import socket
+    """The tiny fixture (fp32) served in a thread on the port 127.0.0.1:0 was bound to; always shut down."""
     from optimized.cli.serve import build_engine, make_server
+    from optimized.serving.listen import bind, bound_port
     from optimized.config import InferenceConfig
 
     cfg = InferenceConfig.from_dict(
@@ -59,10 +59,9 @@ def server():
         }
     )
     engine, tokenizer, stop_ids, _ = build_engine(cfg, kv_pool_blocks=9)  # room for about 2 requests at a time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv, driver = make_server(cfg, engine, tokenizer, stop_ids, MODEL, "127.0.0.1", port)
+    sock = bind("127.0.0.1", 0)
+    port = bound_port(sock)
+    srv, driver = make_server(cfg, engine, tokenizer, stop_ids, MODEL, sock)
     driver.start()
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -77,6 +76,7 @@ def server():
         srv.should_exit = True
         thread.join(TIMEOUT_S)
         driver.stop()
+        sock.close()
         assert not thread.is_alive(), "the server did not shut down"
 
 

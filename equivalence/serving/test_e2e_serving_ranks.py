@@ -52,9 +52,9 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
     world, parallel, batch = LAYOUTS[layout]
     config = tmp_path / f"{layout}.yaml"
     config.write_text(CONFIG.format(parallel=parallel, batch=batch))
-    port, log = servers.free_port(), tmp_path / "server.log"
-    launch = servers.ours(config, port, ranks=world)
-    with servers.server_process(launch, port, log, start_s=START_S) as (url, _):
+    log = tmp_path / "server.log"
+    launch = servers.ours(config, ranks=world)
+    with servers.server_process(launch, log, start_s=START_S) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
         results, errors = {}, []
 

@@ -29,8 +29,7 @@ def planted(tmp_path_factory):
     (d / "c.yaml").write_text(servers.config_yaml("float32"))
     bug = d / "bug"
     bug.write_text("")
-    port = servers.free_port()
-    with servers.serving(servers.ours(d / "c.yaml", port, bug_file=bug), port, d / "server.log") as url:
+    with servers.serving(servers.ours(d / "c.yaml", bug_file=bug), d / "server.log") as url:
         yield url, bug
 
 
@@ -85,8 +84,7 @@ def test_another_checkpoint_fails_at_the_first_positions(planted):
 def test_our_bf16_server_agrees_within_the_calibrated_bound(tmp_path):
     checkpoint("tiny")
     (tmp_path / "c.yaml").write_text(servers.config_yaml("bfloat16"))
-    port = servers.free_port()
-    with servers.serving(servers.ours(tmp_path / "c.yaml", port), port, tmp_path / "server.log") as url:
+    with servers.serving(servers.ours(tmp_path / "c.yaml"), tmp_path / "server.log") as url:
         r = run_check(url, checkpoint("tiny"), prompts=PROMPTS, max_tokens=6, concurrency=3, precision="bf16")
     assert r.ok, r.summary()
     assert r.meta["tolerance"] == "model.parallel.bfloat16"
@@ -108,10 +106,7 @@ def _transformers_serve_missing() -> str | None:
 def test_transformers_serve_agrees_in_greedy_mode_and_another_checkpoint_fails(tmp_path):
     """An implementation nobody here wrote, on the same fixture directory: no logprobs, text prompts only."""
     model_dir = checkpoint("tiny")
-    port = servers.free_port()
-    with servers.serving(
-        servers.transformers_serve(model_dir, port), port, tmp_path / "server.log", health="/v1/models"
-    ) as url:
+    with servers.serving(servers.transformers_serve(model_dir), tmp_path / "server.log", health="/v1/models") as url:
         from reference.tokenizer import load_tokenizer
 
         tok = load_tokenizer(model_dir)
@@ -202,8 +197,7 @@ def planted_w4a8(tmp_path_factory):
     (d / "c.yaml").write_text(servers.config_yaml("bfloat16", model=str(served_checkpoint("w4a8"))))
     bug = d / "bug"
     bug.write_text("")
-    port = servers.free_port()
-    with servers.serving(servers.ours(d / "c.yaml", port, bug_file=bug), port, d / "server.log") as url:
+    with servers.serving(servers.ours(d / "c.yaml", bug_file=bug), d / "server.log") as url:
         yield url, bug
 
 
@@ -248,8 +242,7 @@ def test_our_fp8_kv_and_w8a8_servers_agree_with_the_fake_quant_reference(precisi
     from equivalence.endpoint.calibrate import served_checkpoint
 
     (tmp_path / "c.yaml").write_text(servers.config_yaml("bfloat16", model=str(served_checkpoint(precision))))
-    port = servers.free_port()
-    with servers.serving(servers.ours(tmp_path / "c.yaml", port), port, tmp_path / "server.log") as url:
+    with servers.serving(servers.ours(tmp_path / "c.yaml"), tmp_path / "server.log") as url:
         r = run_check(url, checkpoint("tiny"), prompts=PROMPTS[:2], max_tokens=4, concurrency=2, precision=precision)
     _quantized_agrees(r, precision)
 

@@ -55,10 +55,9 @@ def test_loopback_load_with_disconnects_bad_and_oversized_requests(tmp_path):
     checkpoint("tiny")
     config = tmp_path / "load.yaml"
     config.write_text(CONFIG)
-    port = servers.free_port()
-    cmd = servers.ours(config, port) + ["--kv-pool-blocks", "6"]
+    launch = servers.ours(config, "--kv-pool-blocks", "6")
     with (
-        servers.server_process(cmd, port, tmp_path / "server.log") as (url, proc),
+        servers.server_process(launch, tmp_path / "server.log") as (url, proc),
         httpx.Client(base_url=url, timeout=TIMEOUT_S) as http,
     ):
         warm = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})

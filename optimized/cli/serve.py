@@ -21,6 +21,22 @@ def add_parser(sub) -> None:
     p.add_argument("--model-path", help="overrides model_config.model_path")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0: any free port)")
+    p.add_argument(
+        "--port-file",
+        help="write the bound port to this file (one line) as soon as it is bound, before the model loads",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's headers (from its first byte); slower: dropped (30)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may take to send a request's body after its headers; slower: 408 and dropped (60)",
+    )
     p.add_argument("--served-model-name", help="the model id clients name (default: the model path's last part)")
     p.add_argument("--kv-pool-blocks", type=int, help="paged KV pool size in blocks, the null block included")
     p.add_argument("--no-weight-check", action="store_true", help="skip the load-time finite-weight check")
@@ -61,11 +77,12 @@ def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
     return engine, run.launch.tokenizer, eos_token_ids(run.launch.model_dir), run.launch.model_dir
 
 
-def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, host: str, port: int, broadcast=None):
-    """(uvicorn server, driver): the driver's fatal error stops the server."""
-    import uvicorn
+def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, sock, broadcast=None, timeouts=(30.0, 60.0)):
+    """(uvicorn server on the bound socket `sock`, driver): the driver's fatal error stops the server. timeouts:
+    (header, body) read bounds in seconds."""
     from optimized.serving.app import build_app
     from optimized.serving.driver import Driver
+    from optimized.serving.http_server import Server
 
     server_box = []
     driver = Driver(engine, on_fatal=lambda e: setattr(server_box[0], "should_exit", True), broadcast=broadcast)
@@ -76,8 +93,9 @@ def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, host: str, po
         stop_ids=stop_ids,
         default_max_tokens=cfg.scheduler_config.max_new_tokens,
         max_prompt_tokens=cfg.data_config.input_max_len,
+        body_timeout_s=timeouts[1],
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    server = Server(app, sock, header_timeout_s=timeouts[0])
     server_box.append(server)
     return server, driver
 
@@ -89,19 +107,46 @@ def run(args) -> int:
     except ImportError as e:
         raise UsageError(f"serve needs {e.name}: pip install 'qwen3-moe-npu[serve]'") from None
     cfg = load_config(args)
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port={args.port} must be in 0..65535")
-    run_, engine = start(cfg, args.kv_pool_blocks, not args.no_weight_check)
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < value < float("inf"):
+            raise UsageError(f"{flag}={value} must be a number of seconds > 0")
+    sock = listen(args)
     try:
-        with run_.named_errors(), run_.profiled(args.config):
-            if run_.env.world_size == 1:
-                return _serve(args, cfg, run_, engine, None)
-            return _serve_ranks(args, cfg, run_, engine)
+        run_, engine = start(cfg, args.kv_pool_blocks, not args.no_weight_check)
+        try:
+            with run_.named_errors(), run_.profiled(args.config):
+                if run_.env.world_size == 1:
+                    return _serve(args, cfg, run_, engine, None, sock)
+                return _serve_ranks(args, cfg, run_, engine, sock)
+        finally:
+            run_.close()
     finally:
-        run_.close()
+        if sock is not None:
+            sock.close()
 
 
-def _serve_ranks(args, cfg, run_, engine) -> int:
+def listen(args):
+    """The HTTP socket, bound before the model loads (a taken port fails in a second, not after the load), on the rank
+    that serves (rank 0; None on the others); with --port 0 the port the kernel gave is printed and written to
+    --port-file."""
+    from optimized import envs
+    from optimized.serving.listen import bind, bound_port, write_port_file
+
+    if envs.rank() not in (None, 0):
+        return None
+    sock = bind(args.host, args.port)
+    port = bound_port(sock)
+    if args.port_file:
+        try:
+            write_port_file(args.port_file, port)
+        except UsageError:
+            sock.close()
+            raise
+    print(f"bound http://{args.host}:{port} (the model loads next)", flush=True)
+    return sock
+
+
+def _serve_ranks(args, cfg, run_, engine, sock) -> int:
     """One process per rank: rank 0 serves, the others follow its broadcast; a failed rank is named."""
     import datetime
     import torch.distributed as dist
@@ -112,24 +157,25 @@ def _serve_ranks(args, cfg, run_, engine) -> int:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=run_.timeout_s))
         broadcast = StepBroadcast(group)
         if rank == 0:
-            return _serve(args, cfg, run_, engine, broadcast)
+            return _serve(args, cfg, run_, engine, broadcast, sock)
         follow(engine, broadcast)
         return 0
     except RuntimeError as e:  # gloo: a peer closed its connection (a rank died)
         raise UsageError(f"rank {rank}: a rank failed: {type(e).__name__}: {e}") from None
 
 
-def _serve(args, cfg, run_, engine, broadcast) -> int:
+def _serve(args, cfg, run_, engine, broadcast, sock) -> int:
     from optimized.model_loader.tokenizer import eos_token_ids
+    from optimized.serving.listen import bound_port
 
     launch = run_.launch
     name = args.served_model_name or Path(str(cfg.model_config.model_path).split(":")[-1]).name
-    server, driver = make_server(
-        cfg, engine, launch.tokenizer, eos_token_ids(launch.model_dir), name, args.host, args.port, broadcast
-    )
+    timeouts = (args.header_timeout, args.body_timeout)
+    stop_ids = eos_token_ids(launch.model_dir)
+    server, driver = make_server(cfg, engine, launch.tokenizer, stop_ids, name, sock, broadcast, timeouts)
     driver.start()
     print(
-        f"serving {name} ({launch.model_dir}) on http://{args.host}:{args.port} : batch_size "
+        f"serving {name} ({launch.model_dir}) on http://{args.host}:{bound_port(sock)} : batch_size "
         f"{cfg.scheduler_config.batch_size}, KV pool {engine.cache.num_blocks} blocks of "
         f"{engine.cache.block_size}{' per DP group' if engine.dp_size > 1 else ''}",
         flush=True,

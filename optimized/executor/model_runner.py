@@ -38,8 +38,11 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int
             f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]]; got {type(prompts).__name__} "
             f"{str(prompts)[:80]}"
         )
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    if not prompts:
+        raise ValueError("prompts is an empty batch: give at least one prompt, e.g. [[1, 2, 3]]")
+    empty = next((i for i, p in enumerate(prompts) if len(p) == 0), None)
+    if empty is not None:
+        raise ValueError(f"prompt {empty} is empty: every prompt needs at least one token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     for i, prompt in enumerate(prompts):

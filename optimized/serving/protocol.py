@@ -332,3 +332,10 @@ def logprobs_of(body: dict, chat: bool) -> int | None:
     if not 0 <= n <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"'{key}' is {n}; allowed: 0 to {MAX_TOP_LOGPROBS}", key)
     return n
+
+
+def special_tokens_of(body: dict) -> tuple[bool, bool]:
+    """(skip_special_tokens, spaces_between_special_tokens), both true by default (as vLLM)."""
+    skip = _typed(body, "skip_special_tokens", bool, "a boolean", True)
+    spaces = _typed(body, "spaces_between_special_tokens", bool, "a boolean", True)
+    return skip, spaces

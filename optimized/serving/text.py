@@ -67,10 +67,42 @@ class Detokenizer:
         return new
 
 
+def special_ids(hf) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens: added tokens marked special, and the named ones (EOS, pad...)."""
+    decoder = getattr(hf, "added_tokens_decoder", {}) or {}
+    return frozenset(i for i, t in decoder.items() if getattr(t, "special", False)) | frozenset(hf.all_special_ids)
+
+
+def text_decoder(tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+    """ids -> text as a request asked for it, through `tokenizer.decode`. skip_special_tokens: special tokens have no
+    text (their ids are left out, as HF's decode with skip_special_tokens=True does). Kept, with
+    spaces_between_special_tokens each special token's text is set apart by a space from the text on either side
+    (HF's slow-tokenizer rule); without, their text is joined as the tokenizer decodes it."""
+    specials = special_ids(tokenizer.hf)
+    if skip_special_tokens:
+        return lambda ids: tokenizer.decode([t for t in map(int, ids) if t not in specials])
+    if not spaces_between_special_tokens:
+        return tokenizer.decode
+
+    def decode(ids) -> str:
+        parts, run = [], []
+        for t in map(int, ids):
+            if t in specials:
+                parts += [tokenizer.decode(run)] if run else []
+                parts.append(tokenizer.decode([t]))
+                run = []
+            else:
+                run.append(t)
+        return " ".join(parts + ([tokenizer.decode(run)] if run else []))
+
+    return decode
+
+
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], decode=None):
+        """decode: ids -> text (`text_decoder`); None: the tokenizer's own decode."""
         self.stops = stops
-        self.detok = Detokenizer(tokenizer.decode) if tokenizer is not None else None
+        self.detok = Detokenizer(decode or tokenizer.decode) if tokenizer is not None else None
         self.text = ""  # stable text so far (held-back stop prefixes included)
         self.sent = 0  # characters released to the client
         self.stopped = False
