@@ -125,7 +125,10 @@ def test_init_distributed_applies_the_settings_before_the_group(npu_env):
     )
     npu_env.setattr(parallel_state.dist, "is_initialized", lambda: False)
     parallel_state.init_distributed(
-        init_method="file:///dev/null", rank=0, world_size=2, settings=PlatformSettings("950", "ge_graph", "Ascend950DT")
+        init_method="file:///dev/null",
+        rank=0,
+        world_size=2,
+        settings=PlatformSettings("950", "ge_graph", "Ascend950DT"),
     )
     assert seen["env"] == {"TASK_QUEUE_ENABLE": "1", "HCCL_OP_EXPANSION_MODE": None, "HCCL_BUFFSIZE": None}
     assert platform.applied_settings() == PlatformSettings("950", "ge_graph", "Ascend950DT")
