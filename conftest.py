@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
     skip_npu = pytest.mark.skip(reason=f"needs an Ascend NPU with torch_npu; this host's backend is {BACKEND}")
     for item in items:
         if BACKEND != "npu":
-            if "npu" in item.keywords:
+            if item.get_closest_marker("npu"):
                 item.add_marker(skip_npu)
 
 

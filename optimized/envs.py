@@ -189,7 +189,7 @@ READ: dict[str, Variable] = {
 
 # Set (`set_default`: the user's own value wins) for the NPU runtime before the process groups exist; NPU only.
 WRITTEN: dict[str, str] = {
-    "TASK_QUEUE_ENABLE": "2 in eager mode (level-2 pipelined dispatch), 1 in the graph modes (platform.py)",
+    "TASK_QUEUE_ENABLE": "1 for npugraph_ex / acl_graph or on a 950, else 2 (the recipe's table: platform.py)",
     "HCCL_OP_EXPANSION_MODE": "AIV on A2 / A3: collectives expanded on the AI vector cores (platform.py, "
     "distributed/parallel_state.py)",
     "HCCL_BUFFSIZE": "on 950, the MC2 group's window in MB (platform.py)",

@@ -134,35 +134,72 @@ def set_device(local_rank: int) -> None:
 
 # ------------------------------------------------------------------------------------------ per-platform settings
 
-HCCL_OP_EXPANSION_AIV = 3  # HCCL's op expansion mode code for AIV (hccl_config "hccl_op_expansion_mode")
 PLATFORM_VERSION_ENV = envs.PLATFORM_VERSION
+# hccl_config "hccl_op_expansion_mode" codes (the recipe's executor/utils/hccl_utils.py, init_comm_group):
+# 3 AIV, 5 CCU_MS, 6 CCU_SCH. The recipe's 950 default group takes 5 on a 950DT and 6 on a 950PR, told apart by the
+# device name (executor/core/engine/execution_engine.py, _init_device); another 950 gets no options.
+HCCL_OP_EXPANSION_CCU_MS, HCCL_OP_EXPANSION_CCU_SCH = 5, 6
+DEFAULT_GROUP_EXPANSION_950 = {"950DT": HCCL_OP_EXPANSION_CCU_MS, "950PR": HCCL_OP_EXPANSION_CCU_SCH}
+
+
+def npu_device_name() -> str:
+    """The NPU's name as torch_npu reports it (`torch.npu.get_device_name()`, e.g. 'Ascend950DT'); '' off the NPU or
+    where it cannot be read (the recipe's PlatformVersion.get_device_name does the same)."""
+    if backend_name() != "npu":
+        return ""
+    try:  # pragma: no cover - needs torch_npu
+        return str(torch.npu.get_device_name())
+    except Exception:  # pragma: no cover
+        return ""
+
+
+def task_queue_enable(platform_version: str, exe_mode: str) -> str:
+    """TASK_QUEUE_ENABLE as the recipe sets it (executor/core/config/inference_config.py, ModelConfig._validate): 1
+    for npugraph_ex (it takes 0 or 1 only) or on any 950, else 2 (level-2 pipelined dispatch). acl_graph, the same
+    captured-graph mode under this project's other name, follows npugraph_ex."""
+    return "1" if exe_mode in CAPTURED_GRAPH_MODES or platform_version == "950" else "2"
+
+
+def default_group_expansion_mode(platform_version: str, name: str) -> int | None:
+    """The 950 default group's hccl_op_expansion_mode from the device name (upper-cased, as the recipe reads it);
+    None elsewhere: A2 / A3 set HCCL_OP_EXPANSION_MODE=AIV in the environment instead (executor/scripts/function.sh,
+    set_hccl, for every platform but 950)."""
+    if platform_version != "950":
+        return None
+    upper = name.upper()
+    return next((code for model, code in DEFAULT_GROUP_EXPANSION_950.items() if model in upper), None)
 
 
 class PlatformSettings:
-    """What an NPU process sets for model_config.platform_version (A2 | A3 | 950) and exe_mode, in one place, before
-    its process groups exist (`init_distributed` applies it; the start-up printout shows `describe()`):
+    """What an NPU process sets for model_config.platform_version (A2 | A3 | 950), exe_mode and the device's name, in
+    one place, before its process groups exist (`init_distributed` applies it; the start-up printout shows
+    `describe()`), as the recipe sets them:
 
-    - TASK_QUEUE_ENABLE: 2 in eager mode (level-2 pipelined operator dispatch: eager decode is host bound), 1 in the
-      graph modes (a step is one graph launch);
+    - TASK_QUEUE_ENABLE (`task_queue_enable`): 1 for the captured graph modes or on a 950, else 2;
     - A2 / A3: HCCL_OP_EXPANSION_MODE=AIV in the environment (collectives expanded on the AI vector cores);
-    - 950: the default group's options carry the op expansion mode instead (hccl_config hccl_op_expansion_mode AIV),
-      and a group given an hccl_buffer_size (the MC2 group's window) also exports it as HCCL_BUFFSIZE.
+    - 950: no HCCL_OP_EXPANSION_MODE; the default group's hccl_config carries hccl_op_expansion_mode 5 on a 950DT and
+      6 on a 950PR (`default_group_expansion_mode`, from the device name), nothing on another 950; a group given an
+      hccl_buffer_size (the MC2 group's window) also exports it as HCCL_BUFFSIZE.
 
-    A variable the user's environment already sets wins. On CPU / CUDA nothing is applied."""
+    device_name: None reads this host's (`npu_device_name()`, '' off the NPU); tests pass one. A variable the user's
+    environment already sets wins. On CPU / CUDA nothing is applied."""
 
-    def __init__(self, platform_version: str, exe_mode: str):
+    def __init__(self, platform_version: str, exe_mode: str, device_name: str | None = None):
         from optimized.config import EXE_MODES, PLATFORM_VERSIONS
 
         if platform_version not in PLATFORM_VERSIONS:
             raise ValueError(f"platform_version {platform_version!r} is not one of {', '.join(PLATFORM_VERSIONS)}")
         if exe_mode not in EXE_MODES:
             raise ValueError(f"exe_mode {exe_mode!r} is not one of {', '.join(EXE_MODES)}")
-        self.platform_version, self.exe_mode = platform_version, exe_mode
-        self.env = {"TASK_QUEUE_ENABLE": "2" if exe_mode == "eager" else "1"}
         is_950 = platform_version == "950"
+        if device_name is None:
+            device_name = npu_device_name() if is_950 else ""
+        self.platform_version, self.exe_mode, self.device_name = platform_version, exe_mode, device_name
+        self.env = {"TASK_QUEUE_ENABLE": task_queue_enable(platform_version, exe_mode)}
         if not is_950:
             self.env["HCCL_OP_EXPANSION_MODE"] = "AIV"
-        self.default_group_hccl_config = {"hccl_op_expansion_mode": HCCL_OP_EXPANSION_AIV} if is_950 else {}
+        mode = default_group_expansion_mode(platform_version, device_name)
+        self.default_group_hccl_config = {} if mode is None else {"hccl_op_expansion_mode": mode}
         self.mirror_buffer_size = is_950
 
     @classmethod
@@ -211,7 +248,8 @@ class PlatformSettings:
         )
         mirror = "; a group's hccl_buffer_size also as HCCL_BUFFSIZE" if self.mirror_buffer_size else ""
         where = "" if backend_name() == "npu" else f" (not applied: this host computes on {backend_name()})"
-        return f"platform {self.platform_version}, {self.exe_mode}: {env}{group}{mirror}{where}"
+        named = f" ({self.device_name})" if self.device_name else ""
+        return f"platform {self.platform_version}{named}, {self.exe_mode}: {env}{group}{mirror}{where}"
 
 
 _APPLIED: PlatformSettings | None = None

@@ -62,3 +62,35 @@ def test_mx_capability_is_decided_by_the_soc_name(monkeypatch, soc, runs):
         cap.require_dynamic_quant(torch.int8, "pertoken")  # every SoC declares it: no skip
         with pytest.raises(pytest.skip.Exception):
             cap.require_dynamic_quant(torch.float8_e4m3fn, "pertoken")
+
+
+def test_without_an_npu_only_npu_marked_tests_skip():
+    """The no-NPU skip follows the `npu` marker, not a name: equivalence/npu/ also holds CPU tests (the recorded-calls
+    contract), which must run on a host without an NPU while the replay beside them skips."""
+    import subprocess
+    import sys
+
+    from optimized.platform import backend_name
+
+    if backend_name() == "npu":
+        pytest.skip("this host has an NPU: nothing is skipped for the lack of one")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            "-q",
+            "-rs",
+            "equivalence/npu",
+            "-k",
+            "signature_names or the_recording_is_what",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert "1 passed, 1 skipped" in proc.stdout, proc.stdout[-2000:]

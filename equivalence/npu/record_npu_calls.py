@@ -8,7 +8,8 @@ the per-token FP8 KV cache, the sequence-parallel prefill over 2 gloo ranks (bot
 W4A8 + FP8 KV; MC2 decode), and attention DP over 4 (attention TP 2 x DP 2, MoE EP 4: double-routing prefill, MC2
 decode; bf16, W4A8 + FP8 KV, W8A8), and the SP and DP bf16 runs again on `tiny-h1024`, whose hidden size the
 NPU's MC2 kernels take; W4A4 (MXFP4 attention and experts) single process on `tiny-h128` and in the recipe's
-mxfp4_hadamard layout over 4 ranks on `tiny-h256` (attention TP 4, MoE EP 4: TP prefill, MC2 decode). The Hadamard
+mxfp4_hadamard layout over 4 ranks on `tiny-h256` (attention TP 4, MoE EP 4: TP prefill, MC2 decode), and at batch 1
+(one prompt: the FP4 matmul's single decode row, duplicated as the kernel needs). The Hadamard
 rotation is plain torch arithmetic (no `torch.ops.npu` call), so the W4A4 runs record the unrotated conversion.
 Communicator names are recorded as a placeholder (`COMMUNICATOR`). The deduplicated calls go to
 `equivalence/spec/recorded_npu_calls.json`; regenerate it after a change to what the model calls with
@@ -48,6 +49,10 @@ class Configuration:
     kv_cache: str = "bf16"  # "fp8": the checkpoint's per-token FP8 KV cache scheme (quantized checkpoints)
     w4a4: bool = False  # the W4A4 conversion (MXFP4 attention and experts, MXFP4 activations)
     attn_tp: int = 0  # > 0: attention TP of this size with the TP prefill (the recipe's mxfp4_hadamard)
+    prompts: tuple | None = None  # None: PROMPTS; else these (a batch of one: single-row decode linears)
+
+    def requests(self) -> list[list[int]]:
+        return [list(p) for p in self.prompts] if self.prompts is not None else PROMPTS
 
     def __post_init__(self):
         if self.kv_cache != "bf16" and not (self.w4a8 or self.w8a8):
@@ -94,6 +99,8 @@ CONFIGURATIONS = (
     # W4A4 (MXFP4 x MXFP4 npu_quant_matmul, A4W4 npu_grouped_matmul, npu_swiglu); widths multiples of 128
     Configuration("tp1-w4a4", 1, "tiny-h128", False, "bfloat16", w4a4=True),
     Configuration("recipe-tp4-ep4-w4a4", 4, "tiny-h256", False, "bfloat16", w4a4=True, attn_tp=4),
+    # batch 1, as the recipe's 950 W4A4 files decode: the FP4 matmul's single row arrives duplicated (M == 2)
+    Configuration("tp1-w4a4-batch1", 1, "tiny-h128", False, "bfloat16", w4a4=True, prompts=(tuple(PROMPTS[0]),)),
 )
 SINGLE_PROCESS = tuple(c for c in CONFIGURATIONS if c.world == 1)
 
@@ -233,7 +240,7 @@ def run_configuration(rank: int, world: int, config: Configuration, capture: boo
             dtype=dtype_of(config.dtype),
             device=str(test_device()),
         )
-        runner_of(model).generate(PROMPTS, NEW_TOKENS)
+        runner_of(model).generate(config.requests(), NEW_TOKENS)
     return recorder.calls, recorder.captured
 
 
@@ -257,7 +264,7 @@ def _mc2_task(rank: int, world: int, config: Configuration) -> dict[str, dict]:
 
     model = rank_model(config.checkpoint(), config.layout(), dtype_of(config.dtype))
     with NpuCallRecorder(mc2=True) as recorder:
-        runner_of(model).generate(PROMPTS, NEW_TOKENS)
+        runner_of(model).generate(config.requests(), NEW_TOKENS)
     return on_host(recorder.mc2_calls)
 
 

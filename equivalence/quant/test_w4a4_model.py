@@ -9,6 +9,7 @@ non-symmetric orthogonal or the non-orthogonal invertible rotation directory. Mo
   optimized routing (a token may flip only where its router input difference can overturn its margin), within
   `model.w4a4.bfloat16`, and `min_separation` times closer to it than to the BF16 reference replaying the same
   routing.
+- Batch 1 at attention TP 2: every decode step's attention linears see one row (duplicated for the FP4 matmul).
 - Sharding invariance: the logits at attention TP 2 and 4 vs TP 1 on the same prompts, within the same entry
   (each rank rotates its own 128-aligned slice of heads before the row-parallel o_proj).
 """
@@ -110,6 +111,27 @@ def test_rotated_w4a4_logits_match_fake_quant_reference(name, rotation, world, a
     report += f"; BF16 replaying the routing rel_l2 {rel_l2(a, unquantized):.3e}: {separation:.2f}x farther"
     print(report)
     assert separation >= tolerance("model.w4a4.bfloat16").min_separation, report
+
+
+def test_a_batch_1_w4a4_decode_at_attention_tp_2_matches_the_fake_quant_reference():
+    """The recipe's 950 W4A4 files decode batch 1 at attention TP 4: each rank's merged_qkv_proj and o_proj see one
+    row, which the FP4 matmul does not take; under the route caps this runs only because the linear duplicates it."""
+    name, rotation, world = "tiny-h128", "invertible", 2
+    prompts, forced = _prompts(7, (9,)), _draw_forced(7, 1, 2)
+    got = run(name, rotation, world, world, prompts, forced)
+    _, _, _, report = assert_bf16_logits_match_replayed_reference(
+        got,
+        name,
+        prompts,
+        forced,
+        f"{name} {rotation} W4A4 batch 1 attn_tp {world}",
+        replayed_ref=fake_quant_reference(name, rotation),
+        own_ref=reference_model(name, "bfloat16"),
+        tol="model.w4a4.bfloat16",
+        near_tie="router_tie.float32",
+        ties_from_router_inputs=True,
+    )
+    print(report)
 
 
 @pytest.mark.parametrize("name,tps", [("tiny-h128", (2,)), ("tiny-h256", (2, 4))])

@@ -199,6 +199,12 @@ def _plan(
                     f"this layout (multiple of 128 in [128, 512] for Q_S > 1, <= 512 for Q_S = 1)"
                 )
         if cache == "BnBsH":
+            check_npu_limit(
+                key.shape[2] <= 65535,
+                op,
+                f"paged key cache (num_blocks, block_size, H) needs H = Nkv*D <= 65535; got {key.shape[2]} (spec §5.6)",
+                DIMS,
+            )
             check(
                 key.shape[2] == nkv * d,
                 op,
@@ -259,6 +265,13 @@ def _plan(
             (d, dv) in ((128, 128), (192, 128), (192, 192)) or (nq == nkv and d == dv == 64),
             op,
             f"TND supports D = Dv = 128, D = 192 with Dv in (128, 192), or 64 for MHA; got D={d}, Dv={dv}",
+            DIMS,
+        )
+        check_npu_limit(
+            dv != 192 or (nq == nkv and not paged),
+            op,
+            f"TND with Dv = 192 takes neither GQA nor a paged cache (spec §5.11); "
+            f"got Nq={nq}, Nkv={nkv}, paged={paged}",
             DIMS,
         )
     # --- de-quantization (§5.7)
@@ -574,6 +587,14 @@ def _fia(
         q_s_one = seq == 1
         lq = [1] * batch if q_s_one else _per_batch(n, "actual_seq_qlen", qlen, batch, seq)
         check(all(0 <= x <= seq for x in lq), op, f"{n('actual_seq_qlen')} entries must be in [0, S={seq}]; got {lq}")
+
+    # Per-token-per-page KV de-quantization (key/value_quant_mode 4) is documented for one query row per batch only
+    # (spec §5.7): the decode step's call. A route cap: the caller decides which step reads a quantized cache.
+    check_npu_limit(
+        key_quant_mode != 4 or all(x <= 1 for x in lq),
+        op,
+        f"{n('key_quant_mode')}=4 takes one query row per batch (decode); got query lengths {lq}",
+    )
 
     # 2. key/value rows per batch
     if plan.paged:

@@ -412,7 +412,16 @@ def _mx_plan(x, weight, bias, group_list, split_item, group_type, act_type, outp
     check_mx_scale(op, "weight scale", ws, (w.shape[0], kb, n, 2))
     n_list = group_list.shape[0] if group_list.dim() >= 1 else 1
     check(n_list == w.shape[0], op, f"group_list has {n_list} entries; expected {w.shape[0]} (one per expert)")
+    _check_mx_limits(op, a, w)
     return fx, fw, k, n, xs, ws, mx_output_dtype(op, "output_dtype", output_dtype, 15)
+
+
+def _check_mx_limits(op: str, a: torch.Tensor, w: torch.Tensor) -> None:
+    """The grouped matmul's NPU limits (spec npu_ops_moe.md §8.5) hold in the MX modes too: one 3-D weight of at most
+    1024 groups, and every x / weight last dim (as stored: packed FP4 counts bytes) below 65536."""
+    check_npu_limit(w.shape[0] <= 1024, op, f"weight[0] has {w.shape[0]} groups; at most 1024")
+    for name, t in (("x[0]", a), ("weight[0]", w)):
+        check_npu_limit(t.shape[-1] < 65536, op, f"{name} last dim is {t.shape[-1]}; must be < 65536")
 
 
 def _mx_grouped_matmul(

@@ -16,7 +16,7 @@ import torch
 from . import mx_format as mxf
 from .norm import _check_norm_shapes, _rstd, _rstd_shape
 from .registry import register
-from .validation import check, check_dtype, fail, unsupported
+from .validation import check, check_dtype, check_npu_limit, fail, unsupported
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DST_HELP = "23/291 (float8_e5m2), 24/292 (float8_e4m3fn), 296 (float4_e2m1fn_x2)"
@@ -511,6 +511,18 @@ def check_mx_scale(op: str, arg: str, scale, expected: tuple) -> None:
     check(tuple(scale.shape) == tuple(expected), op, f"{arg} has shape {tuple(scale.shape)}; expected {expected}")
 
 
+def _check_fp4_rows(x1: torch.Tensor, f1: mxf.MxFormat) -> None:
+    """The FP4 x FP4 (A4W4) kernel does not take a single row, M == 1: the recipe's MxFp4LinearMethod.apply
+    (module/quantization/mxfp4.py, "the FP4 quant matmul kernel's m == 1 limitation") duplicates it to M = 2 first;
+    spec a4w4_hadamard.md §3.1 step 1, mx_quant.md §9.4. A route cap: the caller's batch decides it."""
+    check_npu_limit(
+        not f1.packed or x1.shape[-2] != 1,
+        OP_QMM,
+        f"x1 has M=1 row (shape {tuple(x1.shape)}); the FP4 x FP4 kernel needs M != 1 (duplicate the row, slice the "
+        f"output)",
+    )
+
+
 def _validate_qmm(
     x1,
     x2,
@@ -555,6 +567,7 @@ def _validate_qmm(
         f"for x1 of shape {tuple(x1.shape)}",
     )
     n = x2.shape[1] * (2 if f2.packed else 1)
+    _check_fp4_rows(x1, f1)
     kb = math.ceil(k / 64)
     check_mx_scale(op, "pertoken_scale", pertoken_scale, tuple(x1.shape[:-1]) + (kb, 2))
     check_mx_scale(op, "scale", scale, (kb, n, 2))

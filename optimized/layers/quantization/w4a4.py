@@ -41,8 +41,9 @@ class MxFp4LinearMethod(LinearMethod):
     K) + weight_scale [N, nb] as loaded, then (process_weights_after_loading) weight [K, N/2] packed along N
     (unpacked, transposed, repacked: contiguous) and weight_scale [nb/2, N, 2]. Per call: the layer's
     `input_rotation` (the Hadamard T of optimized/layers/hadamard.py, when loaded) on x, npu_dynamic_mx_quant to
-    FP4, then the FP4 x FP4 npu_quant_matmul (fp32 accumulation, output in the activation dtype). The recipe's
-    single-row duplication (an NPU kernel limit, spec §5 A11) is not needed by the portable kernel and not done."""
+    FP4, then the FP4 x FP4 npu_quant_matmul (fp32 accumulation, output in the activation dtype). A single row (a
+    batch-1 decode) is duplicated first and the output sliced back, as the recipe does: the NPU's FP4 matmul does not
+    take M == 1 (strict mode refuses it in the portable kernel too)."""
 
     def create_weights(self, layer: nn.Module, out_rows: int, in_features: int, dtype: torch.dtype) -> None:
         check_activation_dtype(dtype)
@@ -88,6 +89,9 @@ class MxFp4LinearMethod(LinearMethod):
         if layer.input_rotation is not None:
             x = rotate(x, layer.input_rotation)  # bf16(fp32(x) @ B(T))
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        rows = x2.shape[0]
+        if rows == 1:  # the kernel's M == 1 limit: two equal rows; both rows' scales go in (the recipe's apply)
+            x2 = torch.cat([x2, x2])
         xq, xs = fp4_quant(x2)  # [M, K/2] uint8, [M, K/64, 2]
         out = torch.ops.npu.npu_quant_matmul(
             xq,
@@ -101,7 +105,7 @@ class MxFp4LinearMethod(LinearMethod):
             pertoken_scale_dtype=FLOAT8_E8M0,
             group_sizes=[1, 1, BLOCK],
         )
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 class W4A4MxFp4MoEGMMMethod(W4A8MxFp4MoEGMMMethod):
