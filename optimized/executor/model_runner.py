@@ -332,15 +332,15 @@ class ModelRunner:
         cu = [sum(len(p) for p in prompts[: i + 1]) for i in range(len(prompts))]
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         request_of_token = torch.tensor([i for i, p in enumerate(prompts) for _ in p], device=self.device)
-        positions = torch.tensor(
-            [c + j for c, p in zip(starts_at, prompts) for j in range(len(p))], device=self.device
-        )
+        positions = torch.tensor([c + j for c, p in zip(starts_at, prompts) for j in range(len(p))], device=self.device)
         meta = ForwardMetadata(
             is_prefill=True,
             positions=positions,
             actual_seq_lengths_cu_q=cu,
             # extend: per row, cached + new (the paged kernel's per-batch KV lengths); prefill: cumulative
-            actual_seq_lengths_kv=list(cu) if cached_lens is None else [c + len(p) for c, p in zip(cached_lens, prompts)],
+            actual_seq_lengths_kv=list(cu)
+            if cached_lens is None
+            else [c + len(p) for c, p in zip(cached_lens, prompts)],
             slot_mapping=slot_mapping(table, request_of_token, positions, self.block_size),
             block_table=table,
             block_size=self.block_size,
