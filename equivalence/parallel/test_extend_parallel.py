@@ -253,3 +253,29 @@ def test_sequence_parallel_prefill_refuses_cached_kv_by_name():
     for refused in results:
         assert len(refused) == 2, refused
         assert all("cached KV" in m and "prefill_opt" in m for m in refused), refused
+
+
+def _bad_cached_lens_task(rank, world, path, lay):
+    from optimized.errors import UsageError
+
+    model = rank_model(path, lay, torch.float32)
+    runner = runner_of(model)
+    _, table = paged_cache(model, [20, 20])  # two columns of 16-token blocks per row
+    messages = []
+    for cached_lens in ([3], [-1, 0], [2.0, 0], [30, 0]):
+        try:
+            runner.prefill_inputs([[1, 2, 3], [4]], table, cached_lens=cached_lens)
+        except UsageError as e:
+            messages.append(str(e))
+    _, meta, _ = runner.prefill_inputs([[1, 2, 3], [4]], table, cached_lens=[0, 0])
+    messages.append(f"all zeros: extend {meta.is_extend}")
+    return messages
+
+
+def test_runner_refuses_bad_cached_lens_by_name():
+    (messages,) = get_pool(1).run(_bad_cached_lens_task, str(checkpoint("tiny")), CASES["tp1"][1], timeout=180)
+    assert "cached_lens has 1 entries for 2 prefill rows" in messages[0]
+    assert "cached_lens[0] = -1 must be an int >= 0" in messages[1]
+    assert "cached_lens[0] = 2.0 must be an int >= 0" in messages[2]
+    assert "row 0: 30 cached + 3 new tokens need 3 blocks of 16; its block table row has 2 columns" in messages[3]
+    assert messages[4] == "all zeros: extend False", messages  # no row has cached KV: a plain prefill
