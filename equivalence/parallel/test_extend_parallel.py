@@ -279,3 +279,40 @@ def test_runner_refuses_bad_cached_lens_by_name():
     assert "cached_lens[0] = 2.0 must be an int >= 0" in messages[2]
     assert "row 0: 30 cached + 3 new tokens need 3 blocks of 16; its block table row has 2 columns" in messages[3]
     assert messages[4] == "all zeros: extend False", messages  # no row has cached KV: a plain prefill
+
+
+def _dp_task(rank, world, path, lay, prompts, cuts):
+    """Attention DP: DP group d prefills prompts[d] at once, and as [:cuts[d]] then the rest over its cached KV,
+    every group stepping together (the MoE exchanges span the groups)."""
+    from optimized.forward_metadata import DataParallelBatch
+
+    model = rank_model(path, lay, torch.float32)
+    runner, group = runner_of(model), model.groups.dp_rank
+    tp = model.groups.attn_tp.size
+    prompt, cut = prompts[group], cuts[group]
+
+    def step(tokens, table, cache, sizes, cached=None):
+        ids, meta, _ = runner.prefill_inputs([tokens], table, cached_lens=cached)
+        meta.dp = DataParallelBatch(tuple(sizes), tp)
+        return model(ids, meta, cache.layers)
+
+    with torch.no_grad():
+        cache, table = paged_cache(model, [len(prompt)])
+        whole = step(prompt, table, cache, [len(p) for p in prompts])
+        cache, table = paged_cache(model, [len(prompt)])
+        head = step(prompt[:cut], table, cache, cuts)
+        rest = step(prompt[cut:], table, cache, [len(p) - c for p, c in zip(prompts, cuts)], cached=[cut])
+    return {"group": group, "whole": whole, "split": torch.cat([head, rest])}
+
+
+def test_extend_equals_one_prefill_under_attention_dp():
+    from equivalence.parallel.test_attn_dp_parallel import dp_layout
+
+    lay = dp_layout(2, 1)
+    prompts, cuts = _prompts(7, [37, 21]), [17, 5]
+    for got in get_pool(2).run(_dp_task, str(checkpoint("tiny")), lay, prompts, cuts, timeout=180):
+        what = (
+            f"attention DP 2, group {got['group']}: {len(prompts[got['group']])} tokens split at {cuts[got['group']]}"
+        )
+        assert_close(got["split"], got["whole"], "model.float32", what)
+        assert torch.equal(got["split"].argmax(-1), got["whole"].argmax(-1)), what
