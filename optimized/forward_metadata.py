@@ -58,6 +58,9 @@ class ForwardMetadata:
     block_size: int
     dp: DataParallelBatch | None = None  # attention DP: every DP group's sizes (the rest describes this group)
     cached_lens: list[int] | None = None  # extend: [B] tokens of each row already in the cache (host list)
+    # extend: [sum of the KV lengths] int64, the cache slot of every key of every row (positions 0 .. Lkv_b - 1),
+    # row by row: what an attention that gathers its context from the cache reads (the FP8 cache's)
+    context_slots: torch.Tensor | None = None
 
     @property
     def is_extend(self) -> bool:

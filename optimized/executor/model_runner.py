@@ -84,6 +84,11 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
+def extend_kv_lengths(cached_lens: list[int], prompts: list[list[int]]) -> list[int]:
+    """An extend row's KV length: its cached tokens and its new ones."""
+    return [c + len(p) for c, p in zip(cached_lens, prompts)]
+
+
 def _eos_set(eos_token_id) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
@@ -345,10 +350,19 @@ class ModelRunner:
             block_table=table,
             block_size=self.block_size,
             cached_lens=cached_lens,
+            context_slots=None
+            if cached_lens is None
+            else self._context_slots(extend_kv_lengths(cached_lens, prompts), table),
         )
         starts = [0, *cu[:-1]]
         kept = [start + j for start, positions in zip(starts, keep or []) for j in positions]
         return ids, meta, torch.tensor(kept + [n - 1 for n in cu], device=self.device)
+
+    def _context_slots(self, kv_lengths: list[int], table: torch.Tensor) -> torch.Tensor:
+        """The cache slot of every key of every extend row (positions 0 .. kv_lengths[b] - 1), row by row."""
+        rows = torch.tensor([b for b, n in enumerate(kv_lengths) for _ in range(n)], device=self.device)
+        positions = torch.tensor([j for n in kv_lengths for j in range(n)], device=self.device)
+        return slot_mapping(table, rows, positions, self.block_size)
 
     def _check_cached_lens(self, prompts, table, cached_lens) -> list[int] | None:
         """The extend rows' cached lengths, checked (UsageError naming the row); None when no row has any (a plain

@@ -186,7 +186,7 @@ class Qwen3MoeAttention(nn.Module):
             actual_seq_qlen=meta.actual_seq_lengths_cu_q,
         )
         if scales:
-            slots = context_slots(meta)
+            slots = meta.context_slots
             k = dequantize_rows(k_cache, scales[0], slots, q.dtype)
             v = dequantize_rows(v_cache, scales[1], slots, q.dtype)
             cu_kv = list(itertools.accumulate(meta.actual_seq_lengths_kv))
@@ -249,19 +249,6 @@ class Qwen3MoeAttention(nn.Module):
             torch.ops.npu.npu_scatter_nd_update_(v_scale.view(-1, 1, 1), slots, vs.view(tokens, 1, 1))
         torch.ops.npu.npu_scatter_nd_update_(k_cache.view(-1, self.num_kv_heads, self.head_dim), slots, k)
         torch.ops.npu.npu_scatter_nd_update_(v_cache.view(-1, self.num_kv_heads, self.head_dim), slots, v)
-
-
-def context_slots(meta: ForwardMetadata) -> torch.Tensor:
-    """[sum Lkv_b] int64: the cache slot of every key of every row of an extend step, row by row (positions 0 ..
-    Lkv_b - 1 through the row's block table), from the host lengths."""
-    lengths = meta.actual_seq_lengths_kv
-    device = meta.block_table.device
-    row = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device), output_size=sum(lengths)
-    )
-    starts = torch.tensor(list(itertools.accumulate([0, *lengths[:-1]])), device=device)
-    pos = torch.arange(sum(lengths), device=device) - starts[row]
-    return meta.block_table[row, pos // meta.block_size].long() * meta.block_size + pos % meta.block_size
 
 
 def dequantize_rows(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
