@@ -343,9 +343,7 @@ class ModelRunner:
             positions=positions,
             actual_seq_lengths_cu_q=cu,
             # extend: per row, cached + new (the paged kernel's per-batch KV lengths); prefill: cumulative
-            actual_seq_lengths_kv=list(cu)
-            if cached_lens is None
-            else [c + len(p) for c, p in zip(cached_lens, prompts)],
+            actual_seq_lengths_kv=list(cu) if cached_lens is None else extend_kv_lengths(cached_lens, prompts),
             slot_mapping=slot_mapping(table, request_of_token, positions, self.block_size),
             block_table=table,
             block_size=self.block_size,
