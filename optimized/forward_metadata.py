@@ -37,14 +37,35 @@ class DataParallelBatch:
 
 @dataclass
 class ForwardMetadata:
+    """One step's metadata. Three kinds of step:
+
+    - prefill (`is_prefill`, `cached_lens` None): each row's tokens attend only to themselves; the KV lengths are
+      the cumulative query lengths;
+    - prefill over cached KV, "extend" (`is_prefill`, `cached_lens` given): row b's new tokens sit at positions
+      cached_lens[b] .. cached_lens[b] + new_b - 1 and attend to the row's cached_lens[b] tokens already in the
+      paged cache (through `block_table`) plus themselves, causally; `actual_seq_lengths_kv` is then per row
+      (cached + new, not cumulative), as the paged attention kernel takes it;
+    - decode: one token per row over the paged cache.
+    """
+
     is_prefill: bool
     positions: torch.Tensor  # [T] int64, position of each packed token in its request
     actual_seq_lengths_cu_q: list[int]  # [B] cumulative query lengths (TND)
-    actual_seq_lengths_kv: list[int]  # [B] prefill: cumulative (== cu_q); decode: per-request KV length
+    # [B] prefill: cumulative (== cu_q); extend and decode: per-request KV length (cached + new)
+    actual_seq_lengths_kv: list[int]
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each token: block * block_size + offset
     block_table: torch.Tensor  # [B, max_blocks] int32, padded with the null block 0
     block_size: int
     dp: DataParallelBatch | None = None  # attention DP: every DP group's sizes (the rest describes this group)
+    cached_lens: list[int] | None = None  # extend: [B] tokens of each row already in the cache (host list)
+    # extend: [sum of the KV lengths] int64, the cache slot of every key of every row (positions 0 .. Lkv_b - 1),
+    # row by row: what an attention that gathers its context from the cache reads (the FP8 cache's)
+    context_slots: torch.Tensor | None = None
+
+    @property
+    def is_extend(self) -> bool:
+        """A prefill whose rows read KV already in the paged cache."""
+        return self.is_prefill and self.cached_lens is not None
 
     @property
     def max_position(self) -> int:
@@ -52,7 +73,7 @@ class ForwardMetadata:
         a decode's longest KV length, minus one. -1 for an empty step."""
         if not self.actual_seq_lengths_kv:
             return -1
-        if self.is_prefill:
+        if self.is_prefill and not self.is_extend:
             cu = self.actual_seq_lengths_cu_q
             return max(b - a for a, b in zip([0, *cu[:-1]], cu)) - 1
         return max(self.actual_seq_lengths_kv) - 1

@@ -287,3 +287,42 @@ def test_the_detector_counts_every_copy_between_host_and_device():
     assert isinstance(t, DeviceTensor) and isinstance(u, DeviceTensor) and isinstance(z, DeviceTensor)
     assert len(mode.transfers) == 2 and all("host -> device" in m for m in mode.transfers), mode.transfers
     assert len(mode.host_reads) == 3, mode.host_reads
+
+
+# ----------------------------------------------------------------------------------- prefill over cached KV
+
+
+def extend_step(model, prompts, cuts) -> Step:
+    """A prefill of prompts[b][:cuts[b]], then the extend step of the rest over the cached KV, counted alone."""
+    runner = ModelRunner(model, BLOCK_SIZE)
+    attn = model.layers[0].self_attn
+    with on_fake_device() as mode:
+        cache = PagedKVCache(
+            model.config.num_hidden_layers,
+            1 + len(prompts) * 2,
+            BLOCK_SIZE,
+            attn.num_kv_heads,
+            attn.head_dim,
+            runner.kv_cache_dtype,
+            fake_npu(),
+        )
+        table = block_table([cache.allocate(len(p)) for p in prompts], fake_npu())
+        ids, meta, _ = runner.prefill_inputs([p[:c] for p, c in zip(prompts, cuts)], table)
+        model(ids, meta, cache.layers)
+        ids, meta, _ = runner.prefill_inputs([p[c:] for p, c in zip(prompts, cuts)], table, cached_lens=cuts)
+        reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
+        logits = model(ids, meta, cache.layers)
+    return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_an_extend_step_neither_reads_the_device_nor_copies_host_data_onto_it(kv):
+    """The extend's metadata (positions from the cached lengths, the context slots) is built with the step's other
+    metadata; its attention (paged, or gathering and de-quantizing the FP8 context) reads nothing back."""
+    from fixtures.checkpoints import quantized_checkpoint
+
+    path = quantized_checkpoint("tiny", "w8a8", kv_cache="fp8") if kv == "fp8" else checkpoint("tiny")
+    with on_fake_device():
+        model = load_model(path, dtype=torch.bfloat16, device=fake_npu())
+    step = extend_step(model, [[5, 6, 7, 8, 9], list(range(20, 37))], [2, 16])
+    assert_no_reads_nor_transfers(step, f"extend over a {kv} KV cache")

@@ -203,6 +203,66 @@ def test_paged_equals_contiguous(seed, reqs, hd, d, dtype, block_size, cache_lay
         assert_close(per_request(paged[0], lq, b), exp_out, op_tolerance(dtype), f"request {b}")
 
 
+@st.composite
+def extend_rows(draw):
+    """Per row (cached, new): tokens already in the paged cache and new query tokens (a prefill over cached KV)."""
+    batch = draw(st.integers(1, 3))
+    return [(draw(st.integers(0, 40)), draw(st.integers(1, 9))) for _ in range(batch)]
+
+
+@given(
+    seed=seeds,
+    rows=extend_rows(),
+    hd=heads(),
+    d=head_dims,
+    dtype=dtypes,
+    block_size=st.sampled_from([16, 32, 48]),
+    cache_layout=st.sampled_from(["BnBsH", "BnNBsD"]),
+)
+def test_extend_over_paged_cache_equals_attention_over_concatenated_kv(
+    seed, rows, hd, d, dtype, block_size, cache_layout
+):
+    """Prefill over cached KV as the model calls it (TND query of the new tokens, paged cache holding cached + new
+    K/V, per-row kv lengths, sparse_mode 3): row b's new query i sees keys j <= cached_b + i of the concatenated
+    cached and new K/V; plain math builds that mask from the cached length directly."""
+    (nq, nkv), new = hd, [n for _, n in rows]
+    total = [c + n for c, n in rows]
+    q, k, v = tnd_inputs(seed, new, total, nq, nkv, d, dtype)
+    kc, table = to_paged(seed, [per_request(k, total, b) for b in range(len(rows))], block_size, cache_layout, 0)
+    vc, _ = to_paged(seed, [per_request(v, total, b) for b in range(len(rows))], block_size, cache_layout, 0)
+    out, lse = fia_tnd(
+        q, kc, vc, new, total, nq, nkv, kvlen=total, block_table=table, block_size=block_size, return_softmax_lse=True
+    )
+    for b, (c, n) in enumerate(rows):
+        offset_causal = torch.arange(c + n)[None, :] <= c + torch.arange(n)[:, None]  # (new, cached + new)
+        exp_out, exp_lse = ref_attention(
+            per_request(q, new, b), per_request(k, total, b), per_request(v, total, b), offset_causal, 1 / math.sqrt(d)
+        )
+        assert_close(per_request(out, new, b), exp_out, op_tolerance(dtype), f"row {b} (cached {c}, new {n}) out")
+        assert_close(per_request(lse, new, b)[..., 0], exp_lse, op_tolerance(torch.float32), f"row {b} lse")
+
+
+def test_extend_validation_names_the_argument():
+    """The limits an extend call can hit: a block table row per query row, kv lengths within the table's blocks, the
+    causal template, per-batch (not cumulative) kv lengths with a block table."""
+    g = torch.Generator().manual_seed(5)
+    q = rand(g, 5, 4, 16, dtype=torch.bfloat16)
+    cache = rand(g, 4, 16, 2 * 16, dtype=torch.bfloat16)
+    table = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    kw = dict(block_table=table, block_size=16, actual_seq_qlen=[2, 5], actual_seq_kvlen=[20, 3])
+    OPS.npu_fused_infer_attention_score_v2(q, cache, cache, **_tnd_kwargs(**kw))  # valid: 18 cached + 2, 0 + 3
+    bad = [
+        (dict(block_table=table[:1]), r"v2: block_table has 1 rows; expected the batch count 2"),
+        (dict(actual_seq_kvlen=[33, 3]), r"v2: paged actual_seq_kvlen entries must be in \[0, max_blocks\*block_size"),
+        (dict(actual_seq_kvlen=[20]), r"v2: actual_seq_kvlen has 1 entries; expected len\(actual_seq_qlen\) = 2"),
+        (dict(atten_mask=None), r"v2: sparse_mode=3 needs the 2048x2048 atten_mask"),
+        (dict(block_table=table.long()), r"v2: block_table"),
+    ]
+    for over, pattern in bad:
+        with pytest.raises(ValueError, match=pattern):
+            OPS.npu_fused_infer_attention_score_v2(q, cache, cache, **_tnd_kwargs(**{**kw, **over}))
+
+
 @given(seed=seeds, reqs=requests(max_kv=40, decode=True), hd=heads(), dtype=dtypes, bsh=st.booleans())
 def test_paged_bsnd_bsh_decode_equals_contiguous(seed, reqs, hd, dtype, bsh):
     """BSH/BSND queries (S = 1) over a BnBsH cache with per-batch kv lengths == the padded contiguous batch."""
@@ -962,6 +1022,29 @@ def test_npu_paged_decode_matches_portable():
         atten_mask=TEMPLATE,
         actual_seq_qlen=cumsum(lq),
         actual_seq_kvlen=lkv,
+        block_table=table,
+        block_size=128,
+    )
+    _npu_compare(V2, (q, kc, vc), kw, check_lse=False)
+
+
+@pytest.mark.npu
+def test_npu_paged_extend_matches_portable():
+    """Prefill over cached KV as the model calls it: TND new tokens over a paged BnBsH cache of cached + new K/V,
+    per-row kv lengths, sparse_mode 3 (the causal diagonal shifted by each row's cached length)."""
+    new, total = [37, 128, 1, 200], [37 + 130, 128 + 256, 1 + 5, 200]
+    q, k, v = tnd_inputs(13, new, total, 8, 2, 128, torch.bfloat16)
+    kc, table = to_paged(13, [per_request(k, total, b) for b in range(4)], 128, "BnBsH", 0)
+    vc, _ = to_paged(13, [per_request(v, total, b) for b in range(4)], 128, "BnBsH", 0)
+    kw = dict(
+        num_query_heads=8,
+        num_key_value_heads=2,
+        softmax_scale=1 / math.sqrt(128),
+        input_layout="TND",
+        sparse_mode=3,
+        atten_mask=TEMPLATE,
+        actual_seq_qlen=cumsum(new),
+        actual_seq_kvlen=total,
         block_table=table,
         block_size=128,
     )

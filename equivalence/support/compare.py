@@ -279,6 +279,18 @@ TOLERANCES: dict[str, Tolerance] = {
         "it keeps; min_separation: the BF16 reference replaying the same routing is 1.44-1.97x farther "
         "(rel_l2 7.1e-2..1.1e-1), 1.25 required as for W4A8",
     ),
+    "model.fp8_kv.extend.bfloat16": Tolerance(
+        atol=0.25,
+        rtol=2e-2,
+        max_rel_l2=5e-2,
+        why="optimized bf16 model, a prompt prefilled in two pieces over the per-token FP8 KV cache (the second "
+        "reading its whole context quantized), vs the reference with the FP8 cache rule fed the same pieces, "
+        "replaying the optimized expert ids (equivalence/parallel/test_extend_parallel.py), tiny, TP 1 and 2, 6 "
+        "prompts of 25-45 tokens split at 1-32: rel_l2 1.2e-2..3.5e-2, max_abs <= 0.150 (the same run over a 16-bit "
+        "cache: rel_l2 8e-3..1.5e-2, max_abs <= 0.063: E4M3 re-rounds the bf16 ulps, as model.fp8_kv.bfloat16 "
+        "records for decode); bound ~1.5x measured; reading each key one slot off flips 13 of 74 routings outside "
+        "any near-tie (the test fails on them first)",
+    ),
     "model.fp8_kv.bfloat16": Tolerance(
         atol=0.0,
         rtol=0.0,

@@ -87,6 +87,11 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
+def extend_kv_lengths(cached_lens: list[int], prompts: list[list[int]]) -> list[int]:
+    """An extend row's KV length: its cached tokens and its new ones."""
+    return [c + len(p) for c, p in zip(cached_lens, prompts)]
+
+
 def _eos_set(eos_token_id) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
@@ -312,27 +317,79 @@ class ModelRunner:
                 )
         return [list(pos) for pos in positions]
 
-    def prefill_inputs(self, prompts: list[list[int]], table: torch.Tensor, keep: list[list[int]] | None = None):
+    def prefill_inputs(
+        self,
+        prompts: list[list[int]],
+        table: torch.Tensor,
+        keep: list[list[int]] | None = None,
+        cached_lens: list[int] | None = None,
+    ):
         """ids [T], the prefill metadata, the index of each prompt's last token [B] (with `keep`, per prompt the
         positions whose logits to keep besides: their indices first, then the last tokens'). The runner knows the
         prompts on the host: the host lists (cumulative lengths) are computed here, once per step, and every
-        tensor is created on the model's device from them (the step's metadata build)."""
+        tensor is created on the model's device from them (the step's metadata build).
+
+        cached_lens (prefill over cached KV, "extend"): per row, the tokens of that request already in the paged
+        cache through its `table` row (written by earlier steps); `prompts[b]` is then the row's next tokens, at
+        positions cached_lens[b] onwards, and `keep` positions count within them. The table's columns must cover
+        cached + new tokens. None (or all zeros): a plain prefill, each prompt from position 0. This is the entry a
+        chunked scheduler drives: a prompt prefilled in pieces, each piece one row with the length already done."""
+        if cached_lens is not None:
+            cached_lens = self._check_cached_lens(prompts, table, cached_lens)
+        starts_at = cached_lens or [0] * len(prompts)
         cu = [sum(len(p) for p in prompts[: i + 1]) for i in range(len(prompts))]
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         request_of_token = torch.tensor([i for i, p in enumerate(prompts) for _ in p], device=self.device)
-        positions = torch.tensor([j for p in prompts for j in range(len(p))], device=self.device)
+        positions = torch.tensor([c + j for c, p in zip(starts_at, prompts) for j in range(len(p))], device=self.device)
         meta = ForwardMetadata(
             is_prefill=True,
             positions=positions,
             actual_seq_lengths_cu_q=cu,
-            actual_seq_lengths_kv=list(cu),
+            # extend: per row, cached + new (the paged kernel's per-batch KV lengths); prefill: cumulative
+            actual_seq_lengths_kv=list(cu) if cached_lens is None else extend_kv_lengths(cached_lens, prompts),
             slot_mapping=slot_mapping(table, request_of_token, positions, self.block_size),
             block_table=table,
             block_size=self.block_size,
+            cached_lens=cached_lens,
+            context_slots=None
+            if cached_lens is None
+            else self._context_slots(extend_kv_lengths(cached_lens, prompts), table),
         )
         starts = [0, *cu[:-1]]
         kept = [start + j for start, positions in zip(starts, keep or []) for j in positions]
         return ids, meta, torch.tensor(kept + [n - 1 for n in cu], device=self.device)
+
+    def _context_slots(self, kv_lengths: list[int], table: torch.Tensor) -> torch.Tensor:
+        """The cache slot of every key of every extend row (positions 0 .. kv_lengths[b] - 1), row by row."""
+        rows = torch.tensor([b for b, n in enumerate(kv_lengths) for _ in range(n)], device=self.device)
+        positions = torch.tensor([j for n in kv_lengths for j in range(n)], device=self.device)
+        return slot_mapping(table, rows, positions, self.block_size)
+
+    def _check_cached_lens(self, prompts, table, cached_lens) -> list[int] | None:
+        """The extend rows' cached lengths, checked (UsageError naming the row); None when no row has any (a plain
+        prefill). The sequence-parallel prefill cannot take them: each rank holds a slice of the new tokens and its
+        attention is the gathered sequence's own, so it is refused by name."""
+        from optimized.errors import UsageError
+        from optimized.phases import SequenceParallelPrefill
+
+        if len(cached_lens) != len(prompts):
+            raise UsageError(f"cached_lens has {len(cached_lens)} entries for {len(prompts)} prefill rows")
+        for b, (c, p) in enumerate(zip(cached_lens, prompts)):
+            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                raise UsageError(f"cached_lens[{b}] = {c!r} must be an int >= 0 (tokens of row {b} already cached)")
+            if -(-(c + len(p)) // self.block_size) > table.shape[1]:
+                raise UsageError(
+                    f"row {b}: {c} cached + {len(p)} new tokens need {-(-(c + len(p)) // self.block_size)} blocks of "
+                    f"{self.block_size}; its block table row has {table.shape[1]} columns"
+                )
+        if not any(cached_lens):
+            return None
+        if isinstance(self.model.prefill, SequenceParallelPrefill):
+            raise UsageError(
+                "prefill over cached KV (cached_lens > 0) is not supported by the sequence-parallel prefill "
+                "(parallel_config.prefill_opt): run it with the tensor-parallel prefill (prefill_opt: false)"
+            )
+        return list(cached_lens)
 
     def decode_metadata(self, lengths: list[int], table: torch.Tensor) -> ForwardMetadata:
         """One new token per request at position `lengths[b]`; it attends to lengths[b] + 1 keys."""

@@ -2,7 +2,9 @@
 
 `Qwen3MoeAttention.forward(hidden [T, H], cos, sin, meta, kv_cache, atten_mask) -> [T, H]`:
 merged_qkv_proj -> split -> q/k RMSNorm per head (npu_rms_norm) -> npu_apply_rotary_pos_emb (TND) ->
-npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; decode: over the paged cache) -> o_proj
+npu_fused_infer_attention_score_v2 (prefill: causal over the prompt; extend, a prefill over cached KV: the new tokens
+written to the cache first, then causal over the row's cached + new keys read from it; decode: over the paged
+cache) -> o_proj
 (row-parallel, all_reduce; under attention DP the phase reduce-scatters its partial sums instead). New K/V go to
 the paged cache through `meta`'s slot mapping with npu_scatter_nd_update_.
 
@@ -15,10 +17,13 @@ merged_qkv_proj's and o_proj's quant method.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from optimized.config import head_dim_of
+from optimized.errors import UsageError
 from optimized.forward_metadata import ForwardMetadata
 from optimized.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from optimized.layers.quantization.config import QuantConfig
@@ -115,7 +120,10 @@ class Qwen3MoeAttention(nn.Module):
     def attend(self, q, k, v, meta: ForwardMetadata, kv_cache, atten_mask) -> torch.Tensor:
         """Attention of this step with its cache write: prefill attends to the fresh K/V, then writes them; decode
         writes the new token's K/V first, then reads the cache. -> [T, Nq_r, D]"""
-        if meta.is_prefill:
+        if meta.is_extend:  # the new K/V join the cache first: the rows read their whole context from it
+            self.kv_cache_update(k, v, meta, kv_cache)
+            out = self.attention_extend(q, meta, kv_cache, atten_mask)
+        elif meta.is_prefill:
             out = self.attention_prefill(q, k, v, meta, atten_mask)
             self.kv_cache_update(k, v, meta, kv_cache)
         else:
@@ -136,7 +144,12 @@ class Qwen3MoeAttention(nn.Module):
         return q, k, v
 
     def attention_prefill(self, q, k, v, meta: ForwardMetadata, atten_mask):
-        # No prefix caching: a prompt attends only to itself, so q and kv lengths are the same prefix sums.
+        # A prompt attends only to itself, so q and kv lengths are the same prefix sums.
+        if meta.is_extend:  # a caller that bypasses `attend` (the SP prefill) would silently drop the cached KV
+            raise UsageError(
+                "prefill over cached KV (cached_lens > 0) reached a prefill path that attends only to the new tokens "
+                "(the sequence-parallel prefill, parallel_config.prefill_opt); use the tensor-parallel prefill"
+            )
         return torch.ops.npu.npu_fused_infer_attention_score_v2(
             q,
             k,
@@ -149,6 +162,44 @@ class Qwen3MoeAttention(nn.Module):
             atten_mask=atten_mask,
             actual_seq_qlen=meta.actual_seq_lengths_cu_q,
             actual_seq_kvlen=meta.actual_seq_lengths_cu_q,
+        )[0]
+
+    def attention_extend(self, q, meta: ForwardMetadata, kv_cache, atten_mask):
+        """Prefill over cached KV: row b's Lq_b new queries (TND, cumulative q lengths) over its Lkv_b = cached + new
+        keys, all in the cache already (written just before), causal with the diagonal shifted by the cached length.
+
+        16-bit cache: FIA v2 as the NPU takes paged prefill, TND query over the BnBsH cache with the block table,
+        per-row `actual_seq_kvlen`, sparse_mode 3 (right-down causal: query i sees key j <= i + Lkv_b - Lq_b) with
+        the 2048 template. FP8 cache: the per-token de-quantization (key/value_quant_mode 4) is documented for one
+        query token per row only, so the rows' context is gathered from the cache and de-quantized (E4M3 x its fp32
+        scale, rounded to the activation dtype), then attended as a prefill over packed K/V (TND, cumulative q and
+        kv lengths, sparse_mode 3). Every key, the new ones included, is then read quantized, as a decode step
+        reads them. -> [T, Nq_r, D]"""
+        k_cache, v_cache, *scales = kv_cache
+        common = dict(
+            num_query_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            softmax_scale=self.softmax_scale,
+            input_layout="TND",
+            sparse_mode=3,
+            atten_mask=atten_mask,
+            actual_seq_qlen=meta.actual_seq_lengths_cu_q,
+        )
+        if scales:
+            slots = meta.context_slots
+            k = dequantize_rows(k_cache, scales[0], slots, q.dtype)
+            v = dequantize_rows(v_cache, scales[1], slots, q.dtype)
+            cu_kv = list(itertools.accumulate(meta.actual_seq_lengths_kv))
+            return torch.ops.npu.npu_fused_infer_attention_score_v2(q, k, v, actual_seq_kvlen=cu_kv, **common)[0]
+        num_blocks, block_size = k_cache.shape[:2]
+        return torch.ops.npu.npu_fused_infer_attention_score_v2(
+            q,
+            k_cache.view(num_blocks, block_size, -1),
+            v_cache.view(num_blocks, block_size, -1),
+            actual_seq_kvlen=meta.actual_seq_lengths_kv,  # per row: cached + new
+            block_table=meta.block_table,
+            block_size=meta.block_size,
+            **common,
         )[0]
 
     def attention_decode(self, q, meta: ForwardMetadata, kv_cache, atten_mask):
@@ -198,3 +249,12 @@ class Qwen3MoeAttention(nn.Module):
             torch.ops.npu.npu_scatter_nd_update_(v_scale.view(-1, 1, 1), slots, vs.view(tokens, 1, 1))
         torch.ops.npu.npu_scatter_nd_update_(k_cache.view(-1, self.num_kv_heads, self.head_dim), slots, k)
         torch.ops.npu.npu_scatter_nd_update_(v_cache.view(-1, self.num_kv_heads, self.head_dim), slots, v)
+
+
+def dequantize_rows(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[S, Nkv, D] in `dtype`: the per-token FP8 cache's rows at `slots`, E4M3 x its fp32 scale (the same
+    de-quantization the paged kernel applies with key/value_quant_mode 4); gathered on the uint8 bit view (float8
+    indexing is missing from some torch builds)."""
+    heads, dim = cache.shape[-2:]
+    rows = cache.view(torch.uint8).view(-1, heads, dim)[slots].view(cache.dtype)
+    return (rows.float() * scale.view(-1)[slots][:, None, None]).to(dtype)
