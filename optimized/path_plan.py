@@ -4,7 +4,7 @@ checkpoint's quantization scheme; everything else reads the answer (`PhasePaths`
 The execution plan (optimized/executor/plan.py) holds it; `build_phases` builds the strategies it names; the model
 keeps it (`model.paths`); the start-up block, the operator check and the benches read it. No other module decides
 whether prefill runs sequence parallel, which EP scheme it uses, what travels on its wire, or whether decode runs MC2
-(tests/test_path_decisions.py keeps it so).
+(tests/test_path_plan.py keeps it so).
 
 The rules (the recipe's):
 - Attention DP (`attn_dp_size > 1`): each DP group prefills its own requests over its attention TP ranks, the MoE by
