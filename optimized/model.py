@@ -21,7 +21,7 @@ from optimized.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from optimized.layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 from optimized.layers.norm import RMSNorm
 from optimized.layers.quantization.config import QuantConfig
-from optimized.path_plan import PhasePaths, decide_paths
+from optimized.path_plan import SP, PhasePaths, decide_paths
 from optimized.phases import build_phases
 
 UNSUPPORTED = {
@@ -128,8 +128,8 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     @property
     def ep_scheme(self) -> str | None:
-        """The SP prefill's MoE EP scheme ('allgather' / 'alltoall'), None without the SP prefill."""
-        return self.prefill.ep_scheme
+        """The SP prefill's MoE EP scheme ('allgather' / 'alltoall'), None without the SP prefill (the plan's)."""
+        return self.paths.ep_scheme if self.paths.prefill == SP else None
 
     def close(self) -> None:
         """Destroy this model's process subgroups (all ranks together), before the default group goes."""
