@@ -1,8 +1,9 @@
 """The plan decides, everyone reads: `path_plan.decide_paths` is the one rule of every phase's path, and no other
 module decides again.
 
-- The rule itself, over the layouts and every scheme of the quantization table: attention DP, the SP prefill only where
-  the layout asks for it and the scheme allows it, the EP scheme, the wire the scheme's row names, the MC2 decode.
+- The rule itself, over fixed and drawn layouts (hypothesis) and every scheme of the quantization table: attention
+  DP, the SP prefill only where the layout asks for it and the scheme allows it, the EP scheme, the wire the scheme's
+  row names, the MC2 decode.
 - The guard, read from the source with `ast`: the old deciders (`sp_prefill()`, `uses_mx_prefill`, `choose_ep_scheme`,
   `mx_activation_bits`) are gone; `decide_paths` is called only by the plan and by a model built without one; the
   layout's own facts (`ParallelConfig.sp_prefill`, `.mc2_decode`) are read only where the rule and the groups need
@@ -16,8 +17,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from optimized.config import InferenceConfig, ParallelConfig
+from optimized.config import ConfigError, InferenceConfig, ParallelConfig
 from optimized.layers.quantization.errors import QuantConfigError
 from optimized.layers.quantization.schemes import MXFP8_WIRE, SCHEMES
 from optimized.path_plan import ALLGATHER, ALLTOALL, DP, MC2, SP, TP, WIRE_16_BIT, decide_paths
@@ -36,17 +39,14 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
-@pytest.mark.parametrize("scheme", list(SCHEMES), ids=str)
-def test_the_one_rule(sizes, scheme):
-    cfg = {"parallel_config": sizes, "scheduler_config": {"batch_size": 4}}
-    parallel = InferenceConfig.from_dict(cfg).parallel_config
+def _check_the_rule(parallel: ParallelConfig, scheme, model=MODEL) -> None:
     row = SCHEMES[scheme]
     if parallel.prefill_opt and not row.sp_prefill:
         with pytest.raises(QuantConfigError, match="parallel_config.prefill_opt"):
-            decide_paths(MODEL, parallel, scheme)
+            decide_paths(model, parallel, scheme)
         return
-    paths = decide_paths(MODEL, parallel, scheme)
+    paths = decide_paths(model, parallel, scheme)
+    assert paths == decide_paths(model, parallel, row)  # a name or its row: the same decision
     if parallel.attn_dp_size > 1:
         assert (paths.prefill, paths.ep_scheme, paths.wire, paths.decode) == (DP, ALLTOALL, WIRE_16_BIT, DP)
         return
@@ -54,10 +54,46 @@ def test_the_one_rule(sizes, scheme):
     if not (parallel.sp_prefill and row.sp_prefill):
         assert (paths.prefill, paths.ep_scheme, paths.wire) == (TP, None, None)
         return
-    auto = ALLGATHER if MODEL.num_experts_per_tok >= parallel.moe_ep_size else ALLTOALL
+    auto = ALLGATHER if model.num_experts_per_tok >= parallel.moe_ep_size else ALLTOALL
     assert paths.prefill == SP
     assert paths.ep_scheme == (auto if parallel.moe_ep_scheme == "auto" else parallel.moe_ep_scheme)
     assert paths.wire == (row.sp_wire or WIRE_16_BIT)
+
+
+@pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.parametrize("scheme", list(SCHEMES), ids=str)
+def test_the_one_rule(sizes, scheme):
+    cfg = {"parallel_config": sizes, "scheduler_config": {"batch_size": 4}}
+    _check_the_rule(InferenceConfig.from_dict(cfg).parallel_config, scheme)
+
+
+@st.composite
+def _parallel_configs(draw) -> ParallelConfig:
+    """Layouts the config accepts: sizes dividing the world, the options drawn as a file may set or leave them."""
+    world = draw(st.sampled_from([1, 2, 4, 8]))
+    divisors = [d for d in (1, 2, 4, 8) if world % d == 0]
+    sizes = dict(
+        world_size=world,
+        attn_tp_size=draw(st.sampled_from(divisors)),
+        moe_tp_size=draw(st.sampled_from(divisors)),
+        moe_ep_scheme=draw(st.sampled_from(["auto", "allgather", "alltoall"])),
+    )
+    for key in ("prefill_opt", "attn_dp"):
+        value = draw(st.sampled_from([None, True, False]))
+        if value is not None:
+            sizes[key] = value
+    try:
+        cfg = InferenceConfig.from_dict({"parallel_config": sizes, "scheduler_config": {"batch_size": 8}})
+    except ConfigError:
+        assume(False)  # a layout the config refuses never reaches the plan
+    return cfg.parallel_config
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(parallel=_parallel_configs(), scheme=st.sampled_from(list(SCHEMES)), top_k=st.integers(1, 8))
+def test_the_one_rule_over_drawn_layouts(parallel, scheme, top_k):
+    model = SimpleNamespace(num_experts_per_tok=top_k, num_attention_heads=64, head_dim=128, hidden_size=4096)
+    _check_the_rule(parallel, scheme, model)
 
 
 def test_the_mxfp8_wire_comes_from_the_table_row():
