@@ -26,13 +26,15 @@ from optimized.layers.quantization.schemes import MXFP8_WIRE, SCHEMES
 from optimized.path_plan import ALLGATHER, ALLTOALL, DP, MC2, SP, TP, WIRE_16_BIT, decide_paths
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = SimpleNamespace(num_experts_per_tok=4, num_attention_heads=8, head_dim=16, hidden_size=64)
+MODEL = SimpleNamespace(num_experts_per_tok=4, num_attention_heads=64, head_dim=128, hidden_size=4096)
 
 LAYOUTS = [
     dict(world_size=1),
     dict(world_size=2, attn_tp_size=2, moe_tp_size=2),  # TP, moe_infer_tp decode
     dict(world_size=2, attn_tp_size=2, moe_tp_size=1, prefill_opt=False),  # TP prefill, MC2 decode
     dict(world_size=2, attn_tp_size=2, moe_tp_size=1),  # SP by default, allgather (top_k 4 >= 2)
+    dict(world_size=4, attn_tp_size=4, moe_tp_size=1),  # SP, allgather: top_k 4 == moe_ep_size 4 (the tie)
+    dict(world_size=8, attn_tp_size=8, moe_tp_size=1),  # SP, alltoall: top_k 4 < 8
     dict(world_size=4, attn_tp_size=4, moe_tp_size=1, moe_ep_scheme="alltoall"),
     dict(world_size=4, attn_tp_size=2, moe_tp_size=1),  # attention DP
     dict(world_size=4, attn_tp_size=2, moe_tp_size=2, attn_dp=False),  # replicated attention, MoE TP 2 x EP 2
