@@ -44,8 +44,9 @@ def dispatch_batch(batch: int, dp_groups: int, graph: bool) -> int:
 
 def mc2_window(hf_config, parallel, batch: int, exe_mode: str, act_bytes: int) -> int | None:
     """The MC2 group's HCCL window (MB) for decode batches up to `batch` as a step dispatches them (padded to the
-    graph bucket in a graph mode, per DP group under attention DP); None without an MC2 decode. Every builder of
-    process groups (the assembly, the parallel bench, the latency harness) sizes the window here."""
+    graph bucket in a graph mode, per DP group under attention DP); None without an MC2 decode: what
+    `ExecutionPlan.mc2_window_mb` holds, for the builders of process groups that do not build a plan yet (the
+    parallel bench, the latency harness)."""
     dispatched = dispatch_batch(batch, parallel.attn_dp_size, exe_mode in GRAPH_MODES)
     return decode_plan.window_for(hf_config, parallel, dispatched, act_bytes)
 
@@ -92,8 +93,8 @@ class ExecutionPlan:
     def build(
         cls, cfg: InferenceConfig, hf_config, *, batch: int, prefill_tokens: int, kv_pool_blocks: int
     ) -> "ExecutionPlan":
-        """Every decision of a run, once. Raises QuantConfigError / ValueError for a layout the checkpoint's scheme
-        cannot run (path_plan.decide_paths)."""
+        """Every decision of a run, once. Raises QuantConfigError / PathPlanError for a layout the checkpoint's
+        scheme cannot run (path_plan.decide_paths)."""
         m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
         graph = m.exe_mode in GRAPH_MODES
         dp, act = p.attn_dp_size, m.torch_dtype.itemsize
@@ -101,6 +102,7 @@ class ExecutionPlan:
         paths = decide_paths(hf_config, p, quant)
         dispatched = dispatch_batch(batch, dp, graph)
         window = decode_plan.window_for(hf_config, p, dispatched, act) if paths.mc2 else None
+        limits = tuple(decode_plan.mc2_limit_violations(hf_config, p, dispatched)) if paths.mc2 else ()
         return cls(
             batch=batch,
             dp_groups=dp,
@@ -110,11 +112,11 @@ class ExecutionPlan:
             buckets=graph_buckets(batch, dp) if graph else (),
             dispatch_batch=dispatched,
             mc2_window_mb=window,
-            mc2_limits=tuple(decode_plan.mc2_limit_violations(hf_config, p, dispatched)) if paths.mc2 else (),
+            mc2_limits=limits,
             kv_pool_blocks=kv_pool_blocks,
             block_size=s.block_size,
             prefill_line=prefill_line(hf_config, p, paths, prefill_tokens, act, scheme_row(quant)),
-            decode_line=decode_line(hf_config, p, paths, dispatched, act, window),
+            decode_line=decode_line(hf_config, p, paths, dispatched, act, window, limits),
         )
 
     def describe(self) -> str:
@@ -174,15 +176,21 @@ def prefill_line(
 
 
 def decode_line(
-    hf_config, parallel: ParallelConfig, paths: PhasePaths, batch: int, act_bytes: int, window_mb: int | None
+    hf_config,
+    parallel: ParallelConfig,
+    paths: PhasePaths,
+    batch: int,
+    act_bytes: int,
+    window_mb: int | None,
+    broken: tuple[str, ...] = (),
 ) -> str:
-    """The start-up line of the decode path the plan decided: for MC2, its group's window and volume."""
+    """The start-up line of the decode path the plan decided: for MC2, its group's window and volume, and the MC2
+    kernel limits `broken` (the plan's `mc2_limits`)."""
     if not paths.mc2:
         return (
             f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
             f"{parallel.moe_ep_size}: expert range + all_reduce)"
         )
-    broken = decode_plan.mc2_limit_violations(hf_config, parallel, batch)
     limits = f"; beyond the NPU's MC2 limits (portable kernels only): {'; '.join(broken)}" if broken else ""
     ep = parallel.moe_ep_size
     if paths.decode == DP:  # each rank dispatches its own share of its DP group's batch, nothing gathered
