@@ -359,10 +359,17 @@ class ParallelConfig:
 
     @property
     def sp_prefill(self) -> bool:
-        """Whether prefill runs sequence parallel (prefill_opt, or its default when null)."""
+        """Whether the layout asks for the sequence-parallel prefill (prefill_opt, or its default when null). What
+        runs is the plan's decision (optimized/path_plan.py), which also asks the checkpoint."""
         if self.prefill_opt is not None:
             return self.prefill_opt
         return self.world_size > 1 and self.attn_tp_size == self.moe_ep_size == self.world_size
+
+    @property
+    def mc2_decode(self) -> bool:
+        """Whether the layout's decode MoE is MC2 dispatch / combine: experts spread over EP ranks untensor-split (the
+        recipe's rule). The process groups build the MC2 group for it; the plan's decode path reads it."""
+        return self.moe_tp_size == 1 and self.moe_ep_size > 1
 
     def _check(self, c: _Checker) -> None:
         t = self.collective_timeout_s
@@ -677,24 +684,6 @@ class InferenceConfig:
                 p.moe_tp_size,
                 " (the dense MLP layers are sharded over the moe_tp group)",
             )
-        if m.enable_hadamard is True:  # every rotated width a multiple of 128 (spec a4w4_hadamard.md §4.2)
-            if mx_activation_bits(hf_config) == 4:  # a W4A4 checkpoint (else the rotation is ignored)
-                width = hf_config.num_attention_heads // p.attn_tp_size * head_dim_of(hf_config)
-                for what, value in (
-                    ("hidden_size", hf_config.hidden_size),
-                    (
-                        f"num_attention_heads / attn_tp_size * head_dim ({hf_config.num_attention_heads} "
-                        f"/ {p.attn_tp_size} * {head_dim_of(hf_config)})",
-                        width,
-                    ),
-                ):
-                    if value % 128:
-                        errors.append(
-                            (
-                                f"{mc}.enable_hadamard",
-                                f"the rotation acts on 128-feature blocks: {what} = {value} is not a multiple of 128",
-                            )
-                        )
         if m.eplb:
             batch = self.scheduler_config.batch_size
             if m.exe_mode in GRAPH_MODES:  # graph decode pads the batch to its bucket
@@ -743,15 +732,6 @@ def dense_layers(hf_config, num_layers: int | None = None) -> list[int]:
     """Indices of decoder layers with a dense MLP."""
     n = num_layers if num_layers is not None else hf_config.num_hidden_layers
     return [i for i in range(n) if not is_sparse_layer(hf_config, i)]
-
-
-def mx_activation_bits(hf_config) -> int | None:
-    """The activation bits of the checkpoint's MX `quantization_config` (4: W4A4, 8: W4A8 / W8A8), None without one
-    or when its groups disagree; read from the dict (the loader, optimized/layers/quantization/, validates it)."""
-    qc = getattr(hf_config, "quantization_config", None) or {}
-    groups = (qc if isinstance(qc, dict) else qc.to_dict()).get("config_groups") or {}
-    bits = {(g.get("input_activations") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
-    return bits.pop() if len(bits) == 1 else None
 
 
 def head_dim_of(hf_config) -> int:

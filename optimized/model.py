@@ -3,10 +3,10 @@
 Tokens are packed (TND: all requests of a step concatenated). The weights are sharded over the process groups of
 `distributed.ParallelState` (attention TP, MoE TP x EP, embedding TP, lm_head TP). The residual stream is carried
 between layers by `npu_add_rms_norm`. How each phase moves activations between ranks (tensor parallel, the
-sequence-parallel prefill in bf16 or with MXFP8 on the wire) is a strategy chosen once at build time
-(optimized/phases.py): the phase owns the layer loop and hands each layer its step. The checkpoint's quantization is
-parsed once (`QuantConfig`, optimized/layers/quantization/config.py), which gives each linear and the experts their
-quant method by checkpoint prefix when the layers are built.
+sequence-parallel prefill in bf16 or with MXFP8 on the wire) is decided once by the plan (optimized/path_plan.py)
+and built as a strategy (optimized/phases.py): the phase owns the layer loop and hands each layer its step. The
+checkpoint's quantization is parsed once (`QuantConfig`, optimized/layers/quantization/config.py), which gives each
+linear and the experts their quant method by checkpoint prefix when the layers are built.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from optimized.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from optimized.layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 from optimized.layers.norm import RMSNorm
 from optimized.layers.quantization.config import QuantConfig
+from optimized.path_plan import SP, PhasePaths, decide_paths
 from optimized.phases import build_phases
 
 UNSUPPORTED = {
@@ -98,15 +99,18 @@ class Qwen3MoeForCausalLM(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         force_eplb: bool = False,
         quant_config: QuantConfig | None = None,
+        paths: PhasePaths | None = None,
     ):
         """force_eplb: model_config.force_eplb, the recipe's balanced expert ids in every MoE layer
         (optimized/layers/force_eplb.py). quant_config: the checkpoint's quantization (the build passes one that
-        knows the checkpoint's 16-bit dense projections; default: parsed from `config`)."""
+        knows the checkpoint's 16-bit dense projections; default: parsed from `config`). paths: the execution plan's
+        phase paths (default: decided here by the plan's one rule, `path_plan.decide_paths`)."""
         super().__init__()
         check_supported(config)
         self.config, self.groups, self.dtype, self.force_eplb = config, groups, dtype, force_eplb
         self.quant_config = quant = quant_config or QuantConfig.from_hf_config(config)  # parsed once
-        self.prefill, self.decode = build_phases(config, groups, quant.scheme)  # the layout's strategies, once
+        self.paths = paths or decide_paths(config, groups.parallel, quant.row)
+        self.prefill, self.decode = build_phases(config, groups, self.paths)  # the plan's strategies, built once
         if self.prefill.reduces_o_proj != self.decode.reduces_o_proj:  # one o_proj serves both phases
             raise ValueError("the prefill and decode phases disagree on whether o_proj reduces its partial sums")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, groups.embed_tp, dtype)
@@ -124,8 +128,8 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     @property
     def ep_scheme(self) -> str | None:
-        """The SP prefill's MoE EP scheme ('allgather' / 'alltoall'), None without the SP prefill."""
-        return self.prefill.ep_scheme
+        """The SP prefill's MoE EP scheme ('allgather' / 'alltoall'), None without the SP prefill (the plan's)."""
+        return self.paths.ep_scheme if self.paths.prefill == SP else None
 
     def close(self) -> None:
         """Destroy this model's process subgroups (all ranks together), before the default group goes."""

@@ -21,17 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from optimized.config import head_dim_of
 from optimized.distributed import collectives as comm
-from optimized.distributed.decode_plan import uses_mc2_decode
-from optimized.distributed.prefill_plan import choose_ep_scheme
 from optimized.layers.exchange import build_exchange
 from optimized.layers.force_eplb import EP_SPLIT, JOB, OWN, EplbRows
-from optimized.layers.quantization.errors import QuantConfigError
 from optimized.layers.quantization.mx_layout import BLOCK
 from optimized.layers.quantization.mx_wire import FLOAT8_E4M3FN, MxRows, map_rows, mx_quant, num_rows
-from optimized.layers.quantization.schemes import W4A4, W4A8, quant_scheme
+from optimized.layers.quantization.schemes import MXFP8_WIRE
 from optimized.ops import mx_format as mxf
+from optimized.path_plan import DP, MC2, TP, PhasePaths
 
 
 def own_tokens_all_heads(exchanged: torch.Tensor, ranks: int, n: int) -> torch.Tensor:
@@ -108,7 +105,7 @@ class SequenceParallelStep(TensorParallelStep):
 
 
 class MxSequenceParallelStep(SequenceParallelStep):
-    """The SP step with MXFP8 on the wire (W4A8 checkpoints)."""
+    """The SP step with MXFP8 on the wire (a scheme whose `sp_wire` is MXFP8: W4A8)."""
 
     def wire(self, x: torch.Tensor) -> MxRows:
         return mx_quant(x)
@@ -126,7 +123,7 @@ class MxSequenceParallelStep(SequenceParallelStep):
         return MxRows(xq, xs), residual
 
     def heads_to_owners(self, out: torch.Tensor, group, ranks: int, n: int) -> MxRows:
-        blocks = out.shape[1] // BLOCK  # whole blocks (uses_mx_prefill)
+        blocks = out.shape[1] // BLOCK  # whole blocks (the plan checked: path_plan.decide_paths)
         q = self.wire(out)
         # Only the real scale bytes travel (the pair layout pads an odd block count with a zero byte).
         rows = map_rows(
@@ -262,55 +259,17 @@ class DataParallelPhase(TensorParallelPhase):
         return logits[start : start + sizes[lm.rank]]
 
 
-def uses_mx_prefill(config, parallel, scheme: str | None = None) -> bool:
-    """True for a W4A8 checkpoint under the SP prefill; raises if the layout splits an MX block across ranks.
-    (The recipe's `prefill_opt` takes gmm_quant_mode w4a8mxfloat4 only, spec mx_quant.md §9.2: a W8A8 checkpoint
-    runs the SP step with 16-bit activations on the wire, each MXFP8 linear / expert quantizing its own input.)
-    scheme: the model's, already parsed (default: read from `config`)."""
-    if (scheme or quant_scheme(config)) != W4A8 or not parallel.sp_prefill:
-        return False
-    width = config.num_attention_heads // parallel.attn_tp_size * head_dim_of(config)
-    if width % BLOCK:
-        raise ValueError(
-            f"the W4A8 sequence-parallel prefill quantizes each rank's attention output "
-            f"(num_attention_heads / attn_tp_size * head_dim = {config.num_attention_heads} / "
-            f"{parallel.attn_tp_size} * {head_dim_of(config)} = {width}) in {BLOCK}-element MX blocks: "
-            f"it must be a multiple of {BLOCK}; choose another attn_tp_size or turn prefill_opt off"
-        )
-    return True
-
-
-def sp_prefill(config, parallel, scheme: str | None = None) -> bool:
-    """Whether prefill runs sequence parallel: prefill_opt (or its default), never for a W4A4 checkpoint, as the
-    recipe's prefill_opt requires mm_quant_mode != w4a4mxfloat4 (spec a4w4_hadamard.md §1.4). scheme: the model's,
-    already parsed (default: read from `config`)."""
-    if (scheme or quant_scheme(config)) != W4A4:
-        return parallel.sp_prefill
-    if parallel.prefill_opt:
-        raise QuantConfigError(
-            "parallel_config.prefill_opt: true is not supported with a W4A4 checkpoint (the "
-            "recipe's sequence-parallel prefill excludes W4A4); set it false or null"
-        )
-    return False
-
-
-def build_phases(config, groups, scheme: str | None = None) -> tuple[TensorParallelPhase, TensorParallelPhase]:
-    """(prefill, decode) for this layout and checkpoint (`scheme`: the model's QuantConfig's), chosen once."""
-    if groups.parallel.attn_dp_size > 1:
+def build_phases(config, groups, paths: PhasePaths) -> tuple[TensorParallelPhase, TensorParallelPhase]:
+    """(prefill, decode): the strategies of the paths the plan decided (optimized/path_plan.py), built once."""
+    if paths.prefill == DP:
         # Attention DP runs the prefill data parallel too, as the recipe does (each DP group prefills its own
-        # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode. W4A8 / W8A8 run the
-        # same steps: rows travel 16-bit (spec npu_ops_moe.md §1: double routing scale=None, dispatch quant_mode 0)
-        # and each MXFP8 linear / expert quantizes its own input per row, so no padding row shares a real row's scale.
-        prefill = DataParallelStep(build_exchange("alltoall", config, groups), masks_padding=False)
+        # requests, split over its TP ranks); its MoE: double routing in prefill, MC2 in decode.
+        prefill = DataParallelStep(build_exchange(paths.ep_scheme, config, groups), masks_padding=False)
         decode = DataParallelStep(build_exchange("dispatch_combine", config, groups), masks_padding=True)
         return DataParallelPhase(prefill), DataParallelPhase(decode)
-    # Decode: MC2 dispatch / combine when the experts are spread over EP ranks untensor-split (the recipe's rule).
-    mc2 = build_exchange("dispatch_combine", config, groups) if uses_mc2_decode(groups.parallel) else None
+    mc2 = build_exchange("dispatch_combine", config, groups) if paths.decode == MC2 else None
     decode = TensorParallelPhase(TensorParallelStep(mc2, decode=True))
-    if not sp_prefill(config, groups.parallel, scheme):
+    if paths.prefill == TP:
         return TensorParallelPhase(), decode
-    ep_scheme = choose_ep_scheme(groups.parallel, config.num_experts_per_tok)
-    exchange = build_exchange(ep_scheme, config, groups)
-    step_class = MxSequenceParallelStep if uses_mx_prefill(config, groups.parallel, scheme) else SequenceParallelStep
-    step = step_class(exchange)
-    return SequenceParallelPrefill(ep_scheme, step), decode
+    step_class = MxSequenceParallelStep if paths.wire == MXFP8_WIRE else SequenceParallelStep
+    return SequenceParallelPrefill(paths.ep_scheme, step_class(build_exchange(paths.ep_scheme, config, groups))), decode

@@ -1,4 +1,4 @@
-"""The decode's MoE plan: the recipe's MC2 rule, the MC2 group's HCCL window and the start-up line."""
+"""The decode's MoE plan: the recipe's MC2 rule as the plan decides it, the MC2 group's HCCL window and limits."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from optimized.config import ParallelConfig
 from optimized.distributed import decode_plan
 from optimized.errors import UsageError
+from optimized.path_plan import MC2, TP, decide_paths
 
 QWEN3_235B = SimpleNamespace(hidden_size=4096, num_experts=128, num_experts_per_tok=8)
 
@@ -25,7 +26,9 @@ QWEN3_235B = SimpleNamespace(hidden_size=4096, num_experts=128, num_experts_per_
     ],
 )
 def test_mc2_decode_exactly_when_moe_tp_1_and_ep_above_1(sizes, mc2):
-    assert decode_plan.uses_mc2_decode(ParallelConfig(**sizes)) is mc2
+    parallel = ParallelConfig(**sizes)
+    assert parallel.mc2_decode is mc2
+    assert decide_paths(QWEN3_235B, parallel).decode == (MC2 if mc2 else TP)
 
 
 def test_mc2_window_follows_the_recipes_rule_for_qwen3_235b():
@@ -67,14 +70,6 @@ def test_window_for_uses_the_most_tokens_a_rank_dispatches():
     assert decode_plan.window_for(QWEN3_235B, mc2, 4090, 2) == decode_plan.mc2_window_mb(256, 8, 4096, 16, 128)
     tp = ParallelConfig(world_size=16, attn_tp_size=16, moe_tp_size=16, moe_ep_size=1)
     assert decode_plan.window_for(QWEN3_235B, tp, 4090, 2) is None  # no MC2 decode
-
-
-def test_describe_names_the_decode_path_and_window():
-    ep = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=1, moe_ep_size=4)
-    line = decode_plan.describe(QWEN3_235B, ep, 8, 2)
-    assert "moe_infer_dispatch_combine" in line and "MC2 window 200 MB (its own HCCL group)" in line, line
-    tp = ParallelConfig(world_size=4, attn_tp_size=4, moe_tp_size=4, moe_ep_size=1)
-    assert "moe_infer_tp" in decode_plan.describe(QWEN3_235B, tp, 8, 2)
 
 
 def test_a_batch_beyond_the_mc2_window_is_refused_naming_both():
@@ -234,10 +229,6 @@ def test_mc2_limits_raise_at_start_up_where_enforced_and_are_named_elsewhere():
         r"\[1024, 8192\]; lower scheduler_config.batch_size",
     ):
         decode_plan.check_mc2_limits(tiny, ep2, 4, enforce=True)
-    assert "beyond the NPU's MC2 limits (portable kernels only): hidden_size 64" in decode_plan.describe(
-        tiny, ep2, 4, 2
-    )
-    assert "beyond" not in decode_plan.describe(QWEN3_235B, ep2, 4, 2)
 
 
 def test_the_runner_checks_the_mc2_limits_before_any_step_on_an_npu_host_or_in_strict_mode(monkeypatch):

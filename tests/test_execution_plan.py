@@ -1,5 +1,6 @@
-"""The execution plan: the MC2 window sized from the largest batch a decode step dispatches (the padded graph bucket,
-each DP group's share), the graph buckets, the KV pool, and the start-up block that names them."""
+"""The execution plan: its decisions as fields (the phase paths, the MC2 window sized from the largest batch a decode
+step dispatches: the padded graph bucket, each DP group's share; the graph buckets, the KV pool, the MC2 limits), and
+the start-up block that prints them, one line per decision."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from optimized.config import InferenceConfig
 from optimized.distributed import decode_plan
 from optimized.executor import plan as P
 from optimized.forward_metadata import batch_bucket
+from optimized.path_plan import ALLGATHER, ALLTOALL, DP, MC2, SP, TP, WIRE_16_BIT
 
 QWEN3_235B = SimpleNamespace(
     hidden_size=4096,
@@ -52,7 +54,7 @@ def test_graph_mode_sizes_the_mc2_window_for_the_padded_bucket_qwen3_235b_ep4_ba
     assert (eager.dispatch_batch, eager.mc2_window_mb) == (600, 368)
     assert (graph.dispatch_batch, graph.mc2_window_mb) == (1024, 619)
     assert graph.buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-    assert "MC2 window 619 MB (sized for 1024 dispatched rows)" in graph.describe()
+    assert (graph.paths.prefill, graph.paths.ep_scheme, graph.paths.decode) == (SP, ALLGATHER, MC2)
 
 
 def test_graph_mode_under_attention_dp_pads_each_groups_share():
@@ -63,6 +65,12 @@ def test_graph_mode_under_attention_dp_pads_each_groups_share():
     assert graph.dispatch_batch == 4 * 16 and graph.buckets == (1, 2, 4, 8, 16)
     assert eager.mc2_window_mb == decode_plan.mc2_window_mb(5, 8, 4096, 8, 128, 2)
     assert graph.mc2_window_mb == decode_plan.mc2_window_mb(8, 8, 4096, 8, 128, 2)
+    assert (graph.paths.prefill, graph.paths.ep_scheme, graph.paths.wire, graph.paths.decode) == (
+        DP,
+        ALLTOALL,
+        WIRE_16_BIT,
+        DP,
+    )
 
 
 def test_serve_above_80_rows_per_rank_gets_a_window_that_holds_them():
@@ -93,18 +101,25 @@ def test_the_window_holds_every_batch_a_step_can_dispatch(groups, dp, graph):
         decode_plan.check_mc2_window(QWEN3_235B, cfg.parallel_config, step, 2, plan.mc2_window_mb)
 
 
-def test_no_mc2_no_window_and_the_block_names_each_decision():
+def test_no_mc2_no_window_and_the_block_prints_each_decision():
     plan = _plan(_cfg("eager", 4, world_size=2, attn_tp_size=2, moe_tp_size=2))
-    assert plan.mc2_window_mb is None and plan.buckets == ()
-    text = plan.describe()
-    for line in (
-        "plan: batch 4",
-        "prefill path:",
-        "decode MoE path: moe_infer_tp",
-        "decode steps eager; no MC2 decode",
-        "KV pool: 9 blocks",
-    ):
-        assert line in text, text
+    assert plan.mc2_window_mb is None and plan.buckets == () and not plan.mc2
+    assert (plan.paths.prefill, plan.paths.ep_scheme, plan.paths.wire, plan.paths.decode) == (TP, None, None, TP)
+    assert plan.quant is None and plan.scheme.name is None
+    lines = plan.describe().splitlines()
+    assert len(lines) == 5 and lines[1:3] == [plan.prefill_line, plan.decode_line], lines
+
+
+def test_the_plan_holds_the_decode_path_its_window_and_the_mc2_limits_it_breaks():
+    ep = _plan(_cfg("eager", 8, world_size=4, attn_tp_size=4, moe_tp_size=1))
+    assert ep.paths.decode == MC2 and ep.mc2_window_mb == decode_plan.HCCL_DEFAULT_MB and ep.mc2_limits == ()
+    tp = _plan(_cfg("eager", 8, world_size=4, attn_tp_size=4, moe_tp_size=4))
+    assert tp.paths.decode == TP and tp.mc2_window_mb is None
+    tiny = SimpleNamespace(hidden_size=64, num_experts=8, num_experts_per_tok=2)
+    small = P.ExecutionPlan.build(
+        _cfg("eager", 4, world_size=2, attn_tp_size=2, moe_tp_size=1), tiny, batch=4, prefill_tokens=8, kv_pool_blocks=3
+    )
+    assert small.mc2_limits == ("hidden_size 64 outside [1024, 8192]",)  # the portable kernels only
 
 
 @pytest.mark.parametrize(

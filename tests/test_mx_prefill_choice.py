@@ -1,30 +1,36 @@
-"""The MXFP8-wire SP prefill is chosen once, at build time: W4A8 checkpoint and SP prefill layout, nothing else;
-a layout that would split an MX block of the attention output across ranks is refused with the keys named."""
+"""The MXFP8 wire of the SP prefill is the plan's decision, made once: a scheme whose table row says MXFP8 (W4A8)
+under the SP prefill, nothing else; a layout that would split an MX block of the attention output across ranks is
+refused with the keys named."""
 
 from __future__ import annotations
 
 import pytest
 
 from equivalence.support.strategies import layout, sp_layout
-from fixtures.checkpoints import checkpoint, w4a8_checkpoint
+from fixtures.tiny import tiny_config
 from optimized.config import ParallelConfig
-from optimized.model_loader.hf_config import load_hf_config
-from optimized.phases import uses_mx_prefill
 from optimized.distributed.prefill_plan import allgather_volume, attention_volume, mx_row_bytes
+from optimized.layers.quantization.schemes import MXFP8_WIRE, SCHEMES, W4A8, W8A8
+from optimized.path_plan import SP, TP, WIRE_16_BIT, PathPlanError, decide_paths
 
 
 def test_chosen_for_w4a8_under_sp_prefill_only():
-    w4a8, bf16 = load_hf_config(w4a8_checkpoint("tiny")), load_hf_config(checkpoint("tiny"))
-    assert uses_mx_prefill(w4a8, ParallelConfig(**sp_layout(2, "allgather")))
-    assert uses_mx_prefill(w4a8, ParallelConfig(**sp_layout(4, "alltoall")))
-    assert not uses_mx_prefill(bf16, ParallelConfig(**sp_layout(2, "allgather")))
-    assert not uses_mx_prefill(w4a8, ParallelConfig(**layout(2, attn_tp_size=2)))
+    tiny = tiny_config("tiny")
+    assert [name for name, row in SCHEMES.items() if row.sp_wire == MXFP8_WIRE] == [W4A8]
+    for sizes in (sp_layout(2, "allgather"), sp_layout(4, "alltoall")):
+        assert decide_paths(tiny, ParallelConfig(**sizes), W4A8).wire == MXFP8_WIRE
+        for scheme in (None, W8A8):
+            paths = decide_paths(tiny, ParallelConfig(**sizes), scheme)
+            assert (paths.prefill, paths.wire) == (SP, WIRE_16_BIT), scheme
+    tp = decide_paths(tiny, ParallelConfig(**layout(2, attn_tp_size=2)), W4A8)
+    assert (tp.prefill, tp.wire) == (TP, None)
 
 
 def test_attention_width_not_whole_mx_blocks_is_refused():
-    w4a8 = load_hf_config(w4a8_checkpoint("tiny"))  # 8 heads x head_dim 16: 16 per rank at P = 8
-    with pytest.raises(ValueError, match=r"num_attention_heads / attn_tp_size \* head_dim .* = 16.*multiple of 32"):
-        uses_mx_prefill(w4a8, ParallelConfig(**sp_layout(8, "alltoall")))
+    tiny = tiny_config("tiny")  # 8 heads x head_dim 16: 16 per rank at P = 8
+    with pytest.raises(PathPlanError, match=r"num_attention_heads / attn_tp_size \* head_dim .* = 16.*multiple of 32"):
+        decide_paths(tiny, ParallelConfig(**sp_layout(8, "alltoall")), W4A8)
+    assert decide_paths(tiny, ParallelConfig(**sp_layout(8, "alltoall")), W8A8).wire == WIRE_16_BIT
 
 
 def test_mx_wire_bytes_are_one_byte_per_element_plus_one_per_block():

@@ -10,7 +10,7 @@ import torch
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from optimized.model_loader.build import load_model
 from optimized.ops import required
-from optimized.ops.required import MissingNpuOperatorError, check_operators, required_operators
+from optimized.ops.required import MissingNpuOperatorError, check_operators
 from optimized.ops.schemas import SCHEMAS
 
 
@@ -70,7 +70,23 @@ def test_schema_mismatch_rules(change, why):
 
 
 def test_the_portable_kernels_provide_every_operator_of_every_configuration():
-    for w4a8, w8a8 in ((False, False), (True, False), (False, True)):
-        for dense in (False, True):
-            for scheme in (None, "allgather", "alltoall"):
-                check_operators(required_operators(w4a8=w4a8, w8a8=w8a8, dense_mlp=dense, sp_ep_scheme=scheme))
+    from fixtures.tiny import tiny_config
+    from optimized.config import ParallelConfig
+    from optimized.layers.quantization.schemes import SCHEMES
+    from optimized.model_loader.build import operators_for
+    from optimized.path_plan import decide_paths
+
+    layouts = [
+        dict(world_size=1),
+        dict(world_size=2, attn_tp_size=2, moe_tp_size=1, prefill_opt=True, moe_ep_scheme="allgather"),
+        dict(world_size=2, attn_tp_size=2, moe_tp_size=1, prefill_opt=True, moe_ep_scheme="alltoall"),
+        dict(world_size=4, attn_tp_size=2, moe_tp_size=1),  # attention DP, MC2 decode
+    ]
+    for name, row in SCHEMES.items():
+        for fixture in ("tiny", "tiny-dense"):
+            config = tiny_config(fixture)
+            for sizes in layouts:
+                parallel = ParallelConfig(**sizes)
+                if not row.sp_prefill and parallel.prefill_opt:
+                    continue
+                check_operators(operators_for(decide_paths(config, parallel, name), row, config))

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from equivalence.support.plans import planned_paths
 from fixtures.checkpoints import checkpoint
 from reference.tokenizer import decode, encode, eos_token_ids, load_tokenizer
 from optimized.__main__ import main as cli_main
+from optimized.path_plan import DP, MC2, TP
 from reference.checkpoint import load_model
 from reference.generate import greedy_generate, trim_at_eos
 
@@ -108,7 +110,7 @@ def test_generate_under_torchrun_two_ranks_equals_reference():
     assert f"generated ids: {ids_line(reference_tokens(prompt, 6))}" in lines
     assert sum(line.startswith("generated ids:") for line in lines) == 1, "only rank 0 prints"
     assert any(line.startswith("model: ") and "world_size 2" in line for line in lines)
-    assert any(line.startswith("prefill path: tensor parallel") for line in lines)  # tiny_tp2: no SP prefill
+    assert planned_paths(TP2).prefill == TP  # tiny_tp2: no SP prefill
 
 
 def _torchrun_four_ranks_equals_reference(config: str, texts) -> list[str]:
@@ -151,17 +153,16 @@ def _torchrun_four_ranks_equals_reference(config: str, texts) -> list[str]:
 
 def test_generate_attention_dp_under_torchrun_four_ranks_equals_reference():
     """tiny_attn2dp2_ep4 (attention TP 2 x DP 2, MoE EP 4): three prompts (padded to 4 with a dummy request)."""
-    lines = _torchrun_four_ranks_equals_reference("tiny_attn2dp2_ep4.yaml", ("1, 2, 3,", "Once upon a time", "Hello"))
-    assert any(line.startswith("prefill path: attention data parallel (2 DP groups") for line in lines), lines
-    assert any("under attention DP" in line for line in lines if line.startswith("decode MoE path:")), lines
+    _torchrun_four_ranks_equals_reference("tiny_attn2dp2_ep4.yaml", ("1, 2, 3,", "Once upon a time", "Hello"))
+    paths = planned_paths(CONFIGS / "tiny_attn2dp2_ep4.yaml")
+    assert (paths.prefill, paths.decode) == (DP, DP), paths
 
 
 def test_generate_mc2_decode_under_torchrun_four_ranks_equals_reference():
-    """tiny_ep4_mc2 (the recipe's EP-only decode: moe_tp 1, MoE EP 4): two prompts of different lengths; the
-    start-up lines name MC2 and its own group's HCCL window."""
-    lines = _torchrun_four_ranks_equals_reference("tiny_ep4_mc2.yaml", ("1, 2, 3,", "Once upon a time"))
-    decode = [line for line in lines if line.startswith("decode MoE path:")]
-    assert decode and "MC2 over moe_ep 4" in decode[0] and "MC2 window 200 MB (its own HCCL group)" in decode[0], lines
+    """tiny_ep4_mc2 (the recipe's EP-only decode: moe_tp 1, MoE EP 4): two prompts of different lengths; the plan
+    decodes through MC2 (its window: test_execution_plan.py)."""
+    _torchrun_four_ranks_equals_reference("tiny_ep4_mc2.yaml", ("1, 2, 3,", "Once upon a time"))
+    assert planned_paths(CONFIGS / "tiny_ep4_mc2.yaml").decode == MC2
 
 
 # --------------------------------------------------------------------------------------------- errors

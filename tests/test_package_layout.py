@@ -20,7 +20,7 @@ FLOORS = [
     ("optimized.ops",),
     ("optimized.distributed",),
     ("optimized.layers",),
-    ("optimized.phases",),
+    ("optimized.phases", "optimized.path_plan"),
     ("optimized.model",),
     ("optimized.model_loader", "optimized.datasets"),
     ("optimized.executor",),

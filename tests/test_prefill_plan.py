@@ -1,4 +1,4 @@
-"""Sequence-parallel prefill config keys, the recipe's rules, the EP scheme choice and the volume formulas."""
+"""Sequence-parallel prefill config keys, the recipe's rules, the plan's EP scheme choice and the volume formulas."""
 
 from __future__ import annotations
 
@@ -7,13 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from optimized.config import ConfigError, InferenceConfig, ParallelConfig
-from optimized.distributed.prefill_plan import (
-    alltoall_volume,
-    allgather_volume,
-    choose_ep_scheme,
-    describe,
-    ep_comm_volumes,
-)
+from optimized.distributed.prefill_plan import alltoall_volume, allgather_volume, ep_comm_volumes
+from optimized.path_plan import ALLGATHER, ALLTOALL, SP, TP, decide_paths
 
 # Qwen3-30B-A3B's MoE shapes (fixtures.presets restates the released config).
 QWEN3_30B = SimpleNamespace(hidden_size=2048, num_experts=128, num_experts_per_tok=8)
@@ -107,8 +102,9 @@ def test_world_size_divisibility_still_named_with_prefill_opt():
 )
 def test_auto_scheme_follows_the_volume_rule(ep, top_k, scheme):
     par = _par(world_size=ep, attn_tp_size=ep, moe_ep_size=ep)
-    assert choose_ep_scheme(par, top_k) == scheme
-    vol = ep_comm_volumes(SimpleNamespace(hidden_size=2048, num_experts=128, num_experts_per_tok=top_k), par, 4096, 2)
+    model = SimpleNamespace(hidden_size=2048, num_experts=128, num_experts_per_tok=top_k)
+    assert decide_paths(model, par).ep_scheme == scheme
+    vol = ep_comm_volumes(model, par, 4096, 2)
     # The chosen scheme is the one moving fewer activation bytes (ties go to allgather, as in the recipe).
     cheaper = (
         "allgather" if vol["allgather"].total <= vol["alltoall"].total + 0.02 * vol["alltoall"].total else "alltoall"
@@ -118,7 +114,8 @@ def test_auto_scheme_follows_the_volume_rule(ep, top_k, scheme):
 
 def test_explicit_scheme_overrides_auto():
     par = _par(world_size=4, attn_tp_size=4, moe_ep_size=4, moe_ep_scheme="alltoall")
-    assert choose_ep_scheme(par, 8) == "alltoall"
+    paths = decide_paths(QWEN3_30B, par)  # top_k 8 >= 4: auto would pick allgather
+    assert (paths.prefill, paths.ep_scheme, paths.why) == (SP, ALLTOALL, "moe_ep_scheme")
 
 
 def test_volume_formulas_by_hand():
@@ -136,9 +133,9 @@ def test_qwen3_30b_volumes_ratio_is_ep_over_top_k():
     act = {s: v.total for s, v in vol.items()}
     # Activations dominate: allgather / alltoall ~ P / top_k = 0.5 (within the ids/weights/counts overhead).
     assert 0.5 <= act["allgather"] / act["alltoall"] <= 0.52
-    line = describe(QWEN3_30B, par, 4096, 2)
-    assert "MoE EP scheme allgather (auto: top_k 8 >= moe_ep_size 4)" in line
-    assert "tensor parallel" in describe(QWEN3_30B, _par(), 16, 2)
+    paths = decide_paths(QWEN3_30B, par)
+    assert (paths.prefill, paths.ep_scheme, paths.why) == (SP, ALLGATHER, "auto: top_k 8 >= moe_ep_size 4")
+    assert decide_paths(QWEN3_30B, _par()).prefill == TP
 
 
 def test_sp_example_config_fits_the_tiny_model_and_picks_allgather():
@@ -150,4 +147,4 @@ def test_sp_example_config_fits_the_tiny_model_and_picks_allgather():
     cfg = InferenceConfig.from_yaml(path).validate_for_model(tiny_config("tiny"))
     par = cfg.parallel_config
     assert par.sp_prefill and par.prefill_opt is True
-    assert choose_ep_scheme(par, tiny_config("tiny").num_experts_per_tok) == "allgather"  # top_k 4 >= ep 4
+    assert decide_paths(tiny_config("tiny"), par).ep_scheme == ALLGATHER  # top_k 4 >= ep 4

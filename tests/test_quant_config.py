@@ -162,3 +162,18 @@ def test_a_row_parallel_linear_without_reduction_returns_its_partial_product(mon
         y = layer(x)
         torch.testing.assert_close(y, x @ layer.weight.t())
     assert len(reduced) == 1  # only the reducing one called all_reduce
+
+
+def test_the_converter_and_the_cli_offer_the_schemes_of_the_table():
+    from optimized.cli import convert as cli
+    from optimized.model_loader import quantize
+
+    assert tuple(cli.QUANT_TYPES) == quantize.QUANT_TYPES == schemes.MX_SCHEMES
+
+
+@pytest.mark.parametrize("scheme", schemes.MX_SCHEMES)
+def test_the_parser_reads_back_every_scheme_the_converter_writes(scheme):
+    row = schemes.SCHEMES[scheme]
+    kv = "fp8" if row.fp8_kv_cache else "bf16"
+    assert schemes.scheme_of(recipe_quantization_config(4, kv, scheme)) == scheme
+    assert row.activation_bits == {a for _, a in row.targets.values()}.pop()

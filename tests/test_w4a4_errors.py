@@ -204,13 +204,13 @@ def test_config_refuses_a_width_not_a_multiple_of_128(tmp_path, capsys):
 
 def test_enable_hadamard_with_a_w4a8_checkpoint_is_ignored_and_said(tmp_path):
     from fixtures.checkpoints import w4a8_checkpoint
-    from optimized.layers.quantization.schemes import quant_scheme
+    from optimized.layers.quantization.schemes import quant_scheme, scheme_row
     from optimized.model_loader.build import load_model
     from optimized.model_loader.hf_config import load_hf_config
 
     path = w4a8_checkpoint("tiny")
     model = load_model(path, dtype=torch.bfloat16, device="cpu", hadamard_weight_path=str(tmp_path / "missing"))
     assert all(getattr(m, "input_rotation", None) is None for m in model.modules())
-    line = hadamard.describe(quant_scheme(load_hf_config(path)), tmp_path)
+    line = hadamard.describe(scheme_row(quant_scheme(load_hf_config(path))), tmp_path)
     assert "\n" not in line and "ignored" in line and "W4A8" in line, line
-    assert "ignored" not in hadamard.describe("w4a4", tmp_path)
+    assert "ignored" not in hadamard.describe(scheme_row("w4a4"), tmp_path)

@@ -130,7 +130,7 @@ def test_every_grouped_matmul_passes_the_tuning_config(kind):
 def test_the_build_checks_npu_format_cast_only_with_weight_nz():
     from optimized.ops.required import required_operators
 
-    args = dict(w4a8=False, dense_mlp=False, sp_ep_scheme=None)
+    args = dict(dense_mlp=False)
     assert "npu_format_cast" in required_operators(**args, weight_nz=True)
     assert "npu_format_cast" not in required_operators(**args, weight_nz=False)
 

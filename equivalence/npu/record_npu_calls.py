@@ -69,6 +69,19 @@ class Configuration:
             return layout(self.world, attn_tp_size=self.attn_tp)
         return layout(1) if self.scheme is None else sp_layout(self.world, self.scheme)
 
+    @property
+    def quant(self) -> str | None:
+        """The checkpoint's quantization scheme (a name of the scheme table; None: 16-bit)."""
+        return "w4a4" if self.w4a4 else "w8a8" if self.w8a8 else "w4a8" if self.w4a8 else None
+
+    def paths(self):
+        """The phase paths the plan decides for this configuration (optimized/path_plan.py)."""
+        from fixtures.tiny import tiny_config
+        from optimized.config import ParallelConfig
+        from optimized.path_plan import decide_paths
+
+        return decide_paths(tiny_config(self.fixture), ParallelConfig(**self.layout()), self.quant)
+
     def checkpoint(self) -> Path:
         from fixtures.checkpoints import checkpoint, w4a4_checkpoint, w4a8_checkpoint, w8a8_checkpoint
 
@@ -278,11 +291,8 @@ def record_mc2(config: Configuration) -> list[dict[str, dict]]:
 
 
 def mc2_configurations() -> tuple[Configuration, ...]:
-    """The recording configurations whose decode runs MC2 (the layout's rule, not the recording's)."""
-    from optimized.config import ParallelConfig
-    from optimized.distributed.decode_plan import uses_mc2_decode
-
-    return tuple(c for c in CONFIGURATIONS if uses_mc2_decode(ParallelConfig(**c.layout())))
+    """The recording configurations whose decode runs MC2 (the plan's decode path, not the recording's)."""
+    return tuple(c for c in CONFIGURATIONS if c.paths().mc2)
 
 
 def load_recording() -> dict[str, dict]:

@@ -76,23 +76,16 @@ def test_build_time_operator_check_requires_exactly_the_recorded_operators(confi
     """The operators the build checks (plus the FP8 KV cache's, which the runner checks) are exactly those the
     configuration is recorded calling."""
     from fixtures.tiny import tiny_config
-    from optimized.config import ParallelConfig, is_sparse_layer
-    from optimized.distributed.decode_plan import uses_mc2_decode
-    from optimized.ops.required import FP8_KV_CACHE, required_operators
+    from optimized.layers.quantization.schemes import scheme_row
+    from optimized.model_loader.build import operators_for
+    from optimized.ops.required import FP8_KV_CACHE
 
-    hf = tiny_config(config.fixture)
-    dense = not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers))
     recorded = {c["op"] for c in load_recording().values() if config.name in c["configurations"]}
-    mc2 = uses_mc2_decode(ParallelConfig(**config.layout()))
-    checked = required_operators(
-        w4a8=config.w4a8,
-        w8a8=config.w8a8,
-        dense_mlp=dense,
-        sp_ep_scheme=config.scheme,
-        mc2_decode=mc2,
-        dp_prefill=bool(config.attn_dp),
-        w4a4=config.w4a4,
-    ) | (FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset())
+    paths = config.paths()
+    assert paths.ep_scheme == (config.scheme or ("alltoall" if config.attn_dp else None)), paths
+    checked = operators_for(paths, scheme_row(config.quant), tiny_config(config.fixture)) | (
+        FP8_KV_CACHE if config.kv_cache == "fp8" else frozenset()
+    )
     assert checked == recorded, (
         f"checked, not called: {sorted(checked - recorded)}; called, not checked: {sorted(recorded - checked)}"
     )

@@ -24,12 +24,15 @@ from hypothesis import given, strategies as st
 from equivalence.support.compare import token_agreement, tolerance
 from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import same_on_all_ranks
+from equivalence.support.plans import planned_paths
 from fixtures.checkpoints import checkpoint, rotation_dir, w4a4_checkpoint, w4a8_checkpoint
 from fixtures.recipe_configs import RECIPE_CONFIGS, RECIPE_DIR_ENV, recipe_files, scaled, scaled_sizes
 from reference.checkpoint import load_model
 from reference.fake_quant import load_fake_quant_model
 from reference.generate import greedy_generate, trim_at_eos
 from reference.tokenizer import eos_token_ids
+from optimized.config import InferenceConfig
+from optimized.path_plan import DP, TP
 
 pytestmark = [pytest.mark.equivalence, pytest.mark.distributed]
 
@@ -93,16 +96,16 @@ def _requests(stdout: str) -> list[tuple[list[int], list[int]]]:
     return [(ids(p), ids(g)) for p, g in zip(prompts, generated)]
 
 
-# name: (world size, fixture, what the start-up lines must say about the layout the file means)
+# name: (world size, fixture, the prefill path and attention-DP groups the plan decides for the file's layout)
 RUNS = {
-    "qwen3_235b_16tp": (4, "tiny", "prefill path: tensor parallel"),  # TP 4, graph decode
-    "qwen3_235b_1tp_16ep": (4, "tiny", "prefill path: attention data parallel (4 DP groups x attention TP 1"),
+    "qwen3_235b_16tp": (4, "tiny", (TP, 1)),  # TP 4, graph decode
+    "qwen3_235b_1tp_16ep": (4, "tiny", (DP, 4)),  # attention DP: 4 groups x attention TP 1
     # attention TP 4 inside each of 2 DP groups (the file: TP 4 x DP 8)
-    "qwen3_235b_attn4tp8dp": (8, "tiny", "prefill path: attention data parallel (2 DP groups x attention TP 4"),
-    "qwen3_moe_pd_prefill": (4, "tiny-dense", "prefill path: tensor parallel"),
+    "qwen3_235b_attn4tp8dp": (8, "tiny", (DP, 2)),
+    "qwen3_moe_pd_prefill": (4, "tiny-dense", (TP, 1)),
     # graph-mode decode under attention DP (DP + MC2 in ge_graph, as the recipe runs them)
-    "qwen3_235b_128ep": (4, "tiny", "prefill path: attention data parallel (4 DP groups x attention TP 1"),
-    "qwen3_moe_pd_decode": (4, "tiny", "prefill path: attention data parallel (4 DP groups x attention TP 1"),
+    "qwen3_235b_128ep": (4, "tiny", (DP, 4)),
+    "qwen3_moe_pd_decode": (4, "tiny", (DP, 4)),
 }
 # What `python -m optimized generate` prints (rank 0) after a graph-mode run: the graph backend line
 # (`GraphDecoder.describe`) and the steady decode time of the graph steps (`cli/generate.py` _print_graph).
@@ -120,11 +123,12 @@ def _assert_exe_mode(config: dict, stdout: str) -> None:
 
 
 def _run_and_compare(name: str, source: dict | None, longbench: str, tmp_path: Path) -> None:
-    world, fixture, layout_line = RUNS[name]
+    world, fixture, (prefill, dp_groups) = RUNS[name]
     config = scaled(name, world, f"fixture:{fixture}", max_new_tokens=NEW_TOKENS, dataset_path=longbench, source=source)
+    paths = planned_paths(config)
+    assert paths.prefill == prefill and InferenceConfig.from_dict(config).parallel_config.attn_dp_size == dp_groups
     out = _generate(config, world, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert any(line.startswith(layout_line) for line in out.stdout.splitlines()), out.stdout
     _assert_exe_mode(config, out.stdout)
     ref = load_model(checkpoint(fixture))
     eos = eos_token_ids(checkpoint(fixture))

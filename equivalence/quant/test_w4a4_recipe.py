@@ -32,6 +32,7 @@ from equivalence.parallel.test_e2e_parallel import (
     teacher_forced_run,
 )
 from equivalence.quant.test_w4a4_model import fake_quant_reference
+from optimized.path_plan import MC2, TP
 from fixtures.checkpoints import rotation_dir, w4a4_checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -87,8 +88,8 @@ def recipe_task(rank, world, cfg_dict, prompts, forced):
     out = teacher_forced_run(model, runner, prompts, forced, cache, table)
     out.update(
         tokens=tokens,
-        decode_exchange=type(model.decode.step.exchange).__name__,
-        prefill_phase=type(model.prefill).__name__,
+        prefill_path=model.paths.prefill,
+        decode_path=model.paths.decode,
     )
     return on_host(out)
 
@@ -101,8 +102,8 @@ def test_recipe_mxfp4_hadamard_runs_and_matches_the_fake_quant_reference():
         get_pool(4).run(recipe_task, recipe_config(), prompts, forced, timeout=240), "recipe mxfp4_hadamard"
     )
     assert len(got["tokens"][0]) == 6
-    assert got["prefill_phase"] == "TensorParallelPhase", got["prefill_phase"]  # prefill_opt off for W4A4
-    assert got["decode_exchange"] != "NoneType", "the MC2 decode was expected at moe_tp 1, EP 4"
+    assert got["prefill_path"] == TP, got["prefill_path"]  # prefill_opt off for W4A4
+    assert got["decode_path"] == MC2, "the MC2 decode was expected at moe_tp 1, EP 4"
     bf16 = reference_model(NAME, "bfloat16")
     a, r, _, report = assert_bf16_logits_match_replayed_reference(
         got,

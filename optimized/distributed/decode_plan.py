@@ -34,7 +34,9 @@ HCCL_DEFAULT_MB = 200  # HCCL's window per communicator unless a group sets its 
 
 
 def uses_mc2_decode(parallel: ParallelConfig) -> bool:
-    return parallel.moe_tp_size == 1 and parallel.moe_ep_size > 1
+    """The layout's MC2 rule, `ParallelConfig.mc2_decode`, under its former name: the parallel bench still asks it
+    here; everything else reads the plan's decode path (optimized/path_plan.py)."""
+    return parallel.mc2_decode
 
 
 def tokens_per_rank(batch: int, ep: int) -> int:
@@ -97,7 +99,7 @@ def decode_volume(
     """Bytes one rank sends in one MoE layer of a decode step of `batch` requests, by collective, for the decode
     path this layout runs (`mc2_volume` or `tp_volume`; the slot counts only matter for MC2). Under attention DP:
     MC2 on each rank's `dp_rows`, nothing gathered."""
-    if uses_mc2_decode(parallel) and parallel.attn_dp_size > 1:
+    if parallel.mc2_decode and parallel.attn_dp_size > 1:
         return mc2_volume(
             dp_rows(batch, parallel),
             hidden,
@@ -109,7 +111,7 @@ def decode_volume(
             slots_in,
             gather=False,
         )
-    if uses_mc2_decode(parallel):
+    if parallel.mc2_decode:
         ep = parallel.moe_ep_size
         return mc2_volume(tokens_per_rank(batch, ep), hidden, top_k, ep, num_experts, act_bytes, slots_out, slots_in)
     return tp_volume(batch, hidden, parallel.moe_tp_size, parallel.moe_ep_size, act_bytes)
@@ -206,7 +208,7 @@ def max_tokens_per_rank(parallel: ParallelConfig, batch: int) -> int:
 
 def window_for(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) -> int | None:
     """The HCCL window (MB) the MC2 group of `parallel` needs for decode batches up to `batch`; None without MC2."""
-    if not uses_mc2_decode(parallel):
+    if not parallel.mc2_decode:
         return None
     return mc2_window_mb(
         max_tokens_per_rank(parallel, batch),
@@ -251,7 +253,7 @@ class Mc2LimitError(UsageError, ValueError):
 
 def mc2_limit_violations(hf_config, parallel: ParallelConfig, batch: int) -> list[str]:
     """The MC2 kernel limits a decode of `batch` requests in this layout breaks ([] without MC2 or within them)."""
-    if not uses_mc2_decode(parallel):
+    if not parallel.mc2_decode:
         return []
     w, e, k, h = parallel.moe_ep_size, hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.hidden_size
     bs = max_tokens_per_rank(parallel, batch)
@@ -278,34 +280,3 @@ def check_mc2_limits(hf_config, parallel: ParallelConfig, batch: int, enforce: b
             f"without MC2 (moe_tp_size > 1)"
         )
     return broken
-
-
-def describe(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) -> str:
-    """One line for the start of a run: the decode's MoE path and, for MC2, its group's window and volume."""
-    if not uses_mc2_decode(parallel):
-        return (
-            f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
-            f"{parallel.moe_ep_size}: expert range + all_reduce)"
-        )
-    h, k, e, ep = hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts, parallel.moe_ep_size
-    if parallel.attn_dp_size > 1:  # each rank dispatches its own share of its DP group's batch, nothing gathered
-        n = dp_rows(batch, parallel)
-        return (
-            f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
-            f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
-            f"{n} tokens per rank, its own); MC2 window {mc2_window_mb(n, k, h, ep, e, act_bytes)} MB "
-            f"(its own HCCL group); lm_head on the group's rows gathered over attention TP, the chosen ids "
-            f"shared{_limits_note(hf_config, parallel, batch)}"
-        )
-    vol = mc2_volume(tokens_per_rank(batch, ep), h, k, ep, e, act_bytes)
-    return (
-        f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: "
-        f"{tokens_per_rank(batch, ep)} tokens per rank); MC2 window "
-        f"{mc2_window_mb(tokens_per_rank(batch, ep), k, h, ep, e, act_bytes)} MB (its own HCCL group); per MoE layer "
-        f"and rank ~{vol.total} B (uniform routing){_limits_note(hf_config, parallel, batch)}"
-    )
-
-
-def _limits_note(hf_config, parallel: ParallelConfig, batch: int) -> str:
-    broken = mc2_limit_violations(hf_config, parallel, batch)
-    return f"; beyond the NPU's MC2 limits (portable kernels only): {'; '.join(broken)}" if broken else ""

@@ -392,9 +392,9 @@ class ParallelState:
             infos["attn_dp"] = GroupInfo("attn_dp", (rank,), None, 1, 0)
         world_pg = dist.group.WORLD if create_groups and w > 1 else None
         infos["world"] = GroupInfo("world", tuple(range(w)), world_pg, w, rank)
-        from optimized.distributed.decode_plan import HCCL_DEFAULT_MB, uses_mc2_decode
+        from optimized.distributed.decode_plan import HCCL_DEFAULT_MB
 
-        if uses_mc2_decode(parallel):
+        if parallel.mc2_decode:  # the MC2 decode's own group
             window = HCCL_DEFAULT_MB if mc2_window_mb is None else int(mc2_window_mb)
             for ranks in layouts["moe_ep"]:  # same order on every rank
                 t = tuple(ranks)

@@ -1,4 +1,5 @@
-"""The sequence-parallel prefill's plan: which MoE EP scheme runs, and what each scheme moves.
+"""The sequence-parallel prefill's volumes: what each MoE EP scheme and the SP attention move (which path and scheme
+run is the plan's decision, optimized/path_plan.py).
 
 With P = attn_tp_size = moe_ep_size ranks each holding n = ceil(S / P) of S packed prompt tokens:
 - `choose_ep_scheme(parallel, top_k)`: the recipe's rule, allgather when top_k >= moe_ep_size (an explicit
@@ -16,18 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimized.config import ParallelConfig, mx_activation_bits
+from optimized.config import ParallelConfig
 
 INDEX_BYTES = 4  # int32 expert ids
 WEIGHT_BYTES = 4  # float32 routing weights
 COUNT_BYTES = 8  # int64 per-expert token counts
-
-
-def choose_ep_scheme(parallel: ParallelConfig, top_k: int) -> str:
-    """'allgather' or 'alltoall': parallel_config.moe_ep_scheme, or for `auto` the recipe's volume rule."""
-    if parallel.moe_ep_scheme != "auto":
-        return parallel.moe_ep_scheme
-    return "allgather" if top_k >= parallel.moe_ep_size else "alltoall"
 
 
 @dataclass(frozen=True)
@@ -116,34 +110,3 @@ def ep_comm_volumes(
         "allgather": allgather_volume(n, h, k, ep, act_bytes, mx),
         "alltoall": alltoall_volume(n, h, k, ep, e, act_bytes, mx=mx),
     }
-
-
-def describe(hf_config, parallel: ParallelConfig, num_tokens: int, act_bytes: int, mx: bool = False) -> str:
-    """One line for the start of a run: the prefill path, the MoE EP scheme and both schemes' volumes."""
-    if parallel.attn_dp_size > 1:
-        return (
-            f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
-            f"{parallel.attn_tp_size}: each group prefills its own requests, all-gather before QKV, reduce-scatter "
-            f"after o_proj), MoE EP {parallel.moe_ep_size} by double routing (alltoall) of each rank's tokens"
-        )
-    if not parallel.sp_prefill or mx_activation_bits(hf_config) == 4:
-        why = (
-            "W4A4 checkpoint: the recipe's prefill_opt excludes it"
-            if parallel.sp_prefill
-            else f"prefill_opt {parallel.prefill_opt}"
-        )
-        return f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); {why}"
-    k, ep = hf_config.num_experts_per_tok, parallel.moe_ep_size
-    scheme = choose_ep_scheme(parallel, k)
-    why = (
-        f"auto: top_k {k} {'>=' if k >= ep else '<'} moe_ep_size {ep}"
-        if parallel.moe_ep_scheme == "auto"
-        else "moe_ep_scheme"
-    )
-    vol = ep_comm_volumes(hf_config, parallel, num_tokens, act_bytes, mx)
-    wire = "MXFP8 activations on the wire (W4A8)" if mx else "activations on the wire in the model dtype"
-    return (
-        f"prefill path: sequence parallel over {parallel.attn_tp_size} ranks (Attention SP+TP), MoE EP scheme "
-        f"{scheme} ({why}), {wire}; per MoE layer and rank for {num_tokens} tokens: allgather "
-        f"{vol['allgather'].total} B, alltoall ~{vol['alltoall'].total} B (uniform routing)"
-    )

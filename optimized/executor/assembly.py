@@ -168,11 +168,10 @@ class Launch:
                     print(f"{run.plan.describe()}\n{settings.describe()}", flush=True)
                     if m.enable_hadamard:
                         from optimized.layers import hadamard
-                        from optimized.layers.quantization.schemes import quant_scheme
 
-                        print(hadamard.describe(quant_scheme(self.hf_config), m.hadamard_weight_path), flush=True)
+                        print(hadamard.describe(run.plan.scheme, m.hadamard_weight_path), flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
-                run.model = self._load_model(run.state, env)
+                run.model = self._load_model(run.state, env, run.plan.paths)
                 run.runner = self._runner(run.model)
                 try:  # mem_fraction_static: the weights and the plan's KV pool fit, before any cache exists
                     run.runner.check_memory(run.plan.kv_pool_blocks)
@@ -185,7 +184,7 @@ class Launch:
             raise
         return run
 
-    def _load_model(self, state, env):
+    def _load_model(self, state, env, paths):
         from optimized import platform
         from optimized.layers.quantization.errors import QuantConfigError
         from optimized.model_loader.build import load_model
@@ -205,6 +204,7 @@ class Launch:
                 force_eplb=m.eplb,
                 weight_nz=m.enable_weight_nz,
                 hadamard_weight_path=m.hadamard,
+                paths=paths,
             )
         except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint if not
             raise UsageError(str(e) if str(self.model_dir) in str(e) else f"checkpoint {self.model_dir}: {e}") from None
@@ -226,6 +226,22 @@ class Launch:
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
+
+
+def check_rotation_widths(cfg, hf_config) -> None:
+    """enable_hadamard on a checkpoint whose scheme the rotation applies to (the table's `hadamard`): every rotated
+    width a multiple of 128 (spec a4w4_hadamard.md §4.2), else a ConfigError naming model_config.enable_hadamard."""
+    from optimized.config import ConfigError
+    from optimized.layers import hadamard
+    from optimized.layers.quantization.schemes import quant_scheme, scheme_row
+
+    m = cfg.model_config
+    if m.enable_hadamard is not True or not scheme_row(quant_scheme(hf_config)).hadamard:
+        return  # off, or ignored for this checkpoint (as the recipe does)
+    try:
+        hadamard.check_widths(hf_config, cfg.parallel_config.attn_tp_size)
+    except hadamard.RotationError as e:
+        raise ConfigError([("model_config.enable_hadamard", str(e))]) from None
 
 
 def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
@@ -253,6 +269,7 @@ def prepare(cfg, command: str, *, check_weights: bool = True) -> Launch:
         raise UsageError(f"cannot read {model_dir}/config.json: {e}") from None
     try:
         cfg.validate_for_model(hf_config)
+        check_rotation_widths(cfg, hf_config)
     except ConfigError as e:
         source = getattr(cfg, "source", None)
         raise UsageError(

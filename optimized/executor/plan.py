@@ -1,19 +1,23 @@
-"""The execution plan: what a run will do, computed once from the inference config and the model's config, before
-any process group exists, and printed at start-up as one block.
+"""The execution plan: what a run will do, decided once from the inference config and the model's config (its
+quantization scheme included), before any process group exists, and printed at start-up as one block.
 
-It names the prefill path (TP, SP with its EP scheme, the MX wire), the decode path (TP, MC2, attention DP), the
-graph buckets, the MC2 window and the KV pool. The MC2 window is sized from the largest batch a decode step can
-dispatch: in graph mode the padded bucket (padding rows are real rows to MC2), and under attention DP each group's
-share padded to its bucket. Tests and the equivalence report read the plan to know which path ran.
+It holds the decisions as data: the checkpoint's quantization scheme, the phase paths (`paths`: the prefill path, its
+EP scheme and activation wire, the decode path; decided by optimized/path_plan.py's one rule), the graph buckets, the
+MC2 window and the KV pool. The MC2 window is sized from the largest batch a decode step can dispatch: in graph mode
+the padded bucket (padding rows are real rows to MC2), and under attention DP each group's share padded to its
+bucket. The assembly builds the groups with its window and the model on its paths; tests, the benches, the latency
+harness and the equivalence report read its fields to know which path runs (never its printed lines).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimized.config import GRAPH_MODES, InferenceConfig
+from optimized.config import GRAPH_MODES, InferenceConfig, ParallelConfig
 from optimized.distributed import decode_plan, prefill_plan
 from optimized.forward_metadata import batch_bucket
+from optimized.layers.quantization.schemes import MXFP8_WIRE, QuantScheme, quant_scheme, scheme_row
+from optimized.path_plan import DP, SP, PhasePaths, decide_paths
 
 
 def group_batch(batch: int, dp_groups: int) -> int:
@@ -40,8 +44,9 @@ def dispatch_batch(batch: int, dp_groups: int, graph: bool) -> int:
 
 def mc2_window(hf_config, parallel, batch: int, exe_mode: str, act_bytes: int) -> int | None:
     """The MC2 group's HCCL window (MB) for decode batches up to `batch` as a step dispatches them (padded to the
-    graph bucket in a graph mode, per DP group under attention DP); None without an MC2 decode. Every builder of
-    process groups (the assembly, the parallel bench, the latency harness) sizes the window here."""
+    graph bucket in a graph mode, per DP group under attention DP); None without an MC2 decode: what
+    `ExecutionPlan.mc2_window_mb` holds, for the builders of process groups that do not build a plan yet (the
+    parallel bench, the latency harness)."""
     dispatched = dispatch_batch(batch, parallel.attn_dp_size, exe_mode in GRAPH_MODES)
     return decode_plan.window_for(hf_config, parallel, dispatched, act_bytes)
 
@@ -60,13 +65,16 @@ class ExecutionPlan:
     batch: int  # the most requests decoding together (scheduler_config.batch_size, or the prompts)
     dp_groups: int
     exe_mode: str
+    quant: str | None  # the checkpoint's quantization scheme (a name of layers/quantization/schemes.py's table)
+    paths: PhasePaths  # prefill path, its EP scheme and wire, decode path
     buckets: tuple[int, ...]  # graph mode's captured decode batches (empty in eager mode)
     dispatch_batch: int  # the largest decode batch a step dispatches (padded in graph mode)
     mc2_window_mb: int | None  # the MC2 group's HCCL window; None: no MC2 decode
+    mc2_limits: tuple[str, ...]  # the NPU MC2 kernels' limits the dispatched batch breaks (portable kernels only)
     kv_pool_blocks: int  # per DP group, the null block included
     block_size: int
-    prefill: str  # the start-up lines of the prefill and decode paths
-    decode: str
+    prefill_line: str  # the start-up lines of the prefill and decode paths (display only: read the fields)
+    decode_line: str
 
     @property
     def graph(self) -> bool:
@@ -76,27 +84,39 @@ class ExecutionPlan:
     def mc2(self) -> bool:
         return self.mc2_window_mb is not None
 
+    @property
+    def scheme(self) -> QuantScheme:
+        """The quantization scheme's row of the table."""
+        return scheme_row(self.quant)
+
     @classmethod
     def build(
         cls, cfg: InferenceConfig, hf_config, *, batch: int, prefill_tokens: int, kv_pool_blocks: int
     ) -> "ExecutionPlan":
+        """Every decision of a run, once. Raises QuantConfigError / PathPlanError for a layout the checkpoint's
+        scheme cannot run (path_plan.decide_paths)."""
         m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
-        from optimized.phases import uses_mx_prefill
-
         graph = m.exe_mode in GRAPH_MODES
         dp, act = p.attn_dp_size, m.torch_dtype.itemsize
+        quant = quant_scheme(hf_config)
+        paths = decide_paths(hf_config, p, quant)
         dispatched = dispatch_batch(batch, dp, graph)
+        window = decode_plan.window_for(hf_config, p, dispatched, act) if paths.mc2 else None
+        limits = tuple(decode_plan.mc2_limit_violations(hf_config, p, dispatched)) if paths.mc2 else ()
         return cls(
             batch=batch,
             dp_groups=dp,
             exe_mode=m.exe_mode,
+            quant=quant,
+            paths=paths,
             buckets=graph_buckets(batch, dp) if graph else (),
             dispatch_batch=dispatched,
-            mc2_window_mb=mc2_window(hf_config, p, batch, m.exe_mode, act),
+            mc2_window_mb=window,
+            mc2_limits=limits,
             kv_pool_blocks=kv_pool_blocks,
             block_size=s.block_size,
-            prefill=prefill_plan.describe(hf_config, p, prefill_tokens, act, mx=uses_mx_prefill(hf_config, p)),
-            decode=decode_plan.describe(hf_config, p, dispatched, act),
+            prefill_line=prefill_line(hf_config, p, paths, prefill_tokens, act, scheme_row(quant)),
+            decode_line=decode_line(hf_config, p, paths, dispatched, act, window, limits),
         )
 
     def describe(self) -> str:
@@ -121,10 +141,71 @@ class ExecutionPlan:
         return "\n".join(
             [
                 f"plan: batch {self.batch}{dp}",
-                self.prefill,
-                self.decode,
+                self.prefill_line,
+                self.decode_line,
                 f"{graph}; {window}",
                 f"KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
                 f"{' per DP group' if self.dp_groups > 1 else ''} (null block included)",
             ]
         )
+
+
+def prefill_line(
+    hf_config, parallel: ParallelConfig, paths: PhasePaths, num_tokens: int, act_bytes: int, scheme: QuantScheme
+) -> str:
+    """The start-up line of the prefill path the plan decided, with both EP schemes' volumes for the SP prefill."""
+    if paths.prefill == DP:
+        return (
+            f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
+            f"{parallel.attn_tp_size}: each group prefills its own requests, all-gather before QKV, reduce-scatter "
+            f"after o_proj), MoE EP {parallel.moe_ep_size} by double routing ({paths.ep_scheme}) of each rank's tokens"
+        )
+    if paths.prefill != SP:
+        return (
+            f"prefill path: tensor parallel (every rank runs all tokens; MoE EP by expert range + all_reduce); "
+            f"{paths.why}"
+        )
+    mx = paths.wire == MXFP8_WIRE
+    vol = prefill_plan.ep_comm_volumes(hf_config, parallel, num_tokens, act_bytes, mx)
+    wire = f"MXFP8 activations on the wire ({scheme.label})" if mx else "activations on the wire in the model dtype"
+    return (
+        f"prefill path: sequence parallel over {parallel.attn_tp_size} ranks (Attention SP+TP), MoE EP scheme "
+        f"{paths.ep_scheme} ({paths.why}), {wire}; per MoE layer and rank for {num_tokens} tokens: allgather "
+        f"{vol['allgather'].total} B, alltoall ~{vol['alltoall'].total} B (uniform routing)"
+    )
+
+
+def decode_line(
+    hf_config,
+    parallel: ParallelConfig,
+    paths: PhasePaths,
+    batch: int,
+    act_bytes: int,
+    window_mb: int | None,
+    broken: tuple[str, ...] = (),
+) -> str:
+    """The start-up line of the decode path the plan decided: for MC2, its group's window and volume, and the MC2
+    kernel limits `broken` (the plan's `mc2_limits`)."""
+    if not paths.mc2:
+        return (
+            f"decode MoE path: moe_infer_tp (moe_tp_size {parallel.moe_tp_size}, moe_ep_size "
+            f"{parallel.moe_ep_size}: expert range + all_reduce)"
+        )
+    limits = f"; beyond the NPU's MC2 limits (portable kernels only): {'; '.join(broken)}" if broken else ""
+    ep = parallel.moe_ep_size
+    if paths.decode == DP:  # each rank dispatches its own share of its DP group's batch, nothing gathered
+        return (
+            f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}) under attention DP "
+            f"({parallel.attn_dp_size} DP groups x attention TP {parallel.attn_tp_size}, batch {batch}: "
+            f"{decode_plan.dp_rows(batch, parallel)} tokens per rank, its own); MC2 window {window_mb} MB "
+            f"(its own HCCL group); lm_head on the group's rows gathered over attention TP, the chosen ids "
+            f"shared{limits}"
+        )
+    n = decode_plan.tokens_per_rank(batch, ep)
+    h, k, e = hf_config.hidden_size, hf_config.num_experts_per_tok, hf_config.num_experts
+    vol = decode_plan.mc2_volume(n, h, k, ep, e, act_bytes)
+    return (
+        f"decode MoE path: moe_infer_dispatch_combine (MC2 over moe_ep {ep}, batch {batch}: {n} tokens per rank); "
+        f"MC2 window {window_mb} MB (its own HCCL group); per MoE layer and rank ~{vol.total} B (uniform "
+        f"routing){limits}"
+    )

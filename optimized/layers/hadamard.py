@@ -113,7 +113,7 @@ def check_width(width: int, what: str) -> None:
 
 def check_widths(config, attn_tp_size: int) -> None:
     """hidden_size (q/k/v input) and this rank's attention width (o_proj input) are multiples of 128 (spec §4.2)."""
-    check_width(config.hidden_size, "hidden_size (the q/k/v input)")
+    check_width(config.hidden_size, "hidden_size")  # the q/k/v input
     heads, d = config.num_attention_heads, head_dim_of(config)
     check_width(
         heads // attn_tp_size * d,
@@ -153,14 +153,15 @@ def attach(model: nn.Module, path, attn_tp_size: int) -> None:
             linear.input_rotation = t  # a non-persistent buffer: not in the state dict
 
 
-def describe(scheme: str | None, path) -> str:
-    """The start-up line: what enable_hadamard does with this checkpoint (the recipe ignores it unless W4A4)."""
-    if scheme == "w4a4":
+def describe(scheme, path) -> str:
+    """The start-up line: what enable_hadamard does with this checkpoint (`scheme`: its row of the quantization
+    table, schemes.QuantScheme; the recipe ignores the rotation unless the row's `hadamard`)."""
+    if scheme.hadamard:
         return (
             f"hadamard rotation: layer_{{i}}_self_attn.pt from {os.fspath(path)}, applied to the inputs of "
             f"merged_qkv_proj and o_proj"
         )
-    kind = scheme.upper() if scheme else "BF16"
+    kind = scheme.label
     return (
         f"hadamard rotation: enable_hadamard ignored: the checkpoint is {kind}, and the rotation applies to W4A4 "
         f"checkpoints only (as in the recipe)"

@@ -11,11 +11,12 @@ from optimized.distributed import ParallelState
 from optimized.config import InferenceConfig, is_sparse_layer
 from optimized.layers.quantization.config import QuantConfig
 from optimized.layers.quantization.lifecycle import process_weights_after_loading
-from optimized.layers.quantization.schemes import W4A4, W4A8, W8A8
+from optimized.layers.quantization.schemes import MXFP8_WIRE, QuantScheme
 from optimized.model_loader.hf_config import load_hf_config
 from optimized.model_loader.loader import CheckpointReader, RandomWeights
 from optimized.model import Qwen3MoeForCausalLM
 from optimized.ops.required import check_operators, required_operators
+from optimized.path_plan import ALLTOALL, PhasePaths
 
 
 def load_model(
@@ -31,6 +32,7 @@ def load_model(
     force_eplb: bool = False,
     weight_nz: bool = True,
     hadamard_weight_path: str | os.PathLike | None = None,
+    paths: PhasePaths | None = None,
 ) -> Qwen3MoeForCausalLM:
     """Build the optimized Qwen3MoeForCausalLM for this rank and load this rank's weight shards.
 
@@ -42,7 +44,8 @@ def load_model(
     model_config.enable_weight_nz, every linear, expert and MX weight cast once to the NPU's NZ layout after loading.
     hadamard_weight_path: model_config.enable_hadamard's directory of per-layer rotations (None: enable_hadamard off;
     "" is an error): loaded onto a W4A4 checkpoint's attention linears (optimized/layers/hadamard.py), ignored for
-    any other checkpoint as the recipe does (`hadamard.describe` says so).
+    any other checkpoint as the recipe does (`hadamard.describe` says so). paths: the execution plan's phase paths
+    (None: the model decides them by the plan's rule, optimized/path_plan.py).
     """
     config = load_hf_config(model_path)  # ModelConfigError for another model_type, missing counts, ...
     full_layers = config.num_hidden_layers
@@ -74,6 +77,7 @@ def load_model(
         force_eplb=force_eplb,
         weight_nz=weight_nz,
         hadamard_weight_path=hadamard_weight_path,
+        paths=paths,
     )
 
 
@@ -87,33 +91,25 @@ def model_from_source(
     force_eplb: bool = False,
     weight_nz: bool = True,
     hadamard_weight_path: str | os.PathLike | None = None,
+    paths: PhasePaths | None = None,
 ) -> Qwen3MoeForCausalLM:
-    """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...)."""
+    """The optimized model for `config`, weights from any source (CheckpointReader, StateDictSource, ...); paths: the
+    plan's phase paths (None: the model decides them by the plan's rule)."""
     parallel = parallel or ParallelState.single()
     InferenceConfig(parallel_config=parallel.parallel).validate_for_model(config)
     # The checkpoint's quantization, parsed once: the method of each layer, by prefix (a dense projection the
     # checkpoint stores 16-bit, without a scale partner, gets a 16-bit linear: the source is asked here).
     quant = QuantConfig.from_hf_config(config, getattr(source, "has", None))
-    rotated = hadamard_weight_path is not None and quant.scheme == W4A4  # else ignored, as the recipe does
+    rotated = hadamard_weight_path is not None and quant.row.hadamard  # else ignored, as the recipe does
     if rotated:  # before the build: a bad directory or width costs no weight read
         from optimized.layers import hadamard
 
         hadamard.check_directory(hadamard_weight_path)
         hadamard.check_widths(config, parallel.parallel.attn_tp_size)
     with torch.device(platform.device() if device is None else device):
-        model = Qwen3MoeForCausalLM(config, parallel, dtype, force_eplb, quant)
-    check_operators(
-        required_operators(  # before any weight is read: an old torch_npu fails here, naming what it lacks
-            w4a8=quant.scheme == W4A8,
-            w8a8=quant.scheme == W8A8,
-            w4a4=quant.scheme == W4A4,
-            sp_ep_scheme=model.ep_scheme,
-            mc2_decode=model.decode.step.exchange is not None,
-            dp_prefill=parallel.parallel.attn_dp_size > 1,
-            dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)),
-            weight_nz=weight_nz,
-        )
-    )
+        model = Qwen3MoeForCausalLM(config, parallel, dtype, force_eplb, quant, paths)
+    # before any weight is read: an old torch_npu fails here, naming what it lacks
+    check_operators(operators_for(model.paths, quant.row, config, weight_nz=weight_nz))
     if rotated:
         hadamard.attach(model, hadamard_weight_path, parallel.parallel.attn_tp_size)
     model.load_weights(source)
@@ -123,6 +119,19 @@ def model_from_source(
     model.weight_nz = weight_nz
     model.weight_source = source
     return model.eval()
+
+
+def operators_for(paths: PhasePaths, scheme: QuantScheme, config, *, weight_nz: bool = True) -> frozenset[str]:
+    """The torch.ops.npu operators a model of `config` calls on these paths with this quantization scheme."""
+    return required_operators(
+        dense_mlp=not all(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)),
+        scheme_operators=scheme.operators,
+        fused_swiglu_experts=scheme.fused_swiglu_experts,
+        mx_wire=paths.wire == MXFP8_WIRE,
+        double_routing=paths.ep_scheme == ALLTOALL,
+        mc2_decode=paths.mc2,
+        weight_nz=weight_nz,
+    )
 
 
 def _layer_of(name: str) -> int:

@@ -31,9 +31,11 @@ from optimized.ops import mx_format as mxf
 
 # config.json's quantization_config as the recipe's converter writes it (§8.3): the loader accepts exactly this
 from optimized.layers.quantization.converter_config import recipe_quantization_config as quantization_config
+from optimized.layers.quantization.schemes import MX_SCHEMES, W4A8, QuantScheme, scheme_row
 from optimized.ops.mx_format import mx_quantize_weight, scale_name  # noqa: F401  (scale_name: the converter's naming)
 
-QUANT_TYPES = ("w4a8", "w8a8", "w4a4")
+QUANT_TYPES = MX_SCHEMES  # the quantization table's schemes
+SCHEMES_ROTATED = tuple(scheme_row(q).label for q in MX_SCHEMES if scheme_row(q).hadamard)
 KV_CACHE_CHOICES = ("fp8", "bf16")
 BLOCK = mxf.BLOCK_SIZE
 KEPT_CHUNK_BYTES = 64 << 20  # unquantized tensors are copied in row chunks of about this size
@@ -59,21 +61,29 @@ class ConversionError(UsageError, ValueError):
 MXFP8, MXFP4 = mxf.E4M3, mxf.E2M1
 
 
-def quant_format(name: str, quant: str = "w4a8", keep_dense_gate_proj: bool = False) -> mxf.MxFormat | None:
+def quant_format(name: str, quant: str = W4A8, keep_dense_gate_proj: bool = False) -> mxf.MxFormat | None:
     """The format of checkpoint tensor `name` under `quant` (None: copied unchanged); unknown tensors are an
     error. keep_dense_gate_proj: a dense MLP's gate_proj is copied unchanged, as the recipe's converter does."""
+    row = scheme_row(quant)
     if _EXPERT.match(name):
-        return MXFP4 if quant in ("w4a8", "w4a4") else MXFP8
+        return _weight_format(row, "MoEGMM")
     if keep_dense_gate_proj and _DENSE_GATE.match(name):
         return None
     if _FP8_LINEAR.match(name):
-        return MXFP4 if quant == "w4a4" else MXFP8
+        return _weight_format(row, "Linear")
     if _KEPT.match(name):
         return None
     raise ConversionError(
         f"tensor {name!r} is not a Qwen3-MoE checkpoint tensor the MX converter knows "
         "(per-expert names expected, e.g. model.layers.0.mlp.experts.0.gate_proj.weight)"
     )
+
+
+def _weight_format(row: QuantScheme, target: str) -> mxf.MxFormat:
+    """The MX format of a `target`'s weights under the scheme (a target the scheme lacks falls to its Linear group, as
+    the recipe's w8a8c16 experts do)."""
+    weight_bits, _ = row.targets.get(target, row.targets["Linear"])
+    return MXFP4 if weight_bits == 4 else MXFP8
 
 
 # ------------------------------------------------------------------------------------------- config.json
@@ -265,17 +275,19 @@ def convert_checkpoint(
     src, dst = Path(src), Path(dst)
     if quant not in QUANT_TYPES:
         raise ConversionError(f"--quant {quant!r} is not supported; supported: {', '.join(QUANT_TYPES)}")
-    kv_cache = kv_cache if kv_cache is not None else ("bf16" if quant == "w4a4" else "fp8")
+    row = scheme_row(quant)
+    kv_cache = kv_cache if kv_cache is not None else ("fp8" if row.fp8_kv_cache else "bf16")
     if kv_cache not in KV_CACHE_CHOICES:
         raise ConversionError(f"--kv-cache {kv_cache!r} is not supported; supported: {', '.join(KV_CACHE_CHOICES)}")
-    if quant == "w4a4" and kv_cache != "bf16":
+    if not row.fp8_kv_cache and kv_cache != "bf16":
         raise ConversionError(
-            "--kv-cache fp8 is not supported with --quant w4a4: the recipe's w4a4c16 writes no "
+            f"--kv-cache fp8 is not supported with --quant {quant}: the recipe's {quant}c16 writes no "
             "kv_cache_scheme (a 16-bit KV cache)"
         )
-    if hadamard_weight_path is not None and quant != "w4a4":
+    if hadamard_weight_path is not None and not row.hadamard:
+        rotated = "/".join(SCHEMES_ROTATED)
         raise ConversionError(
-            f"--hadamard-weight-path rotates W4A4 attention weights; it is not read with --quant {quant}"
+            f"--hadamard-weight-path rotates {rotated} attention weights; it is not read with --quant {quant}"
         )
     config_path = src / "config.json"
     if not config_path.is_file():

@@ -49,34 +49,29 @@ class MissingNpuOperatorError(UsageError, RuntimeError):
 
 def required_operators(
     *,
-    w4a8: bool,
     dense_mlp: bool,
-    sp_ep_scheme: str | None,
+    scheme_operators: frozenset[str] = frozenset(),
+    fused_swiglu_experts: bool = False,
+    mx_wire: bool = False,
+    double_routing: bool = False,
     mc2_decode: bool = False,
-    w8a8: bool = False,
-    dp_prefill: bool = False,
     weight_nz: bool = True,
-    w4a4: bool = False,
 ) -> frozenset[str]:
-    """The operators a model calls: W4A8, W8A8 or unquantized, with a dense (non-MoE) MLP layer or not, its SP
-    prefill's EP scheme (None: the tensor-parallel prefill; 'allgather' or 'alltoall'), whether decode runs
-    MC2 and whether the prefill is attention data parallel (its MoE by double routing, 16-bit on the wire), and
-    whether the weights are cast to NZ at load (enable_weight_nz).
-    (W8A8's SP prefill moves 16-bit activations: no MX norms.)"""
-    ops = set(COMMON)
+    """The operators a model calls, from what its plan and quantization scheme say (model_loader.build
+    `operators_for` reads them): the scheme's own operators and whether its experts fuse SwiGLU with the MX
+    quantization, a dense (non-MoE) MLP layer or not, MXFP8 on the SP prefill's wire, a prefill MoE by double routing
+    (the SP prefill's alltoall, the attention-DP prefill), an MC2 decode, and whether the weights are cast to NZ at
+    load (enable_weight_nz)."""
+    ops = set(COMMON) | set(scheme_operators)
     if weight_nz:
         ops |= WEIGHT_NZ
     if mc2_decode:
         ops |= MC2_DECODE
-    if w4a8 or w8a8 or w4a4:
-        ops |= MXFP8  # W4A4: the same two operators with FP4 operands
-    if w4a8:
-        ops |= W4A8_EXPERTS
-        if sp_ep_scheme is not None:
-            ops |= MX_SP_PREFILL
-    if not w4a8 or dense_mlp:  # the bf16 and W8A8 experts and every dense MLP run npu_swiglu
+    if mx_wire:
+        ops |= MX_SP_PREFILL
+    if not fused_swiglu_experts or dense_mlp:  # unfused experts and every dense MLP run npu_swiglu
         ops.add("npu_swiglu")
-    if sp_ep_scheme == "alltoall" or dp_prefill:
+    if double_routing:
         ops |= DOUBLE_ROUTING
     return frozenset(ops)
 

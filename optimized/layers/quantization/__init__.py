@@ -36,7 +36,18 @@ from optimized.layers.quantization.mx_layout import (
 )
 from optimized.layers.quantization.mx_wire import FLOAT8_E4M3FN, MxRows, map_rows, mx_quant, num_rows
 from optimized.layers.quantization.mxfp8 import MxFp8LinearMethod
-from optimized.layers.quantization.schemes import MX_SCHEMES, W4A4, W4A8, W8A8, quant_scheme, scheme_of
+from optimized.layers.quantization.schemes import (
+    MX_SCHEMES,
+    MXFP8_WIRE,
+    SCHEMES,
+    W4A4,
+    W4A8,
+    W8A8,
+    QuantScheme,
+    quant_scheme,
+    scheme_of,
+    scheme_row,
+)
 from optimized.layers.quantization.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 from optimized.layers.quantization.w4a4 import MxFp4LinearMethod, W4A4MxFp4MoEGMMMethod, fp4_quant
 from optimized.layers.quantization.w4a8 import W4A8MxFp4MoEGMMMethod
@@ -52,6 +63,8 @@ __all__ = [
     "GMM_TUNING_CONFIG",
     "KV_CACHE_SCHEME_FP8",
     "MX_SCHEMES",
+    "MXFP8_WIRE",
+    "SCHEMES",
     "W4A4",
     "W4A8",
     "W8A8",
@@ -64,6 +77,7 @@ __all__ = [
     "QuantConfig",
     "QuantConfigError",
     "QuantMethod",
+    "QuantScheme",
     "UnquantizedFusedMoEMethod",
     "UnquantizedLinearMethod",
     "W4A4MxFp4MoEGMMMethod",
@@ -84,6 +98,7 @@ __all__ = [
     "quant_scheme",
     "recipe_quantization_config",
     "scheme_of",
+    "scheme_row",
     "transpose_packed_fp4",
     "untranspose_packed_fp4",
 ]

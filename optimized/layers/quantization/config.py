@@ -21,36 +21,27 @@ from typing import Callable
 from optimized.config import dense_layers
 from optimized.layers.quantization.base import FusedMoEMethod, LinearMethod
 from optimized.layers.quantization.mxfp8 import MxFp8LinearMethod
-from optimized.layers.quantization.schemes import MX_SCHEMES, W4A4, W4A8, W8A8, quant_scheme
-from optimized.layers.quantization.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
-from optimized.layers.quantization.w4a4 import MxFp4LinearMethod, W4A4MxFp4MoEGMMMethod
-from optimized.layers.quantization.w4a8 import W4A8MxFp4MoEGMMMethod
-from optimized.layers.quantization.w8a8 import MxFp8MoEGMMMethod
+from optimized.layers.quantization.schemes import QuantScheme, quant_scheme, scheme_row
+from optimized.layers.quantization.unquantized import UnquantizedLinearMethod
 from optimized.ops.mx_format import scale_name
 
 DENSE_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def linear_method(scheme: str | None) -> LinearMethod:
-    """A fresh linear method of `scheme` (None: unquantized)."""
-    if scheme == W4A4:
-        return MxFp4LinearMethod()
-    return MxFp8LinearMethod() if scheme in MX_SCHEMES else UnquantizedLinearMethod()
+    """A fresh linear method of `scheme` (None: unquantized): the table's."""
+    return scheme_row(scheme).linear_method()
 
 
 def moe_method(scheme: str | None) -> FusedMoEMethod:
-    """A fresh routed-experts method of `scheme` (None: unquantized)."""
-    if scheme == W4A4:
-        return W4A4MxFp4MoEGMMMethod()
-    if scheme == W4A8:
-        return W4A8MxFp4MoEGMMMethod()
-    return MxFp8MoEGMMMethod() if scheme == W8A8 else UnquantizedFusedMoEMethod()
+    """A fresh routed-experts method of `scheme` (None: unquantized): the table's."""
+    return scheme_row(scheme).moe_method()
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """scheme: None, W4A8, W8A8 or W4A4. sixteen_bit: prefixes of linears the checkpoint stores 16-bit although the
-    scheme quantizes their kind (dense-MLP projections without a scale partner)."""
+    """scheme: a name of the table (schemes.SCHEMES; None: 16-bit). sixteen_bit: prefixes of linears the checkpoint
+    stores 16-bit although the scheme quantizes their kind (dense-MLP projections without a scale partner)."""
 
     scheme: str | None = None
     sixteen_bit: frozenset[str] = frozenset()
@@ -61,7 +52,7 @@ class QuantConfig:
         checkpoint holds a tensor (the weight source's `has`; None: every tensor in its scheme's format)."""
         scheme = quant_scheme(hf_config)
         sixteen_bit = frozenset()
-        if stored is not None and isinstance(linear_method(scheme), MxFp8LinearMethod):
+        if stored is not None and issubclass(scheme_row(scheme).linear, MxFp8LinearMethod):
             sixteen_bit = frozenset(
                 prefix
                 for i in dense_layers(hf_config)
@@ -69,6 +60,11 @@ class QuantConfig:
                 if not stored(scale_name(f"{prefix}.weight"))
             )
         return cls(scheme, sixteen_bit)
+
+    @property
+    def row(self) -> QuantScheme:
+        """The scheme's row of the table: what the plan and the build ask of it."""
+        return scheme_row(self.scheme)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method of the linear whose checkpoint weight is `{prefix}.weight`."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from optimized.layers.quantization.errors import QuantConfigError
 from optimized.layers.quantization.kv_cache import KV_CACHE_SCHEME_FP8, kv_cache_scheme
-from optimized.layers.quantization.schemes import MX_SCHEMES, W4A4, W4A8, scheme_of
+from optimized.layers.quantization.schemes import MX_SCHEMES, W4A8, scheme_of, scheme_row
 
 
 def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8", scheme: str = W4A8) -> dict:
@@ -19,12 +19,12 @@ def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8", sc
     a4w4_hadamard.md §3.4); kv_cache "bf16": kv_cache_scheme null."""
     if scheme not in MX_SCHEMES:
         raise ValueError(f"quantization scheme {scheme!r} is not one of {', '.join(MX_SCHEMES)}")
-    if scheme == W4A4 and kv_cache != "bf16":
+    row = scheme_row(scheme)
+    if not row.fp8_kv_cache and kv_cache != "bf16":
         raise QuantConfigError(
-            "quantization_config.kv_cache_scheme: the recipe's w4a4c16 writes none (a 16-bit KV "
-            "cache); a W4A4 checkpoint with an FP8 KV scheme is not one it writes"
+            f"quantization_config.kv_cache_scheme: the recipe's {scheme}c16 writes none (a 16-bit KV "
+            f"cache); a {row.label} checkpoint with an FP8 KV scheme is not one it writes"
         )
-    act_bits = 4 if scheme == W4A4 else 8
 
     def args(bits: int, dynamic: bool) -> dict:
         return {
@@ -40,7 +40,8 @@ def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8", sc
             "type": "float",
         }
 
-    def group(weight_bits: int, target: str) -> dict:
+    def group(target: str) -> dict:
+        weight_bits, act_bits = row.targets[target]
         return {
             "input_activations": args(act_bits, True),
             "activation_use_clip": False,
@@ -54,13 +55,11 @@ def recipe_quantization_config(num_hidden_layers: int, kv_cache: str = "fp8", sc
         for i in range(num_hidden_layers)
         for m in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.k_norm", "self_attn.q_norm")
     ]
-    groups = {"group_0": group(4 if scheme == W4A4 else 8, "Linear")}
-    if scheme in (W4A8, W4A4):
-        groups["group_1"] = group(4, "MoEGMM")
+    groups = {f"group_{i}": group(target) for i, target in enumerate(("Linear", "MoEGMM")) if target in row.targets}
     return {
         "config_groups": groups,
         "format": "float-quantized",
-        "global_compression_ratio": None if scheme == W4A4 else "null",
+        "global_compression_ratio": None if row.json_null_compression_ratio else "null",
         "ignore": ignore + ["lm_head", "model.embed_tokens", "model.norm"],
         "kv_cache_scheme": dict(KV_CACHE_SCHEME_FP8) if kv_cache == "fp8" else None,
         "quant_method": "compressed-tensors",

@@ -27,6 +27,14 @@ def _json_true(value) -> bool:
     return value is True or value == "true"  # the converter writes the strings "true"
 
 
+def quantization_config_dict(hf_config) -> dict | None:
+    """config.json's `quantization_config` as a dict (transformers may hold it as an object), None when absent."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
 def kv_cache_scheme(qc: dict | None) -> str | None:
     """FLOAT8 or None from `quantization_config.kv_cache_scheme` (absent / null: a 16-bit cache)."""
     kv = (qc or {}).get("kv_cache_scheme")
@@ -56,9 +64,7 @@ def kv_cache_dtype(hf_config, choice: str, dtype: torch.dtype) -> torch.dtype:
     does), 'bfloat16' keeps the cache in the activation dtype `dtype`, 'float8' quantizes it per token."""
     if choice not in KV_CACHE_DTYPES:
         raise QuantConfigError(f"kv_cache_dtype={choice!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-    qc = getattr(hf_config, "quantization_config", None)
-    qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
-    wanted = kv_cache_scheme(qc) if choice == "auto" else choice
+    wanted = kv_cache_scheme(quantization_config_dict(hf_config)) if choice == "auto" else choice
     if wanted != FLOAT8:
         return dtype
     if dtype not in (torch.bfloat16, torch.float16):
