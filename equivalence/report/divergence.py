@@ -277,7 +277,7 @@ def run_reference(ref, prompts, run: OptimizedRun, progress=None) -> tuple[dict[
     """The reference on each request's whole sequence (prompt + the optimized model's decode inputs), replaying
     the optimized expert ids; -> its captures per step (rows in the optimized order) and its own router
     probabilities per step and layer."""
-    from equivalence.parallel.test_e2e_parallel import replayed_routing
+    from equivalence.support.logits_runs import replayed_routing
 
     say = progress or (lambda msg: None)
     steps = len(run.tokens)
