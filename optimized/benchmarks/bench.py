@@ -251,7 +251,7 @@ def run(args) -> int:
         return 0
 
     from optimized.executor.model_runner import ModelRunner
-    from optimized.model_loader.build import model_from_source
+    from optimized.executor.assembly import WeightSource, build_model
     from optimized.model_loader.loader import StateDictSource
 
     dtype = DTYPES[args.dtype]
@@ -312,7 +312,8 @@ def run(args) -> int:
     ref = reference_model(config, RandomWeights(args.seed).read, dtype)
     progress(f"  done in {time.perf_counter() - t0:.1f} s; building the optimized model from its state_dict ...")
     t0 = time.perf_counter()
-    opt = model_from_source(config, StateDictSource(ref.state_dict(), label="reference state_dict"), dtype=dtype)
+    weights = WeightSource(config, source=StateDictSource(ref.state_dict(), label="reference state_dict"))
+    opt = build_model(weights, dtype=dtype)
     runner = ModelRunner(opt, args.block_size, kv_pool_blocks=args.kv_pool_blocks)
     progress(f"  done in {time.perf_counter() - t0:.1f} s")
     models = {"reference": (run_reference, ref), "optimized": (run_optimized, runner)}

@@ -13,7 +13,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
@@ -233,25 +232,30 @@ def _default_exchange(model):
     return next(layer.mlp.moe_infer_tp for layer in model.layers if hasattr(layer.mlp, "moe_infer_tp"))
 
 
+JOB_TIMEOUT_S = 1800  # a rank may wait this long for the others (a large preset builds slowly on a CPU)
+
+
+def _build(config, parallel, args: dict, dtype, device):
+    """A layout's model and runner through the assembly: random weights of the preset's shapes (args' seed), the
+    MC2 window sized for the bench's batch."""
+    from optimized.executor import assembly
+
+    weights = assembly.WeightSource.random_weights(config, seed=args["seed"])
+    return assembly.build_runner(
+        weights, parallel, dtype=dtype, device=device, batch=args["batch"], block_size=args["block_size"]
+    )
+
+
 def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts, device) -> dict:
     """Time one decode layout and count one decode step's bytes (every rank's, gathered on every rank)."""
     import torch.distributed as dist
 
     from optimized.benchmarks.common import DTYPES
-    from optimized.distributed import ParallelState
-    from optimized.executor.model_runner import ModelRunner
-    from optimized.executor.plan import mc2_window
-    from optimized.model_loader.build import model_from_source
-    from optimized.model_loader.loader import RandomWeights
 
     dtype = DTYPES[args["dtype"]]
     parallel = layout.config(world)
-    state = ParallelState.build(
-        parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager", dtype.itemsize)
-    )
     t0 = time.perf_counter()
-    model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
-    runner = ModelRunner(model, args["block_size"], device)
+    model, runner = _build(config, parallel, args, dtype, device)
     build_s = time.perf_counter() - t0
     times: list[float] = []
     for r in range(args["warmup"] + args["repeats"]):
@@ -327,16 +331,12 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
 
     from optimized import platform
 
-    from optimized.distributed import collectives as comm
     from optimized.benchmarks.common import DTYPES, bench_config
-    from optimized.model_loader.build import model_from_source
-    from optimized.distributed import ParallelState, init_distributed
-    from optimized.model_loader.loader import RandomWeights
-    from optimized.executor.model_runner import ModelRunner
-    from optimized.executor.plan import mc2_window
+    from optimized.distributed import collectives as comm
+    from optimized.executor import assembly
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    init_distributed(init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    assembly.join_job(init_method=f"file://{init_file}", rank=rank, world_size=world, timeout_s=JOB_TIMEOUT_S)
     device = platform.device(rank)
     try:
         dtype = DTYPES[args["dtype"]]
@@ -346,12 +346,8 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
         report = {}
         for name in args["layouts"]:
             parallel = layout_config(name, world)
-            state = ParallelState.build(
-                parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager", dtype.itemsize)
-            )
             t0 = time.perf_counter()
-            model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
-            runner = ModelRunner(model, args["block_size"], device)
+            model, runner = _build(config, parallel, args, dtype, device)
             build_s = time.perf_counter() - t0
             times = []
             for r in range(args["warmup"] + args["repeats"]):
@@ -390,7 +386,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
         queue.put(("error", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))
         raise
     finally:
-        dist.destroy_process_group()
+        assembly.leave_job()
 
 
 def run(args) -> dict:
