@@ -82,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--exe-mode do not apply)",
     )
     p.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="with --world-size > 1: the first --layers layers of this checkpoint instead of random weights of "
+        "--preset's shapes",
+    )
+    p.add_argument(
         "--host-overhead",
         action="store_true",
         help="measure only the engine's host overhead per decode step (step wall time minus the model "
@@ -235,6 +241,11 @@ def run(args) -> int:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     if args.formula_only and args.world_size < 2:
         raise UsageError(f"--formula-only needs --world-size > 1; got {args.world_size}")
+    if args.model_path and (args.world_size < 2 or args.formula_only):
+        raise UsageError(
+            "--model-path is for the parallel bench's runs (--world-size > 1, not --formula-only); the "
+            "single-process bench compares random weights with the reference's"
+        )
     if args.world_size > 1:
         from optimized.benchmarks import bench_parallel
 

@@ -236,11 +236,16 @@ JOB_TIMEOUT_S = 1800  # a rank may wait this long for the others (a large preset
 
 
 def _build(config, parallel, args: dict, dtype, device):
-    """A layout's model and runner through the assembly: random weights of the preset's shapes (args' seed), the
-    MC2 window sized for the bench's batch."""
+    """A layout's model and runner through the assembly: the checkpoint's first --layers layers (--model-path), else
+    random weights of the preset's shapes (args' seed); the MC2 window sized for the bench's batch."""
     from optimized.executor import assembly
 
-    weights = assembly.WeightSource.random_weights(config, seed=args["seed"])
+    if args["model_path"]:
+        weights = assembly.WeightSource.from_checkpoint(
+            args["model_path"], config, num_hidden_layers=config.num_hidden_layers
+        )
+    else:
+        weights = assembly.WeightSource.random_weights(config, seed=args["seed"])
     return assembly.build_runner(
         weights, parallel, dtype=dtype, device=device, batch=args["batch"], block_size=args["block_size"]
     )
@@ -331,7 +336,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
 
     from optimized import platform
 
-    from optimized.benchmarks.common import DTYPES, bench_config
+    from optimized.benchmarks.common import DTYPES
     from optimized.distributed import collectives as comm
     from optimized.executor import assembly
 
@@ -340,7 +345,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
     device = platform.device(rank)
     try:
         dtype = DTYPES[args["dtype"]]
-        config = bench_config(args["preset"], args["layers"])
+        config = model_config(args["preset"], args["layers"], args["model_path"])
         gen = torch.Generator().manual_seed(args["seed"])
         prompts = torch.randint(0, config.vocab_size, (args["batch"], args["prompt_len"]), generator=gen).tolist()
         report = {}
@@ -421,6 +426,7 @@ def run(args) -> dict:
         decode_steps=args.decode_steps,
         layouts=prefill_layouts,
         decode_layouts=[d.name for d in decode_layouts],
+        model_path=getattr(args, "model_path", None),
     )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -443,7 +449,12 @@ def run(args) -> dict:
     if status != "ok":
         raise RuntimeError(f"multi-process bench failed: {payload}")
     return {
-        "setup": {**params, "world_size": world, "tokens": args.batch * args.prompt_len},
+        "setup": {
+            **params,
+            "world_size": world,
+            "tokens": args.batch * args.prompt_len,
+            "weights": params["model_path"] or f"random (seed {args.seed})",
+        },
         "layouts": payload["prefill"],
         "decode": payload["decode"],
         "decode_skipped": skipped,
@@ -453,11 +464,10 @@ def run(args) -> dict:
 
 def check_world(args):
     """The bench's model config, once `--world-size` fits every layout of it (UsageError otherwise)."""
-    from optimized.benchmarks.common import bench_config
     from optimized.errors import UsageError
 
     world = args.world_size
-    config = bench_config(args.preset, args.layers)
+    config = model_config(args.preset, args.layers, getattr(args, "model_path", None))
     for key, size in (
         ("num_attention_heads", config.num_attention_heads),
         ("num_experts", config.num_experts),
@@ -474,14 +484,37 @@ def check_world(args):
     return config
 
 
+def model_config(preset: str, layers: int, model_path: str | None = None):
+    """The shapes the bench runs: the checkpoint's config.json cut to `layers` (--model-path), else the preset's."""
+    from optimized.benchmarks.common import bench_config
+    from optimized.errors import UsageError
+
+    if not model_path:
+        return bench_config(preset, layers)
+    from optimized.model_loader.hf_config import load_hf_config
+
+    config = load_hf_config(model_path)  # a UsageError naming the file
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise UsageError(f"--layers {layers} must be in [1, {config.num_hidden_layers}] for {model_path}")
+    config.num_hidden_layers = layers
+    return config
+
+
 def formula(args, config=None) -> dict:
-    """Each decode layout's MoE bytes per rank and decode step under uniform routing, at the preset's full depth
+    """Each decode layout's MoE bytes per rank and decode step under uniform routing, at the model's full depth
     (`decode_plan.step_volume`), and the MC2 window an MC2 layout needs; nothing runs."""
     from optimized.benchmarks.common import DTYPES, full_layer_count
     from optimized.distributed import decode_plan
 
     config = config or check_world(args)
-    act, world, layers = DTYPES[args.dtype].itemsize, args.world_size, full_layer_count(args.preset)
+    model_path = getattr(args, "model_path", None)
+    if model_path:  # the checkpoint's full depth
+        from optimized.model_loader.hf_config import load_hf_config
+
+        depth = load_hf_config(model_path).num_hidden_layers
+    else:
+        depth = full_layer_count(args.preset)
+    act, world, layers = DTYPES[args.dtype].itemsize, args.world_size, depth
     out = {
         "preset": args.preset,
         "world_size": world,

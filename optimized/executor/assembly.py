@@ -346,15 +346,16 @@ class WeightSource:
     hf_config: object
     checkpoint: Path | None = None
     source: object = None
+    num_hidden_layers: int | None = None  # a checkpoint's first N layers only (None: all of them)
 
     @classmethod
-    def from_checkpoint(cls, model_dir, hf_config=None) -> "WeightSource":
+    def from_checkpoint(cls, model_dir, hf_config=None, *, num_hidden_layers: int | None = None) -> "WeightSource":
         """A checkpoint's weights; hf_config: the shapes the window is sized for (default: its config.json)."""
         if hf_config is None:
             from optimized.model_loader.hf_config import load_hf_config
 
             hf_config = load_hf_config(model_dir)
-        return cls(hf_config, checkpoint=Path(model_dir))
+        return cls(hf_config, checkpoint=Path(model_dir), num_hidden_layers=num_hidden_layers)
 
     @classmethod
     def random_weights(cls, hf_config, source=None, *, seed: int = 0) -> "WeightSource":
@@ -405,7 +406,14 @@ def build_model(
         window = None if batch is None else mc2_window(weights.hf_config, parallel, batch, exe_mode, dtype.itemsize)
         state = ParallelState.build(parallel, mc2_window_mb=window)
     if weights.checkpoint is not None:
-        return load_model(weights.checkpoint, parallel=state, dtype=dtype, device=device, weight_nz=weight_nz)
+        return load_model(
+            weights.checkpoint,
+            parallel=state,
+            dtype=dtype,
+            device=device,
+            weight_nz=weight_nz,
+            num_hidden_layers=weights.num_hidden_layers,
+        )
     return model_from_source(
         weights.hf_config, weights.source, parallel=state, dtype=dtype, device=device, weight_nz=weight_nz
     )
