@@ -204,11 +204,15 @@ class LLM:
         for i, (p, n) in enumerate(zip(ids, budgets)):
             try:
                 check_prompts([p], n, hf.vocab_size, hf.max_position_embeddings)
-            except ValueError as e:
-                raise UsageError(f"prompt {i}: {e}".replace("prompt 0: ", "")) from None
+            except ValueError as e:  # checked alone, it is "prompt 0" in the message: name it by its index
+                msg = str(e) if "prompt 0: " in str(e) or "prompts[0]" in str(e) else f"prompt 0: {e}"
+                raise UsageError(
+                    msg.replace("prompt 0: ", f"prompt {i}: ").replace("prompts[0]", f"prompts[{i}]")
+                ) from None
         self._start(ids, budgets, params)
         run = self._run
-        with run.named_errors():
+        # enable_profiler: each rank's trace of the last call, under output_path (else the YAML's directory or the cwd)
+        with run.named_errors(), run.profiled(getattr(self.config, "source", None) or "LLM"):
             requests = self._requests(ids, budgets, params)
             logprobs = self._drain(requests, budgets)
         if run.env.rank != 0:

@@ -82,8 +82,10 @@ def test_chat_is_generate_over_the_chat_template(llm):
 
 
 def test_bad_calls_are_usage_errors_naming_what(llm):
-    with pytest.raises(UsageError, match="outside the vocabulary"):
-        llm.generate([[10**6]])
+    with pytest.raises(UsageError, match=r"^prompt 1: token id 1000000 is outside the vocabulary"):
+        llm.generate([[1], [10**6]])
+    with pytest.raises(UsageError, match=r"^prompt 1: every prompt needs at least one token"):
+        llm.generate([[1], []])
     with pytest.raises(UsageError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
     with pytest.raises(ValueError, match="max_tokens=0"):
@@ -118,3 +120,9 @@ def test_importing_the_package_does_not_load_the_library():
     code = "import sys, optimized.cli.main; assert 'optimized.llm' not in sys.modules; print(optimized.LLM.__name__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "LLM", out.stderr[-2000:]
+
+
+def test_enable_profiler_writes_the_calls_trace(tmp_path):
+    with LLM(SINGLE, enable_profiler=True, output_path=str(tmp_path)) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert (tmp_path / "profile" / "rank0.json").stat().st_size > 0
