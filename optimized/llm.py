@@ -148,7 +148,12 @@ class LLM:
 
     @property
     def rank(self) -> int:
-        return 0 if self._run is None else self._run.env.rank
+        """This process's rank in the job (0 for a single process)."""
+        if self._run is not None:
+            return self._run.env.rank
+        from optimized import envs
+
+        return envs.rank() or 0
 
     # ---- the calls
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):

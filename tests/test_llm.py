@@ -126,3 +126,10 @@ def test_enable_profiler_writes_the_calls_trace(tmp_path):
     with LLM(SINGLE, enable_profiler=True, output_path=str(tmp_path)) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert (tmp_path / "profile" / "rank0.json").stat().st_size > 0
+
+
+def test_rank_before_the_first_call_is_the_launchers(monkeypatch):
+    monkeypatch.setenv("RANK", "3")  # nothing started yet: the launcher's word
+    assert LLM("fixture:tiny").rank == 3
+    monkeypatch.delenv("RANK")
+    assert LLM("fixture:tiny").rank == 0
