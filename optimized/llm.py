@@ -9,14 +9,15 @@ constructs the same LLM and makes the same calls; rank 0 returns the outputs and
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from optimized.errors import UsageError
 from optimized.executor import sampling as engine_sampling
 
-# Keys of two sections would make a bare override ambiguous: none exist today, and a test keeps it so.
-_MODEL_PATH_PREFIXES = ("fixture:", "preset:")
+_MODEL_PATH_PREFIXES = ("fixture:", "preset:")  # a model path given in place of a config
+PROMPT_0 = re.compile(r"\b(prompts?(?:\[| ))0\b")  # how check_prompts names the first prompt
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def _section_of(key: str, value) -> tuple[str, str | None]:
         if not isinstance(value, dict):
             raise UsageError(f"LLM(...) override {key}= must be a dict of that section's keys")
         return key, None
+    # no key sits in two sections (tests/test_llm.py keeps it so): a bare name is never ambiguous
     owners = [name for name, cls in SECTIONS.items() if key in {f.name for f in fields(cls)}]
     if not owners:
         allowed = sorted({f.name for cls in SECTIONS.values() for f in fields(cls)} | set(SECTIONS))
@@ -209,11 +211,9 @@ class LLM:
         for i, (p, n) in enumerate(zip(ids, budgets)):
             try:
                 check_prompts([p], n, hf.vocab_size, hf.max_position_embeddings)
-            except ValueError as e:  # checked alone, it is "prompt 0" in the message: name it by its index
-                msg = str(e) if "prompt 0: " in str(e) or "prompts[0]" in str(e) else f"prompt 0: {e}"
-                raise UsageError(
-                    msg.replace("prompt 0: ", f"prompt {i}: ").replace("prompts[0]", f"prompts[{i}]")
-                ) from None
+            except ValueError as e:  # checked alone, it is prompt 0 in the message: name it by its index
+                msg = str(e) if re.search(PROMPT_0, str(e)) else f"prompt 0: {e}"
+                raise UsageError(re.sub(PROMPT_0, rf"\g<1>{i}", msg)) from None
         self._start(ids, budgets, params)
         run = self._run
         # enable_profiler: each rank's trace of the last call, under output_path (else the YAML's directory or the cwd)

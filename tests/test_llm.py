@@ -84,7 +84,7 @@ def test_chat_is_generate_over_the_chat_template(llm):
 def test_bad_calls_are_usage_errors_naming_what(llm):
     with pytest.raises(UsageError, match=r"^prompt 1: token id 1000000 is outside the vocabulary"):
         llm.generate([[1], [10**6]])
-    with pytest.raises(UsageError, match=r"^prompt 1: every prompt needs at least one token"):
+    with pytest.raises(UsageError, match=r"^prompt 1\b.*at least one token"):
         llm.generate([[1], []])
     with pytest.raises(UsageError, match="2 SamplingParams for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
