@@ -309,3 +309,32 @@ def test_bench_dp_layout_is_skipped_with_its_reason_when_the_batch_breaks_the_dp
     assert "dp      skipped: --batch 3 is not a multiple of attn_dp_size 2" in "\n".join(
         bench_parallel.format_decode(report)
     )
+
+
+def test_bench_weights_are_the_checkpoint_given_else_random_weights_of_the_presets_shapes(tmp_path, capsys):
+    import torch
+
+    from fixtures.checkpoints import checkpoint
+    from optimized.benchmarks import bench_parallel
+    from optimized.config import ParallelConfig
+    from optimized.model_loader.build import load_model
+
+    tiny = str(checkpoint("tiny"))
+    args = dict(seed=0, batch=2, block_size=16, model_path=tiny)
+    one = ParallelConfig(world_size=1)
+    config = bench_parallel.model_config("tiny", 1, tiny)
+    model, _ = bench_parallel._build(config, one, args, torch.float32, "cpu")
+    loaded = load_model(tiny, dtype=torch.float32, num_hidden_layers=1, device="cpu").state_dict()
+    got = model.state_dict()
+    assert len(model.layers) == 1 and got.keys() == loaded.keys()
+    assert all(torch.equal(got[k], loaded[k]) for k in got)  # the checkpoint's first layer, through the assembly
+    random, _ = bench_parallel._build(config, one, {**args, "model_path": None}, torch.float32, "cpu")
+    assert not torch.equal(random.state_dict()["embed_tokens.weight"], got["embed_tokens.weight"])
+    # on 2 ranks, named in the report
+    argv = ["bench", "--preset", "tiny", "--layers", "1", "--prompt-len", "5", "--batch", "2", "--warmup", "0"]
+    argv += ["--repeats", "1", "--decode-steps", "1", "--dtype", "float32", "--world-size", "2"]
+    assert cli_main([*argv, "--model-path", tiny, "--json", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["setup"]["weights"] == tiny
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--preset", "tiny", "--model-path", tiny])
+    assert "--model-path is for the parallel bench's runs" in capsys.readouterr().err

@@ -14,58 +14,23 @@ already initialized, with the pool's own timeout).
 
 from __future__ import annotations
 
-import contextlib
-import io
-import multiprocessing as mp
 import os
-import socket
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from equivalence.support.two_rank_jobs import (
+    REPO,
+    TIMEOUT_S,
+    _cli_child,
+    _run_two_ranks,
+    _torchrun_env,
+)
 from optimized import distributed as comm
 from optimized.distributed.guard import TIMEOUT_ENV, CollectiveTimeoutError, named_collective_errors
 
 pytestmark = pytest.mark.distributed
-
-REPO = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_two_ranks(target, *args, timeout: float = 60.0) -> list:
-    port = _free_port()
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, q, *args), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return sorted(q.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-
-
-def _torchrun_env(rank: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
 
 
 def _stopped_rank_child(rank, port, q):
@@ -92,19 +57,6 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout():
     assert f"parallel_config.collective_timeout_s={TIMEOUT_S:g} s" in message and TIMEOUT_ENV in message, message
     assert "another rank stopped" in message
     assert TIMEOUT_S * 0.9 <= waited < TIMEOUT_S + 3.0, f"waited {waited:.2f} s for a {TIMEOUT_S} s timeout"
-
-
-def _cli_child(rank, port, q, configs):
-    _torchrun_env(rank, port)
-    from optimized.__main__ import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(["generate", "--config", configs[rank], "--prompt", "hi", "--max-new-tokens", "2"])
-        except SystemExit as e:
-            code = e.code
-    q.put((rank, code, err.getvalue()))
 
 
 def test_ranks_with_different_configs_are_refused_at_start_up(tmp_path):

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-import test_dist_fail_fast as fail_fast
-from test_dist_fail_fast import REPO, TIMEOUT_S, _cli_child, _run_two_ranks
+from equivalence.support import two_rank_jobs
+from equivalence.support.two_rank_jobs import REPO, TIMEOUT_S, _cli_child, _run_two_ranks
 from optimized.distributed.guard import TIMEOUT_ENV
 
 pytestmark = pytest.mark.distributed
@@ -27,7 +27,7 @@ def test_master_port_held_by_another_program_fails_both_ranks_within_the_timeout
         squatter.listen(8)
         port = squatter.getsockname()[1]
         monkeypatch.setenv(TIMEOUT_ENV, str(TIMEOUT_S))
-        monkeypatch.setattr(fail_fast, "_free_port", lambda: port)  # the ranks' MASTER_PORT: the held one
+        monkeypatch.setattr(two_rank_jobs, "_free_port", lambda: port)  # the ranks' MASTER_PORT: the held one
         tp2 = str(REPO / "fixtures" / "configs" / "tiny_tp2.yaml")
         start = time.monotonic()
         results = _run_two_ranks(_cli_child, [tp2, tp2], timeout=TIMEOUT_S + 30)

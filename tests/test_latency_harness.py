@@ -301,7 +301,7 @@ def test_reference_and_optimized_compute_the_same_tokens():
     assert runner.generate(prompts, 5).tokens == [ref_tokens]
 
 
-def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys):
+def tiny_budget_file(tmp_path) -> Path:
     budgets = tmp_path / "budgets.yaml"
     budgets.write_text(
         json.dumps(
@@ -324,6 +324,11 @@ def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys
             }
         )
     )
+    return budgets
+
+
+def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys):
+    budgets = tiny_budget_file(tmp_path)
     out = tmp_path / "raw.json"
     assert cli_main(["latency", "--budget", "tiny_one_rank", "--budgets", str(budgets), "--json", str(out)]) == 0
     raw = json.loads(out.read_text())
@@ -347,6 +352,23 @@ def test_cli_latency_measures_an_absolute_budget_on_one_process(tmp_path, capsys
         "--model-path",
         "/ckpt",
     ]
+
+
+def test_latency_weights_are_the_checkpoint_given_else_pooled_random_weights_of_the_budgets_shapes(tmp_path):
+    from fixtures.checkpoints import checkpoint
+
+    npu = B.load_budgets()["a3_235b_bf16_decode"]  # its NPU run builds through the same assembly call
+    given, drawn = R.weight_source(npu, "/ckpt"), R.weight_source(npu, None)
+    assert given.checkpoint == Path("/ckpt") and given.source is None
+    assert drawn.checkpoint is None and isinstance(drawn.source, R.PooledRandomWeights)
+    for w in (given, drawn):  # the MC2 window is sized for the budget's shapes either way
+        assert w.hf_config.to_dict() == npu.hf_config().to_dict()
+    # one process, a checkpoint given: loaded through the assembly and named in the raw file
+    budgets, out, tiny = tiny_budget_file(tmp_path), tmp_path / "raw.json", str(checkpoint("tiny"))
+    argv = ["latency", "--budget", "tiny_one_rank", "--budgets", str(budgets), "--json", str(out)]
+    assert cli_main([*argv, "--model-path", tiny]) == 0
+    raw = json.loads(out.read_text())
+    assert raw["model"] == tiny and len(raw["samples_s"]["decode"]) == 2 * 3
 
 
 def test_cli_latency_errors(tmp_path, capsys, monkeypatch):

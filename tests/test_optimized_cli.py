@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from equivalence.support.plans import planned_paths
+from equivalence.support.cli_errors import run_error
 from fixtures.checkpoints import checkpoint
-from reference.tokenizer import decode, encode, eos_token_ids, load_tokenizer
 from optimized.__main__ import main as cli_main
 from optimized.path_plan import DP, MC2, TP
 from reference.checkpoint import load_model
 from reference.generate import greedy_generate, trim_at_eos
+from reference.tokenizer import decode, encode, eos_token_ids, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "fixtures" / "configs"
@@ -37,16 +38,6 @@ def tokenizer(name: str = "tiny"):
 
 def ids_line(ids) -> str:
     return ",".join(map(str, ids))
-
-
-def run_error(argv, capsys) -> str:
-    """Run the CLI in-process, expect exit status 2; return stderr (asserted to be one line)."""
-    with pytest.raises(SystemExit) as info:
-        cli_main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("python -m optimized: error: "), err
-    return err
 
 
 # ------------------------------------------------------------------------------------------- generate

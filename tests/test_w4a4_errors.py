@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from equivalence.support.cli_errors import run_error
 from fixtures.checkpoints import (
     ROTATION_INPUT_KEY,
     ROTATION_OUTPUT_KEY,
@@ -23,7 +24,6 @@ from fixtures.checkpoints import (
     write_rotation_dir,
 )
 from optimized.layers import hadamard
-from test_optimized_cli import run_error  # the one CLI-error helper (tests/ is on sys.path)
 
 
 def broken_dirs(tmp_path) -> dict[str, tuple[str, list[str]]]:

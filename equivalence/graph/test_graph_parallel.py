@@ -21,6 +21,12 @@ import torch
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close, tolerance
 from equivalence.support.dist import get_pool
+from equivalence.support.graph_dp_runs import (
+    DP_PROMPTS,
+    NEW_TOKENS,
+    _compile_fn,
+    _graph_dp_vs_eager_task,
+)
 from equivalence.support.parallel_support import paged_cache, same_on_all_ranks
 from equivalence.support.strategies import BLOCK_SIZE, describe_layout, layout
 from fixtures.checkpoints import checkpoint
@@ -29,7 +35,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("graph_parallel")
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 PROMPTS = [[5, 6, 7], list(range(1, 18)), list(range(40, 71))]  # 3, 17, 31 tokens: crosses 16-token blocks
-NEW_TOKENS = 4
 
 
 def _case(world, compiler, thorough_only=False, **sizes):
@@ -60,21 +65,14 @@ CASES = [
 ]
 
 
-def _compile_fn(compiler: str):
-    """GraphDecoder's compiler: None (the platform's, inductor here) or dynamo + AOTAutograd without codegen."""
-    if compiler != "aot_eager":
-        return None
-    return lambda step: torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
-
-
 @torch.no_grad()
 def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     from torch._dynamo.utils import counters
 
-    from optimized.model_loader.build import load_model
     from optimized.distributed import ParallelState
     from optimized.executor.graph import DecodeStep, GraphDecoder
     from optimized.executor.model_runner import ModelRunner
+    from optimized.model_loader.build import load_model
 
     model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.float32, num_hidden_layers=1)
     runner = ModelRunner(model, BLOCK_SIZE)
@@ -117,42 +115,6 @@ def test_graph_decode_one_graph_equals_eager_fp32(world, lay, compiler):
         assert c["padding"] == {3: 4}, f"{what} rank {rank}: {c['padding']}"
         assert c["ep_scheme"] == (lay["moe_ep_scheme"] if lay.get("prefill_opt") else None), f"{what}: {c}"
     assert len(got) == len(PROMPTS)
-
-
-DP_PROMPTS = [
-    [5, 6, 7],
-    list(range(1, 18)),
-    [9, 4],
-    list(range(40, 71)),
-    [3] * 6,
-]  # DP 2: groups of 3 and 2 (+ a dummy)
-
-
-@torch.no_grad()
-def _graph_dp_vs_eager_task(rank, world, path, lay, compiler, prompts, n, dtype=torch.float32):
-    from torch._dynamo.utils import counters
-
-    from optimized.executor.graph import GraphDecoder
-    from optimized.executor.model_runner import ModelRunner
-    from optimized.model_loader.build import load_model
-    from optimized.distributed import ParallelState
-
-    model = load_model(path, parallel=ParallelState.build(**lay), dtype=dtype, num_hidden_layers=1)
-    runner = ModelRunner(model, BLOCK_SIZE)
-    eager = runner.generate(prompts, n, return_logits=True)
-    torch._dynamo.reset()
-    runner.decode_forward = GraphDecoder(model, "ge_graph", compiler=_compile_fn(compiler))
-    graphs = counters["stats"]["unique_graphs"]
-    graph = runner.generate(prompts, n, return_logits=True)
-    return {
-        "eager": (eager.tokens, [t.clone() for t in eager.logits]),
-        "graph": (graph.tokens, [t.clone() for t in graph.logits]),
-        "captured": {
-            "graphs": counters["stats"]["unique_graphs"] - graphs,
-            "breaks": sum(counters["graph_break"].values()),
-            "padding": dict(runner.decode_forward.padding),
-        },
-    }
 
 
 @pytest.mark.parametrize("compiler", ["inductor"])

@@ -20,12 +20,19 @@ every operator call checked to take tensors of one device). Single process, each
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from equivalence.support.fake_device import DeviceMismatch, DeviceTensor, on_fake_device, register, to_host
+from equivalence.support.device_discipline import (
+    NEW_TOKENS,
+    Step,
+    assert_no_reads_nor_transfers,
+    fake_npu,
+    generate,
+    one_step,
+)
+from equivalence.support.fake_device import DeviceMismatch, DeviceTensor, on_fake_device, to_host
 from equivalence.support.parallel_support import run_property
 from equivalence.support.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
@@ -38,18 +45,11 @@ from optimized.model_loader.build import load_model
 pytestmark = pytest.mark.equivalence
 
 FIXTURES = ("tiny", "tiny-nonorm", "tiny-dense")
-NEW_TOKENS = 3
-fake_npu = register  # npu:0, registered on first use (not at collection: the rename is for the process)
 
 
 def device_model(name: str):
     with on_fake_device():
         return load_model(checkpoint(name), dtype=torch.float32, device=fake_npu())
-
-
-def generate(model, prompts):
-    result = ModelRunner(model, BLOCK_SIZE).generate(prompts, NEW_TOKENS, return_logits=True)
-    return result.tokens, torch.cat(to_host(result.logits))
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -67,50 +67,6 @@ def test_model_on_a_non_cpu_device_generates_what_the_cpu_model_generates(name):
         assert torch.equal(logits, want_logits), f"{name} on {fake_npu()}: logits differ from the CPU run's"
 
     run_property(check, 3, prompts=prompt_batches(vocab, max_len=24))
-
-
-@dataclass
-class Step:
-    """What one forward step did on the fake device: its host reads, its host -> device copies, the operators it
-    called (name -> calls) and its logits."""
-
-    reads: list[str]
-    transfers: list[str]
-    ops: Counter
-    logits: torch.Tensor
-
-
-def one_step(model, prompts, decode: bool) -> Step:
-    """One forward on the fake device: the runner's metadata and cache (of the runner's KV cache dtype: the
-    per-token FP8 cache with its scale caches for an fp8 checkpoint), then the model call alone, counted."""
-    runner = ModelRunner(model, BLOCK_SIZE)
-    attn = model.layers[0].self_attn
-    budgets = [len(p) + 1 for p in prompts]
-    with on_fake_device() as mode:
-        cache = PagedKVCache(
-            model.config.num_hidden_layers,
-            1 + len(budgets) * 2,
-            BLOCK_SIZE,
-            attn.num_kv_heads,
-            attn.head_dim,
-            runner.kv_cache_dtype,
-            fake_npu(),
-        )
-        table = block_table([cache.allocate(n) for n in budgets], fake_npu())
-        ids, meta, _ = runner.prefill_inputs(prompts, table)
-        if decode:
-            model(ids, meta, cache.layers)
-            ids = ids[: len(prompts)]
-            meta = runner.decode_metadata([len(p) for p in prompts], table)
-        reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
-        logits = model(ids, meta, cache.layers)
-    return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)
-
-
-def assert_no_reads_nor_transfers(step: Step, what: str) -> None:
-    assert isinstance(step.logits, DeviceTensor) and step.logits.device == fake_npu(), what
-    assert not step.reads, f"{what}: the forward step read the device {len(step.reads)} times: {step.reads}"
-    assert not step.transfers, f"{what}: the forward step copied host data onto the device: {step.transfers}"
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
@@ -225,6 +181,7 @@ def test_a_host_tensor_planted_in_the_forward_is_caught(monkeypatch):
 
 def test_exchange_split_sizes_sends_its_counts_from_the_rows_device(monkeypatch):
     import torch.distributed as dist
+
     from optimized.distributed import collectives
 
     class TwoRanks:

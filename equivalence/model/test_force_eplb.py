@@ -23,12 +23,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from equivalence.support.attn_dp_runs import _request_routes, dp_layout
 from equivalence.support.compare import assert_close
 from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import generation_with_phase_log, on_host, reference_model, same_on_all_ranks
 from equivalence.support.parallel_support import test_device as model_device
 from equivalence.support.strategies import BLOCK_SIZE
-from equivalence.parallel.test_attn_dp_parallel import _request_routes, dp_layout
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 from reference.model import SparseMoeBlock

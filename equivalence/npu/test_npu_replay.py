@@ -19,9 +19,6 @@ import functools
 import pytest
 import torch
 
-from equivalence.support.compare import assert_bitwise_equal, assert_close, op_tolerance, tolerance
-from fixtures.tiny import tiny_config
-from optimized.distributed.decode_plan import MC2_HIDDEN
 from equivalence.npu.record_npu_calls import (
     CONFIGURATIONS,
     MC2_OPS,
@@ -30,6 +27,9 @@ from equivalence.npu.record_npu_calls import (
     mc2_configurations,
     record,
 )
+from equivalence.support.compare import assert_bitwise_equal, assert_close, op_tolerance, tolerance
+from fixtures.tiny import tiny_config
+from optimized.distributed.decode_plan import MC2_HIDDEN
 
 pytestmark = pytest.mark.npu
 
@@ -100,7 +100,7 @@ def _unwritten(op: str, kwargs: dict, outputs: list) -> dict[int, int | None]:
 
 def _compare(op: str, kwargs: dict, got: list, want: list, what: str) -> None:
     from equivalence.ops.mx_oracle import fmt_name
-    from equivalence.ops.test_ops_mx import _decoded_close_within_one_step
+    from equivalence.support.mx_decode import _decoded_close_within_one_step
 
     skip = _unwritten(op, kwargs, want)
     mx = MX_FUSED.get(op)
@@ -180,9 +180,9 @@ def test_recorded_mc2_on_torch_npu_equals_the_portable_kernels(config):
 
 @pytest.mark.parametrize("fixture, w4a8", [("tiny", False), ("tiny", True)], ids=["bfloat16", "w4a8"])
 def test_optimized_model_on_the_npu_equals_the_reference_on_the_cpu(fixture, w4a8):
+    from equivalence.support.logits_runs import _logits_task, assert_bf16_logits_match_replayed_reference
     from equivalence.support.strategies import layout
-    from equivalence.parallel.test_e2e_parallel import _logits_task, assert_bf16_logits_match_replayed_reference
-    from equivalence.quant.test_e2e_w4a8 import fake_quant_reference
+    from equivalence.support.w4a8_reference import fake_quant_reference
     from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 
     if w4a8 and not _is_950():

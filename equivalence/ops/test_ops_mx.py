@@ -24,6 +24,10 @@ from hypothesis import strategies as st
 import optimized  # noqa: F401  (registers torch.ops.npu.*)
 from equivalence.ops import mx_oracle as oracle
 from equivalence.support.compare import assert_bitwise_equal
+from equivalence.support.mx_decode import (
+    _decoded_close_within_one_step,
+    bytes_of,
+)
 from equivalence.support.npu_capability import require_950
 from optimized.ops import mx_format as mxf
 from optimized.ops.registry import portable_kernel
@@ -64,10 +68,6 @@ def quant(x, dst, alg=0, rm="rint", dtm=0.0, mlb=0.0, axis=-1, block_size=32):
         dst_type_max=dtm,
         max_low_bound=mlb,
     )
-
-
-def bytes_of(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).numpy()
 
 
 def assert_matches_oracle(x, dst, alg=0, rm="rint", dtm=0.0, mlb=0.0, axis=-1, block_size=32):
@@ -1446,19 +1446,6 @@ def test_npu_quantize_matches_portable(config, dtype):
     np.testing.assert_array_equal(
         _mask_nonfinite_blocks(a, s_cpu.numpy(), dst == FP4), _mask_nonfinite_blocks(b, s_cpu.numpy(), dst == FP4)
     )
-
-
-def _decoded_close_within_one_step(a_y, a_s, b_y, b_s, fmt: str) -> None:
-    """Fused ops may differ by 1 ulp of the bf16 pre-quant tensor (§6.2, §13.6): the decoded values must then
-    agree within one element step at the larger of the two block scales."""
-    a = oracle.dequantize(bytes_of(a_y), a_s.numpy(), fmt)
-    b = oracle.dequantize(bytes_of(b_y), b_s.numpy(), fmt)
-    scale = np.ldexp(1.0, np.maximum(a_s.numpy(), b_s.numpy()).astype(np.int64) - 127)
-    k = a.shape[-1]
-    scale = scale.reshape(scale.shape[:-2] + (-1,))[..., np.arange(k) // 32]
-    step = oracle.element_ulp(np.maximum(np.abs(a), np.abs(b)) / scale, fmt) * scale
-    assert np.all((np.abs(a - b) <= step) | (np.isnan(a) & np.isnan(b)))
-    assert np.mean(a_s.numpy() == b_s.numpy()) >= 0.99, "scale bytes mostly identical"
 
 
 @pytest.mark.npu

@@ -131,7 +131,7 @@ def test_extend_equals_one_prefill_attention_tp2():
 def _fp8_task(rank, world, path, lay, prompt, cut):
     """bf16, per-token FP8 cache: prompt[:cut] prefilled, then the rest as one extend step (logits, and the expert ids
     of every token: the first piece's rows, then the rest's), and the same over a 16-bit cache."""
-    from equivalence.parallel.test_e2e_parallel import _recording_routes
+    from equivalence.support.logits_runs import _recording_routes
 
     model = rank_model(path, lay, torch.bfloat16)
     runner = runner_of(model)
@@ -152,7 +152,7 @@ def _fp8_task(rank, world, path, lay, prompt, cut):
 def _reference_extend(prompt, cut, routes, kv_heads, stats):
     """The bf16 reference through its own cache, prompt[:cut] then the rest in one forward, replaying the optimized
     expert ids; kv_heads: the FP8 cache rule (one scale per token over a rank's KV heads), None: a 16-bit cache."""
-    from equivalence.parallel.test_e2e_parallel import replayed_routing
+    from equivalence.support.logits_runs import replayed_routing
     from reference.fake_quant import fake_quantize_kv_cache
 
     ref = reference_model("tiny", "bfloat16")
@@ -306,7 +306,7 @@ def _dp_task(rank, world, path, lay, prompts, cuts):
 
 
 def test_extend_equals_one_prefill_under_attention_dp():
-    from equivalence.parallel.test_attn_dp_parallel import dp_layout
+    from equivalence.support.attn_dp_runs import dp_layout
 
     lay = dp_layout(2, 1)
     prompts, cuts = _prompts(7, [37, 21]), [17, 5]

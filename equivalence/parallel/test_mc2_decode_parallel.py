@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close
 from equivalence.support.dist import get_pool
+from equivalence.support.logits_runs import _draw_forced, _logits_task, _model_logits, _reference_logits
 from equivalence.support.parallel_support import rank_model, reference_model, run_property, same_on_all_ranks
 from equivalence.support.strategies import describe_layout, expert_routing, layout, prompt_batches, routing_kinds, seeds
-from equivalence.parallel.test_e2e_parallel import _draw_forced, _logits_task, _model_logits, _reference_logits
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
 

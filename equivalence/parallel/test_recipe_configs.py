@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from equivalence.support.compare import token_agreement, tolerance
 from equivalence.support.dist import get_pool
@@ -234,7 +235,7 @@ def test_recipe_mxfp48_config_runs_w4a8_within_the_fake_quant_reference(longbenc
 def _library_tokens(rank, world, cfg_dict, prompts, n):
     """The same file through the library (as equivalence/quant/test_w4a4_recipe.py runs it, its logits proven there
     against the fake-quant W4A4 reference with the same rotations): the greedy tokens of `prompts`."""
-    from equivalence.quant.test_w4a4_recipe import recipe_task
+    from equivalence.support.w4a4_recipe import recipe_task
 
     return recipe_task(rank, world, cfg_dict, prompts, [[0]] * len(prompts))["tokens"]
 

@@ -24,29 +24,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import (
-    paged_cache,
-    rank_model,
-    reference_model,
-    run_property,
-    runner_of,
-    same_on_all_ranks,
-)
-from equivalence.support.strategies import (
-    describe_layout,
-    expert_routing,
-    hidden_states,
-    prompt_length,
-    routing_kinds,
-    seeds,
-    sp_layout,
-)
-from equivalence.parallel.test_e2e_parallel import (
+from equivalence.support.logits_runs import (
     GEN_TOKENS,
     _draw_forced,
     _generate_task,
@@ -55,8 +37,33 @@ from equivalence.parallel.test_e2e_parallel import (
     _reference_logits,
     assert_bf16_logits_match_replayed_reference,
 )
+from equivalence.support.parallel_support import (
+    paged_cache,
+    rank_model,
+    reference_model,
+    run_property,
+    runner_of,
+    same_on_all_ranks,
+)
+from equivalence.support.sp_ep_runs import (
+    CONFIG,
+    VOCAB,
+    E,
+    H,
+    K,
+    _mine,
+    _slots,
+    sp_prompt_lengths,
+)
+from equivalence.support.strategies import (
+    describe_layout,
+    expert_routing,
+    hidden_states,
+    routing_kinds,
+    seeds,
+    sp_layout,
+)
 from fixtures.checkpoints import checkpoint
-from fixtures.tiny import tiny_config
 from reference.generate import greedy_generate
 from reference.model import LayerCache, rope_cos_sin
 
@@ -65,40 +72,15 @@ pytestmark = pytest.mark.distributed
 SCHEMES = ("allgather", "alltoall")
 WORLDS = (2, 4, 8)
 FIXTURES = ("tiny", "tiny-nonorm", "tiny-dense")
-CONFIG = tiny_config("tiny")
-VOCAB, H, E, K = CONFIG.vocab_size, CONFIG.hidden_size, CONFIG.num_experts, CONFIG.num_experts_per_tok
 
 
 def cases(examples: dict[int, int]):
     return [pytest.param(w, s, examples[w], id=f"w{w}-{s}") for w in WORLDS for s in SCHEMES if examples[w]]
 
 
-@st.composite
-def sp_prompt_lengths(draw, ranks: int, max_len: int = 40):
-    """Prompt lengths whose total is rarely a multiple of P: S = kP + 1, 2-3 packed requests, S < P, 1 token.
-
-    The first kind is what a one-example run draws (hypothesis starts from the simplest example): S = P + 1,
-    so every rank holds 2 tokens and all but one pad.
-    """
-    kind = draw(st.sampled_from(("kp_plus_1", "packed", "below_p", "one_token")))
-    if kind == "one_token":
-        return [1]
-    if kind == "below_p":
-        return [draw(st.integers(1, max(1, ranks - 1)))]
-    if kind == "kp_plus_1":
-        return [draw(st.integers(1, (max_len - 1) // ranks)) * ranks + 1]
-    return draw(st.lists(prompt_length(max_len), min_size=2, max_size=3))
-
-
 def _prompts(lengths, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def _mine(x: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
-    """Rank `rank`'s rows of the packed rows x (padded with zeros to a multiple of `ranks`)."""
-    n = -(-x.shape[0] // ranks)
-    return F.pad(x, (0, 0, 0, n * ranks - x.shape[0]))[rank * n : (rank + 1) * n]
 
 
 # ------------------------------------------------------------------------------------------ worker tasks
@@ -174,15 +156,6 @@ def _textbook_moe(block, x, ids, weights):
         if token.numel():
             out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
     return out
-
-
-def _slots(ids: torch.Tensor, ranks: int, rank: int) -> tuple[int, int]:
-    """(slots of rank's tokens on other ranks' experts, slots of other ranks' tokens on rank's experts)."""
-    n, local = ids.shape[0] // ranks, E // ranks
-    owner_of_token = torch.arange(ids.shape[0])[:, None] // n
-    owner_of_expert = ids.long() // local
-    remote = owner_of_token != owner_of_expert
-    return int((remote & (owner_of_token == rank)).sum()), int((remote & (owner_of_expert == rank)).sum())
 
 
 # ----------------------------------------------------------------------------------------------- tests

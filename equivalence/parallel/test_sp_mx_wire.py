@@ -45,8 +45,8 @@ from equivalence.support.parallel_support import (
     run_property,
     runner_of,
 )
+from equivalence.support.sp_ep_runs import _mine, _slots, sp_prompt_lengths
 from equivalence.support.strategies import describe_layout, hidden_states, seeds, sp_layout
-from equivalence.parallel.test_sp_ep_parallel import _mine, _slots, sp_prompt_lengths
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
 

@@ -31,10 +31,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from equivalence.support.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement
-from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import RoutingStats, rank_model, runner_of, same_on_all_ranks
-from equivalence.parallel.test_attn_dp_parallel import (
+from equivalence.support.attn_dp_runs import (
     COMBINE,
     DISPATCH,
     _describe,
@@ -43,10 +40,14 @@ from equivalence.parallel.test_attn_dp_parallel import (
     _request_routes,
     dp_layout,
 )
-from equivalence.parallel.test_e2e_parallel import replayed_routing
-from equivalence.quant.test_e2e_w4a8 import bf16_reference, fake_quant_reference as w4a8_reference
-from equivalence.quant.test_e2e_w8a8 import fake_quant_reference as w8a8_reference
-from equivalence.graph.test_graph_parallel import DP_PROMPTS, NEW_TOKENS, _graph_dp_vs_eager_task
+from equivalence.support.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement
+from equivalence.support.dist import get_pool
+from equivalence.support.graph_dp_runs import DP_PROMPTS, NEW_TOKENS, _graph_dp_vs_eager_task
+from equivalence.support.logits_runs import replayed_routing
+from equivalence.support.parallel_support import RoutingStats, rank_model, runner_of, same_on_all_ranks
+from equivalence.support.w4a8_reference import bf16_reference
+from equivalence.support.w4a8_reference import fake_quant_reference as w4a8_reference
+from equivalence.support.w8a8_reference import fake_quant_reference as w8a8_reference
 from fixtures.checkpoints import w4a8_checkpoint, w8a8_checkpoint
 from fixtures.tiny import tiny_config
 from reference.generate import greedy_generate

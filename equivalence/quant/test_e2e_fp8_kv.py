@@ -38,6 +38,7 @@ import torch
 
 from equivalence.support.compare import assert_close, describe, rel_l2, tolerance
 from equivalence.support.dist import get_pool
+from equivalence.support.logits_runs import _draw_forced, _rows, replayed_routing, teacher_forced_run
 from equivalence.support.parallel_support import (
     RoutingStats,
     on_host,
@@ -48,7 +49,6 @@ from equivalence.support.parallel_support import (
     same_on_all_ranks,
 )
 from equivalence.support.strategies import BLOCK_SIZE, describe_layout, layout, sp_layout
-from equivalence.parallel.test_e2e_parallel import _draw_forced, _rows, replayed_routing, teacher_forced_run
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
 from reference.fake_quant import fake_quant_kv, fake_quantize_kv_cache, load_fake_quant_model

@@ -24,8 +24,6 @@ tiny's moe_intermediate_size 32 is one MX block, which MoE TP cannot split).
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -34,14 +32,12 @@ from equivalence.support.compare import (
     cosine,
     describe,
     rel_l2,
-    tolerance,
     token_agreement,
+    tolerance,
     top1_agreement,
 )
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import reference_model, routing_check, same_on_all_ranks
-from equivalence.support.strategies import describe_layout, hidden_states, layout, sp_layout
-from equivalence.parallel.test_e2e_parallel import (
+from equivalence.support.logits_runs import (
     _draw_forced,
     _generate_task,
     _logits_task,
@@ -49,10 +45,16 @@ from equivalence.parallel.test_e2e_parallel import (
     _reference_logits,
     assert_bf16_logits_match_replayed_reference,
 )
-from fixtures.checkpoints import checkpoint, w4a8_checkpoint
+from equivalence.support.parallel_support import routing_check, same_on_all_ranks
+from equivalence.support.strategies import describe_layout, hidden_states, layout, sp_layout
+from equivalence.support.w4a8_reference import (
+    bf16_reference,
+    fake_quant_reference,
+)
+from fixtures.checkpoints import w4a8_checkpoint
 from fixtures.tiny import tiny_config
 from optimized.distributed import ParallelState
-from reference.fake_quant import load_fake_quant_model, quantize_activation
+from reference.fake_quant import quantize_activation
 from reference.generate import greedy_generate
 
 pytestmark = pytest.mark.distributed
@@ -71,16 +73,6 @@ SP_LAYOUTS = {
     "sp4-alltoall": (4, sp_layout(4, "alltoall", embed_tp_size=4, lmhead_tp_size=4), "tiny"),
     "sp4-allgather": (4, sp_layout(4, "allgather"), "tiny"),
 }
-
-
-@functools.lru_cache(maxsize=None)
-def fake_quant_reference(name: str):
-    return load_fake_quant_model(checkpoint(name), torch.bfloat16, router_dtype="float32")
-
-
-@functools.lru_cache(maxsize=None)
-def bf16_reference(name: str):
-    return reference_model(name, "bfloat16")
 
 
 # ------------------------------------------------------------------------------------------- MXFP8 linears

@@ -25,18 +25,20 @@ import torch
 
 from equivalence.support.compare import assert_close, describe, rel_l2, tolerance
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import reference_model, routing_check, same_on_all_ranks
-from equivalence.support.strategies import describe_layout, hidden_states, layout, sp_layout
-from equivalence.parallel.test_e2e_parallel import (
+from equivalence.support.logits_runs import (
     _draw_forced,
     _logits_task,
     _moe_bf16_task,
     _reference_logits,
     assert_bf16_logits_match_replayed_reference,
 )
-from fixtures.checkpoints import checkpoint, w8a8_checkpoint
+from equivalence.support.parallel_support import reference_model, routing_check, same_on_all_ranks
+from equivalence.support.strategies import describe_layout, hidden_states, layout, sp_layout
+from equivalence.support.w8a8_reference import (
+    fake_quant_reference,
+)
+from fixtures.checkpoints import w8a8_checkpoint
 from fixtures.tiny import tiny_config
-from reference.fake_quant import load_fake_quant_model
 
 pytestmark = pytest.mark.distributed
 
@@ -47,11 +49,6 @@ CASES = {
     "tp2": (2, layout(2, attn_tp_size=2, embed_tp_size=2, lmhead_tp_size=2), "tiny-dense"),
     "sp2-alltoall": (2, sp_layout(2, "alltoall", embed_tp_size=2, lmhead_tp_size=2), "tiny"),
 }
-
-
-@functools.lru_cache(maxsize=None)
-def fake_quant_reference(name: str, scheme: str = "w8a8"):
-    return load_fake_quant_model(checkpoint(name), torch.bfloat16, router_dtype="float32", scheme=scheme)
 
 
 @functools.lru_cache(maxsize=None)

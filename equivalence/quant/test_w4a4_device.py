@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from equivalence.support.device_discipline import assert_no_reads_nor_transfers, fake_npu, generate, one_step
 from equivalence.support.fake_device import on_fake_device
-from equivalence.model.test_device_discipline import assert_no_reads_nor_transfers, fake_npu, generate, one_step
 from fixtures.checkpoints import rotation_dir, w4a4_checkpoint
 from optimized.model_loader.build import load_model
 

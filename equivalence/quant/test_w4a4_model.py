@@ -16,33 +16,28 @@ non-symmetric orthogonal or the non-orthogonal invertible rotation directory. Mo
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from equivalence.support.compare import assert_close, describe, rel_l2, tolerance
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import on_host, paged_cache, reference_model, runner_of, same_on_all_ranks
-from equivalence.support.parallel_support import test_device as worker_device
-from equivalence.support.strategies import describe_layout, layout
-from equivalence.parallel.test_e2e_parallel import (
+from equivalence.support.logits_runs import (
     _draw_forced,
     _reference_logits,
     assert_bf16_logits_match_replayed_reference,
     teacher_forced_run,
 )
-from fixtures.checkpoints import bf16_checkpoint, rotation_dir, w4a4_checkpoint
-from reference.fake_quant import load_fake_quant_model
+from equivalence.support.parallel_support import on_host, paged_cache, reference_model, runner_of, same_on_all_ranks
+from equivalence.support.parallel_support import test_device as worker_device
+from equivalence.support.strategies import describe_layout, layout
+from equivalence.support.w4a4_reference import (
+    fake_quant_reference,
+)
+from fixtures.checkpoints import rotation_dir, w4a4_checkpoint
 
 pytestmark = pytest.mark.distributed
 
 VOCAB = 512
-
-
-@functools.lru_cache(maxsize=None)
-def fake_quant_reference(name: str, rotation: str):
-    return load_fake_quant_model(bf16_checkpoint(name), torch.bfloat16, "float32", "w4a4", rotation_dir(rotation))
 
 
 @torch.no_grad()

@@ -23,15 +23,12 @@ import torch
 
 from equivalence.support.compare import rel_l2, tolerance
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import on_host, paged_cache, reference_model, runner_of, same_on_all_ranks
-from equivalence.support.parallel_support import test_device as worker_device
-from equivalence.parallel.test_e2e_parallel import (
-    _draw_forced,
-    _reference_logits,
-    assert_bf16_logits_match_replayed_reference,
-    teacher_forced_run,
+from equivalence.support.logits_runs import _draw_forced, _reference_logits, assert_bf16_logits_match_replayed_reference
+from equivalence.support.parallel_support import reference_model, same_on_all_ranks
+from equivalence.support.w4a4_recipe import (
+    recipe_task,
 )
-from equivalence.quant.test_w4a4_model import fake_quant_reference
+from equivalence.support.w4a4_reference import fake_quant_reference
 from optimized.path_plan import MC2, TP
 from fixtures.checkpoints import rotation_dir, w4a4_checkpoint
 
@@ -63,35 +60,6 @@ def recipe_config() -> dict:
     cfg["model_config"]["model_path"] = str(w4a4_checkpoint(NAME, ROTATION))
     cfg["model_config"]["hadamard_weight_path"] = str(rotation_dir(ROTATION))
     return cfg
-
-
-@torch.no_grad()
-def recipe_task(rank, world, cfg_dict, prompts, forced):
-    from optimized.config import InferenceConfig
-    from optimized.distributed import ParallelState
-    from optimized.model_loader.build import load_model
-    from optimized.model_loader.hf_config import load_hf_config
-
-    cfg = InferenceConfig.from_dict(cfg_dict)
-    m = cfg.model_config
-    cfg.validate_for_model(load_hf_config(m.model_path))
-    model = load_model(
-        m.model_path,
-        parallel=ParallelState.build(cfg.parallel_config),
-        dtype=m.torch_dtype,
-        device=worker_device(),
-        hadamard_weight_path=m.hadamard,
-    )
-    runner = runner_of(model)
-    tokens = runner.generate(prompts[:1], cfg.scheduler_config.max_new_tokens).tokens
-    cache, table = paged_cache(model, [len(p) + len(forced) for p in prompts])
-    out = teacher_forced_run(model, runner, prompts, forced, cache, table)
-    out.update(
-        tokens=tokens,
-        prefill_path=model.paths.prefill,
-        decode_path=model.paths.decode,
-    )
-    return on_host(out)
 
 
 def test_recipe_mxfp4_hadamard_runs_and_matches_the_fake_quant_reference():

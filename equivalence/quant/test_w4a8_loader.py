@@ -25,15 +25,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from equivalence.support.compare import assert_bitwise_equal, rel_l2, tolerance
+from equivalence.support.recipe_quant_config import (
+    _ARGS,
+    _GROUP,
+    RECIPE_LINEAR_GROUP,
+    RECIPE_QUANTIZATION_TEMPLATE,
+)
 from equivalence.support.strategies import describe_layout, layout
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint
 from fixtures.tiny import tiny_config
-from optimized.model_loader.build import load_model
 from optimized.distributed import ParallelState
 from optimized.layers.moe import FusedMoEGMM
 from optimized.layers.quantization.errors import QuantConfigError
 from optimized.layers.quantization.lifecycle import checkpoint_layout_parameters, process_weights_after_loading
 from optimized.layers.quantization.w4a8 import W4A8MxFp4MoEGMMMethod
+from optimized.model_loader.build import load_model
 from optimized.model_loader.loader import CheckpointError, StateDictSource
 from optimized.model_loader.quantize import MXFP4, mx_quantize_weight
 
@@ -260,32 +266,6 @@ def test_w4a8_experts_under_moe_tp_sum_to_the_unsharded_experts():
     assert rel_l2(parts[0] + parts[1], want) <= tolerance("moe_tp_partials.w4a8").max_rel_l2
 
 
-# The recipe converter's config.json quantization_config for w4a8c16 (spec mx_quant.md §8.3), as text, for the
-# 2-layer tiny model: group_1 is group_0 with weights.num_bits 4 and targets ["MoEGMM"].
-_ARGS = (
-    '"actorder": null, "block_structure": null, "dynamic": %s, "group_size": 32, "num_bits": %d, '
-    '"observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": true, "type": "float"'
-)
-_GROUP = (
-    '{"input_activations": {%s}, "activation_use_clip": false, "output_activations": null, '
-    '"targets": ["%s"], "weights": {%s}}'
-)
-RECIPE_QUANTIZATION_TEMPLATE = """{
-  "config_groups": {%s},
-  "format": "float-quantized",
-  "global_compression_ratio": "null",
-  "ignore": ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
-             "model.layers.0.mlp.gate", "model.layers.0.self_attn.k_norm", "model.layers.0.self_attn.q_norm",
-             "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
-             "model.layers.1.mlp.gate", "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.q_norm",
-             "lm_head", "model.embed_tokens", "model.norm"],
-  "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "token", "group_size": -1,
-                      "dynamic": "true", "symmetric": "true"},
-  "quant_method": "compressed-tensors",
-  "quantization_status": "compressed",
-  "weight_block_size": [1, 32]
-}"""  # %s: the config_groups entries
-RECIPE_LINEAR_GROUP = _GROUP % (_ARGS % ("true", 8), "Linear", _ARGS % ("false", 8))
 RECIPE_QUANTIZATION_CONFIG = RECIPE_QUANTIZATION_TEMPLATE % (
     f'"group_0": {RECIPE_LINEAR_GROUP}, "group_1": {_GROUP % (_ARGS % ("true", 8), "MoEGMM", _ARGS % ("false", 4))}'
 )

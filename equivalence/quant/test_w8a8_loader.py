@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from equivalence.support.compare import assert_bitwise_equal
-from equivalence.quant.test_w4a8_loader import RECIPE_LINEAR_GROUP, RECIPE_QUANTIZATION_TEMPLATE
+from equivalence.support.recipe_quant_config import RECIPE_LINEAR_GROUP, RECIPE_QUANTIZATION_TEMPLATE
+from equivalence.support.strategies import layout
 from fixtures.checkpoints import w4a8_checkpoint, w8a8_checkpoint
 from fixtures.tiny import tiny_config
 from optimized.distributed import ParallelState
@@ -31,7 +32,6 @@ from optimized.layers.quantization.mxfp8 import MxFp8LinearMethod
 from optimized.layers.quantization.w8a8 import MxFp8MoEGMMMethod
 from optimized.model_loader.build import load_model
 from optimized.model_loader.loader import CheckpointError
-from equivalence.support.strategies import layout
 
 CONFIG = tiny_config("tiny")
 

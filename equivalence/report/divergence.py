@@ -236,11 +236,10 @@ def _rank_report_task(
     """One rank of a multi-rank report (equivalence.support.dist pool): its run, heads gathered; rank 0's is used.
     plant(model, rank): a test's planted bug, applied to this rank's model (built for this task only)."""
     from equivalence.support.parallel_support import dtype_of, test_device
-    from optimized.distributed import ParallelState
-    from optimized.model_loader.build import load_model
+    from optimized.executor.assembly import WeightSource, build_model
 
-    model = load_model(
-        model_dir, parallel=ParallelState.build(parallel), dtype=dtype_of(dtype_name), device=test_device()
+    model = build_model(
+        WeightSource.from_checkpoint(model_dir), parallel, dtype=dtype_of(dtype_name), device=test_device()
     )
     if plant is not None:
         plant(model, rank)
@@ -277,7 +276,7 @@ def run_reference(ref, prompts, run: OptimizedRun, progress=None) -> tuple[dict[
     """The reference on each request's whole sequence (prompt + the optimized model's decode inputs), replaying
     the optimized expert ids; -> its captures per step (rows in the optimized order) and its own router
     probabilities per step and layer."""
-    from equivalence.parallel.test_e2e_parallel import replayed_routing
+    from equivalence.support.logits_runs import replayed_routing
 
     say = progress or (lambda msg: None)
     steps = len(run.tokens)
@@ -512,8 +511,7 @@ def load_config(path: str | Path):
 def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
     """(optimized model on its device, reference on the CPU, model directory) for a single-process config."""
     from optimized import platform
-    from optimized.distributed import ParallelState
-    from optimized.model_loader.build import load_model
+    from optimized.executor.assembly import WeightSource, build_model
     from optimized.model_loader.hf_config import load_hf_config
     from optimized.model_loader.model_path import resolve_model_path
     from reference.checkpoint import load_model as load_reference
@@ -528,7 +526,8 @@ def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
             "a directory or fixture:NAME), not random weights"
         )
     model_dir = resolve_model_path(m.model_path, *m.scheme)
-    if getattr(load_hf_config(model_dir), "quantization_config", None):
+    hf_config = load_hf_config(model_dir)
+    if getattr(hf_config, "quantization_config", None):
         raise ReportError(
             f"{m.model_path} is a quantized checkpoint: the report covers 16-bit and fp32 "
             "checkpoints so far (no checkpoint tolerances for W4A8 / W8A8 yet)"
@@ -537,9 +536,8 @@ def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
     ref = load_reference(model_dir, torch_dtype, router_dtype="float32")
     if p.world_size > 1:  # built on the ranks (equivalence.support.dist), not here
         return None, ref, model_dir
-    model = load_model(
-        model_dir, parallel=ParallelState.build(p), dtype=torch_dtype, device=device or platform.device()
-    )
+    weights = WeightSource.from_checkpoint(model_dir, hf_config)
+    model = build_model(weights, p, dtype=torch_dtype, device=device or platform.device())
     return model, ref, model_dir
 
 

@@ -9,49 +9,22 @@ reference's log-softmax within the same tolerance.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_close
+from equivalence.support.engine_runs import (
+    BLOCK,
+    _models,
+    reference_logits,
+    run_engine,
+)
 from fixtures.checkpoints import checkpoint
 from reference.generate import greedy_generate
 
 pytestmark = pytest.mark.equivalence
-
-BLOCK = 16
-
-
-@functools.lru_cache(maxsize=None)
-def _models():
-    from optimized import ModelRunner, load_model
-    from reference.checkpoint import load_model as load_reference
-
-    path = checkpoint("tiny")
-    runner = ModelRunner(load_model(path, dtype=torch.float32), block_size=BLOCK)
-    return runner, load_reference(path, torch.float32, router_dtype="float32")
-
-
-def reference_logits(ref, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), V]: the reference's logits each of `tokens` is predicted from (prompt alone, full forward)."""
-    seq = torch.tensor([prompt + tokens[:-1]])
-    return ref(seq, None)[0, len(prompt) - 1 :].float()
-
-
-def run_engine(engine, arrivals: list[tuple[int, object]], max_steps: int = 500):
-    """Add each request at its arrival step, step until every request is done; the requests in arrival order."""
-    pending = sorted(arrivals, key=lambda a: a[0])
-    step = 0
-    while pending or not engine.idle:
-        while pending and pending[0][0] <= step:
-            engine.add(pending.pop(0)[1])
-        engine.step()
-        step += 1
-        assert step < max_steps, "the engine did not finish its requests"
-    return [r for _, r in arrivals]
 
 
 prompt_st = st.lists(st.integers(0, 255), min_size=1, max_size=24)

@@ -6,7 +6,6 @@ text where the reference's completion has them, and bad requests get OpenAI-styl
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 
@@ -14,8 +13,11 @@ import pytest
 import torch
 
 from equivalence.support.compare import assert_close
-from fixtures.checkpoints import checkpoint
-from reference.generate import greedy_generate, trim_at_eos
+from equivalence.support.serving_prompts import (
+    PROMPTS,
+    _reference,
+    ref_greedy,
+)
 from reference import tokenizer as ref_tok
 
 pytestmark = pytest.mark.equivalence
@@ -25,23 +27,6 @@ httpx = pytest.importorskip("httpx")
 
 MODEL = "tiny"
 TIMEOUT_S = 60
-
-
-@functools.lru_cache(maxsize=None)
-def _reference():
-    from reference.checkpoint import load_model
-
-    path = checkpoint("tiny")
-    return (
-        load_model(path, torch.float32, router_dtype="float32"),
-        ref_tok.load_tokenizer(path),
-        ref_tok.eos_token_ids(path),
-    )
-
-
-def ref_greedy(prompt: list[int], n: int, eos=()) -> list[int]:
-    ref = _reference()[0]
-    return trim_at_eos(greedy_generate(ref, torch.tensor([prompt]), n, eos_token_ids=eos)[0].tolist(), eos)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +67,6 @@ def server():
 
 def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
-
-
-PROMPTS = [[5, 9, 200, 17, 3], [44, 1, 2], list(range(30, 52)), [7] * 11, [100, 101, 102, 103, 104, 105, 106]]
 
 
 def test_concurrent_clients_get_reference_tokens(server):
@@ -282,6 +264,7 @@ def test_bench_serve_reports_every_request(server, tmp_path, capsys):
     """`bench serve` against the live server: every request completes with its output length, the percentiles are
     ordered, and the JSON report holds what the table prints (no timing is asserted)."""
     import json
+
     from optimized.cli.main import main
 
     url, *_ = server
@@ -415,8 +398,8 @@ def test_logits_processors_through_http_equal_the_reference_loop(server):
     completions streamed and not, and chat): the tokens equal the reference model's greedy loop with
     reference/sampling.py's processors; logit_bias +100 forces its token; min_tokens holds EOS back; an
     out-of-vocabulary logit_bias id is a 400 naming the field."""
-    from reference.sampling import greedy_generate_processed
     from optimized.executor.sampling import SamplingParams
+    from reference.sampling import greedy_generate_processed
 
     url, engine, _, _ = server
     ref, tok, eos = _reference()

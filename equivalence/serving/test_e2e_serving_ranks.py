@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from equivalence.endpoint import run_check, servers
-from equivalence.serving.test_e2e_serving_http import PROMPTS, ref_greedy
+from equivalence.support.serving_prompts import PROMPTS, ref_greedy
 from fixtures.checkpoints import checkpoint
 
 openai = pytest.importorskip("openai")
@@ -111,7 +111,7 @@ class _DeadPeer:
 
 @pytest.mark.equivalence
 def test_driver_stops_with_the_error_when_a_rank_fails():
-    from equivalence.serving.test_e2e_serving import _models
+    from equivalence.support.engine_runs import _models
     from optimized.executor.engine import Engine
     from optimized.executor.scheduler import Request
     from optimized.serving.driver import Driver, EngineStopped

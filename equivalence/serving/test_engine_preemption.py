@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_close
-from equivalence.serving.test_e2e_serving import BLOCK, _models, reference_logits, run_engine
+from equivalence.support.engine_runs import BLOCK, _models, reference_logits, run_engine
 from reference.generate import greedy_generate
 
 pytestmark = pytest.mark.equivalence
@@ -237,9 +237,9 @@ def test_attn_dp_preempts_within_each_group_the_same_on_every_rank():
     """TP 1 x DP 2 (EP 2), a pool of 3 blocks per DP group and two requests per group that outgrow it: each group
     preempts its own most recent request, every rank takes the same decisions (the whole step log), and the tokens
     are the reference's greedy tokens (the seeded request's: its own alone on one process)."""
+    from equivalence.support.attn_dp_runs import dp_layout
     from equivalence.support.dist import get_pool
     from equivalence.support.parallel_support import same_on_all_ranks
-    from equivalence.parallel.test_attn_dp_parallel import dp_layout
     from fixtures.checkpoints import checkpoint
 
     got = same_on_all_ranks(

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from equivalence.serving.test_e2e_serving import BLOCK, _models, run_engine
+from equivalence.support.engine_runs import BLOCK, _models, run_engine
 from reference.generate import greedy_generate
 from reference.sampling import greedy_generate_processed, process_with
 

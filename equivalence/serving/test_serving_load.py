@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from equivalence.endpoint import servers
-from equivalence.serving.test_e2e_serving_http import ref_greedy
+from equivalence.support.serving_prompts import ref_greedy
 from fixtures.checkpoints import checkpoint
 
 pytestmark = pytest.mark.equivalence

@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--exe-mode do not apply)",
     )
     p.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="with --world-size > 1: the first --layers layers of this checkpoint instead of random weights of "
+        "--preset's shapes",
+    )
+    p.add_argument(
         "--host-overhead",
         action="store_true",
         help="measure only the engine's host overhead per decode step (step wall time minus the model "
@@ -242,6 +248,11 @@ def run(args) -> int:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     if args.formula_only and args.world_size < 2:
         raise UsageError(f"--formula-only needs --world-size > 1; got {args.world_size}")
+    if args.model_path and (args.world_size < 2 or args.formula_only):
+        raise UsageError(
+            "--model-path is for the parallel bench's runs (--world-size > 1, not --formula-only); the "
+            "single-process bench compares random weights with the reference's"
+        )
     if args.world_size > 1:
         from optimized.benchmarks import bench_parallel
 
@@ -258,7 +269,7 @@ def run(args) -> int:
         return 0
 
     from optimized.executor.model_runner import ModelRunner
-    from optimized.model_loader.build import model_from_source
+    from optimized.executor.assembly import WeightSource, build_model
     from optimized.model_loader.loader import StateDictSource
 
     dtype = DTYPES[args.dtype]
@@ -319,7 +330,8 @@ def run(args) -> int:
     ref = reference_model(config, RandomWeights(args.seed).read, dtype)
     progress(f"  done in {time.perf_counter() - t0:.1f} s; building the optimized model from its state_dict ...")
     t0 = time.perf_counter()
-    opt = model_from_source(config, StateDictSource(ref.state_dict(), label="reference state_dict"), dtype=dtype)
+    weights = WeightSource(config, source=StateDictSource(ref.state_dict(), label="reference state_dict"))
+    opt = build_model(weights, dtype=dtype)
     runner = ModelRunner(opt, args.block_size, kv_pool_blocks=args.kv_pool_blocks)
     progress(f"  done in {time.perf_counter() - t0:.1f} s")
     models = {"reference": (run_reference, ref), "optimized": (run_optimized, runner)}

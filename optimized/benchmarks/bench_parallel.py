@@ -20,7 +20,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 
@@ -240,25 +239,35 @@ def _default_exchange(model):
     return next(layer.mlp.moe_infer_tp for layer in model.layers if hasattr(layer.mlp, "moe_infer_tp"))
 
 
+JOB_TIMEOUT_S = 1800  # a rank may wait this long for the others (a large preset builds slowly on a CPU)
+
+
+def _build(config, parallel, args: dict, dtype, device):
+    """A layout's model and runner through the assembly: the checkpoint's first --layers layers (--model-path), else
+    random weights of the preset's shapes (args' seed); the MC2 window sized for the bench's batch."""
+    from optimized.executor import assembly
+
+    if args["model_path"]:
+        weights = assembly.WeightSource.from_checkpoint(
+            args["model_path"], config, num_hidden_layers=config.num_hidden_layers
+        )
+    else:
+        weights = assembly.WeightSource.random_weights(config, seed=args["seed"])
+    return assembly.build_runner(
+        weights, parallel, dtype=dtype, device=device, batch=args["batch"], block_size=args["block_size"]
+    )
+
+
 def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts, device) -> dict:
     """Time one decode layout and count one decode step's bytes (every rank's, gathered on every rank)."""
     import torch.distributed as dist
 
     from optimized.benchmarks.common import DTYPES
-    from optimized.distributed import ParallelState
-    from optimized.executor.model_runner import ModelRunner
-    from optimized.executor.plan import mc2_window
-    from optimized.model_loader.build import model_from_source
-    from optimized.model_loader.loader import RandomWeights
 
     dtype = DTYPES[args["dtype"]]
     parallel = layout.config(world)
-    state = ParallelState.build(
-        parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager", dtype.itemsize)
-    )
     t0 = time.perf_counter()
-    model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
-    runner = ModelRunner(model, args["block_size"], device)
+    model, runner = _build(config, parallel, args, dtype, device)
     build_s = time.perf_counter() - t0
     times: list[float] = []
     for r in range(args["warmup"] + args["repeats"]):
@@ -334,31 +343,23 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
 
     from optimized import platform
 
+    from optimized.benchmarks.common import DTYPES
     from optimized.distributed import collectives as comm
-    from optimized.benchmarks.common import DTYPES, bench_config
-    from optimized.model_loader.build import model_from_source
-    from optimized.distributed import ParallelState, init_distributed
-    from optimized.model_loader.loader import RandomWeights
-    from optimized.executor.model_runner import ModelRunner
-    from optimized.executor.plan import mc2_window
+    from optimized.executor import assembly
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    init_distributed(init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    assembly.join_job(init_method=f"file://{init_file}", rank=rank, world_size=world, timeout_s=JOB_TIMEOUT_S)
     device = platform.device(rank)
     try:
         dtype = DTYPES[args["dtype"]]
-        config = bench_config(args["preset"], args["layers"])
+        config = model_config(args["preset"], args["layers"], args["model_path"])
         gen = torch.Generator().manual_seed(args["seed"])
         prompts = torch.randint(0, config.vocab_size, (args["batch"], args["prompt_len"]), generator=gen).tolist()
         report = {}
         for name in args["layouts"]:
             parallel = layout_config(name, world)
-            state = ParallelState.build(
-                parallel, mc2_window_mb=mc2_window(config, parallel, args["batch"], "eager", dtype.itemsize)
-            )
             t0 = time.perf_counter()
-            model = model_from_source(config, RandomWeights(args["seed"]), parallel=state, dtype=dtype, device=device)
-            runner = ModelRunner(model, args["block_size"], device)
+            model, runner = _build(config, parallel, args, dtype, device)
             build_s = time.perf_counter() - t0
             times = []
             for r in range(args["warmup"] + args["repeats"]):
@@ -397,7 +398,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
         queue.put(("error", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))
         raise
     finally:
-        dist.destroy_process_group()
+        assembly.leave_job()
 
 
 def run(args) -> dict:
@@ -432,6 +433,7 @@ def run(args) -> dict:
         decode_steps=args.decode_steps,
         layouts=prefill_layouts,
         decode_layouts=[d.name for d in decode_layouts],
+        model_path=getattr(args, "model_path", None),
     )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -454,7 +456,12 @@ def run(args) -> dict:
     if status != "ok":
         raise RuntimeError(f"multi-process bench failed: {payload}")
     return {
-        "setup": {**params, "world_size": world, "tokens": args.batch * args.prompt_len},
+        "setup": {
+            **params,
+            "world_size": world,
+            "tokens": args.batch * args.prompt_len,
+            "weights": params["model_path"] or f"random (seed {args.seed})",
+        },
         "layouts": payload["prefill"],
         "decode": payload["decode"],
         "decode_skipped": skipped,
@@ -464,11 +471,10 @@ def run(args) -> dict:
 
 def check_world(args):
     """The bench's model config, once `--world-size` fits every layout of it (UsageError otherwise)."""
-    from optimized.benchmarks.common import bench_config
     from optimized.errors import UsageError
 
     world = args.world_size
-    config = bench_config(args.preset, args.layers)
+    config = model_config(args.preset, args.layers, getattr(args, "model_path", None))
     for key, size in (
         ("num_attention_heads", config.num_attention_heads),
         ("num_experts", config.num_experts),
@@ -485,14 +491,37 @@ def check_world(args):
     return config
 
 
+def model_config(preset: str, layers: int, model_path: str | None = None):
+    """The shapes the bench runs: the checkpoint's config.json cut to `layers` (--model-path), else the preset's."""
+    from optimized.benchmarks.common import bench_config
+    from optimized.errors import UsageError
+
+    if not model_path:
+        return bench_config(preset, layers)
+    from optimized.model_loader.hf_config import load_hf_config
+
+    config = load_hf_config(model_path)  # a UsageError naming the file
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise UsageError(f"--layers {layers} must be in [1, {config.num_hidden_layers}] for {model_path}")
+    config.num_hidden_layers = layers
+    return config
+
+
 def formula(args, config=None) -> dict:
-    """Each decode layout's MoE bytes per rank and decode step under uniform routing, at the preset's full depth
+    """Each decode layout's MoE bytes per rank and decode step under uniform routing, at the model's full depth
     (`decode_plan.step_volume`), and the MC2 window an MC2 layout needs; nothing runs."""
     from optimized.benchmarks.common import DTYPES, full_layer_count
     from optimized.distributed import decode_plan
 
     config = config or check_world(args)
-    act, world, layers = DTYPES[args.dtype].itemsize, args.world_size, full_layer_count(args.preset)
+    model_path = getattr(args, "model_path", None)
+    if model_path:  # the checkpoint's full depth
+        from optimized.model_loader.hf_config import load_hf_config
+
+        depth = load_hf_config(model_path).num_hidden_layers
+    else:
+        depth = full_layer_count(args.preset)
+    act, world, layers = DTYPES[args.dtype].itemsize, args.world_size, depth
     out = {
         "preset": args.preset,
         "world_size": world,

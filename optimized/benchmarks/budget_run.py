@@ -118,13 +118,13 @@ def reference_and_optimized(config, dtype: torch.dtype, seed: int = 0, block_siz
     optimized model loads pooled random weights, the reference's experts are views of its expert storage
     (the recipe stores each expert's rows as the checkpoint does, so the views are contiguous) and its other
     weights are the same pooled values. One copy of the experts keeps a 30B-shaped layer cheap to build."""
-    from optimized.model_loader.build import model_from_source
+    from optimized.executor.assembly import WeightSource, build_model
     from optimized.executor.model_runner import ModelRunner
 
     source = PooledRandomWeights(seed)
     # The NZ cast (an NPU layout; on the CPU a contiguous copy) would give the experts storage of their own: the
     # reference's views below need the checkpoint layout the loader wrote.
-    opt = model_from_source(config, source, dtype=dtype, weight_nz=False)
+    opt = build_model(WeightSource.random_weights(config, source), dtype=dtype, weight_nz=False)
 
     def weights(name: str, shape: tuple) -> torch.Tensor:
         if ".mlp.experts." not in name:
@@ -271,14 +271,23 @@ def check_applied(budget: Budget, model) -> None:
         )
 
 
+def weight_source(budget: Budget, model_path: str | None):
+    """The budget's checkpoint when one is given, else pooled random weights of its shapes; either way the MC2
+    window is sized for the budget's shapes."""
+    from optimized.executor.assembly import WeightSource
+
+    if model_path:
+        return WeightSource.from_checkpoint(model_path, budget.hf_config())
+    return WeightSource.random_weights(budget.hf_config(), PooledRandomWeights(budget.seed))
+
+
 def run(args) -> int:
     """`python -m optimized latency`: measure one absolute budget on this rank (the optimized runner's
     phase timings, device-synced); each sample becomes the slowest rank's, and rank 0 writes them."""
     from optimized.errors import UsageError
-    from optimized.model_loader.build import load_model, model_from_source
-    from optimized.distributed import ParallelState, init_distributed
-    from optimized.platform import device
+    from optimized.executor import assembly
     from optimized.executor.model_runner import ModelRunner
+    from optimized.platform import device
 
     try:
         budget = load_budgets(args.budgets)[args.budget]
@@ -299,23 +308,17 @@ def run(args) -> int:
         raise UsageError(f"budget {budget.name} {unfit}")
     cfg = budget.inference_config()
     dtype = DTYPES[budget.dtype]
-    env = init_distributed()
+    env = assembly.join_job()
     try:
-        from optimized.executor.plan import mc2_window
-
-        state = ParallelState.build(
-            cfg.parallel_config,
-            mc2_window_mb=mc2_window(
-                budget.hf_config(), cfg.parallel_config, budget.batch, budget.exe_mode, dtype.itemsize
-            ),
-        )
         dev = device(env.local_rank)
-        if model_path:
-            model = load_model(model_path, parallel=state, dtype=dtype, device=dev)
-        else:
-            model = model_from_source(
-                budget.hf_config(), PooledRandomWeights(budget.seed), parallel=state, dtype=dtype, device=dev
-            )
+        model = assembly.build_model(
+            weight_source(budget, model_path),
+            cfg.parallel_config,
+            dtype=dtype,
+            device=dev,
+            batch=budget.batch,
+            exe_mode=budget.exe_mode,
+        )
         check_applied(budget, model)
         runner = ModelRunner(model, cfg.scheduler_config.block_size, dev, exe_mode=budget.exe_mode)
         prompts = random_prompts(budget, model.config.vocab_size)
@@ -351,8 +354,5 @@ def run(args) -> int:
                 + "\n"
             )
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        assembly.leave_job()
     return 0

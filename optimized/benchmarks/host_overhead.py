@@ -55,12 +55,11 @@ def measure(runner, prompts: list[list[int]], decode_steps: int, rounds: int = 2
 
 
 def run(config, dtype, args, batches: list[int], progress) -> list[dict]:
+    from optimized.executor.assembly import WeightSource, build_model
     from optimized.executor.model_runner import ModelRunner
-    from optimized.model_loader.build import model_from_source
-    from optimized.model_loader.loader import RandomWeights
 
     progress(f"host overhead: building the optimized model ({args.layers} layer(s), {args.dtype}) ...")
-    model = model_from_source(config, RandomWeights(args.seed), dtype=dtype)
+    model = build_model(WeightSource.random_weights(config, seed=args.seed), dtype=dtype)
     runner = ModelRunner(model, args.block_size)
     gen = torch.Generator().manual_seed(args.seed)
     out = []

@@ -357,3 +357,100 @@ class Assembly:
             if self.state is not None:
                 self.state.close()
             dist.destroy_process_group()
+
+
+# ---- rank models outside a config run: the parallel bench, the latency harness, the first-divergence report
+# They build several layouts in one job, or time a budget's shapes, so they take the pieces of `Launch.start` one by
+# one; the groups and the model are still built only here.
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a model's weights come from. hf_config: the shapes (and what the MC2 window is sized for); checkpoint:
+    a directory with config.json and safetensors; else source: a weight source of hf_config's shapes (random
+    weights of a preset's shapes, or a state dict such as the reference's)."""
+
+    hf_config: object
+    checkpoint: Path | None = None
+    source: object = None
+    num_hidden_layers: int | None = None  # a checkpoint's first N layers only (None: all of them)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir, hf_config=None, *, num_hidden_layers: int | None = None) -> "WeightSource":
+        """A checkpoint's weights; hf_config: the shapes the window is sized for (default: its config.json)."""
+        if hf_config is None:
+            from optimized.model_loader.hf_config import load_hf_config
+
+            hf_config = load_hf_config(model_dir)
+        return cls(hf_config, checkpoint=Path(model_dir), num_hidden_layers=num_hidden_layers)
+
+    @classmethod
+    def random_weights(cls, hf_config, source=None, *, seed: int = 0) -> "WeightSource":
+        """Random weights of hf_config's shapes: `source` (e.g. the latency harness's pooled one), else
+        RandomWeights(seed)."""
+        if source is None:
+            from optimized.model_loader.loader import RandomWeights
+
+            source = RandomWeights(seed)
+        return cls(hf_config, source=source)
+
+
+def join_job(*, init_method: str | None = None, rank: int | None = None, world_size: int | None = None, timeout_s=None):
+    """Join the job: torchrun's environment, or (init_method, rank, world_size) for ranks a bench started itself.
+    timeout_s: how long a collective may wait (None: parallel_config's default / the environment's)."""
+    from optimized.distributed import init_distributed
+
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    return init_distributed(init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def leave_job() -> None:
+    """The default process group destroyed, when there is one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_model(
+    weights: WeightSource,
+    parallel=None,
+    *,
+    dtype,
+    device=None,
+    batch: int | None = None,
+    exe_mode: str = "eager",
+    weight_nz: bool = True,
+):
+    """This rank's model over `parallel`'s groups (None: one process, no groups). batch: the largest decode batch
+    the MC2 window is sized for (`plan.mc2_window`, as `Launch.start` sizes it); None: the HCCL default window."""
+    from optimized.distributed import ParallelState
+    from optimized.executor.plan import mc2_window
+    from optimized.model_loader.build import load_model, model_from_source
+
+    state = None
+    if parallel is not None:
+        window = None if batch is None else mc2_window(weights.hf_config, parallel, batch, exe_mode, dtype.itemsize)
+        state = ParallelState.build(parallel, mc2_window_mb=window)
+    if weights.checkpoint is not None:
+        return load_model(
+            weights.checkpoint,
+            parallel=state,
+            dtype=dtype,
+            device=device,
+            weight_nz=weight_nz,
+            num_hidden_layers=weights.num_hidden_layers,
+        )
+    return model_from_source(
+        weights.hf_config, weights.source, parallel=state, dtype=dtype, device=device, weight_nz=weight_nz
+    )
+
+
+def build_runner(
+    weights: WeightSource, parallel=None, *, dtype, device=None, batch: int, block_size: int, exe_mode: str = "eager"
+):
+    """`build_model` and its ModelRunner (block_size, exe_mode): (model, runner)."""
+    from optimized.executor.model_runner import ModelRunner
+
+    model = build_model(weights, parallel, dtype=dtype, device=device, batch=batch, exe_mode=exe_mode)
+    return model, ModelRunner(model, block_size, device, exe_mode=exe_mode)

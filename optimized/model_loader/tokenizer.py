@@ -60,14 +60,18 @@ class CheckpointTokenizer:
             raise PromptError(f"tokenizer mode {mode!r}; allowed: {', '.join(TOKENIZER_MODES)}")
         if mode == "default":
             return self.hf.encode(text)
+        return self.encode_messages([{"role": "user", "content": text}], what)
+
+    def encode_messages(self, messages: list[dict], what: str = "the messages") -> list[int]:
+        """A conversation ([{role, content}]) through the chat template, with the generation prompt."""
         if not getattr(self.hf, "chat_template", None):
             raise PromptError(
                 f"chat mode needs a chat template, and the tokenizer of {self.model_dir} has none "
                 f"(tokenizer_config.json 'chat_template'); use tokenizer_mode default"
             )
-        wrapped = self.hf.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
+        for i, m in enumerate(messages):
+            _require_utf8(m["content"], f"{what}[{i}].content")
+        wrapped = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.hf.encode(wrapped, add_special_tokens=False)  # the template already holds the specials
 
     def decode(self, ids) -> str:

@@ -1,0 +1,66 @@
+"""The model on a fake non-CPU device: generation and one step with host reads and transfers counted."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from equivalence.support.fake_device import DeviceTensor, on_fake_device, register, to_host
+from equivalence.support.strategies import BLOCK_SIZE
+from optimized.executor.kv_cache import PagedKVCache, block_table
+from optimized.executor.model_runner import ModelRunner
+
+NEW_TOKENS = 3
+
+fake_npu = register  # npu:0, registered on first use (not at collection: the rename is for the process)
+
+
+def generate(model, prompts):
+    result = ModelRunner(model, BLOCK_SIZE).generate(prompts, NEW_TOKENS, return_logits=True)
+    return result.tokens, torch.cat(to_host(result.logits))
+
+
+@dataclass
+class Step:
+    """What one forward step did on the fake device: its host reads, its host -> device copies, the operators it
+    called (name -> calls) and its logits."""
+
+    reads: list[str]
+    transfers: list[str]
+    ops: Counter
+    logits: torch.Tensor
+
+
+def one_step(model, prompts, decode: bool) -> Step:
+    """One forward on the fake device: the runner's metadata and cache (of the runner's KV cache dtype: the
+    per-token FP8 cache with its scale caches for an fp8 checkpoint), then the model call alone, counted."""
+    runner = ModelRunner(model, BLOCK_SIZE)
+    attn = model.layers[0].self_attn
+    budgets = [len(p) + 1 for p in prompts]
+    with on_fake_device() as mode:
+        cache = PagedKVCache(
+            model.config.num_hidden_layers,
+            1 + len(budgets) * 2,
+            BLOCK_SIZE,
+            attn.num_kv_heads,
+            attn.head_dim,
+            runner.kv_cache_dtype,
+            fake_npu(),
+        )
+        table = block_table([cache.allocate(n) for n in budgets], fake_npu())
+        ids, meta, _ = runner.prefill_inputs(prompts, table)
+        if decode:
+            model(ids, meta, cache.layers)
+            ids = ids[: len(prompts)]
+            meta = runner.decode_metadata([len(p) for p in prompts], table)
+        reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
+        logits = model(ids, meta, cache.layers)
+    return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)
+
+
+def assert_no_reads_nor_transfers(step: Step, what: str) -> None:
+    assert isinstance(step.logits, DeviceTensor) and step.logits.device == fake_npu(), what
+    assert not step.reads, f"{what}: the forward step read the device {len(step.reads)} times: {step.reads}"
+    assert not step.transfers, f"{what}: the forward step copied host data onto the device: {step.transfers}"
