@@ -382,17 +382,24 @@ def test_cli_latency_errors(tmp_path, capsys, monkeypatch):
     assert "measures a w4a8 checkpoint: pass one with" in capsys.readouterr().err
 
 
-def test_latency_run_refuses_a_model_that_does_not_run_what_the_budget_names():
-    from types import SimpleNamespace
-
+def test_latency_run_refuses_a_plan_that_does_not_run_what_the_budget_names():
     from fixtures.tiny import tiny_config
+    from optimized.config import ParallelConfig
     from optimized.errors import UsageError
+    from optimized.executor.plan import ExecutionPlan
+
+    def plan(quant=None, **layout):
+        parallel = ParallelConfig(**{"world_size": 1, **layout}).validate()
+        return ExecutionPlan.for_layout(tiny_config("tiny"), parallel, quant=quant, batch=4, act_bytes=2)
 
     budgets = B.load_budgets()
     a3, pr = budgets["a3_235b_bf16_decode"], budgets["atlas950pr_235b_w4a8"]
-    bf16_tp = SimpleNamespace(config=tiny_config("tiny"), ep_scheme=None)
+    bf16_tp = plan()
     R.check_applied(a3, bf16_tp)  # bf16, TP prefill: what a3 names
     with pytest.raises(UsageError, match="is w4a8 but the model is not quantized"):
         R.check_applied(pr, bf16_tp)
+    with pytest.raises(UsageError, match="is bf16 but the model is W8A8"):  # any scheme, not only W4A8
+        R.check_applied(a3, plan("w8a8"))
+    sp = plan(world_size=2, attn_tp_size=2, moe_tp_size=1, prefill_opt=True)
     with pytest.raises(UsageError, match="does not use the sequence-parallel prefill"):
-        R.check_applied(a3, SimpleNamespace(config=tiny_config("tiny"), ep_scheme="allgather"))
+        R.check_applied(a3, sp)

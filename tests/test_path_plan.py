@@ -5,9 +5,11 @@ module decides again.
   DP, the SP prefill only where the layout asks for it and the scheme allows it, the EP scheme, the wire the scheme's
   row names, the MC2 decode.
 - The guard, read from the source with `ast`: the old deciders (`sp_prefill()`, `uses_mx_prefill`, `choose_ep_scheme`,
-  `mx_activation_bits`) are gone; `decide_paths` is called only by the plan and by a model built without one; the
-  layout's own facts (`ParallelConfig.sp_prefill`, `.mc2_decode`) are read only where the rule and the groups need
-  them; no product module compares a scheme name (it asks the table's row).
+  `mx_activation_bits`, `uses_mc2_decode`) and the MC2 window computed beside the plan (`mc2_window`) are gone;
+  `decide_paths` is called only by the plan and by a model built without one; the layout's own facts
+  (`ParallelConfig.sp_prefill`, `.mc2_decode`) are read only where the rule and the groups need them (the parallel
+  bench, the latency harness and the first-divergence report read the plan); no product module compares a scheme
+  name (it asks the table's row).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def test_the_mxfp8_wire_comes_from_the_table_row():
 
 # ------------------------------------------------------------------------------------------------- the guard
 
-GONE = {"uses_mx_prefill", "choose_ep_scheme", "mx_activation_bits"}  # the old deciders: the rule replaced them
+# The old deciders, and the window computed beside the plan: the rule and the plan's `mc2_window_mb` replaced them.
+GONE = {"uses_mx_prefill", "choose_ep_scheme", "mx_activation_bits", "uses_mc2_decode", "mc2_window"}
 # Who may call the rule: the plan, and a model built without one (tests, the benches' own builds).
 DECIDES = {"optimized/path_plan.py", "optimized/executor/plan.py", "optimized/model.py"}
 # The layout's own facts, read by the rule, by the config that defines them, and where the groups and the decode
@@ -120,12 +123,6 @@ READS_LAYOUT_FACT = {
         "optimized/distributed/parallel_state.py",
         "optimized/distributed/decode_plan.py",
     },
-}
-# Modules that still decide for themselves until they build through the assembly and read its plan (each entry must
-# still be true: one that now reads the plan fails here until it is removed).
-NOT_YET_ON_THE_PLAN = {
-    ("optimized/benchmarks/bench_parallel.py", "uses_mc2_decode"),
-    ("equivalence/report/divergence.py", "sp_prefill"),
 }
 SCHEME_NAMES = {"W4A4", "W4A8", "W8A8", "w4a4", "w4a8", "w8a8"}
 
@@ -185,19 +182,14 @@ def test_only_the_plan_calls_the_rule():
 
 
 def test_the_layout_facts_are_read_only_where_allowed():
-    pending = set()
+    readers = set()
     for path, tree in SOURCES.items():
         if path.startswith("tests/") or "/test_" in path or path.startswith("optimized/benchmarks/budget"):
             continue  # tests probe the facts; a latency budget has its own `sp_prefill` field (which it measures)
         for fact, allowed in READS_LAYOUT_FACT.items():
             if fact in _attributes(tree) and path not in allowed:
-                pending.add((path, fact))
-        if "uses_mc2_decode" in _names(tree) and path != "optimized/distributed/decode_plan.py":
-            pending.add((path, "uses_mc2_decode"))
-    assert pending == NOT_YET_ON_THE_PLAN, (
-        f"read the plan's paths instead: {sorted(pending - NOT_YET_ON_THE_PLAN)}; "
-        f"now on the plan, drop from NOT_YET_ON_THE_PLAN: {sorted(NOT_YET_ON_THE_PLAN - pending)}"
-    )
+                readers.add((path, fact))
+    assert not readers, f"read the plan's paths (ExecutionPlan.paths, model.paths) instead: {sorted(readers)}"
 
 
 def test_no_product_module_compares_a_scheme_name():

@@ -249,3 +249,33 @@ def test_multi_rank_report_gathers_heads_and_finds_a_one_rank_bug(plant):
     qkv = next(c for c in report.checkpoints if c.kind == "qkv")
     assert qkv.metrics["cosine"] > 0.999  # gathered in head order (a mix-up is far off)
     assert first(report) == (None if plant is None else ("prefill", 1, "qkv")), report.summary()
+
+
+def test_a_layout_is_judged_by_the_path_the_plan_takes_not_the_one_it_asks_for(tmp_path, capsys):
+    """A W4A4 checkpoint on a layout that asks for the SP prefill by default runs the TP prefill (the recipe's
+    prefill_opt excludes W4A4): the report refuses it as a quantized checkpoint, not as an SP layout."""
+    import yaml
+
+    from fixtures.checkpoints import w4a4_checkpoint
+    from optimized.config import ParallelConfig
+    from optimized.executor.assembly import WeightSource
+    from optimized.path_plan import TP
+
+    w4a4 = w4a4_checkpoint("tiny-h128")
+    sp_by_default = ParallelConfig(world_size=2, attn_tp_size=2, moe_tp_size=1).validate()
+    plan = R.layout_plan(WeightSource.from_checkpoint(w4a4), sp_by_default, torch.float32, 2)
+    assert plan.paths.prefill == TP and plan.quant == "w4a4"
+    R.check_layout(plan)  # the TP prefill: the layout itself is covered
+    config = tmp_path / "w4a4_sp_default.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model_config": {"model_path": str(w4a4), "dtype": "float32"},
+                "parallel_config": {"world_size": 2, "attn_tp_size": 2, "moe_tp_size": 1},
+                "scheduler_config": {"batch_size": 2, "block_size": 16},
+            }
+        )
+    )
+    assert R.main(["--config", str(config), "--quiet", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a quantized checkpoint (W4A4)" in err and "prefill_opt" not in err, err

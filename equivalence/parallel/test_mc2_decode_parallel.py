@@ -7,7 +7,7 @@ after the
   teacher-forced decode logits within `model.float32` of the reference, for batches of 1-3 requests (so some EP
   ranks exchange only masked padding), and every decode step of every MoE layer called the dispatch operator once
   and the combine operator once while the prefill called neither (the recipe's choice,
-  `decode_plan.uses_mc2_decode`): operator calls, what an NPU run makes too;
+  the plan's decode path, `path_plan.decide_paths`): operator calls, what an NPU run makes too;
 - one MC2 exchange of a Qwen3-235B-A22B-shaped MoE layer (H 4096, E 128, top_k 8) at EP 4: each rank's experts
   receive exactly the slots the drawn routing sends them (the token count per local expert), and the exchange
   returns the plain weighted sum of an identity expert bit for bit (fp32 accumulation in ascending j, one bf16

@@ -238,9 +238,9 @@ def _rank_report_task(
     from equivalence.support.parallel_support import dtype_of, test_device
     from optimized.executor.assembly import WeightSource, build_model
 
-    model = build_model(
-        WeightSource.from_checkpoint(model_dir), parallel, dtype=dtype_of(dtype_name), device=test_device()
-    )
+    weights, dtype = WeightSource.from_checkpoint(model_dir), dtype_of(dtype_name)
+    plan = layout_plan(weights, parallel, dtype, len(prompts), exe_mode)
+    model = build_model(weights, parallel, dtype=dtype, device=test_device(), plan=plan)
     if plant is not None:
         plant(model, rank)
     try:
@@ -251,12 +251,36 @@ def _rank_report_task(
     return {"run": run, "num_layers": len(model.layers), "device": str(next(model.parameters()).device)}
 
 
-def check_layout(parallel) -> None:
-    if parallel.sp_prefill or parallel.attn_dp_size > 1:
+def layout_plan(weights, parallel, dtype: torch.dtype, batch: int, exe_mode: str = "eager"):
+    """The layout's execution plan on these weights (`assembly.plan_for`); a layout the checkpoint cannot run is a
+    ReportError naming the key."""
+    from optimized.errors import UsageError
+    from optimized.executor.assembly import plan_for
+
+    try:
+        return plan_for(weights, parallel, dtype=dtype, batch=batch, exe_mode=exe_mode)
+    except UsageError as e:  # QuantConfigError / PathPlanError: the key to change
+        raise ReportError(str(e)) from None
+
+
+def check_layout(plan) -> None:
+    """The report hooks the tensor-parallel prefill: the plan must take it (whatever the layout asks for)."""
+    from optimized.path_plan import TP
+
+    if plan.paths.prefill != TP:
         raise ReportError(
-            "the report hooks the tensor-parallel data flow: parallel_config with prefill_opt "
-            "(sequence-parallel prefill) or attn_dp is not covered yet; run the same model with "
-            "prefill_opt: false and attn_dp: false"
+            f"the report hooks the tensor-parallel data flow, but this run's prefill is {plan.paths.prefill} "
+            f"({plan.paths.why}): parallel_config with prefill_opt (sequence-parallel prefill) or attn_dp is not "
+            "covered yet; run the same model with prefill_opt: false and attn_dp: false"
+        )
+
+
+def check_checkpoint(plan, model_path) -> None:
+    """The report covers 16-bit and fp32 checkpoints (no checkpoint tolerances for a quantization scheme yet)."""
+    if plan.quant is not None:
+        raise ReportError(
+            f"{model_path} is a quantized checkpoint ({plan.scheme.label}): the report covers 16-bit and fp32 "
+            "checkpoints so far (no checkpoint tolerances for W4A8 / W8A8 / W4A4 yet)"
         )
 
 
@@ -427,8 +451,12 @@ def build_parallel_report(
     its checkpoints, per-rank heads gathered to full tensors; rank 0's run compared with the reference."""
     from equivalence.support.dist import get_pool
 
+    from optimized.executor.assembly import WeightSource
+
     say = progress or (lambda msg: None)
-    check_layout(parallel)
+    plan = layout_plan(WeightSource.from_checkpoint(model_dir), parallel, dtype, len(prompts), exe_mode)
+    check_layout(plan)
+    check_checkpoint(plan, model_dir)
     say(f"optimized run on {parallel.world_size} ranks")
     results = get_pool(parallel.world_size).run(
         _rank_report_task,
@@ -517,7 +545,6 @@ def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
     from reference.checkpoint import load_model as load_reference
 
     m, p = cfg.model_config, cfg.parallel_config
-    check_layout(p)
     if dtype is not None:
         m.dtype = dtype
     if m.scheme[0] == "preset" or not m.with_ckpt:
@@ -526,18 +553,14 @@ def models_of_config(cfg, dtype: str | None = None, device: str | None = None):
             "a directory or fixture:NAME), not random weights"
         )
     model_dir = resolve_model_path(m.model_path, *m.scheme)
-    hf_config = load_hf_config(model_dir)
-    if getattr(hf_config, "quantization_config", None):
-        raise ReportError(
-            f"{m.model_path} is a quantized checkpoint: the report covers 16-bit and fp32 "
-            "checkpoints so far (no checkpoint tolerances for W4A8 / W8A8 yet)"
-        )
-    torch_dtype = m.torch_dtype
+    weights, torch_dtype = WeightSource.from_checkpoint(model_dir, load_hf_config(model_dir)), m.torch_dtype
+    plan = layout_plan(weights, p, torch_dtype, cfg.scheduler_config.batch_size, m.exe_mode)
+    check_layout(plan)
+    check_checkpoint(plan, m.model_path)
     ref = load_reference(model_dir, torch_dtype, router_dtype="float32")
     if p.world_size > 1:  # built on the ranks (equivalence.support.dist), not here
         return None, ref, model_dir
-    weights = WeightSource.from_checkpoint(model_dir, hf_config)
-    model = build_model(weights, p, dtype=torch_dtype, device=device or platform.device())
+    model = build_model(weights, p, dtype=torch_dtype, device=device or platform.device(), plan=plan)
     return model, ref, model_dir
 
 

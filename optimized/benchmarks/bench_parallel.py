@@ -137,16 +137,17 @@ def _moe_counted(exchange, log: list, act_bytes: int):
     return counted
 
 
-def _decode_moe_counted(exchange, log: list, parallel, num_experts: int, act_bytes: int):
+def _decode_moe_counted(exchange, log: list, parallel, mc2: bool, num_experts: int, act_bytes: int):
     """`exchange` (a decode step's MoE exchange) wrapped to log, per call, each collective's bytes beside the
-    formula's (with this routing's slot counts) and the formula's under uniform routing."""
+    formula's (with this routing's slot counts) and the formula's under uniform routing. mc2: the plan's decode path
+    is MC2."""
     from optimized.distributed import collectives as comm
-    from optimized.distributed.decode_plan import decode_volume, tokens_per_rank, uses_mc2_decode
+    from optimized.distributed.decode_plan import decode_volume, tokens_per_rank
 
     def counted(experts, hidden, topk_idx, topk_weight):
         b, h, k = hidden.shape[0], hidden.shape[1], topk_idx.shape[1]
         slots_out = slots_in = None
-        if uses_mc2_decode(parallel):  # every rank holds all B tokens' ids; EP rank s dispatches [s*n, (s+1)*n)
+        if mc2:  # every rank holds all B tokens' ids; EP rank s dispatches [s*n, (s+1)*n)
             me, n = exchange.moe_ep.rank, tokens_per_rank(b, exchange.moe_ep.size)
             owner = topk_idx.long() // experts.local_experts
             source = torch.arange(b, device=topk_idx.device)[:, None] // n
@@ -244,7 +245,8 @@ JOB_TIMEOUT_S = 1800  # a rank may wait this long for the others (a large preset
 
 def _build(config, parallel, args: dict, dtype, device):
     """A layout's model and runner through the assembly: the checkpoint's first --layers layers (--model-path), else
-    random weights of the preset's shapes (args' seed); the MC2 window sized for the bench's batch."""
+    random weights of the preset's shapes (args' seed), on the layout's plan (its paths, its MC2 window sized for the
+    bench's batch; `model.paths` holds the paths)."""
     from optimized.executor import assembly
 
     if args["model_path"]:
@@ -253,8 +255,9 @@ def _build(config, parallel, args: dict, dtype, device):
         )
     else:
         weights = assembly.WeightSource.random_weights(config, seed=args["seed"])
+    plan = assembly.plan_for(weights, parallel, dtype=dtype, batch=args["batch"])
     return assembly.build_runner(
-        weights, parallel, dtype=dtype, device=device, batch=args["batch"], block_size=args["block_size"]
+        weights, parallel, dtype=dtype, device=device, plan=plan, block_size=args["block_size"]
     )
 
 
@@ -263,6 +266,7 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     import torch.distributed as dist
 
     from optimized.benchmarks.common import DTYPES
+    from optimized.path_plan import DP, MC2
 
     dtype = DTYPES[args["dtype"]]
     parallel = layout.config(world)
@@ -280,7 +284,7 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
     # One decode step counted: the whole forward, and each MoE layer's exchange beside its formula.
     step, moe_log, step_log = model.decode.step, [], []
     exchange, forward = step.exchange, runner.decode_forward
-    dp = parallel.attn_dp_size > 1
+    dp = model.paths.decode == DP
     if dp:
         # The DP runner calls the model itself: the decode phase's layer loop and its logits are counted, and each
         # layer's attention on its own.
@@ -297,7 +301,12 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
         step.exchange = _CountedOwnRows(exchange, moe_log, parallel, config.num_experts, dtype.itemsize)
     else:
         step.exchange = _decode_moe_counted(
-            exchange or _default_exchange(model), moe_log, parallel, config.num_experts, dtype.itemsize
+            exchange or _default_exchange(model),
+            moe_log,
+            parallel,
+            model.paths.decode == MC2,
+            config.num_experts,
+            dtype.itemsize,
         )
         runner.decode_forward = _count_calls(forward, step_log)
     try:
@@ -346,6 +355,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
     from optimized.benchmarks.common import DTYPES
     from optimized.distributed import collectives as comm
     from optimized.executor import assembly
+    from optimized.path_plan import SP
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     assembly.join_job(init_method=f"file://{init_file}", rank=rank, world_size=world, timeout_s=JOB_TIMEOUT_S)
@@ -373,7 +383,7 @@ def _worker(rank: int, world: int, init_file: str, args: dict, queue) -> None:
             step_bytes = torch.tensor([counter.total], dtype=torch.float64, device=device)
             dist.all_reduce(step_bytes)
             moe_log: list = []
-            if model.ep_scheme:  # one more prefill with each MoE layer's bytes counted
+            if model.paths.prefill == SP:  # one more prefill with each MoE layer's bytes counted
                 step = model.prefill.step
                 exchange, step.exchange = step.exchange, _moe_counted(step.exchange, moe_log, dtype.itemsize)
                 runner.generate(prompts, 1)
@@ -564,13 +574,17 @@ def formula(args, config=None) -> dict:
 
 
 def _formula_entry(config, p, batch: int, act: int, layers: int) -> dict:
+    """A layout's bytes under uniform routing, and the MC2 window its plan (eager, `batch`) builds the group with."""
     from optimized.distributed import decode_plan
+    from optimized.executor.plan import ExecutionPlan
+    from optimized.layers.quantization.schemes import quant_scheme
 
+    plan = ExecutionPlan.for_layout(config, p, quant=quant_scheme(config), batch=batch, act_bytes=act)
     one = decode_plan.decode_volume(p, batch, config.hidden_size, config.num_experts_per_tok, config.num_experts, act)
     return {
         "per_layer": one.parts,
         "per_step": decode_plan.step_volume(config, p, batch, act, layers).parts,
-        "mc2_window_mb": decode_plan.window_for(config, p, batch, act),
+        "mc2_window_mb": plan.mc2_window_mb,
     }
 
 

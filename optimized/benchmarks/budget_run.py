@@ -250,19 +250,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", required=True, metavar="PATH", help="rank 0 writes the raw samples here")
 
 
-def check_applied(budget: Budget, model) -> None:
-    """The built model runs what the budget names (precision, prefill path), or a UsageError saying what differs;
-    exe_mode is applied by the runner."""
-    from optimized.layers.quantization.schemes import quant_scheme
+def check_applied(budget: Budget, plan) -> None:
+    """The plan runs what the budget names (its precision's quantization scheme, its prefill path), or a UsageError
+    saying what differs; exe_mode is applied by the runner."""
     from optimized.errors import UsageError
+    from optimized.layers.quantization.schemes import SCHEMES
+    from optimized.path_plan import SP
 
-    quantized = quant_scheme(model.config) == "w4a8"
-    if quantized != (budget.precision == "w4a8"):
+    wanted = budget.precision if budget.precision in SCHEMES else None  # bf16 / fp32: a 16-bit checkpoint
+    if plan.quant != wanted:
         raise UsageError(
             f"budget {budget.name} is {budget.precision} but the model is "
-            f"{'W4A8' if quantized else 'not quantized'}: pass a matching checkpoint"
+            f"{plan.scheme.label if plan.quant else 'not quantized'}: pass a matching checkpoint"
         )
-    sp = model.ep_scheme is not None
+    sp = plan.paths.prefill == SP
     if sp != budget.sp_prefill:
         raise UsageError(
             f"budget {budget.name} {'needs' if budget.sp_prefill else 'does not use'} the sequence-"
@@ -311,15 +312,12 @@ def run(args) -> int:
     env = assembly.join_job()
     try:
         dev = device(env.local_rank)
-        model = assembly.build_model(
-            weight_source(budget, model_path),
-            cfg.parallel_config,
-            dtype=dtype,
-            device=dev,
-            batch=budget.batch,
-            exe_mode=budget.exe_mode,
+        weights = weight_source(budget, model_path)
+        plan = assembly.plan_for(
+            weights, cfg.parallel_config, dtype=dtype, batch=budget.batch, exe_mode=budget.exe_mode
         )
-        check_applied(budget, model)
+        check_applied(budget, plan)  # before the build: a mismatch costs no weight read
+        model = assembly.build_model(weights, cfg.parallel_config, dtype=dtype, device=dev, plan=plan)
         runner = ModelRunner(model, cfg.scheduler_config.block_size, dev, exe_mode=budget.exe_mode)
         prompts = random_prompts(budget, model.config.vocab_size)
         samples = interleave(

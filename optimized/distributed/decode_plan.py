@@ -1,6 +1,6 @@
-"""The decode's MoE plan: when decode uses MC2 dispatch / combine, what it moves, and the HCCL window its group needs.
+"""The decode's MoE plan: what an MC2 dispatch / combine decode moves, and the HCCL window its group needs (whether
+decode runs MC2 is the execution plan's decision: optimized/path_plan.py).
 
-- `uses_mc2_decode(parallel)`: the recipe's rule, MC2 whenever moe_tp_size == 1 and moe_ep_size > 1.
 - Bytes per rank and MoE layer, exactly what the portable kernels send: `mc2_volume` / `decode_volume` (dispatch,
   combine, all_gather), `tp_volume` (the tensor-parallel all-reduces), `step_volume` for a decode step; under
   attention DP `dp_rows`, `attention_dp_volume`, `lm_head_dp_volume` and `dp_step_volume`.
@@ -31,12 +31,6 @@ FULL_MESH_PIECE = 480  # fullmesh_v2 moves a token's data in 480-byte pieces, on
 WINDOW_RESERVE_MB = 11  # the window's own areas beyond the token slots (the recipe's reserve)
 MB = 1 << 20
 HCCL_DEFAULT_MB = 200  # HCCL's window per communicator unless a group sets its own
-
-
-def uses_mc2_decode(parallel: ParallelConfig) -> bool:
-    """The layout's MC2 rule, `ParallelConfig.mc2_decode`, under its former name: the parallel bench still asks it
-    here; everything else reads the plan's decode path (optimized/path_plan.py)."""
-    return parallel.mc2_decode
 
 
 def tokens_per_rank(batch: int, ep: int) -> int:

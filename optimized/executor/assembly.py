@@ -361,7 +361,7 @@ class Assembly:
 
 # ---- rank models outside a config run: the parallel bench, the latency harness, the first-divergence report
 # They build several layouts in one job, or time a budget's shapes, so they take the pieces of `Launch.start` one by
-# one; the groups and the model are still built only here.
+# one: a plan per layout (`plan_for`), then the groups and the model on it (`build_model`), built only here.
 
 
 @dataclass(frozen=True)
@@ -394,6 +394,19 @@ class WeightSource:
             source = RandomWeights(seed)
         return cls(hf_config, source=source)
 
+    @property
+    def quant(self) -> str | None:
+        """The weights' quantization scheme: a checkpoint's own config.json's (hf_config may give only the shapes),
+        else hf_config's."""
+        from optimized.layers.quantization.schemes import quant_scheme
+
+        config = self.hf_config
+        if self.checkpoint is not None:
+            from optimized.model_loader.hf_config import load_hf_config
+
+            config = load_hf_config(self.checkpoint)
+        return quant_scheme(config)
+
 
 def join_job(*, init_method: str | None = None, rank: int | None = None, world_size: int | None = None, timeout_s=None):
     """Join the job: torchrun's environment, or (init_method, rank, world_size) for ranks a bench started itself.
@@ -412,26 +425,43 @@ def leave_job() -> None:
         dist.destroy_process_group()
 
 
-def build_model(
+def plan_for(
     weights: WeightSource,
-    parallel=None,
+    parallel,
     *,
     dtype,
-    device=None,
-    batch: int | None = None,
+    batch: int,
     exe_mode: str = "eager",
-    weight_nz: bool = True,
+    block_size: int | None = None,
+    prefill_tokens: int | None = None,
 ):
-    """This rank's model over `parallel`'s groups (None: one process, no groups). batch: the largest decode batch
-    the MC2 window is sized for (`plan.mc2_window`, as `Launch.start` sizes it); None: the HCCL default window."""
+    """The ExecutionPlan of a rank model outside a config run (`ExecutionPlan.for_layout` over the weights' shapes
+    and their checkpoint's scheme): its paths and MC2 window, for decode batches up to `batch` as a step of
+    `exe_mode` dispatches them. `build_model` builds the groups and the model from it; the caller reads its fields."""
+    from optimized.executor.plan import ExecutionPlan
+
+    return ExecutionPlan.for_layout(
+        weights.hf_config,
+        parallel,
+        quant=weights.quant,
+        batch=batch,
+        act_bytes=dtype.itemsize,
+        exe_mode=exe_mode,
+        block_size=block_size,
+        prefill_tokens=prefill_tokens,
+    )
+
+
+def build_model(weights: WeightSource, parallel=None, *, dtype, device=None, plan=None, weight_nz: bool = True):
+    """This rank's model over `parallel`'s groups (None: one process, no groups). plan: its `plan_for` (the groups
+    get its MC2 window, the model its paths); None: the HCCL default window, the paths decided by the model."""
     from optimized.distributed import ParallelState
-    from optimized.executor.plan import mc2_window
     from optimized.model_loader.build import load_model, model_from_source
 
     state = None
     if parallel is not None:
-        window = None if batch is None else mc2_window(weights.hf_config, parallel, batch, exe_mode, dtype.itemsize)
-        state = ParallelState.build(parallel, mc2_window_mb=window)
+        state = ParallelState.build(parallel, mc2_window_mb=None if plan is None else plan.mc2_window_mb)
+    paths = None if plan is None else plan.paths
     if weights.checkpoint is not None:
         return load_model(
             weights.checkpoint,
@@ -440,17 +470,16 @@ def build_model(
             device=device,
             weight_nz=weight_nz,
             num_hidden_layers=weights.num_hidden_layers,
+            paths=paths,
         )
     return model_from_source(
-        weights.hf_config, weights.source, parallel=state, dtype=dtype, device=device, weight_nz=weight_nz
+        weights.hf_config, weights.source, parallel=state, dtype=dtype, device=device, weight_nz=weight_nz, paths=paths
     )
 
 
-def build_runner(
-    weights: WeightSource, parallel=None, *, dtype, device=None, batch: int, block_size: int, exe_mode: str = "eager"
-):
-    """`build_model` and its ModelRunner (block_size, exe_mode): (model, runner)."""
+def build_runner(weights: WeightSource, parallel=None, *, dtype, device=None, plan, block_size: int):
+    """`build_model` on `plan` and its ModelRunner (block_size, the plan's exe_mode): (model, runner)."""
     from optimized.executor.model_runner import ModelRunner
 
-    model = build_model(weights, parallel, dtype=dtype, device=device, batch=batch, exe_mode=exe_mode)
-    return model, ModelRunner(model, block_size, device, exe_mode=exe_mode)
+    model = build_model(weights, parallel, dtype=dtype, device=device, plan=plan)
+    return model, ModelRunner(model, block_size, device, exe_mode=plan.exe_mode)

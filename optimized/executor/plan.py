@@ -42,15 +42,6 @@ def dispatch_batch(batch: int, dp_groups: int, graph: bool) -> int:
     return dp_groups * batch_bucket(group_batch(batch, dp_groups))
 
 
-def mc2_window(hf_config, parallel, batch: int, exe_mode: str, act_bytes: int) -> int | None:
-    """The MC2 group's HCCL window (MB) for decode batches up to `batch` as a step dispatches them (padded to the
-    graph bucket in a graph mode, per DP group under attention DP); None without an MC2 decode: what
-    `ExecutionPlan.mc2_window_mb` holds, for the builders of process groups that do not build a plan yet (the
-    parallel bench, the latency harness)."""
-    dispatched = dispatch_batch(batch, parallel.attn_dp_size, exe_mode in GRAPH_MODES)
-    return decode_plan.window_for(hf_config, parallel, dispatched, act_bytes)
-
-
 def pool_blocks(lengths: list[int], block_size: int, dp_groups: int = 1) -> int:
     """KV blocks per DP group (the null block included) for requests of these token budgets added together (the
     engine deals them round robin, request i to group i mod D)."""
@@ -71,8 +62,8 @@ class ExecutionPlan:
     dispatch_batch: int  # the largest decode batch a step dispatches (padded in graph mode)
     mc2_window_mb: int | None  # the MC2 group's HCCL window; None: no MC2 decode
     mc2_limits: tuple[str, ...]  # the NPU MC2 kernels' limits the dispatched batch breaks (portable kernels only)
-    kv_pool_blocks: int  # per DP group, the null block included
-    block_size: int
+    kv_pool_blocks: int | None  # per DP group, the null block included; None: no engine pool (each call its own)
+    block_size: int | None
     prefill_line: str  # the start-up lines of the prefill and decode paths (display only: read the fields)
     decode_line: str
 
@@ -93,20 +84,50 @@ class ExecutionPlan:
     def build(
         cls, cfg: InferenceConfig, hf_config, *, batch: int, prefill_tokens: int, kv_pool_blocks: int
     ) -> "ExecutionPlan":
-        """Every decision of a run, once. Raises QuantConfigError / PathPlanError for a layout the checkpoint's
-        scheme cannot run (path_plan.decide_paths)."""
-        m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
-        graph = m.exe_mode in GRAPH_MODES
-        dp, act = p.attn_dp_size, m.torch_dtype.itemsize
-        quant = quant_scheme(hf_config)
-        paths = decide_paths(hf_config, p, quant)
+        """Every decision of a config run, once. Raises QuantConfigError / PathPlanError for a layout the
+        checkpoint's scheme cannot run (path_plan.decide_paths)."""
+        m, s = cfg.model_config, cfg.scheduler_config
+        return cls.for_layout(
+            hf_config,
+            cfg.parallel_config,
+            quant=quant_scheme(hf_config),
+            batch=batch,
+            act_bytes=m.torch_dtype.itemsize,
+            exe_mode=m.exe_mode,
+            block_size=s.block_size,
+            prefill_tokens=prefill_tokens,
+            kv_pool_blocks=kv_pool_blocks,
+        )
+
+    @classmethod
+    def for_layout(
+        cls,
+        hf_config,
+        parallel: ParallelConfig,
+        *,
+        quant: str | None,
+        batch: int,
+        act_bytes: int,
+        exe_mode: str = "eager",
+        block_size: int | None = None,
+        prefill_tokens: int | None = None,
+        kv_pool_blocks: int | None = None,
+    ) -> "ExecutionPlan":
+        """The plan of one layout without an inference config (`build` is this over a config; the parallel bench,
+        the latency harness and the first-divergence report call it through `assembly.plan_for`). quant: the
+        checkpoint's scheme (its config.json's, which may differ from the shapes `hf_config` gives); act_bytes: the
+        model dtype's size; prefill_tokens / kv_pool_blocks / block_size: None where no engine pool or first
+        prefill is planned (each `generate` call sizes its own)."""
+        graph = exe_mode in GRAPH_MODES
+        dp = parallel.attn_dp_size
+        paths = decide_paths(hf_config, parallel, quant)
         dispatched = dispatch_batch(batch, dp, graph)
-        window = decode_plan.window_for(hf_config, p, dispatched, act) if paths.mc2 else None
-        limits = tuple(decode_plan.mc2_limit_violations(hf_config, p, dispatched)) if paths.mc2 else ()
+        window = decode_plan.window_for(hf_config, parallel, dispatched, act_bytes) if paths.mc2 else None
+        limits = tuple(decode_plan.mc2_limit_violations(hf_config, parallel, dispatched)) if paths.mc2 else ()
         return cls(
             batch=batch,
             dp_groups=dp,
-            exe_mode=m.exe_mode,
+            exe_mode=exe_mode,
             quant=quant,
             paths=paths,
             buckets=graph_buckets(batch, dp) if graph else (),
@@ -114,9 +135,9 @@ class ExecutionPlan:
             mc2_window_mb=window,
             mc2_limits=limits,
             kv_pool_blocks=kv_pool_blocks,
-            block_size=s.block_size,
-            prefill_line=prefill_line(hf_config, p, paths, prefill_tokens, act, scheme_row(quant)),
-            decode_line=decode_line(hf_config, p, paths, dispatched, act, window, limits),
+            block_size=block_size,
+            prefill_line=prefill_line(hf_config, parallel, paths, prefill_tokens, act_bytes, scheme_row(quant)),
+            decode_line=decode_line(hf_config, parallel, paths, dispatched, act_bytes, window, limits),
         )
 
     def describe(self) -> str:
@@ -144,16 +165,29 @@ class ExecutionPlan:
                 self.prefill_line,
                 self.decode_line,
                 f"{graph}; {window}",
-                f"KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
-                f"{' per DP group' if self.dp_groups > 1 else ''} (null block included)",
+                self._pool_line(),
             ]
+        )
+
+    def _pool_line(self) -> str:
+        if self.kv_pool_blocks is None:
+            return "KV pool: none planned (each generate call sizes its own)"
+        return (
+            f"KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
+            f"{' per DP group' if self.dp_groups > 1 else ''} (null block included)"
         )
 
 
 def prefill_line(
-    hf_config, parallel: ParallelConfig, paths: PhasePaths, num_tokens: int, act_bytes: int, scheme: QuantScheme
+    hf_config,
+    parallel: ParallelConfig,
+    paths: PhasePaths,
+    num_tokens: int | None,
+    act_bytes: int,
+    scheme: QuantScheme,
 ) -> str:
-    """The start-up line of the prefill path the plan decided, with both EP schemes' volumes for the SP prefill."""
+    """The start-up line of the prefill path the plan decided, with both EP schemes' volumes for the SP prefill of
+    `num_tokens` (None: no first prefill planned, no volumes)."""
     if paths.prefill == DP:
         return (
             f"prefill path: attention data parallel ({parallel.attn_dp_size} DP groups x attention TP "
@@ -166,12 +200,17 @@ def prefill_line(
             f"{paths.why}"
         )
     mx = paths.wire == MXFP8_WIRE
-    vol = prefill_plan.ep_comm_volumes(hf_config, parallel, num_tokens, act_bytes, mx)
     wire = f"MXFP8 activations on the wire ({scheme.label})" if mx else "activations on the wire in the model dtype"
-    return (
+    line = (
         f"prefill path: sequence parallel over {parallel.attn_tp_size} ranks (Attention SP+TP), MoE EP scheme "
-        f"{paths.ep_scheme} ({paths.why}), {wire}; per MoE layer and rank for {num_tokens} tokens: allgather "
-        f"{vol['allgather'].total} B, alltoall ~{vol['alltoall'].total} B (uniform routing)"
+        f"{paths.ep_scheme} ({paths.why}), {wire}"
+    )
+    if num_tokens is None:
+        return line
+    vol = prefill_plan.ep_comm_volumes(hf_config, parallel, num_tokens, act_bytes, mx)
+    return (
+        f"{line}; per MoE layer and rank for {num_tokens} tokens: allgather {vol['allgather'].total} B, alltoall "
+        f"~{vol['alltoall'].total} B (uniform routing)"
     )
 
 
