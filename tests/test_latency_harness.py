@@ -403,3 +403,23 @@ def test_latency_run_refuses_a_plan_that_does_not_run_what_the_budget_names():
     sp = plan(world_size=2, attn_tp_size=2, moe_tp_size=1, prefill_opt=True)
     with pytest.raises(UsageError, match="does not use the sequence-parallel prefill"):
         R.check_applied(a3, sp)
+
+
+def test_a_checkpoints_plan_takes_its_own_scheme_whatever_shapes_size_the_window():
+    """The harness passes a checkpoint with the budget's shapes (no quantization_config): the plan still
+    decides on the checkpoint's own scheme, so a W4A8 checkpoint's SP prefill carries MXFP8 on the wire."""
+    from fixtures.checkpoints import w4a8_checkpoint
+    from fixtures.tiny import tiny_config
+    from optimized.config import ParallelConfig
+    from optimized.executor.assembly import WeightSource, plan_for
+    from optimized.layers.quantization.schemes import MXFP8_WIRE
+    from optimized.path_plan import SP
+
+    shapes = tiny_config("tiny")  # no quantization_config: the shapes only
+    weights = WeightSource.from_checkpoint(w4a8_checkpoint("tiny"), shapes)
+    sp = ParallelConfig(world_size=2, attn_tp_size=2, moe_tp_size=1).validate()
+    plan = plan_for(weights, sp, dtype=torch.bfloat16, batch=4)
+    assert weights.quant == plan.quant == "w4a8"
+    assert (plan.paths.prefill, plan.paths.wire) == (SP, MXFP8_WIRE)
+    assert WeightSource.random_weights(shapes).quant is None
+    assert plan_for(WeightSource.random_weights(shapes), sp, dtype=torch.bfloat16, batch=4).quant is None
