@@ -132,3 +132,18 @@ def test_the_plan_holds_the_decode_path_its_window_and_the_mc2_limits_it_breaks(
 )
 def test_pool_blocks_per_dp_group(lengths, block, dp, want):
     assert P.pool_blocks(lengths, block, dp) == want
+
+
+def test_a_layouts_plan_decides_as_a_config_runs_plan():
+    """`for_layout` (the bench's, the harness's, the report's plan) is `build` without a config: the same decisions;
+    without a planned pool or first prefill its block says so instead of printing numbers it does not have."""
+    cfg = _cfg("ge_graph", 40, world_size=4, attn_tp_size=4, moe_tp_size=1)
+    built = _plan(cfg)
+    layout = P.ExecutionPlan.for_layout(
+        QWEN3_235B, cfg.parallel_config, quant=None, batch=40, act_bytes=2, exe_mode="ge_graph"
+    )
+    decisions = ("quant", "paths", "buckets", "dispatch_batch", "mc2_window_mb", "mc2_limits", "decode_line")
+    assert [getattr(layout, f) for f in decisions] == [getattr(built, f) for f in decisions]
+    assert layout.paths.prefill == SP and "for 16 tokens" in built.prefill_line
+    assert "tokens:" not in layout.prefill_line and layout.kv_pool_blocks is None
+    assert layout.describe().splitlines()[-1] == "KV pool: none planned (each generate call sizes its own)"
