@@ -81,7 +81,8 @@ class Metrics:
                 "# HELP qwen3_moe_prefix_cache_queries_total Prompt tokens looked up in the prefix cache at admission.",
                 "# TYPE qwen3_moe_prefix_cache_queries_total counter",
                 f"qwen3_moe_prefix_cache_queries_total {self.prefix_queries}",
-                "# HELP qwen3_moe_prefix_cache_hits_total Prompt tokens found in the prefix cache (not computed again).",
+                "# HELP qwen3_moe_prefix_cache_hits_total Prompt tokens found in the prefix cache (not computed "
+                "again).",
                 "# TYPE qwen3_moe_prefix_cache_hits_total counter",
                 f"qwen3_moe_prefix_cache_hits_total {self.prefix_hits}",
                 "# HELP qwen3_moe_requests_finished_total Finished requests by reason: stop (EOS or a stop string), "
