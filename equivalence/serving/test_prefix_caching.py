@@ -12,8 +12,8 @@ generates what it generates cold, which is what the reference generates.
 - FP8 KV (bf16): a warm request's logits equal the same two pieces run through the runner's extend directly (the
   path `equivalence/parallel/test_extend_parallel.py` proves against the reference's FP8 cache rule), within
   `model.fp8_kv.extend.bfloat16`, and its identity keys differ from a 16-bit cache's;
-- attention DP (2 gloo ranks): each group's pool hits on its own requests, every rank takes the same decisions and
-  the tokens are the reference's;
+- attention DP (2 gloo ranks): each group's pool hits on its own requests (an extend in one group beside a plain
+  prefill in the other too), every rank takes the same decisions and the tokens are the reference's;
 - the sequence-parallel prefill cannot run the extend a hit needs: the engine refuses the combination by name.
 """
 
@@ -226,12 +226,14 @@ def _dp_task(rank, world, path, lay):
     engine = Engine(runner, batch_size=2, num_blocks=8, enable_prefix_caching=True)
     cold = [Request("c0", BASE[:36], 4), Request("c1", BASE[8:44], 4)]
     warm = [Request("w0", BASE[:36], 4), Request("w1", BASE[8:40] + [5, 6], 4)]
-    for phase in (cold, warm):  # the warm requests come once the cold ones are done: each group hits its own
+    mixed = [Request("w2", BASE[:36] + [1], 4), Request("n3", [3] * 20, 4)]  # an extend beside a plain prefill
+    # each phase comes once the one before is done: each group hits its own pool
+    for phase in (cold, warm, mixed):
         for r in phase:
             engine.add(r)
         while not engine.idle:
             engine.step()
-    requests = cold + warm
+    requests = cold + warm + mixed
     return {
         "tokens": [r.tokens for r in requests],
         "groups": [r.dp_group for r in requests],
@@ -251,9 +253,9 @@ def test_attn_dp_each_group_hits_its_own_pool_the_same_on_every_rank():
     got = same_on_all_ranks(
         get_pool(2).run(_dp_task, str(checkpoint("tiny")), dp_layout(2, 1), timeout=180), "attn DP prefix caching"
     )
-    assert got["groups"] == [0, 1, 0, 1] and got["cached"] == [0, 0, 32, 32] and got["hits"] == 64
+    assert got["groups"] == [0, 1, 0, 1, 0, 1] and got["cached"] == [0, 0, 32, 32, 32, 0] and got["hits"] == 96
     assert got["free"] == [7, 7]
-    prompts = [BASE[:36], BASE[8:44], BASE[:36], BASE[8:40] + [5, 6]]
+    prompts = [BASE[:36], BASE[8:44], BASE[:36], BASE[8:40] + [5, 6], BASE[:36] + [1], [3] * 20]
     for prompt, tokens in zip(prompts, got["tokens"]):
         assert tokens == _greedy(tuple(prompt), 4)
 
