@@ -294,7 +294,6 @@ class Assembly:
                     batch_size=s.batch_size,
                     max_prefill_tokens=s.max_prefill_tokens,
                     num_blocks=self.plan.kv_pool_blocks,
-                    enable_prefix_caching=s.enable_prefix_caching,
                 )
             except ValueError as e:  # the MC2 window / limits, mem_fraction_static
                 raise UsageError(str(e)) from None

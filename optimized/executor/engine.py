@@ -66,13 +66,16 @@ class Engine:
         batch_size: int,
         max_prefill_tokens: int = 0,
         num_blocks: int,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool | None = None,
     ):
         """num_blocks: the KV pool per layer (per DP group under attention DP), the null block included.
         enable_prefix_caching (scheduler_config): a request's cached full-block prefix is reused, its prefill an
-        extend over it (optimized/executor/prefix_cache.py)."""
+        extend over it (optimized/executor/prefix_cache.py); None: the runner's setting (the assembly sets it from
+        the config, so every engine built over that runner honours the key)."""
         self.runner, self.model, self.device = runner, runner.model, runner.device
         self.dp_size, self.dp_rank = runner.dp_size, runner.dp_rank
+        if enable_prefix_caching is None:
+            enable_prefix_caching = getattr(runner, "enable_prefix_caching", False)
         identity = _prefix_identity(runner) if enable_prefix_caching else None
         self.scheduler = Scheduler(
             batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1, self.dp_size, identity

@@ -118,8 +118,9 @@ class ModelRunner:
         max_prefill_tokens (scheduler_config): prompt tokens one prefill step packs at most; the prompts are
         prefilled in consecutive groups within it (0: all at once). mem_fraction_static (scheduler_config): the
         share of the device's memory the weights and the KV cache may take, checked before the cache is
-        allocated (None: no check). enable_prefix_caching (scheduler_config): generate's engine reuses cached
-        prompt prefixes (prompts prefilled in one step do not share; later groups under max_prefill_tokens do)."""
+        allocated (None: no check). enable_prefix_caching (scheduler_config): the engines built over
+        this runner (generate's, serve's) reuse cached prompt prefixes (prompts prefilled in one step share nothing;
+        later groups under max_prefill_tokens and later requests do)."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -212,7 +213,6 @@ class ModelRunner:
             batch_size=len(prompts),
             max_prefill_tokens=self.max_prefill_tokens,
             num_blocks=self.pool_blocks(prompts, max_new_tokens),
-            enable_prefix_caching=self.enable_prefix_caching,
         )
         for request in requests:
             engine.add(request)
