@@ -27,9 +27,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from equivalence.serving.test_e2e_serving import BLOCK, _models, reference_logits, run_engine
-from equivalence.serving.test_engine_preemption import check_tables, run_checked
 from equivalence.support.compare import assert_close
+from equivalence.support.engine_runs import BLOCK, _models, reference_logits, run_engine
 from reference.generate import greedy_generate
 
 pytestmark = pytest.mark.equivalence
@@ -58,6 +57,29 @@ def _check_reference(r) -> None:
     assert r.tokens == _greedy(tuple(r.prompt), r.max_tokens), f"{r.request_id} (cached {r.cached_tokens})"
     got = torch.stack(r.logits)
     assert_close(got, reference_logits(_models()[1], r.prompt, r.tokens), "model.float32", f"{r.request_id} logits")
+
+
+def check_tables(engine) -> None:
+    """The device batch's table rows are the running requests' blocks (cached ones included), the rest null."""
+    from optimized.executor.kv_cache import NULL_BLOCK
+
+    running = engine.scheduler.running[engine.dp_rank]
+    assert engine.batch.n == len(running)
+    for row, r in enumerate(running):
+        want = r.blocks + [NULL_BLOCK] * (engine.batch.width - len(r.blocks))
+        assert engine.batch.table[row].tolist() == want, f"{r.request_id}'s table row is not its blocks {r.blocks}"
+
+
+def run_checked(engine, arrivals, max_steps: int = 500) -> None:
+    """`run_engine` with the table rows checked after every step."""
+    pending, step = sorted(arrivals, key=lambda a: a[0]), 0
+    while pending or not engine.idle:
+        while pending and pending[0][0] <= step:
+            engine.add(pending.pop(0)[1])
+        engine.step()
+        check_tables(engine)
+        step += 1
+        assert step < max_steps, "the engine did not finish its requests"
 
 
 def _pool_is_back(engine) -> None:
@@ -214,6 +236,20 @@ def test_fp8_kv_warm_logits_equal_the_extend_over_the_same_prefix():
 # ---------------------------------------------------------------------------------------------- attention DP
 
 
+# TP 1 x attention DP 2 (EP 2): each rank one DP group
+DP_LAYOUT = dict(
+    world_size=2,
+    attn_tp_size=1,
+    moe_tp_size=1,
+    moe_ep_size=2,
+    embed_tp_size=1,
+    lmhead_tp_size=1,
+    prefill_opt=False,
+    moe_ep_scheme="auto",
+    attn_dp=True,
+)
+
+
 @torch.no_grad()
 def _dp_task(rank, world, path, lay):
     from equivalence.support.parallel_support import dtype_of, rank_model
@@ -245,13 +281,12 @@ def _dp_task(rank, world, path, lay):
 
 @pytest.mark.distributed
 def test_attn_dp_each_group_hits_its_own_pool_the_same_on_every_rank():
-    from equivalence.parallel.test_attn_dp_parallel import dp_layout
     from equivalence.support.dist import get_pool
     from equivalence.support.parallel_support import same_on_all_ranks
     from fixtures.checkpoints import checkpoint
 
     got = same_on_all_ranks(
-        get_pool(2).run(_dp_task, str(checkpoint("tiny")), dp_layout(2, 1), timeout=180), "attn DP prefix caching"
+        get_pool(2).run(_dp_task, str(checkpoint("tiny")), DP_LAYOUT, timeout=180), "attn DP prefix caching"
     )
     assert got["groups"] == [0, 1, 0, 1, 0, 1] and got["cached"] == [0, 0, 32, 32, 32, 0] and got["hits"] == 96
     assert got["free"] == [7, 7]
