@@ -502,12 +502,14 @@ class SchedulerConfig:
     max_prefill_tokens: int = 0  # prompt tokens one prefill step packs at most (0: every prompt at once)
     mem_fraction_static: float = 0.85  # share of the device memory the weights and the KV cache may take
     num_reserved_decode_tokens: int = 64  # the recipe's online PD decode admission reserve (offline runs ignore it)
+    enable_prefix_caching: bool = False  # serve: reuse the KV of cached full-block prompt prefixes
 
     def _check(self, c: _Checker) -> None:
         for k in ("batch_size", "max_new_tokens", "block_size"):
             c.positive_int(self, k)
         c.non_negative_int(self, "max_prefill_tokens")
         c.non_negative_int(self, "num_reserved_decode_tokens")
+        c.boolean(self, "enable_prefix_caching")
         f = self.mem_fraction_static
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             c.fail("mem_fraction_static", f"must be a number in (0, 1], got {_describe(f)}")

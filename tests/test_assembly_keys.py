@@ -4,10 +4,8 @@ Both commands go through `optimized.executor.assembly` (prepare -> start -> runn
 table a config is written, `generate` is run in-process (its started run captured at `Launch.start`) and `serve`'s
 own start-up (`cli.serve.start`, what `serve` runs before opening its port) is called; the same check then runs on
 both: the runner's exe_mode and graph buckets, the compile cache, the NZ weight cast, the KV cache dtype, the block
-size,
-the scheduler's batch and prefill budget, the KV pool of the plan, mem_fraction_static (refused alike), the profiler (a
-trace written
-alike). A key that one entry point dropped fails its row.
+size, the scheduler's batch, prefill budget and prefix caching, the KV pool of the plan, mem_fraction_static (refused
+alike), the profiler (a trace written alike). A key that one entry point dropped fails its row.
 """
 
 from __future__ import annotations
@@ -99,6 +97,7 @@ def _kv_fp8(run, engine, command):
 def _scheduler(run, engine, command):
     assert run.runner.block_size == 32 and engine.cache.block_size == 32
     assert engine.scheduler.max_prefill_tokens == 24
+    assert engine.scheduler.prefix_identity == ("float32", "none", "none")  # enable_prefix_caching
     if command == "serve":
         assert engine.scheduler.batch_size == 2
         assert run.plan.kv_pool_blocks == engine.cache.num_blocks == 1 + 2 * 2  # 2 requests of 32 + 2 tokens
@@ -123,7 +122,14 @@ ROWS = {
         _graph_and_cache,
     ),
     "kv_cache_dtype": ({"model_config.dtype": "bfloat16", "model_config.kv_cache_dtype": "float8"}, _kv_fp8),
-    "scheduler": ({"scheduler_config.block_size": 32, "scheduler_config.max_prefill_tokens": 24}, _scheduler),
+    "scheduler": (
+        {
+            "scheduler_config.block_size": 32,
+            "scheduler_config.max_prefill_tokens": 24,
+            "scheduler_config.enable_prefix_caching": True,
+        },
+        _scheduler,
+    ),
 }
 
 

@@ -104,3 +104,20 @@ def test_a_cap_below_one_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "serve", "--max-concurrency", "0", "--model", "m", "--no-progress"])
     assert e.value.code == 2 and "--max-concurrency must be >= 1; got 0" in capsys.readouterr().err
+
+
+def test_shared_prefix_gives_every_prompt_the_same_first_tokens():
+    import random
+    from types import SimpleNamespace
+
+    from optimized.benchmarks.serve_bench import make_prompts
+
+    args = SimpleNamespace(shared_prefix=0.75, max_token_id=255)
+    prompts = make_prompts(args, [64, 64, 32], random.Random(0))
+    assert [len(p) for p in prompts] == [64, 64, 32]
+    assert prompts[0][:48] == prompts[1][:48] and prompts[2][:24] == prompts[0][:24]
+    assert prompts[0][48:] != prompts[1][48:]
+    unshared = make_prompts(SimpleNamespace(shared_prefix=0.0, max_token_id=255), [64, 64], random.Random(0))
+    assert unshared[0][:8] != unshared[1][:8]
+    with pytest.raises(UsageError, match="--shared-prefix"):
+        make_prompts(SimpleNamespace(shared_prefix=1.5, max_token_id=255), [4], random.Random(0))

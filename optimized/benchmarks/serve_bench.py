@@ -33,6 +33,12 @@ def add_arguments(p) -> None:
     p.add_argument("--max-token-id", type=int, default=255, help="prompt ids are drawn from [0, this] (default 255)")
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
     p.add_argument(
+        "--shared-prefix",
+        type=float,
+        default=0.0,
+        help="share of each prompt's tokens, from its start, that every prompt has in common (0 to 1; default 0)",
+    )
+    p.add_argument(
         "--max-concurrency",
         type=int,
         default=None,
@@ -68,6 +74,17 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q / 100
     lo, hi = math.floor(k), math.ceil(k)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def make_prompts(args, lengths: list[int], rng: random.Random) -> list[list[int]]:
+    """Random token ids; with --shared-prefix r the first round(r * n) tokens of a prompt of n are one common
+    prefix (what a prefix cache can reuse)."""
+    r = args.shared_prefix
+    if not 0 <= r <= 1:
+        raise UsageError(f"--shared-prefix={r} must be between 0 and 1")
+    common = [rng.randint(0, args.max_token_id) for _ in range(max(lengths, default=0))] if r else []
+    shared = [round(r * n) for n in lengths]
+    return [common[:k] + [rng.randint(0, args.max_token_id) for _ in range(n - k)] for n, k in zip(lengths, shared)]
 
 
 def prompt_lengths(args, rng: random.Random) -> list[int]:
@@ -129,7 +146,7 @@ async def _run(args, rate: float, lengths: list[int], rng: random.Random) -> tup
         if model is None:
             r = await client.get(args.url + "/v1/models", timeout=args.timeout)
             model = r.json()["data"][0]["id"]
-        prompts = [[rng.randint(0, args.max_token_id) for _ in range(n)] for n in lengths]
+        prompts = make_prompts(args, lengths, rng)
         done, tasks = 0, []
 
         def tick(_):

@@ -59,11 +59,27 @@ def with_seed(request: Request) -> Request:
 
 
 class Engine:
-    def __init__(self, runner, *, batch_size: int, max_prefill_tokens: int = 0, num_blocks: int):
-        """num_blocks: the KV pool per layer (per DP group under attention DP), the null block included."""
+    def __init__(
+        self,
+        runner,
+        *,
+        batch_size: int,
+        max_prefill_tokens: int = 0,
+        num_blocks: int,
+        enable_prefix_caching: bool | None = None,
+    ):
+        """num_blocks: the KV pool per layer (per DP group under attention DP), the null block included.
+        enable_prefix_caching (scheduler_config): a request's cached full-block prefix is reused, its prefill an
+        extend over it (optimized/executor/prefix_cache.py); None: the runner's setting (the assembly sets it from
+        the config, so every engine built over that runner honours the key)."""
         self.runner, self.model, self.device = runner, runner.model, runner.device
         self.dp_size, self.dp_rank = runner.dp_size, runner.dp_rank
-        self.scheduler = Scheduler(batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1, self.dp_size)
+        if enable_prefix_caching is None:
+            enable_prefix_caching = getattr(runner, "enable_prefix_caching", False)
+        identity = _prefix_identity(runner) if enable_prefix_caching else None
+        self.scheduler = Scheduler(
+            batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1, self.dp_size, identity
+        )
         runner.check_mc2(batch_size)  # the largest decode batch: MC2 window and kernel limits
         runner.check_memory(num_blocks)  # mem_fraction_static: the weights and this pool fit
         self.cache = PagedKVCache(
@@ -142,6 +158,8 @@ class Engine:
         if group == self.dp_rank and request in running:
             self.batch.remove(running.index(request))
         self.scheduler.remove(request)
+        if request.finish_reason != "error":  # what it wrote is cached (a failed request's KV is not trusted)
+            self.scheduler.cache_written(request, self.pools[group])
         self.pools[group].release(request.blocks)
         request.blocks = []
         self.requests.pop(request.request_id, None)
@@ -234,15 +252,19 @@ class Engine:
             table = self.batch.table[span[0] : span[1]]
             # the columns the prompts use, contiguous as the attention kernel takes it (a device copy)
             table = table[:, : max(math.ceil(len(r.prefill_ids) / self.runner.block_size) for r in own)].contiguous()
+            cached = [r.cached_tokens for r in own]  # a prefix-cache hit: an extend over the cached blocks
             ids, meta, indices = self.runner.prefill_inputs(
-                [r.prefill_ids for r in own], table, keep=[r.kept_prompt_positions for r in own]
+                [r.prefill_ids[c:] for r, c in zip(own, cached)],
+                table,
+                keep=[r.kept_prompt_positions for r in own],
+                cached_lens=cached if any(cached) else None,
             )
         else:
             dummy = self.batch.dummy
             ids, meta, indices = self.runner.prefill_inputs([[0]], self.batch.table[dummy : dummy + 1, :1])
         n_kept = sum(len(r.kept_prompt_positions) for r in own)
         meta.dp = self._dp(
-            [sum(len(r.prefill_ids) for r in g) or 1 for g in groups],
+            [sum(len(r.prefill_ids) - r.cached_tokens for r in g) or 1 for g in groups],
             [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups],
         )
         logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
@@ -306,7 +328,7 @@ class Engine:
                     lp.append(torch.log_softmax(kept[offset : offset + n].float(), dim=-1))
                     targets.append(ids[token + 1 : token + len(r.prompt)])
                 offset += n
-                token += len(r.prefill_ids)
+                token += len(r.prefill_ids) - r.cached_tokens  # the tokens it computed (echo: all)
             lp = torch.cat(lp)
             parts.append(lp.gather(1, torch.cat(targets).long().unsqueeze(1)).squeeze(1))
             if k:
@@ -441,6 +463,20 @@ class Engine:
             finished = "length"
         request.finish_reason = finished
         return TokenEvent(request, token, lp, top, finished is not None)
+
+
+def _prefix_identity(runner) -> tuple[str, ...]:
+    """The cache identity prefix caching keys blocks by; the sequence-parallel prefill cannot run the extend a hit
+    needs, so the combination is refused by name."""
+    from optimized.executor.prefix_cache import cache_identity
+    from optimized.phases import SequenceParallelPrefill
+
+    if isinstance(runner.model.prefill, SequenceParallelPrefill):
+        raise UsageError(
+            "scheduler_config.enable_prefix_caching needs prefill over cached KV, which the sequence-parallel "
+            "prefill (parallel_config.prefill_opt) cannot run: turn one of them off"
+        )
+    return cache_identity(runner)
 
 
 def shared_seed(device: torch.device) -> int:

@@ -10,6 +10,12 @@ Invariants: the decode after a prefill never preempts (admission leaves the runn
 request admitted can always finish (`check_admissible` refuses one whose whole budget cannot fit its pool alone); a
 preempted request goes back to the head of its queue keeping its tokens and is recomputed (`Request.prefill_ids`);
 every rank running the same scheduler over the same requests takes the same decisions. docs/architecture.md.
+
+With prefix caching (`prefix_identity` given), a request is admitted over the longest run of its full blocks already
+cached in its group's pool (`Request.cached_tokens`: its prefill computes only the rest, at least its last token,
+whose logits choose the next one); the full blocks it computes are registered at admission and those its decode
+filled when it leaves (finished or preempted). A request that returns prompt logits (echo, prompt_positions) is
+computed whole (its prompt's logits are needed), its blocks still registered for others.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from optimized.executor.prefix_cache import block_hashes
 from optimized.executor.sampling import GREEDY, SamplingParams
 
 
@@ -47,6 +54,8 @@ class Request:
     prompt_logits: object = None  # with prompt_positions: [len(prompt_positions), V] fp32 host rows
     prompt_logprob_values: list | None = None  # with prompt_logprobs: (logprob, top) per prompt token 1..
     preemptions: int = 0  # times its blocks were taken back (it was recomputed after)
+    cached_tokens: int = 0  # of prefill_ids, found in the prefix cache at its last admission (not computed again)
+    block_hashes: list = field(default_factory=list)  # prefix-cache keys of prefill_ids' full blocks (so far)
 
     @property
     def budget(self) -> int:
@@ -92,10 +101,17 @@ class Step:
 
 class Scheduler:
     def __init__(
-        self, batch_size: int, max_prefill_tokens: int, block_size: int, total_blocks: int, dp_groups: int = 1
+        self,
+        batch_size: int,
+        max_prefill_tokens: int,
+        block_size: int,
+        total_blocks: int,
+        dp_groups: int = 1,
+        prefix_identity: tuple[str, ...] | None = None,
     ):
         """total_blocks: blocks a request may ever hold, i.e. a group's pool without its null block.
-        dp_groups: attention-DP groups; each runs at most ceil(batch_size / dp_groups) requests at once."""
+        dp_groups: attention-DP groups; each runs at most ceil(batch_size / dp_groups) requests at once.
+        prefix_identity: the KV cache's identity (prefix_cache.cache_identity) with prefix caching on; None: off."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if max_prefill_tokens < 0:
@@ -107,6 +123,9 @@ class Scheduler:
         self.group_batch = -(-batch_size // dp_groups)
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_groups)]
         self.running: list[list[Request]] = [[] for _ in range(dp_groups)]
+        self.prefix_identity = prefix_identity
+        # prefix caching: prompt tokens looked up in the cache at admission, and those found (every group's)
+        self.prefix_queries = self.prefix_hits = 0
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
@@ -151,8 +170,8 @@ class Scheduler:
         admitted = [self._admit(g, pools[g]) for g in range(self.dp_groups)]
         if any(admitted):
             for g, new in enumerate(admitted):
-                for r in new:
-                    r.blocks = pools[g].take(self.blocks_at_admission(r))
+                for r in new:  # after every admission: a prefix computed in this step is no hit in it
+                    self._cache_blocks(r, pools[g], len(r.prefill_ids))
                 self.running[g].extend(new)
             return Step("prefill", tuple(r for new in admitted for r in new))
         if any(self.running):
@@ -165,21 +184,53 @@ class Scheduler:
     def _admit(self, group: int, pool) -> list[Request]:
         running, waiting = self.running[group], self.waiting[group]
         admitted, tokens = [], 0
-        free = pool.free_blocks - sum(self._growth(r) for r in running)
+        reserve = sum(self._growth(r) for r in running)  # the running requests' next blocks stay free
         while waiting:
             head = waiting[0]
-            n = len(head.prefill_ids)
+            hit = self._cached_prefix(head, pool)
+            n = len(head.prefill_ids) - len(hit) * self.block_size  # tokens its prefill computes
             room = len(running) + len(admitted) < self.group_batch
             within = (
                 not self.max_prefill_tokens or tokens + n <= self.max_prefill_tokens or (not admitted and head.tokens)
             )  # a recompute past the budget: alone
-            need = self.blocks_at_admission(head)
-            if not (room and within and need <= free):
+            new = self.blocks_at_admission(head) - len(hit)
+            if not (room and within and new + pool.evictable(hit) <= pool.free_blocks - reserve):
                 break
-            admitted.append(waiting.popleft())
+            waiting.popleft()
+            pool.share(hit)
+            head.blocks, head.cached_tokens = hit + pool.take(new), len(hit) * self.block_size
+            if self._looks_up(head):
+                self.prefix_queries += len(head.prefill_ids)
+                self.prefix_hits += head.cached_tokens
+            admitted.append(head)
             tokens += n
-            free -= need
         return admitted
+
+    def _looks_up(self, request: Request) -> bool:
+        """Prefix caching is on and the request may reuse cached blocks (its prefill returns no prompt logits)."""
+        return self.prefix_identity is not None and not request.kept_prompt_positions
+
+    def _cached_prefix(self, request: Request, pool) -> list[int]:
+        """The cached blocks its admission would reuse: its longest cached run of full blocks, short of its last
+        token (which is always computed)."""
+        if not self._looks_up(request):
+            return []
+        ids = request.prefill_ids
+        request.block_hashes = block_hashes(ids, self.block_size, self.prefix_identity, request.block_hashes)
+        return pool.cached_prefix(request.block_hashes[: (len(ids) - 1) // self.block_size])
+
+    def _cache_blocks(self, request: Request, pool, written: int) -> None:
+        """Register the request's full blocks among its first `written` tokens (prompt, then generated)."""
+        if self.prefix_identity is None:
+            return
+        ids = (request.prompt + request.tokens)[:written]
+        request.block_hashes = block_hashes(ids, self.block_size, self.prefix_identity, request.block_hashes)
+        for i in range(min(len(ids) // self.block_size, len(request.blocks))):
+            pool.cache(request.blocks[i], request.block_hashes[i])
+
+    def cache_written(self, request: Request, pool) -> None:
+        """A running request leaving (finished or preempted): its blocks the decode filled are cached too."""
+        self._cache_blocks(request, pool, request.length)
 
     def _grow(self, group: int, pool, preempted: list, grown: list) -> None:
         """Every running request of the group gets the block its next token needs, in batch order; when none is
@@ -200,6 +251,7 @@ class Scheduler:
 
     def _preempt(self, group: int, pool, preempted: list) -> None:
         victim = self.running[group].pop()
+        self.cache_written(victim, pool)
         pool.release(victim.blocks)
         victim.blocks = []
         victim.preemptions += 1

@@ -156,6 +156,7 @@ class Driver:
             if step.kind == "prefill":  # a request recomputed after a preemption is not a new prompt
                 m.prompt_tokens += sum(len(r.prompt) for r in step.requests if not r.preemptions)
             m.preemptions += len(step.preempted)
+            m.prefix_queries, m.prefix_hits = self.engine.scheduler.prefix_queries, self.engine.scheduler.prefix_hits
             m.generation_tokens += len(events)
             for event in events:
                 t = self.times.get(event.request.request_id)

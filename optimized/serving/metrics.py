@@ -38,6 +38,7 @@ class Metrics:
         self.finished: dict[str, int] = {}
         self.prompt_tokens = self.generation_tokens = 0
         self.preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache / found there
         self.waiting = self.running = 0
         self.kv_usage = 0.0
 
@@ -77,6 +78,13 @@ class Metrics:
                 "out; recomputed later).",
                 "# TYPE qwen3_moe_preemptions_total counter",
                 f"qwen3_moe_preemptions_total {self.preemptions}",
+                "# HELP qwen3_moe_prefix_cache_queries_total Prompt tokens looked up in the prefix cache at admission.",
+                "# TYPE qwen3_moe_prefix_cache_queries_total counter",
+                f"qwen3_moe_prefix_cache_queries_total {self.prefix_queries}",
+                "# HELP qwen3_moe_prefix_cache_hits_total Prompt tokens found in the prefix cache (not computed "
+                "again).",
+                "# TYPE qwen3_moe_prefix_cache_hits_total counter",
+                f"qwen3_moe_prefix_cache_hits_total {self.prefix_hits}",
                 "# HELP qwen3_moe_requests_finished_total Finished requests by reason: stop (EOS or a stop string), "
                 "length, abort (the client left), error (the request failed).",
                 "# TYPE qwen3_moe_requests_finished_total counter",
