@@ -46,30 +46,46 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KvDigest:
-    num_tokens: int
-    values: int
-    scales: int = 0
+    """One side's digest of a request: the token count, and per global KV head the hash sum of its values and of its
+    scales (FP8; 0 otherwise)."""
 
-    def __add__(self, other: KvDigest) -> KvDigest:
-        """Two ranks' parts of one side's digest."""
+    num_tokens: int
+    values: dict[int, int]
+    scales: dict[int, int]
+
+    def merge(self, other: KvDigest) -> KvDigest:
+        """Two ranks' parts of one side's digest. A head two ranks replicate must digest the same on both: a
+        corrupted replica is caught too, not only the copy one rank would count."""
         if self.num_tokens != other.num_tokens:
             raise KvIntegrityError(f"digest parts over {self.num_tokens} and {other.num_tokens} tokens")
-        return KvDigest(self.num_tokens, (self.values + other.values) % _MOD, (self.scales + other.scales) % _MOD)
+        merged = []
+        for part in ("values", "scales"):
+            mine, theirs = getattr(self, part), getattr(other, part)
+            for head in mine.keys() & theirs.keys():
+                if mine[head] != theirs[head]:
+                    raise KvIntegrityError(f"replicas of KV head {head} disagree ({part}) over {self.num_tokens} tokens")
+            merged.append(mine | theirs)
+        return KvDigest(self.num_tokens, *merged)
 
     def check_against(self, sent: KvDigest) -> None:
         """Raise KvIntegrityError unless this (the received side's digest) equals the sent side's."""
         if self.num_tokens != sent.num_tokens:
             raise KvIntegrityError(f"decode took over {self.num_tokens} tokens of KV, prefill sent {sent.num_tokens}")
+        if self.values.keys() != sent.values.keys():
+            raise KvIntegrityError(f"decode holds KV heads {sorted(self.values)}, prefill sent {sorted(sent.values)}")
         for part in ("values", "scales"):
-            if getattr(self, part) != getattr(sent, part):
-                raise KvIntegrityError(
-                    f"KV {part} digest mismatch over {self.num_tokens} tokens: received "
-                    f"{getattr(self, part):016x}, sent {getattr(sent, part):016x}"
-                )
+            mine, theirs = getattr(self, part), getattr(sent, part)
+            for head in sorted(theirs):
+                if mine.get(head) != theirs[head]:
+                    raise KvIntegrityError(
+                        f"KV {part} digest mismatch for KV head {head} over {self.num_tokens} tokens: received "
+                        f"{mine.get(head, 0):016x}, sent {theirs[head]:016x}"
+                    )
 
 
-def _digest_elements(x: torch.Tensor, seed: int, first_head: int, layer: int, which: int) -> int:
-    """Sum of hashes of x [tokens, heads, dim...] keyed by (layer, K/V, token, first_head + head, dim)."""
+def _digest_elements(x: torch.Tensor, seed: int, first_head: int, layer: int, which: int) -> list[int]:
+    """Per head, the sum of hashes of x [tokens, heads, dim...] keyed by (layer, K/V, token, first_head + head,
+    dim)."""
     device = x.device
     tokens, heads = x.shape[0], x.shape[1]
     dim = x.shape[2] if x.dim() == 3 else 1
@@ -79,21 +95,25 @@ def _digest_elements(x: torch.Tensor, seed: int, first_head: int, layer: int, wh
     token = torch.arange(tokens, device=device).view(tokens, 1, 1)
     static = _mix(_mix(_mix(seed + 2 * layer + which) + head) + d)  # [1, H, D]
     h = _mix(_mix(static ^ _mix(token + _M2)) + _bits(x))
-    return int(h.sum().item())
+    return h.sum(dim=(0, 2)).tolist()
 
 
 def digest_cache(cache: PagedKVCache, blocks: list[int], num_tokens: int, heads: range) -> KvDigest:
-    """This rank's part of a request's digest: its `num_tokens` tokens in `blocks`, over global KV `heads` (the ones
-    it owns, `digest_owner`; its cache's local heads start at heads.start unless it owns none)."""
+    """This rank's part of a request's digest: its `num_tokens` tokens in `blocks`, its cache holding global KV
+    `heads` (`rank_mapping.heads_of_rank`)."""
     if num_tokens > len(blocks) * cache.block_size:
         raise ValueError(f"{num_tokens} tokens do not fit {len(blocks)} blocks of {cache.block_size}")
-    values = scales = 0
+    values, scales = [0] * len(heads), [0] * len(heads)
     for layer, tensors in enumerate(cache.layers):
         index = torch.tensor(blocks, dtype=torch.long, device=tensors[0].device)
         for which, t in enumerate(tensors[:2]):
-            x = t.index_select(0, index).flatten(0, 1)[:num_tokens, : len(heads)]
-            values += _digest_elements(x, _VALUE_SEED, heads.start, layer, which)
+            x = t.index_select(0, index).flatten(0, 1)[:num_tokens]
+            values = [a + b for a, b in zip(values, _digest_elements(x, _VALUE_SEED, heads.start, layer, which))]
         for which, s in enumerate(tensors[2:]):  # one scale per token, the same for each of the rank's heads
             x = s.index_select(0, index).flatten(0, 1)[:num_tokens, None].expand(-1, len(heads))
-            scales += _digest_elements(x, _SCALE_SEED, heads.start, layer, which)
-    return KvDigest(num_tokens, values % _MOD, scales % _MOD)
+            scales = [a + b for a, b in zip(scales, _digest_elements(x, _SCALE_SEED, heads.start, layer, which))]
+    return KvDigest(
+        num_tokens,
+        {h: v % _MOD for h, v in zip(heads, values)},
+        {h: v % _MOD for h, v in zip(heads, scales)},
+    )

@@ -97,12 +97,3 @@ def decode_rank_sources(
         for dp_rank in range(decode.dp):
             plan[dp_rank * decode.tp + decode_tp_rank] = tuple(runs)
     return plan
-
-
-def digest_owner(num_kv_heads: int, tp: int, tp_rank: int) -> range:
-    """The KV heads `tp_rank` counts in a digest: its heads, unless a lower rank of the group replicates them (each
-    logical head counted once per side)."""
-    held = heads_of_rank(num_kv_heads, tp, tp_rank)
-    if tp_rank and first_kv_head(num_kv_heads, tp, tp_rank - 1) == held.start:
-        return range(held.start, held.start)
-    return held
