@@ -9,15 +9,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from equivalence.support.kv_shards import (
-    MemmoveEngine,
-    empty_cache,
-    fill,
-    random_kv,
-    shard_scales,
-    side_digest,
-    transfer,
-)
+from equivalence.support.kv_shards import MemmoveEngine, assert_holds, prefilled_pair, side_digest, transfer
 from optimized.errors import UsageError
 from optimized.pd.block_transfer import check_scales_transferable
 from optimized.pd.digest import KvIntegrityError
@@ -80,44 +72,7 @@ def test_layouts_that_do_not_divide_are_refused():
         decode_rank_sources(AttentionLayout(1), AttentionLayout(3), 4)  # 3 ranks cannot share 4 heads
 
 
-LAYERS, DIM = 2, 4
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-
-
-def blocks_for(tokens: int, block_size: int, seed: int, num_blocks: int) -> list[int]:
-    """A request's blocks, scattered through the pool (never the null block 0)."""
-    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
-    return order[: -(-tokens // block_size)].tolist()
-
-
-def prefilled_pair(prefill_tp, decode_tp, heads, tokens, block_size, dtype, seed, num_blocks=16):
-    """The prefill side's caches holding a request, the decode side's empty caches with blocks reserved."""
-    kv = random_kv(LAYERS, tokens, heads, DIM, dtype, seed)
-    prefill, prefill_blocks = [], []
-    for rank in range(prefill_tp):
-        held = heads_of_rank(heads, prefill_tp, rank)
-        prefill.append(empty_cache(kv, num_blocks, block_size, len(held)))
-        prefill_blocks.append(blocks_for(tokens, block_size, seed + rank, num_blocks))
-        fill(prefill[-1], prefill_blocks[-1], kv, held)
-    decode = [empty_cache(kv, num_blocks, block_size, len(heads_of_rank(heads, decode_tp, r))) for r in range(decode_tp)]
-    decode_blocks = [blocks_for(tokens, block_size, seed + 100 + r, num_blocks) for r in range(decode_tp)]
-    return kv, prefill, prefill_blocks, decode, decode_blocks
-
-
-def assert_holds(decode, decode_blocks, kv, prefill_tp, heads):
-    """Each decode rank's cache holds the request's tokens of its heads (and its sender's scales), bit for bit."""
-    expected = shard_scales(kv, prefill_tp)
-    for rank, (cache, blocks) in enumerate(zip(decode, decode_blocks)):
-        held = heads_of_rank(heads, len(decode), rank)
-        index = torch.tensor(blocks)
-        for layer, tensors in enumerate(cache.layers):
-            for which in range(2):
-                got = tensors[which].index_select(0, index).flatten(0, 1)[: kv.num_tokens]
-                want = kv.kv[layer, which, :, held.start : held.stop]
-                assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
-                if expected.scales is not None:
-                    got_scale = tensors[2 + which].index_select(0, index).flatten(0, 1)[: kv.num_tokens]
-                    assert torch.equal(got_scale, expected.scales[layer, which, :, held.start])
 
 
 @given(

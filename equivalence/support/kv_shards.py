@@ -16,6 +16,7 @@ from optimized.pd.rank_mapping import AttentionLayout, decode_rank_sources, head
 
 _BITS = {1: torch.uint8, 2: torch.int16}
 DEVICE = torch.device("cpu")  # the transfer engine's protocol tcp moves host memory
+LAYERS, DIM = 2, 4
 
 
 @dataclass
@@ -82,7 +83,10 @@ class MemmoveEngine:
 def side_digest(caches: list[PagedKVCache], blocks: list[list[int]], num_tokens: int, heads: int) -> KvDigest:
     """One side's digest of a request held by the TP ranks `caches` of its DP group: the parts of every rank."""
     tp = len(caches)
-    parts = [digest_cache(c, b, num_tokens, heads_of_rank(heads, tp, r)) for r, (c, b) in enumerate(zip(caches, blocks))]
+    parts = [
+        digest_cache(cache, rank_blocks, num_tokens, heads_of_rank(heads, tp, rank))
+        for rank, (cache, rank_blocks) in enumerate(zip(caches, blocks))
+    ]
     total = parts[0]
     for part in parts[1:]:
         total = total.merge(part)
@@ -92,20 +96,69 @@ def side_digest(caches: list[PagedKVCache], blocks: list[list[int]], num_tokens:
 def transfer(
     prefill: list[PagedKVCache],
     prefill_blocks: list[list[int]],
-    decode: list[PagedKVCache],
+    decode: list[PagedKVCache | CacheDescriptor],
     decode_blocks: list[list[int]],
     num_tokens: int,
     heads: int,
     engine,
     peer: str = "",
 ) -> None:
-    """Every prefill TP rank writes what the rank mapping gives it into the decode TP ranks of one DP group."""
+    """Every prefill TP rank writes what the rank mapping gives it into the decode TP ranks of one DP group (their
+    caches, or for a decode side in another process their descriptors)."""
     plan = decode_rank_sources(AttentionLayout(len(prefill)), AttentionLayout(len(decode)), heads)
+    decode = [CacheDescriptor.of(d) if isinstance(d, PagedKVCache) else d for d in decode]
     for d, (dst, dst_blocks) in enumerate(zip(decode, decode_blocks)):
         for p, (src, src_blocks) in enumerate(zip(prefill, prefill_blocks)):
             runs = tuple(r for r in plan[d] if r.prefill_tp_rank == p)
             if runs:
-                ranges = write_ranges(
-                    CacheDescriptor.of(src), CacheDescriptor.of(dst), src_blocks, dst_blocks, num_tokens, runs
-                )
+                ranges = write_ranges(CacheDescriptor.of(src), dst, src_blocks, dst_blocks, num_tokens, runs)
                 engine.batch_transfer_sync_write(peer, *ranges)
+
+
+def blocks_for(tokens: int, block_size: int, seed: int, num_blocks: int) -> list[int]:
+    """A request's blocks, scattered through the pool (never the null block 0)."""
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    return order[: -(-tokens // block_size)].tolist()
+
+
+def prefill_side(prefill_tp, heads, tokens, block_size, dtype, seed, num_blocks=16):
+    """The request's logical KV, and the prefill TP ranks' caches holding it in scattered blocks."""
+    kv = random_kv(LAYERS, tokens, heads, DIM, dtype, seed)
+    caches, blocks = [], []
+    for rank in range(prefill_tp):
+        held = heads_of_rank(heads, prefill_tp, rank)
+        caches.append(empty_cache(kv, num_blocks, block_size, len(held)))
+        blocks.append(blocks_for(tokens, block_size, seed + rank, num_blocks))
+        fill(caches[-1], blocks[-1], kv, held)
+    return kv, caches, blocks
+
+
+def decode_side(kv, decode_tp, heads, block_size, seed, num_blocks=16):
+    """The decode TP ranks' empty caches, blocks reserved for the request."""
+    held = [heads_of_rank(heads, decode_tp, rank) for rank in range(decode_tp)]
+    caches = [empty_cache(kv, num_blocks, block_size, len(h)) for h in held]
+    blocks = [blocks_for(kv.num_tokens, block_size, seed + 100 + r, num_blocks) for r in range(decode_tp)]
+    return caches, blocks
+
+
+def prefilled_pair(prefill_tp, decode_tp, heads, tokens, block_size, dtype, seed, num_blocks=16):
+    """Both sides in one process."""
+    kv, prefill, prefill_blocks = prefill_side(prefill_tp, heads, tokens, block_size, dtype, seed, num_blocks)
+    decode, decode_blocks = decode_side(kv, decode_tp, heads, block_size, seed, num_blocks)
+    return kv, prefill, prefill_blocks, decode, decode_blocks
+
+
+def assert_holds(decode, decode_blocks, kv, prefill_tp, heads):
+    """Each decode rank's cache holds the request's tokens of its heads (and its sender's scales), bit for bit."""
+    expected = shard_scales(kv, prefill_tp)
+    for rank, (cache, blocks) in enumerate(zip(decode, decode_blocks)):
+        held = heads_of_rank(heads, len(decode), rank)
+        index = torch.tensor(blocks)
+        for layer, tensors in enumerate(cache.layers):
+            for which in range(2):
+                got = tensors[which].index_select(0, index).flatten(0, 1)[: kv.num_tokens]
+                want = kv.kv[layer, which, :, held.start : held.stop]
+                assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+                if expected.scales is not None:
+                    got_scale = tensors[2 + which].index_select(0, index).flatten(0, 1)[: kv.num_tokens]
+                    assert torch.equal(got_scale, expected.scales[layer, which, :, held.start])

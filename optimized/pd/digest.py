@@ -63,7 +63,9 @@ class KvDigest:
             mine, theirs = getattr(self, part), getattr(other, part)
             for head in mine.keys() & theirs.keys():
                 if mine[head] != theirs[head]:
-                    raise KvIntegrityError(f"replicas of KV head {head} disagree ({part}) over {self.num_tokens} tokens")
+                    raise KvIntegrityError(
+                        f"replicas of KV head {head} disagree ({part}) over {self.num_tokens} tokens"
+                    )
             merged.append(mine | theirs)
         return KvDigest(self.num_tokens, *merged)
 

@@ -37,7 +37,7 @@ class KvTransferEngine(abc.ABC):
     @property
     @abc.abstractmethod
     def session_id(self) -> str:
-        """"host:port" a peer names this engine by (valid after initialize)."""
+        """ "host:port" a peer names this engine by (valid after initialize)."""
 
     @abc.abstractmethod
     def register_memory(self, address: int, length: int) -> None: ...
