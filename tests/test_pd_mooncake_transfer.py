@@ -35,29 +35,38 @@ def _engine(caches) -> MooncakeTransferEngine:
 # Every message is (kind, payload); a side that fails sends ("error", its traceback).
 
 
-def _decode(case, conn):
+def _decode(case, conn, outside):
     prefill_tp, decode_tp, heads, dtype = case
     kv, _, _ = prefill_side(prefill_tp, heads, TOKENS, BLOCK_SIZE, dtype, SEED)  # the expected bytes, recomputed
     caches, blocks = decode_side(kv, decode_tp, heads, BLOCK_SIZE, SEED)
     engine = _engine(caches)
     conn.send(("ready", (engine.session_id, [CacheDescriptor.of(c) for c in caches], blocks)))
     _, sent = conn.recv()  # the prefill side's digest, once every write has landed
+    if sent is None:  # the writes were refused: nothing of them arrived
+        assert all(not t.any() for c in caches for layer in c.layers for t in layer)
+        return
     assert_holds(caches, blocks, kv, prefill_tp, heads)
     side_digest(caches, blocks, TOKENS, heads).check_against(sent)
 
 
-def _prefill(case, conn):
+def _prefill(case, conn, outside):
     prefill_tp, decode_tp, heads, dtype = case
     _, caches, blocks = prefill_side(prefill_tp, heads, TOKENS, BLOCK_SIZE, dtype, SEED)
     engine = _engine(caches)
     _, (peer, descriptors, decode_blocks) = conn.recv()
+    if outside:  # block ids past the decode pool: addresses the decode side never registered
+        decode_blocks = [[b + 10_000 for b in rank_blocks] for rank_blocks in decode_blocks]
+        with pytest.raises(TransferError, match="batch_transfer_sync_write to 127.0.0.1:"):
+            transfer(caches, blocks, descriptors, decode_blocks, TOKENS, heads, engine, peer)
+        conn.send(("digest", None))
+        return
     transfer(caches, blocks, descriptors, decode_blocks, TOKENS, heads, engine, peer)
     conn.send(("digest", side_digest(caches, blocks, TOKENS, heads)))
 
 
-def _child(side, case, conn):
+def _child(side, case, conn, outside):
     try:
-        side(case, conn)
+        side(case, conn, outside)
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - the parent reports the child's failure
         conn.send(("error", traceback.format_exc()))
@@ -72,18 +81,13 @@ def _recv(conn, who):
     return kind, payload
 
 
-@pytest.mark.parametrize(
-    "case",
-    [(2, 1, 4, torch.bfloat16), (1, 2, 4, torch.float8_e4m3fn), (4, 2, 2, torch.bfloat16)],
-    ids=["bf16-tp2-to-tp1", "fp8-tp1-to-tp2", "bf16-tp4-to-tp2-replicated-heads"],
-)
-def test_mooncake_moves_kv_blocks_between_processes(case):
+def _run_pair(case, outside=False):
     ctx = multiprocessing.get_context("fork")
     decode_conn, decode_child = ctx.Pipe()
     prefill_conn, prefill_child = ctx.Pipe()
     procs = [
-        ctx.Process(target=_child, args=(_decode, case, decode_child), daemon=True),
-        ctx.Process(target=_child, args=(_prefill, case, prefill_child), daemon=True),
+        ctx.Process(target=_child, args=(_decode, case, decode_child, outside), daemon=True),
+        ctx.Process(target=_child, args=(_prefill, case, prefill_child, outside), daemon=True),
     ]
     for p in procs:
         p.start()
@@ -97,6 +101,19 @@ def test_mooncake_moves_kv_blocks_between_processes(case):
             p.join(TIMEOUT_S)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(2, 1, 4, torch.bfloat16), (1, 2, 4, torch.float8_e4m3fn), (4, 2, 2, torch.bfloat16)],
+    ids=["bf16-tp2-to-tp1", "fp8-tp1-to-tp2", "bf16-tp4-to-tp2-replicated-heads"],
+)
+def test_mooncake_moves_kv_blocks_between_processes(case):
+    _run_pair(case)
+
+
+def test_a_write_outside_the_peers_registered_memory_is_a_transfer_error():
+    _run_pair((1, 1, 2, torch.bfloat16), outside=True)
 
 
 def test_session_id_before_initialize_is_refused():
