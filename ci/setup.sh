@@ -12,7 +12,7 @@ if [ ! -x "$PY" ]; then
 fi
 stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" "$ROOT/ci/setup.sh" | sha256sum | cut -c1-16)"
 # The Mooncake Transfer Engine (the pd extra, in [test]) loads libibverbs even for its TCP protocol.
-if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep 'libibverbs\.so\.1 ' >/dev/null; then  # no -q: grep reads all, ldconfig gets no SIGPIPE
+if [ "$(uname -s)" = Linux ] && ! "$PY" -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null; then
     echo "[setup] installing the system package libibverbs1 (the KV transfer engine's dependency)"
     if ! command -v apt-get >/dev/null || [ "$(id -u)" != 0 ]; then
         echo "[setup] error: libibverbs1 is missing and cannot be installed here (needs apt-get as root);" \
