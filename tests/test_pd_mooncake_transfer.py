@@ -2,7 +2,8 @@
 P2PHANDSHAKE: each engine binds its own RPC port and reports it): the decode process registers its paged caches'
 tensors and reserves blocks, the prefill process registers its own and writes the request's blocks into the
 decode caches with `batch_transfer_sync_write`. On arrival the decode caches hold the request's bytes exactly and
-the two sides' digests agree. Both sides are forked children: the test process never starts an engine, so no
+the two sides' digests agree. A write to addresses the decode side never registered, or to a decode process that
+died, is a TransferError and leaves nothing behind. Both sides are forked children: the test process never starts an engine, so no
 engine thread is ever forked."""
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ def _engine(caches) -> MooncakeTransferEngine:
 # Every message is (kind, payload); a side that fails sends ("error", its traceback).
 
 
-def _decode(case, conn, outside):
+def _decode(case, conn, fault):
     prefill_tp, decode_tp, heads, dtype = case
     kv, _, _ = prefill_side(prefill_tp, heads, TOKENS, BLOCK_SIZE, dtype, SEED)  # the expected bytes, recomputed
     caches, blocks = decode_side(kv, decode_tp, heads, BLOCK_SIZE, SEED)
     engine = _engine(caches)
     conn.send(("ready", (engine.session_id, [CacheDescriptor.of(c) for c in caches], blocks)))
+    if fault == "peer_gone":  # the decode instance dies before the writes
+        return
     _, sent = conn.recv()  # the prefill side's digest, once every write has landed
     if sent is None:  # the writes were refused: nothing of them arrived
         assert all(not t.any() for c in caches for layer in c.layers for t in layer)
@@ -49,13 +52,14 @@ def _decode(case, conn, outside):
     side_digest(caches, blocks, TOKENS, heads).check_against(sent)
 
 
-def _prefill(case, conn, outside):
+def _prefill(case, conn, fault):
     prefill_tp, decode_tp, heads, dtype = case
     _, caches, blocks = prefill_side(prefill_tp, heads, TOKENS, BLOCK_SIZE, dtype, SEED)
     engine = _engine(caches)
     _, (peer, descriptors, decode_blocks) = conn.recv()
-    if outside:  # block ids past the decode pool: addresses the decode side never registered
-        decode_blocks = [[b + 10_000 for b in rank_blocks] for rank_blocks in decode_blocks]
+    if fault:
+        if fault == "outside":  # block ids past the decode pool: addresses the decode side never registered
+            decode_blocks = [[b + 10_000 for b in rank_blocks] for rank_blocks in decode_blocks]
         with pytest.raises(TransferError, match="batch_transfer_sync_write to 127.0.0.1:"):
             transfer(caches, blocks, descriptors, decode_blocks, TOKENS, heads, engine, peer)
         conn.send(("digest", None))
@@ -64,9 +68,9 @@ def _prefill(case, conn, outside):
     conn.send(("digest", side_digest(caches, blocks, TOKENS, heads)))
 
 
-def _child(side, case, conn, outside):
+def _child(side, case, conn, fault):
     try:
-        side(case, conn, outside)
+        side(case, conn, fault)
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - the parent reports the child's failure
         conn.send(("error", traceback.format_exc()))
@@ -81,18 +85,26 @@ def _recv(conn, who):
     return kind, payload
 
 
-def _run_pair(case, outside=False):
+def _run_pair(case, fault=None):
     ctx = multiprocessing.get_context("fork")
     decode_conn, decode_child = ctx.Pipe()
     prefill_conn, prefill_child = ctx.Pipe()
     procs = [
-        ctx.Process(target=_child, args=(_decode, case, decode_child, outside), daemon=True),
-        ctx.Process(target=_child, args=(_prefill, case, prefill_child, outside), daemon=True),
+        ctx.Process(target=_child, args=(_decode, case, decode_child, fault), daemon=True),
+        ctx.Process(target=_child, args=(_prefill, case, prefill_child, fault), daemon=True),
     ]
     for p in procs:
         p.start()
     try:
-        prefill_conn.send(_recv(decode_conn, "decode"))  # its session id, cache descriptors, reserved blocks
+        ready = _recv(decode_conn, "decode")  # its session id, cache descriptors, reserved blocks
+        if fault == "peer_gone":
+            assert _recv(decode_conn, "decode") == ("ok", None)
+            procs[0].join(TIMEOUT_S)  # its engine is gone with it, before prefill writes
+            prefill_conn.send(ready)
+            assert _recv(prefill_conn, "prefill") == ("digest", None)  # the writes failed
+            assert _recv(prefill_conn, "prefill") == ("ok", None)
+            return
+        prefill_conn.send(ready)
         decode_conn.send(_recv(prefill_conn, "prefill"))  # the digest of what was sent, after the writes
         assert _recv(prefill_conn, "prefill") == ("ok", None)
         assert _recv(decode_conn, "decode") == ("ok", None)  # bytes equal on arrival, digests equal
@@ -113,7 +125,11 @@ def test_mooncake_moves_kv_blocks_between_processes(case):
 
 
 def test_a_write_outside_the_peers_registered_memory_is_a_transfer_error():
-    _run_pair((1, 1, 2, torch.bfloat16), outside=True)
+    _run_pair((1, 1, 2, torch.bfloat16), fault="outside")
+
+
+def test_a_write_to_a_decode_process_that_died_is_a_transfer_error():
+    _run_pair((1, 1, 2, torch.bfloat16), fault="peer_gone")
 
 
 def test_session_id_before_initialize_is_refused():
