@@ -3,8 +3,8 @@ P2PHANDSHAKE: each engine binds its own RPC port and reports it): the decode pro
 tensors and reserves blocks, the prefill process registers its own and writes the request's blocks into the
 decode caches with `batch_transfer_sync_write`. On arrival the decode caches hold the request's bytes exactly and
 the two sides' digests agree. A write to addresses the decode side never registered, or to a decode process that
-died, is a TransferError and leaves nothing behind. Both sides are forked children: the test process never starts an engine, so no
-engine thread is ever forked."""
+died, is a TransferError and leaves nothing behind. Both sides are forked children: the test process never starts
+an engine, so no engine thread is ever forked."""
 
 from __future__ import annotations
 
