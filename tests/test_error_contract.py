@@ -20,6 +20,8 @@ INTERNAL = {
     "optimized.serving.protocol.ApiError",  # an HTTP error response to a client, never the CLI's
     "optimized.serving.driver.EngineStopped",  # the engine thread died: a bug or a device failure
     "optimized.serving.driver.RequestFailed",  # one request failed inside the engine
+    "optimized.pd.transfer_engine.TransferError",  # the KV transfer engine refused a write (a peer gone)
+    "optimized.pd.digest.KvIntegrityError",  # the decode side's KV is not what prefill sent: the request fails
 }
 
 

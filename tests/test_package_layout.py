@@ -24,6 +24,7 @@ FLOORS = [
     ("optimized.model",),
     ("optimized.model_loader", "optimized.datasets"),
     ("optimized.executor",),
+    ("optimized.pd",),
     ("optimized.llm",),
     ("optimized.serving",),
     ("optimized.benchmarks",),
