@@ -213,6 +213,7 @@ class Launch:
                 kv_cache_dtype=m.kv_cache_dtype,
                 max_prefill_tokens=s.max_prefill_tokens,
                 mem_fraction_static=s.mem_fraction_static,
+                batch_invariant=m.batch_invariant,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None

@@ -16,6 +16,7 @@ from optimized.executor.kv_cache import BlockPool, PagedKVCache
 from optimized.executor.sampling import MAX_STOP_IDS, fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
 from optimized.errors import UsageError
+from optimized.ops import batch_invariant
 from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
 
 
@@ -165,7 +166,8 @@ class Engine:
                 block_size=self.runner.block_size,
                 dp=self._dp([bucket] * self.dp_size),
             )
-            self.runner.decode_forward(zeros, meta, self.cache.layers).float().sum().item()
+            with self._invariant():
+                self.runner.decode_forward(zeros, meta, self.cache.layers).float().sum().item()
             self.warm_up_timings[bucket] = self.runner.clock() - start
 
     # ---- one step
@@ -235,7 +237,8 @@ class Engine:
             [sum(len(r.prefill_ids) for r in g) or 1 for g in groups],
             [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups],
         )
-        logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
+        with self._invariant():
+            logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
         return logits[n_kept:], logits[:n_kept], ids
 
     def _decode(self, groups) -> torch.Tensor:
@@ -253,7 +256,12 @@ class Engine:
             block_size=self.runner.block_size,
             dp=self._dp([len(g) or 1 for g in groups]),
         )
-        return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
+        with self._invariant():
+            return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
+
+    def _invariant(self):
+        """The runner's batch-invariant mode around a forward (a compiled decode graph is traced inside it)."""
+        return batch_invariant.mode(getattr(self.runner, "batch_invariant", False))
 
     # ---- choosing and reading back
     def _layout(self, rows: list[Request], kind: str) -> list[int]:
