@@ -34,6 +34,18 @@ def mode(on: bool):
         _enabled = before
 
 
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1, keepdim=True); in this mode a left-to-right sum of elementwise adds, which a compiled graph keeps in
+    that order (inductor vectorizes a reduction its own way per batch size: the MoE top-k weights' sum of a decode
+    batch of one differed in the last bit from eager's)."""
+    if not _enabled:
+        return x.sum(dim=-1, keepdim=True)
+    total = x[..., :1]
+    for i in range(1, x.shape[-1]):
+        total = total + x[..., i : i + 1]
+    return total
+
+
 def by_row(fn, a: torch.Tensor, *args) -> torch.Tensor:
     """fn(row, *args) for each row of the 2-D `a`, each row a fresh [1, K] copy, stacked into [M, N]."""
     return torch.cat([fn(a[i : i + 1].clone(), *args) for i in range(a.shape[0])])
