@@ -290,7 +290,7 @@ class Engine:
         parts = [chosen.float()]
         k = max((r.logprobs for r in rows if r.logprobs is not None), default=-1)
         if k >= 0:
-            lp = torch.log_softmax(logits.float(), dim=-1)
+            lp = self._log_softmax(logits)
             parts.append(lp.gather(1, chosen.clamp(min=0).unsqueeze(1)).squeeze(1))
             if k:
                 top = torch.topk(lp, k, dim=-1)
@@ -301,7 +301,7 @@ class Engine:
             for r in rows:
                 n = len(r.kept_prompt_positions)
                 if r.echo:  # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
-                    lp.append(torch.log_softmax(kept[offset : offset + n].float(), dim=-1))
+                    lp.append(self._log_softmax(kept[offset : offset + n]))
                     targets.append(ids[token + 1 : token + len(r.prompt)])
                 offset += n
                 token += len(r.prefill_ids)
@@ -312,10 +312,20 @@ class Engine:
                 parts += [top.values.flatten(), top.indices.float().flatten()]
         return torch.cat(parts)
 
+    def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 log-probabilities of each row; batch-invariant: each row alone, from a fresh copy (the CPU kernel's
+        result for a row depends on where the row starts in memory)."""
+        if getattr(self.runner, "batch_invariant", False):
+            return batch_invariant.by_row(lambda row: torch.log_softmax(row.float(), dim=-1), logits)
+        return torch.log_softmax(logits.float(), dim=-1)
+
     def _choose(self, logits: torch.Tensor, span, sampled: bool) -> torch.Tensor:
         from optimized.executor.sampling import choose
 
         b = self.batch
+        if getattr(self.runner, "batch_invariant", False) and logits.shape[0] > 1:  # each row as if alone
+            rows = [(span[0] + i, logits[i : i + 1].clone()) for i in range(logits.shape[0])]
+            return torch.cat([self._choose(row, (at, at + 1), sampled) for at, row in rows])
         return choose(
             logits,
             b.sampling_rows(*span) if sampled else None,

@@ -48,6 +48,8 @@ def sum_last(x: torch.Tensor) -> torch.Tensor:
 
 def by_row(fn, a: torch.Tensor, *args) -> torch.Tensor:
     """fn(row, *args) for each row of the 2-D `a`, each row a fresh [1, K] copy, stacked into [M, N]."""
+    if a.shape[0] == 0:
+        return fn(a, *args)
     return torch.cat([fn(a[i : i + 1].clone(), *args) for i in range(a.shape[0])])
 
 
