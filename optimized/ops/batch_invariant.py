@@ -53,17 +53,9 @@ def by_row(fn, a: torch.Tensor, *args) -> torch.Tensor:
     return torch.cat([fn(a[i : i + 1].clone(), *args) for i in range(a.shape[0])])
 
 
-def _one_row_linear(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    from optimized.ops import cpu_gemm
-
-    if cpu_gemm.packable(row, weight):
-        return cpu_gemm._linear_kernel(row, weight)
-    return F.linear(row, weight)
-
-
 def _linear_rows_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    return by_row(_one_row_linear, rows, weight).view(*x.shape[:-1], weight.shape[0])
+    return by_row(F.linear, rows, weight).view(*x.shape[:-1], weight.shape[0])
 
 
 def _linear_rows_fake(x, weight):
