@@ -53,9 +53,18 @@ def by_row(fn, a: torch.Tensor, *args) -> torch.Tensor:
     return torch.cat([fn(a[i : i + 1].clone(), *args) for i in range(a.shape[0])])
 
 
+# One row's linear: F.linear, or the prepacked CPU kernel that cpu_gemm installs (its result bit for bit, faster).
+_row_linear = F.linear
+
+
+def use_row_linear(fn) -> None:
+    global _row_linear
+    _row_linear = fn
+
+
 def _linear_rows_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    return by_row(F.linear, rows, weight).view(*x.shape[:-1], weight.shape[0])
+    return by_row(_row_linear, rows, weight).view(*x.shape[:-1], weight.shape[0])
 
 
 def _linear_rows_fake(x, weight):

@@ -119,6 +119,13 @@ _lib.impl("linear", _linear_kernel, "CPU")
 torch.library.register_fake("qwen3_moe_cpu::linear", _linear_fake, lib=_lib)
 
 
+def _one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _linear_kernel(row, weight) if packable(row, weight) else F.linear(row, weight)
+
+
+batch_invariant.use_row_linear(_one_row)  # batch-invariant mode's row-by-row linear runs the prepacked kernel
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x weight^T, F.linear's result bit for bit; prepacked on CPU bf16 (see the module docstring)."""
     if batch_invariant.enabled() and x.device.type == "cpu" and x.numel() > 0:
