@@ -143,6 +143,7 @@ class ModelConfig:
     num_hidden_layers: int | None = None
     tokenizer_mode: str = "default"
     kv_cache_dtype: str = "auto"
+    batch_invariant: bool = False  # a request's logits bitwise the same whatever it is batched with (CPU kernels)
     # The recipe's other model_config keys: each does what the recipe does, or is refused naming why.
     model_name: str = "model"  # the run's name: printed, and the default compile-cache case name's head
     output_path: str = ""  # where enable_profiler writes its trace; "": the YAML file's directory
@@ -201,6 +202,7 @@ class ModelConfig:
         c.boolean(self, "with_ckpt")
         c.boolean(self, "enable_cache_compile")
         c.boolean(self, "trust_compile_cache")
+        c.boolean(self, "batch_invariant")
         c.positive_int(self, "num_hidden_layers", optional=True)
         c.choice(self, "tokenizer_mode", TOKENIZER_MODES)
         c.choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)

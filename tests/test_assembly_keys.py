@@ -113,7 +113,12 @@ def _nz_on(run, engine, command):
     assert any(m.weight_nz for m in layers) and not any(m.weight_nz for m in layers if getattr(m, "router", False))
 
 
+def _batch_invariant(run, engine, command):
+    assert run.runner.batch_invariant is True and engine.runner is run.runner
+
+
 ROWS = {
+    "batch_invariant": ({"model_config.batch_invariant": True}, _batch_invariant),
     "enable_weight_nz false": ({"model_config.enable_weight_nz": False}, _nz_off),
     "enable_weight_nz true": ({"model_config.enable_weight_nz": True}, _nz_on),
     # One row for both graph keys: each compile costs tens of seconds here, and the two checks are independent.

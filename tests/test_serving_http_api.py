@@ -11,6 +11,9 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from optimized.executor.engine import TokenEvent
 from optimized.executor.scheduler import Step
@@ -771,3 +774,104 @@ def test_unknown_routes_and_methods_get_openai_errors(s):
     r = httpx.get(s.url + "/v1/completions", timeout=TIMEOUT_S)
     assert r.status_code == 405 and r.json()["error"]["code"] == 405 and r.headers["allow"] == "POST"
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- every sampling parameter: refused naming it, or computed without leaving float32's range
+_TINY_FLOATS = [5e-324, 1e-320, 1e-46, 7e-46, 1.4e-45, 1e-40, 1e-39, 1.1754943508222875e-38, 1e-38, 1e-30, 1e-7, 1e-6]
+_HUGE_FLOATS = [1e6, 1.0000001e6, 1e20, 3.4028234663852886e38, 3.5e38, 1e300, 1.7976931348623157e308]
+_EXTREME_FLOATS = (
+    [0.0, -0.0, 1e-5, 0.5, 1.0, 2.0, float("inf"), float("-inf"), float("nan")]
+    + _TINY_FLOATS
+    + [-v for v in _TINY_FLOATS]
+    + _HUGE_FLOATS
+    + [-v for v in _HUGE_FLOATS]
+)
+_EXTREME_INTS = [-(2**70), -2, -1, 0, 1, 5, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, 10**30]
+
+
+def _allowed(field: str, v) -> bool:
+    """The documented range of each field (docs/serving.md's field table)."""
+    from optimized.executor.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+
+    return {
+        "temperature": lambda: 0 <= v <= 2,
+        "top_p": lambda: 0 < v <= 1,
+        "top_k": lambda: v >= -1,
+        "presence_penalty": lambda: -2 <= v <= 2,
+        "frequency_penalty": lambda: -2 <= v <= 2,
+        "repetition_penalty": lambda: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+        "logit_bias": lambda: all(-100 <= b <= 100 for b in v.values()),
+    }[field]()
+
+
+def _chosen_from(request, logits):
+    """The engine's batched choice for this request's row on `logits` [1, V]: (processed logits, filtered
+    probabilities, chosen id)."""
+    from optimized.executor.device_batch import DeviceBatch
+    from optimized.executor.sampling import apply_penalties, choose, sorted_filtered_probs
+    from optimized.executor.scheduler import Request
+
+    row = Request("x", request.prompt, 4, request.sampling, stop_ids=request.stop_ids, blocks=[1])
+    batch = DeviceBatch(1, 2, torch.device("cpu"), logits.shape[-1])
+    batch.admit([row])
+    penalties, sampling = batch.penalty_rows(0, 1), batch.sampling_rows(0, 1)
+    draws = batch.sampling.draws[:1]
+    processed = logits if penalties is None else apply_penalties(logits, penalties, draws)
+    probs, _ = sorted_filtered_probs(processed, sampling.temperature, sampling.top_k, sampling.top_p)
+    return processed, probs, int(choose(logits, sampling, penalties, draws)[0])
+
+
+_floats = st.one_of(st.sampled_from(_EXTREME_FLOATS), st.floats(), st.floats(-2, 2))
+_sampling_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": st.one_of(_floats, st.floats(1e-5, 2)),
+        "top_p": _floats,
+        "top_k": st.one_of(st.sampled_from(_EXTREME_INTS), st.integers()),
+        "presence_penalty": _floats,
+        "frequency_penalty": _floats,
+        "repetition_penalty": _floats,
+        "logit_bias": st.dictionaries(st.sampled_from(["0", "5", "17"]), _floats, min_size=1),
+    },
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fields=_sampling_fields, logits=st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=1))
+@example(fields={"temperature": 1.0, "top_p": 1e-46}, logits=[3.0])
+@example(fields={"temperature": 0.7, "repetition_penalty": 1e-39}, logits=[3.0])
+@example(fields={"temperature": 0.7, "top_k": 2**64}, logits=[3.0])
+def test_sampling_parameters_are_refused_or_stay_in_float32s_range(server, fields, logits):
+    """Extreme values (subnormal, past float32's limits, infinities, NaN, huge integers) of every sampling field, on
+    both routes: a value outside the documented range is a 400 naming its field; an accepted request's row, through
+    the engine's batched processors, temperature, top-k and top-p, has finite probabilities and a token id (top_p
+    1e-46 was 0 on the device, every token dropped and the probabilities NaN; repetition_penalty 1e-39 gave x / 0)."""
+    from optimized.executor.sampling import MAX_REPETITION_PENALTY
+    from reference.sampling import process_with
+
+    server.engine.script = server.engine.default_script
+    vocab = len(server.tokenizer.hf)
+    bad = sorted(k for k, v in fields.items() if not _allowed(k, v))
+    prompt = server.tokenizer.hf.encode("hi there")
+    for path, body in (
+        ("/v1/completions", {"prompt": prompt}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]}),
+    ):
+        raw = json.dumps({"model": MODEL, **body, **fields, "seed": 7, "max_tokens": 1})  # NaN, Infinity as Python's
+        r = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+        if bad:
+            assert r.status_code == 400, (fields, r.text)
+            assert error_of(r, 400, r.json()["error"]["param"])["param"] in bad, (fields, r.json())
+            continue
+        assert r.status_code == 200, (fields, r.text)
+        request = server.engine.added[-1]
+        # the prompt's tokens (which repetition_penalty divides or multiplies) at the highest or the lowest logits
+        for prompt_logit in (max(abs(logits[0]), 1.0), -max(abs(logits[0]), 1.0) * MAX_REPETITION_PENALTY):
+            row = torch.full((vocab,), logits[0], dtype=torch.float32)
+            row[sorted(set(request.prompt))] = prompt_logit
+            processed, probs, chosen = _chosen_from(request, row.unsqueeze(0))
+            want = process_with(row, request.sampling, request.prompt, request.tokens[:0], request.stop_ids)
+            assert torch.equal(processed[0], want), "the batched processors left the per-row rules"
+            assert not processed.isnan().any() and not processed.isposinf().any(), (fields, processed)
+            assert probs.isfinite().all() and probs[0, 0] > 0, (fields, probs)
+            assert 0 <= chosen < vocab, (fields, chosen)

@@ -78,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also time the optimized decode at these prompt lengths (e.g. 128,1024,4096): decode grows "
         "with the KV bytes read, beside the floor at each length",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also time the optimized model in model_config.batch_invariant mode (row-by-row GEMMs: a request's "
+        "logits do not depend on its batch), its cost in the ratios beside the default mode",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument(
         "--world-size",
@@ -335,6 +341,9 @@ def run(args) -> int:
     runner = ModelRunner(opt, args.block_size, kv_pool_blocks=args.kv_pool_blocks)
     progress(f"  done in {time.perf_counter() - t0:.1f} s")
     models = {"reference": (run_reference, ref), "optimized": (run_optimized, runner)}
+    if args.batch_invariant:
+        invariant = ModelRunner(opt, args.block_size, kv_pool_blocks=args.kv_pool_blocks, batch_invariant=True)
+        models["batch_invariant"] = (run_optimized, invariant)
     startup = None
     if args.exe_mode != "eager":
         graph_runner, startup = graph_startup(opt, args, config)
@@ -423,6 +432,7 @@ def run(args) -> int:
             "device": str(opt_device),
             "torch": torch.__version__,
             "hf": "skipped" if args.skip_hf else "measured",
+            "batch_invariant": bool(args.batch_invariant),
             "hf_note": hf_note,
             "hf_implementation": hf_impl,
         },
@@ -499,6 +509,7 @@ def format_report(r: dict) -> str:
         "optimized": "optimized",
         "hf": "HF transformers",
         "graph": f"optimized {r.get('graph', {}).get('exe_mode', 'graph')}",
+        "batch_invariant": "batch_invariant",
     }
     lines = [
         f"{s['preset']} shapes, {s['layers']} of {s['full_layers']} layers, {s['dtype']}, batch {s['batch']}, "

@@ -224,6 +224,7 @@ class Launch:
                 max_prefill_tokens=s.max_prefill_tokens,
                 mem_fraction_static=s.mem_fraction_static,
                 enable_prefix_caching=s.enable_prefix_caching,
+                batch_invariant=m.batch_invariant,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None

@@ -64,6 +64,7 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
     """Everything a compiled decode graph of `model` depends on (JSON-able). kv_cache_dtype: the cache the graph
     reads and writes (a float8_e4m3fn cache adds the quantizing write and the scale caches to the graph)."""
     from optimized import platform
+    from optimized.ops import batch_invariant
     from optimized.ops.registry import inline_in_inductor, kernels_source_hash
 
     parallel = model.groups.parallel
@@ -78,6 +79,7 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
         "force_eplb": bool(model.force_eplb),  # the balanced expert ids are built inside the traced step
         "weight_nz": bool(getattr(model, "weight_nz", False)),  # frozen parameters in the NZ or the ND layout
         "batch_bucket": batch_bucket,
+        "batch_invariant": batch_invariant.enabled(),  # row-wise GEMM operators in the graph (model_config)
         "block_size": block_size,
         "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
         "exe_mode": exe_mode,

@@ -124,7 +124,7 @@ class DeviceBatch:
             s = self.sampling
             params = [r.sampling for r in requests]
             s.temperature[start:end] = torch.tensor([float(p.temperature) for p in params], device=self.device)
-            s.top_k[start:end] = torch.tensor([p.top_k for p in params], device=self.device)
+            s.top_k[start:end] = torch.tensor([p.device_top_k for p in params], device=self.device)
             s.top_p[start:end] = torch.tensor([float(p.top_p) for p in params], device=self.device)
             s.keys[start:end] = torch.tensor(
                 [seed_key(p.seed or 0, r.stream) for p, r in zip(params, requests)], device=self.device

@@ -26,6 +26,7 @@ from optimized.executor.kv_cache import BlockPool, PagedKVCache
 from optimized.executor.sampling import MAX_STOP_IDS, fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
 from optimized.errors import UsageError
+from optimized.ops import batch_invariant
 from optimized.forward_metadata import DataParallelBatch, ForwardMetadata
 
 
@@ -193,7 +194,8 @@ class Engine:
                 block_size=self.runner.block_size,
                 dp=self._dp([bucket] * self.dp_size),
             )
-            self.runner.decode_forward(zeros, meta, self.cache.layers).float().sum().item()
+            with self._invariant():
+                self.runner.decode_forward(zeros, meta, self.cache.layers).float().sum().item()
             self.warm_up_timings[bucket] = self.runner.clock() - start
 
     # ---- one step
@@ -267,7 +269,8 @@ class Engine:
             [sum(len(r.prefill_ids) - r.cached_tokens for r in g) or 1 for g in groups],
             [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups],
         )
-        logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
+        with self._invariant():
+            logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
         return logits[n_kept:], logits[:n_kept], ids
 
     def _decode(self, groups) -> torch.Tensor:
@@ -285,7 +288,12 @@ class Engine:
             block_size=self.runner.block_size,
             dp=self._dp([len(g) or 1 for g in groups]),
         )
-        return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
+        with self._invariant():
+            return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
+
+    def _invariant(self):
+        """The runner's batch-invariant mode around a forward (a compiled decode graph is traced inside it)."""
+        return batch_invariant.mode(getattr(self.runner, "batch_invariant", False))
 
     # ---- choosing and reading back
     def _layout(self, rows: list[Request], kind: str) -> list[int]:
@@ -314,7 +322,7 @@ class Engine:
         parts = [chosen.float()]
         k = max((r.logprobs for r in rows if r.logprobs is not None), default=-1)
         if k >= 0:
-            lp = torch.log_softmax(logits.float(), dim=-1)
+            lp = self._log_softmax(logits)
             parts.append(lp.gather(1, chosen.clamp(min=0).unsqueeze(1)).squeeze(1))
             if k:
                 top = torch.topk(lp, k, dim=-1)
@@ -325,7 +333,7 @@ class Engine:
             for r in rows:
                 n = len(r.kept_prompt_positions)
                 if r.echo:  # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
-                    lp.append(torch.log_softmax(kept[offset : offset + n].float(), dim=-1))
+                    lp.append(self._log_softmax(kept[offset : offset + n]))
                     targets.append(ids[token + 1 : token + len(r.prompt)])
                 offset += n
                 token += len(r.prefill_ids) - r.cached_tokens  # the tokens it computed (echo: all)
@@ -336,10 +344,20 @@ class Engine:
                 parts += [top.values.flatten(), top.indices.float().flatten()]
         return torch.cat(parts)
 
+    def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 log-probabilities of each row; batch-invariant: each row alone, from a fresh copy (the CPU kernel's
+        result for a row depends on where the row starts in memory)."""
+        if getattr(self.runner, "batch_invariant", False):
+            return batch_invariant.by_row(lambda row: torch.log_softmax(row.float(), dim=-1), logits)
+        return torch.log_softmax(logits.float(), dim=-1)
+
     def _choose(self, logits: torch.Tensor, span, sampled: bool) -> torch.Tensor:
         from optimized.executor.sampling import choose
 
         b = self.batch
+        if getattr(self.runner, "batch_invariant", False) and logits.shape[0] > 1:  # each row as if alone
+            rows = [(span[0] + i, logits[i : i + 1].clone()) for i in range(logits.shape[0])]
+            return torch.cat([self._choose(row, (at, at + 1), sampled) for at, row in rows])
         return choose(
             logits,
             b.sampling_rows(*span) if sampled else None,

@@ -29,7 +29,7 @@ from optimized import platform
 from optimized.executor.compile_cache import CompileCache, cache_key
 from optimized.config import GRAPH_MODES
 from optimized.forward_metadata import DataParallelBatch, ForwardMetadata, batch_bucket
-from optimized.ops import registry
+from optimized.ops import batch_invariant, registry
 from optimized.executor.kv_cache import NULL_BLOCK
 
 # Off NPU the compiler is inductor: it inlines the portable kernels that read no tensor data on the host, so they
@@ -56,6 +56,8 @@ def compile_settings():
 
     registry.inline_in_inductor()
     ours, tag = f"qwen3_moe_kernels={registry.kernels_source_hash()}", torch.compiler.config.cache_key_tag
+    if batch_invariant.enabled():  # the portable kernels stay opaque (registry.py): another graph from the same code
+        ours += ",batch_invariant"
     tag = tag if ours in tag.split("|") else "|".join(filter(None, (tag, ours)))
     with (
         torch._dynamo.config.patch(**DYNAMO_SETTINGS),

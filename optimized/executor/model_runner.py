@@ -112,6 +112,7 @@ class ModelRunner:
         max_prefill_tokens: int = 0,
         mem_fraction_static: float | None = None,
         enable_prefix_caching: bool = False,
+        batch_invariant: bool = False,
     ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
@@ -120,7 +121,9 @@ class ModelRunner:
         share of the device's memory the weights and the KV cache may take, checked before the cache is
         allocated (None: no check). enable_prefix_caching (scheduler_config): the engines built over
         this runner (generate's, serve's) reuse cached prompt prefixes (prompts prefilled in one step share nothing;
-        later groups under max_prefill_tokens and later requests do)."""
+        later groups under max_prefill_tokens and later requests do). batch_invariant
+        (model_config): every step computes each row as if it were alone (optimized/ops/batch_invariant.py), so a
+        request's logits do not depend on what it is batched with."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -136,6 +139,7 @@ class ModelRunner:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be an int >= 0 (0: no limit)")
         self.max_prefill_tokens, self.mem_fraction_static = max_prefill_tokens, mem_fraction_static
         self.enable_prefix_caching = enable_prefix_caching
+        self.batch_invariant = bool(batch_invariant)
         self.clock = time.perf_counter  # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests

@@ -25,6 +25,12 @@ SEED_LIMIT = 1 << 64
 MAX_LOGIT_BIAS = 300  # logit_bias entries of one request
 MAX_BIAS = 100.0  # |bias| limit, as OpenAI's
 MAX_STOP_IDS = 8  # stop ids a request with min_tokens may have (its EOS ids)
+# repetition_penalty's range: a penalized logit x becomes x / r or x * r in float32, so r must stay a normal float32
+# far from 0 and from its overflow (r ~ 1e-38 made x / r an inf and the draw NaN); within it, x / r / temperature
+# stays finite for every |x| < 1e20 (temperature >= 1e-5 when sampling).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+# top_k past every vocabulary is no limit: written to the device as 0 (an int64 row cannot hold any Python int)
+TOP_K_NO_LIMIT_FROM = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,15 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
                 raise ValueError(f"{name}={v!r} must be a number in [-2, 2] (0: off)")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
-            raise ValueError(f"repetition_penalty={r!r} must be a finite number > 0 (1: off)")
+        if (
+            isinstance(r, bool)
+            or not isinstance(r, (int, float))
+            or not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY
+        ):
+            raise ValueError(
+                f"repetition_penalty={r!r} must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1: off)"
+            )
         bias = self.logit_bias
         try:
             bias = tuple(sorted((t, b) for t, b in (bias.items() if isinstance(bias, dict) else bias)))
@@ -80,6 +93,11 @@ class SamplingParams:
         m = self.min_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"min_tokens={m!r} must be an integer >= 0")
+
+    @property
+    def device_top_k(self) -> int:
+        """top_k as the device's int64 row: 0 (no limit) for any top_k no vocabulary reaches."""
+        return 0 if self.top_k >= TOP_K_NO_LIMIT_FROM else self.top_k
 
     @property
     def greedy(self) -> bool:
@@ -177,6 +195,9 @@ def apply_penalties(logits: torch.Tensor, p: BatchPenalties, generated: torch.Te
     return x - (p.frequency.unsqueeze(-1) * p.counts.float() + p.presence.unsqueeze(-1) * generated_once.float())  # 4.
 
 
+_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
+
+
 def sorted_filtered_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +210,9 @@ def sorted_filtered_probs(
     limited = (top_k > 0).unsqueeze(-1) & (scores < kth)  # ties at the k-th stay
     probs = torch.softmax(scores.masked_fill(limited, float("-inf")), dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass of the likelier tokens
-    probs = probs.masked_fill(before >= top_p.unsqueeze(-1), 0.0)  # the first token never drops
+    # The first token never drops (its `before` is exactly 0): a top_p too small for float32 (below ~1.4e-45, 0 on
+    # the device) keeps it as any top_p below its probability does, instead of dropping every token.
+    probs = probs.masked_fill(before >= top_p.clamp(min=_TINY).unsqueeze(-1), 0.0)
     return probs / probs.sum(-1, keepdim=True), order
 
 
@@ -199,7 +222,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs, order = sorted_filtered_probs(
         logits,
         torch.full((rows,), float(params.temperature), device=device),
-        torch.full((rows,), params.top_k, device=device),
+        torch.full((rows,), params.device_top_k, device=device),
         torch.full((rows,), float(params.top_p), device=device),
     )
     return torch.zeros_like(probs).scatter(-1, order, probs)

@@ -21,6 +21,7 @@ from optimized.layers.linear import (
     _split,
 )
 from optimized.layers.quantization.config import QuantConfig, moe_method
+from optimized.ops import batch_invariant
 
 
 class FusedMoEGMM(nn.Module):
@@ -111,7 +112,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         router_logits = self.gate(hidden.float())  # [T, E]
         topk_weight, topk_idx, _ = torch.ops.npu.npu_moe_gating_top_k_softmax(router_logits, None, k=self.top_k)
         if self.norm_topk_prob:
-            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+            topk_weight = topk_weight / (batch_invariant.sum_last(topk_weight) + 1e-20)
         return topk_weight, topk_idx.to(torch.int32)
 
     def forward_step(self, step, router_in, expert_in):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from optimized import envs
+from optimized.ops import batch_invariant
 
 # (data_ptr, shape, strides) -> (weak reference to the weight's owning tensor, its version when packed, the packed copy)
 _PACKED: dict[tuple, tuple] = {}
@@ -127,8 +128,17 @@ _lib.impl("linear", _linear_kernel, "CPU")
 torch.library.register_fake("qwen3_moe_cpu::linear", _linear_fake, lib=_lib)
 
 
+def _one_row(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _linear_kernel(row, weight) if packable(row, weight) else F.linear(row, weight)
+
+
+batch_invariant.use_row_linear(_one_row)  # batch-invariant mode's row-by-row linear runs the prepacked kernel
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = x weight^T, F.linear's result bit for bit; prepacked on CPU bf16 (see the module docstring)."""
+    if batch_invariant.enabled() and x.device.type == "cpu" and x.numel() > 0:
+        return batch_invariant.linear(x, weight)  # row by row: no row depends on the others' count
     if packable(x, weight) and x.shape[-1] == weight.shape[1] and x.numel() > 0:
         if torch.compiler.is_compiling():  # traced: the operator, opaque to the compiler
             return torch.ops.qwen3_moe_cpu.linear(x, weight)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import cpu_gemm, mx_format as mxf
+from . import batch_invariant, cpu_gemm, mx_format as mxf
 from .mx import check_mx_scale, mx_operand_format, mx_output_dtype
 from .registry import register
 from .validation import check, check_dim, check_dtype, check_npu_limit, check_shape, dtype_from_code, fail, unsupported
@@ -148,6 +148,8 @@ def _biases(op: str, bias, weight, Ws, single_3d: bool, out_dtype: torch.dtype) 
 def _mm(a: torch.Tensor, w: torch.Tensor, b, out_dtype: torch.dtype) -> torch.Tensor:
     if a.shape[0] == 0:  # an empty group: no rows to compute, so never touch (upcast) its weight
         return a.new_empty((*a.shape[:-1], w.shape[-1]), dtype=out_dtype)
+    if batch_invariant.enabled() and a.dim() == 2 and a.device.type == "cpu" and (a.shape[0] > 1 or a.data_ptr() % 64):
+        return batch_invariant.by_row(_mm, a, w, b, out_dtype)  # each row alone, aligned, whatever the group's size
     if b is None and a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16) and out_dtype == a.dtype:
         # CPU 16-bit GEMMs accumulate in fp32 and round once: the same single rounding, without materializing
         # an fp32 copy of every routed expert's weight on each call (the decode bottleneck otherwise). bf16: on
@@ -316,6 +318,7 @@ def _run_stacked(op: str, X: torch.Tensor, W: torch.Tensor, Bs, ends: list[int],
         and M > 0
         and not W.is_inference()
         and cpu_gemm.packable(X, W[0])
+        and not batch_invariant.enabled()
     ):
         return [cpu_gemm.grouped_linear(X, W, ends)]  # what _mm does per group, with one cache lookup per call
     Y = torch.empty(M, W.shape[-1], dtype=out_dtype, device=X.device)

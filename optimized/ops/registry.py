@@ -88,6 +88,19 @@ def kernels_source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+def _opaque_when_batch_invariant(body: Callable) -> Callable:
+    """`body` as inductor's decomposition, except in batch-invariant mode (read when a graph is traced): there the
+    operator stays opaque and runs its eager kernel, whose row reductions do not depend on the batch size (inductor
+    generates its own reduction loops per decode bucket)."""
+    from . import batch_invariant
+
+    @functools.wraps(body)
+    def traced(*args, **kwargs):
+        return NotImplemented if batch_invariant.enabled() else body(*args, **kwargs)
+
+    return traced
+
+
 def inline_in_inductor() -> list[str]:
     """Give inductor the traceable portable kernels as decompositions of their operators; returns their names.
 
@@ -109,7 +122,7 @@ def inline_in_inductor() -> list[str]:
         op = getattr(getattr(torch.ops, NAMESPACE), name)
         op = getattr(op, overload or "default")
         if op not in decompositions:
-            register_decomposition(op)(body)
+            register_decomposition(op)(_opaque_when_batch_invariant(body))
         if op not in lowerings:
             # A call the body returns NotImplemented for stays the operator: inductor calls it as a fallback kernel
             # (with the layout rule it gives any custom operator), which it refuses to create itself for an operator

@@ -9,11 +9,16 @@ does not implement are refused unless they hold their neutral value (see `UNSUPP
 
 from __future__ import annotations
 
-import math
 import numbers
 import re
 
-from optimized.executor.sampling import MAX_BIAS, MAX_LOGIT_BIAS, SamplingParams
+from optimized.executor.sampling import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 MAX_TOP_LOGPROBS = 20
 # Below this temperature sampling is greedy (argmax), as other OpenAI-compatible servers do: dividing logits by a
@@ -95,8 +100,12 @@ def processors_of(body: dict, vocab_size: int | None = None) -> dict:
             raise ApiError(400, f"'{key}' is {v}; allowed: -2 to 2", key)
         out[key] = float(v)
     r = _typed(body, "repetition_penalty", numbers.Real, "a number", 1.0)
-    if not (r > 0 and math.isfinite(r)):
-        raise ApiError(400, f"'repetition_penalty' is {r}; allowed: a finite number > 0 (1: off)", "repetition_penalty")
+    if not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+        raise ApiError(
+            400,
+            f"'repetition_penalty' is {r}; allowed: {MIN_REPETITION_PENALTY:g} to {MAX_REPETITION_PENALTY:g} (1: off)",
+            "repetition_penalty",
+        )
     out["repetition_penalty"] = float(r)
     m = _typed(body, "min_tokens", int, "an integer", 0)
     if m < 0:
