@@ -46,7 +46,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.scheduler = _Queues(waiting=[], running=[])
+        self.scheduler = _Queues(waiting=[], running=[], prefix_queries=0, prefix_hits=0)
         self.plans, self.added, self.aborted = {}, [], []
         self.script = self.default_script
         self.step_s = 0.0
