@@ -45,6 +45,10 @@ class ForwardMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32, padded with the null block 0
     block_size: int
     dp: DataParallelBatch | None = None  # attention DP: every DP group's sizes (the rest describes this group)
+    # A static graph's decode (ge_graph): the lengths as device tensors [B] (query prefix sums, KV lengths), which the
+    # attention hands torchair's operator instead of the host lists (those are then not filled).
+    seq_lens_cu_q: torch.Tensor | None = None
+    seq_lens_kv: torch.Tensor | None = None
 
     @property
     def max_position(self) -> int:
