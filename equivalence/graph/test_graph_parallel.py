@@ -21,7 +21,7 @@ import torch
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close, tolerance
 from equivalence.support.dist import get_pool
-from equivalence.support.parallel_support import paged_cache, same_on_all_ranks
+from equivalence.support.parallel_support import decode_metadata, paged_cache, same_on_all_ranks
 from equivalence.support.strategies import BLOCK_SIZE, describe_layout, layout
 from fixtures.checkpoints import checkpoint
 
@@ -90,7 +90,7 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
         "ep_scheme": model.ep_scheme,
     }
     cache, table = paged_cache(model, [len(p) + 2 for p in prompts])
-    meta = runner.decode_metadata([len(p) for p in prompts], table)
+    meta = decode_metadata([len(p) for p in prompts], table)
     decoder = runner.decode_forward
     inputs = decoder.pad_inputs(torch.zeros(len(prompts), dtype=torch.long), meta, list(meta.actual_seq_lengths_kv), 4)
     explained = torch._dynamo.explain(DecodeStep(model, BLOCK_SIZE))(*inputs, cache.layers)
