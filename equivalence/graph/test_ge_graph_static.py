@@ -1,6 +1,6 @@
-"""`ge_graph` is compiled as the recipe compiles it (executor/utils/graph_utils.py): after `patch_for_hcom()`, torchair's
-GE backend with the recipe's CompilerConfig, static (`dynamic=False`), one graph per batch bucket, and the decode
-attention through torchair's operator with the KV lengths as device tensors (the decode FIA branch of
+"""`ge_graph` is compiled as the recipe compiles it (executor/utils/graph_utils.py): after `patch_for_hcom()`,
+torchair's GE backend with the recipe's CompilerConfig, static (`dynamic=False`), one graph per batch bucket, and
+the decode attention through torchair's operator with the KV lengths as device tensors (the decode FIA branch of
 models/qwen3_moe/models/modeling_qwen3_moe.py). Off the NPU the torchair stand-in records each compile while
 inductor compiles the same graph:
 
