@@ -71,13 +71,13 @@ NPUGRAPH_EX_OPTIONS = {
 
 
 def torchair():
-    """torchair on an NPU host; elsewhere its stand-in with the same entry points (optimized/executor/
-    torchair_standin.py), which records what would be compiled and compiles it with inductor."""
+    """torchair on an NPU host; elsewhere its stand-in with the same entry points (optimized/torchair_standin.py),
+    which records what would be compiled and compiles it with inductor."""
     if backend_name() == "npu":  # pragma: no cover - needs torch_npu and torchair
         import torchair
 
         return torchair
-    from optimized.executor import torchair_standin
+    from optimized import torchair_standin
 
     return torchair_standin
 

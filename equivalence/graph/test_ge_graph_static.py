@@ -24,7 +24,7 @@ from equivalence.support.parallel_support import decode_metadata, paged_cache
 from equivalence.support.strategies import BLOCK_SIZE
 from fixtures.checkpoints import checkpoint
 from optimized import platform
-from optimized.executor import torchair_standin
+from optimized import torchair_standin
 from optimized.executor.graph import DecodeStep, GraphDecoder, compile_settings
 from optimized.executor.model_runner import ModelRunner
 from optimized.model_loader.build import load_model

@@ -66,7 +66,7 @@ from optimized.executor.compile_cache import (
 )
 from optimized.executor.graph import DecodeStep, GraphDecoder, batch_bucket
 from optimized.executor.model_runner import ModelRunner
-from optimized.ops.torchair_ops import running_ge_graph
+from optimized.torchair_standin import running_ge_graph
 
 VOCAB = tiny_config("tiny").vocab_size
 BUCKET = 8  # every drawn batch (1-8 requests) is padded to this one captured size

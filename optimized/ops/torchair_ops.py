@@ -8,12 +8,10 @@ a GE graph: eager mode and captured graphs call `torch.ops.npu`'s, with host lis
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 
 from ..platform import torch_npu_available
+from ..torchair_standin import in_ge_graph
 from .attention import OP_V2, _v2
 from .validation import check, fail
 
@@ -36,18 +34,7 @@ SCHEMA = (
     "int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) "
     "-> (Tensor, Tensor)"
 )
-_running = threading.local()
 _library: torch.library.Library | None = None
-
-
-@contextlib.contextmanager
-def running_ge_graph():
-    """Marks a compiled GE graph running on this thread (the stand-in's compiled step enters it)."""
-    _running.depth = getattr(_running, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _running.depth -= 1
 
 
 def _check_lengths(query, lengths: dict) -> None:
@@ -61,7 +48,7 @@ def _check_lengths(query, lengths: dict) -> None:
 
 def fia_v2_device_lengths(query, key, value, *, actual_seq_qlen=None, actual_seq_kvlen=None, **kwargs):
     """The portable v2 kernel with the lengths read from their tensors (a GE graph's FIA reads them on the device)."""
-    if not getattr(_running, "depth", 0):
+    if not in_ge_graph():
         fail(
             f"torchair.ops.{OP_V2}",
             "runs inside a GE graph only (exe_mode ge_graph's compiled decode), as torchair's kernel does; "

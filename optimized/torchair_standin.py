@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -46,6 +47,22 @@ class CompileRecord:
 RECORDS: list[CompileRecord] = []  # every compile of this process, oldest first
 CACHE_COMPILES: list[dict] = []  # every inference.cache_compile call: its cache_dir and arguments
 _state = SimpleNamespace(hcom_patched=False)
+_running = threading.local()
+
+
+@contextlib.contextmanager
+def running_ge_graph():
+    """Marks a compiled GE graph running on this thread (the compiled step enters it around each call)."""
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _running.depth -= 1
+
+
+def in_ge_graph() -> bool:
+    """Whether a compiled GE graph runs on this thread: torchair's attention runs only there."""
+    return getattr(_running, "depth", 0) > 0
 
 
 def patch_for_hcom() -> None:
@@ -90,14 +107,12 @@ def _ops(gm: torch.fx.GraphModule) -> list[str]:
     return [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
 
 
-def _inductor(gm, example_inputs, in_ge_graph: bool):
+def _inductor(gm, example_inputs, ge: bool):
     """Inductor's compile of the graph; a GE graph's runs are marked (torchair's attention runs only inside one)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from optimized.ops.torchair_ops import running_ge_graph
-
     compiled = compile_fx(gm, example_inputs)
-    if not in_ge_graph:
+    if not ge:
         return compiled
 
     def run(*args, **kwargs):  # inductor's callable, in its calling convention (its attributes copied below)
@@ -121,7 +136,7 @@ def get_npu_backend(*, compiler_config: CompilerConfig | None = None):
                 f"a GE graph (exe_mode ge_graph) compiled with symbolic shapes {record.inputs}: ge_graph compiles one "
                 f"static graph per batch bucket (dynamic=False), as torchair's GE compile does"
             )
-        return _inductor(gm, example_inputs, in_ge_graph=ge)
+        return _inductor(gm, example_inputs, ge=ge)
 
     return backend
 
@@ -141,7 +156,7 @@ def npugraph_ex(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     RECORDS.append(
         CompileRecord("npugraph_ex", "-", dict(options or {}), [_shape(x) for x in example_inputs], _ops(gm))
     )
-    return _inductor(gm, example_inputs, in_ge_graph=False)
+    return _inductor(gm, example_inputs, ge=False)
 
 
 @functools.cache
