@@ -61,10 +61,22 @@ CASES = [
 
 
 def _compile_fn(compiler: str):
-    """GraphDecoder's compiler: None (the platform's, inductor here) or dynamo + AOTAutograd without codegen."""
+    """GraphDecoder's compiler: None (the platform's: the torchair stand-in, inductor here) or dynamo + AOTAutograd
+    without codegen, static and run as a GE graph (torchair's decode attention runs only in one), as ge_graph is."""
     if compiler != "aot_eager":
         return None
-    return lambda step: torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+    from optimized.torchair_standin import running_ge_graph
+
+    def compile_step(step):
+        compiled = torch.compile(step, backend="aot_eager", dynamic=False, fullgraph=True)
+
+        def run(*args):
+            with running_ge_graph():
+                return compiled(*args)
+
+        return run
+
+    return compile_step
 
 
 @torch.no_grad()
@@ -73,8 +85,9 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
 
     from optimized.model_loader.build import load_model
     from optimized.distributed import ParallelState
-    from optimized.executor.graph import DecodeStep, GraphDecoder
+    from optimized.executor.graph import GraphDecoder
     from optimized.executor.model_runner import ModelRunner
+    from optimized.torchair_standin import running_ge_graph
 
     model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.float32, num_hidden_layers=1)
     runner = ModelRunner(model, BLOCK_SIZE)
@@ -93,7 +106,8 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     meta = decode_metadata([len(p) for p in prompts], table)
     decoder = runner.decode_forward
     inputs = decoder.pad_inputs(torch.zeros(len(prompts), dtype=torch.long), meta, list(meta.actual_seq_lengths_kv), 4)
-    explained = torch._dynamo.explain(DecodeStep(model, BLOCK_SIZE))(*inputs, cache.layers)
+    with running_ge_graph():  # explain runs the graph eagerly, as a GE graph would
+        explained = torch._dynamo.explain(decoder._step(BLOCK_SIZE))(*inputs, cache.layers)
     captured["explain"] = (
         explained.graph_count,
         explained.graph_break_count,
