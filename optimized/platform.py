@@ -76,6 +76,13 @@ def torchair():
     if backend_name() == "npu":  # pragma: no cover - needs torch_npu and torchair
         import torchair
 
+        # As the recipe does before patch_for_hcom (executor/utils/graph_utils.py).
+        import torchair.ge_concrete_graph.ge_converter.experimental.patch_for_hcom_allreduce  # noqa: F401
+
+        # Defines torch.ops.air.npu_fused_infer_attention_score_v2, which the ge_graph decode calls (torchair.ops
+        # imports it lazily, on its first call through torchair.ops).
+        import torchair.ops._npu_fused_infer_attention_score_v2  # noqa: F401
+
         return torchair
     from optimized import torchair_standin
 
