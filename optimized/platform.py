@@ -149,11 +149,14 @@ def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
 def graph_backend_description(exe_mode: str) -> str:
     """One line for the user: what `exe_mode` compiles with on this host."""
     name = backend_name()
+    kind = {"ge_graph": "static GE graph per bucket", "acl_graph": "ACL graph", "npugraph_ex": "npugraph_ex"}[exe_mode]
     if name == "npu":
-        return f"{exe_mode}: torchair ({'ACL graph' if exe_mode == 'acl_graph' else 'GE graph'})"
-    if name == "cuda":
-        return f"{exe_mode}: torch.compile inductor{' + CUDA graphs' if exe_mode == 'acl_graph' else ''}"
-    return f"{exe_mode}: torch.compile inductor (C++ kernels on CPU; no device graph here)"
+        return f"{exe_mode}: {'torch_npu' if exe_mode == 'npugraph_ex' else 'torchair'} ({kind})"
+    if name == "cuda" and exe_mode in CAPTURED_GRAPH_MODES:
+        return f"{exe_mode}: torch.compile inductor + CUDA graphs"
+    where = "C++ kernels on CPU; no device graph here" if name == "cpu" else "no device graph"
+    who = "the npugraph_ex backend's stand-in" if exe_mode == "npugraph_ex" else f"the torchair stand-in ({kind})"
+    return f"{exe_mode}: {who} compiled by torch.compile inductor ({where})"
 
 
 def memory_bytes(device: torch.device) -> int:
