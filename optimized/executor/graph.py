@@ -263,6 +263,8 @@ class GraphDecoder:
             f"graph mode {platform.graph_backend_description(self.exe_mode)}; decode captured per batch "
             f"bucket {sorted(self.startup)}"
         ]
+        if self.static:
+            lines.append("  decode attention: torchair's operator, the KV lengths device tensors (no host list enters)")
         if self.inlined:
             lines.append(
                 f"  inlined (traced and fused by the compiler, not called as operators): {', '.join(self.inlined)}"
