@@ -20,6 +20,7 @@ INTERNAL = {
     "optimized.serving.protocol.ApiError",  # an HTTP error response to a client, never the CLI's
     "optimized.serving.driver.EngineStopped",  # the engine thread died: a bug or a device failure
     "optimized.serving.driver.RequestFailed",  # one request failed inside the engine
+    "optimized.torchair_standin.StaticGraphError",  # graph mode compiled a GE graph dynamically: a bug, not a setting
 }
 
 
