@@ -57,6 +57,10 @@ class ForwardMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32, padded with the null block 0
     block_size: int
     dp: DataParallelBatch | None = None  # attention DP: every DP group's sizes (the rest describes this group)
+    # A static graph's decode (ge_graph): the lengths as device tensors [B] (query prefix sums, KV lengths), which the
+    # attention hands torchair's operator instead of the host lists (those are then not filled).
+    seq_lens_cu_q: torch.Tensor | None = None
+    seq_lens_kv: torch.Tensor | None = None
     cached_lens: list[int] | None = None  # extend: [B] tokens of each row already in the cache (host list)
     # extend: [sum of the KV lengths] int64, the cache slot of every key of every row (positions 0 .. Lkv_b - 1),
     # row by row: what an attention that gathers its context from the cache reads (the FP8 cache's)

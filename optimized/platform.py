@@ -57,19 +57,55 @@ def dist_backend() -> str:
 
 
 CAPTURED_GRAPH_MODES = ("acl_graph", "npugraph_ex")  # captured device graphs (npugraph_ex: the recipe's name)
+STATIC_GRAPH_MODES = ("ge_graph",)  # one static graph per batch bucket (dynamic=False): the recipe's ge_graph
+# The recipe's GE compile options (executor/utils/graph_utils.py, compile_model_forward's defaults).
+GE_COMPILE_OPTIONS = dict(frozen_parameter=True, tiling_schedule_optimize=True, topology_sorting_strategy="StableRDFS")
+# npugraph_ex's options as the recipe passes them (static kernels and super kernels off: enable_static_kernel is
+# refused, and Qwen3-MoE defines no custom_params.enable_superkernel).
+NPUGRAPH_EX_OPTIONS = {
+    "frozen_parameter": True,
+    "static_kernel_compile": False,
+    "super_kernel_optimize": False,
+    "super_kernel_optimize_options": {"dcci_disable_on_kernel": [".*"]},
+}
+
+
+def torchair():
+    """torchair on an NPU host; elsewhere its stand-in with the same entry points (optimized/torchair_standin.py),
+    which records what would be compiled and compiles it with inductor."""
+    if backend_name() == "npu":  # pragma: no cover - needs torch_npu and torchair
+        import torchair
+
+        # As the recipe does before patch_for_hcom (executor/utils/graph_utils.py).
+        import torchair.ge_concrete_graph.ge_converter.experimental.patch_for_hcom_allreduce  # noqa: F401
+
+        # Defines torch.ops.air.npu_fused_infer_attention_score_v2, which the ge_graph decode calls (torchair.ops
+        # imports it lazily, on its first call through torchair.ops).
+        import torchair.ops._npu_fused_infer_attention_score_v2  # noqa: F401
+
+        return torchair
+    from optimized import torchair_standin
+
+    return torchair_standin
+
+
+def compiles_static(exe_mode: str) -> bool:
+    """Whether `exe_mode` compiles one static graph per batch bucket (its decode lengths are device tensors)."""
+    return exe_mode in STATIC_GRAPH_MODES
 
 
 def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
-    """How this backend compiles a decode step: a function `compile(module) -> callable`.
+    """How this host compiles a decode step, as the recipe compiles it: a function `compile(step) -> callable`,
+    `step` an nn.Module whose `forward` is compiled whole (fullgraph).
 
-    The step is an nn.Module whose forward takes tensors and host int lists; it is compiled whole
-    (fullgraph) with dynamic=True, so the host ints (KV lengths) are graph inputs while every tensor the
-    caller marks static keeps a static shape, as the recipe compiles its decode.
-    - NPU: torchair. `ge_graph` is its GE graph backend with frozen parameters; `acl_graph` is the
-      same backend in "reduce-overhead" mode (captured ACL graphs). `cache_dir` wraps the step in
-      `torchair.inference.cache_compile` (GE cache included). torchair is imported only here.
-    - CUDA: inductor; `acl_graph` uses mode "reduce-overhead" (CUDA graphs).
-    - CPU: inductor for both names (the same capture rules, C++ kernels instead of a device graph).
+    - ge_graph: after `patch_for_hcom()`, torchair's GE backend with the recipe's CompilerConfig (frozen parameters,
+      tiling schedule optimization, the StableRDFS topology sort), static (`dynamic=False`): one graph per batch
+      bucket, the KV lengths device tensors. `cache_dir`: `torchair.inference.cache_compile` (GE cache included).
+    - npugraph_ex: torch_npu's `npugraph_ex` backend with the recipe's options (`cache_dir`: its cache_compile),
+      dynamic, the KV lengths host lists.
+    - acl_graph: torchair's backend in "reduce-overhead" mode (captured ACL graphs), dynamic, host lists.
+    Off the NPU the same calls go to the torchair stand-in (inductor underneath, every compile recorded); on CUDA the
+    captured modes are inductor with CUDA graphs. torchair is imported only here.
     """
     import torch
 
@@ -77,33 +113,50 @@ def graph_compiler(exe_mode: str, cache_dir: str | os.PathLike | None = None):
 
     if exe_mode not in GRAPH_MODES:
         raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: {', '.join(GRAPH_MODES)}")
-    if backend_name() == "npu":  # pragma: no cover - needs torch_npu and torchair
-        import torchair
-        from torchair.configs.compiler_config import CompilerConfig
-
-        config = CompilerConfig()
-        config.experimental_config.frozen_parameter = True
-        config.experimental_config.tiling_schedule_optimize = True
-        if exe_mode in CAPTURED_GRAPH_MODES:
-            config.mode = "reduce-overhead"
-        if cache_dir is not None:
-            return lambda step: torchair.inference.cache_compile(
-                step.forward, cache_dir=str(cache_dir), config=config, dynamic=True, fullgraph=True, ge_cache=True
-            )
-        backend = torchair.get_npu_backend(compiler_config=config)
-        return lambda step: torch.compile(step, backend=backend, dynamic=True, fullgraph=True)
-    mode = "reduce-overhead" if exe_mode in CAPTURED_GRAPH_MODES and backend_name() == "cuda" else None
-    return lambda step: torch.compile(step, backend="inductor", mode=mode, dynamic=True, fullgraph=True)
+    dynamic = not compiles_static(exe_mode)
+    name = backend_name()
+    if name == "cuda" and exe_mode in CAPTURED_GRAPH_MODES:
+        return lambda step: torch.compile(
+            step.forward, backend="inductor", mode="reduce-overhead", dynamic=True, fullgraph=True
+        )
+    tng = torchair()
+    tng.patch_for_hcom()
+    if exe_mode == "npugraph_ex":
+        if name == "npu":  # pragma: no cover - needs torch_npu
+            if cache_dir is not None:
+                return lambda step: torch.npu.npugraph_ex.inference.cache_compile(
+                    step.forward, cache_dir=str(cache_dir), dynamic=True, options=dict(NPUGRAPH_EX_OPTIONS)
+                )
+            backend = "npugraph_ex"
+        else:
+            backend = tng.register_npugraph_ex()
+        return lambda step: torch.compile(
+            step.forward, dynamic=True, fullgraph=True, backend=backend, options=dict(NPUGRAPH_EX_OPTIONS)
+        )
+    config = tng.CompilerConfig()
+    for key, value in GE_COMPILE_OPTIONS.items():
+        setattr(config.experimental_config, key, value)
+    if exe_mode in CAPTURED_GRAPH_MODES:
+        config.mode = "reduce-overhead"
+    if cache_dir is not None:
+        return lambda step: tng.inference.cache_compile(
+            step.forward, cache_dir=str(cache_dir), config=config, dynamic=dynamic, fullgraph=True, ge_cache=True
+        )
+    backend = tng.get_npu_backend(compiler_config=config)
+    return lambda step: torch.compile(step.forward, backend=backend, dynamic=dynamic, fullgraph=True)
 
 
 def graph_backend_description(exe_mode: str) -> str:
     """One line for the user: what `exe_mode` compiles with on this host."""
     name = backend_name()
+    kind = {"ge_graph": "static GE graph per bucket", "acl_graph": "ACL graph", "npugraph_ex": "npugraph_ex"}[exe_mode]
     if name == "npu":
-        return f"{exe_mode}: torchair ({'ACL graph' if exe_mode == 'acl_graph' else 'GE graph'})"
-    if name == "cuda":
-        return f"{exe_mode}: torch.compile inductor{' + CUDA graphs' if exe_mode == 'acl_graph' else ''}"
-    return f"{exe_mode}: torch.compile inductor (C++ kernels on CPU; no device graph here)"
+        return f"{exe_mode}: {'torch_npu' if exe_mode == 'npugraph_ex' else 'torchair'} ({kind})"
+    if name == "cuda" and exe_mode in CAPTURED_GRAPH_MODES:
+        return f"{exe_mode}: torch.compile inductor + CUDA graphs"
+    where = "C++ kernels on CPU; no device graph here" if name == "cpu" else "no device graph"
+    who = "the npugraph_ex backend's stand-in" if exe_mode == "npugraph_ex" else f"the torchair stand-in ({kind})"
+    return f"{exe_mode}: {who} compiled by torch.compile inductor ({where})"
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -22,6 +22,7 @@ INTERNAL = {
     "optimized.serving.driver.RequestFailed",  # one request failed inside the engine
     "optimized.pd.transfer_engine.TransferError",  # the KV transfer engine refused a write (a peer gone)
     "optimized.pd.digest.KvIntegrityError",  # the decode side's KV is not what prefill sent: the request fails
+    "optimized.torchair_standin.StaticGraphError",  # graph mode compiled a GE graph dynamically: a bug, not a setting
 }
 
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "optimized"
 # Lowest first: a module may import its own floor or lower ones, never a higher one.
 FLOORS = [
     ("optimized.errors", "optimized.envs", "optimized.config", "optimized.forward_metadata"),
-    ("optimized.platform",),
+    ("optimized.platform", "optimized.torchair_standin"),
     ("optimized.ops",),
     ("optimized.distributed",),
     ("optimized.layers",),

@@ -49,7 +49,7 @@ from filelock import FileLock
 from torch._dynamo.utils import counters
 
 from equivalence.support.compare import assert_bitwise_equal, assert_close, describe
-from equivalence.support.parallel_support import paged_cache, run_property
+from equivalence.support.parallel_support import decode_metadata, paged_cache, run_property
 from equivalence.support.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
@@ -66,6 +66,7 @@ from optimized.executor.compile_cache import (
 )
 from optimized.executor.graph import DecodeStep, GraphDecoder, batch_bucket
 from optimized.executor.model_runner import ModelRunner
+from optimized.torchair_standin import running_ge_graph
 
 VOCAB = tiny_config("tiny").vocab_size
 BUCKET = 8  # every drawn batch (1-8 requests) is padded to this one captured size
@@ -82,7 +83,8 @@ def eager_tokens(model, prompts, n=NEW_TOKENS):
 
 
 def graph_runner(model, cache=None, compiler=None):
-    runner = ModelRunner(model, BLOCK_SIZE)
+    # a fixed KV pool, as a server has: the pool is one of a static graph's shapes (every drawn batch fits in it)
+    runner = ModelRunner(model, BLOCK_SIZE, kv_pool_blocks=32)
     runner.decode_forward = GraphDecoder(model, "ge_graph", cache, buckets=(BUCKET,), compiler=compiler)
     return runner
 
@@ -103,13 +105,20 @@ def delta(before: dict, after: dict) -> dict:
 
 def fresh_backend(compile_fx_backend: str):
     """A new backend object for `compile_fx_backend`: dynamo keeps compiled graphs per backend object, so a
-    decoder with a fresh one really traces and compiles (or loads) instead of reusing a graph in memory."""
+    decoder with a fresh one really traces and compiles (or loads) instead of reusing a graph in memory. Static, and
+    run as a GE graph (torchair's decode attention runs only in one), as ge_graph's compiler does."""
     backend = torch._dynamo.lookup_backend(compile_fx_backend)
 
     def compiler(step):
-        return torch.compile(
-            step, backend=lambda gm, example_inputs: backend(gm, example_inputs), dynamic=True, fullgraph=True
+        compiled = torch.compile(
+            step, backend=lambda gm, example_inputs: backend(gm, example_inputs), dynamic=False, fullgraph=True
         )
+
+        def run(*args):
+            with running_ge_graph():
+                return compiled(*args)
+
+        return run
 
     return compiler
 
@@ -196,7 +205,7 @@ def test_graph_logits_and_cache_writes_equal_eager_fp32(fp32):
         cache, table = paged_cache(model, [len(p) + 2 for p in PROMPTS])
         ids, meta, last = runner.prefill_inputs(PROMPTS, table)
         nxt = model(ids, meta, cache.layers, logits_indices=last).argmax(-1)
-        outs.append(forward(nxt, runner.decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
+        outs.append(forward(nxt, decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
         caches.append(cache)
     assert_close(outs[1], outs[0], "model.float32", "graph vs eager decode logits")
     for layer, (eager_kv, graph_kv) in enumerate(zip(caches[0].layers, caches[1].layers)):
@@ -252,7 +261,7 @@ def test_graph_bf16_within_tolerance_and_dtype_change_recompiles(fp32, tmp_path)
         lengths, logits = [len(p) for p in PROMPTS], []
         for step in range(NEW_TOKENS - 1):
             nxt = torch.tensor([w[step] for w in want])
-            logits.append(forward(nxt, eager_runner.decode_metadata(lengths, table), cache.layers))
+            logits.append(forward(nxt, decode_metadata(lengths, table), cache.layers))
             lengths = [n + 1 for n in lengths]
         per_step.append(torch.stack(logits))
     print(
@@ -284,7 +293,7 @@ def test_graph_decode_fp8_kv_cache_equals_eager():
         cache, table = paged_cache(model, [len(p) + 2 for p in PROMPTS], dtype=eager.kv_cache_dtype)
         ids, meta, last = eager.prefill_inputs(PROMPTS, table)
         nxt = model(ids, meta, cache.layers, logits_indices=last).argmax(-1)
-        outs.append(forward(nxt, eager.decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
+        outs.append(forward(nxt, decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
         caches.append(cache)
     device = outs[0].device.type
     if device == "cpu":
@@ -327,11 +336,12 @@ def test_graph_decode_of_mx_checkpoints_equals_eager(quant):
         cache, table = paged_cache(model, [len(p) + NEW_TOKENS for p in PROMPTS])
         ids, meta, last = eager.prefill_inputs(PROMPTS, table)
         nxt = model(ids, meta, cache.layers, logits_indices=last).argmax(-1)
-        outs.append(forward(nxt, eager.decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
+        outs.append(forward(nxt, decode_metadata([len(p) for p in PROMPTS], table), cache.layers))
     if outs[0].device.type == "cpu":
         assert_bitwise_equal(outs[1], outs[0], f"{quant} graph vs eager decode logits (CPU)")
     else:
         assert_close(outs[1], outs[0], f"graph.bfloat16.{outs[0].device.type}", f"{quant} graph vs eager logits")
+    graph.kv_pool_blocks = cache.layers[0][0].shape[0]  # the same KV pool: one of the static graph's shapes
     assert graph.generate(PROMPTS, NEW_TOKENS).tokens == eager.generate(PROMPTS, NEW_TOKENS).tokens
     assert delta(before, inductor_counts())["graphs"] == 1, f"{quant}: the decode step compiled more than once"
 
@@ -343,6 +353,8 @@ KEY_CHANGES = {
     "dtype": lambda k: k.update(dtype="bfloat16"),
     "force_eplb": lambda k: k.update(force_eplb=True),
     "weight_nz": lambda k: k.update(weight_nz=not k["weight_nz"]),
+    "enable_hadamard": lambda k: k.update(enable_hadamard=True),
+    "hadamard_rotation": lambda k: k.update(hadamard_rotation="0" * 20),
     "batch_bucket": lambda k: k.update(batch_bucket=16),
     "block_size": lambda k: k.update(block_size=32),
     "kv_cache_dtype": lambda k: k.update(kv_cache_dtype="float8_e4m3fn"),
@@ -478,14 +490,15 @@ def test_entry_signed_under_another_key_loads_only_when_trusted(fp32, tmp_path, 
     assert not cache.entry(key).path.exists()  # discarded
 
 
-def test_explain_one_graph_zero_breaks(fp32):
+@pytest.mark.parametrize("exe_mode", ["ge_graph", "acl_graph"])
+def test_explain_one_graph_zero_breaks(fp32, exe_mode):
     model = fp32["model"]
-    runner = ModelRunner(model, BLOCK_SIZE)
     cache, table = paged_cache(model, [len(p) + 2 for p in PROMPTS])
-    meta = runner.decode_metadata([len(p) for p in PROMPTS], table)
-    decoder = GraphDecoder(model, "ge_graph", buckets=(BUCKET,))
+    meta = decode_metadata([len(p) for p in PROMPTS], table)
+    decoder = GraphDecoder(model, exe_mode, buckets=(BUCKET,))
     inputs = decoder.pad_inputs(torch.tensor([1, 2, 3]), meta, list(meta.actual_seq_lengths_kv), BUCKET)
-    explained = torch._dynamo.explain(DecodeStep(model, BLOCK_SIZE))(*inputs, cache.layers)
+    with running_ge_graph():  # explain runs the graph eagerly: as a GE graph would (torchair's attention)
+        explained = torch._dynamo.explain(decoder._step(BLOCK_SIZE))(*inputs, cache.layers)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
 
 
@@ -510,11 +523,11 @@ def operators_called(forward, model, runner) -> set[str]:
     cache, table = paged_cache(model, [len(p) + 2 for p in PROMPTS])
     ids, meta, last = runner.prefill_inputs(PROMPTS, table)
     model(ids, meta, cache.layers, logits_indices=last)
-    meta = runner.decode_metadata([len(p) for p in PROMPTS], table)
+    meta = decode_metadata([len(p) for p in PROMPTS], table)
     forward(torch.tensor([1, 2, 3]), meta, cache.layers)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         forward(torch.tensor([1, 2, 3]), meta, cache.layers)
-    return {e.key for e in prof.key_averages() if e.key.startswith(("npu::", "qwen3_moe_cpu::"))}
+    return {e.key for e in prof.key_averages() if e.key.startswith(("npu::", "air::", "qwen3_moe_cpu::"))}
 
 
 def test_compiled_step_inlines_the_traceable_kernels_and_calls_the_rest(fp32):
@@ -530,6 +543,9 @@ def test_compiled_step_inlines_the_traceable_kernels_and_calls_the_rest(fp32):
         for name, forward in (("eager", model), ("graph", decoder))
     }
     operators = {"npu_grouped_matmul", "npu_scatter_nd_update_"}
+    # the decode attention: torch_npu's operator in eager mode, torchair's (device lengths) in the static GE graph
+    assert "air::npu_fused_infer_attention_score_v2" in called["graph"], sorted(called["graph"])
+    assert not any(k.startswith("air::") for k in called["eager"]), sorted(called["eager"])
     used = {
         "npu_add_rms_norm",
         "npu_apply_rotary_pos_emb",
@@ -559,7 +575,12 @@ def test_torchair_cache_one_step_and_one_signed_entry_per_bucket(fp32, tmp_path,
             compiled.append(Path(cache_dir))
             assert stat.S_IMODE(Path(cache_dir).stat().st_mode) == 0o700, cache_dir
             (Path(cache_dir) / "graph.om").write_bytes(b"a compiled graph")
-            return step  # the DecodeStep itself, eager
+
+            def run(*args):  # the step itself, eager, as a GE graph (torchair's attention runs only in one)
+                with running_ge_graph():
+                    return step(*args)
+
+            return run
 
         return compile_step
 
@@ -630,10 +651,9 @@ def test_compiled_decode_writes_the_kv_cache_in_place_whatever_the_pool_size(fp3
 
     model = fp32["model"]
     attn = model.layers[0].self_attn
-    runner = ModelRunner(model, BLOCK_SIZE)
     lengths = [5, 9]
     step = torch.compile(DecodeStep(model, BLOCK_SIZE), backend="inductor", dynamic=True, fullgraph=True)
-    decoder = GraphDecoder(model, "ge_graph", buckets=(2,))
+    decoder = GraphDecoder(model, "acl_graph", buckets=(2,))  # a dynamic mode: the pool size stays symbolic
     allocated, written = {}, {}
     for blocks in (4, 64, 4):
         cache = PagedKVCache(
@@ -646,7 +666,7 @@ def test_compiled_decode_writes_the_kv_cache_in_place_whatever_the_pool_size(fp3
             model.atten_mask.device,
         )
         table = block_table([[1], [2]], model.atten_mask.device)
-        meta = runner.decode_metadata(lengths, table)
+        meta = decode_metadata(lengths, table)
         inputs = decoder.pad_inputs(torch.tensor([3, 4]), meta, list(meta.actual_seq_lengths_kv), 2)
         for t in cache.layers[0]:
             for dim in range(1, t.dim()):

@@ -27,7 +27,7 @@ from equivalence.support.graph_dp_runs import (
     _compile_fn,
     _graph_dp_vs_eager_task,
 )
-from equivalence.support.parallel_support import paged_cache, same_on_all_ranks
+from equivalence.support.parallel_support import decode_metadata, paged_cache, same_on_all_ranks
 from equivalence.support.strategies import BLOCK_SIZE, describe_layout, layout
 from fixtures.checkpoints import checkpoint
 
@@ -70,9 +70,10 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
     from torch._dynamo.utils import counters
 
     from optimized.distributed import ParallelState
-    from optimized.executor.graph import DecodeStep, GraphDecoder
+    from optimized.executor.graph import GraphDecoder
     from optimized.executor.model_runner import ModelRunner
     from optimized.model_loader.build import load_model
+    from optimized.torchair_standin import running_ge_graph
 
     model = load_model(path, parallel=ParallelState.build(**lay), dtype=torch.float32, num_hidden_layers=1)
     runner = ModelRunner(model, BLOCK_SIZE)
@@ -88,10 +89,11 @@ def _graph_vs_eager_task(rank, world, path, lay, compiler, prompts, n):
         "ep_scheme": model.ep_scheme,
     }
     cache, table = paged_cache(model, [len(p) + 2 for p in prompts])
-    meta = runner.decode_metadata([len(p) for p in prompts], table)
+    meta = decode_metadata([len(p) for p in prompts], table)
     decoder = runner.decode_forward
     inputs = decoder.pad_inputs(torch.zeros(len(prompts), dtype=torch.long), meta, list(meta.actual_seq_lengths_kv), 4)
-    explained = torch._dynamo.explain(DecodeStep(model, BLOCK_SIZE))(*inputs, cache.layers)
+    with running_ge_graph():  # explain runs the graph eagerly, as a GE graph would
+        explained = torch._dynamo.explain(decoder._step(BLOCK_SIZE))(*inputs, cache.layers)
     captured["explain"] = (
         explained.graph_count,
         explained.graph_break_count,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Qwen3MoeConfig
 
-from equivalence.support.parallel_support import paged_cache, runner_of
+from equivalence.support.parallel_support import decode_metadata, paged_cache, runner_of
 from fixtures.checkpoints import seeded_model
 from fixtures.tiny import TINY_CONFIGS
 from reference.checkpoint import model_from_state_dict, split_fused_experts
@@ -114,7 +114,7 @@ def optimized_logits(model, prompts: list[list[int]], forced: list[list[int]] = 
         start += len(p)
     lengths = [len(p) for p in prompts]
     for tokens in forced:
-        step = model(torch.tensor(tokens), runner.decode_metadata(lengths, table), cache.layers)  # [B, V]
+        step = model(torch.tensor(tokens), decode_metadata(lengths, table), cache.layers)  # [B, V]
         for b in range(len(prompts)):
             out[b].append(step[b : b + 1])
         lengths = [n + 1 for n in lengths]

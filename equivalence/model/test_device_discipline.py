@@ -33,7 +33,7 @@ from equivalence.support.device_discipline import (
     one_step,
 )
 from equivalence.support.fake_device import DeviceMismatch, DeviceTensor, on_fake_device, to_host
-from equivalence.support.parallel_support import run_property
+from equivalence.support.parallel_support import decode_metadata, run_property
 from equivalence.support.strategies import BLOCK_SIZE, prompt_batches
 from fixtures.checkpoints import checkpoint
 from fixtures.tiny import tiny_config
@@ -139,9 +139,7 @@ def test_a_position_past_the_model_is_refused_from_the_host_lists():
     limit = model.config.max_position_embeddings
     with on_fake_device() as mode:
         cache = PagedKVCache(1, 2, BLOCK_SIZE, 1, model.layers[0].self_attn.head_dim, model.dtype, fake_npu())
-        meta = ModelRunner(model, BLOCK_SIZE).decode_metadata(
-            [limit], block_table([[1] * (limit // BLOCK_SIZE + 1)], fake_npu())
-        )
+        meta = decode_metadata([limit], block_table([[1] * (limit // BLOCK_SIZE + 1)], fake_npu()))
         with pytest.raises(ValueError, match=f"position {limit} exceeds max_position_embeddings={limit}"):
             model(torch.tensor([0], device=fake_npu()), meta, cache.layers)
     assert not mode.host_reads, f"the position check read the device: {mode.host_reads}"

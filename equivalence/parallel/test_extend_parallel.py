@@ -28,6 +28,7 @@ from equivalence.support.compare import assert_close, tolerance
 from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import (
     RoutingStats,
+    decode_metadata,
     on_host,
     paged_cache,
     rank_model,
@@ -64,7 +65,7 @@ def _split_task(rank, world, path, lay, prompts, cuts, forced):
     def decode(cache, table):
         lengths, steps = [len(p) for p in prompts], []
         for tokens in forced:
-            steps.append(model(torch.tensor(tokens), runner.decode_metadata(lengths, table), cache.layers))
+            steps.append(model(torch.tensor(tokens), decode_metadata(lengths, table), cache.layers))
             lengths = [n + 1 for n in lengths]
         return torch.stack(steps, dim=1)  # [B, steps, V]
 

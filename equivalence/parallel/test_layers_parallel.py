@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from equivalence.support.compare import assert_close, tolerance
 from equivalence.support.dist import get_pool
 from equivalence.support.parallel_support import (
+    decode_metadata,
     paged_cache,
     rank_model,
     reference_model,
@@ -98,7 +99,7 @@ def _attention_task(rank, world, path, lay, layer_idx, lengths, x_prefill, x_dec
     out = {"prefill": attn(x_prefill, cos, sin, meta, cache.layers[0], model.atten_mask)}
     lens = list(lengths)
     for step, x in enumerate(x_decode):
-        meta = runner.decode_metadata(lens, table)
+        meta = decode_metadata(lens, table)
         cos, sin = model.rotary(meta.positions)
         out[f"decode{step}"] = attn(x, cos, sin, meta, cache.layers[0], model.atten_mask)
         lens = [n + 1 for n in lens]

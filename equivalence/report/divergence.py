@@ -153,7 +153,7 @@ def run_optimized(
     model, prompts: list[list[int]], decode_steps: int, *, exe_mode: str = "eager", block_size: int = 16, progress=None
 ) -> OptimizedRun:
     """Prefill the packed prompts, then `decode_steps` greedy steps, capturing every checkpoint of each step."""
-    from equivalence.support.parallel_support import paged_cache
+    from equivalence.support.parallel_support import decode_metadata, paged_cache
     from optimized.executor.model_runner import ModelRunner
 
     say = progress or (lambda msg: None)
@@ -176,7 +176,7 @@ def run_optimized(
         captures[name] = cap = Capture()
         say(f"optimized decode step {s + 1}/{decode_steps}")
         run.tokens.append(tokens.tolist())
-        meta = runner.decode_metadata(lengths, table)
+        meta = decode_metadata(lengths, table, block_size)
         if exe_mode == "eager":
             with optimized_hooks(model, lambda: captures[step["name"]]):
                 logits = model(tokens, meta, cache.layers)

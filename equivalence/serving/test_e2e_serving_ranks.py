@@ -1,7 +1,8 @@
 """Multi-rank serving: `torchrun --nproc-per-node N -m optimized serve` answers concurrent openai clients, arriving
 mid-flight, with the reference's greedy tokens per prompt alone (fp32), under attention TP 2 with MoE EP 2, and under
 attention DP (TP 1 x DP 2 with EP 2, TP 2 x DP 2 with EP 4: MC2 decode, each request in one DP group, idle groups
-stepping dummy rows), and the endpoint checker (equivalence.endpoint: every position's logprobs) agrees with the
+stepping dummy rows; this one decodes in exe_mode ge_graph, its static graphs compiled at warm-up), and the endpoint
+checker (equivalence.endpoint: every position's logprobs) agrees with the
 TP 2 x EP 2 and TP 2 x DP 2 servers; and a driver whose rank broadcast fails (a rank that died) stops, telling every
 waiting request and the server."""
 
@@ -22,25 +23,38 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 START_S, TIMEOUT_S = 180, 60
-CONFIG = """model_config: {{model_path: "fixture:tiny", dtype: float32}}
+CONFIG = """model_config: {{model_path: "fixture:tiny", dtype: float32, exe_mode: {exe_mode}}}
 data_config: {{input_max_len: 48}}
 parallel_config: {{{parallel}}}
 scheduler_config: {{batch_size: {batch}, max_new_tokens: 8, block_size: 16, max_prefill_tokens: 32}}
 """
-LAYOUTS = {  # name: (world size, parallel_config, batch_size)
+LAYOUTS = {  # name: (world size, parallel_config, batch_size, exe_mode)
     "tp2_ep2": (
         2,
         "world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2",
         2,
+        "eager",
     ),
-    "tp1xdp2_ep2": (2, "world_size: 2, attn_tp_size: 1, moe_tp_size: 1, embed_tp_size: 1, lmhead_tp_size: 1", 2),
-    "tp2xdp2_ep4": (4, "world_size: 4, attn_tp_size: 2, moe_tp_size: 1, embed_tp_size: 2, lmhead_tp_size: 2", 4),
+    "tp1xdp2_ep2": (
+        2,
+        "world_size: 2, attn_tp_size: 1, moe_tp_size: 1, embed_tp_size: 1, lmhead_tp_size: 1",
+        2,
+        "eager",
+    ),
+    # ge_graph: each rank compiles its static decode graph before the port opens (warm-up); batch 2 over 2 DP groups
+    # is one row per group, so one bucket (1) to compile, which keeps the start within START_S on a small CPU.
+    "tp2xdp2_ep4_ge_graph": (
+        4,
+        "world_size: 4, attn_tp_size: 2, moe_tp_size: 1, embed_tp_size: 2, lmhead_tp_size: 2",
+        2,
+        "ge_graph",
+    ),
 }
 
 
 # The endpoint checker (equivalence.endpoint) also runs against these servers: attention TP 2 x MoE EP 2, and
 # attention TP 2 x DP 2 with MoE EP 4 (MC2 decode under attention DP).
-ENDPOINT_CHECKED = ("tp2_ep2", "tp2xdp2_ep4")
+ENDPOINT_CHECKED = ("tp2_ep2", "tp2xdp2_ep4_ge_graph")
 ENDPOINT_PROMPTS = [[5, 9, 200, 17, 3, 44, 1], [100, 101, 102, 103]]
 
 
@@ -49,9 +63,9 @@ ENDPOINT_PROMPTS = [[5, 9, 200, 17, 3, 44, 1], [100, 101, 102, 103]]
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
     checkpoint("tiny")  # built before the ranks race for it
-    world, parallel, batch = LAYOUTS[layout]
+    world, parallel, batch, exe_mode = LAYOUTS[layout]
     config = tmp_path / f"{layout}.yaml"
-    config.write_text(CONFIG.format(parallel=parallel, batch=batch))
+    config.write_text(CONFIG.format(parallel=parallel, batch=batch, exe_mode=exe_mode))
     log = tmp_path / "server.log"
     launch = servers.ours(config, ranks=world)
     with servers.server_process(launch, log, start_s=START_S) as (url, _):
@@ -86,6 +100,8 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
         started = log.read_text()
         if "dp" in layout:  # the plan says the decode runs MC2 under attention DP
             assert "under attention DP" in started and "MC2 window" in started, started
+        if exe_mode == "ge_graph":  # the plan's decode graphs, every bucket compiled before the port opened
+            assert "decode steps as ge_graph graphs: buckets [1]" in started, started
         threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS[:4])]
         for t in threads:
             t.start()

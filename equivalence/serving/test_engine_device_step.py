@@ -4,7 +4,8 @@ with its transfer counter around `Engine.step`, prefill and decode, single proce
 
 The documented budget of an engine step (optimized/executor/engine.py):
 - one device-to-host read by the engine (`Engine._read`: the chosen ids and the logprobs asked for, packed), plus
-  the reads the model itself documents (the double routing's split sizes in a DP / SP prefill);
+  the reads the model itself documents: the double routing's split sizes (`exchange.split_sizes`), exactly one per
+  MoE layer in a step whose exchange is the double routing, none in any other step;
 - no host-to-device copy in a decode step, but in the decode steps where running requests of this rank's DP group
   took a KV block (their next token starts one): one copy of the new (row, column, block) entries of their table
   rows (`DeviceBatch.grow`); a preemption in that step only drops the last rows (no copy);
@@ -22,6 +23,8 @@ import functools
 import pytest
 import torch
 
+from optimized.config import is_sparse_layer
+
 from equivalence.support.dist import get_pool
 from equivalence.support.strategies import BLOCK_SIZE
 
@@ -35,7 +38,7 @@ GROW = "optimized/executor/device_batch.py"
 
 def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_cache_dtype="auto", num_blocks=12):
     """Run an engine to completion on the fake device; per step: (kind, host reads, host -> device copies, rows of
-    this rank's group that took a block, requests preempted)."""
+    this rank's group that took a block, requests preempted, the model's MoE layers)."""
     from equivalence.support.fake_device import on_fake_device
     from optimized.executor.engine import Engine
     from optimized.executor.model_runner import ModelRunner
@@ -43,6 +46,7 @@ def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_c
     from optimized.executor.scheduler import Request
 
     runner = ModelRunner(model, BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype)
+    moe_layers = sum(is_sparse_layer(model.config, i) for i in range(model.config.num_hidden_layers))
     steps, tokens = [], []
     with on_fake_device() as mode:
         engine = Engine(runner, batch_size=4, num_blocks=num_blocks)
@@ -56,19 +60,29 @@ def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_c
             reads, transfers = len(mode.host_reads), len(mode.transfers)
             step, _ = engine.step()
             grown = sum(r.dp_group == engine.dp_rank for r, _ in step.grown)
-            steps.append((step.kind, mode.host_reads[reads:], mode.transfers[transfers:], grown, len(step.preempted)))
+            steps.append(
+                (step.kind, mode.host_reads[reads:], mode.transfers[transfers:], grown, len(step.preempted), moe_layers)
+            )
         tokens = [r.tokens for r in requests]
     return steps, tokens
 
 
-def check_budget(steps) -> None:
+def check_budget(steps, double_routing_prefill: bool = False) -> None:
+    """double_routing_prefill: the layout's prefill exchange is the double routing (one split-size read per MoE
+    layer in every prefill step); its decode steps, and every step of the other layouts, read nothing there."""
     kinds = {kind for kind, *_ in steps}
     assert kinds == {"prefill", "decode"}, kinds
-    for i, (kind, reads, transfers, grown, _) in enumerate(steps):
+    for i, (kind, reads, transfers, grown, _, moe_layers) in enumerate(steps):
         mine = [r for r in reads if ENGINE_READ in r]
-        others = [r for r in reads if ENGINE_READ not in r and not any(m in r for m in MODEL_READS)]
+        exchange = [r for r in reads if any(m in r for m in MODEL_READS)]
+        others = [r for r in reads if ENGINE_READ not in r and r not in exchange]
         assert len(mine) == 1, f"step {i} ({kind}): the engine read the device {len(mine)} times: {mine}"
         assert not others, f"step {i} ({kind}): undocumented device reads: {others}"
+        expected = moe_layers if double_routing_prefill and kind == "prefill" else 0
+        assert len(exchange) == expected, (
+            f"step {i} ({kind}): the exchange read the device {len(exchange)} times; expected {expected} "
+            f"({moe_layers} MoE layers, one split-size read per double-routing layer): {exchange}"
+        )
         if kind == "decode" and grown:
             assert len(transfers) == 1 and GROW in transfers[0], (
                 f"step {i} (decode, {grown} row(s) took a block) copied more than the new table entries: {transfers}"
@@ -110,7 +124,7 @@ def test_engine_steps_read_once_and_copy_only_their_metadata(sampled):
         )
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 4, sampling, logprobs=2 if sampled else None)
     check_budget(steps)
-    assert any(grown for *_, grown, _ in steps), "no step took a block: the budget's growth rule is untested"
+    assert any(grown for _, _, _, grown, *_ in steps), "no step took a block: the budget's growth rule is untested"
 
 
 @pytest.mark.equivalence
@@ -120,7 +134,7 @@ def test_steps_that_preempt_and_recompute_keep_the_budget():
     prompts = [list(range(30, 45)), list(range(50, 64)), list(range(70, 85))]
     steps, _ = _engine_steps(_fake_model("tiny"), prompts, 6, num_blocks=4)
     check_budget(steps)
-    assert any(preempted for *_, preempted in steps) and any(grown for *_, grown, _ in steps)
+    assert any(preempted for *_, preempted, _ in steps) and any(grown for _, _, _, grown, *_ in steps)
 
 
 @pytest.mark.equivalence
@@ -143,17 +157,16 @@ def test_a_growth_copied_row_by_row_fails_the_budget(monkeypatch):
 def test_a_planted_host_rebuild_of_the_block_table_fails_the_budget(monkeypatch):
     """The proof can fail: a decode step that rebuilds its block table from the host lists (as the engine once did)
     is caught, naming the line."""
-    from optimized.executor.device_batch import DeviceBatch
+    from optimized.executor import engine as engine_module
     from optimized.executor.kv_cache import block_table
 
-    original = DeviceBatch.slots
+    original = engine_module.decode_metadata
 
-    def rebuilt(self, start, end, block_size):
-        table = block_table([[1]] * (end - start), self.device)  # a host rebuild, every step
-        self.table[start:end, :1] = table
-        return original(self, start, end, block_size)
+    def rebuilt(positions, kv_lens, table, block_size, dp=None):
+        table[:, :1] = block_table([[1]] * positions.shape[0], positions.device)  # a host rebuild, every step
+        return original(positions, kv_lens, table, block_size, dp)
 
-    monkeypatch.setattr(DeviceBatch, "slots", rebuilt)
+    monkeypatch.setattr(engine_module, "decode_metadata", rebuilt)
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 3)
     with pytest.raises(AssertionError, match="copied host data onto the device"):
         check_budget(steps)
@@ -186,10 +199,12 @@ def _rank_steps_task(rank, world, layout_name, fixture, fp8):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout, fp8", [("tp2", False), ("mc2", False), ("tp2xdp2", True)])
-def test_engine_steps_keep_the_budget_on_every_rank(layout, fp8):
+@pytest.mark.parametrize(
+    "layout, fp8, double_routing_prefill", [("tp2", False, False), ("mc2", False, False), ("tp2xdp2", True, True)]
+)
+def test_engine_steps_keep_the_budget_on_every_rank(layout, fp8, double_routing_prefill):
     world = LAYOUTS[layout]["world_size"]
     results = get_pool(world).run(_rank_steps_task, layout, "tiny", fp8, timeout=300)
     for rank, got in enumerate(results):
-        check_budget(got["steps"])
+        check_budget(got["steps"], double_routing_prefill)
         assert got["tokens"] == results[0]["tokens"], f"rank {rank} saw other tokens than rank 0"

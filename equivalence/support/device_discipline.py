@@ -9,6 +9,7 @@ import torch
 
 from equivalence.support.fake_device import DeviceTensor, on_fake_device, register, to_host
 from equivalence.support.strategies import BLOCK_SIZE
+from equivalence.support.parallel_support import decode_metadata
 from optimized.executor.kv_cache import PagedKVCache, block_table
 from optimized.executor.model_runner import ModelRunner
 
@@ -54,7 +55,7 @@ def one_step(model, prompts, decode: bool) -> Step:
         if decode:
             model(ids, meta, cache.layers)
             ids = ids[: len(prompts)]
-            meta = runner.decode_metadata([len(p) for p in prompts], table)
+            meta = decode_metadata([len(p) for p in prompts], table)
         reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
         logits = model(ids, meta, cache.layers)
     return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)

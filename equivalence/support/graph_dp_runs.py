@@ -10,10 +10,22 @@ NEW_TOKENS = 4
 
 
 def _compile_fn(compiler: str):
-    """GraphDecoder's compiler: None (the platform's, inductor here) or dynamo + AOTAutograd without codegen."""
+    """GraphDecoder's compiler: None (the platform's: the torchair stand-in, inductor here) or dynamo + AOTAutograd
+    without codegen, static and run as a GE graph (torchair's decode attention runs only in one), as ge_graph is."""
     if compiler != "aot_eager":
         return None
-    return lambda step: torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+    from optimized.torchair_standin import running_ge_graph
+
+    def compile_step(step):
+        compiled = torch.compile(step, backend="aot_eager", dynamic=False, fullgraph=True)
+
+        def run(*args):
+            with running_ge_graph():
+                return compiled(*args)
+
+        return run
+
+    return compile_step
 
 
 DP_PROMPTS = [

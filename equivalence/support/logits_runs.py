@@ -11,6 +11,7 @@ import torch
 from equivalence.support.compare import assert_close, max_abs, rel_l2, tolerance, top1_agreement
 from equivalence.support.parallel_support import (
     RoutingStats,
+    decode_metadata,
     dtype_of,
     input_tie_margins,
     on_host,
@@ -64,7 +65,7 @@ def teacher_forced_run(model, runner, prompts, forced, cache, table) -> dict:
         out = {"prefill": model(ids, meta, cache.layers)}
         lengths = [len(p) for p in prompts]
         for step, tokens in enumerate(forced):
-            meta = runner.decode_metadata(lengths, table)
+            meta = decode_metadata(lengths, table)
             out[f"decode{step}"] = model(torch.tensor(tokens, device=table.device), meta, cache.layers)
             lengths = [n + 1 for n in lengths]
 

@@ -251,3 +251,12 @@ def run_property(check, max_examples: int, **strategies) -> None:
     cap = settings.default.max_examples
     n = max_examples * max(1, cap // 20)
     settings(max_examples=max(1, min(n, cap)))(given(**strategies)(check))()
+
+
+def decode_metadata(lengths: list[int], table: torch.Tensor, block_size: int = BLOCK_SIZE):
+    """One decode step's metadata for requests holding `lengths` tokens (each new token at position lengths[b]),
+    built by the engine's own metadata path (`optimized.executor.engine.decode_metadata`) from device positions."""
+    from optimized.executor.engine import decode_metadata as engine_decode_metadata
+
+    positions = torch.tensor(lengths, dtype=torch.int64, device=table.device)
+    return engine_decode_metadata(positions, [n + 1 for n in lengths], table, block_size)

@@ -78,6 +78,9 @@ def cache_key(model, *, batch_bucket: int, block_size: int, exe_mode: str, kv_ca
         "dtype": str(model.dtype).removeprefix("torch."),
         "force_eplb": bool(model.force_eplb),  # the balanced expert ids are built inside the traced step
         "weight_nz": bool(getattr(model, "weight_nz", False)),  # frozen parameters in the NZ or the ND layout
+        # W4A4's learned rotations are graph constants: enable_hadamard and the rotation files' content
+        "enable_hadamard": bool(getattr(model, "enable_hadamard", False)),
+        "hadamard_rotation": getattr(model, "hadamard_rotation", None),
         "batch_bucket": batch_bucket,
         "batch_invariant": batch_invariant.enabled(),  # row-wise GEMM operators in the graph (model_config)
         "block_size": block_size,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from optimized.executor.kv_cache import NULL_BLOCK, slot_mapping
+from optimized.executor.kv_cache import NULL_BLOCK
 from optimized.executor.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, BatchPenalties, BatchSampling, seed_key
 
 PAD_KV_LEN = 2  # KV length of a dummy or padding row: never 1, which a graph compiler specializes (executor/graph.py)
@@ -180,8 +180,3 @@ class DeviceBatch:
         self.sampling.draws[start:end] += 1
         if decoded:
             self.positions[start:end] += 1
-
-    def slots(self, start: int, end: int, block_size: int) -> torch.Tensor:
-        """Each row's cache slot for its next token, from the device table and positions."""
-        rows = torch.arange(end - start, device=self.device)
-        return slot_mapping(self.table[start:end], rows, self.positions[start:end], block_size)

@@ -22,7 +22,7 @@ import torch
 
 from optimized.distributed import collectives as comm
 from optimized.executor.device_batch import PAD_KV_LEN, DeviceBatch
-from optimized.executor.kv_cache import BlockPool, PagedKVCache
+from optimized.executor.kv_cache import BlockPool, PagedKVCache, slot_mapping
 from optimized.executor.sampling import MAX_STOP_IDS, fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
 from optimized.errors import UsageError
@@ -57,6 +57,33 @@ def with_seed(request: Request) -> Request:
     if request.sampling.greedy or request.sampling.seed is not None:
         return request
     return replace(request, sampling=replace(request.sampling, seed=fresh_seed()))
+
+
+def decode_metadata(
+    positions: torch.Tensor,
+    kv_lens: list[int],
+    table: torch.Tensor,
+    block_size: int,
+    dp: DataParallelBatch | None = None,
+) -> ForwardMetadata:
+    """A decode step's metadata as the engine builds it from its device batch: each row's new token at its position
+    (a device tensor) attends to `kv_lens[b]` keys (host: the scheduler's lengths + 1), the table cut to the columns
+    the longest row uses (contiguous, as the attention kernel takes it) and each token's cache slot computed on the
+    device. No host-to-device copy."""
+    batch = positions.shape[0]
+    width = max(math.ceil(n / block_size) for n in kv_lens)
+    table = table[:, :width].contiguous()
+    rows = torch.arange(batch, device=positions.device)
+    return ForwardMetadata(
+        is_prefill=False,
+        positions=positions,
+        actual_seq_lengths_cu_q=list(range(1, batch + 1)),
+        actual_seq_lengths_kv=list(kv_lens),
+        slot_mapping=slot_mapping(table, rows, positions, block_size),
+        block_table=table,
+        block_size=block_size,
+        dp=dp,
+    )
 
 
 class Engine:
@@ -277,16 +304,12 @@ class Engine:
         own, b, dummy = groups[self.dp_rank], self.batch, self.batch.dummy
         start, end = (0, b.n) if own else (dummy, dummy + 1)
         kv_lens = [r.length + 1 for r in own] or [PAD_KV_LEN]
-        width = max(math.ceil(n / self.runner.block_size) for n in kv_lens)
-        meta = ForwardMetadata(
-            is_prefill=False,
-            positions=b.positions[start:end],
-            actual_seq_lengths_cu_q=list(range(1, end - start + 1)),
-            actual_seq_lengths_kv=kv_lens,
-            slot_mapping=b.slots(start, end, self.runner.block_size),
-            block_table=b.table[start:end, :width].contiguous(),
-            block_size=self.runner.block_size,
-            dp=self._dp([len(g) or 1 for g in groups]),
+        meta = decode_metadata(
+            b.positions[start:end],
+            kv_lens,
+            b.table[start:end],
+            self.runner.block_size,
+            self._dp([len(g) or 1 for g in groups]),
         )
         with self._invariant():
             return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -43,6 +44,21 @@ PAD_KV_LEN = 2  # KV length of a padding slot (see the module docstring): never 
 
 # Dynamo settings while a graph step runs (and compiles): see the module docstring.
 DYNAMO_SETTINGS = dict(specialize_float=True, recompile_limit=64, fail_on_recompile_limit_hit=True)
+
+
+def _recipe_dynamo_settings() -> dict:
+    """The recipe compiles with inbuilt nn modules not inlined (their parameters graph constants, as frozen
+    parameters are); a torch that always inlines them (2.6 on: the flag is deprecated and ignored) is left alone."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", None)
+    if any(issubclass(w.category, FutureWarning) for w in caught) or not hasattr(
+        torch._dynamo.config, "inline_inbuilt_nn_modules"
+    ):
+        return {}
+    return dict(inline_inbuilt_nn_modules=False)
+
+
 # Inductor's, for the same span: a fused kernel still rounds wherever the traced code rounds (x.to(bf16).float()),
 # so the portable kernels it inlines keep their spec rounding points (on CPU bitwise eager's).
 INDUCTOR_SETTINGS = dict(emulate_precision_casts=True)
@@ -60,7 +76,7 @@ def compile_settings():
         ours += ",batch_invariant"
     tag = tag if ours in tag.split("|") else "|".join(filter(None, (tag, ours)))
     with (
-        torch._dynamo.config.patch(**DYNAMO_SETTINGS),
+        torch._dynamo.config.patch(**DYNAMO_SETTINGS, **_recipe_dynamo_settings()),
         inductor_config.patch(**INDUCTOR_SETTINGS),
         torch.compiler.config.patch(cache_key_tag=tag),
     ):
@@ -68,7 +84,8 @@ def compile_settings():
 
 
 class DecodeStep(nn.Module):
-    """One decode forward from static-shape tensors and the host list of KV lengths: what gets compiled."""
+    """One decode forward from static-shape tensors and the host list of KV lengths: what acl_graph and npugraph_ex
+    compile (dynamic: the host ints are graph inputs, every tensor the caller marks static keeps its shape)."""
 
     def __init__(self, model, block_size: int):
         super().__init__()
@@ -76,11 +93,13 @@ class DecodeStep(nn.Module):
         parallel = model.groups.parallel
         self.dp_groups, self.attn_tp_size = parallel.attn_dp_size, model.groups.attn_tp.size
 
-    def forward(self, input_ids, positions, slot_mapping, block_table, kv_lens: list[int], kv_caches):
-        batch = input_ids.shape[0]
+    def _dp(self, batch: int) -> DataParallelBatch | None:
         # Attention DP: every DP group runs the same bucket (GraphDecoder pads each to it), so the step's DP sizes
         # follow from the static batch alone.
-        dp = DataParallelBatch((batch,) * self.dp_groups, self.attn_tp_size) if self.dp_groups > 1 else None
+        return DataParallelBatch((batch,) * self.dp_groups, self.attn_tp_size) if self.dp_groups > 1 else None
+
+    def forward(self, input_ids, positions, slot_mapping, block_table, kv_lens: list[int], kv_caches):
+        batch = input_ids.shape[0]
         meta = ForwardMetadata(
             is_prefill=False,
             positions=positions,
@@ -89,7 +108,29 @@ class DecodeStep(nn.Module):
             slot_mapping=slot_mapping,
             block_table=block_table,
             block_size=self.block_size,
-            dp=dp,
+            dp=self._dp(batch),
+        )
+        return self.model(input_ids, meta, kv_caches)
+
+
+class StaticDecodeStep(DecodeStep):
+    """One decode forward from static-shape tensors only: what ge_graph compiles, one graph per batch bucket. The
+    lengths are device tensors made in the graph, as the recipe's engine makes them (each row's KV length is its
+    position + 1, the query lengths' prefix sums 1..B); the attention reads them through torchair's operator."""
+
+    def forward(self, input_ids, positions, slot_mapping, block_table, kv_caches):
+        batch = input_ids.shape[0]
+        meta = ForwardMetadata(
+            is_prefill=False,
+            positions=positions,
+            actual_seq_lengths_cu_q=list(range(1, batch + 1)),  # constants of the static graph
+            actual_seq_lengths_kv=[],  # no host lengths enter a static graph: `seq_lens_kv` carries them
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            block_size=self.block_size,
+            dp=self._dp(batch),
+            seq_lens_cu_q=torch.arange(1, batch + 1, dtype=positions.dtype, device=positions.device),
+            seq_lens_kv=positions + 1,
         )
         return self.model(input_ids, meta, kv_caches)
 
@@ -122,6 +163,7 @@ class GraphDecoder:
         if buckets is not None and (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)):
             raise ValueError(f"buckets {buckets!r} must be positive batch sizes")
         self.model, self.exe_mode, self.cache, self.buckets = model, exe_mode, cache, buckets
+        self.static = platform.compiles_static(exe_mode)  # ge_graph: one static graph per bucket, device lengths
         self.compiler = compiler or platform.graph_compiler(exe_mode)
         self.inlined = registry.inline_in_inductor()  # before any step of this decoder compiles
         # On NPU torchair's cache_compile owns the cache: one directory and one compiled step per batch bucket (its
@@ -129,8 +171,8 @@ class GraphDecoder:
         # directory is the bucket's cache entry, verified before torchair reads it and signed after its first call.
         self.torchair_cache = cache is not None and compiler is None and platform.backend_name() == "npu"
         self.max_positions = model.config.max_position_embeddings
-        # (block_size, KV dtype, bucket) -> compiled DecodeStep; inductor's buckets share one (bucket None): dynamo
-        # guards and recompiles per shape, while each torchair bucket has its own cache_compile directory.
+        # (block_size, KV dtype, bucket) -> compiled step: one per bucket where each bucket is its own static graph
+        # (ge_graph) or its own torchair cache_compile directory; the dynamic modes' buckets share one (bucket None).
         self.steps: dict[tuple, object] = {}
         self.startup: dict[int, Startup] = {}  # bucket -> how its graph was obtained
         self.padding: dict[int, int] = {}  # batch -> bucket, for every batch that was padded
@@ -157,7 +199,7 @@ class GraphDecoder:
                         torch._dynamo.mark_static(t, dim)
             self._marked = weakref.ref(caches[0][0])  # a weak reference: the cache is freed after its run
         kv_dtype = caches[0][0].dtype
-        step_key = (meta.block_size, kv_dtype, bucket if self.torchair_cache else None)
+        step_key = (meta.block_size, kv_dtype, bucket if self.static or self.torchair_cache else None)
         step = self.steps.get(step_key)
         if step is None:
             step = self.steps[step_key] = self._compile(meta.block_size, kv_dtype, bucket)
@@ -179,11 +221,15 @@ class GraphDecoder:
             entry.verify()  # an entry this user did not write (or a broken one) is discarded before torchair reads it
             entry.create()  # owner-only, before torchair writes into it
             compiler = platform.graph_compiler(self.exe_mode, cache_dir=entry.path)
-            return compiler(DecodeStep(self.model, block_size))
-        return self.compiler(DecodeStep(self.model, block_size))
+            return compiler(self._step(block_size))
+        return self.compiler(self._step(block_size))
+
+    def _step(self, block_size: int) -> DecodeStep:
+        return (StaticDecodeStep if self.static else DecodeStep)(self.model, block_size)
 
     def pad_inputs(self, input_ids, meta: ForwardMetadata, kv_lens: list[int], bucket: int):
-        """input_ids, positions, slot_mapping [bucket], block_table [bucket, W], kv_lens (bucket ints)."""
+        """input_ids, positions, slot_mapping [bucket], block_table [bucket, W], and (dynamic modes) kv_lens (bucket
+        ints; a static graph makes its lengths from the positions)."""
         batch, block_size = input_ids.shape[0], meta.block_size
         width = math.ceil(self.max_positions / block_size)
         table = meta.block_table
@@ -201,6 +247,8 @@ class GraphDecoder:
         tensors = (ids, positions, slots, padded_table)
         for t in tensors:
             torch._dynamo.mark_static(t)
+        if self.static:
+            return tensors
         return (*tensors, kv_lens + [PAD_KV_LEN] * pad)
 
     def _first_call(self, step, bucket: int, block_size: int, kv_dtype: torch.dtype, inputs, caches) -> torch.Tensor:
@@ -228,6 +276,8 @@ class GraphDecoder:
             f"graph mode {platform.graph_backend_description(self.exe_mode)}; decode captured per batch "
             f"bucket {sorted(self.startup)}"
         ]
+        if self.static:
+            lines.append("  decode attention: torchair's operator, the KV lengths device tensors (no host list enters)")
         if self.inlined:
             lines.append(
                 f"  inlined (traced and fused by the compiler, not called as operators): {', '.join(self.inlined)}"

@@ -151,6 +151,7 @@ class ModelRunner:
             groups.attn_tp.size,
         )
         self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
+        self._static_pool = 0  # the largest KV pool a generate used with a static decode graph
         config = model.config
         attn = model.layers[0].self_attn
         self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -259,6 +260,10 @@ class ModelRunner:
                     f"blocks of {self.block_size} tokens{where} (the null block included)"
                 )
             need = self.kv_pool_blocks
+        elif getattr(self.decode_forward, "static", False):
+            # A static graph (ge_graph) has the KV pool among its shapes: the runner's pool only grows, in powers of
+            # two, so a few graphs per bucket serve every generate instead of one per pool size.
+            need = self._static_pool = max(self._static_pool, 1 << (need - 1).bit_length())
         return need
 
     def _check_prefill_budget(self, prompts) -> None:
@@ -398,17 +403,3 @@ class ModelRunner:
                 "(parallel_config.prefill_opt): run it with the tensor-parallel prefill (prefill_opt: false)"
             )
         return list(cached_lens)
-
-    def decode_metadata(self, lengths: list[int], table: torch.Tensor) -> ForwardMetadata:
-        """One new token per request at position `lengths[b]`; it attends to lengths[b] + 1 keys."""
-        batch = len(lengths)
-        positions = torch.tensor(lengths, device=self.device)
-        return ForwardMetadata(
-            is_prefill=False,
-            positions=positions,
-            actual_seq_lengths_cu_q=list(range(1, batch + 1)),
-            actual_seq_lengths_kv=[n + 1 for n in lengths],
-            slot_mapping=slot_mapping(table, torch.arange(batch, device=self.device), positions, self.block_size),
-            block_table=table,
-            block_size=self.block_size,
-        )

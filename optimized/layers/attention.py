@@ -214,7 +214,11 @@ class Qwen3MoeAttention(nn.Module):
                 key_quant_mode=PER_TOKEN_PAGED,
                 value_quant_mode=PER_TOKEN_PAGED,
             )
-        return torch.ops.npu.npu_fused_infer_attention_score_v2(
+        # A static graph (ge_graph) calls torchair's operator with the lengths on the device, as the recipe's GE decode
+        # does; eager mode and the captured graphs call torch_npu's with the host lists.
+        device_lengths = meta.seq_lens_kv is not None
+        fia = torch.ops.air if device_lengths else torch.ops.npu
+        return fia.npu_fused_infer_attention_score_v2(
             q,
             k_cache.view(num_blocks, block_size, -1),
             v_cache.view(num_blocks, block_size, -1),
@@ -224,8 +228,8 @@ class Qwen3MoeAttention(nn.Module):
             input_layout="TND",
             sparse_mode=0 if scales else 3,
             atten_mask=None if scales else atten_mask,
-            actual_seq_qlen=meta.actual_seq_lengths_cu_q,
-            actual_seq_kvlen=meta.actual_seq_lengths_kv,
+            actual_seq_qlen=meta.seq_lens_cu_q if device_lengths else meta.actual_seq_lengths_cu_q,
+            actual_seq_kvlen=meta.seq_lens_kv if device_lengths else meta.actual_seq_lengths_kv,
             block_table=meta.block_table,
             block_size=meta.block_size,
             **quant,

@@ -15,6 +15,7 @@ Every rotated width must be a multiple of 128 (`check_widths`: hidden_size; head
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -134,9 +135,20 @@ def weight_rotation(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.inv(t.float()).T
 
 
+def fingerprint(path, num_layers: int) -> str:
+    """A digest of the rotation files the model reads (layer_0 .. layer_{L-1}, their bytes): what a compiled graph
+    holding the rotations as constants depends on (the compile cache's key)."""
+    digest = hashlib.sha256()
+    for i in range(num_layers):
+        file = layer_file(path, i)
+        digest.update(f"{file.name}\0".encode() + file.read_bytes())
+    return digest.hexdigest()[:20]
+
+
 def attach(model: nn.Module, path, attn_tp_size: int) -> None:
     """Loads every decoder layer's (T_in, T_out) from `path` onto its merged_qkv_proj / o_proj (and the SP prefill's
-    replicated o_proj) as the non-persistent buffer `input_rotation`, on the layer's device."""
+    replicated o_proj) as the non-persistent buffer `input_rotation`, on the layer's device; the model keeps the
+    files' digest as `hadamard_rotation`."""
     check_directory(path)
     check_widths(model.config, attn_tp_size)
     for i, layer in enumerate(model.layers):
@@ -151,6 +163,7 @@ def attach(model: nn.Module, path, attn_tp_size: int) -> None:
                     f"this one runs {type(linear.quant_method).__name__}"
                 )
             linear.input_rotation = t  # a non-persistent buffer: not in the state dict
+    model.hadamard_rotation = fingerprint(path, len(model.layers))
 
 
 def describe(scheme, path) -> str:

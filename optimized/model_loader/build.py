@@ -117,6 +117,7 @@ def model_from_source(
     # re-lays them out.
     process_weights_after_loading(model, weight_nz=weight_nz)
     model.weight_nz = weight_nz
+    model.enable_hadamard = hadamard_weight_path is not None  # model_config.enable_hadamard (W4A4: rotated)
     model.weight_source = source
     return model.eval()
 

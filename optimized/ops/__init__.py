@@ -4,5 +4,5 @@ One module per family, each holding its operators' kernels, validation and fake 
 On an NPU host torch_npu owns the namespace and these modules only record their portable kernels.
 """
 
-from . import attention, cache, formats, gmm, mc2, mx, norm, quant, rotary, routing  # noqa: F401  (registration)
+from . import attention, cache, formats, gmm, mc2, mx, norm, quant, rotary, routing, torchair_ops  # noqa: F401  (registration)
 from .registry import portable_kernel, register  # noqa: F401
