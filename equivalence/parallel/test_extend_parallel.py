@@ -209,7 +209,7 @@ def _layer_task(rank, world, path, lay, cached, new, fp8):
         decode = torch.cat(
             [
                 attn.attention_decode(
-                    q[i : i + 1], runner.decode_metadata([cached + i], table), cache.layers[0], model.atten_mask
+                    q[i : i + 1], decode_metadata([cached + i], table), cache.layers[0], model.atten_mask
                 )
                 for i in range(new)
             ]
