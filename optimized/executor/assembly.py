@@ -224,6 +224,8 @@ class Launch:
                 max_prefill_tokens=s.max_prefill_tokens,
                 mem_fraction_static=s.mem_fraction_static,
                 enable_prefix_caching=s.enable_prefix_caching,
+                enable_chunked_prefill=s.enable_chunked_prefill,
+                max_num_batched_tokens=s.max_num_batched_tokens,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None

@@ -112,6 +112,8 @@ class ModelRunner:
         max_prefill_tokens: int = 0,
         mem_fraction_static: float | None = None,
         enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
+        max_num_batched_tokens: int = 2048,
     ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
@@ -120,7 +122,9 @@ class ModelRunner:
         share of the device's memory the weights and the KV cache may take, checked before the cache is
         allocated (None: no check). enable_prefix_caching (scheduler_config): the engines built over
         this runner (generate's, serve's) reuse cached prompt prefixes (prompts prefilled in one step share nothing;
-        later groups under max_prefill_tokens and later requests do)."""
+        later groups under max_prefill_tokens and later requests do). enable_chunked_prefill and
+        max_num_batched_tokens (scheduler_config): the engines built over this runner prefill in chunks of at most
+        that many tokens per step, decode rows riding in the same steps."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -136,6 +140,7 @@ class ModelRunner:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be an int >= 0 (0: no limit)")
         self.max_prefill_tokens, self.mem_fraction_static = max_prefill_tokens, mem_fraction_static
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_chunked_prefill, self.max_num_batched_tokens = enable_chunked_prefill, max_num_batched_tokens
         self.clock = time.perf_counter  # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
