@@ -160,7 +160,7 @@ def test_seeded_sampling_draws_the_same_tokens_chunked_and_unchunked():
 
     def arrivals():
         lengths, at = (37, 12, 45), (0, 1, 3)
-        return [(at[i], _request(f"s{i}", _prompt(i, lengths[i]), 8, sampling=p)) for i, p in enumerate(params)]
+        return [(at[i], _request(f"s{i}", _prompt(i, lengths[i]), 16, sampling=p)) for i, p in enumerate(params)]
 
     chunked = run_engine(_engine(runner, 16, 3, 6), arrivals())
     unchunked = run_engine(_engine(runner, 16, 3, 0), arrivals())
