@@ -148,6 +148,24 @@ def test_a_request_preempted_mid_prefill_is_recomputed_in_chunks():
     assert engine.cache.free_blocks == engine.cache.num_blocks - 1
 
 
+def test_with_prefix_caching_a_request_reuses_only_the_blocks_earlier_chunks_computed():
+    """A's 48 tokens in chunks of 20: B (A's prompt and 10 more) is admitted in the step of A's last chunk, so it
+    reuses the 2 full blocks A's first two chunks wrote, not the one A writes in that step; then C, after both,
+    reuses all 3."""
+    from optimized.executor.engine import Engine
+
+    runner, _ = _models()
+    engine = Engine(runner, batch_size=3, num_blocks=16, enable_prefix_caching=True, chunked_prefill_tokens=20)
+    a = _request("a", _prompt(3, 48), 4)
+    b = _request("b", _prompt(3, 48) + [9] * 10, 4)
+    c = _request("c", _prompt(3, 48) + [8] * 3, 4)
+    _run(engine, [(0, a), (2, b), (30, c)])
+    assert [r.cached_tokens for r in (a, b, c)] == [0, 32, 48]
+    assert engine.scheduler.partial_chunks >= 2
+    for r in (a, b, c):
+        assert r.tokens == _greedy(tuple(r.prompt), r.max_tokens), r.request_id
+
+
 def test_seeded_sampling_draws_the_same_tokens_chunked_and_unchunked():
     from optimized.executor.sampling import SamplingParams
 

@@ -225,7 +225,7 @@ class ModelRunner:
         while not engine.idle:
             _, events = engine.step()
             timing = engine.last_timing
-            if timing.kind == "prefill":
+            if timing.kind in ("prefill", "mixed"):  # mixed: chunked prefill's steps (decode rows beside chunks)
                 result.prefill_seconds += timing.seconds
             elif timing.kind == "decode":
                 result.decode_seconds.append(timing.seconds)
