@@ -9,8 +9,9 @@ decode rows (one-token extends), generates what it generates unchunked, which is
 - seeded sampling (temperature, top-k, penalties) draws the same tokens chunked and unchunked;
 - attention DP (2 gloo ranks): one group's decode row advances in each step in which the other group admits and
   prefills in chunks, the same on every rank, with the reference's tokens;
-- the keys: the config refuses a budget under batch_size and max_prefill_tokens beside it, the engine a
-  request asking for prompt logits, and the sequence-parallel prefill (which cannot extend) the key by name.
+- echo (prompt logprobs) is prefilled whole in a plain prefill step of its own, its values the unchunked ones;
+- the keys: the config refuses a budget under batch_size and max_prefill_tokens beside it, the engine a budget
+  under its batch, and the sequence-parallel prefill (which cannot extend) the key by name.
 """
 
 from __future__ import annotations
@@ -268,15 +269,37 @@ def test_the_config_refuses_a_budget_under_the_batch_and_max_prefill_tokens_besi
     assert issubclass(ConfigError, Exception)
 
 
-def test_the_engine_refuses_a_small_budget_and_prompt_logits_by_name():
+def test_the_engine_refuses_a_budget_under_its_batch_by_name():
     from optimized.errors import UsageError
 
     runner, _ = _models()
     with pytest.raises(UsageError, match="max_num_batched_tokens=2"):
         _engine(runner, 8, 3, 2)
-    engine = _engine(runner, 8, 1, 4)
-    with pytest.raises(UsageError, match="enable_chunked_prefill"):
-        engine.add(_request("echo", _prompt(0, 9), 2, prompt_logprobs=True))
+
+
+def test_echo_is_prefilled_whole_in_a_step_of_its_own_with_the_unchunked_prompt_logprobs():
+    """A request asking for prompt logprobs waits for the group's prefill under way, then runs alone in a plain
+    prefill step (its 30 tokens past the budget of 4); its prompt logprobs and tokens are the unchunked engine's."""
+    runner, _ = _models()
+
+    def arrivals():
+        return [
+            (0, _request("long", _prompt(1, 21), 12)),
+            (1, _request("echo", _prompt(2, 30), 3, logprobs=1, prompt_logprobs=True)),
+        ]
+
+    engine = _engine(runner, 12, 2, 4)
+    long, echo = (r for _, r in arrivals())
+    engine.add(long)
+    kinds = [engine.step()[0].kind]
+    engine.add(echo)
+    while not engine.idle:
+        kinds.append(engine.step()[0].kind)
+    # long's 21 tokens in 6 steps of 4 (the echo waits), then the echo alone, then both decode
+    assert kinds[:7] == ["mixed"] * 6 + ["prefill"] and echo.first_token_step == 7, kinds
+    _, cold = run_engine(_engine(runner, 12, 2, 0), arrivals())
+    assert echo.prompt_logprob_values == cold.prompt_logprob_values and echo.tokens == cold.tokens
+    assert long.tokens == _greedy(tuple(long.prompt), 12)
 
 
 def _sp_refusal_task(rank, world, path, lay):

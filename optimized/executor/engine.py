@@ -146,11 +146,6 @@ class Engine:
             raise ValueError(
                 f"min_tokens holds back at most {MAX_STOP_IDS} stop ids; the request has {len(request.stop_ids)}"
             )
-        if self.scheduler.chunk_budget and request.kept_prompt_positions:
-            raise UsageError(
-                "prompt logprobs (echo) and prompt logits need the whole prompt in one prefill: "
-                "turn scheduler_config.enable_chunked_prefill off for them"
-            )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         try:

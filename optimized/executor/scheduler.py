@@ -274,6 +274,9 @@ class Scheduler:
         admission order, then to new admissions (FIFO, a first chunk each). A step with any chunk in any group is
         "mixed" (every group runs its decode rows in it as one-token extends, a group with none a dummy row);
         without one it is a plain decode."""
+        whole = self._whole_prefill(pools)
+        if whole is not None:
+            return whole
         preempted, grown, groups, admitted = [], [], [], []
         for g in range(self.dp_groups):
             self._grow(g, pools[g], preempted, grown, decoding_only=True)
@@ -291,6 +294,24 @@ class Scheduler:
             "mixed", tuple(c.request for c in rows if c.last), tuple(preempted), tuple(grown), rows, tuple(admitted)
         )
 
+    def _whole_prefill(self, pools) -> Step | None:
+        """A request returning prompt logits (echo, prompt_positions) needs its prompt in one prefill: once it heads
+        its group's queue and no prefill of the group is under way, it is admitted alone in a plain prefill step
+        (every decode row waits that step, as unchunked; past the budget if it must)."""
+        for g in range(self.dp_groups):
+            waiting = self.waiting[g]
+            if not waiting or not waiting[0].kept_prompt_positions or any(r.prefill_left for r in self.running[g]):
+                continue
+            new = self._admit_one(g, pools[g])
+            if new is None:
+                continue
+            new.prefill_left = 0
+            self._cache_blocks(new, pools[g], len(new.prefill_ids))
+            self.running[g].append(new)
+            self.prefill_chunks += 1
+            return Step("prefill", (new,))
+        return None
+
     def _chunks(self, group: int, pool, admitted: list) -> list[Chunk]:
         """The group's rows: its decode rows, then prefill chunks within the step's remaining tokens (unfinished
         prefills first, then admissions); `Request.prefill_left` counts down as chunks are taken."""
@@ -303,7 +324,8 @@ class Scheduler:
             if r.prefill_left and budget > 0:
                 rows.append(self._take_chunk(r, budget))
                 budget -= rows[-1].length
-        while budget > 0:
+        waiting = self.waiting[group]
+        while budget > 0 and not (waiting and waiting[0].kept_prompt_positions):  # those: `_whole_prefill`
             new = self._admit_one(group, pool)
             if new is None:
                 break
