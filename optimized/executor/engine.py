@@ -84,18 +84,16 @@ class Engine:
             chunked_prefill_tokens = _runner_chunk_budget(runner)
         if chunked_prefill_tokens:
             _check_extends(runner, "enable_chunked_prefill")
-        try:
-            self.scheduler = Scheduler(
-                batch_size,
-                max_prefill_tokens,
-                runner.block_size,
-                num_blocks - 1,
-                self.dp_size,
-                identity,
-                chunked_prefill_tokens,
-            )
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+            _check_chunk_budget(chunked_prefill_tokens, batch_size, self.dp_size)
+        self.scheduler = Scheduler(
+            batch_size,
+            max_prefill_tokens,
+            runner.block_size,
+            num_blocks - 1,
+            self.dp_size,
+            identity,
+            chunked_prefill_tokens,
+        )
         runner.check_mc2(batch_size)  # the largest decode batch: MC2 window and kernel limits
         runner.check_memory(num_blocks)  # mem_fraction_static: the weights and this pool fit
         self.cache = PagedKVCache(
@@ -546,6 +544,16 @@ def _prefix_identity(runner) -> tuple[str, ...]:
 
     _check_extends(runner, "enable_prefix_caching")
     return cache_identity(runner)
+
+
+def _check_chunk_budget(budget: int, batch_size: int, dp_size: int) -> None:
+    """Every decode row takes a token of each step's budget: it must hold a DP group's batch share."""
+    share = -(-batch_size // dp_size)
+    if budget < share:
+        raise UsageError(
+            f"scheduler_config.max_num_batched_tokens={budget} is less than the {share} requests a DP group "
+            "decodes at once: every decode row needs its token in each step"
+        )
 
 
 def _runner_chunk_budget(runner) -> int:

@@ -6,6 +6,10 @@ within the group's batch share, `max_prefill_tokens` and free blocks), else a de
 the blocks taken as tokens start new ones, `Step.grown`, and the group's most recent request preempted when its pool
 is empty, `Step.preempted`), else idle. A group with nothing to run in a non-idle step runs a dummy row.
 
+With chunked prefill (`chunk_budget`), `_schedule_chunked` decides instead: per group, decode rows first, then
+prefill chunks within the step's tokens, all in one "mixed" step of extends (`Step.chunks`); a plain decode when no
+group has a chunk. docs/architecture.md.
+
 Invariants: the decode after a prefill never preempts (admission leaves the running requests' next blocks free); a
 request admitted can always finish (`check_admissible` refuses one whose whole budget cannot fit its pool alone); a
 preempted request goes back to the head of its queue keeping its tokens and is recomputed (`Request.prefill_ids`);
