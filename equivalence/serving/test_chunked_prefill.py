@@ -96,6 +96,8 @@ def test_chunked_equals_unchunked_equals_the_reference(specs, budget, spare_bloc
         got = torch.stack(c.logits)
         assert_close(got, reference_logits(ref, c.prompt, c.tokens), "model.float32", f"{c.request_id} vs reference")
         assert_close(got, torch.stack(u.logits), "model.float32", f"{c.request_id} chunked vs unchunked")
+    for c in chunked:  # its first token only after its last chunk: at most `budget` of its tokens a step
+        assert c.first_token_step - c.arrival_step >= -(-len(c.prompt) // budget), c.request_id
     s = chunked_engine.scheduler
     # every first prefill ran as pieces of at most `budget` tokens (recomputes add theirs)
     assert s.prefill_chunks >= sum(-(-len(r.prompt) // budget) for r in chunked)

@@ -3,8 +3,9 @@
 `Engine.add(request)` queues a request (`RequestTooLarge` when it can never fit), `abort(request_id)` drops one, and
 `step() -> (Step, [TokenEvent])` runs one step the scheduler chose: a prefill of the newly admitted requests or a
 decode of every running one, then one batched token choice and one device-to-host read (the chosen ids and the
-logprobs asked for, packed in one float32 vector; raw logits rows only for requests that asked). `generate` is the
-engine run to completion (`ModelRunner.generate`), `serve` feeds it from HTTP.
+logprobs asked for, packed in one float32 vector; raw logits rows only for requests that asked). With chunked
+prefill a step may instead be "mixed" (`_mixed_step`): decode rows and prefill chunks as one extend forward.
+`generate` is the engine run to completion (`ModelRunner.generate`), `serve` feeds it from HTTP.
 
 Invariants: a request's tokens depend only on its prompt and sampling (its own blocks and seeded draws), not on who
 else is in the batch; non-finite logits end that request with finish_reason "error", never the engine. Under
