@@ -505,6 +505,8 @@ class SchedulerConfig:
     mem_fraction_static: float = 0.85  # share of the device memory the weights and the KV cache may take
     num_reserved_decode_tokens: int = 64  # the recipe's online PD decode admission reserve (offline runs ignore it)
     enable_prefix_caching: bool = False  # serve: reuse the KV of cached full-block prompt prefixes
+    enable_chunked_prefill: bool = False  # prompts prefilled in chunks, in steps that also carry decode rows
+    max_num_batched_tokens: int = 2048  # with enable_chunked_prefill: tokens one step carries per DP group
 
     def _check(self, c: _Checker) -> None:
         for k in ("batch_size", "max_new_tokens", "block_size"):
@@ -512,6 +514,21 @@ class SchedulerConfig:
         c.non_negative_int(self, "max_prefill_tokens")
         c.non_negative_int(self, "num_reserved_decode_tokens")
         c.boolean(self, "enable_prefix_caching")
+        c.positive_int(self, "max_num_batched_tokens")
+        if c.boolean(self, "enable_chunked_prefill") and self.enable_chunked_prefill:
+            if _is_int(self.max_prefill_tokens) and self.max_prefill_tokens:
+                c.fail(
+                    "max_prefill_tokens",
+                    "budgets unchunked prefill steps; with enable_chunked_prefill the step budget is "
+                    "max_num_batched_tokens: set max_prefill_tokens to 0",
+                )
+            if _is_int(self.batch_size) and _is_int(self.max_num_batched_tokens):
+                if self.max_num_batched_tokens < self.batch_size:
+                    c.fail(
+                        "max_num_batched_tokens",
+                        f"{self.max_num_batched_tokens} is less than batch_size={self.batch_size}: every decode row "
+                        "needs its token in each step",
+                    )
         f = self.mem_fraction_static
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             c.fail("mem_fraction_static", f"must be a number in (0, 1], got {_describe(f)}")

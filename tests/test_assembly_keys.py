@@ -103,6 +103,11 @@ def _scheduler(run, engine, command):
         assert run.plan.kv_pool_blocks == engine.cache.num_blocks == 1 + 2 * 2  # 2 requests of 32 + 2 tokens
 
 
+def _chunked(run, engine, command):
+    assert engine.scheduler.chunk_budget == 8 and engine.scheduler.max_prefill_tokens == 0
+    assert run.runner.enable_chunked_prefill and run.runner.max_num_batched_tokens == 8
+
+
 def _nz_off(run, engine, command):
     layers = [m for m in run.model.modules() if getattr(m, "quant_method", None) is not None]
     assert layers and not any(m.weight_nz for m in layers), "model_config.enable_weight_nz: false was not honoured"
@@ -134,6 +139,10 @@ ROWS = {
             "scheduler_config.enable_prefix_caching": True,
         },
         _scheduler,
+    ),
+    "chunked prefill": (
+        {"scheduler_config.enable_chunked_prefill": True, "scheduler_config.max_num_batched_tokens": 8},
+        _chunked,
     ),
 }
 

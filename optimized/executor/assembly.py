@@ -225,6 +225,8 @@ class Launch:
                 mem_fraction_static=s.mem_fraction_static,
                 enable_prefix_caching=s.enable_prefix_caching,
                 batch_invariant=m.batch_invariant,
+                enable_chunked_prefill=s.enable_chunked_prefill,
+                max_num_batched_tokens=s.max_num_batched_tokens,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None

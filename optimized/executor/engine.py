@@ -3,8 +3,9 @@
 `Engine.add(request)` queues a request (`RequestTooLarge` when it can never fit), `abort(request_id)` drops one, and
 `step() -> (Step, [TokenEvent])` runs one step the scheduler chose: a prefill of the newly admitted requests or a
 decode of every running one, then one batched token choice and one device-to-host read (the chosen ids and the
-logprobs asked for, packed in one float32 vector; raw logits rows only for requests that asked). `generate` is the
-engine run to completion (`ModelRunner.generate`), `serve` feeds it from HTTP.
+logprobs asked for, packed in one float32 vector; raw logits rows only for requests that asked). With chunked
+prefill a step may instead be "mixed" (`_mixed_step`): decode rows and prefill chunks as one extend forward.
+`generate` is the engine run to completion (`ModelRunner.generate`), `serve` feeds it from HTTP.
 
 Invariants: a request's tokens depend only on its prompt and sampling (its own blocks and seeded draws), not on who
 else is in the batch; non-finite logits end that request with finish_reason "error", never the engine. Under
@@ -95,18 +96,32 @@ class Engine:
         max_prefill_tokens: int = 0,
         num_blocks: int,
         enable_prefix_caching: bool | None = None,
+        chunked_prefill_tokens: int | None = None,
     ):
         """num_blocks: the KV pool per layer (per DP group under attention DP), the null block included.
         enable_prefix_caching (scheduler_config): a request's cached full-block prefix is reused, its prefill an
         extend over it (optimized/executor/prefix_cache.py); None: the runner's setting (the assembly sets it from
-        the config, so every engine built over that runner honours the key)."""
+        the config, so every engine built over that runner honours the key).
+        chunked_prefill_tokens: chunked prefill's tokens per step per DP group (scheduler_config
+        max_num_batched_tokens with enable_chunked_prefill), 0: off; None: the runner's setting."""
         self.runner, self.model, self.device = runner, runner.model, runner.device
         self.dp_size, self.dp_rank = runner.dp_size, runner.dp_rank
         if enable_prefix_caching is None:
             enable_prefix_caching = getattr(runner, "enable_prefix_caching", False)
         identity = _prefix_identity(runner) if enable_prefix_caching else None
+        if chunked_prefill_tokens is None:
+            chunked_prefill_tokens = _runner_chunk_budget(runner)
+        if chunked_prefill_tokens:
+            _check_extends(runner, "enable_chunked_prefill")
+            _check_chunk_budget(chunked_prefill_tokens, batch_size, self.dp_size)
         self.scheduler = Scheduler(
-            batch_size, max_prefill_tokens, runner.block_size, num_blocks - 1, self.dp_size, identity
+            batch_size,
+            max_prefill_tokens,
+            runner.block_size,
+            num_blocks - 1,
+            self.dp_size,
+            identity,
+            chunked_prefill_tokens,
         )
         runner.check_mc2(batch_size)  # the largest decode batch: MC2 window and kernel limits
         runner.check_memory(num_blocks)  # mem_fraction_static: the weights and this pool fit
@@ -234,6 +249,10 @@ class Engine:
         if step.kind == "idle":
             self.last_timing = StepTiming("idle", 0.0)
             return step, []
+        if step.kind == "mixed":
+            events = self._mixed_step(step)
+            self.last_timing = StepTiming(step.kind, self.runner.clock() - start)
+            return step, events
         groups = self._by_group(step)
         if step.kind == "prefill":
             own = groups[self.dp_rank]
@@ -317,6 +336,49 @@ class Engine:
     def _invariant(self):
         """The runner's batch-invariant mode around a forward (a compiled decode graph is traced inside it)."""
         return batch_invariant.mode(getattr(self.runner, "batch_invariant", False))
+
+    # ---- chunked prefill: a mixed step
+    def _mixed_step(self, step: Step) -> list[TokenEvent]:
+        """Decode rows and prefill chunks in one extend forward: the block changes applied, the admitted requests'
+        rows written, one logits row per chunk; the rows whose chunk ends their prefill and the decode rows choose
+        their tokens exactly as a prefill and a decode would (their batch rows' sampling state, read back once)."""
+        self._apply_blocks(step)
+        self.batch.admit([r for r in step.admitted if r.dp_group == self.dp_rank])
+        chunks = [[] for _ in range(self.dp_size)]
+        for c in step.chunks:
+            chunks[c.request.dp_group].append(c)
+        own = chunks[self.dp_rank]
+        running = self.scheduler.running[self.dp_rank]
+        if [c.request for c in own] != running[: len(own)]:
+            raise RuntimeError("a mixed step's rows are not the group's first running rows in batch order")
+        logits = self._mixed_forward(chunks)
+        groups = [[c.request for c in g if c.last] for g in chunks]
+        n = len(groups[self.dp_rank])
+        if any(not c.last for c in own[:n]):
+            raise RuntimeError("only a group's last row of a mixed step may stop short of its prefill's end")
+        values = self._read(groups, logits[:n] if n else logits, (0, n), "mixed", None)
+        decoding = sum(c.decode for c in own)
+        self.batch.positions[:decoding] += 1  # the decode rows moved one position on (prefills: already past)
+        events = self._events(step, groups, values)
+        for event in events:
+            if event.finished:
+                self._finish(event.request)
+        return events
+
+    def _mixed_forward(self, chunks) -> torch.Tensor:
+        own = chunks[self.dp_rank]
+        if own:
+            block = self.runner.block_size
+            width = max(math.ceil((c.start + c.length) / block) for c in own)
+            table = self.batch.table[: len(own), :width].contiguous()
+            ids, meta, indices = self.runner.prefill_inputs(
+                [_chunk_ids(c) for c in own], table, cached_lens=[c.start for c in own]
+            )
+        else:
+            dummy = self.batch.dummy
+            ids, meta, indices = self.runner.prefill_inputs([[0]], self.batch.table[dummy : dummy + 1, :1])
+        meta.dp = self._dp([sum(c.length for c in g) or 1 for g in chunks], [len(g) or 1 for g in chunks])
+        return self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
 
     # ---- choosing and reading back
     def _layout(self, rows: list[Request], kind: str) -> list[int]:
@@ -506,18 +568,50 @@ class Engine:
         return TokenEvent(request, token, lp, top, finished is not None)
 
 
-def _prefix_identity(runner) -> tuple[str, ...]:
-    """The cache identity prefix caching keys blocks by; the sequence-parallel prefill cannot run the extend a hit
-    needs, so the combination is refused by name."""
-    from optimized.executor.prefix_cache import cache_identity
+def _check_extends(runner, key: str) -> None:
+    """The sequence-parallel prefill cannot run an extend (prefill over cached KV): `key` is refused by name."""
     from optimized.phases import SequenceParallelPrefill
 
     if isinstance(runner.model.prefill, SequenceParallelPrefill):
         raise UsageError(
-            "scheduler_config.enable_prefix_caching needs prefill over cached KV, which the sequence-parallel "
+            f"scheduler_config.{key} needs prefill over cached KV, which the sequence-parallel "
             "prefill (parallel_config.prefill_opt) cannot run: turn one of them off"
         )
+
+
+def _prefix_identity(runner) -> tuple[str, ...]:
+    """The cache identity prefix caching keys blocks by; the sequence-parallel prefill cannot run the extend a hit
+    needs, so the combination is refused by name."""
+    from optimized.executor.prefix_cache import cache_identity
+
+    _check_extends(runner, "enable_prefix_caching")
     return cache_identity(runner)
+
+
+def _check_chunk_budget(budget: int, batch_size: int, dp_size: int) -> None:
+    """Every decode row takes a token of each step's budget: it must hold a DP group's batch share."""
+    share = -(-batch_size // dp_size)
+    if budget < share:
+        raise UsageError(
+            f"scheduler_config.max_num_batched_tokens={budget} is less than the {share} requests a DP group "
+            "decodes at once: every decode row needs its token in each step"
+        )
+
+
+def _runner_chunk_budget(runner) -> int:
+    """The runner's chunked-prefill step budget (the assembly sets it from scheduler_config), 0 when off."""
+    if not getattr(runner, "enable_chunked_prefill", False):
+        return 0
+    return runner.max_num_batched_tokens
+
+
+def _chunk_ids(chunk) -> list[int]:
+    """A mixed-step row's input tokens: a decode row's last token, or the chunk of its prompt (and, recomputed,
+    its tokens so far)."""
+    r = chunk.request
+    if chunk.decode:
+        return [r.tokens[-1]]
+    return r.prefill_ids[chunk.start : chunk.start + chunk.length]
 
 
 def shared_seed(device: torch.device) -> int:

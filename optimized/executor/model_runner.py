@@ -113,6 +113,8 @@ class ModelRunner:
         mem_fraction_static: float | None = None,
         enable_prefix_caching: bool = False,
         batch_invariant: bool = False,
+        enable_chunked_prefill: bool = False,
+        max_num_batched_tokens: int = 2048,
     ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
@@ -123,7 +125,9 @@ class ModelRunner:
         this runner (generate's, serve's) reuse cached prompt prefixes (prompts prefilled in one step share nothing;
         later groups under max_prefill_tokens and later requests do). batch_invariant
         (model_config): every step computes each row as if it were alone (optimized/ops/batch_invariant.py), so a
-        request's logits do not depend on what it is batched with."""
+        request's logits do not depend on what it is batched with. enable_chunked_prefill and
+        max_num_batched_tokens (scheduler_config): the engines built over this runner prefill in chunks of at most
+        that many tokens per step, decode rows riding in the same steps."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -140,6 +144,7 @@ class ModelRunner:
         self.max_prefill_tokens, self.mem_fraction_static = max_prefill_tokens, mem_fraction_static
         self.enable_prefix_caching = enable_prefix_caching
         self.batch_invariant = bool(batch_invariant)
+        self.enable_chunked_prefill, self.max_num_batched_tokens = enable_chunked_prefill, max_num_batched_tokens
         self.clock = time.perf_counter  # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
@@ -225,7 +230,7 @@ class ModelRunner:
         while not engine.idle:
             _, events = engine.step()
             timing = engine.last_timing
-            if timing.kind == "prefill":
+            if timing.kind in ("prefill", "mixed"):  # mixed: chunked prefill's steps (decode rows beside chunks)
                 result.prefill_seconds += timing.seconds
             elif timing.kind == "decode":
                 result.decode_seconds.append(timing.seconds)

@@ -6,6 +6,10 @@ within the group's batch share, `max_prefill_tokens` and free blocks), else a de
 the blocks taken as tokens start new ones, `Step.grown`, and the group's most recent request preempted when its pool
 is empty, `Step.preempted`), else idle. A group with nothing to run in a non-idle step runs a dummy row.
 
+With chunked prefill (`chunk_budget`), `_schedule_chunked` decides instead: per group, decode rows first, then
+prefill chunks within the step's tokens, all in one "mixed" step of extends (`Step.chunks`); a plain decode when no
+group has a chunk. docs/architecture.md.
+
 Invariants: the decode after a prefill never preempts (admission leaves the running requests' next blocks free); a
 request admitted can always finish (`check_admissible` refuses one whose whole budget cannot fit its pool alone); a
 preempted request goes back to the head of its queue keeping its tokens and is recomputed (`Request.prefill_ids`);
@@ -56,6 +60,7 @@ class Request:
     preemptions: int = 0  # times its blocks were taken back (it was recomputed after)
     cached_tokens: int = 0  # of prefill_ids, found in the prefix cache at its last admission (not computed again)
     block_hashes: list = field(default_factory=list)  # prefix-cache keys of prefill_ids' full blocks (so far)
+    prefill_left: int = 0  # chunked prefill: tokens of prefill_ids not yet in the KV cache (0: it decodes)
 
     @property
     def budget(self) -> int:
@@ -90,13 +95,29 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One row of a mixed step: `length` tokens of the request written from position `start` over its KV so far
+    (an extend); a decode row is its one input token. `last`: the row's logits choose the request's next token."""
+
+    request: Request
+    start: int
+    length: int
+    last: bool
+    decode: bool = False
+
+
+@dataclass(frozen=True)
 class Step:
-    kind: str  # "prefill" | "decode" | "idle"
+    kind: str  # "prefill" | "decode" | "mixed" | "idle"
     requests: tuple[Request, ...] = ()  # every group's, group by group (a group's in its batch order)
     # a decode step's block changes, in the order taken: (request, its row in its group's batch before it left)
     # for each preempted request, (request, table column) for each block a running request took
     preempted: tuple[tuple[Request, int], ...] = ()
     grown: tuple[tuple[Request, int], ...] = ()
+    # a mixed step's rows, every group's (a group's in its batch order: decode rows, then prefill chunks), and the
+    # requests admitted in it (their batch rows are new)
+    chunks: tuple[Chunk, ...] = ()
+    admitted: tuple[Request, ...] = ()
 
 
 class Scheduler:
@@ -108,10 +129,13 @@ class Scheduler:
         total_blocks: int,
         dp_groups: int = 1,
         prefix_identity: tuple[str, ...] | None = None,
+        chunk_budget: int = 0,
     ):
         """total_blocks: blocks a request may ever hold, i.e. a group's pool without its null block.
         dp_groups: attention-DP groups; each runs at most ceil(batch_size / dp_groups) requests at once.
-        prefix_identity: the KV cache's identity (prefix_cache.cache_identity) with prefix caching on; None: off."""
+        prefix_identity: the KV cache's identity (prefix_cache.cache_identity) with prefix caching on; None: off.
+        chunk_budget: chunked prefill's tokens per step per group (decode rows first, then prefill chunks); 0: off,
+        a step is a prefill or a decode."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         if max_prefill_tokens < 0:
@@ -126,6 +150,15 @@ class Scheduler:
         self.prefix_identity = prefix_identity
         # prefix caching: prompt tokens looked up in the cache at admission, and those found (every group's)
         self.prefix_queries = self.prefix_hits = 0
+        if chunk_budget and chunk_budget < self.group_batch:
+            raise ValueError(
+                f"scheduler_config.max_num_batched_tokens={chunk_budget} is less than the {self.group_batch} "
+                f"requests a DP group decodes at once: every decode row needs its token in each step"
+            )
+        self.chunk_budget = chunk_budget
+        # chunked prefill: prefill rows run (pieces of prompts), those that stopped short of the prompt's end, and
+        # steps that carried decode rows and prefill chunks together
+        self.prefill_chunks = self.partial_chunks = self.mixed_steps = 0
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
@@ -145,7 +178,7 @@ class Scheduler:
 
     def check_admissible(self, request: Request) -> None:
         """ValueError when the request could never run (so it is refused, never left waiting forever)."""
-        if self.max_prefill_tokens and len(request.prompt) > self.max_prefill_tokens:
+        if not self.chunk_budget and self.max_prefill_tokens and len(request.prompt) > self.max_prefill_tokens:
             raise ValueError(
                 f"the prompt has {len(request.prompt)} tokens, more than scheduler_config."
                 f"max_prefill_tokens={self.max_prefill_tokens}"
@@ -167,6 +200,8 @@ class Scheduler:
         """The next step. pools: each group's `BlockPool` (kv_cache.py), from which admitted requests take their
         blocks here (`Request.blocks`) and running requests their next one; admitted requests move from waiting to
         running, preempted ones back to waiting."""
+        if self.chunk_budget:
+            return self._schedule_chunked(pools)
         admitted = [self._admit(g, pools[g]) for g in range(self.dp_groups)]
         if any(admitted):
             for g, new in enumerate(admitted):
@@ -229,15 +264,121 @@ class Scheduler:
             pool.cache(request.blocks[i], request.block_hashes[i])
 
     def cache_written(self, request: Request, pool) -> None:
-        """A running request leaving (finished or preempted): its blocks the decode filled are cached too."""
-        self._cache_blocks(request, pool, request.length)
+        """A running request leaving (finished or preempted): its blocks the decode filled are cached too (a
+        request still in its chunked prefill: the chunks computed)."""
+        if request.prefill_left:
+            self._cache_blocks(request, pool, len(request.prefill_ids) - request.prefill_left)
+        else:
+            self._cache_blocks(request, pool, request.length)
 
-    def _grow(self, group: int, pool, preempted: list, grown: list) -> None:
+    # ---- chunked prefill (chunk_budget): one kind of step carries decode rows and prefill chunks
+    def _schedule_chunked(self, pools) -> Step:
+        """Per group: every decode row grows its next block (preempting the most recent request when the pool is
+        empty, as a decode), then the step's remaining tokens go to the running requests' unfinished prefills in
+        admission order, then to new admissions (FIFO, a first chunk each). A step with any chunk in any group is
+        "mixed" (every group runs its decode rows in it as one-token extends, a group with none a dummy row);
+        without one it is a plain decode."""
+        whole = self._whole_prefill(pools)
+        if whole is not None:
+            return whole
+        preempted, grown, groups, admitted = [], [], [], []
+        for g in range(self.dp_groups):
+            self._grow(g, pools[g], preempted, grown, decoding_only=True)
+            groups.append(self._chunks(g, pools[g], admitted))
+        rows = tuple(c for group in groups for c in group)
+        if not any(not c.decode for c in rows):
+            if not any(self.running):
+                return Step("idle")
+            return Step("decode", tuple(r for group in self.running for r in group), tuple(preempted), tuple(grown))
+        for c in rows:  # after every admission: a prefix computed in this step is no hit in it
+            if not c.decode:
+                self._cache_blocks(c.request, pools[c.request.dp_group], c.start + c.length)
+        self.mixed_steps += any(c.decode for c in rows)
+        return Step(
+            "mixed", tuple(c.request for c in rows if c.last), tuple(preempted), tuple(grown), rows, tuple(admitted)
+        )
+
+    def _whole_prefill(self, pools) -> Step | None:
+        """A request returning prompt logits (echo, prompt_positions) needs its prompt in one prefill: once it heads
+        its group's queue and no prefill of the group is under way, it is admitted alone in a plain prefill step
+        (every decode row waits that step, as unchunked; past the budget if it must)."""
+        for g in range(self.dp_groups):
+            waiting = self.waiting[g]
+            if not waiting or not waiting[0].kept_prompt_positions or any(r.prefill_left for r in self.running[g]):
+                continue
+            new = self._admit_one(g, pools[g])
+            if new is None:
+                continue
+            new.prefill_left = 0
+            self._cache_blocks(new, pools[g], len(new.prefill_ids))
+            self.running[g].append(new)
+            self.prefill_chunks += 1
+            return Step("prefill", (new,))
+        return None
+
+    def _chunks(self, group: int, pool, admitted: list) -> list[Chunk]:
+        """The group's rows: its decode rows, then prefill chunks within the step's remaining tokens (unfinished
+        prefills first, then admissions); `Request.prefill_left` counts down as chunks are taken."""
+        rows, budget = [], self.chunk_budget
+        for r in self.running[group]:
+            if not r.prefill_left:
+                rows.append(Chunk(r, r.length, 1, True, decode=True))
+                budget -= 1
+        for r in self.running[group]:
+            if r.prefill_left and budget > 0:
+                rows.append(self._take_chunk(r, budget))
+                budget -= rows[-1].length
+        waiting = self.waiting[group]
+        while budget > 0 and not (waiting and waiting[0].kept_prompt_positions):  # those: `_whole_prefill`
+            new = self._admit_one(group, pool)
+            if new is None:
+                break
+            admitted.append(new)
+            self.running[group].append(new)
+            rows.append(self._take_chunk(new, budget))
+            budget -= rows[-1].length
+        return rows
+
+    def _take_chunk(self, request: Request, budget: int) -> Chunk:
+        total = len(request.prefill_ids)
+        start, n = total - request.prefill_left, min(request.prefill_left, budget)
+        request.prefill_left -= n
+        self.prefill_chunks += 1
+        self.partial_chunks += bool(request.prefill_left)
+        return Chunk(request, start, n, not request.prefill_left)
+
+    def _admit_one(self, group: int, pool) -> Request | None:
+        """The group's next waiting request, admitted with every block its prefill writes and the one its first
+        token starts (the chunks then only extend over them), over its cached prefix; None when the batch share
+        or the pool has no room for it (the running requests' next blocks stay free)."""
+        running, waiting = self.running[group], self.waiting[group]
+        if not waiting or len(running) >= self.group_batch:
+            return None
+        head = waiting[0]
+        hit = self._cached_prefix(head, pool)
+        new = self.blocks_at_admission(head) - len(hit)
+        reserve = sum(self._growth(r) for r in running)
+        if new + pool.evictable(hit) > pool.free_blocks - reserve:
+            return None
+        waiting.popleft()
+        pool.share(hit)
+        head.blocks, head.cached_tokens = hit + pool.take(new), len(hit) * self.block_size
+        if self._looks_up(head):
+            self.prefix_queries += len(head.prefill_ids)
+            self.prefix_hits += head.cached_tokens
+        head.prefill_left = len(head.prefill_ids) - head.cached_tokens
+        return head
+
+    def _grow(self, group: int, pool, preempted: list, grown: list, decoding_only: bool = False) -> None:
         """Every running request of the group gets the block its next token needs, in batch order; when none is
-        free, the most recently admitted running request is preempted, until one is (or the request itself was)."""
+        free, the most recently admitted running request is preempted, until one is (or the request itself was).
+        decoding_only (chunked prefill): a request still prefilling holds its blocks already."""
         running, i = self.running[group], 0
         while i < len(running):
             request = running[i]
+            if decoding_only and request.prefill_left:
+                i += 1
+                continue
             need = self._growth(request)
             while need > pool.free_blocks and running[-1] is not request:
                 self._preempt(group, pool, preempted)
@@ -254,6 +395,7 @@ class Scheduler:
         self.cache_written(victim, pool)
         pool.release(victim.blocks)
         victim.blocks = []
+        victim.prefill_left = 0  # recomputed whole at its next admission
         victim.preemptions += 1
         self.waiting[group].appendleft(victim)
         preempted.append((victim, len(self.running[group])))

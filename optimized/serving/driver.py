@@ -153,8 +153,9 @@ class Driver:
     def _account(self, step, events, now: float) -> None:
         m = self.metrics
         with m.lock:
-            if step.kind == "prefill":  # a request recomputed after a preemption is not a new prompt
-                m.prompt_tokens += sum(len(r.prompt) for r in step.requests if not r.preemptions)
+            if step.kind in ("prefill", "mixed"):  # a request recomputed after a preemption is not a new prompt
+                admitted = step.admitted if step.kind == "mixed" else step.requests  # chunked: at its first chunk
+                m.prompt_tokens += sum(len(r.prompt) for r in admitted if not r.preemptions)
             m.preemptions += len(step.preempted)
             m.prefix_queries, m.prefix_hits = self.engine.scheduler.prefix_queries, self.engine.scheduler.prefix_hits
             m.generation_tokens += len(events)
