@@ -80,6 +80,27 @@ def packed_groups(weight: torch.Tensor) -> list:
     )
 
 
+def wants_k_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight[g]` (a 16-bit [G, K, N] weight on the CPU, no oneDNN packing) reads a weight whose K is
+    not contiguous: the CPU's fallback GEMM is several times slower on it than on K-contiguous rows."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.dim() == 3
+        and weight.stride(-2) != 1
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def k_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [..., K, N] with the same values, read from a copy whose K is contiguous (a transposed view of
+    [..., N, K] rows), made on first use and again after an in-place write to `weight`."""
+    key = ("k_major", weight.data_ptr(), tuple(weight.shape), weight.stride())
+    return _cached(key, weight, lambda: weight.detach().transpose(-1, -2).contiguous().transpose(-1, -2))
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: list[int]) -> torch.Tensor:
     """Rows x[ends[g-1]:ends[g]] times group g of `weight` [G, K, N] (logical [K, N] per group), concatenated; rows
     past ends[-1] are 0. Each group is `linear(rows, weight[g].t())` bit for bit (the same packed kernel); callers
