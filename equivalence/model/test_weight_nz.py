@@ -116,7 +116,8 @@ def test_w4a8_fp4_experts_are_cast_in_checkpoint_order_as_packed_fp4_and_read_tr
     experts = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), q.W4A8MxFp4MoEGMMMethod)]
     hidden, inter = experts[0].hidden_size, experts[0].inter_per_rank
     fp4 = [(shape, kw) for shape, kw in load.cast_dtypes if kw]
-    want = {(experts[0].w13_weight.shape[0], 2 * inter, hidden // 2), (experts[0].w2_weight.shape[0], hidden, inter // 2)}
+    local = experts[0].w13_weight.shape[0]
+    want = {(local, 2 * inter, hidden // 2), (local, hidden, inter // 2)}
     assert {shape for shape, _ in fp4} == want, f"FP4 casts of {sorted({s for s, _ in fp4})}; the recipe's: {want}"
     assert len(fp4) == 2 * len(experts)
     assert all(kw == {"customize_dtype": FLOAT8_E4M3FN, "input_dtype": mxf.float4_e2m1fn_x2} for _, kw in fp4), fp4

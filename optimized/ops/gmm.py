@@ -434,7 +434,8 @@ def _mx_grouped_matmul(
     )
     ends = _ends_from_tensor(OP, group_list, group_list_type)
     a, w = x[0], weight[0]
-    check_nz_read(OP, "weight[0]", nz_operand(OP, "weight[0]", w), mxf.fp4_packed_axis(w.shape, k) if fw.packed else None)
+    fp4_axis = mxf.fp4_packed_axis(w.shape, k) if fw.packed else None
+    check_nz_read(OP, "weight[0]", nz_operand(OP, "weight[0]", w), fp4_axis)  # an NZ weight read by the NZ rules
     m = a.shape[0]
     check(not ends or ends[-1] <= m, OP, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={m}")
     xd = mxf.dequantize(a, xs, fx)  # [M, K] fp32
