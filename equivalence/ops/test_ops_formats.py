@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 
 import optimized.ops  # noqa: F401  (registers torch.ops.npu.*)
 from equivalence.support.compare import assert_bitwise_equal
-from optimized.ops import formats, mx_format as mxf
+from optimized.ops import cpu_gemm, formats, mx_format as mxf
 
 pytestmark = pytest.mark.equivalence
 
@@ -159,3 +159,42 @@ def test_nz_fp4_weights_are_not_read_as_another_dtype_and_slices_of_nz_are_refus
     plain = CAST(torch.zeros(64, 16, dtype=torch.uint8), 29)
     with pytest.raises(ValueError, match=r"npu_quant_matmul: x2 is read as packed FP4.*as uint8"):
         QMM(xq, plain, s, pertoken_scale_dtype=E8M0, group_sizes=[1, 1, 32], **kw)
+
+
+# --- NZ at no CPU cost ------------------------------------------------------------------------------------------
+
+
+def test_a_16_bit_nz_expert_stack_is_read_from_the_nd_layout_without_onednn(monkeypatch):
+    """An NZ-cast [L, K, N] stack is row-major on the CPU; without oneDNN the grouped matmul reads it from a K-major
+    copy made once (the ND build's layout): the ND build's bits, and the copy is made once, not per call."""
+    monkeypatch.setattr(cpu_gemm, "ONEDNN_BF16", False)
+    g = torch.Generator().manual_seed(5)
+    nd = torch.randn(4, 96, 512, generator=g).to(torch.bfloat16).transpose(1, 2)  # [L, K, N] view of [L, N, K] rows
+    nz = CAST(nd.contiguous(), 29)
+    x = torch.randn(24, 512, generator=g).to(torch.bfloat16)
+    counts = torch.tensor([7, 0, 12, 5])
+    call = dict(group_list=counts, group_type=0, group_list_type=1, split_item=3, tuning_config=[0])
+    reads, k_major = [], cpu_gemm.k_major
+    monkeypatch.setattr(cpu_gemm, "k_major", lambda w: reads.append((w, k_major(w))) or reads[-1][1])
+    with torch.no_grad():
+        want = GMM([x], [nd], **call)[0]
+        assert not reads, "an ND stack is read as it is"
+        for _ in range(2):
+            assert_bitwise_equal(GMM([x], [nz], **call)[0], want, "NZ vs ND grouped matmul without oneDNN")
+    assert [w is nz for w, _ in reads] == [True, True], "the NZ stack is read from its K-major copy on each call"
+    (_, first), (_, second) = reads
+    assert first is second and first.stride(-2) == 1, "one K-major copy (K contiguous), made on the first call"
+
+
+@pytest.mark.skipif(not cpu_gemm.ONEDNN_BF16, reason="no oneDNN bf16 on this CPU (or CPU prepacking is off)")
+def test_onednn_packs_an_nz_expert_from_its_rows(monkeypatch):
+    """oneDNN reorders a strided weight into a layout its GEMM re-reorders on every call (tens of times slower): an
+    NZ expert ([K, N] rows, read as [N, K] transposed) is packed from [N, K] rows, as the ND build's is."""
+    packed, reorder = [], torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, b: packed.append(w) or reorder(w, b))
+    nz = CAST(torch.randn(3, 64, 32).to(torch.bfloat16), 29)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        y = GMM([x], [nz], group_list=torch.tensor([2, 0, 3]), group_type=0, group_list_type=1, split_item=3)[0]
+    assert packed and all(w.is_contiguous() for w in packed), [w.stride() for w in packed]
+    assert_bitwise_equal(y[:2], cpu_gemm.linear(x[:2], nz[0].t().contiguous()), "expert 0 as a linear of its rows")
