@@ -1,7 +1,8 @@
 """model_config.enable_weight_nz: every linear, expert and MX weight is cast once to the NPU's NZ layout after loading
-(`npu_format_cast(weight.contiguous(), 29)` in `process_weights_after_loading`), the router gate kept ND and
-contiguous, and never cast in a step; every grouped matmul passes `tuning_config`. On the CPU the cast is the
-portable identity, so the calls the NPU will see are recorded here and the outputs are bitwise those of ND weights.
+(`npu_format_cast(weight.contiguous(), 29)` in `process_weights_after_loading`; W4A8's FP4 experts in checkpoint
+order [L, N, K/2] as packed FP4, as the recipe casts them), the router gate kept ND and contiguous, and never cast in
+a step; every grouped matmul passes `tuning_config`. On the CPU the cast keeps the values and records the FRACTAL_NZ
+layout the kernels then read by (docs/nz_format.md), so the outputs are bitwise those of ND weights.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from equivalence.support.parallel_support import runner_of
 from fixtures.checkpoints import checkpoint, w4a8_checkpoint, w8a8_checkpoint
 from optimized.layers import quantization as q
 from optimized.model_loader.build import load_model
+from optimized.layers.quantization.mx_wire import FLOAT8_E4M3FN
+from optimized.ops import mx_format as mxf
+from optimized.ops.formats import nz_layout, nz_operand
 from optimized.ops.registry import portable_kernel
 
 pytestmark = pytest.mark.equivalence
@@ -39,6 +43,8 @@ class NpuCalls(TorchDispatchMode):
         super().__init__()
         self.ops: Counter = Counter()
         self.casts: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self.cast_dtypes: list[tuple[tuple, dict]] = []  # (input shape, customize_dtype / input_dtype given)
+        self.gmm_weights: list[torch.Tensor] = []
         self.gmm_tuning: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -49,8 +55,10 @@ class NpuCalls(TorchDispatchMode):
             self.ops[name] += 1
             if name == "npu_format_cast":
                 self.casts.append((args[0], args[1] if len(args) > 1 else kwargs["acl_format"], out))
+                self.cast_dtypes.append((tuple(args[0].shape), {k: v for k, v in kwargs.items() if k != "acl_format"}))
             if name == "npu_grouped_matmul":
                 self.gmm_tuning.append(kwargs.get("tuning_config"))
+                self.gmm_weights.append(args[1][0])
         return out
 
 
@@ -94,9 +102,32 @@ def test_each_weight_is_cast_to_nz_once_at_load_and_never_in_a_step(kind):
     assert gates and all(g.weight.is_contiguous() and g.weight.data_ptr() not in cast_outputs for g in gates), (
         "the router gate is made contiguous and kept ND"
     )
+    assert all(nz_layout(w) is not None for w in weights.values()), f"{kind}: a weight without its NZ layout"
     with NpuCalls() as step:
         runner_of(model).generate(PROMPTS, 2)
     assert step.ops and step.ops["npu_format_cast"] == 0, f"{kind}: a step cast a weight: {step.ops}"
+
+
+def test_w4a8_fp4_experts_are_cast_in_checkpoint_order_as_packed_fp4_and_read_transposed():
+    """The recipe casts the [L, N, K/2] storage (packed along K) with customize_dtype=float8_e4m3fn and
+    input_dtype=float4_e2m1fn_x2, and hands the grouped matmul its transpose [L, K/2, N]: fractal rows and FP4 pairs
+    both along K. The build's other casts (MXFP8 attention linears) take no dtype arguments."""
+    model, load = _build("w4a8", weight_nz=True)
+    experts = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), q.W4A8MxFp4MoEGMMMethod)]
+    hidden, inter = experts[0].hidden_size, experts[0].inter_per_rank
+    fp4 = [(shape, kw) for shape, kw in load.cast_dtypes if kw]
+    local = experts[0].w13_weight.shape[0]
+    want = {(local, 2 * inter, hidden // 2), (local, hidden, inter // 2)}
+    assert {shape for shape, _ in fp4} == want, f"FP4 casts of {sorted({s for s, _ in fp4})}; the recipe's: {want}"
+    assert len(fp4) == 2 * len(experts)
+    assert all(kw == {"customize_dtype": FLOAT8_E4M3FN, "input_dtype": mxf.float4_e2m1fn_x2} for _, kw in fp4), fp4
+    for m in experts:
+        for w in (m.w13_weight, m.w2_weight):
+            layout = nz_layout(w)
+            assert layout.fp4 and layout.c0 == 32 and layout.shape == tuple(w.shape), layout
+    with NpuCalls() as step:
+        runner_of(model).generate(PROMPTS, 2)
+    assert step.gmm_weights and all(nz_operand("test", "weight", w).transposed for w in step.gmm_weights)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -156,6 +187,7 @@ def test_npu_format_cast_keeps_every_value(shape, transpose, dtype, fmt):
 
 
 def test_npu_format_cast_refuses_other_formats_and_nz_below_two_dims():
+    """(The FRACTAL_NZ layout itself, its block shapes and its readers: equivalence/ops/test_ops_formats.py.)"""
     with pytest.raises(ValueError, match=r"npu_format_cast: acl_format=3 is not supported; allowed: 2 \(ND\), 29"):
         torch.ops.npu.npu_format_cast(torch.ones(2, 2), 3)
     with pytest.raises(ValueError, match=r"FRACTAL_NZ \(29\).*>= 2 dims; got shape \(4,\)"):

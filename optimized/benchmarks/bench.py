@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.add_argument("--skip-hf", action="store_true", help="do not build HF transformers' model")
     p.add_argument(
+        "--no-weight-nz",
+        dest="weight_nz",
+        action="store_false",
+        help="build the optimized model with ND weights (model_config.enable_weight_nz: false; default: NZ, as every "
+        "recipe file)",
+    )
+    p.add_argument(
         "--exe-mode",
         choices=EXE_MODES,
         default="eager",
@@ -337,7 +344,7 @@ def run(args) -> int:
     progress(f"  done in {time.perf_counter() - t0:.1f} s; building the optimized model from its state_dict ...")
     t0 = time.perf_counter()
     weights = WeightSource(config, source=StateDictSource(ref.state_dict(), label="reference state_dict"))
-    opt = build_model(weights, dtype=dtype)
+    opt = build_model(weights, dtype=dtype, weight_nz=args.weight_nz)
     runner = ModelRunner(opt, args.block_size, kv_pool_blocks=args.kv_pool_blocks)
     progress(f"  done in {time.perf_counter() - t0:.1f} s")
     models = {"reference": (run_reference, ref), "optimized": (run_optimized, runner)}
@@ -421,6 +428,7 @@ def run(args) -> int:
             "layers": args.layers,
             "full_layers": full_layers,
             "dtype": args.dtype,
+            "weight_nz": args.weight_nz,
             "batch": args.batch,
             "prompt_len": args.prompt_len,
             "decode_steps": args.decode_steps,
@@ -512,7 +520,8 @@ def format_report(r: dict) -> str:
         "batch_invariant": "batch_invariant",
     }
     lines = [
-        f"{s['preset']} shapes, {s['layers']} of {s['full_layers']} layers, {s['dtype']}, batch {s['batch']}, "
+        f"{s['preset']} shapes, {s['layers']} of {s['full_layers']} layers, {s['dtype']}, "
+        f"{'NZ' if s.get('weight_nz', True) else 'ND'} weights, batch {s['batch']}, "
         f"prompt {s['prompt_len']}, {s['decode_steps']} decode steps; warm-up {s['warmup']}, repeats "
         f"{s['repeats']}; {s['device']}, {s['threads']} threads",
         "",

@@ -73,7 +73,9 @@ def _cached(key: tuple, weight: torch.Tensor, make):
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # 1: the decode batch-size hint
+    # From [N, K] rows: oneDNN reorders a strided weight (an NZ expert's [K, N] rows, transposed) into a layout its
+    # GEMM then re-reorders on every call (tens of times slower); the rows give the ND build's packing.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)  # 1: the decode batch-size hint
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -88,6 +90,27 @@ def packed_groups(weight: torch.Tensor) -> list:
     return _cached(
         ("groups", weight.data_ptr(), tuple(weight.shape), weight.stride()), weight, lambda: [None] * weight.shape[0]
     )
+
+
+def wants_k_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x @ weight[g]` (a 16-bit [G, K, N] weight on the CPU, no oneDNN packing) reads a weight whose K is
+    not contiguous: the CPU's fallback GEMM is several times slower on it than on K-contiguous rows."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.dim() == 3
+        and weight.stride(-2) != 1
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def k_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [..., K, N] with the same values, read from a copy whose K is contiguous (a transposed view of
+    [..., N, K] rows), made on first use and again after an in-place write to `weight`."""
+    key = ("k_major", weight.data_ptr(), tuple(weight.shape), weight.stride())
+    return _cached(key, weight, lambda: weight.detach().transpose(-1, -2).contiguous().transpose(-1, -2))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: list[int]) -> torch.Tensor:

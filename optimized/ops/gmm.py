@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from . import batch_invariant, cpu_gemm, mx_format as mxf
+from .formats import check_nz_read, nz_operand
 from .mx import check_mx_scale, mx_operand_format, mx_output_dtype
 from .registry import register
 from .validation import check, check_dim, check_dtype, check_npu_limit, check_shape, dtype_from_code, fail, unsupported
@@ -159,6 +160,12 @@ def _mm(a: torch.Tensor, w: torch.Tensor, b, out_dtype: torch.dtype) -> torch.Te
     if b is not None:
         y = y + b.float()
     return y.to(out_dtype)
+
+
+def _check_nz_weights(op: str, weight) -> None:
+    """NZ weights read by the NZ rules (formats.py): whole (as cast or transposed), as their own dtype."""
+    for i, w in enumerate(weight):
+        check_nz_read(op, f"weight[{i}]", nz_operand(op, f"weight[{i}]", w))
 
 
 def _check_k(op: str, name: str, a: torch.Tensor, w: torch.Tensor, g: int) -> None:
@@ -321,6 +328,10 @@ def _run_stacked(op: str, X: torch.Tensor, W: torch.Tensor, Bs, ends: list[int],
         and not batch_invariant.enabled()
     ):
         return [cpu_gemm.grouped_linear(X, W, ends)]  # what _mm does per group, with one cache lookup per call
+    if cpu_gemm.wants_k_major(X, W) and not W.is_inference():
+        # An NZ-cast [G, K, N] weight is row-major on the CPU, where a 16-bit GEMM without oneDNN is several times
+        # slower than on K-contiguous rows: read it from the K-major copy made on first use (the ND layout).
+        W = cpu_gemm.k_major(W)
     Y = torch.empty(M, W.shape[-1], dtype=out_dtype, device=X.device)
     start = 0
     for g, end in enumerate(ends):
@@ -435,6 +446,8 @@ def _mx_grouped_matmul(
     )
     ends = _ends_from_tensor(OP, group_list, group_list_type)
     a, w = x[0], weight[0]
+    fp4_axis = mxf.fp4_packed_axis(w.shape, k) if fw.packed else None
+    check_nz_read(OP, "weight[0]", nz_operand(OP, "weight[0]", w), fp4_axis)  # an NZ weight read by the NZ rules
     m = a.shape[0]
     check(not ends or ends[-1] <= m, OP, f"group_list sums to {ends[-1] if ends else 0} rows but x[0] has M={m}")
     xd = mxf.dequantize(a, xs, fx)  # [M, K] fp32
@@ -469,6 +482,7 @@ def npu_grouped_matmul(
     mode, Ws, Bs, out_dtype = _tensor_plan(
         x, weight, bias, group_list, split_item, group_type, act_type, output_dtype, quant_args
     )
+    _check_nz_weights(op, weight)
     ends = None if group_list is None else _ends_from_tensor(op, group_list, group_list_type)
     if mode == "m_single" and split_item in (2, 3) and len(weight) == 1 and weight[0].dim() == 3:
         return _run_stacked(op, x[0], weight[0], Bs, ends, out_dtype)
@@ -578,6 +592,7 @@ def npu_grouped_matmul_list(
     mode, Ws, Bs, out_dtype = _list_plan(
         x, weight, bias, group_list, split_item, group_type, group_list_type, output_dtype
     )
+    _check_nz_weights(OP_LIST, weight)
     ends = None if group_list is None else list(group_list)
     return _run(OP_LIST, mode, x, Ws, Bs, ends, split_item, out_dtype)
 

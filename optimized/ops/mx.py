@@ -14,6 +14,7 @@ import math
 import torch
 
 from . import mx_format as mxf
+from .formats import check_nz_read, nz_operand
 from .norm import _check_norm_shapes, _rstd, _rstd_shape
 from .registry import register
 from .validation import check, check_dtype, check_npu_limit, fail, unsupported
@@ -608,6 +609,8 @@ def npu_quant_matmul(
         group_sizes,
         y_scale,
     )
+    # An NZ x2 is read by the NZ rules: as its dtype, or as FP4 pairs along N (x2 [K, N/2]).
+    check_nz_read(OP_QMM, "x2", nz_operand(OP_QMM, "x2", x2), -1 if f2.packed else None)
     a = mxf.dequantize(x1, pertoken_scale, f1)  # [M, K] fp32
     b = mxf.dequantize_weight(x2, scale, f2, k)
     y = a @ b

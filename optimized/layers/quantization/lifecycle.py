@@ -54,13 +54,14 @@ def param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def nz(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+def nz(layer: nn.Module, weight: torch.Tensor, **element) -> torch.Tensor:
     """`weight` as the kernels read it: with `layer.weight_nz` (model_config.enable_weight_nz, set by
-    `process_weights_after_loading(model, weight_nz=...)`) made contiguous, then cast once to FRACTAL_NZ (on the CPU
-    the cast is the identity); without it, as it is."""
+    `process_weights_after_loading(model, weight_nz=...)`) made contiguous, then cast once to FRACTAL_NZ, whose
+    fractals tile its last two axes as they are now (docs/nz_format.md); without it, as it is. `element`: the
+    cast's customize_dtype / input_dtype (packed FP4)."""
     if not getattr(layer, "weight_nz", False):
         return weight
-    return torch.ops.npu.npu_format_cast(weight.contiguous(), ACL_FORMAT_FRACTAL_NZ)
+    return torch.ops.npu.npu_format_cast(weight.contiguous(), ACL_FORMAT_FRACTAL_NZ, **element)
 
 
 def process_weights_after_loading(model: nn.Module, weight_nz: bool = False) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from optimized.errors import CheckpointError
 from optimized.layers.hadamard import rotate
-from optimized.layers.quantization.base import LinearMethod, expect_dtype
+from optimized.layers.quantization.base import GMM_TUNING_CONFIG, LinearMethod, expect_dtype
 from optimized.layers.quantization.lifecycle import check_processed, note_load, param, start_processing
 from optimized.layers.quantization.mx_layout import (
     BLOCK,
@@ -146,6 +146,7 @@ class W4A4MxFp4MoEGMMMethod(W4A8MxFp4MoEGMMMethod):
             group_type=0,
             group_list_type=1,
             split_item=3,
+            tuning_config=GMM_TUNING_CONFIG,
             output_dtype=mxf.dtype_code(layer.output_dtype),
             x_dtype=FLOAT4_E2M1,
             weight_dtype=FLOAT4_E2M1,
