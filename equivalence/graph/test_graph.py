@@ -365,6 +365,7 @@ KEY_CHANGES = {
     "torch_npu": lambda k: k.update(torch_npu="2.8.0"),
     "inlined_kernels": lambda k: k.update(inlined_kernels=k["inlined_kernels"][:-1]),
     "kernels_source": lambda k: k.update(kernels_source="0" * 16),
+    "batch_invariant": lambda k: k.update(batch_invariant=not k["batch_invariant"]),
 }
 
 

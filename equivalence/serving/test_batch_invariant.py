@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from equivalence.serving.test_e2e_serving import run_engine
+from equivalence.support.engine_runs import run_engine
 from fixtures.checkpoints import checkpoint
 
 pytestmark = pytest.mark.equivalence
