@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from equivalence.support.compare import assert_close
+from equivalence.support.attn_dp_runs import dp_layout
 from equivalence.support.engine_runs import BLOCK, _models, reference_logits, run_engine
 from reference.generate import greedy_generate
 
@@ -192,17 +193,7 @@ def test_seeded_sampling_draws_the_same_tokens_chunked_and_unchunked():
 # ---------------------------------------------------------------------------------------------- attention DP
 
 # TP 1 x attention DP 2 (EP 2): each rank one DP group
-DP_LAYOUT = dict(
-    world_size=2,
-    attn_tp_size=1,
-    moe_tp_size=1,
-    moe_ep_size=2,
-    embed_tp_size=1,
-    lmhead_tp_size=1,
-    prefill_opt=False,
-    moe_ep_scheme="auto",
-    attn_dp=True,
-)
+DP_LAYOUT = dp_layout(2, 1)
 
 
 @torch.no_grad()

@@ -231,15 +231,19 @@ class Scheduler:
             new = self.blocks_at_admission(head) - len(hit)
             if not (room and within and new + pool.evictable(hit) <= pool.free_blocks - reserve):
                 break
-            waiting.popleft()
-            pool.share(hit)
-            head.blocks, head.cached_tokens = hit + pool.take(new), len(hit) * self.block_size
-            if self._looks_up(head):
-                self.prefix_queries += len(head.prefill_ids)
-                self.prefix_hits += head.cached_tokens
+            self._take_blocks(waiting.popleft(), pool, hit, new)
             admitted.append(head)
             tokens += n
         return admitted
+
+    def _take_blocks(self, request: Request, pool, hit: list[int], new: int) -> None:
+        """An admitted request's blocks: its cached prefix `hit` (shared) and `new` fresh ones; counted as a prefix
+        cache query when it looked one up."""
+        pool.share(hit)
+        request.blocks, request.cached_tokens = hit + pool.take(new), len(hit) * self.block_size
+        if self._looks_up(request):
+            self.prefix_queries += len(request.prefill_ids)
+            self.prefix_hits += request.cached_tokens
 
     def _looks_up(self, request: Request) -> bool:
         """Prefix caching is on and the request may reuse cached blocks (its prefill returns no prompt logits)."""
@@ -360,12 +364,7 @@ class Scheduler:
         reserve = sum(self._growth(r) for r in running)
         if new + pool.evictable(hit) > pool.free_blocks - reserve:
             return None
-        waiting.popleft()
-        pool.share(hit)
-        head.blocks, head.cached_tokens = hit + pool.take(new), len(hit) * self.block_size
-        if self._looks_up(head):
-            self.prefix_queries += len(head.prefill_ids)
-            self.prefix_hits += head.cached_tokens
+        self._take_blocks(waiting.popleft(), pool, hit, new)
         head.prefill_left = len(head.prefill_ids) - head.cached_tokens
         return head
 
