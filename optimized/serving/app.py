@@ -29,8 +29,10 @@ ROUTERS = (health.router, models.router, completions.router, chat.router)
 
 
 async def api_error(_, e: ApiError):
-    # a body not read to its end (too slow, too large): the connection cannot carry another request
-    close = {"connection": "close"} if e.status in (408, 413) else None
+    # A body too slow to arrive: the connection cannot carry another request, so it closes. A 413 leaves the
+    # connection open: closing a socket whose client is still sending resets it, and the client may lose the 413
+    # itself; the server reads the rest of the body and drops it.
+    close = {"connection": "close"} if e.status == 408 else None
     return JSONResponse(e.body(), status_code=e.status, headers=close)
 
 
