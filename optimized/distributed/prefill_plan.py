@@ -2,14 +2,15 @@
 run is the plan's decision, optimized/path_plan.py).
 
 With P = attn_tp_size = moe_ep_size ranks each holding n = ceil(S / P) of S packed prompt tokens:
-- `choose_ep_scheme(parallel, top_k)`: the recipe's rule, allgather when top_k >= moe_ep_size (an explicit
-  `moe_ep_scheme` wins); the two volumes' ratio is P / top_k.
+- which scheme runs is `path_plan.decide_paths`'s (the recipe's rule, allgather when top_k >= moe_ep_size; an
+  explicit `moe_ep_scheme` wins); the two volumes' ratio is P / top_k.
 - `allgather_volume`: 2 (P - 1) n H activations per rank, plus ids and fp32 weights (P - 1) n top_k 4 bytes each;
 - `alltoall_volume`: the slots routed to other ranks' experts out and back, 2 n top_k (P - 1) / P rows of H under
   uniform routing (or the routing's actual slot counts), plus the per-expert counts;
 - `mx=True` (W4A8): the activations that go into a quantized matmul as MXFP8, `mx_row_bytes(H)` a row; what comes
   back out of the experts stays 16-bit.
-`describe(...)` is the start-up line `generate` prints. docs/parallel.md tells the prefill.
+`ep_comm_volumes` gives both schemes' bytes, which the plan's start-up lines print. docs/parallel.md tells the
+prefill.
 """
 
 from __future__ import annotations
