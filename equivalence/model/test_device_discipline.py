@@ -19,15 +19,14 @@ every operator call checked to take tensors of one device). Single process, each
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 
 from equivalence.support.device_discipline import (
     NEW_TOKENS,
-    Step,
     assert_no_reads_nor_transfers,
+    extend_step,
     fake_npu,
     generate,
     one_step,
@@ -245,29 +244,6 @@ def test_the_detector_counts_every_copy_between_host_and_device():
 
 
 # ----------------------------------------------------------------------------------- prefill over cached KV
-
-
-def extend_step(model, prompts, cuts) -> Step:
-    """A prefill of prompts[b][:cuts[b]], then the extend step of the rest over the cached KV, counted alone."""
-    runner = ModelRunner(model, BLOCK_SIZE)
-    attn = model.layers[0].self_attn
-    with on_fake_device() as mode:
-        cache = PagedKVCache(
-            model.config.num_hidden_layers,
-            1 + len(prompts) * 2,
-            BLOCK_SIZE,
-            attn.num_kv_heads,
-            attn.head_dim,
-            runner.kv_cache_dtype,
-            fake_npu(),
-        )
-        table = block_table([cache.allocate(len(p)) for p in prompts], fake_npu())
-        ids, meta, _ = runner.prefill_inputs([p[:c] for p, c in zip(prompts, cuts)], table)
-        model(ids, meta, cache.layers)
-        ids, meta, _ = runner.prefill_inputs([p[c:] for p, c in zip(prompts, cuts)], table, cached_lens=cuts)
-        reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
-        logits = model(ids, meta, cache.layers)
-    return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])

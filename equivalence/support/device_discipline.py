@@ -34,31 +34,51 @@ class Step:
     logits: torch.Tensor
 
 
-def one_step(model, prompts, decode: bool) -> Step:
-    """One forward on the fake device: the runner's metadata and cache (of the runner's KV cache dtype: the
-    per-token FP8 cache with its scale caches for an fp8 checkpoint), then the model call alone, counted."""
-    runner = ModelRunner(model, BLOCK_SIZE)
+def _fake_cache(model, runner, budgets: list[int]):
+    """A paged KV cache on the fake device (of the runner's KV cache dtype: the per-token FP8 cache with its scale
+    caches for an fp8 checkpoint) and the block table of requests holding `budgets` tokens."""
     attn = model.layers[0].self_attn
-    budgets = [len(p) + 1 for p in prompts]
+    cache = PagedKVCache(
+        model.config.num_hidden_layers,
+        1 + len(budgets) * 2,
+        BLOCK_SIZE,
+        attn.num_kv_heads,
+        attn.head_dim,
+        runner.kv_cache_dtype,
+        fake_npu(),
+    )
+    return cache, block_table([cache.allocate(n) for n in budgets], fake_npu())
+
+
+def _counted(mode, model, ids, meta, cache) -> Step:
+    """The model call alone, its host reads, transfers and operators counted."""
+    reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
+    logits = model(ids, meta, cache.layers)
+    return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)
+
+
+def one_step(model, prompts, decode: bool) -> Step:
+    """One forward on the fake device: the runner's metadata and cache, then the model call alone, counted."""
+    runner = ModelRunner(model, BLOCK_SIZE)
     with on_fake_device() as mode:
-        cache = PagedKVCache(
-            model.config.num_hidden_layers,
-            1 + len(budgets) * 2,
-            BLOCK_SIZE,
-            attn.num_kv_heads,
-            attn.head_dim,
-            runner.kv_cache_dtype,
-            fake_npu(),
-        )
-        table = block_table([cache.allocate(n) for n in budgets], fake_npu())
+        cache, table = _fake_cache(model, runner, [len(p) + 1 for p in prompts])
         ids, meta, _ = runner.prefill_inputs(prompts, table)
         if decode:
             model(ids, meta, cache.layers)
             ids = ids[: len(prompts)]
             meta = decode_metadata([len(p) for p in prompts], table)
-        reads, transfers, ops = len(mode.host_reads), len(mode.transfers), Counter(mode.ops)
-        logits = model(ids, meta, cache.layers)
-    return Step(mode.host_reads[reads:], mode.transfers[transfers:], mode.ops - ops, logits)
+        return _counted(mode, model, ids, meta, cache)
+
+
+def extend_step(model, prompts, cuts) -> Step:
+    """A prefill of prompts[b][:cuts[b]], then the extend step of the rest over the cached KV, counted alone."""
+    runner = ModelRunner(model, BLOCK_SIZE)
+    with on_fake_device() as mode:
+        cache, table = _fake_cache(model, runner, [len(p) for p in prompts])
+        ids, meta, _ = runner.prefill_inputs([p[:c] for p, c in zip(prompts, cuts)], table)
+        model(ids, meta, cache.layers)
+        ids, meta, _ = runner.prefill_inputs([p[c:] for p, c in zip(prompts, cuts)], table, cached_lens=cuts)
+        return _counted(mode, model, ids, meta, cache)
 
 
 def assert_no_reads_nor_transfers(step: Step, what: str) -> None:
