@@ -1007,12 +1007,12 @@ def test_npu_prefill_tnd_sparse3_matches_portable():
     _npu_compare(V1, (q, k, v), _v1_kwargs(kw), check_lse=True)
 
 
-@pytest.mark.npu
-def test_npu_paged_decode_matches_portable():
-    lq, lkv = [1] * 4, [1, 130, 257, 64]
-    q, k, v = tnd_inputs(11, lq, lkv, 8, 2, 128, torch.bfloat16)
-    kc, table = to_paged(11, [per_request(k, lkv, b) for b in range(4)], 128, "BnBsH", 0)
-    vc, _ = to_paged(11, [per_request(v, lkv, b) for b in range(4)], 128, "BnBsH", 0)
+def _npu_paged_compare(seed: int, lq: list[int], lkv: list[int]) -> None:
+    """TND queries of lq[b] tokens over a paged BnBsH cache of lkv[b] keys per request (sparse_mode 3: the causal
+    diagonal shifted by each row's lkv[b] - lq[b] cached keys), the NPU's kernel against the portable one."""
+    q, k, v = tnd_inputs(seed, lq, lkv, 8, 2, 128, torch.bfloat16)
+    kc, table = to_paged(seed, [per_request(k, lkv, b) for b in range(len(lq))], 128, "BnBsH", 0)
+    vc, _ = to_paged(seed, [per_request(v, lkv, b) for b in range(len(lq))], 128, "BnBsH", 0)
     kw = dict(
         num_query_heads=8,
         num_key_value_heads=2,
@@ -1029,26 +1029,14 @@ def test_npu_paged_decode_matches_portable():
 
 
 @pytest.mark.npu
+def test_npu_paged_decode_matches_portable():
+    _npu_paged_compare(11, [1] * 4, [1, 130, 257, 64])
+
+
+@pytest.mark.npu
 def test_npu_paged_extend_matches_portable():
-    """Prefill over cached KV as the model calls it: TND new tokens over a paged BnBsH cache of cached + new K/V,
-    per-row kv lengths, sparse_mode 3 (the causal diagonal shifted by each row's cached length)."""
-    new, total = [37, 128, 1, 200], [37 + 130, 128 + 256, 1 + 5, 200]
-    q, k, v = tnd_inputs(13, new, total, 8, 2, 128, torch.bfloat16)
-    kc, table = to_paged(13, [per_request(k, total, b) for b in range(4)], 128, "BnBsH", 0)
-    vc, _ = to_paged(13, [per_request(v, total, b) for b in range(4)], 128, "BnBsH", 0)
-    kw = dict(
-        num_query_heads=8,
-        num_key_value_heads=2,
-        softmax_scale=1 / math.sqrt(128),
-        input_layout="TND",
-        sparse_mode=3,
-        atten_mask=TEMPLATE,
-        actual_seq_qlen=cumsum(new),
-        actual_seq_kvlen=total,
-        block_table=table,
-        block_size=128,
-    )
-    _npu_compare(V2, (q, kc, vc), kw, check_lse=False)
+    """Prefill over cached KV as the model calls it: TND new tokens over a paged BnBsH cache of cached + new K/V."""
+    _npu_paged_compare(13, [37, 128, 1, 200], [37 + 130, 128 + 256, 1 + 5, 200])
 
 
 @pytest.mark.npu
