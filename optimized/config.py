@@ -144,6 +144,8 @@ class ModelConfig:
     tokenizer_mode: str = "default"
     kv_cache_dtype: str = "auto"
     batch_invariant: bool = False  # a request's logits bitwise the same whatever it is batched with (CPU kernels)
+    # graph mode's captured decode batch sizes (ascending); null: 1, 2, 4, 8, then every 16 up to a DP group's batch
+    graph_batch_sizes: list[int] | None = None
     # The recipe's other model_config keys: each does what the recipe does, or is refused naming why.
     model_name: str = "model"  # the run's name: printed, and the default compile-cache case name's head
     output_path: str = ""  # where enable_profiler writes its trace; "": the YAML file's directory
@@ -211,11 +213,25 @@ class ModelConfig:
                 "enable_cache_compile",
                 "needs exe_mode: ge_graph or acl_graph (there is no compiled graph to cache in eager mode)",
             )
+        self._check_graph_batch_sizes(c)
         if self.trust_compile_cache is True and self.enable_cache_compile is not True:
             c.fail("trust_compile_cache", "applies to the compile cache, which is off (enable_cache_compile: false)")
         if isinstance(self.model_path, str) and self.scheme[0] == "preset" and self.with_ckpt is True:
             c.fail("with_ckpt", "must be false with a 'preset:' model_path (presets have a config.json, no weights)")
         self._check_recipe_keys(c)
+
+    def _check_graph_batch_sizes(self, c: _Checker) -> None:
+        """graph_batch_sizes: ascending distinct positive batch sizes, in a graph mode (eager captures nothing); that
+        the largest holds a DP group's batch is a rule across sections (InferenceConfig)."""
+        sizes = self.graph_batch_sizes
+        if sizes is None:
+            return
+        if not isinstance(sizes, list) or not sizes or not all(_is_int(b) and b > 0 for b in sizes):
+            c.fail("graph_batch_sizes", f"must be a non-empty list of positive integers, got {_describe(sizes)}")
+        elif sizes != sorted(set(sizes)):
+            c.fail("graph_batch_sizes", f"must be ascending without repeats, e.g. {sorted(set(sizes))}; got {sizes}")
+        if self.exe_mode == "eager":
+            c.fail("graph_batch_sizes", "are graph mode's captured decode batches; exe_mode eager captures none")
 
     def _check_recipe_keys(self, c: _Checker) -> None:
         """The recipe's keys this model runs as the recipe means them, and those it refuses (naming why)."""
@@ -621,6 +637,7 @@ class InferenceConfig:
             getattr(cfg, name)._check(_Checker(name, errors))
         if not errors:
             cfg._check_attn_dp_batch(errors)
+            cfg._check_graph_batch_sizes(errors)
         if errors:
             raise ConfigError(errors, source)
         return cfg
@@ -635,6 +652,21 @@ class InferenceConfig:
                     "scheduler_config.batch_size",
                     f"({s.batch_size}) must be a multiple of attn_dp_size = "
                     f"world_size / attn_tp_size = {dp} (parallel_config.attn_dp)",
+                )
+            )
+
+    def _check_graph_batch_sizes(self, errors: list[tuple[str, str]]) -> None:
+        """The largest captured decode batch holds a DP group's share of batch_size (a decode step never runs a
+        batch no graph was captured for)."""
+        sizes, dp = self.model_config.graph_batch_sizes, self.parallel_config.attn_dp_size
+        share = -(-self.scheduler_config.batch_size // dp)
+        if sizes is not None and max(sizes) < share:
+            whose = f"a DP group's share of scheduler_config.batch_size ({share}, over {dp} groups)" if dp > 1 else ""
+            errors.append(
+                (
+                    "model_config.graph_batch_sizes",
+                    f"the largest ({max(sizes)}) must be at least {whose or f'scheduler_config.batch_size ({share})'}"
+                    f": add a size of {share} or more",
                 )
             )
 
@@ -707,10 +739,10 @@ class InferenceConfig:
             )
         if m.eplb:
             batch = self.scheduler_config.batch_size
-            if m.exe_mode in GRAPH_MODES:  # graph decode pads the batch to its bucket
+            if m.exe_mode in GRAPH_MODES:  # graph decode pads the batch to its bucket, up to the largest
                 from optimized.forward_metadata import batch_bucket  # (imports torch: this module does not)
 
-                batch = batch_bucket(batch)
+                batch = max(m.graph_batch_sizes) if m.graph_batch_sizes else batch_bucket(batch)
             why = check_force_eplb(hf_config.num_experts, hf_config.num_experts_per_tok, p.moe_tp_size, batch)
             if why:
                 errors.append(

@@ -87,16 +87,31 @@ class ForwardMetadata:
         return int(self.positions.shape[0])
 
 
+# Graph mode's default captured decode batches: these small sizes, then every BUCKET_STEP rows (a batch of 600 pads
+# to 608, not 1024: fewer padding rows on every rank and an MC2 window sized for them).
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16
+
+
 def batch_bucket(batch: int, buckets: tuple[int, ...] | None = None) -> int:
-    """The captured batch size a batch of `batch` requests is padded to: the smallest of `buckets` that
-    holds it, or (buckets None) the next power of two."""
+    """The captured batch size a batch of `batch` requests is padded to: the smallest of `buckets` that holds it,
+    or (buckets None) the default rule's: the next of 1, 2, 4, 8, then the next multiple of 16."""
     if batch < 1:
         raise ValueError(f"batch size {batch} must be at least 1")
     if buckets is None:
-        return 1 << (batch - 1).bit_length()
+        if batch <= SMALL_BUCKETS[-1]:
+            return min(b for b in SMALL_BUCKETS if b >= batch)
+        return -(-batch // BUCKET_STEP) * BUCKET_STEP
     fits = [b for b in buckets if b >= batch]
     if not fits:
         raise ValueError(
             f"batch size {batch} exceeds the largest captured batch bucket {max(buckets)} (buckets {sorted(buckets)})"
         )
     return min(fits)
+
+
+def default_buckets(batch: int) -> tuple[int, ...]:
+    """The default rule's captured sizes for decode batches up to `batch`: 1, 2, 4, 8, then every 16, up to the
+    bucket that holds `batch`."""
+    top = batch_bucket(batch)
+    return tuple(b for b in SMALL_BUCKETS if b <= top) + tuple(range(BUCKET_STEP, top + 1, BUCKET_STEP))

@@ -71,7 +71,7 @@ def _graph(run, engine, command):
 
     decoder = run.runner.decode_forward
     assert isinstance(decoder, GraphDecoder), type(decoder)
-    assert run.plan.buckets == (1, 2)
+    assert run.plan.buckets == (1, 2) and decoder.buckets == run.plan.buckets  # the plan's sizes are captured
     if command == "serve":  # every bucket compiled before the port opens: no compile on the request path
         assert sorted(decoder.startup) == [1, 2], decoder.startup
     else:  # generate compiles what it runs: its batch of 2, then the batch of 1 left

@@ -47,13 +47,14 @@ def _plan(cfg, batch=None):
 
 def test_graph_mode_sizes_the_mc2_window_for_the_padded_bucket_qwen3_235b_ep4_batch_600():
     # EP 4, batch 600: eager dispatches 150 tokens per rank: a window of 368 MB. A graph decode pads the batch to
-    # its bucket 1024 (padding rows are real rows to MC2): 256 tokens per rank, L = 32 local experts, H = 4096:
-    # dispatch 32 * 256 * 4 * 9216 B, combine 8 * 256 * 8192 B, twice, + 11 MB = 619 MB (the recipe's formula).
+    # its bucket 608 (padding rows are real rows to MC2): 152 tokens per rank, L = 32 local experts, H = 4096:
+    # dispatch 32 * 152 * 4 * 9216 B, combine 8 * 152 * 8192 B, twice, + 11 MB = 372 MB (the recipe's formula).
     layout = dict(world_size=4, attn_tp_size=4, moe_tp_size=1)
     eager, graph = _plan(_cfg("eager", 600, **layout)), _plan(_cfg("ge_graph", 600, **layout))
     assert (eager.dispatch_batch, eager.mc2_window_mb) == (600, 368)
-    assert (graph.dispatch_batch, graph.mc2_window_mb) == (1024, 619)
-    assert graph.buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    assert (graph.dispatch_batch, graph.mc2_window_mb) == (608, 372)
+    assert graph.buckets == (1, 2, 4, 8, *range(16, 609, 16))
+    assert "buckets [1, 2, 4, 8, 16, 32, ..., 608] (42 sizes)" in graph.describe()
     assert (graph.paths.prefill, graph.paths.ep_scheme, graph.paths.decode) == (SP, ALLGATHER, MC2)
 
 

@@ -610,7 +610,8 @@ def test_torchair_cache_one_step_and_one_signed_entry_per_bucket(fp32, tmp_path,
 
 
 def test_batch_buckets():
-    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    # 1, 2, 4, 8, then every 16: a batch pads to the smallest that holds it
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 16, 17, 33, 600)] == [1, 2, 4, 8, 8, 16, 16, 32, 48, 608]
     assert batch_bucket(3, (2, 8)) == 8
     with pytest.raises(ValueError, match="exceeds the largest captured batch bucket 8"):
         batch_bucket(9, (8,))

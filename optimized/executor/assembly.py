@@ -172,7 +172,7 @@ class Launch:
                         print(hadamard.describe(run.plan.scheme, m.hadamard_weight_path), flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env, run.plan.paths)
-                run.runner = self._runner(run.model)
+                run.runner = self._runner(run.model, run.plan.buckets)
                 try:  # mem_fraction_static: the weights and the plan's KV pool fit, before any cache exists
                     run.runner.check_memory(run.plan.kv_pool_blocks)
                 except ValueError as e:
@@ -209,7 +209,7 @@ class Launch:
         except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint if not
             raise UsageError(str(e) if str(self.model_dir) in str(e) else f"checkpoint {self.model_dir}: {e}") from None
 
-    def _runner(self, model):
+    def _runner(self, model, buckets):
         from optimized.executor.model_runner import ModelRunner
         from optimized.layers.quantization.errors import QuantConfigError
 
@@ -227,6 +227,7 @@ class Launch:
                 batch_invariant=m.batch_invariant,
                 enable_chunked_prefill=s.enable_chunked_prefill,
                 max_num_batched_tokens=s.max_num_batched_tokens,
+                graph_buckets=buckets,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None

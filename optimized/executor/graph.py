@@ -1,7 +1,8 @@
 """Graph mode: the decode step compiled to one static graph per batch bucket (exe_mode ge_graph / acl_graph).
 
 `decode_forward(model, exe_mode, cache)` is what `ModelRunner` calls for each decode step: the model itself in eager
-mode, a `GraphDecoder` otherwise, which pads the batch to its bucket (the next power of two), runs that bucket's
+mode, a `GraphDecoder` otherwise, which pads the batch to its bucket (the smallest captured size that holds it: by
+default 1, 2, 4, 8, then every 16; model_config.graph_batch_sizes overrides), runs that bucket's
 compiled `DecodeStep` and returns the real rows' logits. Prefill stays eager.
 
 The compiled step is one whole decode forward (fullgraph) from tensors of static shape (ids, positions, slot mapping
@@ -156,7 +157,7 @@ class GraphDecoder:
         buckets: tuple[int, ...] | None = None,
         compiler=None,
     ):
-        """buckets: the captured batch sizes (default: powers of two, each captured on first use).
+        """buckets: the captured batch sizes (default: 1, 2, 4, 8, then every 16, each captured on first use).
         compiler: `compile(step) -> callable`, default `platform.graph_compiler(exe_mode)`."""
         if exe_mode not in GRAPH_MODES:
             raise ValueError(f"exe_mode {exe_mode!r} is not a graph mode; graph modes: {', '.join(GRAPH_MODES)}")
@@ -308,10 +309,13 @@ def _fresh_artifacts():
         yield
 
 
-def decode_forward(model, exe_mode: str = "eager", cache: CompileCache | None = None):
-    """What a runner calls for decode steps: the model itself (eager) or a GraphDecoder."""
+def decode_forward(
+    model, exe_mode: str = "eager", cache: CompileCache | None = None, buckets: tuple[int, ...] | None = None
+):
+    """What a runner calls for decode steps: the model itself (eager) or a GraphDecoder over `buckets` (the plan's;
+    None: the default rule's, each captured on first use)."""
     if exe_mode == "eager":
         if cache is not None:
             raise ValueError("a compile cache needs a graph exe_mode (ge_graph or acl_graph)")
         return model
-    return GraphDecoder(model, exe_mode, cache)
+    return GraphDecoder(model, exe_mode, cache, buckets=buckets or None)

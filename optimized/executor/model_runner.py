@@ -115,6 +115,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         enable_chunked_prefill: bool = False,
         max_num_batched_tokens: int = 2048,
+        graph_buckets: tuple[int, ...] | None = None,
     ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
@@ -127,7 +128,8 @@ class ModelRunner:
         (model_config): every step computes each row as if it were alone (optimized/ops/batch_invariant.py), so a
         request's logits do not depend on what it is batched with. enable_chunked_prefill and
         max_num_batched_tokens (scheduler_config): the engines built over this runner prefill in chunks of at most
-        that many tokens per step, decode rows riding in the same steps."""
+        that many tokens per step, decode rows riding in the same steps. graph_buckets: a graph mode's captured decode
+        batches (the plan's); None: the default rule's (1, 2, 4, 8, then every 16), each captured on first use."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -155,7 +157,7 @@ class ModelRunner:
             groups.dp_rank,
             groups.attn_tp.size,
         )
-        self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache)
+        self.decode_forward = graph.decode_forward(model, exe_mode, compile_cache, graph_buckets)
         self._static_pool = 0  # the largest KV pool a generate used with a static decode graph
         config = model.config
         attn = model.layers[0].self_attn
@@ -316,7 +318,8 @@ class ModelRunner:
 
             parallel = self.model.groups.parallel
             # a graph decode pads each DP group's share to its bucket: the padding rows are real rows to MC2
-            batch = dispatch_batch(batch, self.dp_size, self.decode_forward is not self.model)
+            graph_mode = self.decode_forward is not self.model
+            batch = dispatch_batch(batch, self.dp_size, graph_mode, getattr(self.decode_forward, "buckets", None))
             check_mc2_window(self.model.config, parallel, batch, self.model.dtype.itemsize, mc2.window_mb)
             check_mc2_limits(
                 self.model.config, parallel, batch, enforce=platform.backend_name() == "npu" or strict_npu_limits(DIMS)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from optimized.config import GRAPH_MODES, InferenceConfig, ParallelConfig
 from optimized.distributed import decode_plan, prefill_plan
-from optimized.forward_metadata import batch_bucket
+from optimized.errors import UsageError
+from optimized.forward_metadata import default_buckets
 from optimized.layers.quantization.schemes import MXFP8_WIRE, QuantScheme, quant_scheme, scheme_row
 from optimized.path_plan import DP, SP, PhasePaths, decide_paths
 
@@ -25,21 +26,28 @@ def group_batch(batch: int, dp_groups: int) -> int:
     return -(-batch // dp_groups)
 
 
-def graph_buckets(batch: int, dp_groups: int) -> tuple[int, ...]:
-    """The captured decode batch sizes a graph-mode run may use: powers of two up to a group's padded share."""
-    top, buckets, b = batch_bucket(group_batch(batch, dp_groups)), [], 1
-    while b <= top:
-        buckets.append(b)
-        b *= 2
-    return tuple(buckets)
+def graph_buckets(batch: int, dp_groups: int, sizes: list[int] | tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The captured decode batch sizes a graph-mode run uses: `sizes` (model_config.graph_batch_sizes; UsageError
+    naming the key when the largest cannot hold a group's share), else 1, 2, 4, 8, then every 16 up to the bucket
+    of a group's share."""
+    share = group_batch(batch, dp_groups)
+    if sizes is None:
+        return default_buckets(share)
+    if max(sizes) < share:
+        raise UsageError(
+            f"model_config.graph_batch_sizes: the largest ({max(sizes)}) cannot hold a decode batch of {share}"
+            f"{' per DP group' if dp_groups > 1 else ''}: add a size of {share} or more"
+        )
+    return tuple(sizes)
 
 
-def dispatch_batch(batch: int, dp_groups: int, graph: bool) -> int:
-    """The largest decode batch a step dispatches over the job: the batch itself in eager mode; in graph mode
-    every DP group's share padded to its bucket (one group without DP)."""
+def dispatch_batch(batch: int, dp_groups: int, graph: bool, buckets: tuple[int, ...] | None = None) -> int:
+    """The largest decode batch a step dispatches over the job: the batch itself in eager mode; in graph mode every
+    DP group's rows padded to the largest bucket (one group without DP): warming up runs it, and so may a step.
+    buckets: the captured sizes (None: the default rule's for this batch)."""
     if not graph:
         return batch
-    return dp_groups * batch_bucket(group_batch(batch, dp_groups))
+    return dp_groups * max(buckets or graph_buckets(batch, dp_groups))
 
 
 def pool_blocks(lengths: list[int], block_size: int, dp_groups: int = 1) -> int:
@@ -97,6 +105,7 @@ class ExecutionPlan:
             block_size=s.block_size,
             prefill_tokens=prefill_tokens,
             kv_pool_blocks=kv_pool_blocks,
+            graph_batch_sizes=m.graph_batch_sizes,
         )
 
     @classmethod
@@ -112,16 +121,19 @@ class ExecutionPlan:
         block_size: int | None = None,
         prefill_tokens: int | None = None,
         kv_pool_blocks: int | None = None,
+        graph_batch_sizes: list[int] | None = None,
     ) -> "ExecutionPlan":
         """The plan of one layout without an inference config (`build` is this over a config; the parallel bench,
         the latency harness and the first-divergence report call it through `assembly.plan_for`). quant: the
         checkpoint's scheme (its config.json's, which may differ from the shapes `hf_config` gives); act_bytes: the
         model dtype's size; prefill_tokens / kv_pool_blocks / block_size: None where no engine pool or first
-        prefill is planned (each `generate` call sizes its own)."""
+        prefill is planned (each `generate` call sizes its own); graph_batch_sizes: model_config's captured decode
+        batches (None: the default rule, `graph_buckets`)."""
         graph = exe_mode in GRAPH_MODES
         dp = parallel.attn_dp_size
         paths = decide_paths(hf_config, parallel, quant)
-        dispatched = dispatch_batch(batch, dp, graph)
+        buckets = graph_buckets(batch, dp, graph_batch_sizes) if graph else ()
+        dispatched = dispatch_batch(batch, dp, graph, buckets)
         window = decode_plan.window_for(hf_config, parallel, dispatched, act_bytes) if paths.mc2 else None
         limits = tuple(decode_plan.mc2_limit_violations(hf_config, parallel, dispatched)) if paths.mc2 else ()
         return cls(
@@ -130,7 +142,7 @@ class ExecutionPlan:
             exe_mode=exe_mode,
             quant=quant,
             paths=paths,
-            buckets=graph_buckets(batch, dp) if graph else (),
+            buckets=buckets,
             dispatch_batch=dispatched,
             mc2_window_mb=window,
             mc2_limits=limits,
@@ -149,7 +161,7 @@ class ExecutionPlan:
         )
         if self.graph:
             graph = (
-                f"decode steps as {self.exe_mode} graphs: buckets {list(self.buckets)}; a step dispatches up "
+                f"decode steps as {self.exe_mode} graphs: buckets {_buckets_text(self.buckets)}; a step dispatches up "
                 f"to {self.dispatch_batch} rows (padded)"
             )
         else:
@@ -176,6 +188,14 @@ class ExecutionPlan:
             f"KV pool: {self.kv_pool_blocks} blocks of {self.block_size} tokens"
             f"{' per DP group' if self.dp_groups > 1 else ''} (null block included)"
         )
+
+
+def _buckets_text(buckets: tuple[int, ...]) -> str:
+    """The captured sizes as printed: the list, its middle elided when long."""
+    if len(buckets) <= 8:
+        return str(list(buckets))
+    head, tail = ", ".join(map(str, buckets[:6])), buckets[-1]
+    return f"[{head}, ..., {tail}] ({len(buckets)} sizes)"
 
 
 def prefill_line(
