@@ -255,7 +255,12 @@ class LLM:
         block_size = self.config.scheduler_config.block_size
         blocks = pool_blocks([len(q) + n for q, n in zip(ids, budgets)], block_size, p.attn_dp_size)
         self._run = self._launch.start(
-            batch=len(ids), prefill_tokens=sum(map(len, ids)), kv_pool_blocks=blocks, prompts=ids, agree=agree
+            batch=len(ids),
+            prefill_tokens=sum(map(len, ids)),
+            kv_pool_blocks=blocks,
+            kv_pool_source="the prompts",
+            prompts=ids,
+            agree=agree,
         )
 
     def _requests(self, ids, budgets, params):

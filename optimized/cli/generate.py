@@ -135,6 +135,7 @@ def run(args) -> int:
         batch=len(prompts),
         prefill_tokens=sum(len(q) for q in prompts),
         kv_pool_blocks=blocks,
+        kv_pool_source="the prompts",
         prompts=prompts,
         agree=dict(sampling=repr(sampling), eos=eos, chat=args.chat),
     )

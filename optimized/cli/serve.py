@@ -2,9 +2,11 @@
 
 The YAML is `generate`'s inference config, assembled the same way (optimized/executor/assembly.py: the plan printed,
 the MC2 window sized for batch_size, the compile cache, mem_fraction_static, the profiler over the whole run);
-server-only settings are flags (--host, --port, --served-model-name, --kv-pool-blocks: default batch_size requests
-of input_max_len + max_new_tokens, per DP group under attention DP). In graph mode every decode bucket up to
-batch_size is compiled or loaded before the port opens. Under torchrun rank 0 serves HTTP and the other ranks follow
+server-only settings are flags (--host, --port, --served-model-name, --kv-pool-blocks: by default the pool is sized by
+memory, what mem_fraction_static of the device leaves after the weights and a measured activation peak, capped at
+batch_size requests of input_max_len + max_new_tokens within max_position_embeddings, per DP group under attention
+DP: optimized/executor/kv_pool.py; the plan prints it). In graph mode every decode bucket is compiled or loaded
+before the port opens. Under torchrun rank 0 serves HTTP and the other ranks follow
 its engine steps (optimized/serving/ranks.py). docs/serving.md.
 """
 
@@ -38,7 +40,12 @@ def add_parser(sub) -> None:
         help="seconds a client may take to send a request's body after its headers; slower: 408 and dropped (60)",
     )
     p.add_argument("--served-model-name", help="the model id clients name (default: the model path's last part)")
-    p.add_argument("--kv-pool-blocks", type=int, help="paged KV pool size in blocks, the null block included")
+    p.add_argument(
+        "--kv-pool-blocks",
+        type=int,
+        help="paged KV pool size in blocks per DP group, the null block included (default: sized by memory from "
+        "scheduler_config.mem_fraction_static, capped at what batch_size requests can use)",
+    )
     p.add_argument("--no-weight-check", action="store_true", help="skip the load-time finite-weight check")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from optimized import envs
@@ -120,11 +120,15 @@ class Launch:
         kv_pool_blocks: int | None = None,
         prompts: list[list[int]] | None = None,
         agree: dict | None = None,
+        kv_pool_source: str = "--kv-pool-blocks",
+        memory=None,
     ) -> "Assembly":
         """Join the job, plan, build the groups, the model and the runner. batch: the most requests decoding
         together; prefill_tokens: the tokens of a first prefill (the plan's volumes); kv_pool_blocks: the engine's
-        pool per DP group (None: what `batch` requests of input_max_len + max_new_tokens need); agree: what every
-        rank must hold the same (sampling, ...) besides the config, the model and the prompts."""
+        pool per DP group, given by `kv_pool_source` (None: sized by memory, optimized/executor/kv_pool.py, after a
+        profiling forward); agree: what every rank must hold the same (sampling, ...) besides the config, the model
+        and the prompts; memory: where the memory figures come from (optimized/executor/memory.py; None: the
+        device's own; a test states a device)."""
         from optimized.distributed import ParallelState, init_distributed
         from optimized.distributed.guard import (
             CollectiveTimeoutError,
@@ -133,14 +137,11 @@ class Launch:
             named_collective_errors,
             run_fingerprint,
         )
-        from optimized.executor.plan import ExecutionPlan, group_batch
+        from optimized.executor.plan import ExecutionPlan
 
         cfg = self.cfg
-        m, p, s = cfg.model_config, cfg.parallel_config, cfg.scheduler_config
-        if kv_pool_blocks is None:
-            per_request = -(-(cfg.data_config.input_max_len + s.max_new_tokens) // s.block_size)
-            kv_pool_blocks = 1 + group_batch(batch, p.attn_dp_size) * per_request
-        if kv_pool_blocks < 2:
+        m, p = cfg.model_config, cfg.parallel_config
+        if kv_pool_blocks is not None and kv_pool_blocks < 2:
             raise UsageError(
                 f"the KV pool of {kv_pool_blocks} block(s) must hold at least 2 (block 0 is the null block)"
             )
@@ -172,17 +173,46 @@ class Launch:
                         print(hadamard.describe(run.plan.scheme, m.hadamard_weight_path), flush=True)
                 run.state = ParallelState.build(p, mc2_window_mb=run.plan.mc2_window_mb)
                 run.model = self._load_model(run.state, env, run.plan.paths)
-                run.runner = self._runner(run.model, run.plan.buckets)
-                try:  # mem_fraction_static: the weights and the plan's KV pool fit, before any cache exists
+                run.runner = self._runner(run.model, run.plan.buckets, memory)
+                pool = self._kv_pool(run, kv_pool_blocks, kv_pool_source)
+                run.plan = replace(run.plan, kv_pool_blocks=pool.blocks, kv_pool=pool)
+                try:  # mem_fraction_static: the weights, activations and the KV pool fit, before any cache exists
                     run.runner.check_memory(run.plan.kv_pool_blocks)
                 except ValueError as e:
                     raise UsageError(str(e)) from None
                 if env.rank == 0:
+                    print(pool.line(), flush=True)
                     print(f"kv cache: {run.runner.describe_kv_cache(m.kv_cache_dtype)}", flush=True)
         except BaseException:
             run.close()
             raise
         return run
+
+    def _kv_pool(self, run, given: int | None, source: str):
+        """The KV pool: `given` (by `source`), or sized by memory after a profiling forward at the largest prefill a
+        step can hold and the largest decode batch a step dispatches; every rank takes the smallest."""
+        from optimized.executor import kv_pool
+        from optimized.executor.plan import group_batch
+
+        cfg, plan, runner = self.cfg, run.plan, run.runner
+        if given is not None:
+            return kv_pool.KVPool(given, runner.block_size, runner.block_bytes(), plan.dp_groups, source)
+        s, max_positions = cfg.scheduler_config, self.hf_config.max_position_embeddings
+        share = group_batch(plan.batch, plan.dp_groups)
+        rows, length = profile_prefill(cfg, share, max_positions)
+        activations = runner.profile_activations(rows, length, plan.dispatch_batch // plan.dp_groups)
+        return kv_pool.sized_by_memory(
+            device_bytes=runner.memory.total_bytes(),
+            fraction=s.mem_fraction_static,
+            weights_bytes=runner.weight_bytes(),
+            activation_bytes=activations,
+            block_bytes=runner.block_bytes(),
+            block_size=runner.block_size,
+            group_batch=share,
+            request_tokens=kv_pool.request_budget(cfg.data_config.input_max_len, s.max_new_tokens, max_positions),
+            dp_groups=plan.dp_groups,
+            agree=lambda n: smallest_over_ranks(n, runner.device) if run.env.world_size > 1 else n,
+        )
 
     def _load_model(self, state, env, paths):
         from optimized import platform
@@ -209,7 +239,7 @@ class Launch:
         except (CheckpointError, QuantConfigError) as e:  # its message names the file; name the checkpoint if not
             raise UsageError(str(e) if str(self.model_dir) in str(e) else f"checkpoint {self.model_dir}: {e}") from None
 
-    def _runner(self, model, buckets):
+    def _runner(self, model, buckets, memory=None):
         from optimized.executor.model_runner import ModelRunner
         from optimized.layers.quantization.errors import QuantConfigError
 
@@ -228,9 +258,32 @@ class Launch:
                 enable_chunked_prefill=s.enable_chunked_prefill,
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 graph_buckets=buckets,
+                memory=memory,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None
+
+
+def profile_prefill(cfg, share: int, max_positions: int) -> tuple[int, int]:
+    """(prompts, tokens each) of the largest prefill one step of a DP group can run, for the profiling forward: up to
+    its share of the batch, each of the longest prompt, within the step's token budget (max_num_batched_tokens with
+    chunked prefill, else max_prefill_tokens when set)."""
+    s = cfg.scheduler_config
+    length = min(cfg.data_config.input_max_len, max_positions - 1)  # a prompt leaves room for a new token
+    budget = s.max_num_batched_tokens if s.enable_chunked_prefill else s.max_prefill_tokens
+    if budget and budget < length:
+        return 1, budget
+    return max(1, min(share, budget // length if budget else share)), length
+
+
+def smallest_over_ranks(n: int, device) -> int:
+    """The smallest of every rank's `n` (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def check_rotation_widths(cfg, hf_config) -> None:

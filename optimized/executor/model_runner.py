@@ -116,6 +116,7 @@ class ModelRunner:
         enable_chunked_prefill: bool = False,
         max_num_batched_tokens: int = 2048,
         graph_buckets: tuple[int, ...] | None = None,
+        memory=None,
     ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
@@ -129,7 +130,8 @@ class ModelRunner:
         request's logits do not depend on what it is batched with. enable_chunked_prefill and
         max_num_batched_tokens (scheduler_config): the engines built over this runner prefill in chunks of at most
         that many tokens per step, decode rows riding in the same steps. graph_buckets: a graph mode's captured decode
-        batches (the plan's); None: the default rule's (1, 2, 4, 8, then every 16), each captured on first use."""
+        batches (the plan's); None: the default rule's (1, 2, 4, 8, then every 16), each captured on first use.
+        memory: where the memory figures come from (optimized/executor/memory.py; None: the device's own)."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -144,6 +146,10 @@ class ModelRunner:
         if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be an int >= 0 (0: no limit)")
         self.max_prefill_tokens, self.mem_fraction_static = max_prefill_tokens, mem_fraction_static
+        from optimized.executor.memory import device_memory
+
+        self.memory = memory if memory is not None else device_memory(model_device)
+        self.activation_bytes = 0  # the activation peak `profile_activations` measured (the memory check adds it)
         self.enable_prefix_caching = enable_prefix_caching
         self.batch_invariant = bool(batch_invariant)
         self.enable_chunked_prefill, self.max_num_batched_tokens = enable_chunked_prefill, max_num_batched_tokens
@@ -282,28 +288,78 @@ class ModelRunner:
                     f"(scheduler_config): no prefill step can hold it"
                 )
 
+    def weight_bytes(self) -> int:
+        """The model's parameters on this rank, in bytes."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def block_bytes(self) -> int:
+        """One block of the KV cache on this rank: K and V of every layer (and their scales when quantized)."""
+        from optimized.executor.kv_cache import bytes_per_token
+
+        return self.block_size * bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_cache_dtype)
+
     def check_memory(self, num_blocks: int) -> None:
-        """mem_fraction_static: the weights and a KV pool of `num_blocks` blocks fit that share of the device."""
+        """mem_fraction_static: the weights, the measured activation peak and a KV pool of `num_blocks` blocks fit
+        that share of the device."""
         if self.mem_fraction_static is None:
             return
-        from optimized.executor.kv_cache import bytes_per_token
-        from optimized.platform import memory_bytes
-
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        kv = (
-            num_blocks
-            * self.block_size
-            * bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_cache_dtype)
-        )
-        total = memory_bytes(self.device)
-        if weights + kv > self.mem_fraction_static * total:
+        weights, kv, act = self.weight_bytes(), num_blocks * self.block_bytes(), self.activation_bytes
+        total = self.memory.total_bytes()
+        if weights + act + kv > self.mem_fraction_static * total:
             gib = 1 << 30
             raise ValueError(
-                f"the weights ({weights / gib:.2f} GiB) and the KV cache ({kv / gib:.2f} GiB, "
-                f"{num_blocks} blocks of {self.block_size} tokens) need more than mem_fraction_static="
-                f"{self.mem_fraction_static} of the device's {total / gib:.2f} GiB; shorten the "
-                f"requests, lower the batch, or raise scheduler_config.mem_fraction_static"
+                f"the weights ({weights / gib:.2f} GiB), the activation peak ({act / gib:.2f} GiB) and the KV cache "
+                f"({kv / gib:.2f} GiB, {num_blocks} blocks of {self.block_size} tokens) need more than "
+                f"mem_fraction_static={self.mem_fraction_static} of the device's {total / gib:.2f} GiB; shorten the "
+                f"requests, lower the batch or the KV pool, or raise scheduler_config.mem_fraction_static"
             )
+
+    @torch.no_grad()
+    def profile_activations(self, prefill_rows: int, prefill_len: int, decode_rows: int) -> int:
+        """The activation peak (bytes) of one eager prefill of `prefill_rows` prompts of `prefill_len` tokens and one
+        eager decode of `decode_rows` rows, every DP group alike (every rank runs it together), over a scratch cache
+        holding the prefill (its bytes not counted); kept in `activation_bytes` for the memory check."""
+        from optimized.executor.kv_cache import PagedKVCache, block_table
+        from optimized.forward_metadata import DataParallelBatch
+
+        per_row = -(-(prefill_len + 1) // self.block_size)
+        cache = PagedKVCache(
+            self.num_layers,
+            1 + prefill_rows * per_row,
+            self.block_size,
+            self.kv_heads,
+            self.head_dim,
+            self.kv_cache_dtype,
+            self.device,
+        )
+        rows = [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(prefill_rows)]
+        table = block_table(rows, self.device)
+        dp = self.dp_size > 1
+
+        def forward():
+            ids, meta, indices = self.prefill_inputs([[0] * prefill_len] * prefill_rows, table)
+            if dp:
+                meta.dp = DataParallelBatch(
+                    (prefill_rows * prefill_len,) * self.dp_size, self.attn_tp_size, (prefill_rows,) * self.dp_size
+                )
+            self.model(ids, meta, cache.layers, logits_indices=indices)
+            del ids, meta, indices
+            decode_table = table[torch.arange(decode_rows, device=self.device) % prefill_rows]
+            positions = torch.ones(decode_rows, dtype=torch.int64, device=self.device)
+            meta = ForwardMetadata(
+                is_prefill=False,
+                positions=positions,
+                actual_seq_lengths_cu_q=list(range(1, decode_rows + 1)),
+                actual_seq_lengths_kv=[2] * decode_rows,
+                slot_mapping=decode_table[:, 0].long() * self.block_size + 1,
+                block_table=decode_table[:, :1].contiguous(),
+                block_size=self.block_size,
+                dp=DataParallelBatch((decode_rows,) * self.dp_size, self.attn_tp_size) if dp else None,
+            )
+            self.model(torch.zeros(decode_rows, dtype=torch.int64, device=self.device), meta, cache.layers)
+
+        self.activation_bytes = self.memory.peak_bytes(forward)
+        return self.activation_bytes
 
     def check_mc2(self, batch: int) -> None:
         """The MC2 group's HCCL window holds this decode batch (as dispatched: padded to its graph bucket in graph

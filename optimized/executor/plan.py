@@ -3,19 +3,21 @@ quantization scheme included), before any process group exists, and printed at s
 
 It holds the decisions as data: the checkpoint's quantization scheme, the phase paths (`paths`: the prefill path, its
 EP scheme and activation wire, the decode path; decided by optimized/path_plan.py's one rule), the graph buckets, the
-MC2 window and the KV pool. The MC2 window is sized from the largest batch a decode step can dispatch: in graph mode
-the padded bucket (padding rows are real rows to MC2), and under attention DP each group's share padded to its
-bucket. The assembly builds the groups with its window and the model on its paths; tests, the benches, the latency
-harness and the equivalence report read its fields to know which path runs (never its printed lines).
+MC2 window and the KV pool (given, or sized by memory once the weights are loaded: `kv_pool`, set by the assembly,
+holds the figures). The MC2 window is sized from the largest batch a decode step can dispatch: in graph mode
+the largest captured bucket (padding rows are real rows to MC2, and warming up runs it), per attention-DP group. The
+assembly builds the groups with its window and the model on its paths; tests, the benches, the latency harness and
+the equivalence report read its fields to know which path runs (never its printed lines).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from optimized.config import GRAPH_MODES, InferenceConfig, ParallelConfig
 from optimized.distributed import decode_plan, prefill_plan
 from optimized.errors import UsageError
+from optimized.executor.kv_pool import KVPool
 from optimized.forward_metadata import default_buckets
 from optimized.layers.quantization.schemes import MXFP8_WIRE, QuantScheme, quant_scheme, scheme_row
 from optimized.path_plan import DP, SP, PhasePaths, decide_paths
@@ -74,6 +76,8 @@ class ExecutionPlan:
     block_size: int | None
     prefill_line: str  # the start-up lines of the prefill and decode paths (display only: read the fields)
     decode_line: str
+    pool_by_memory: bool = False  # kv_pool_blocks to be sized by memory once the weights are loaded (the assembly)
+    kv_pool: KVPool | None = None  # the pool as sized, with the figures it came from (the assembly sets it)
 
     @property
     def graph(self) -> bool:
@@ -90,12 +94,13 @@ class ExecutionPlan:
 
     @classmethod
     def build(
-        cls, cfg: InferenceConfig, hf_config, *, batch: int, prefill_tokens: int, kv_pool_blocks: int
+        cls, cfg: InferenceConfig, hf_config, *, batch: int, prefill_tokens: int, kv_pool_blocks: int | None
     ) -> "ExecutionPlan":
         """Every decision of a config run, once. Raises QuantConfigError / PathPlanError for a layout the
-        checkpoint's scheme cannot run (path_plan.decide_paths)."""
+        checkpoint's scheme cannot run (path_plan.decide_paths). kv_pool_blocks None: the pool is sized by memory
+        once the weights are loaded (`pool_by_memory`; the assembly sets `kv_pool`)."""
         m, s = cfg.model_config, cfg.scheduler_config
-        return cls.for_layout(
+        plan = cls.for_layout(
             hf_config,
             cfg.parallel_config,
             quant=quant_scheme(hf_config),
@@ -107,6 +112,7 @@ class ExecutionPlan:
             kv_pool_blocks=kv_pool_blocks,
             graph_batch_sizes=m.graph_batch_sizes,
         )
+        return replace(plan, pool_by_memory=kv_pool_blocks is None)
 
     @classmethod
     def for_layout(
@@ -182,6 +188,10 @@ class ExecutionPlan:
         )
 
     def _pool_line(self) -> str:
+        if self.kv_pool is not None:
+            return self.kv_pool.line()
+        if self.pool_by_memory:
+            return "KV pool: sized by memory once the weights are loaded (scheduler_config.mem_fraction_static)"
         if self.kv_pool_blocks is None:
             return "KV pool: none planned (each generate call sizes its own)"
         return (
