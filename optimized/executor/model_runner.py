@@ -306,11 +306,12 @@ class ModelRunner:
         weights, kv, act = self.weight_bytes(), num_blocks * self.block_bytes(), self.activation_bytes
         total = self.memory.total_bytes()
         if weights + act + kv > self.mem_fraction_static * total:
-            gib = 1 << 30
+            from optimized.executor.kv_pool import size_text
+
             raise ValueError(
-                f"the weights ({weights / gib:.2f} GiB), the activation peak ({act / gib:.2f} GiB) and the KV cache "
-                f"({kv / gib:.2f} GiB, {num_blocks} blocks of {self.block_size} tokens) need more than "
-                f"mem_fraction_static={self.mem_fraction_static} of the device's {total / gib:.2f} GiB; shorten the "
+                f"the weights ({size_text(weights)}), the activation peak ({size_text(act)}) and the KV cache "
+                f"({size_text(kv)}, {num_blocks} blocks of {self.block_size} tokens) need more than "
+                f"mem_fraction_static={self.mem_fraction_static} of the device's {size_text(total)}; shorten the "
                 f"requests, lower the batch or the KV pool, or raise scheduler_config.mem_fraction_static"
             )
 
