@@ -131,3 +131,34 @@ def test_a_plan_for_more_requests_than_the_largest_size_is_refused_naming_the_ke
     cfg = _cfg(4, [1, 4])
     with pytest.raises(UsageError, match=r"model_config.graph_batch_sizes: the largest \(4\) cannot hold a decode "):
         P.ExecutionPlan.build(cfg, QWEN3_235B, batch=5, prefill_tokens=16, kv_pool_blocks=9)
+
+
+def test_force_eplb_is_checked_against_the_largest_captured_size():
+    """With moe_tp_size > 1 the forced routing needs B * top_k <= num_experts for the padded decode batch: batch 3
+    pads to 4 by default (8 > 6 refused); captured sizes [1, 3] pad it to 3 (6 <= 6)."""
+    model = SimpleNamespace(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        moe_intermediate_size=24,
+        num_experts=6,
+        num_experts_per_tok=2,
+        vocab_size=240,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+    )
+
+    def cfg(sizes):
+        mc = {"exe_mode": "ge_graph", "force_eplb": True} | ({} if sizes is None else {"graph_batch_sizes": sizes})
+        return InferenceConfig.from_dict(
+            {
+                "model_config": mc,
+                "parallel_config": {"world_size": 2, "moe_tp_size": 2, "attn_dp": False},
+                "scheduler_config": {"batch_size": 3},
+            }
+        )
+
+    with pytest.raises(ConfigError, match="B = 4"):
+        cfg(None).validate_for_model(model)
+    cfg([1, 3]).validate_for_model(model)
