@@ -214,3 +214,23 @@ def test_the_profiling_forward_measures_more_for_a_larger_prefill():
     small = runner.profile_activations(1, 8, 1)
     large = runner.profile_activations(4, 200, 4)
     assert 0 < small < large and runner.activation_bytes == large
+
+
+@pytest.mark.parametrize(
+    "scheduler, want",
+    [
+        ({}, (4, 100)),  # the group's share of prompts, each of input_max_len
+        ({"max_prefill_tokens": 250}, (2, 100)),  # as many whole prompts as the step's budget holds
+        ({"max_prefill_tokens": 60}, (1, 60)),  # a budget below one prompt: one prompt of the budget
+        ({"enable_chunked_prefill": True, "max_num_batched_tokens": 300}, (3, 100)),  # chunked: the step's tokens
+    ],
+)
+def test_the_profiling_prefill_is_the_largest_one_step_can_run(scheduler, want):
+    from optimized.config import InferenceConfig
+    from optimized.executor.assembly import profile_prefill
+
+    cfg = InferenceConfig.from_dict(
+        {"data_config": {"input_max_len": 100}, "scheduler_config": {"batch_size": 4, **scheduler}}
+    )
+    assert profile_prefill(cfg, 4, 4096) == want
+    assert profile_prefill(cfg, 4, 64)[1] <= 63  # a prompt within the model's positions, room for one new token
