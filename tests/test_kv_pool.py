@@ -70,19 +70,21 @@ def test_the_pd_decode_file_at_its_scale_fits_a_64_gib_die_only_with_the_pool_si
     fraction=st.floats(0.05, 1.0),
     weights=st.integers(0, 1 << 38),
     activation=st.integers(0, 1 << 34),
+    other=st.integers(0, 1 << 32),
     block=st.integers(1, 1 << 26),
     block_size=st.sampled_from([16, 128]),
     group_batch=st.integers(1, 64),
     request=st.integers(1, 1 << 16),
 )
 def test_a_pool_sized_by_memory_fits_the_share_holds_one_request_and_never_exceeds_the_batch(
-    device, fraction, weights, activation, block, block_size, group_batch, request
+    device, fraction, weights, activation, other, block, block_size, group_batch, request
 ):
     kw = dict(
         device_bytes=device,
         fraction=fraction,
         weights_bytes=weights,
         activation_bytes=activation,
+        other_bytes=other,
         block_bytes=block,
         block_size=block_size,
         group_batch=group_batch,
@@ -92,12 +94,13 @@ def test_a_pool_sized_by_memory_fits_the_share_holds_one_request_and_never_excee
     try:
         pool = sized_by_memory(**kw)
     except KVPoolTooSmall:
-        assert weights + activation + one * block > fraction * device
+        assert weights + activation + other + one * block > fraction * device
         return
-    assert weights + activation + pool.nbytes <= fraction * device
+    used = weights + activation + other
+    assert used + pool.nbytes <= fraction * device
     assert one <= pool.blocks <= 1 + group_batch * (one - 1)
     if pool.blocks < pool.need_blocks:  # bound by memory: one block more would not fit
-        assert weights + activation + (pool.blocks + 1) * block > fraction * device
+        assert used + (pool.blocks + 1) * block > fraction * device
 
 
 def test_the_ranks_agree_on_the_smallest_count():
@@ -115,6 +118,16 @@ def test_the_ranks_agree_on_the_smallest_count():
     assert sized_by_memory(**kw, agree=lambda n: min(n, 20)).blocks == 20  # another rank holds 20
     with pytest.raises(KVPoolTooSmall):
         sized_by_memory(**kw, agree=lambda n: 4)
+
+
+def test_memory_in_use_outside_the_tensors_is_left_out_of_the_pool_and_printed():
+    kw = dict(fraction=1.0, weights_bytes=0, activation_bytes=0, block_bytes=1 << 20, block_size=16, group_batch=64)
+    alone = sized_by_memory(device_bytes=64 << 20, request_tokens=64, **kw)
+    beside = sized_by_memory(device_bytes=64 << 20, request_tokens=64, other_bytes=10 << 20, **kw)
+    assert (alone.blocks, beside.blocks) == (64, 54)
+    assert "other device memory" not in alone.line() and "other device memory 10.00 MiB" in beside.line()
+    device = memory.StatedMemory(64 << 20, other=10 << 20)
+    assert (device.total_bytes(), device.other_bytes(), memory.HostMemory().other_bytes()) == (64 << 20, 10 << 20, 0)
 
 
 def test_live_storage_counts_the_peak_of_tensor_storage():

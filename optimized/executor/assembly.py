@@ -206,6 +206,7 @@ class Launch:
             fraction=s.mem_fraction_static,
             weights_bytes=runner.weight_bytes(),
             activation_bytes=activations,
+            other_bytes=runner.memory.other_bytes(),
             block_bytes=runner.block_bytes(),
             block_size=runner.block_size,
             group_batch=share,

@@ -1,7 +1,8 @@
 """The engine's KV pool size (per attention-DP group, the null block included): given, or sized by memory.
 
 Sized by memory, as vLLM sizes its cache: `scheduler_config.mem_fraction_static` of the device's memory, less the
-weights and the activation peak a profiling forward measured (optimized/executor/memory.py), in blocks of what one
+weights, the activation peak a profiling forward measured and the memory in use outside the tensors (communication
+buffers; optimized/executor/memory.py), in blocks of what one
 block of the KV cache takes on this rank; every rank takes the smallest count any rank can hold (the scheduler keeps
 every group's pool alike on every rank). It is capped at what the batch can use at once: a DP group's share of
 batch_size, each request at its budget, input_max_len + max_new_tokens capped at max_position_embeddings (no request
@@ -46,6 +47,7 @@ class KVPool:
     fraction: float | None = None
     weights_bytes: int | None = None
     activation_bytes: int | None = None
+    other_bytes: int = 0  # in use outside the tensors (communication buffers)
     memory_blocks: int | None = None  # what the memory holds (the smallest of every rank's)
     need_blocks: int | None = None  # what the batch can use at once
     group_batch: int | None = None
@@ -73,8 +75,9 @@ class KVPool:
         batch = f"{self.group_batch} requests of {self.request_tokens} tokens ({self.need_blocks} blocks)"
         return (
             f"{head}, sized by memory: mem_fraction_static {self.fraction} of {size_text(self.device_bytes)}, less "
-            f"the weights {size_text(self.weights_bytes)} and the activation peak {size_text(self.activation_bytes)},"
-            f" holds {self.memory_blocks} blocks; "
+            f"the weights {size_text(self.weights_bytes)}"
+            + (f", other device memory {size_text(self.other_bytes)}" if self.other_bytes else "")
+            + f" and the activation peak {size_text(self.activation_bytes)}, holds {self.memory_blocks} blocks; "
             + (
                 f"capped at what the batch can use: {batch}"
                 if capped
@@ -83,9 +86,12 @@ class KVPool:
         )
 
 
-def memory_blocks(device_bytes: int, fraction: float, weights_bytes: int, activation_bytes: int, block_bytes: int):
-    """Blocks of `block_bytes` that mem_fraction_static of the device holds beside the weights and the activations."""
-    room = int(fraction * device_bytes) - weights_bytes - activation_bytes
+def memory_blocks(
+    device_bytes: int, fraction: float, weights_bytes: int, activation_bytes: int, block_bytes: int, other_bytes=0
+) -> int:
+    """Blocks of `block_bytes` that mem_fraction_static of the device holds beside the weights, the activations and
+    the memory in use outside the tensors."""
+    room = int(fraction * device_bytes) - weights_bytes - activation_bytes - other_bytes
     return max(room, 0) // block_bytes
 
 
@@ -100,11 +106,12 @@ def sized_by_memory(
     group_batch: int,
     request_tokens: int,
     dp_groups: int = 1,
+    other_bytes: int = 0,
     agree=None,
 ) -> KVPool:
     """The pool by memory (the module docstring). agree: the smallest of every rank's block count (None: this rank's
     alone). KVPoolTooSmall when it cannot hold one request of `request_tokens`."""
-    held = memory_blocks(device_bytes, fraction, weights_bytes, activation_bytes, block_bytes)
+    held = memory_blocks(device_bytes, fraction, weights_bytes, activation_bytes, block_bytes, other_bytes)
     if agree is not None:
         held = agree(held)
     per_request = -(-request_tokens // block_size)
@@ -112,12 +119,12 @@ def sized_by_memory(
     if held < 1 + per_request:
         raise KVPoolTooSmall(
             f"the KV pool cannot hold one request: scheduler_config.mem_fraction_static={fraction} of the device's "
-            f"{size_text(device_bytes)}, less the weights ({size_text(weights_bytes)}) and the activation peak "
-            f"({size_text(activation_bytes)}), leaves {held} blocks of {block_size} tokens ({size_text(block_bytes)} "
-            f"each) where one request of {request_tokens} tokens (data_config.input_max_len + "
-            f"scheduler_config.max_new_tokens, at most max_position_embeddings) needs {1 + per_request} with the "
-            f"null block; lower input_max_len or max_new_tokens, raise mem_fraction_static, or shard the model over "
-            f"more ranks (parallel_config)"
+            f"{size_text(device_bytes)}, less the weights ({size_text(weights_bytes)}), other device memory "
+            f"({size_text(other_bytes)}) and the activation peak ({size_text(activation_bytes)}), leaves {held} "
+            f"blocks of {block_size} tokens ({size_text(block_bytes)} each) where one request of {request_tokens} "
+            f"tokens (data_config.input_max_len + scheduler_config.max_new_tokens, at most max_position_embeddings) "
+            f"needs {1 + per_request} with the null block; lower input_max_len or max_new_tokens, raise "
+            f"mem_fraction_static, or shard the model over more ranks (parallel_config)"
         )
     return KVPool(
         blocks=min(held, need),
@@ -128,6 +135,7 @@ def sized_by_memory(
         fraction=fraction,
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,
+        other_bytes=other_bytes,
         memory_blocks=held,
         need_blocks=need,
         group_batch=group_batch,

@@ -1,7 +1,8 @@
 """Device memory as the KV pool is sized from it: the device's total, and the most a call allocates at once.
 
-`device_memory(device)` picks the source. An accelerator (CUDA, NPU) reports both from its allocator's statistics.
-The CPU has no allocator statistics: its "device memory" is the host's physical memory (as the start-up memory check
+`device_memory(device)` picks the source. An accelerator (CUDA, NPU) reports both from its allocator's statistics,
+and the memory in use outside that allocator (communication buffers such as the MC2 window, the runtime's own). The
+CPU has no allocator statistics: its "device memory" is the host's physical memory (as the start-up memory check
 has always read it), and a call's peak is counted op by op from the tensor storage it creates and frees
 (`LiveStorage`), which is what an allocator's peak counts too (workspace a kernel allocates inside itself aside).
 A test states a device instead (`StatedMemory`: its size given, its peak measured or given).
@@ -27,6 +28,11 @@ class DeviceMemory:
     def peak_bytes(self, fn) -> int:
         """Run `fn()`; the most bytes it held allocated at once beyond what was allocated before it."""
         raise NotImplementedError
+
+    def other_bytes(self) -> int:
+        """Device memory in use outside the tensor allocator (communication buffers such as the MC2 window, the
+        runtime's own): none where there is no such figure."""
+        return 0
 
 
 class LiveStorage(TorchDispatchMode):
@@ -101,14 +107,22 @@ class AllocatorMemory(DeviceMemory):
         self.module.synchronize(self.device)
         return max(self.module.max_memory_allocated(self.device) - before, 0)
 
+    def other_bytes(self) -> int:
+        free, total = self.module.mem_get_info(self.device)
+        return max(total - free - self.module.memory_reserved(self.device), 0)
+
 
 class StatedMemory(DeviceMemory):
-    """A device of `total` bytes, as a test states it; its peaks measured as on the host, or `peak` given."""
+    """A device of `total` bytes, as a test states it; its peaks measured as on the host, or `peak` given; `other`
+    bytes in use outside the tensors."""
 
     name = "stated"
 
-    def __init__(self, total: int, peak: int | None = None):
-        self.total, self.peak = int(total), peak
+    def __init__(self, total: int, peak: int | None = None, other: int = 0):
+        self.total, self.peak, self.other = int(total), peak, int(other)
+
+    def other_bytes(self) -> int:
+        return self.other
 
     def total_bytes(self) -> int:
         return self.total

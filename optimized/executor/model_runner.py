@@ -299,17 +299,18 @@ class ModelRunner:
         return self.block_size * bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.kv_cache_dtype)
 
     def check_memory(self, num_blocks: int) -> None:
-        """mem_fraction_static: the weights, the measured activation peak and a KV pool of `num_blocks` blocks fit
-        that share of the device."""
+        """mem_fraction_static: the weights, the measured activation peak, the memory in use outside the tensors
+        (communication buffers) and a KV pool of `num_blocks` blocks fit that share of the device."""
         if self.mem_fraction_static is None:
             return
         weights, kv, act = self.weight_bytes(), num_blocks * self.block_bytes(), self.activation_bytes
-        total = self.memory.total_bytes()
-        if weights + act + kv > self.mem_fraction_static * total:
+        total, other = self.memory.total_bytes(), self.memory.other_bytes()
+        if weights + act + other + kv > self.mem_fraction_static * total:
             from optimized.executor.kv_pool import size_text
 
             raise ValueError(
-                f"the weights ({size_text(weights)}), the activation peak ({size_text(act)}) and the KV cache "
+                f"the weights ({size_text(weights)}), the activation peak ({size_text(act)}), other device memory "
+                f"({size_text(other)}) and the KV cache "
                 f"({size_text(kv)}, {num_blocks} blocks of {self.block_size} tokens) need more than "
                 f"mem_fraction_static={self.mem_fraction_static} of the device's {size_text(total)}; shorten the "
                 f"requests, lower the batch or the KV pool, or raise scheduler_config.mem_fraction_static"
