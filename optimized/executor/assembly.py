@@ -8,7 +8,8 @@
 `prepare` runs before any process group exists and returns a `Launch`; `start` joins the job (bounded by the
 collective timeout), checks that every rank holds the same config, model, prompts and `agree` fields, computes the
 `ExecutionPlan` (printed by rank 0), builds the process groups with the plan's MC2 window, loads the model (weights
-prepared once) and the runner, and checks memory before any KV cache exists. It returns an `Assembly`, which owns
+prepared once) and the runner, sizes the KV pool (given, or by memory after a profiling forward:
+optimized/executor/kv_pool.py) and checks memory before any KV cache exists. It returns an `Assembly`, which owns
 the process groups until `close()`. A YAML key is honoured or refused here, once; every error a user can fix is a
 `UsageError` naming the key, file or option. docs/architecture.md tells the whole path.
 """
