@@ -42,3 +42,21 @@ def eplb_block(path: str, base, layer_idx: int, p2l: tuple[int, ...]):
         block.load(CheckpointReader(path), prefix)
     process_weights_after_loading(block, weight_nz=base.weight_nz)
     return block.eval()
+
+
+def permuted_experts_source(path: str, perm: tuple[int, ...]):
+    """The checkpoint at `path` as a StateDictSource whose expert e is the checkpoint's expert perm[e] (weights and
+    scales): a checkpoint saved with its experts permuted."""
+    from optimized.model_loader.loader import CheckpointReader, StateDictSource
+
+    reader = CheckpointReader(path)
+    out = {}
+    for name in reader.names():
+        head, sep, rest = name.partition(".mlp.experts.")
+        if sep:
+            expert, _, tail = rest.partition(".")
+            src = f"{head}{sep}{perm[int(expert)]}.{tail}"
+            out[name] = reader._tensor(src)[:]
+        else:
+            out[name] = reader._tensor(name)[:]
+    return StateDictSource(out, label=f"{path} (experts permuted)")
