@@ -38,10 +38,12 @@ class EplbController:
 
     @classmethod
     def for_model(cls, model) -> "EplbController | None":
+        p = getattr(getattr(model, "groups", None), "parallel", None)
+        if p is None or not p.enable_eplb:
+            return None
         ids = [i for i, layer in enumerate(model.layers) if getattr(layer.mlp, "eplb", False)]
         if not ids:
             return None
-        p = model.groups.parallel
         blocks = [model.layers[i].mlp for i in ids]
         return cls(blocks, model.groups.world.group, p.eplb_window_size, p.eplb_step_interval, ids)
 
@@ -49,9 +51,12 @@ class EplbController:
     def between_steps(self) -> None:
         """Close the last step's counts into the window; rebalance every `step_interval` calls."""
         self.calls += 1
-        self.window[self.position].copy_(torch.stack([b.expert_load for b in self.blocks]))
+        if self.calls > 1:  # the first call's counts are the warm-up's (dummy rows): dropped
+            self.window[self.position].copy_(torch.stack([b.expert_load for b in self.blocks]))
         for b in self.blocks:
             b.expert_load.zero_()
+            if self.calls == 1:
+                b.slot_load.zero_()
         self.position = (self.position + 1) % self.window_size
         if self.calls % self.step_interval == 0:
             self.rebalance()
