@@ -4,8 +4,9 @@ The greedy rule (DeepSeek's and vLLM's): give the R redundant slots one at a tim
 replica is highest, then pack the replicas, heaviest first, each onto the EP rank with the least load so far that has
 a free slot (and, where one can, no copy of that expert yet). A replica's load is its expert's load over its replica
 count (the replica rule spreads an expert's rows evenly). Within a rank an expert keeps the slot it had, so a
-placement that changes little moves few weights. Ties break by the smaller expert id and rank: every rank computes
-the same placement from the same counts.
+placement that changes little moves few weights, and a placement whose most loaded rank is not lighter than the
+current one's (by that estimate) is not taken: nothing moves. Ties break by the smaller expert id and rank: every
+rank computes the same placement from the same counts.
 """
 
 from __future__ import annotations
@@ -46,7 +47,16 @@ def greedy_placement(load: list[float], old: ExpertPlacement) -> ExpertPlacement
                 mine.remove(e)
         rest = iter(sorted(mine))
         p2l += [e if e is not None else next(rest) for e in local]
-    return ExpertPlacement(tuple(p2l), old.num_logical, ep)
+    new = ExpertPlacement(tuple(p2l), old.num_logical, ep)
+    # No better than the placement in use by the same estimate: keep it (nothing moves).
+    return new if _max_rank_load(new, load) < _max_rank_load(old, load) else old
+
+
+def _max_rank_load(placement: ExpertPlacement, load: list[float]) -> float:
+    """The most loaded EP rank's expected rows: each slot gets its expert's load over the expert's replica count."""
+    counts = [len(placement.replicas(e)) for e in range(placement.num_logical)]
+    p2l = placement.physical_to_logical
+    return max(sum(load[p2l[s]] / counts[p2l[s]] for s in placement.rank_slots(r)) for r in range(placement.ep_size))
 
 
 def rank_imbalance(slot_load: list[float], ep_size: int) -> float:
