@@ -150,7 +150,6 @@ def test_the_controller_windows_the_counts_and_shows_them_in_metrics():
     from optimized.executor.model_runner import ModelRunner
     from optimized.executor.scheduler import Request
     from optimized.model_loader.build import load_model
-    from optimized.serving.metrics import Metrics
 
     state = ParallelState.build(
         world_size=1, enable_eplb=True, num_redundant_experts=2, eplb_window_size=2, eplb_step_interval=3
@@ -165,8 +164,8 @@ def test_the_controller_windows_the_counts_and_shows_them_in_metrics():
     assert int(eplb.window.sum()) == 4 * 2 * model.config.num_experts_per_tok  # step 1's prefill: 4 rows, 2 layers
     engine.step()  # the third call rebalances before its step
     assert eplb.rebalances == 1 and len(eplb.expert_imbalance) == len(model.layers)
-    metrics = Metrics()
-    metrics.eplb = eplb
-    text = metrics.render()
+    from optimized.serving.driver import Driver
+
+    text = Driver(engine).metrics.render()  # the driver hands the engine's controller to /metrics
     assert "qwen3_moe_eplb_rebalances_total 1" in text
     assert 'qwen3_moe_expert_load_imbalance{layer="1"}' in text
