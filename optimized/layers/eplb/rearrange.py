@@ -4,10 +4,10 @@ runtime layout (NZ-cast, MX scale pairs, transposed views), slot by slot.
 Every expert tensor of a `FusedMoEGMM` is stacked over its local slots (leading dimension = slots per rank), so a
 slot's bytes are `t[slot]` in any layout: a move copies whole slots, in place (the parameters keep their storage, so
 an NZ layout recorded on it stays, a captured graph keeps its addresses, and the CPU kernels' packed copies see the
-new version). A slot a rank needs from another rank comes through one all_gather per tensor over the MoE EP group
-(each rank's slots as raw bytes), run on every rank in the same order; when no rank needs a remote slot, nothing is
-communicated. Moving only the changed slots point to point would move less at scale; the all_gather is the simple,
-lockstep form.
+new version). The slots some rank needs from another rank (known to every rank: the placements are) travel in one
+all_gather per tensor over the MoE EP group, each rank sending only those of its slots (as raw bytes, uneven sizes),
+run on every rank in the same order; when no rank needs a remote slot, nothing is communicated. A slot needed by
+several ranks travels once (to all of them: a point-to-point send to just those ranks would move less at scale).
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ def sources(old: ExpertPlacement, new: ExpertPlacement, rank: int) -> list[tuple
     return moves
 
 
-def _all_slots(t: torch.Tensor, group, ranks: int) -> torch.Tensor:
-    """Every EP rank's slots of `t` [S, ...] -> [ranks * S, ...] (moved as bytes: any dtype travels)."""
-    raw = t.detach().contiguous().reshape(t.shape[0], -1).view(torch.uint8)
-    gathered = comm.all_gather(raw, group)
-    return gathered.view(t.dtype).view(ranks * t.shape[0], *t.shape[1:])
+def _remote_slots(t: torch.Tensor, group, placement: ExpertPlacement, rank: int, needed: list[int]) -> torch.Tensor:
+    """The slots `needed` (global ids, ascending) of `t` [S, ...] from every EP rank -> [len(needed), ...]: each rank
+    sends its own needed slots as bytes."""
+    per, row = placement.slots_per_rank, t[0].numel()
+    sizes = [sum(1 for s in needed if s // per == r) for r in range(placement.ep_size)]
+    mine = [s - rank * per for s in needed if s // per == rank]
+    raw = t.detach()[mine].contiguous().reshape(len(mine), row).view(torch.uint8)
+    return comm.all_gather(raw, group, sizes=sizes).view(t.dtype).view(len(needed), *t.shape[1:])
 
 
 @torch.no_grad()
@@ -57,18 +60,15 @@ def rearrange_experts(experts, new: ExpertPlacement) -> int:
     old, ep = experts.placement, experts.moe_ep
     if new.num_physical != old.num_physical or new.num_logical != old.num_logical or new.ep_size != old.ep_size:
         raise ValueError(f"a rearrangement keeps the slots: {old.num_physical} -> {new.num_physical}")
-    per_rank = [sources(old, new, r) for r in range(ep.size)]
-    remote = any(
-        not old.rank_slots(r).start <= src < old.rank_slots(r).stop for r, m in enumerate(per_rank) for _, src in m
-    )
-    moves, first = per_rank[ep.rank], ep.rank * old.slots_per_rank
+    per = old.slots_per_rank
+    moves_of = [sources(old, new, r) for r in range(ep.size)]
+    needed = sorted({src for r, moves in enumerate(moves_of) for _, src in moves if src // per != r})
+    moves, first = moves_of[ep.rank], ep.rank * per
     for t in expert_tensors(experts).values():
-        if remote:
-            src_of = _all_slots(t, ep.group, ep.size)
-            offset = 0
-        else:  # every source slot is local: a snapshot, since a source may itself be overwritten
-            src_of, offset = t.detach().clone(), first
-        for local, src in moves:
-            t.data[local].copy_(src_of[src - offset])
+        remote = _remote_slots(t, ep.group, old, ep.rank, needed) if needed else None
+        # local sources first copied aside: a source slot may itself be overwritten by another move
+        local = {src: t.detach()[src - first].clone() for _, src in moves if src // per == ep.rank}
+        for slot, src in moves:
+            t.data[slot].copy_(local[src] if src in local else remote[needed.index(src)])
     experts.placement = new
     return len(moves)
