@@ -1,5 +1,5 @@
 """Expert load balancing while serving: an engine over real gloo ranks (world 2: attention TP 2, MoE EP 2, MC2
-decode; and the sequence-parallel prefill with double routing) rebalancing every 2 steps from a window of 3 steps,
+decode; the sequence-parallel prefill with double routing; attention DP 2, each rank its own requests) rebalancing every 2 steps from a window of 3 steps,
 with 2 redundant expert slots, gives every request the reference's greedy tokens (fp32, each prompt alone), while the
 placements change (weights moved between the ranks between steps) and /metrics counts the rebalances."""
 
@@ -22,6 +22,7 @@ EPLB = dict(enable_eplb=True, num_redundant_experts=2, eplb_window_size=3, eplb_
 LAYOUTS = {
     "tp2_ep2_mc2": layout(WORLD, attn_tp_size=WORLD, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2),
     "sp2_alltoall": layout(WORLD, attn_tp_size=WORLD, moe_tp_size=1, prefill_opt=True, moe_ep_scheme="alltoall"),
+    "tp1xdp2_ep2": layout(WORLD, attn_tp_size=1, moe_tp_size=1, attn_dp=True),
 }
 ARRIVALS = [0, 0, 1, 3, 4]  # the step each prompt arrives at: requests join while others decode
 
@@ -33,7 +34,7 @@ def _engine_task(rank, world, lay):
 
     model = rank_model(str(checkpoint("tiny")), {**lay, **EPLB}, torch.float32)
     before = [tuple(layer.mlp.experts.placement.physical_to_logical) for layer in model.layers]
-    engine = Engine(runner_of(model), batch_size=3, num_blocks=64)
+    engine = Engine(runner_of(model), batch_size=4, num_blocks=64)
     requests = [(step, Request(f"r{i}", list(p), MAX_TOKENS)) for i, (step, p) in enumerate(zip(ARRIVALS, PROMPTS))]
     run_engine(engine, requests)
     metrics = Metrics()
