@@ -1,7 +1,8 @@
 """Expert load balancing while serving: an engine over real gloo ranks (world 2: attention TP 2, MoE EP 2, MC2
-decode; the sequence-parallel prefill with double routing; attention DP 2, each rank its own requests) rebalancing every 2 steps from a window of 3 steps,
-with 2 redundant expert slots, gives every request the reference's greedy tokens (fp32, each prompt alone), while the
-placements change (weights moved between the ranks between steps) and /metrics counts the rebalances."""
+decode; the sequence-parallel prefill with double routing; attention DP 2, each rank its own requests) rebalancing
+every 2 steps from a window of 3 steps, with 2 redundant expert slots, gives every request the reference's greedy
+tokens (fp32, each prompt alone), while the placements change (weights moved between the ranks between steps) and
+/metrics counts the rebalances."""
 
 from __future__ import annotations
 
