@@ -374,6 +374,10 @@ class ParallelConfig:
             return self.prefill_opt
         return self.world_size > 1 and self.attn_tp_size == self.moe_ep_size == self.world_size
 
+    def expert_slots(self, num_experts: int) -> int:
+        """Physical expert slots of a MoE layer: num_experts, plus num_redundant_experts with enable_eplb."""
+        return num_experts + (self.num_redundant_experts if self.enable_eplb is True else 0)
+
     @property
     def mc2_decode(self) -> bool:
         """Whether the layout's decode MoE is MC2 dispatch / combine: experts spread over EP ranks untensor-split (the

@@ -169,3 +169,19 @@ def test_the_controller_windows_the_counts_and_shows_them_in_metrics():
     text = Driver(engine).metrics.render()  # the driver hands the engine's controller to /metrics
     assert "qwen3_moe_eplb_rebalances_total 1" in text
     assert 'qwen3_moe_expert_load_imbalance{layer="1"}' in text
+
+
+def test_the_mc2_window_and_limits_count_the_redundant_slots():
+    from optimized.config import ParallelConfig
+    from optimized.distributed import decode_plan
+
+    model = _model(num_experts=16, num_experts_per_tok=4, hidden_size=4096)
+    plain = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1)
+    eplb = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1, enable_eplb=True, num_redundant_experts=8)
+    assert eplb.expert_slots(16) == 24 and plain.expert_slots(16) == 16
+    # 2 -> 3 slots per rank: the dispatch part of the window grows by half (above HCCL's default 200 MB)
+    assert decode_plan.window_for(model, eplb, 4096, 2) > decode_plan.window_for(model, plain, 4096, 2) == 200
+    big = _model(num_experts=1020, num_experts_per_tok=4, hidden_size=4096)
+    over = ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1, enable_eplb=True, num_redundant_experts=8)
+    assert not decode_plan.mc2_limit_violations(big, ParallelConfig(world_size=8, attn_tp_size=8, moe_tp_size=1), 8)
+    assert any("num_experts 1028" in why for why in decode_plan.mc2_limit_violations(big, over, 8))
