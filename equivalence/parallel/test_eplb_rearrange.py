@@ -4,7 +4,8 @@ all_gather):
 
 - without redundant slots, a layer loaded in order and rearranged to a drawn permutation holds, tensor for tensor
   and bit for bit, what a layer loaded from the checkpoint with its experts permuted that way holds (MXFP8 / MXFP4
-  weights in their runtime layouts, NZ-cast where the model casts them, and their E8M0 scale pairs);
+  weights in their runtime layouts, NZ-cast where the model casts them, the same NZ layout recorded, and their E8M0
+  scale pairs);
 - with redundant slots, a layer rearranged from the default placement to a drawn one holds what a layer built with
   the drawn placement loaded;
 - a planted rearrangement that moves the weights and not their scales is caught: its tensors differ, and so does
@@ -36,10 +37,12 @@ WORLD = 2
 LAYOUT = layout(WORLD, attn_tp_size=WORLD, moe_tp_size=1)
 
 
-def _tensors(block) -> dict[str, torch.Tensor]:
+def _tensors(block) -> dict[str, tuple[torch.Tensor, object]]:
+    """Each expert tensor's values and the NZ layout recorded on its storage (None: ND)."""
     from optimized.layers.eplb.rearrange import expert_tensors
+    from optimized.ops.formats import nz_layout
 
-    return {k: v.detach().clone() for k, v in expert_tensors(block.experts).items()}
+    return {k: (v.detach().clone(), nz_layout(v)) for k, v in expert_tensors(block.experts).items()}
 
 
 def _rearrange_task(rank, world, quant, p2l, x, planted: bool):
@@ -98,8 +101,10 @@ def test_rearranged_experts_equal_a_checkpoint_loaded_with_them_in_place(quant):
         for rank, (moved, loaded, out_moved, out_loaded) in enumerate(_run(quant, p2l, seed, planted=False)):
             what = f"{quant} rank {rank} placement {p2l}"
             assert moved.keys() == loaded.keys()
+            assert any(layout is not None for _, layout in moved.values()) or quant == "float32", what
             for name in moved:
-                assert_bitwise_equal(moved[name], loaded[name], f"{what}: {name}")
+                assert_bitwise_equal(moved[name][0], loaded[name][0], f"{what}: {name}")
+                assert moved[name][1] == loaded[name][1], f"{what}: {name} layout {moved[name][1]} != {loaded[name][1]}"
             assert_bitwise_equal(out_moved, out_loaded, f"{what}: layer output")
 
     run_property(check, 3, p2l=placements(WORLD), seed=seeds)
@@ -109,6 +114,7 @@ def test_rearranged_experts_equal_a_checkpoint_loaded_with_them_in_place(quant):
 def test_a_rearrangement_that_leaves_the_scales_behind_is_caught(quant):
     p2l = tuple(reversed(range(E)))  # every expert changes rank
     for rank, (moved, loaded, out_moved, out_loaded) in enumerate(_run(quant, p2l, 0, planted=True)):
+        moved, loaded = ({n: t for n, (t, _) in d.items()} for d in (moved, loaded))
         scales = [name for name in moved if "scale" in name]
         assert scales, f"{quant}: the experts have no scale tensor to leave behind"
         assert all(
