@@ -5,9 +5,10 @@ Each EPLB MoE block counts the rows it routes on the device (per logical expert 
 `Qwen3MoeSparseMoeBlock.to_physical`); rows every rank holds are counted on one rank only, a rank's own rows on that
 rank. The engine calls `between_steps()` before each step on every rank (the same number of times: the ranks step
 together): the last step's counts go into a ring of `eplb_window_size` rows on the device (no host read); every
-`eplb_step_interval` calls the window is summed over the world (one all_reduce), read once on the host, the greedy
-policy places each layer anew (layers/eplb/policy.py) and the weights move (layers/eplb/rearrange.py). The summaries
-`/metrics` shows are the host numbers of the last rebalance.
+`eplb_step_interval` calls the window (and each slot's rows since the last rebalance) is summed over the world (one
+all_reduce), read once on the host, the greedy policy places each layer anew (layers/eplb/policy.py) and the weights
+move (layers/eplb/rearrange.py). The counts before the first step (the warm-up's dummy rows) are dropped. The
+summaries `/metrics` shows are the host numbers of the last rebalance.
 """
 
 from __future__ import annotations
@@ -53,20 +54,21 @@ class EplbController:
         self.calls += 1
         if self.calls > 1:  # the first call's counts are the warm-up's (dummy rows): dropped
             self.window[self.position].copy_(torch.stack([b.expert_load for b in self.blocks]))
+            self.position = (self.position + 1) % self.window_size
         for b in self.blocks:
             b.expert_load.zero_()
             if self.calls == 1:
                 b.slot_load.zero_()
-        self.position = (self.position + 1) % self.window_size
         if self.calls % self.step_interval == 0:
             self.rebalance()
 
     @torch.no_grad()
     def rebalance(self) -> None:
         """Every rank: the world's window counts -> a new placement per layer -> the weights moved."""
-        load = comm.all_reduce(self.window.sum(0), self.world_group)  # [layers, E]
-        slots = comm.all_reduce(torch.stack([b.slot_load for b in self.blocks]), self.world_group)
-        load, slots = load.tolist(), slots.tolist()  # the one host read of a rebalance
+        experts = self.window.shape[2]
+        counts = torch.cat([self.window.sum(0), torch.stack([b.slot_load for b in self.blocks])], dim=1)
+        counts = comm.all_reduce(counts, self.world_group).tolist()  # [layers, E + slots]: the one host read
+        load, slots = [row[:experts] for row in counts], [row[experts:] for row in counts]
         self.expert_imbalance = [max(x) / (sum(x) / len(x)) if sum(x) else 1.0 for x in load]
         self.rank_imbalance = [rank_imbalance(s, b.experts.moe_ep.size) for s, b in zip(slots, self.blocks)]
         for block, counts in zip(self.blocks, load):
