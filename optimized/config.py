@@ -330,7 +330,8 @@ class DataConfig:
 
 
 PARALLEL_SIZES = ("attn_tp_size", "moe_tp_size", "moe_ep_size", "embed_tp_size", "lmhead_tp_size")
-PARALLEL_OPTIONS = ("prefill_opt", "moe_ep_scheme", "attn_dp")
+EPLB_KEYS = ("enable_eplb", "num_redundant_experts", "eplb_window_size", "eplb_step_interval")
+PARALLEL_OPTIONS = ("prefill_opt", "moe_ep_scheme", "attn_dp", *EPLB_KEYS)
 MOE_EP_SCHEMES = ("auto", "allgather", "alltoall")
 
 
@@ -353,6 +354,12 @@ class ParallelConfig:
     o_proj_tp_size: int | None = None
     shared_tp_size: int = 1  # shared experts' TP: Qwen3-MoE has none, so it changes nothing
     cp_size: int = 1  # context parallel prefill: only 1
+    # Expert load balancing (optimized/layers/eplb): redundant expert slots placed from the routed-token counts of the
+    # last eplb_window_size steps, recomputed and moved every eplb_step_interval steps.
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
 
     def __post_init__(self):
         """Derive what the recipe derives (moe_ep_size, attn_dp) when the file leaves it out."""
@@ -383,6 +390,10 @@ class ParallelConfig:
             return self.prefill_opt
         return self.world_size > 1 and self.attn_tp_size == self.moe_ep_size == self.world_size
 
+    def expert_slots(self, num_experts: int) -> int:
+        """Physical expert slots of a MoE layer: num_experts, plus num_redundant_experts with enable_eplb."""
+        return num_experts + (self.num_redundant_experts if self.enable_eplb is True else 0)
+
     @property
     def mc2_decode(self) -> bool:
         """Whether the layout's decode MoE is MC2 dispatch / combine: experts spread over EP ranks untensor-split (the
@@ -400,6 +411,7 @@ class ParallelConfig:
         self._check_recipe_sizes(c, ok)
         self._check_prefill_opt(c, ok)
         self._check_attn_dp(c, ok)
+        self._check_eplb(c)
         if not ok["world_size"]:
             return
         w = self.world_size
@@ -464,6 +476,14 @@ class ParallelConfig:
                 f"{self.attn_tp_size}, moe_ep_size {self.moe_ep_size}, world_size "
                 f"{self.world_size}); use auto or enable prefill_opt",
             )
+
+    def _check_eplb(self, c: _Checker) -> None:
+        """Expert load balancing's keys; the model-dependent rules are validate_for_model's."""
+        on = c.boolean(self, "enable_eplb") and self.enable_eplb
+        c.positive_int(self, "eplb_window_size")
+        c.positive_int(self, "eplb_step_interval")
+        if c.non_negative_int(self, "num_redundant_experts") and self.num_redundant_experts and not on:
+            c.fail("num_redundant_experts", "adds expert slots for expert load balancing: set enable_eplb: true")
 
     def _check_attn_dp(self, c: _Checker, ok: dict[str, bool]) -> None:
         """The layouts attention data parallel runs in (the recipe's attn_tp x dp with MoE EP over every rank)."""
@@ -717,7 +737,8 @@ class InferenceConfig:
                 )
             )
         div("moe_tp_size", "moe_intermediate_size", p.moe_tp_size)
-        div("moe_ep_size", "num_experts", p.moe_ep_size)
+        if not p.enable_eplb:  # with expert load balancing the physical slots split (num_redundant_experts)
+            div("moe_ep_size", "num_experts", p.moe_ep_size)
         no_pad = " (padding the vocabulary is not implemented)"
         div("embed_tp_size", "vocab_size", p.embed_tp_size, no_pad)
         div("lmhead_tp_size", "vocab_size", p.lmhead_tp_size, no_pad)
@@ -737,6 +758,28 @@ class InferenceConfig:
                 p.moe_tp_size,
                 " (the dense MLP layers are sharded over the moe_tp group)",
             )
+        if p.enable_eplb:
+            slots = hf_config.num_experts + p.num_redundant_experts
+            if slots % p.moe_ep_size:
+                errors.append(
+                    (
+                        f"{pc}.num_redundant_experts",
+                        f"num_experts + num_redundant_experts = {hf_config.num_experts} + {p.num_redundant_experts} "
+                        f"= {slots} physical experts must be divisible by moe_ep_size ({p.moe_ep_size})",
+                    )
+                )
+            if m.eplb:
+                errors.append(
+                    (f"{pc}.enable_eplb", "cannot be combined with model_config.force_eplb (it replaces routing)")
+                )
+            if m.exe_mode in GRAPH_MODES:
+                errors.append(
+                    (
+                        f"{pc}.enable_eplb",
+                        f"is implemented for exe_mode eager only (model_config.exe_mode: {m.exe_mode}): its "
+                        "routed-token counts and rebalances are not captured in graphs",
+                    )
+                )
         if m.eplb:
             batch = self.scheduler_config.batch_size
             if m.exe_mode in GRAPH_MODES:  # graph decode pads the batch to its bucket, up to the largest

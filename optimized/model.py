@@ -18,6 +18,7 @@ from optimized.config import head_dim_of, is_sparse_layer
 from optimized.forward_metadata import ForwardMetadata
 from optimized.layers.attention import Qwen3MoeAttention, causal_mask_template
 from optimized.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from optimized.layers.eplb.placement import eplb_placement
 from optimized.layers.moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 from optimized.layers.norm import RMSNorm
 from optimized.layers.quantization.config import QuantConfig
@@ -72,7 +73,14 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if is_sparse_layer(config, layer_idx):
             self.mlp = Qwen3MoeSparseMoeBlock(
-                config, groups.moe_tp, groups.moe_ep, dtype, force_eplb, quant, f"{prefix}.mlp"
+                config,
+                groups.moe_tp,
+                groups.moe_ep,
+                dtype,
+                force_eplb,
+                quant,
+                f"{prefix}.mlp",
+                eplb_placement(config, groups),
             )
         else:
             self.mlp = Qwen3MoeMLP(config, groups.moe_tp, dtype, quant, f"{prefix}.mlp")

@@ -73,6 +73,24 @@ TOLERANCES: dict[str, Tolerance] = {
         "max_abs 1.9e-6 (attention), 2.4e-6 (layer), 1.3e-5 (MoE on randn*4 inputs: expert sums cancel to "
         "|y|~0.5 from terms ~10); bound ~2x / 17x above, far below a wrong shard or expert (rel_l2 >= 1e-2)",
     ),
+    # --- expert load balancing: a placement regroups the ranks' partial sums (equivalence/eplb/) ---
+    "eplb.partial_sums.float32": Tolerance(
+        atol=1e-5,
+        rtol=1e-5,
+        max_rel_l2=1e-6,
+        why="MoE layer with a drawn expert placement vs without, batch-invariant fp32, tensor parallel over 2-4 EP "
+        "ranks and EP all-gather (each rank sums its own slots' choices, the ranks' partial sums are added: a "
+        "placement regroups that sum): max_abs 9.5e-7, rel_l2 6.1e-8 over 24 drawn placements; bound ~10x "
+        "above, far below one expert on the wrong weights (rel_l2 >= 1e-2)",
+    ),
+    "eplb.partial_sums.bfloat16": Tolerance(
+        atol=0.125,
+        rtol=8e-3,
+        max_rel_l2=8e-3,
+        why="the same regrouping with W8A8 / W4A8 experts and bf16 partial sums (each rank's partial rounded to "
+        "bf16 before the sum): max_abs 0.0625 (1 bf16 ulp of |y| in [8, 16)), rel_l2 4.0e-3 over 16 drawn "
+        "placements; bound = 2 ulps elementwise (2^-7), rel_l2 2x the measured",
+    ),
     "layer.bfloat16": Tolerance(
         atol=0.25,
         rtol=2e-2,

@@ -570,6 +570,11 @@ def formula(args, config=None) -> dict:
             attention_per_layer=decode_plan.attention_dp_volume(p, args.batch, config.hidden_size, act),
         )
         out["dp"][name] = entry
+    # Expert load imbalance on a skewed routing, with and without expert load balancing, beside force_eplb's.
+    from optimized.benchmarks import eplb_imbalance
+
+    k = config.num_experts_per_tok
+    out["eplb"] = eplb_imbalance.measure(config.num_experts, k, world, args.batch, (0, world, 2 * world))
     return out
 
 
@@ -741,4 +746,8 @@ def format_formula(f: dict) -> list[str]:
         )
     for name, why in f.get("dp_skipped", {}).items():
         lines.append(f"  {name:<11} skipped: {why}")
+    if f.get("eplb"):
+        from optimized.benchmarks import eplb_imbalance
+
+        lines += eplb_imbalance.format_lines(f["eplb"], f["world_size"], f["batch"])
     return lines

@@ -209,7 +209,7 @@ def window_for(hf_config, parallel: ParallelConfig, batch: int, act_bytes: int) 
         hf_config.num_experts_per_tok,
         hf_config.hidden_size,
         parallel.moe_ep_size,
-        hf_config.num_experts,
+        parallel.expert_slots(hf_config.num_experts),  # each rank's slots receive (EPLB: redundant ones too)
         act_bytes,
     )
 
@@ -249,7 +249,8 @@ def mc2_limit_violations(hf_config, parallel: ParallelConfig, batch: int) -> lis
     """The MC2 kernel limits a decode of `batch` requests in this layout breaks ([] without MC2 or within them)."""
     if not parallel.mc2_decode:
         return []
-    w, e, k, h = parallel.moe_ep_size, hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.hidden_size
+    w, k, h = parallel.moe_ep_size, hf_config.num_experts_per_tok, hf_config.hidden_size
+    e = parallel.expert_slots(hf_config.num_experts)  # moe_expert_num: the physical slots (EPLB: redundant too)
     bs = max_tokens_per_rank(parallel, batch)
     k_max, bs_max, (lo, hi) = mc2.max_top_k(MC2_COMM_ALG), mc2.max_bs(MC2_COMM_ALG), MC2_HIDDEN
     limits = [

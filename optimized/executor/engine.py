@@ -23,6 +23,7 @@ import torch
 
 from optimized.distributed import collectives as comm
 from optimized.executor.device_batch import PAD_KV_LEN, DeviceBatch
+from optimized.layers.eplb.controller import EplbController
 from optimized.executor.kv_cache import BlockPool, PagedKVCache, slot_mapping
 from optimized.executor.sampling import MAX_STOP_IDS, fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
@@ -142,6 +143,8 @@ class Engine:
         self.batch = DeviceBatch(self.scheduler.group_batch, width, self.device, runner.vocab_size)
         self.requests: dict[str, Request] = {}
         self.steps = 0
+        # parallel_config.enable_eplb: routed-token counts and rebalances, between steps (None when off)
+        self.eplb = EplbController.for_model(self.model)
         # The last step's kind and wall time (a serving engine runs for days: one value, not a growing log), and
         # each warm-up bucket's.
         self.last_timing: StepTiming | None = None
@@ -244,6 +247,8 @@ class Engine:
     @torch.no_grad()
     def step(self) -> tuple[Step, list[TokenEvent]]:
         start = self.runner.clock()  # the step's wall time: scheduling to bookkeeping (the host overhead's base)
+        if self.eplb is not None:  # before the step, on every rank alike: the last step's counts, a rebalance
+            self.eplb.between_steps()
         step = self.scheduler.schedule(self.pools)  # admitted requests take their blocks, running ones grow
         self.steps += 1
         if step.kind == "idle":

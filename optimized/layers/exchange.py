@@ -1,9 +1,11 @@
 """The MoE token exchanges: how tokens reach the experts of their EP rank and come back, named as in the recipe.
 
 Interface (`MoeExchange`): `exchange(experts, x, topk_idx, topk_weight) -> [rows of x, H]`, the rows' combined
-expert output weighted by `topk_weight`. `experts` is the layer's `FusedMoEGMM` (this rank's experts), `x` the expert
-input as a payload: a tensor, or MXFP8 `MxRows` (data + scales) whose scale rows travel with their data rows
-(`map_rows`), so the quantized and 16-bit paths are the same code. An exchange holds only sizes and process groups
+expert output weighted by `topk_weight`. The ids are the layer's expert slots (physical ids under expert load
+balancing: `experts.local_experts` slots per EP rank), whatever logical expert each holds. `experts` is the
+layer's `FusedMoEGMM` (this rank's experts), `x` the expert input as a payload: a tensor, or MXFP8 `MxRows` (data
++ scales) whose scale rows travel with their data rows (`map_rows`), so the quantized and 16-bit paths are the same
+code. An exchange holds only sizes and process groups
 (no module: a model keeps no reference cycle through it) and calls only `torch.ops.npu.*` and the collectives.
 
 - `MoeInferTP` ("tp"): every rank holds the same tokens and routes them to its own experts only; the partial sums
@@ -58,15 +60,20 @@ class MoeExchange:
     def __init__(self, num_experts: int, top_k: int, moe_tp, moe_ep):
         self.num_experts, self.top_k, self.moe_tp, self.moe_ep = num_experts, top_k, moe_tp, moe_ep
 
-    def init_routing(self, x, topk_idx: torch.Tensor, expert_range: list[int]):
-        """npu_moe_init_routing_v2 over `expert_range`; an MX payload's scale rows move with their data rows."""
+    def slots(self, experts) -> int:
+        """The layer's physical expert slots: num_experts, plus the redundant ones under expert load balancing."""
+        return experts.local_experts * self.moe_ep.size
+
+    def init_routing(self, x, topk_idx: torch.Tensor, expert_range: list[int], slots: int):
+        """npu_moe_init_routing_v2 over `expert_range` of `slots` experts; an MX payload's scale rows move with their
+        data rows."""
         data, scale = _rows_and_scale(x)
         expanded_x, expanded_row_idx, tokens_per_expert, expanded_scale = torch.ops.npu.npu_moe_init_routing_v2(
             data,
             expert_idx=topk_idx,
             scale=scale,
             active_num=data.shape[0] * self.top_k,
-            expert_num=self.num_experts,
+            expert_num=slots,
             expert_tokens_num_type=1,
             expert_tokens_num_flag=True,
             active_expert_range=expert_range,
@@ -100,7 +107,9 @@ class MoeInferTP(MoeExchange):
     name = "tp"
 
     def __call__(self, experts, x, topk_idx, topk_weight):
-        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x, topk_idx, self.local_range(experts))
+        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(
+            x, topk_idx, self.local_range(experts), self.slots(experts)
+        )
         out = self.finalize(experts(expanded_x, tokens_per_expert), expanded_row_idx, topk_weight)
         # Partial sums over this rank's intermediate slice (TP) and its experts (EP).
         return comm.all_reduce(comm.all_reduce(out, self.moe_tp.group), self.moe_ep.group)
@@ -114,7 +123,9 @@ class MoeInferAG(MoeExchange):
         ep = self.moe_ep.group
         x_all = map_rows(x, lambda t: comm.all_gather(t, ep))  # [P*n, H] (+ scales)
         idx_all, weight_all = comm.all_gather(topk_idx, ep), comm.all_gather(topk_weight, ep)  # [P*n, K]
-        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x_all, idx_all, self.local_range(experts))
+        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(
+            x_all, idx_all, self.local_range(experts), self.slots(experts)
+        )
         out = self.finalize(experts(expanded_x, tokens_per_expert), expanded_row_idx, weight_all, idx_all)
         return comm.reduce_scatter(out, ep)  # this rank's partial sum of all
 
@@ -133,7 +144,9 @@ class MoeInferDoubleRouting(MoeExchange):
     def __call__(self, experts, x, topk_idx, topk_weight):
         """Own tokens [n, H] routed over all experts, slots sent to the experts' ranks and back -> [n, H]."""
         ep, ranks, local = self.moe_ep.group, self.moe_ep.size, experts.local_experts
-        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(x, topk_idx, [0, self.num_experts])
+        expanded_x, expanded_row_idx, tokens_per_expert = self.init_routing(
+            x, topk_idx, [0, self.slots(experts)], self.slots(experts)
+        )
         # Counts [P*L]: how many slots each source rank sends to each of this rank's local experts.
         tokens_per_expert_group = comm.all_to_all_single(tokens_per_expert, ep)
         send, recv = split_sizes(tokens_per_expert.view(ranks, local), tokens_per_expert_group.view(ranks, local))
@@ -161,13 +174,13 @@ class MoeInferDispatchCombine(MoeExchange):
         super().__init__(num_experts, top_k, moe_tp, moe_ep)
         self.group_name = comm_name((mc2 or moe_ep).group)  # what the MC2 operators take (HCCL name on NPU)
 
-    def mc2_kwargs(self, x_active_mask) -> dict:
+    def mc2_kwargs(self, x_active_mask, slots: int) -> dict:
         """The arguments dispatch and combine share, as the recipe passes them (no TP domain, no shared experts)."""
         return dict(
             group_ep=self.group_name,
             ep_world_size=self.moe_ep.size,
             ep_rank_id=self.moe_ep.rank,
-            moe_expert_num=self.num_experts,
+            moe_expert_num=slots,
             x_active_mask=x_active_mask,
             global_bs=0,
             group_tp=self.group_name,
@@ -207,7 +220,7 @@ class MoeInferDispatchCombine(MoeExchange):
     def dispatch_combine(self, experts, mine, ids, weights, mask):
         """npu_moe_distribute_dispatch_v2 of this rank's rows [n, H] (the rows `mask` leaves out stay home), grouped
         matmul, npu_moe_distribute_combine_v2 -> [n, H]."""
-        kwargs = self.mc2_kwargs(mask)
+        kwargs = self.mc2_kwargs(mask, self.slots(experts))
         expand_x, _, assist, tokens_per_expert, ep_recv_counts, tp_recv_counts = (
             torch.ops.npu.npu_moe_distribute_dispatch_v2(
                 mine, expert_ids=ids, scales=None, quant_mode=0, comm_alg="fullmesh_v2", **kwargs

@@ -1,9 +1,11 @@
 """Qwen3-MoE sparse block on the fused operators: router, routing, grouped-matmul experts, combine.
 
 Parallelism: experts split across the MoE EP group (rank e holds experts [e*L, (e+1)*L)) and each expert's
-intermediate dimension split across the MoE TP group. How tokens reach the experts is the phase's token exchange
-(`moe_infer_tp` / `moe_infer_ag` / `moe_infer_double_routing`, optimized/layers/exchange.py), chosen once at
-build time by the model's phase strategies (optimized/phases.py) and passed in; the block itself names no layout.
+intermediate dimension split across the MoE TP group. With expert load balancing (parallel_config.enable_eplb) the
+slots are physical: slot s holds the logical expert its `ExpertPlacement` names (optimized/layers/eplb/placement.py),
+and routing's logical ids become physical ones before the exchange. How tokens reach the experts is the phase's
+token exchange (`moe_infer_tp` / `moe_infer_ag` / `moe_infer_double_routing`, optimized/layers/exchange.py), chosen
+once at build time by the model's phase strategies (optimized/phases.py) and passed in; the block names no layout.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from optimized.layers.eplb.placement import ExpertPlacement, to_physical
+from optimized.layers.eplb.rearrange import rearrange_experts
 from optimized.layers.exchange import MoeInferTP
-from optimized.layers.force_eplb import BalancedRouting, EplbRows
+from optimized.layers.force_eplb import OWN, BalancedRouting, EplbRows
 from optimized.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -37,12 +41,17 @@ class FusedMoEGMM(nn.Module):
         moe_ep,
         dtype: torch.dtype,
         quant_method=None,
+        placement: ExpertPlacement | None = None,
     ):
+        """placement: the physical slots' logical experts (None: slot e holds expert e, no redundant slot)."""
         super().__init__()
         self.moe_tp, self.moe_ep = moe_tp, moe_ep
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation_dtype = dtype
-        self.local_experts = _split(num_experts, moe_ep.size, "num_experts")
+        # local_experts / first_expert: this rank's physical slots (the exchanges' expert range)
+        key = "num_experts + num_redundant_experts" if placement else "num_experts"
+        self.local_experts = _split(placement.num_physical if placement else num_experts, moe_ep.size, key)
+        self.placement = placement or ExpertPlacement(tuple(range(num_experts)), num_experts, moe_ep.size)
         self.first_expert = moe_ep.rank * self.local_experts
         self.inter_per_rank = _split(intermediate_size, moe_tp.size, "moe_intermediate_size")
         self.quant_method = quant_method or moe_method(None)
@@ -52,11 +61,11 @@ class FusedMoEGMM(nn.Module):
         """Per-expert checkpoint tensors `{prefix}.E.{gate,up,down}_proj.weight`, this rank's slices only."""
         i_r = self.inter_per_rank
         cols = slice(self.moe_tp.rank * i_r, (self.moe_tp.rank + 1) * i_r)
-        for local in range(self.local_experts):
-            self.quant_method.load(self, source, f"{prefix}.{self.first_expert + local}", local, cols)
+        mine = [self.placement.physical_to_logical[s] for s in self.placement.rank_slots(self.moe_ep.rank)]
+        for local, expert in enumerate(mine):
+            self.quant_method.load(self, source, f"{prefix}.{expert}", local, cols)
         # The other EP ranks' experts are theirs to read: deliberately unused here, not unexpected.
-        local_range = range(self.first_expert, self.first_expert + self.local_experts)
-        for expert in set(range(self.num_experts)) - set(local_range):  # other EP ranks load these
+        for expert in set(range(self.num_experts)) - set(mine):  # other EP ranks load these
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 for tensor in self.quant_method.tensors:
                     source.skip(f"{prefix}.{expert}.{proj}.{tensor}")
@@ -79,8 +88,10 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         force_eplb: bool = False,
         quant_config: QuantConfig | None = None,
         prefix: str = "mlp",
+        placement: ExpertPlacement | None = None,
     ):
-        """quant_config: the model's (parsed once); prefix: this block's checkpoint prefix (`model.layers.N.mlp`)."""
+        """quant_config: the model's (parsed once); prefix: this block's checkpoint prefix (`model.layers.N.mlp`);
+        placement: expert load balancing's initial placement (None: off, slot e holds expert e)."""
         super().__init__()
         quant = quant_config or QuantConfig.from_hf_config(config)
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
@@ -96,7 +107,21 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             moe_ep,
             dtype,
             quant.moe_method(f"{prefix}.experts"),
+            placement,
         )
+        self.eplb = placement is not None
+        if self.eplb:
+            if force_eplb:
+                raise ValueError("model_config.force_eplb replaces routing; it cannot be combined with enable_eplb")
+            table, counts = placement.tables()
+            # The replica rule's tables (one shape for every placement: rebalancing copies into them) and the routed
+            # rows counted on the device: per logical expert and per physical slot.
+            self.register_buffer("replica_table", table, persistent=False)
+            self.register_buffer("replica_count", counts, persistent=False)
+            self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
+            self.register_buffer("slot_load", torch.zeros(placement.num_physical, dtype=torch.int64), persistent=False)
+            # Rows every rank holds (not a rank's own) are counted once: on MoE TP rank 0 of MoE EP rank 0.
+            self.counts_shared_rows = moe_tp.rank == 0 and moe_ep.rank == 0
         self.moe_infer_tp = MoeInferTP(config.num_experts, config.num_experts_per_tok, moe_tp, moe_ep)
         # model_config.force_eplb: the recipe's balanced expert ids replace the top-k ids (layers/force_eplb.py).
         self.balanced = (
@@ -127,7 +152,27 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         topk_weight, topk_idx = self.route(hidden if router_in is None else router_in)
         if self.balanced is not None:  # the gate's top-k weights stay, paired with the balanced ids
             topk_idx = self.balanced(topk_idx.shape[0], eplb_rows or EplbRows(decode=False), topk_idx.device)
+        if self.eplb:  # logical ids -> physical slots; the weights stay the logical choices'
+            topk_idx = self.to_physical(topk_idx, eplb_rows)
         return (exchange or self.moe_infer_tp)(self.experts, hidden, topk_idx, topk_weight)
+
+    def apply_placement(self, placement: ExpertPlacement) -> int:
+        """Move this layer's experts (weights and scales) to `placement` and route by it from the next call on; in
+        lockstep on every rank of the MoE EP group, between steps. Returns the slots of this rank that changed."""
+        changed = rearrange_experts(self.experts, placement)
+        table, counts = placement.tables(self.replica_table.device)
+        self.replica_table.copy_(table)
+        self.replica_count.copy_(counts)
+        return changed
+
+    def to_physical(self, topk_idx: torch.Tensor, eplb_rows: EplbRows | None) -> torch.Tensor:
+        """The replica rule (layers/eplb/placement.py), counting the routed rows on the device as it goes."""
+        slots = to_physical(topk_idx, self.replica_table, self.replica_count)
+        if (eplb_rows is not None and eplb_rows.owner == OWN) or self.counts_shared_rows:
+            ones = torch.ones(topk_idx.numel(), dtype=torch.int64, device=topk_idx.device)
+            self.expert_load.index_add_(0, topk_idx.flatten().long(), ones)
+            self.slot_load.index_add_(0, slots.flatten().long(), ones)
+        return slots
 
 
 class Qwen3MoeMLP(nn.Module):

@@ -29,6 +29,7 @@ class Driver:
     ):
         """broadcast: a `ranks.StepBroadcast` on rank 0 of a multi-rank server (None: a single process)."""
         self.engine, self.metrics, self.broadcast = engine, metrics or Metrics(), broadcast
+        self.metrics.eplb = getattr(engine, "eplb", None)  # parallel_config.enable_eplb's metrics
         self.on_fatal = on_fatal
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[str, Callable] = {}

@@ -41,6 +41,7 @@ class Metrics:
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache / found there
         self.waiting = self.running = 0
         self.kv_usage = 0.0
+        self.eplb = None  # the engine's EplbController (parallel_config.enable_eplb): its lines are appended
 
     def set_gauges(self, waiting: int, running: int, kv_usage: float) -> None:
         with self.lock:
@@ -90,4 +91,6 @@ class Metrics:
                 "# TYPE qwen3_moe_requests_finished_total counter",
                 *(f'qwen3_moe_requests_finished_total{{reason="{k}"}} {v}' for k, v in sorted(self.finished.items())),
             ]
+            if self.eplb is not None:
+                rows += self.eplb.metrics_lines()
         return "\n".join(rows) + "\n"

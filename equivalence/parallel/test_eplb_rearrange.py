@@ -1,0 +1,124 @@
+"""Rearranging experts while serving (optimized/layers/eplb/rearrange.py) is indistinguishable from loading them
+where they now sit, scales included, over real gloo ranks (world 2, moe_ep 2: slots move across ranks through the
+all_gather):
+
+- without redundant slots, a layer loaded in order and rearranged to a drawn permutation holds, tensor for tensor
+  and bit for bit, what a layer loaded from the checkpoint with its experts permuted that way holds (MXFP8 / MXFP4
+  weights in their runtime layouts, NZ-cast where the model casts them, the same NZ layout recorded, and their E8M0
+  scale pairs);
+- with redundant slots, a layer rearranged from the default placement to a drawn one holds what a layer built with
+  the drawn placement loaded;
+- a planted rearrangement that moves the weights and not their scales is caught: its tensors differ, and so does
+  the layer's output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from equivalence.support.compare import assert_bitwise_equal
+from equivalence.support.dist import get_pool
+from equivalence.support.eplb_runs import (
+    CHECKPOINTS,
+    CONFIG,
+    DTYPES,
+    E,
+    eplb_block,
+    permuted_experts_source,
+    placements,
+)
+from equivalence.support.parallel_support import rank_model, run_property
+from equivalence.support.strategies import hidden_states, layout, seeds
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+LAYOUT = layout(WORLD, attn_tp_size=WORLD, moe_tp_size=1)
+
+
+def _tensors(block) -> dict[str, tuple[torch.Tensor, object]]:
+    """Each expert tensor's values and the NZ layout recorded on its storage (None: ND)."""
+    from optimized.layers.eplb.rearrange import expert_tensors
+    from optimized.ops.formats import nz_layout
+
+    return {k: (v.detach().clone(), nz_layout(v)) for k, v in expert_tensors(block.experts).items()}
+
+
+def _rearrange_task(rank, world, quant, p2l, x, planted: bool):
+    from optimized.layers.eplb import rearrange
+    from optimized.layers.eplb.placement import ExpertPlacement
+    from optimized.layers.quantization.lifecycle import process_weights_after_loading
+
+    path = str(CHECKPOINTS[quant]("tiny"))
+    base = rank_model(path, LAYOUT, DTYPES[quant])
+    redundant = len(p2l) - E
+    moved = eplb_block(path, base, 0, ExpertPlacement.default(E, redundant, world).physical_to_logical)
+    target = ExpertPlacement(p2l, E, world)
+    keep = rearrange.expert_tensors
+    if planted:  # the bug a rearrangement once had: the weights move, their scales stay
+        rearrange.expert_tensors = lambda experts: {k: v for k, v in keep(experts).items() if "scale" not in k}
+    try:
+        moved.apply_placement(target)
+    finally:
+        rearrange.expert_tensors = keep
+    if redundant:  # loaded where the placement puts each expert
+        loaded = eplb_block(path, base, 0, p2l)
+    else:  # a checkpoint saved with its experts permuted, loaded in order
+        from optimized.layers.moe import Qwen3MoeSparseMoeBlock
+
+        prefix = "model.layers.0.mlp"
+        with torch.device(base.embed_tokens.weight.device):
+            loaded = Qwen3MoeSparseMoeBlock(
+                base.config, base.groups.moe_tp, base.groups.moe_ep, base.dtype, False, base.quant_config, prefix
+            )
+        with torch.no_grad():
+            loaded.load(permuted_experts_source(path, p2l), prefix)
+        process_weights_after_loading(loaded, weight_nz=base.weight_nz)
+    with torch.no_grad():
+        out_moved = moved(x)
+        # the permuted checkpoint's expert e is logical expert p2l[e]: route it there
+        out_loaded = loaded(x) if redundant else _routed_as(loaded, x, p2l)
+    return _tensors(moved), _tensors(loaded), out_moved, out_loaded
+
+
+def _routed_as(block, x, perm):
+    """`block` (loaded from the permuted checkpoint) on x with each logical choice e sent to its slot perm^-1(e)."""
+    inverse = torch.empty(len(perm), dtype=torch.int32)
+    inverse[torch.tensor(perm)] = torch.arange(len(perm), dtype=torch.int32)
+    weights, ids = block.route(x)
+    return block.moe_infer_tp(block.experts, x, inverse[ids.long()], weights)
+
+
+def _run(quant, p2l, seed, planted):
+    x = hidden_states("random", seed, 5, CONFIG.hidden_size, DTYPES[quant])
+    return get_pool(WORLD).run(_rearrange_task, quant, p2l, x, planted, timeout=120)
+
+
+@pytest.mark.parametrize("quant", ["float32", "w8a8", "w4a8"])
+def test_rearranged_experts_equal_a_checkpoint_loaded_with_them_in_place(quant):
+    def check(p2l, seed):
+        for rank, (moved, loaded, out_moved, out_loaded) in enumerate(_run(quant, p2l, seed, planted=False)):
+            what = f"{quant} rank {rank} placement {p2l}"
+            assert moved.keys() == loaded.keys()
+            assert any(layout is not None for _, layout in moved.values()) or quant == "float32", what
+            for name in moved:
+                assert_bitwise_equal(moved[name][0], loaded[name][0], f"{what}: {name}")
+                assert moved[name][1] == loaded[name][1], f"{what}: {name} layout {moved[name][1]} != {loaded[name][1]}"
+            assert_bitwise_equal(out_moved, out_loaded, f"{what}: layer output")
+
+    run_property(check, 3, p2l=placements(WORLD), seed=seeds)
+
+
+@pytest.mark.parametrize("quant", ["w8a8", "w4a8"])
+def test_a_rearrangement_that_leaves_the_scales_behind_is_caught(quant):
+    p2l = tuple(reversed(range(E)))  # every expert changes rank
+    for rank, (moved, loaded, out_moved, out_loaded) in enumerate(_run(quant, p2l, 0, planted=True)):
+        moved, loaded = ({n: t for n, (t, _) in d.items()} for d in (moved, loaded))
+        scales = [name for name in moved if "scale" in name]
+        assert scales, f"{quant}: the experts have no scale tensor to leave behind"
+        assert all(
+            torch.equal(moved[n].view(torch.uint8), loaded[n].view(torch.uint8)) for n in moved if n not in scales
+        )
+        assert not any(torch.equal(moved[n], loaded[n]) for n in scales), f"{quant} rank {rank}: scales equal"
+        assert not torch.equal(out_moved, out_loaded), f"{quant} rank {rank}: the planted rearrangement went unseen"
