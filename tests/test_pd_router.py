@@ -219,7 +219,7 @@ def test_a_client_gone_mid_stream_releases_the_prefill_and_ends_the_decode_strea
     host, port = router.split(":")
     with socket.create_connection((host, int(port)), timeout=WAIT_S) as client:
         raw = json.dumps(body).encode()
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         client.sendall(head.encode() + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
         received = b""
         while b"data: {" not in received:  # the first token arrived: the stream is under way

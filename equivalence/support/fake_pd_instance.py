@@ -18,8 +18,8 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-from optimized.serving.listen import write_port_file
+import os
+from pathlib import Path
 
 MODEL = "fake-model"
 
@@ -232,6 +232,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+def fake_serve_command(die: str | None = None, die_after_s: float = 0.0, fail_start: str | None = None):
+    """A `command` for optimized/pd/launch.py starting this module instead of `serve`: the instance of role `die`
+    exits with status 3 `die_after_s` after serving; the one of role `fail_start` exits with status 4 at once."""
+    import sys
+
+    def command(role, config, nproc, port_file, host, extra):
+        cmd = [sys.executable, "-m", "equivalence.support.fake_pd_instance", "serve", "--pd-role", role]
+        cmd += ["--config", config, "--host", host, "--port", "0", "--port-file", port_file, *extra]
+        if role == die:
+            cmd += ["--die-after-s", str(die_after_s)]
+        if role == fail_start:
+            cmd += ["--fail-start"]
+        return cmd
+
+    return command
+
+
 def main(argv=None) -> None:
     """`serve --pd-role ROLE --config X --port 0 --port-file F [--host H]`, as the launcher starts an instance."""
     ap = argparse.ArgumentParser()
@@ -241,10 +258,17 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--port-file", required=True)
+    ap.add_argument("--served-model-name", default=MODEL)
     ap.add_argument("--die-after-s", type=float, help="exit with status 3 this long after serving")
+    ap.add_argument("--fail-start", action="store_true", help="exit with status 4 before binding")
     args = ap.parse_args(argv)
-    fake = FakeInstance(args.pd_role, host=args.host, port=args.port).start()
-    write_port_file(args.port_file, fake.server.server_address[1])
+    if args.fail_start:
+        print(f"fake {args.pd_role} instance: failing at start", flush=True)
+        raise SystemExit(4)
+    fake = FakeInstance(args.pd_role, host=args.host, port=args.port, model=args.served_model_name).start()
+    tmp = Path(args.port_file + ".tmp")  # written whole: the launcher never reads half a port (no torch import here)
+    tmp.write_text(f"{fake.server.server_address[1]}\n")
+    os.replace(tmp, args.port_file)
     print(f"fake {args.pd_role} instance ({args.config}) on {fake.url}", flush=True)
     if args.die_after_s is not None:
         time.sleep(args.die_after_s)
