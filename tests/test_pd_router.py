@@ -213,6 +213,18 @@ def test_a_dead_prefill_instance_is_a_503_naming_it(deployment):
     assert status == 503 and f"prefill instance {prefill.url} is down" in json.loads(raw)["error"]
 
 
+def test_an_unhealthy_instance_is_named_by_health(deployment):
+    (prefill,), (decode,), router = deployment()
+    prefill.health_error = "RuntimeError: the engine stopped"
+    status, raw = get(router, "/health")
+    assert status == 503
+    assert json.loads(raw)["error"] == (
+        f"prefill instance {prefill.url} is unhealthy: HTTP 503 (RuntimeError: the engine stopped)"
+    )
+    prefill.health_error = None
+    assert get(router, "/health")[0] == 200
+
+
 def test_a_client_gone_mid_stream_releases_the_prefill_and_ends_the_decode_stream(deployment):
     (prefill,), (decode,), router = deployment(chunk_delay_s=0.02, max_model_len=4096)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "stream": True}

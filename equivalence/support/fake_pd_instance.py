@@ -66,6 +66,7 @@ class FakeInstance:
     ):
         self.role, self.max_model_len, self.chunk_delay_s = role, max_model_len, chunk_delay_s
         self.fail_status = fail_status
+        self.health_error: str | None = None  # set: /health answers 503 with it (an engine that stopped)
         self.info = {
             "role": role,
             "max_model_len": max_model_len,
@@ -189,7 +190,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/pd/v1/info":
             self._json(200, fake.info)
         elif self.path == "/health":
-            self._json(200, {"status": "ok"})
+            if fake.health_error is None:
+                self._json(200, {"status": "ok"})
+            else:
+                self._json(503, {"status": "error", "error": fake.health_error})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": fake.info["served_model_name"], "object": "model"}]})
         else:
