@@ -30,7 +30,7 @@ from equivalence.support.fake_pd_instance import fake_serve_command
 from optimized.cli.common import fail
 from optimized.cli.main import parser
 from optimized.errors import UsageError
-from optimized.pd.launch import run
+from optimized.cli.pd import run
 kw = eval(sys.argv[1])
 try:
     sys.exit(run(parser().parse_args(sys.argv[2:]), command=fake_serve_command(**kw)))

@@ -4,7 +4,7 @@ Each instance is its own job: a plain process for one rank, else its own torchru
 rendezvous on a port the kernel picks, so the two jobs never share a master port), each `serve --pd-role ROLE
 --port 0 --port-file F`. The launcher waits for each port file and then each /health, starts the router in this
 process on the given port, and waits: SIGTERM or Ctrl-C stops all three; an instance that exits is named and the
-launcher stops the other and exits with status 1.
+launcher stops the other and exits with status 1 (optimized/cli/pd.py runs it with the router).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,56 +120,3 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the group start_new_session made: its id is the child's pid
     except ProcessLookupError:
         pass
-
-
-def run(args, command=serve_command) -> int:
-    """`python -m optimized pd` (optimized/cli/pd.py): status 0 after SIGTERM / Ctrl-C, 1 when an instance exited."""
-    import argparse
-
-    from optimized.cli.pd_router import start as start_router, wait_for_signal
-
-    for flag, n in (("--prefill-nproc", args.prefill_nproc), ("--decode-nproc", args.decode_nproc)):
-        if n < 1:
-            raise UsageError(f"{flag}={n} must be >= 1")
-    for flag, path in (("--prefill-config", args.prefill_config), ("--decode-config", args.decode_config)):
-        if not Path(path).is_file():
-            raise UsageError(f"{flag} {path!r} is not a file")
-    extra = ["--served-model-name", args.served_model_name] if args.served_model_name else []
-    with tempfile.TemporaryDirectory(prefix="pd-ports-") as tmp:
-        instances = [
-            Instance("prefill", args.prefill_config, args.prefill_nproc, Path(tmp) / "prefill.port"),
-            Instance("decode", args.decode_config, args.decode_nproc, Path(tmp) / "decode.port"),
-        ]
-        launcher = Launcher(instances, args.instance_host, command, extra, args.startup_timeout)
-        server = None
-        stopped = []
-        try:
-            previous = signal.signal(signal.SIGTERM, lambda *_: stopped.append(True) or _interrupt())
-            try:
-                launcher.start()
-                router_args = argparse.Namespace(
-                    prefill=[instances[0].url], decode=[instances[1].url], host=args.host, port=args.port,
-                    port_file=args.port_file, timeout=args.timeout,
-                )  # fmt: skip
-                server, _ = start_router(router_args)
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-            wait_for_signal(poll=lambda: launcher.dead() is not None)
-            dead = launcher.dead()
-            if dead is not None:
-                say(f"{dead.name} exited with status {dead.exited()}; stopping")
-                return 1
-            say("stopping")
-            return 0
-        except KeyboardInterrupt:
-            say("interrupted while starting; stopping")
-            return 0 if stopped else 130
-        finally:
-            if server is not None:
-                server.shutdown()
-                server.server_close()
-            launcher.stop()
-
-
-def _interrupt():
-    raise KeyboardInterrupt
