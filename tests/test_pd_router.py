@@ -258,6 +258,16 @@ def test_a_prefill_instances_error_status_is_relayed_and_no_decode_work_starts(d
     assert decode.requests == []
 
 
+def test_an_error_without_a_json_body_becomes_an_openai_error_naming_the_instance(deployment):
+    (prefill,), (decode,), router = deployment(fail_status=500)
+    decode.plain_error = True
+    status, raw, ctype = post(router, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 3})
+    assert status == 500 and ctype == "application/json"
+    error = json.loads(raw)["error"]
+    assert error["message"] == f"decode instance {decode.url} answered HTTP 500: Internal Server Error"
+    assert error["code"] == 500 and prefill.released == ["t0"]
+
+
 def test_a_prompt_too_long_is_refused_before_any_decode_work(deployment):
     (prefill,), (decode,), router = deployment()
     # too long for the prefill side (max_model_len 64): its 413 comes back

@@ -67,6 +67,7 @@ class FakeInstance:
         self.role, self.max_model_len, self.chunk_delay_s = role, max_model_len, chunk_delay_s
         self.fail_status = fail_status
         self.health_error: str | None = None  # set: /health answers 503 with it (an engine that stopped)
+        self.plain_error = False  # True: an error status comes with a text/plain body (not an OpenAI error)
         self.info = {
             "role": role,
             "max_model_len": max_model_len,
@@ -212,6 +213,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         chat = self.path == "/v1/chat/completions"
         status, answer, stream = fake.generate(body, chat)
+        if status >= 400 and fake.plain_error:
+            raw = b"Internal Server Error"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+            return
         if stream is None:
             self._json(status, answer)
             return

@@ -54,10 +54,16 @@ class RouterError(Exception):
 
 
 class Relayed(Exception):
-    """An instance's own error answer, passed to the client as it came (status, content type, body)."""
+    """An instance's own error answer, passed to the client as it came (status, content type, body); a body that is
+    not JSON (not an OpenAI error: a proxy's page, a crash) becomes one naming the instance, with its status."""
 
-    def __init__(self, status: int, content_type: str, body: bytes, cause: str):
+    def __init__(self, instance: Instance, status: int, content_type: str, body: bytes, cause: str):
         super().__init__(f"HTTP {status}")
+        if not content_type.startswith("application/json"):
+            text = body.decode("utf-8", "replace").strip()[:200]
+            message = f"{instance.role} instance {instance.url} answered HTTP {status}: {text}"
+            error = {"message": message, "type": "upstream_error", "param": None, "code": status}
+            content_type, body = "application/json", json.dumps({"error": error}).encode()
         self.status, self.content_type, self.raw, self.cause = status, content_type, body, cause
 
 
@@ -123,7 +129,7 @@ class Router:
             self.pool.release(inst)
         if status >= 400:
             cause = "too_long" if status == 413 else "prefill_rejected"
-            raise Relayed(status, ctype, raw, cause)
+            raise Relayed(inst, status, ctype, raw, cause)
         try:
             params = json.loads(raw)["kv_transfer_params"]
             transfer_id = params["transfer_id"]
@@ -169,7 +175,7 @@ class Router:
             if response.status >= 400:
                 raw = response.read()
                 conn.close()
-                raise Relayed(response.status, response.getheader("Content-Type", ""), raw, "decode_rejected")
+                raise Relayed(decode, response.status, response.getheader("Content-Type", ""), raw, "decode_rejected")
             decode.up = True
             return decode, conn, response
         except BaseException:
