@@ -25,13 +25,14 @@ CONFIG = str(REPO / "fixtures" / "configs" / "tiny_single.yaml")
 WAIT_S = 60  # a bound on waiting for the launcher (never a timing assertion)
 
 LAUNCH = """
+import json
 import sys
 from equivalence.support.fake_pd_instance import fake_serve_command
 from optimized.cli.common import fail
 from optimized.cli.main import parser
 from optimized.errors import UsageError
 from optimized.cli.pd import run
-kw = eval(sys.argv[1])
+kw = json.loads(sys.argv[1])
 try:
     sys.exit(run(parser().parse_args(sys.argv[2:]), command=fake_serve_command(**kw)))
 except UsageError as e:
@@ -44,7 +45,7 @@ def launch(tmp_path, **fake):
     args = ["pd", "--prefill-config", CONFIG, "--decode-config", CONFIG, "--port", "0", "--port-file", str(port_file)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, repr(fake), *args],
+        [sys.executable, "-c", LAUNCH, json.dumps(fake), *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
