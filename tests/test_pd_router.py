@@ -294,11 +294,12 @@ def test_a_prompt_too_long_is_refused_before_any_decode_work(deployment):
         (dict(model="other"), "served_model_name is 'other'"),
         (dict(block_size=32), "block_size is 32"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype is 'fp8'"),
+        (dict(attention_tp=3), "attention TP 3 and --prefill http://127.0.0.1:"),
     ],
 )
 def test_an_incompatible_instance_is_refused_by_name(decode_kw, words):
     role = decode_kw.pop("role", "decode")
-    prefill, decode = FakeInstance("prefill").start(), FakeInstance(role, **decode_kw).start()
+    prefill, decode = FakeInstance("prefill", attention_tp=2).start(), FakeInstance(role, **decode_kw).start()
     try:
         with pytest.raises(UsageError) as e:
             start_router([prefill], [decode])

@@ -59,6 +59,7 @@ class FakeInstance:
         block_size: int = 16,
         kv_cache_dtype: str = "auto",
         model: str = MODEL,
+        attention_tp: int = 1,
         chunk_delay_s: float = 0.0,
         fail_status: int | None = None,
         host: str = "127.0.0.1",
@@ -73,7 +74,7 @@ class FakeInstance:
             "max_model_len": max_model_len,
             "block_size": block_size,
             "kv_cache_dtype": kv_cache_dtype,
-            "attention": {"tp": 1, "dp": 1},
+            "attention": {"tp": attention_tp, "dp": 1},
             "served_model_name": model,
         }
         self.lock = threading.Lock()

@@ -129,8 +129,9 @@ def read_info(instance: Instance, timeout: float) -> dict:
 
 
 def check_compatible(instances: list[Instance]) -> None:
-    """Every instance agrees on the served model, the KV block size and the KV cache dtype: a UsageError naming the
-    first instance that differs from the first prefill instance."""
+    """Every instance agrees on the served model, the KV block size and the KV cache dtype, and of every prefill and
+    decode pair one attention TP size divides the other (the rank mapping's rule): a UsageError naming the first
+    instance that differs."""
     first = instances[0]
     for other in instances[1:]:
         for key in SAME_ON_ALL:
@@ -139,6 +140,21 @@ def check_compatible(instances: list[Instance]) -> None:
                     f"--{other.role} {other.url}: {key} is {other.info[key]!r} but --{first.role} {first.url} has "
                     f"{first.info[key]!r}; every instance must have the same {key}"
                 )
+    for decode in (i for i in instances if i.role == "decode"):
+        for prefill in (i for i in instances if i.role == "prefill"):
+            p_tp, d_tp = _attention_tp(prefill), _attention_tp(decode)
+            if max(p_tp, d_tp) % min(p_tp, d_tp):
+                raise UsageError(
+                    f"--decode {decode.url}: attention TP {d_tp} and --prefill {prefill.url}'s attention TP {p_tp}: "
+                    "one must divide the other for the KV transfer's rank mapping (docs/serving.md)"
+                )
+
+
+def _attention_tp(instance: Instance) -> int:
+    tp = (instance.info.get("attention") or {}).get("tp", 1)
+    if not isinstance(tp, int) or tp < 1:
+        raise UsageError(f"--{instance.role} {instance.url}: {INFO_ROUTE} gives attention tp {tp!r}")
+    return tp
 
 
 class Pool:
