@@ -2,8 +2,8 @@
 OpenAI-compatible front of a prefill-decode deployment (optimized/pd/router.py; docs/serving.md).
 
 At start the router reads every instance's /pd/v1/info and refuses, naming the instance, one whose role is not the
-one it was given as, or whose served model, KV block size or KV cache dtype differs from the others'. It serves
-until SIGTERM or Ctrl-C.
+one it was given as, or whose served model, KV block size or KV cache dtype differs from the others', and a prefill
+and a decode instance whose attention TP sizes do not divide one another. It serves until SIGTERM or Ctrl-C.
 """
 
 from __future__ import annotations
