@@ -22,6 +22,10 @@ INTERNAL = {
     "optimized.serving.driver.RequestFailed",  # one request failed inside the engine
     "optimized.pd.transfer_engine.TransferError",  # the KV transfer engine refused a write (a peer gone)
     "optimized.pd.digest.KvIntegrityError",  # the decode side's KV is not what prefill sent: the request fails
+    "optimized.pd.router.RouterError",  # the PD router's HTTP error response to a client, never the CLI's
+    "optimized.pd.router.Relayed",  # an instance's own error response, passed on to the client
+    "optimized.pd.router_instances.InstanceDown",  # an instance unreachable: a 503 to the client (at start: a
+    #   UsageError naming it)
     "optimized.torchair_standin.StaticGraphError",  # graph mode compiled a GE graph dynamically: a bug, not a setting
 }
 

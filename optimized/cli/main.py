@@ -1,4 +1,5 @@
-"""Command line: `python -m optimized generate | serve | bench | latency | convert`, one module per subcommand.
+"""Command line: `python -m optimized generate | serve | bench | latency | convert | pd-router | pd`, one module per
+subcommand.
 
 `parser()` builds the whole parser from each subcommand module's `add_parser(sub)`; `main(argv)` parses, calls that
 module's `run(args) -> exit status`, and turns a `UsageError` (a bad config, prompt, launch, checkpoint, quantization
@@ -9,11 +10,19 @@ docs/config.md for the YAML they read.
 
 from __future__ import annotations
 
-from optimized.cli import bench, convert, generate, latency, serve
+from optimized.cli import bench, convert, generate, latency, pd, pd_router, serve
 from optimized.cli.common import PROG, Parser, fail
 from optimized.errors import UsageError
 
-SUBCOMMANDS = {"generate": generate, "bench": bench, "latency": latency, "convert": convert, "serve": serve}
+SUBCOMMANDS = {
+    "generate": generate,
+    "bench": bench,
+    "latency": latency,
+    "convert": convert,
+    "serve": serve,
+    "pd-router": pd_router,
+    "pd": pd,
+}
 
 
 def parser() -> Parser:
