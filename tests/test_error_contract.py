@@ -22,6 +22,8 @@ INTERNAL = {
     "optimized.serving.driver.RequestFailed",  # one request failed inside the engine
     "optimized.pd.transfer_engine.TransferError",  # the KV transfer engine refused a write (a peer gone)
     "optimized.pd.digest.KvIntegrityError",  # the decode side's KV is not what prefill sent: the request fails
+    "optimized.pd.instance.UnknownTransfer",  # a transfer id no request holds (released or timed out): HTTP 404
+    "optimized.serving.routes.pd.ClientGone",  # the client left during the KV hand-off: nobody to tell
     "optimized.torchair_standin.StaticGraphError",  # graph mode compiled a GE graph dynamically: a bug, not a setting
 }
 

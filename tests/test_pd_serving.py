@@ -321,3 +321,32 @@ def test_info_names_the_role_and_the_cache(servers):
         {"prompt": [1, 2], "model": MODEL, "kv_transfer_params": {"do_remote_decode": True}},
     )
     assert r.status_code == 400 and "needs a prefill instance" in r.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_while_waiting_for_decode_blocks_leaves_no_block_behind(servers, faulty):
+    colocated, prefill = servers[0], servers[1]
+    decode = Served("decode", pool=2)  # one block: one request of PROMPTS[2] (7 + 8 tokens) at a time
+    try:
+        pause = threading.Event()
+        body = {"prompt": PROMPTS[2], "max_tokens": 8, "model": MODEL, "temperature": 0, "ignore_eos": True}
+        first, second = (_prefill(prefill, "/v1/completions", body) for _ in range(2))
+        wrapper = faulty(pause=pause)
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(_post, decode.url, "/v1/completions", _decode_body(prefill, body, first))
+            deadline = time.monotonic() + TIMEOUT_S
+            while not wrapper.calls:  # the first request holds the decode pool's one block, its KV being written
+                assert time.monotonic() < deadline, "the first transfer never started"
+                time.sleep(0.02)
+            with pytest.raises(httpx.ReadTimeout):  # the second waits for a block; its client gives up
+                httpx.post(decode.url + "/v1/completions", json=_decode_body(prefill, body, second), timeout=1.0)
+            assert second["transfer_id"] in prefill.engine.handoff.held
+            pause.set()
+            r = done.result(TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["choices"][0]["token_ids"]
+            == _post(colocated.url, "/v1/completions", body).json()["choices"][0]["token_ids"]
+        )
+        assert prefill.settled() and decode.settled()
+    finally:
+        decode.close()
