@@ -350,3 +350,23 @@ def test_a_client_that_leaves_while_waiting_for_decode_blocks_leaves_no_block_be
         assert prefill.settled() and decode.settled()
     finally:
         decode.close()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"n": 2}, "serves one prompt with n=1"),
+        ({"echo": True, "logprobs": 1}, "stay on the prefill side"),
+        ({"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "x", "first_token": 1}}, "prefill_url"),
+        ({"kv_transfer_params": {"do_remote_prefill": True, "prefill_url": "u", "transfer_id": "x"}}, "first_token"),
+        ({"kv_transfer_params": {"prefill_url": "u"}}, "needs do_remote_decode"),
+    ],
+)
+def test_a_decode_body_the_hand_off_cannot_serve_is_a_400_naming_why(servers, extra, message):
+    _, prefill, decode = servers
+    params = {"do_remote_prefill": True, "prefill_url": prefill.url, "transfer_id": "x", "first_token": 1}
+    params |= {"num_tokens": 3, "prompt_token_ids": [1, 2, 3]}
+    body = {"prompt": [1, 2, 3], "model": MODEL, "kv_transfer_params": params} | extra
+    r = _post(decode.url, "/v1/completions", body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert decode.settled() and prefill.settled()

@@ -219,6 +219,8 @@ async def take_over(state: ServerState, http: HttpRequest, params: dict, request
         return submit(state.driver, requests)
     _one(requests)
     pd = _pd(state, "decode")
+    if requests[0].prompt_logprobs:
+        raise ApiError(400, "'echo' with 'logprobs' needs the prompt's logits, which stay on the prefill side", "echo")
     driver, loop, events = state.driver, asyncio.get_running_loop(), asyncio.Queue()
     prefill, transfer_id = params["prefill_url"].rstrip("/"), params["transfer_id"]
     request = requests[0]
