@@ -83,9 +83,9 @@ def _colocated(kv: str, sampling) -> dict[str, list[tuple]]:
 class Pair:
     """A prefill engine and a decode engine over the same model, each with its own Mooncake engine."""
 
-    def __init__(self, kv: str, decode_blocks: int = BLOCKS):
+    def __init__(self, kv: str, decode_blocks: int = BLOCKS, **decode_options):
         self.prefill = Engine(_runner(kv), batch_size=2, num_blocks=BLOCKS)
-        self.decode = Engine(_runner(kv), batch_size=2, num_blocks=decode_blocks)
+        self.decode = Engine(_runner(kv), batch_size=2, num_blocks=decode_blocks, **decode_options)
         self.p_mc, self.d_mc = _registered(self.prefill), _registered(self.decode)
         self.free = (self.prefill.cache.free_blocks, self.decode.cache.free_blocks)
 
@@ -113,8 +113,8 @@ class Pair:
         rank_digest(self.decode.cache, reserved.blocks, n, ONE, 0, heads).check_against(sent)
 
 
-def _disaggregated(kv: str, sampling) -> dict[str, list[tuple]]:
-    pair = Pair(kv)
+def _disaggregated(kv: str, sampling, **decode_options) -> dict[str, list[tuple]]:
+    pair = Pair(kv, **decode_options)
     firsts = pair.prefill_all(sampling)
     held = pair.prefill.handoff.held
     assert set(held) == {"r0", "r1"} and all(r.blocks for r in held.values()), "finished prefills hold their blocks"
@@ -201,3 +201,10 @@ def test_a_request_dropped_during_the_hand_off_gives_its_blocks_back_on_both_sid
     assert pair.prefill.cache.free_blocks == pair.free[0]
     assert pair.decode.cache.free_blocks == pair.free[1]
     assert "r0" not in pair.decode.handoff and not pair.decode.requests and pair.decode.idle
+
+
+def test_a_decode_engine_with_chunked_prefill_and_prefix_caching_takes_over_alike():
+    """Its batch puts decode rows before prefill chunks and registers blocks as they fill: a request taken over at
+    decode fits both."""
+    options = dict(chunked_prefill_tokens=8, enable_prefix_caching=True)
+    assert _disaggregated("auto", SAMPLED, **options) == _colocated("auto", SAMPLED)
