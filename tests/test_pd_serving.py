@@ -25,12 +25,15 @@ MODEL = "tiny"
 PROMPTS = [[5, 9, 200, 17, 3, 44, 1, 2], list(range(30, 52)), [100, 101, 102, 103, 104, 105, 106]]
 
 
-def _config():
+def _config(fp8: bool = False):
     from optimized.config import InferenceConfig
 
+    model = {"model_path": "fixture:tiny", "dtype": "float32"}
+    if fp8:  # the per-token FP8 KV cache quantizes 16-bit K/V
+        model = {**model, "dtype": "bfloat16", "kv_cache_dtype": "float8"}
     return InferenceConfig.from_dict(
         {
-            "model_config": {"model_path": "fixture:tiny", "dtype": "float32"},
+            "model_config": model,
             "data_config": {"input_max_len": 48},
             "scheduler_config": {"batch_size": 3, "max_new_tokens": 8, "block_size": 16, "max_prefill_tokens": 64},
         }
@@ -40,11 +43,11 @@ def _config():
 class Served:
     """One server in a thread on 127.0.0.1:0; `role` None: colocated."""
 
-    def __init__(self, role: str | None, pool: int = 9, hold_timeout_s: float = 120.0):
+    def __init__(self, role: str | None, pool: int = 9, hold_timeout_s: float = 120.0, fp8: bool = False):
         from optimized.cli.serve import build_engine, make_server
         from optimized.serving.listen import bind, bound_port
 
-        cfg = _config()
+        cfg = _config(fp8)
         self.engine, tokenizer, stop_ids, _ = build_engine(cfg, kv_pool_blocks=pool)
         self.pd = None
         if role is not None:
@@ -370,3 +373,23 @@ def test_a_decode_body_the_hand_off_cannot_serve_is_a_400_naming_why(servers, ex
     r = _post(decode.url, "/v1/completions", body)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert decode.settled() and prefill.settled()
+
+
+def test_fp8_kv_and_its_scales_hand_off_equal_to_the_colocated_server():
+    started = []
+    try:
+        for role in (None, "prefill", "decode"):
+            started.append(Served(role, fp8=True))
+        colocated, prefill, decode = started
+        assert httpx.get(decode.url + "/pd/v1/info", timeout=TIMEOUT_S).json()["kv_cache_dtype"] == "float8_e4m3fn"
+        for path, body in CASES[:2]:
+            body = {**body, "model": MODEL}
+            params = _prefill(prefill, path, body)
+            want = _post(colocated.url, path, body)
+            got = _post(decode.url, path, _decode_body(prefill, body, params))
+            assert got.status_code == want.status_code == 200, got.text
+            assert _comparable(got.json()) == _comparable(want.json())
+        assert prefill.settled() and decode.settled()
+    finally:
+        for s in started:
+            s.close()
