@@ -12,6 +12,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from equivalence.support.engine_runs import BLOCK, _models
 from optimized.executor.engine import Engine, TokenEvent
@@ -51,10 +53,14 @@ def _registered(engine: Engine) -> MooncakeTransferEngine:
     return mc
 
 
-def _requests(sampling, hold: bool = False, max_tokens: int = MAX_TOKENS) -> list[Request]:
+SPECS = tuple((tuple(p), MAX_TOKENS) for p in PROMPTS)  # (prompt, max_tokens) of each request
+
+
+def _requests(sampling, specs=SPECS, hold: bool = False) -> list[Request]:
+    """Request i of `specs`; `hold`: the prefill's copy (one token, its blocks held)."""
     return [
-        Request(f"r{i}", list(p), max_tokens, sampling, stop_ids=frozenset(), logprobs=2, hold_kv=hold)
-        for i, p in enumerate(PROMPTS)
+        Request(f"r{i}", list(p), 1 if hold else n, sampling, stop_ids=frozenset(), logprobs=2, hold_kv=hold)
+        for i, (p, n) in enumerate(specs)
     ]
 
 
@@ -73,9 +79,9 @@ def _seen(events) -> dict[str, list[tuple]]:
     return {rid: [(e.token, e.logprob, e.top_logprobs) for e in evs] for rid, evs in events.items()}
 
 
-def _colocated(kv: str, sampling) -> dict[str, list[tuple]]:
-    engine = Engine(_runner(kv), batch_size=2, num_blocks=BLOCKS)
-    for r in _requests(sampling):
+def _colocated(kv: str, sampling, specs=SPECS, engine: Engine | None = None) -> dict[str, list[tuple]]:
+    engine = engine or Engine(_runner(kv), batch_size=2, num_blocks=BLOCKS)
+    for r in _requests(sampling, specs):
         engine.add(r)
     return _seen(_run(engine))
 
@@ -89,15 +95,17 @@ class Pair:
         self.p_mc, self.d_mc = _registered(self.prefill), _registered(self.decode)
         self.free = (self.prefill.cache.free_blocks, self.decode.cache.free_blocks)
 
-    def prefill_all(self, sampling) -> dict[str, TokenEvent]:
-        for r in _requests(sampling, hold=True, max_tokens=1):
+    def prefill_all(self, sampling, specs=SPECS) -> dict[str, TokenEvent]:
+        self.max_tokens = {f"r{i}": n for i, (_, n) in enumerate(specs)}
+        for r in _requests(sampling, specs, hold=True):
             self.prefill.add(r)
         events = _run(self.prefill)
         return {rid: evs[0] for rid, evs in events.items()}
 
     def decode_request(self, first: TokenEvent, sampling) -> Request:
         p = first.request
-        r = Request(p.request_id, list(p.prompt), MAX_TOKENS, sampling, stop_ids=frozenset(), logprobs=2)
+        n = self.max_tokens[p.request_id]
+        r = Request(p.request_id, list(p.prompt), n, sampling, stop_ids=frozenset(), logprobs=2)
         r.tokens = [first.token]
         return r
 
@@ -113,14 +121,22 @@ class Pair:
         rank_digest(self.decode.cache, reserved.blocks, n, ONE, 0, heads).check_against(sent)
 
 
-def _disaggregated(kv: str, sampling, **decode_options) -> dict[str, list[tuple]]:
-    pair = Pair(kv, **decode_options)
-    firsts = pair.prefill_all(sampling)
+def _disaggregated(kv: str, sampling, specs=SPECS, pair: Pair | None = None, **decode_options):
+    """Every request of `specs` prefilled, handed off and decoded: its events' (token, logprob, top) per id."""
+    pair = pair or Pair(kv, **decode_options)
+    firsts = pair.prefill_all(sampling, specs)
     held = pair.prefill.handoff.held
-    assert set(held) == {"r0", "r1"} and all(r.blocks for r in held.values()), "finished prefills hold their blocks"
+    assert set(held) == {f"r{i}" for i in range(len(specs))} and all(r.blocks for r in held.values()), (
+        "finished prefills hold their blocks"
+    )
     assert pair.prefill.cache.free_blocks < pair.free[0] and pair.prefill.idle
     for rid, first in firsts.items():
         reserved = pair.decode_request(first, sampling)
+        if reserved.max_tokens == 1:  # done at its first token: nothing to hand off
+            with pytest.raises(ValueError, match="nothing to decode"):
+                pair.decode.handoff.reserve(pair.decode, reserved)
+            assert pair.prefill.handoff.release(pair.prefill, rid)
+            continue
         assert pair.decode.handoff.reserve(pair.decode, reserved)
         pair.transfer(held[rid], reserved)
         pair.check(held[rid], reserved)
@@ -129,7 +145,7 @@ def _disaggregated(kv: str, sampling, **decode_options) -> dict[str, list[tuple]
     assert pair.prefill.cache.free_blocks == pair.free[0], "released blocks are free again"
     rest = _run(pair.decode)
     assert pair.decode.cache.free_blocks == pair.free[1]
-    return _seen({rid: [firsts[rid], *rest[rid]] for rid in firsts})
+    return _seen({rid: [firsts[rid], *rest.get(rid, [])] for rid in firsts})
 
 
 @pytest.mark.parametrize("kv", ["auto", "float8"])
@@ -208,3 +224,25 @@ def test_a_decode_engine_with_chunked_prefill_and_prefix_caching_takes_over_alik
     decode fits both."""
     options = dict(chunked_prefill_tokens=8, enable_prefix_caching=True)
     assert _disaggregated("auto", SAMPLED, **options) == _colocated("auto", SAMPLED)
+
+
+@functools.lru_cache(maxsize=None)
+def _reused() -> tuple[Engine, Pair]:
+    """A colocated engine and a pair kept across examples: blocks are reused with the last request's bytes in them."""
+    return Engine(_runner("auto"), batch_size=2, num_blocks=BLOCKS), Pair("auto")
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(st.lists(st.integers(0, 511), min_size=1, max_size=40), st.integers(1, 8)), min_size=1, max_size=2
+    ),
+    seed=st.none() | st.integers(0, 2**32),
+    penalty=st.sampled_from([0.0, 0.6]),
+)
+def test_any_prompts_hand_off_equal_to_the_colocated_engine(specs, seed, penalty):
+    sampling = SamplingParams() if seed is None else SamplingParams(0.8, seed=seed, presence_penalty=penalty)
+    colocated, pair = _reused()
+    want = _colocated("auto", sampling, specs, colocated)
+    assert _disaggregated("auto", sampling, specs, pair) == want
+    assert [len(want[f"r{i}"]) for i in range(len(specs))] == [n for _, n in specs]

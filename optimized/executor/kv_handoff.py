@@ -50,6 +50,8 @@ class KvHandoff:
         False (nothing taken) while that group's pool has no room beside the running requests' next blocks."""
         if len(request.tokens) != 1:
             raise ValueError(f"a request taken over at decode carries exactly its first token; it has {request.tokens}")
+        if request.max_tokens <= 1 or request.tokens[0] in request.stop_ids:
+            raise ValueError(f"request {request.request_id!r} ended at its first token: it has nothing to decode")
         if request.request_id in self or request.request_id in engine.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         s = engine.scheduler
