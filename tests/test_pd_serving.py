@@ -393,3 +393,22 @@ def test_fp8_kv_and_its_scales_hand_off_equal_to_the_colocated_server():
     finally:
         for s in started:
             s.close()
+
+
+def test_a_prefill_instance_that_is_gone_is_a_502_naming_it_and_frees_the_decode_blocks(servers):
+    from equivalence.endpoint.servers import unused_port
+
+    _, prefill, decode = servers
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "model": MODEL, "temperature": 0}
+    params = _prefill(prefill, "/v1/completions", body)
+    with unused_port() as port:  # nothing listens there: the prefill died after answering
+        gone = f"http://127.0.0.1:{port}"
+        r = _post(
+            decode.url,
+            "/v1/completions",
+            {**body, "kv_transfer_params": {**params, "do_remote_prefill": True, "prefill_url": gone}},
+        )
+    assert r.status_code == 502 and gone in r.json()["error"]["message"], r.text
+    assert decode.settled()
+    assert _post(prefill.url, "/pd/v1/release", {"transfer_id": params["transfer_id"]}).json()["released"]
+    assert prefill.settled()
