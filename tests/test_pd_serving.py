@@ -363,6 +363,18 @@ def test_a_client_that_leaves_while_waiting_for_decode_blocks_leaves_no_block_be
         ({"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "x", "first_token": 1}}, "prefill_url"),
         ({"kv_transfer_params": {"do_remote_prefill": True, "prefill_url": "u", "transfer_id": "x"}}, "first_token"),
         ({"kv_transfer_params": {"prefill_url": "u"}}, "needs do_remote_decode"),
+        (
+            {
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "prefill_url": "u",
+                    "transfer_id": "x",
+                    "first_token": 512,
+                    "num_tokens": 3,
+                }
+            },
+            "outside the vocabulary",
+        ),
     ],
 )
 def test_a_decode_body_the_hand_off_cannot_serve_is_a_400_naming_why(servers, extra, message):

@@ -233,14 +233,17 @@ async def take_over(state: ServerState, http: HttpRequest, params: dict, request
         raise error_of(e) from None
     request = with_seed(request)
     first = params["first_token"]
+    if not 0 <= first < (state.vocab_size or first + 1):
+        raise ApiError(400, f"'{PARAM}.first_token' {first} is outside the vocabulary [0, {state.vocab_size})", PARAM)
     request.tokens = [first]
-    top = params.get("first_top_logprobs")
-    event = TokenEvent(
-        request,
-        first,
-        params.get("first_logprob"),
-        None if top is None else [(int(i), float(v)) for i, v in top],
-    )
+    try:
+        top = params.get("first_top_logprobs")
+        top = None if top is None else [(int(i), float(v)) for i, v in top]
+        lp = params.get("first_logprob")
+        lp = None if lp is None else float(lp)
+    except (TypeError, ValueError):
+        raise ApiError(400, f"'{PARAM}.first_logprob' / 'first_top_logprobs' are not the prefill's", PARAM) from None
+    event = TokenEvent(request, first, lp, top)
     rid = request.request_id
     async with httpx.AsyncClient() as client:
         if first in request.stop_ids or request.max_tokens == 1:  # done at its first token: no KV needed
