@@ -79,6 +79,9 @@ def test_multi_rank_instances_hand_off_with_the_reference_tokens(tmp_path, layou
         _launch(tmp_path, layout, "decode", d_world, d_parallel) as (decode, _),
     ):
         assert httpx.get(decode + "/pd/v1/info", timeout=TIMEOUT_S).json()["attention"] == d_attention
+        if d_attention["dp"] > 1:  # the plan says the decode runs MC2 under attention DP
+            started = (tmp_path / "decode.log").read_text()
+            assert "under attention DP" in started and "MC2 window" in started, started
         prompts = PROMPTS[:4]
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: _one(prefill, decode, p), prompts))

@@ -61,8 +61,8 @@ class KvHandoff:
         group = load.index(min(load))
         pool = engine.pools[group]
         need = s.blocks_for(min(len(request.prompt) + 1, request.budget - 1))
-        growth = sum(s.blocks_for(r.length + 1) - len(r.blocks) for r in s.running[group] if not r.prefill_left)
-        if need > pool.free_blocks - max(growth, 0):
+        growth = sum(s._growth(r) for r in s.running[group] if not r.prefill_left)  # their next blocks stay free
+        if need > pool.free_blocks - growth:
             return False
         request.dp_group, request.blocks = group, pool.take(need)
         request.arrival_step = engine.steps
