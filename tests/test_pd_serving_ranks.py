@@ -1,7 +1,8 @@
 """Multi-rank instances: `serve --pd-role` under torchrun, the two sides sharding attention differently, every rank
 writing (prefill) or digesting (decode) its own part of each request's KV with its own Mooncake engine (protocol tcp
 on 127.0.0.1). Prefill attention TP 2 (MoE EP 2) to decode attention TP 1 x DP 2 (MoE EP 2, MC2 decode: the recipe's
-wide prefill and DP decode, requests landing in both DP groups), and prefill TP 1 to decode TP 2: concurrent requests
+wide prefill and DP decode, requests landing in both DP groups), prefill TP 1 to decode TP 2, and prefill TP 4 (the 2 KV
+heads replicated) to decode TP 1: concurrent requests
 driven by hand as a router would, each one's greedy fp32 tokens the reference's for its prompt alone, and every
 block back in both pools (the /metrics gauges)."""
 
@@ -30,9 +31,12 @@ scheduler_config: {{batch_size: 2, max_new_tokens: 8, block_size: 16, max_prefil
 SINGLE = "world_size: 1"
 TP2_EP2 = "world_size: 2, attn_tp_size: 2, moe_tp_size: 1, moe_ep_size: 2, embed_tp_size: 2, lmhead_tp_size: 2"
 TP1xDP2_EP2 = "world_size: 2, attn_tp_size: 1, moe_tp_size: 1, embed_tp_size: 1, lmhead_tp_size: 1"
+TP4_EP4 = "world_size: 4, attn_tp_size: 4, moe_tp_size: 1, moe_ep_size: 4, embed_tp_size: 4, lmhead_tp_size: 4"
 LAYOUTS = {  # name: ((prefill world, parallel), (decode world, parallel), decode attention layout)
     "p_tp2_to_d_tp1xdp2": ((2, TP2_EP2), (2, TP1xDP2_EP2), {"tp": 1, "dp": 2}),
     "p_tp1_to_d_tp2": ((1, SINGLE), (2, TP2_EP2), {"tp": 2, "dp": 1}),
+    # 2 KV heads over 4 prefill ranks: each replicated twice, sent once (by the first rank holding it)
+    "p_tp4_replicated_to_d_tp1": ((4, TP4_EP4), (1, SINGLE), {"tp": 1, "dp": 1}),
 }
 
 
