@@ -1,10 +1,10 @@
 """Multi-rank instances: `serve --pd-role` under torchrun, the two sides sharding attention differently, every rank
 writing (prefill) or digesting (decode) its own part of each request's KV with its own Mooncake engine (protocol tcp
 on 127.0.0.1). Prefill attention TP 2 (MoE EP 2) to decode attention TP 1 x DP 2 (MoE EP 2, MC2 decode: the recipe's
-wide prefill and DP decode, requests landing in both DP groups), prefill TP 1 to decode TP 2, and prefill TP 4 (the 2 KV
-heads replicated) to decode TP 1: concurrent requests
-driven by hand as a router would, each one's greedy fp32 tokens the reference's for its prompt alone, and every
-block back in both pools (the /metrics gauges)."""
+wide prefill and DP decode, each request reserved in the least loaded DP group), prefill TP 1 to decode TP 2, and
+prefill TP 4 (the 2 KV heads replicated) to decode TP 1: concurrent requests driven by hand as a router would, each
+one's greedy fp32 tokens the reference's for its prompt alone, and every block back in both pools (the /metrics
+gauges)."""
 
 from __future__ import annotations
 
