@@ -26,6 +26,8 @@ INTERNAL = {
     "optimized.pd.router.Relayed",  # an instance's own error response, passed on to the client
     "optimized.pd.router_instances.InstanceDown",  # an instance unreachable: a 503 to the client (at start: a
     #   UsageError naming it)
+    "optimized.pd.instance.UnknownTransfer",  # a transfer id no request holds (released or timed out): HTTP 404
+    "optimized.serving.routes.pd.ClientGone",  # the client left during the KV hand-off: nobody to tell
     "optimized.torchair_standin.StaticGraphError",  # graph mode compiled a GE graph dynamically: a bug, not a setting
 }
 

@@ -47,6 +47,28 @@ def add_parser(sub) -> None:
         "scheduler_config.mem_fraction_static, capped at what batch_size requests can use)",
     )
     p.add_argument("--no-weight-check", action="store_true", help="skip the load-time finite-weight check")
+    p.add_argument(
+        "--pd-role",
+        choices=("prefill", "decode"),
+        help="prefill-decode disaggregation: this instance's role (docs/serving.md); default: colocated",
+    )
+    p.add_argument(
+        "--pd-hold-timeout",
+        type=float,
+        default=120.0,
+        help="prefill: seconds a request's KV stays held for a decode instance that does not claim it (120)",
+    )
+    p.add_argument(
+        "--pd-transfer-host",
+        default="127.0.0.1",
+        help="the address this instance's ranks give the KV transfer engine (one other machines reach; 127.0.0.1)",
+    )
+    p.add_argument(
+        "--pd-transfer-protocol",
+        choices=("tcp", "ascend"),
+        default="tcp",
+        help="the Mooncake transfer protocol: tcp (CPU), ascend (NPU, the mooncake-transfer-engine-npu build)",
+    )
 
 
 def load_config(args):
@@ -84,15 +106,17 @@ def build_engine(cfg, kv_pool_blocks: int | None, check_weights: bool = True):
     return engine, run.launch.tokenizer, eos_token_ids(run.launch.model_dir), run.launch.model_dir
 
 
-def make_server(cfg, engine, tokenizer, stop_ids, model_name: str, sock, broadcast=None, timeouts=(30.0, 60.0)):
+def make_server(
+    cfg, engine, tokenizer, stop_ids, model_name: str, sock, broadcast=None, timeouts=(30.0, 60.0), pd=None
+):
     """(uvicorn server on the bound socket `sock`, driver): the driver's fatal error stops the server. timeouts:
-    (header, body) read bounds in seconds."""
+    (header, body) read bounds in seconds. pd: the instance's `PdInstance` under prefill-decode disaggregation."""
     from optimized.serving.app import build_app
     from optimized.serving.driver import Driver
     from optimized.serving.http_server import Server
 
     server_box = []
-    driver = Driver(engine, on_fatal=lambda e: setattr(server_box[0], "should_exit", True), broadcast=broadcast)
+    driver = Driver(engine, on_fatal=lambda e: setattr(server_box[0], "should_exit", True), broadcast=broadcast, pd=pd)
     app = build_app(
         driver,
         tokenizer,
@@ -114,7 +138,8 @@ def run(args) -> int:
     except ImportError as e:
         raise UsageError(f"serve needs {e.name}: pip install 'qwen3-moe-npu[serve]'") from None
     cfg = load_config(args)
-    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+    timeouts = [("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)]
+    for flag, value in timeouts + [("--pd-hold-timeout", getattr(args, "pd_hold_timeout", 120.0))]:
         if not 0 < value < float("inf"):
             raise UsageError(f"{flag}={value} must be a number of seconds > 0")
     sock = listen(args)
@@ -123,7 +148,7 @@ def run(args) -> int:
         try:
             with run_.named_errors(), run_.profiled(args.config):
                 if run_.env.world_size == 1:
-                    return _serve(args, cfg, run_, engine, None, sock)
+                    return _serve(args, cfg, run_, engine, None, sock, pd_instance(args, engine))
                 return _serve_ranks(args, cfg, run_, engine, sock)
         finally:
             run_.close()
@@ -163,15 +188,29 @@ def _serve_ranks(args, cfg, run_, engine, sock) -> int:
     try:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=run_.timeout_s))
         broadcast = StepBroadcast(group)
+        pd = pd_instance(args, engine, group)  # every rank: its transfer engine, named to rank 0
         if rank == 0:
-            return _serve(args, cfg, run_, engine, broadcast, sock)
-        follow(engine, broadcast)
+            return _serve(args, cfg, run_, engine, broadcast, sock, pd)
+        follow(engine, broadcast, pd)
         return 0
     except RuntimeError as e:  # gloo: a peer closed its connection (a rank died)
         raise UsageError(f"rank {rank}: a rank failed: {type(e).__name__}: {e}") from None
 
 
-def _serve(args, cfg, run_, engine, broadcast, sock) -> int:
+def pd_instance(args, engine, group=None):
+    """The instance's side of prefill-decode disaggregation (None without --pd-role): this rank's Mooncake transfer
+    engine over its KV cache."""
+    if not getattr(args, "pd_role", None):
+        return None
+    from optimized.pd.instance import PdInstance
+    from optimized.pd.transfer_engine import HANDSHAKE, MooncakeTransferEngine
+
+    transfer = MooncakeTransferEngine()
+    transfer.initialize(args.pd_transfer_host, HANDSHAKE, args.pd_transfer_protocol, "")
+    return PdInstance(args.pd_role, engine, transfer, group, args.pd_hold_timeout)
+
+
+def _serve(args, cfg, run_, engine, broadcast, sock, pd=None) -> int:
     from optimized.model_loader.tokenizer import eos_token_ids
     from optimized.serving.listen import bound_port
 
@@ -179,12 +218,13 @@ def _serve(args, cfg, run_, engine, broadcast, sock) -> int:
     name = args.served_model_name or Path(str(cfg.model_config.model_path).split(":")[-1]).name
     timeouts = (args.header_timeout, args.body_timeout)
     stop_ids = eos_token_ids(launch.model_dir)
-    server, driver = make_server(cfg, engine, launch.tokenizer, stop_ids, name, sock, broadcast, timeouts)
+    server, driver = make_server(cfg, engine, launch.tokenizer, stop_ids, name, sock, broadcast, timeouts, pd)
     driver.start()
     print(
         f"serving {name} ({launch.model_dir}) on http://{args.host}:{bound_port(sock)} : batch_size "
         f"{cfg.scheduler_config.batch_size}, KV pool {engine.cache.num_blocks} blocks of "
-        f"{engine.cache.block_size}{' per DP group' if engine.dp_size > 1 else ''}",
+        f"{engine.cache.block_size}{' per DP group' if engine.dp_size > 1 else ''}"
+        f"{f', prefill-decode role {pd.role}' if pd is not None else ''}",
         flush=True,
     )
     try:

@@ -137,6 +137,16 @@ class DeviceBatch:
         self.n = end
         return start, end
 
+    def admit_decoding(self, requests) -> tuple[int, int]:
+        """Rows for requests whose prompt KV another engine computed and whose first token it chose (tokens ==
+        [first]): as a recompute's rows (draw counter 1, penalty counts of that token), but starting at decode: the
+        first token is the next input, at the position after the prompt."""
+        start, end = self.admit(requests)
+        if end > start:
+            self.positions[start:end] -= 1
+            self.last_ids[start:end] = torch.tensor([r.tokens[-1] for r in requests], device=self.device)
+        return start, end
+
     def grow(self, blocks: list[tuple[int, int, int]]) -> None:
         """(row, column, block) entries written into the block table: one host-to-device copy of the triples."""
         for row, column, _ in blocks:

@@ -25,6 +25,7 @@ from optimized.distributed import collectives as comm
 from optimized.executor.device_batch import PAD_KV_LEN, DeviceBatch
 from optimized.layers.eplb.controller import EplbController
 from optimized.executor.kv_cache import BlockPool, PagedKVCache, slot_mapping
+from optimized.executor.kv_handoff import KvHandoff
 from optimized.executor.sampling import MAX_STOP_IDS, fresh_seed
 from optimized.executor.scheduler import Request, Scheduler, Step
 from optimized.errors import UsageError
@@ -142,6 +143,7 @@ class Engine:
         width = math.ceil(runner.max_positions / runner.block_size)
         self.batch = DeviceBatch(self.scheduler.group_batch, width, self.device, runner.vocab_size)
         self.requests: dict[str, Request] = {}
+        self.handoff = KvHandoff()  # prefill-decode disaggregation: held, reserved and KV-filled requests
         self.steps = 0
         # parallel_config.enable_eplb: routed-token counts and rebalances, between steps (None when off)
         self.eplb = EplbController.for_model(self.model)
@@ -193,6 +195,8 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request (a client that went away): its blocks go back to the pool now."""
+        if self.handoff.drop(self, request_id):
+            return
         request = self.requests.get(request_id)
         if request is not None:
             request.finish_reason = request.finish_reason or "abort"
@@ -206,9 +210,12 @@ class Engine:
         self.scheduler.remove(request)
         if request.finish_reason != "error":  # what it wrote is cached (a failed request's KV is not trusted)
             self.scheduler.cache_written(request, self.pools[group])
+        self.requests.pop(request.request_id, None)
+        if request.hold_kv and request.finish_reason in ("stop", "length"):  # its KV is sent on: the blocks stay
+            self.handoff.hold(request)
+            return
         self.pools[group].release(request.blocks)
         request.blocks = []
-        self.requests.pop(request.request_id, None)
 
     @property
     def idle(self) -> bool:

@@ -46,6 +46,7 @@ class Request:
     record_logits: bool = False  # keep fp32 logits of every chosen token (tests, debugging)
     prompt_positions: list[int] | None = None  # prompt positions whose fp32 logits to keep (generate --save-logits)
     stream: int = 0  # the sampling stream of its seed (a batch's request index)
+    hold_kv: bool = False  # prefill-decode disaggregation: finished, its blocks are held for the KV transfer
     # filled by the engine
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)

@@ -22,10 +22,10 @@ from starlette.requests import ClientDisconnect
 
 from optimized.serving.generation import error_of
 from optimized.serving.protocol import ApiError
-from optimized.serving.routes import chat, completions, health, models
+from optimized.serving.routes import chat, completions, health, models, pd
 from optimized.serving.state import MAX_BODY_BYTES, ServerState, max_chars_per_token  # noqa: F401 - re-exported
 
-ROUTERS = (health.router, models.router, completions.router, chat.router)
+ROUTERS = (health.router, models.router, completions.router, chat.router, pd.router)
 
 
 async def api_error(_, e: ApiError):
@@ -62,8 +62,9 @@ async def unexpected_error(_, e):  # a bug: still an OpenAI-style JSON error, an
 
 def build_app(driver, tokenizer, model_name: str, **limits) -> FastAPI:
     """The app over `driver`; `limits` are `ServerState`'s keywords (stop_ids, default_max_tokens,
-    max_prompt_tokens, max_body_bytes, max_choices, vocab_size, body_timeout_s)."""
-    state = ServerState(driver, tokenizer, model_name, **limits)
+    max_prompt_tokens, max_body_bytes, max_choices, vocab_size, body_timeout_s); the driver's `pd` (a
+    `PdInstance`, or None) gives the instance its prefill-decode role (routes/pd.py)."""
+    state = ServerState(driver, tokenizer, model_name, pd=getattr(driver, "pd", None), **limits)
     app = FastAPI(title="qwen3-moe-npu", docs_url=None, redoc_url=None)
     app.state.server = state
     app.state.max_prompt_chars = state.max_prompt_chars

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from concurrent.futures import Future
 import time
 from typing import Callable
 
@@ -25,11 +26,18 @@ class RequestFailed(RuntimeError):
 
 class Driver:
     def __init__(
-        self, engine: Engine, metrics: Metrics | None = None, on_fatal: Callable | None = None, broadcast=None
+        self,
+        engine: Engine,
+        metrics: Metrics | None = None,
+        on_fatal: Callable | None = None,
+        broadcast=None,
+        pd=None,
     ):
-        """broadcast: a `ranks.StepBroadcast` on rank 0 of a multi-rank server (None: a single process)."""
-        self.engine, self.metrics, self.broadcast = engine, metrics or Metrics(), broadcast
+        """broadcast: a `ranks.StepBroadcast` on rank 0 of a multi-rank server (None: a single process).
+        pd: the instance's `pd.instance.PdInstance` under prefill-decode disaggregation (its operations: `call`)."""
+        self.engine, self.metrics, self.broadcast, self.pd = engine, metrics or Metrics(), broadcast, pd
         self.metrics.eplb = getattr(engine, "eplb", None)  # parallel_config.enable_eplb's metrics
+        self._retry: list = []  # KV reservations waiting for room, tried again at every drain
         self.on_fatal = on_fatal
         self.inbox: queue.Queue = queue.Queue()
         self.sinks: dict[str, Callable] = {}
@@ -62,11 +70,26 @@ class Driver:
         """Drop a request; `reason` is what /metrics counts it as ("stop": the handler saw a stop string)."""
         self.inbox.put(("abort", request_id, reason))
 
+    def call(self, op: str, args: tuple, sink: Callable | None = None) -> Future:
+        """A KV hand-off operation (`PdInstance.apply`) run on the engine thread between steps, on every rank; its
+        result on the future. A reservation without room waits there (tried again before every step). sink: the
+        request's event sink, registered as the operation applies (`start`)."""
+        if self.error is not None:
+            raise EngineStopped(f"the engine stopped: {self.error}")
+        future: Future = Future()
+        self.inbox.put(("pd", (op, args), future, sink))
+        return future
+
     # ---- the engine thread
     def _drain(self, block: bool) -> None:
-        items = []
+        items, self._retry = self._retry, []
+        if self.pd is not None:  # held KV nobody claimed in time goes back
+            for rid in self.pd.due():
+                self.pd.held_at.pop(rid, None)
+                items.append(("pd", ("release", (rid,)), Future(), None))
         try:
-            items.append(self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait())
+            # a reservation waiting for room: look again soon (a step or an abort may have freed blocks)
+            items.append(self.inbox.get(timeout=0.05 if items else 0.5) if block else self.inbox.get_nowait())
             while True:
                 items.append(self.inbox.get_nowait())
         except queue.Empty:
@@ -97,9 +120,28 @@ class Driver:
                 return
             self.sinks[request.request_id] = sink
             self.times[request.request_id] = [arrival, 0.0, 0.0]
+        elif item[0] == "pd":
+            self._apply_pd(item)
         else:
+            self._retry = [i for i in self._retry if not _reserves(i, item[1])]
             self.engine.abort(item[1])
             self._forget(item[1], item[2] if len(item) > 2 else "abort")
+
+    def _apply_pd(self, item) -> None:
+        _, (op, args), future, sink = item
+        try:
+            result = self.pd.apply(op, args)
+        except Exception as e:  # noqa: BLE001 - the asking handler answers it
+            if not future.done():
+                future.set_exception(e)
+            return
+        if result is False and op == "reserve":
+            self._retry.append(item)
+            return
+        if sink is not None:
+            self.sinks[args[0]] = sink
+        if not future.done():
+            future.set_result(result)
 
     def _forget(self, request_id: str, reason: str) -> None:
         self.sinks.pop(request_id, None)
@@ -118,10 +160,14 @@ class Driver:
         try:
             while not self._stop.is_set():
                 self._drain(block=self.engine.idle)
+                if self.pd is not None:  # KV that arrived: its requests decode from now on
+                    self.engine.handoff.start_ready(self.engine)
                 if self.engine.idle:
                     continue
                 step, events = self.engine.step()
                 now = time.perf_counter()
+                if self.pd is not None:
+                    self.pd.note_held(events)
                 self._account(step, events, now)
                 for event in events:
                     sink = self.sinks.get(event.request.request_id)
@@ -142,12 +188,15 @@ class Driver:
             for sink in list(self.sinks.values()):
                 sink(stopped)
             self.sinks.clear()
+            self._pending += self._retry
             while True:  # requests not yet applied: drained this iteration or still queued
                 item = self._pending.pop() if self._pending else self._next_queued()
                 if item is False:
                     break
                 if item is not None and item[0] == "add":
                     item[2](stopped)
+                elif item is not None and item[0] == "pd" and not item[2].done():
+                    item[2].set_exception(stopped)
             if self.on_fatal is not None:
                 self.on_fatal(e)
 
@@ -171,3 +220,8 @@ class Driver:
                 if event.finished and len(event.request.tokens) > 1:
                     m.tpot.observe((t[2] - t[1]) / (len(event.request.tokens) - 1))
         self._gauges()
+
+
+def _reserves(item, request_id: str) -> bool:
+    """The item is a waiting KV reservation of `request_id`."""
+    return item[0] == "pd" and item[1][0] == "reserve" and item[1][1][0].request_id == request_id

@@ -24,8 +24,9 @@ class StepBroadcast:
         return box[0]
 
 
-def follow(engine, broadcast: StepBroadcast) -> None:
-    """A follower rank's loop: apply rank 0's items, step when there is work, until rank 0 says stop."""
+def follow(engine, broadcast: StepBroadcast, pd=None) -> None:
+    """A follower rank's loop: apply rank 0's items, step when there is work, until rank 0 says stop. pd: the
+    instance's `PdInstance` (KV hand-off operations: this rank's part)."""
     while True:
         items = broadcast.recv()
         if items == STOP:
@@ -36,7 +37,14 @@ def follow(engine, broadcast: StepBroadcast) -> None:
                     engine.add(value)
                 except ValueError:  # rank 0 refused it the same way (same engine state)
                     pass
+            elif kind == "pd":
+                try:
+                    pd.apply(*value)
+                except Exception:  # noqa: BLE001 - rank 0 answers the request; this rank goes on alike
+                    pass
             else:
                 engine.abort(value)
+        if pd is not None:
+            engine.handoff.start_ready(engine)
         if not engine.idle:
             engine.step()

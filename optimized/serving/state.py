@@ -42,6 +42,7 @@ class ServerState:
     max_choices: int = protocol.MAX_CHOICES
     vocab_size: int | None = None
     body_timeout_s: float = BODY_TIMEOUT_S
+    pd: object = None  # prefill-decode disaggregation: the instance's `pd.instance.PdInstance` (routes/pd.py)
     created: int = field(default_factory=lambda: int(time.time()))
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
 

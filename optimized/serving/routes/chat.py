@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request as HttpRequest
 from optimized.serving import protocol
 from optimized.serving.generation import Choices, choices_of, collect, requests_of, run, sse, submit, usage
 from optimized.serving.protocol import ApiError
+from optimized.serving.routes import pd
 from optimized.serving.state import ServerState, state_of
 
 router = APIRouter()
@@ -93,14 +94,19 @@ def whole_choices(state: ServerState, choices: Choices) -> list[dict]:
 async def chat_completions(http: HttpRequest):
     state = state_of(http)
     body, n = await state.body_of(http)
+    remote = pd.params_of(state, body)  # prefill-decode disaggregation: this instance's side of the hand-off
     prompt = await prompt_of(state, body, n)
     base, requests = requests_of(state, body, [prompt], n, chat=True)
+    if pd.prefills(remote):
+        pd.hold(requests)
     choices = choices_of(state, body, requests, n)
-    events = submit(state.driver, requests)
+    events = await pd.take_over(state, http, remote, requests) if remote else submit(state.driver, requests)
     head = {"id": base, "created": int(time.time()), "model": state.model_name}
     if body.get("stream"):
         return sse(head, stream_chunks(state, choices, events, http, protocol.include_usage_of(body)))
     await collect(state, choices, events, http)
     out = await state.off_loop(whole_choices, state, choices)
     usage_ = usage(choices, sum(len(c.events) for c in choices))
-    return {**head, "object": "chat.completion", "choices": out, "usage": usage_}
+    return pd.with_result(
+        state, {**head, "object": "chat.completion", "choices": out, "usage": usage_}, remote, choices
+    )

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request as HttpRequest
 from optimized.serving import protocol
 from optimized.serving.generation import Choice, Choices, choices_of, collect, requests_of, run, sse, submit, usage
 from optimized.serving.protocol import ApiError
+from optimized.serving.routes import pd
 from optimized.serving.state import ServerState, state_of
 from optimized.serving.text import Detokenizer
 
@@ -111,18 +112,22 @@ def whole_choices(state: ServerState, choices: Choices, echo: bool) -> list[dict
 async def completions(http: HttpRequest):
     state = state_of(http)
     body, n = await state.body_of(http)
+    remote = pd.params_of(state, body)  # prefill-decode disaggregation: this instance's side of the hand-off
     prompts = await prompts_of(state, body, n)
     echo = body.get("echo") is True
     base, requests = requests_of(state, body, prompts, n, chat=False)
+    if pd.prefills(remote):
+        pd.hold(requests)
     choices = choices_of(state, body, requests, n)
     if echo and state.tokenizer is not None:
         texts = await state.off_loop(lambda: [echo_texts(state.tokenizer, p) for p in prompts])
         for c in choices:
             c.prompt_text, c.prompt_offsets = texts[c.index // n]
-    events = submit(state.driver, requests)
+    events = await pd.take_over(state, http, remote, requests) if remote else submit(state.driver, requests)
     head = {"id": base, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if body.get("stream"):
         return sse(head, stream_chunks(state, choices, events, http, echo, protocol.include_usage_of(body)))
     await collect(state, choices, events, http)
     out = await state.off_loop(whole_choices, state, choices, echo)
-    return {**head, "choices": out, "usage": usage(choices, sum(len(c.events) for c in choices))}
+    result = {**head, "choices": out, "usage": usage(choices, sum(len(c.events) for c in choices))}
+    return pd.with_result(state, result, remote, choices)
