@@ -129,6 +129,7 @@ def test_the_plan_holds_the_decode_path_its_window_and_the_mc2_limits_it_breaks(
         ([16, 17], 16, 1, 1 + 1 + 2),
         ([16, 17, 5], 16, 2, 1 + 1 + 1),  # group 0: requests 0 and 2; group 1: request 1
         ([40], 16, 2, 1 + 3),
+        ([48, 16, 16, 16], 16, 2, 1 + 3),  # by load: group 0: request 0; group 1: 1, 2, 3 (never 4 + 1 blocks)
     ],
 )
 def test_pool_blocks_per_dp_group(lengths, block, dp, want):

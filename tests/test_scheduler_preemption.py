@@ -104,7 +104,8 @@ def test_preemption_stays_within_the_dp_group_that_ran_out():
     not the last admitted of all (r3, in group 1)."""
     s = Scheduler(4, 0, BLOCK, 2, dp_groups=2)
     pools = [BlockPool(3, BLOCK), BlockPool(3, BLOCK)]
-    r0, r1, r2, r3 = (Request(f"r{i}", [1] * (15 if i % 2 == 0 else 3), 10) for i in range(4))
+    # budgets of 25 each: dealt round robin (r1, r3 generate more than r0, r2 from shorter prompts)
+    r0, r1, r2, r3 = (Request(f"r{i}", [1] * 15, 10) if i % 2 == 0 else Request(f"r{i}", [1] * 3, 22) for i in range(4))
     for r in (r0, r1, r2, r3):
         s.add(r)
     assert [r.dp_group for r in (r0, r1, r2, r3)] == [0, 1, 0, 1]

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from optimized.benchmarks import serve_bench
 from optimized.benchmarks.serve_bench import Outcome, parse_goodput, report
@@ -121,3 +124,116 @@ def test_shared_prefix_gives_every_prompt_the_same_first_tokens():
     assert unshared[0][:8] != unshared[1][:8]
     with pytest.raises(UsageError, match="--shared-prefix"):
         make_prompts(SimpleNamespace(shared_prefix=1.5, max_token_id=255), [4], random.Random(0))
+
+
+def _plan_args(**given):
+    from types import SimpleNamespace
+
+    args = dict(
+        workload="random",
+        num_prompts=32,
+        input_len=128,
+        range_ratio=0.0,
+        prompt_lens=None,
+        output_len=16,
+        max_token_id=255,
+        shared_prefix=None,
+        long_prompts=4,
+        long_prompt_len=192,
+        long_prompt_every=0.5,
+        long_output_len=4,
+    )
+    args.update(given)
+    return SimpleNamespace(**args)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_the_shared_prefix_workload_is_32_prompts_sharing_three_quarters_exactly():
+    import random
+
+    from optimized.benchmarks.serve_bench import plan
+
+    sends = plan(_plan_args(workload="shared-prefix"), math.inf, random.Random(0))
+    assert len(sends) == 32 and all(len(s.prompt) == 128 and s.at == 0.0 and s.output_len == 16 for s in sends)
+    first = sends[0].prompt
+    assert min(_common(first, s.prompt) for s in sends[1:]) == 96, "exactly three quarters in common"
+    assert all(_common(a.prompt, b.prompt) >= 96 for a in sends for b in sends)
+    plain = plan(_plan_args(), math.inf, random.Random(0))
+    assert max(_common(plain[0].prompt, s.prompt) for s in plain[1:]) < 8, "the random workload shares nothing"
+
+
+@given(
+    lengths=st.lists(st.integers(1, 48), min_size=2, max_size=8),
+    share=st.floats(0.05, 1.0),
+    top=st.integers(1, 255),
+    seed=st.integers(0, 2**16),
+)
+def test_each_prompt_shares_exactly_its_share_of_tokens(lengths, share, top, seed):
+    """Prompt i's first k_i = round(share * n_i) tokens are the common prefix and its next token is not: where
+    prompt j shares more (k_j > k_i), the two part at k_i exactly."""
+    import random
+
+    from optimized.benchmarks.serve_bench import make_prompts
+
+    prompts = make_prompts(_plan_args(shared_prefix=share, max_token_id=top), lengths, random.Random(seed))
+    k = [round(share * n) for n in lengths]
+    assert [len(p) for p in prompts] == lengths and all(0 <= t <= top for p in prompts for t in p)
+    for i, a in enumerate(prompts):
+        for j, b in enumerate(prompts):
+            assert a[: min(k[i], k[j])] == b[: min(k[i], k[j])]
+            if k[i] < k[j] and k[i] < len(a):
+                assert _common(a, b) == k[i], f"prompt {i} shares {_common(a, b)} tokens with {j}, not {k[i]}"
+
+
+def test_the_long_prompt_mix_sends_decodes_at_once_then_long_prompts_at_their_interval():
+    import random
+
+    from optimized.benchmarks.serve_bench import plan
+
+    args = _plan_args(
+        workload="long-prompt-mix", num_prompts=6, input_len=16, output_len=64, long_prompts=3, long_prompt_every=0.25
+    )
+    sends = plan(args, math.inf, random.Random(1))
+    decodes, longs = sends[:6], sends[6:]
+    assert [(s.at, len(s.prompt), s.output_len, s.role) for s in decodes] == [(0.0, 16, 64, "decode")] * 6
+    assert [(s.at, len(s.prompt), s.output_len, s.role) for s in longs] == [
+        (0.25, 192, 4, "long"),
+        (0.5, 192, 4, "long"),
+        (0.75, 192, 4, "long"),
+    ]
+    assert len({tuple(s.prompt) for s in sends}) == 9
+    assert plan(args, 2.0, random.Random(1)) == sends, "the request rate does not apply to this workload"
+
+
+def test_random_arrivals_are_a_seeded_poisson_process_from_zero():
+    import random
+
+    from optimized.benchmarks.serve_bench import plan
+
+    at = [s.at for s in plan(_plan_args(num_prompts=6), 4.0, random.Random(2))]
+    assert at[0] == 0.0 and all(b > a for a, b in zip(at, at[1:]))
+    assert at == [s.at for s in plan(_plan_args(num_prompts=6), 4.0, random.Random(2))]
+    assert [s.at for s in plan(_plan_args(num_prompts=6), math.inf, random.Random(2))] == [0.0] * 6
+
+
+def test_bench_serve_long_prompt_mix_reports_each_roles_latencies(monkeypatch, tmp_path, capsys):
+    argv = ["--workload", "long-prompt-mix", "--long-prompts", "2", "--long-prompt-every", "0.01"]
+    rc, _, r = _bench(argv, monkeypatch, tmp_path)
+    assert rc == 0 and r["workload"] == "long-prompt-mix" and r["completed"] == 9
+    assert {role: v["completed"] for role, v in r["roles"].items()} == {"decode": 7, "long": 2}
+    out = capsys.readouterr().out
+    assert "decode ITL" in out and "long TTFT" in out
+
+
+def test_a_long_prompt_interval_of_zero_is_refused(capsys):
+    from optimized.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--workload", "long-prompt-mix", "--long-prompt-every", "0", "--model", "m"])
+    assert e.value.code == 2 and "--long-prompt-every=0.0 must be > 0 seconds" in capsys.readouterr().err

@@ -54,9 +54,10 @@ def test_scheduler_admits_fifo_within_batch_budget_and_blocks(lens, batch, budge
 
 
 @given(n=st.integers(1, 9), dp=st.integers(1, 4), batch=st.integers(1, 8))
-def test_scheduler_deals_requests_to_the_least_loaded_dp_group(n, dp, batch):
-    """Under attention DP each request joins the group with the fewest requests (lowest on a tie): a batch added
-    together is dealt round robin, and a group never runs more than its share ceil(batch / D) at once."""
+def test_scheduler_deals_requests_of_equal_budgets_round_robin(n, dp, batch):
+    """Under attention DP each request joins the group with the least load in tokens (lowest on a tie): a batch of
+    equal budgets added together is dealt round robin, and a group never runs more than its share ceil(batch / D)
+    at once."""
     s = Scheduler(batch, 0, 16, 100, dp_groups=dp)
     requests = [Request(f"r{i}", [1, 2], 3) for i in range(n)]
     for r in requests:
@@ -123,3 +124,55 @@ def test_serve_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
     err = _serve_error(["--config", str(cfg)], capsys)
     assert "parallel_config.world_size is 2" in err and "torchrun" in err
     assert "--port=70000" in _serve_error(["--config", str(cfg), "--port", "70000"], capsys)
+
+
+def _load(s: Scheduler, g: int) -> int:
+    """A group's load as the rule states it: its running and waiting requests' prompt + max_tokens."""
+    return sum(len(r.prompt) + r.max_tokens for r in [*s.waiting[g], *s.running[g]])
+
+
+@given(
+    dp=st.integers(1, 5),
+    sizes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24)), min_size=1, max_size=14),
+    data=st.data(),
+)
+def test_a_new_request_joins_the_dp_group_of_least_load_in_tokens(dp, sizes, data):
+    """Requests of drawn sizes arrive between steps (some admitted, some finished): each one joins a group whose
+    load (the budgets of its running and waiting requests) is the least when it is added, the lowest-numbered of
+    those on a tie; a batch added together to an idle scheduler is dealt as `deal` says (the plan's pool sizing)."""
+    from optimized.executor.scheduler import deal
+
+    s = Scheduler(8, 0, 16, 400, dp_groups=dp)
+    pools = [BlockPool(401, 16) for _ in range(dp)]
+    for i, (prompt, max_tokens) in enumerate(sizes):
+        r = Request(f"r{i}", [1] * prompt, max_tokens)
+        loads = [_load(s, g) for g in range(dp)]
+        s.add(r)
+        assert loads[r.dp_group] == min(loads), f"{r.request_id} joined load {loads[r.dp_group]} of {loads}"
+        assert r.dp_group == loads.index(min(loads)), f"a tie goes to the lowest group: {loads}"
+        if data.draw(st.booleans(), label="step"):
+            step = s.schedule(pools)
+            for done in data.draw(st.sets(st.sampled_from(step.requests)), label="finished") if step.requests else ():
+                s.remove(done)
+                pools[done.dp_group].release(done.blocks)
+    budgets = [p + m for p, m in sizes]
+    idle = Scheduler(8, 0, 16, 400, dp_groups=dp)
+    requests = [Request(f"b{i}", [1] * p, m) for i, (p, m) in enumerate(sizes)]
+    for r in requests:
+        idle.add(r)
+    assert [r.dp_group for r in requests] == deal(budgets, dp)
+
+
+def test_a_long_request_outweighs_two_short_ones():
+    """By tokens, not by count: a group holding one 500-token request is heavier than one holding two of 20."""
+    s = Scheduler(8, 0, 16, 100, dp_groups=2)
+    big, small_a, small_b, new = (Request(n, [1] * p, 4) for n, p in (("big", 496), ("a", 16), ("b", 16), ("n", 8)))
+    for r in (big, small_a, small_b, new):
+        s.add(r)
+    assert [r.dp_group for r in (big, small_a, small_b, new)] == [0, 1, 1, 1]
+    s.remove(small_a)
+    s.remove(small_b)
+    s.remove(new)
+    later = Request("later", [1] * 8, 4)
+    s.add(later)
+    assert later.dp_group == 1, "finished requests no longer weigh on their group"

@@ -295,7 +295,7 @@ def test_force_eplb_ids_balanced_and_logits_equal_reference_fp32(lay):
             routes.setdefault(i, []).append(real)
     # (3) the reference replays each token's ids with its own top-k weights
     ref = reference_model("tiny")
-    per_request = _request_routes(routes, PROMPTS, got["tokens"], world, lay)
+    per_request = _request_routes(routes, PROMPTS, got["tokens"], world, lay, GEN_TOKENS)
     for b, prompt in enumerate(PROMPTS):
         seq = prompt + got["tokens"][b][:-1]
         with torch.no_grad(), _replaying(ref, per_request[b]):

@@ -7,10 +7,10 @@ Layouts: world 4 as attention TP 2 x DP 2 (EP 4), world 8 as TP 4 x DP 2 (KV hea
 TP 2 x DP 2 with a vocab-parallel embedding inside each DP group and an lm_head vocab-parallel over all four ranks,
 and pure DP (TP 1 x DP 4, no gather at all) with a vocab-parallel lm_head spanning two DP groups. Every case runs the
 engine through `ModelRunner.generate`:
-- fp32: batches of 1-5 requests (dividing the DP size and not: request i runs in DP group i mod D, a group with nothing
-  to run steps a dummy token into the null block), a drawn EOS id (a token the reference generates for a drawn request
-  at a drawn step) so requests finish at different steps and DP groups run uneven batches or dummy rows; the generated
-  tokens are exactly the reference's greedy tokens
+- fp32: batches of 1-5 requests (dividing the DP size and not: each request runs in the DP group of least load in
+  tokens when it is added, a group with nothing to run steps a dummy token into the null block), a drawn EOS id (a
+  token the reference generates for a drawn request at a drawn step) so requests finish at different steps and DP
+  groups run uneven batches or dummy rows; the generated tokens are exactly the reference's greedy tokens
   (16 unless EOS), the finish reasons match, and every returned logit (each prompt position, and each generated
   token's) is within `model.float32` of the reference's;
 - every decode step of every MoE layer went through one MC2 dispatch / combine pair and the prefill through none
@@ -137,7 +137,7 @@ def test_attn_dp_generation_equals_reference_fp32(world, lay):
 
 def test_attn_dp_kv_cache_holds_only_the_dp_groups_requests():
     lay = dp_layout(4, 2)
-    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]  # dealt round robin: group 0: 0, 2; group 1: 1
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 17]  # dealt by load in tokens: group 0: 0, 2; group 1: 1
     out = get_pool(4).run(_generate_task, str(checkpoint("tiny")), lay, "float32", prompts, 4, None, timeout=180)
     blocks = [r["kv_blocks"] for r in out]
     per_group = [sum(-(-(len(p) + 4) // BLOCK_SIZE) for p in g) for g in (prompts[0::2], prompts[1::2])]
@@ -173,7 +173,7 @@ def _non_finite_task(rank, world, path, lay, prompts):
 def test_attn_dp_non_finite_logits_stop_generation_naming_step_and_request():
     """Under attention DP too, a NaN logits row of a running request stops generation on every rank with the step
     and the request named (not a -1 token or token 0 forever)."""
-    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]  # dealt round robin: groups 0, 2 | 1
+    prompts = [[1, 2, 3], [4, 5, 6], [6, 7, 8, 9]]  # dealt by load in tokens (budgets 9, 9, 10): groups 0, 2 | 1
     out = get_pool(4).run(_non_finite_task, str(checkpoint("tiny")), dp_layout(4, 2), prompts, timeout=180)
     for message in out:
         assert message is not None and message.startswith(
@@ -200,7 +200,7 @@ def test_attn_dp_bf16_within_tolerance_routing_flip_aware(world, lay):
         stats: list[RoutingStats] = []
         mine, replayed, own = [], [], []
         for b, (prompt, ids_of_layer) in enumerate(
-            zip(prompts, _request_routes(got["routes"], prompts, got["tokens"], world, lay))
+            zip(prompts, _request_routes(got["routes"], prompts, got["tokens"], world, lay, GEN_TOKENS))
         ):
             tokens = got["tokens"][b]
             seq = torch.tensor([prompt + tokens[:-1]])
@@ -305,7 +305,7 @@ def test_attn_dp_fp8_kv_cache_within_the_fp8_kv_reference(world, lay):
     stats: list[RoutingStats] = []
     near = far = 0.0
     for b, (prompt, ids_of_layer) in enumerate(
-        zip(prompts, _request_routes(got["routes"], prompts, got["tokens"], world, lay))
+        zip(prompts, _request_routes(got["routes"], prompts, got["tokens"], world, lay, GEN_TOKENS))
     ):
         tokens = got["tokens"][b]
         fp8 = _cached_reference(ref, prompt, tokens, ids_of_layer, near_tie, stats, got["kv_heads"])
@@ -321,7 +321,7 @@ def test_attn_dp_fp8_kv_cache_within_the_fp8_kv_reference(world, lay):
 
 
 def test_attn_dp_kv_pool_blocks_is_per_dp_group_and_refused_when_too_small():
-    """kv_pool_blocks under attention DP: each DP group's own pool (requests dealt round robin), a pool too small
+    """kv_pool_blocks under attention DP: each DP group's own pool (requests dealt by load in tokens), a pool too small
     for a group's requests refused naming the per-group need."""
     out = get_pool(4).run(_pool_task, str(checkpoint("tiny")), dp_layout(4, 2), timeout=180)
     for rank, (blocks, error) in enumerate(out):
@@ -346,7 +346,8 @@ def _pool_task(rank, world, path, lay):
 
     Engine.__init__ = record
     try:
-        prompts = [[1] * 20, [2] * 5, [3] * 20]  # group 0: requests 0 and 2 (2 + 2 blocks + null); group 1: 1
+        # budgets 23, 32, 23: group 0: requests 0 and 2 (2 + 2 blocks + null); group 1: 1 (2 blocks + null)
+        prompts = [[1] * 20, [2] * 29, [3] * 20]
         ModelRunner(model, BLOCK_SIZE, kv_pool_blocks=6).generate(prompts, 3)
         try:
             ModelRunner(model, BLOCK_SIZE, kv_pool_blocks=3).generate(prompts, 3)

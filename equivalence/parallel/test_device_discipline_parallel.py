@@ -50,8 +50,9 @@ CONFIG = tiny_config("tiny")
 MOE_LAYERS = CONFIG.num_hidden_layers  # "tiny": every layer sparse
 NEW_TOKENS = 3
 DISPATCH, COMBINE = "npu.npu_moe_distribute_dispatch_v2.default", "npu.npu_moe_distribute_combine_v2.default"
-# Four requests, two per DP group (the runner gives group d requests [2d, 2d + 2)); lengths cross a block.
-PROMPTS = [[1, 2, 3], list(range(4, 21)), [9, 10], list(range(30, 49))]
+# Four requests, two per DP group (dealt by load in tokens: 0 and 2 in group 0, 1 and 3 in group 1); lengths cross a
+# block.
+PROMPTS = [[1, 2, 3], list(range(4, 21)), list(range(9, 21)), list(range(30, 49))]
 
 
 # ------------------------------------------------------------------------------------------ worker side

@@ -153,7 +153,8 @@ def test_attn_dp_quantized_request_does_not_depend_on_padding_or_other_dp_group(
     to the other DP group, A to the other TP rank). Every token and logit of A, B and C is bitwise the same in all
     three (on the CPU every kernel is row-independent and MX scales are per row, so any difference is a padding row
     or another request's row leaking into theirs). Decode ran through MC2."""
-    a, b, c, d, f = _prompts(5, (6, 17, 23, 9, 4))
+    # lengths whose budgets (+ n) the load dealing splits as told: ABC 0 2 | 1, ABFCD 0 2 4 | 1 3, DABC 0 2 | 1 3
+    a, b, c, d, f = _prompts(5, (6, 17, 23, 5, 8))
     n, path = 6, str(CHECKPOINTS[scheme]("tiny"))
     batches = {"ABC": ([a, b, c], [0, 1, 2]), "ABFCD": ([a, b, f, c, d], [0, 1, 3]), "DABC": ([d, a, b, c], [1, 2, 3])}
     runs = {}

@@ -245,7 +245,8 @@ def test_attn_dp_preempts_within_each_group_the_same_on_every_rank():
     got = same_on_all_ranks(
         get_pool(2).run(_dp_task, str(checkpoint("tiny")), dp_layout(2, 1), timeout=180), "attn DP preemption"
     )
-    assert got["groups"] == [0, 1, 0, 1] and got["free"] == [3, 3]
+    # dealt by load in tokens: r1's budget is one token short of the others', so r2 joins it
+    assert got["groups"] == [0, 1, 1, 0] and got["free"] == [3, 3]
     preempted = [p for _, _, step, _ in got["log"] for p in step]
     assert {r for r, _ in preempted} >= {"r2", "r3"}, f"no preemption in both groups: {preempted}"
     ref = _models()[1]

@@ -118,12 +118,15 @@ def _generate_bf16_task(rank, world, path, lay, prompts, n, kv_cache_dtype="auto
     )
 
 
-def _request_routes(routes: dict, prompts, tokens, world: int, lay: dict) -> list[dict]:
+def _request_routes(routes: dict, prompts, tokens, world: int, lay: dict, max_new_tokens: int) -> list[dict]:
     """Per request, each sparse layer's expert ids [prompt + generated - 1, K]: its prefill rows, then one row per
-    decode step it ran in, found by the engine's schedule (request b in DP group b mod D, a group's rows in its
-    requests' order, a group with nothing to run stepping one dummy row)."""
+    decode step it ran in, found by the engine's schedule (the batch dealt over the DP groups by load in tokens,
+    `scheduler.deal`, a group's rows in its requests' order, a group with nothing to run stepping one dummy row)."""
+    from optimized.executor.scheduler import deal
+
     batch, dp = len(prompts), world // lay["attn_tp_size"]
-    groups = [list(range(d, batch, dp)) for d in range(dp)]
+    dealt = deal([len(p) + max_new_tokens for p in prompts], dp)
+    groups = [[b for b in range(batch) if dealt[b] == d] for d in range(dp)]
     out = [{i: [] for i in routes} for _ in range(batch)]
     at = 0
     for g in groups:  # the prefill packs group by group

@@ -6,6 +6,16 @@ tokens (ignore_eos); `--max-concurrency N` holds an arrival past the cap until o
 SSE stream: TTFT (send to first token), ITL (gaps between tokens), TPOT ((last - first) / (tokens - 1)). `report`
 gives p50 / p90 / p99 of each, request and output-token throughput, and with `--goodput ttft:MS tpot:MS` the
 requests that met every target given, as a share and as a rate.
+
+`--workload` names the load (`plan`, every request's prompt, output length and send time, decided before the run):
+- `random` (default): the above;
+- `shared-prefix`: the same, each prompt's first three quarters (`--shared-prefix`, default 0.75 here) one prefix
+  common to all, exactly: each prompt's next token differs from the common one (a prefix cache's workload: TTFT,
+  throughput);
+- `long-prompt-mix`: `--num-prompts` short "decode" requests sent at once, then `--long-prompts` prompts of
+  `--long-prompt-len` tokens ("long"), one every `--long-prompt-every` seconds from then on, arriving among the
+  running decodes (each generating `--long-output-len` tokens); the report adds each role's TTFT and ITL, the decode
+  requests' ITL being what a long prompt's prefill stalls.
 """
 
 from __future__ import annotations
@@ -33,10 +43,29 @@ def add_arguments(p) -> None:
     p.add_argument("--max-token-id", type=int, default=255, help="prompt ids are drawn from [0, this] (default 255)")
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
     p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="random (default); shared-prefix: prompts sharing --shared-prefix of their tokens; long-prompt-mix: "
+        "long prompts arriving among running decodes",
+    )
+    p.add_argument(
         "--shared-prefix",
         type=float,
-        default=0.0,
-        help="share of each prompt's tokens, from its start, that every prompt has in common (0 to 1; default 0)",
+        default=None,
+        help="share of each prompt's tokens, from its start, that every prompt has in common (0 to 1; default 0, "
+        "0.75 with --workload shared-prefix)",
+    )
+    p.add_argument("--long-prompts", type=int, default=4, help="long-prompt-mix: long prompts sent (default 4)")
+    p.add_argument("--long-prompt-len", type=int, default=192, help="long-prompt-mix: their length (default 192)")
+    p.add_argument(
+        "--long-prompt-every",
+        type=float,
+        default=0.5,
+        help="long-prompt-mix: seconds between long prompts, the first this long after the decodes (default 0.5)",
+    )
+    p.add_argument(
+        "--long-output-len", type=int, default=4, help="long-prompt-mix: tokens each long prompt generates (default 4)"
     )
     p.add_argument(
         "--max-concurrency",
@@ -55,6 +84,20 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+WORKLOADS = ("random", "shared-prefix", "long-prompt-mix")
+SHARED_PREFIX_DEFAULT = 0.75  # --workload shared-prefix: three quarters of every prompt in common
+
+
+@dataclass(frozen=True)
+class Send:
+    """One request of a run: its prompt, the tokens it generates and when it is sent (seconds from the start)."""
+
+    at: float
+    prompt: list[int]
+    output_len: int
+    role: str = ""  # long-prompt-mix: "decode" or "long"
+
+
 @dataclass
 class Outcome:
     prompt_len: int
@@ -64,6 +107,7 @@ class Outcome:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
+    role: str = ""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -76,15 +120,29 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def shared_share(args) -> float:
+    """--shared-prefix, or its workload's default."""
+    if args.shared_prefix is not None:
+        return args.shared_prefix
+    return SHARED_PREFIX_DEFAULT if getattr(args, "workload", "random") == "shared-prefix" else 0.0
+
+
 def make_prompts(args, lengths: list[int], rng: random.Random) -> list[list[int]]:
     """Random token ids; with --shared-prefix r the first round(r * n) tokens of a prompt of n are one common
-    prefix (what a prefix cache can reuse)."""
-    r = args.shared_prefix
+    prefix (what a prefix cache can reuse), exactly: the prompt's next token is never the common one."""
+    r = shared_share(args)
     if not 0 <= r <= 1:
         raise UsageError(f"--shared-prefix={r} must be between 0 and 1")
-    common = [rng.randint(0, args.max_token_id) for _ in range(max(lengths, default=0))] if r else []
-    shared = [round(r * n) for n in lengths]
-    return [common[:k] + [rng.randint(0, args.max_token_id) for _ in range(n - k)] for n, k in zip(lengths, shared)]
+    top = args.max_token_id
+    common = [rng.randint(0, top) for _ in range(max(lengths, default=0))] if r else []
+    prompts = []
+    for n in lengths:
+        k = round(r * n)
+        own = [rng.randint(0, top) for _ in range(n - k)]
+        if r and own and top > 0:  # any id but the common one at k
+            own[0] = (common[k] + 1 + rng.randint(0, top - 1)) % (top + 1)
+        prompts.append(common[:k] + own)
+    return prompts
 
 
 def prompt_lengths(args, rng: random.Random) -> list[int]:
@@ -99,6 +157,28 @@ def prompt_lengths(args, rng: random.Random) -> list[int]:
     lo = max(1, round(args.input_len * (1 - args.range_ratio)))
     hi = max(lo, round(args.input_len * (1 + args.range_ratio)))
     return [rng.randint(lo, hi) for _ in range(args.num_prompts)]
+
+
+def arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
+    """Send times of n requests as a Poisson process of `rate` per second from 0 (inf: all at 0)."""
+    at, times = 0.0, []
+    for _ in range(n):
+        times.append(at)
+        if math.isfinite(rate):
+            at += rng.expovariate(rate)
+    return times
+
+
+def plan(args, rate: float, rng: random.Random) -> list[Send]:
+    """Every request of the run, in send order (see the module docstring for the workloads)."""
+    prompts = make_prompts(args, prompt_lengths(args, rng), rng)
+    if args.workload != "long-prompt-mix":
+        return [Send(at, p, args.output_len) for at, p in zip(arrivals(rate, len(prompts), rng), prompts)]
+    sends = [Send(0.0, p, args.output_len, "decode") for p in prompts]
+    for i in range(args.long_prompts):
+        prompt = [rng.randint(0, args.max_token_id) for _ in range(args.long_prompt_len)]
+        sends.append(Send(args.long_prompt_every * (i + 1), prompt, args.long_output_len, "long"))
+    return sends
 
 
 async def _one(client, url, model, prompt, output_len, timeout) -> Outcome:
@@ -138,7 +218,7 @@ async def _one(client, url, model, prompt, output_len, timeout) -> Outcome:
     return out
 
 
-async def _run(args, rate: float, lengths: list[int], rng: random.Random) -> tuple[list[Outcome], float]:
+async def _run(args, sends: list[Send]) -> tuple[list[Outcome], float]:
     import httpx
 
     async with httpx.AsyncClient() as client:
@@ -146,31 +226,34 @@ async def _run(args, rate: float, lengths: list[int], rng: random.Random) -> tup
         if model is None:
             r = await client.get(args.url + "/v1/models", timeout=args.timeout)
             model = r.json()["data"][0]["id"]
-        prompts = make_prompts(args, lengths, rng)
         done, tasks = 0, []
 
         def tick(_):
             nonlocal done
             done += 1
             if not args.no_progress:
-                bar = "#" * (30 * done // len(prompts))
-                print(f"\r[{bar:<30}] {done}/{len(prompts)}", end="", file=sys.stderr, flush=True)
+                bar = "#" * (30 * done // len(sends))
+                print(f"\r[{bar:<30}] {done}/{len(sends)}", end="", file=sys.stderr, flush=True)
 
         slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-        async def send(prompt) -> Outcome:
+        async def send(s: Send) -> Outcome:
             if slots is None:
-                return await _one(client, args.url, model, prompt, args.output_len, args.timeout)
-            async with slots:
-                return await _one(client, args.url, model, prompt, args.output_len, args.timeout)
+                out = await _one(client, args.url, model, s.prompt, s.output_len, args.timeout)
+            else:
+                async with slots:
+                    out = await _one(client, args.url, model, s.prompt, s.output_len, args.timeout)
+            out.role = s.role
+            return out
 
         start = time.perf_counter()
-        for prompt in prompts:
-            task = asyncio.create_task(send(prompt))
+        for s in sends:
+            wait = start + s.at - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            task = asyncio.create_task(send(s))
             task.add_done_callback(tick)
             tasks.append(task)
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
         outcomes = await asyncio.gather(*tasks)
         if not args.no_progress:
             print(file=sys.stderr)
@@ -233,6 +316,16 @@ def report(
             "share": good / max(len(outcomes), 1),
             "rate": good / duration,
         }
+    roles = sorted({o.role for o in outcomes if o.role})
+    if roles:  # per role: its requests' latencies (long-prompt-mix: the decodes' ITL beside the long prompts')
+        extra["roles"] = {
+            role: {
+                "completed": sum(o.role == role for o in ok),
+                "ttft_ms": ms([o.ttft for o in ok if o.role == role]),
+                "itl_ms": ms([g for o in ok if o.role == role for g in o.itl]),
+            }
+            for role in roles
+        }
     return {
         **extra,
         "requests": len(outcomes),
@@ -256,11 +349,15 @@ def format_report(r: dict) -> str:
         f"requests: {r['completed']} completed, {r['failed']} failed in {r['duration_s']:.2f} s",
         f"throughput: {r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s "
         f"({r['total_input_tokens']} input, {r['total_output_tokens']} output tokens)",
-        f"{'metric':<10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}",
+        f"{'metric':<12}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}",
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         v = r[f"{name}_ms"]
-        rows.append(f"{name.upper():<10}{v['p50']:>10.2f}{v['p90']:>10.2f}{v['p99']:>10.2f}")
+        rows.append(f"{name.upper():<12}{v['p50']:>10.2f}{v['p90']:>10.2f}{v['p99']:>10.2f}")
+    for role, v in r.get("roles", {}).items():
+        for name in ("ttft", "itl"):
+            m = v[f"{name}_ms"]
+            rows.append(f"{role + ' ' + name.upper():<12}{m['p50']:>10.2f}{m['p90']:>10.2f}{m['p99']:>10.2f}")
     if r.get("max_concurrency"):
         rows.insert(1, f"max concurrency: {r['max_concurrency']} requests in flight")
     if r.get("goodput"):
@@ -285,7 +382,12 @@ def run(args) -> int:
         raise UsageError(f"--request-rate={args.request_rate!r} must be a number or inf") from None
     if not rate > 0:
         raise UsageError(f"--request-rate={args.request_rate!r} must be > 0 (or inf)")
-    for name in ("num_prompts", "input_len", "output_len"):
+    names = ["num_prompts", "input_len", "output_len"]
+    if args.workload == "long-prompt-mix":
+        names += ["long_prompts", "long_prompt_len", "long_output_len"]
+        if not args.long_prompt_every > 0:
+            raise UsageError(f"--long-prompt-every={args.long_prompt_every} must be > 0 seconds")
+    for name in names:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if not 0 <= args.range_ratio < 1:
@@ -293,9 +395,9 @@ def run(args) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UsageError(f"--max-concurrency must be >= 1; got {args.max_concurrency}")
     goodput = parse_goodput(args.goodput)
-    rng = random.Random(args.seed)
-    outcomes, duration = asyncio.run(_run(args, rate, prompt_lengths(args, rng), rng))
-    r = report(outcomes, duration, goodput, args.max_concurrency)
+    sends = plan(args, rate, random.Random(args.seed))
+    outcomes, duration = asyncio.run(_run(args, sends))
+    r = {"workload": args.workload, **report(outcomes, duration, goodput, args.max_concurrency)}
     print(format_report(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:

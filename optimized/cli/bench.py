@@ -15,7 +15,12 @@ def add_parser(sub) -> None:
     )
     bench.add_arguments(p)
     modes = p.add_subparsers(dest="bench_mode", required=False, metavar="serve")
-    serve_bench.add_arguments(modes.add_parser("serve", help="TTFT / TPOT / ITL / throughput against `serve`"))
+    serve_bench.add_arguments(
+        modes.add_parser(
+            "serve",
+            help="TTFT / TPOT / ITL / throughput against `serve` (workloads: " + ", ".join(serve_bench.WORKLOADS) + ")",
+        )
+    )
 
 
 def run(args) -> int:

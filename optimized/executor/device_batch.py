@@ -5,9 +5,10 @@ A row holds the request's block table, the position of its next input token, its
 parameters. `admit` writes a request's row once (the one host-to-device copy of its blocks and parameters; a
 recomputed request re-admitted with its position and draw counter past its generated tokens); from then on rows
 change on the device only: a decode step reads rows [0, n) as views, `record` writes the chosen ids back and steps
-positions and draw counters, `grow` writes the blocks taken in a step (one small copy), `remove` closes a finished
-row up by device copies (order kept; a preempted request is always the last row). The last row of the tensors is
-the dummy row: the null block at position 0, token 0.
+positions and draw counters, `grow` writes the blocks taken in a step (one small copy), `remove_rows` closes up the
+rows of the requests that left in a step at once, one gather per tensor (order kept; a preempted request is always a
+last row, so preemption only shortens the batch). The last row of the tensors is the dummy row: the null block at
+position 0, token 0.
 
 Logits-processor state (`BatchPenalties`) exists only while a running row uses one, so a batch without processors
 pays nothing; per row it costs V * 5 bytes plus the bias and stop tables (about 764 KB at Qwen3's V = 151936).
@@ -43,6 +44,7 @@ class DeviceBatch:
             torch.zeros(rows, dtype=torch.int64, device=device),
         )
         self._tensors = (self.table, self.positions, self.last_ids, *vars(self.sampling).values())
+        self._rows = torch.arange(rows, device=device)  # row indices: `remove_rows` gathers by views of it
 
     @property
     def dummy(self) -> int:
@@ -159,14 +161,31 @@ class DeviceBatch:
         self.table[entries[:, 0], entries[:, 1]] = entries[:, 2].to(self.table.dtype)
 
     def remove(self, row: int) -> None:
-        """Close up row `row`: later rows move one place up (device copies; the order is kept)."""
-        if not 0 <= row < self.n:
-            raise IndexError(f"row {row} is not a running row (0..{self.n - 1})")
-        if row < self.n - 1:
+        """Close up row `row` (one finished request outside a step: an abort)."""
+        self.remove_rows([row])
+
+    def remove_rows(self, rows) -> None:
+        """Close up the rows `rows` (the requests that left in one step; any order) at once: the rows after the
+        first of them keep their order and move up by one gather per tensor (index rows built on the device from
+        views of one arange: no host copy); rows at the end only shorten the batch (a preemption: no copy)."""
+        gone = sorted(set(rows))
+        if len(gone) != len(rows) or (gone and not (0 <= gone[0] and gone[-1] < self.n)):
+            raise IndexError(f"rows {list(rows)} are not distinct running rows (0..{self.n - 1})")
+        if not gone:
+            return
+        first, kept = gone[0], self.n - len(gone)
+        if kept > first:  # a row after a removed one stays: gather rows first.. of those kept
+            runs, at = [], first
+            for r in (*gone, self.n):
+                if r > at:
+                    runs.append(self._rows[at:r])
+                at = r + 1
+            index = runs[0] if len(runs) == 1 else torch.cat(runs)
             for t in self._tensor_list():
-                t[row : self.n - 1] = t[row + 1 : self.n].clone()
-        del self.penalized[row]
-        self.n -= 1
+                t[first:kept] = t.index_select(0, index)
+        for r in reversed(gone):
+            del self.penalized[r]
+        self.n = kept
         if self.penalties is not None and not any(self.penalized):
             self.penalties = None  # no running row has a processor on: free the state
 

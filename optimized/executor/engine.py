@@ -203,19 +203,25 @@ class Engine:
             self._finish(request)
 
     def _finish(self, request: Request) -> None:
-        group = request.dp_group
-        running = self.scheduler.running[group]
-        if group == self.dp_rank and request in running:
-            self.batch.remove(running.index(request))
-        self.scheduler.remove(request)
-        if request.finish_reason != "error":  # what it wrote is cached (a failed request's KV is not trusted)
-            self.scheduler.cache_written(request, self.pools[group])
-        self.requests.pop(request.request_id, None)
-        if request.hold_kv and request.finish_reason in ("stop", "length"):  # its KV is sent on: the blocks stay
-            self.handoff.hold(request)
-            return
-        self.pools[group].release(request.blocks)
-        request.blocks = []
+        self._finish_all([request])
+
+    def _finish_all(self, requests: list[Request]) -> None:
+        """Requests that leave together (a step's finished ones): this group's rows close up in one compaction
+        (`DeviceBatch.remove_rows`: one gather per tensor), then each leaves the scheduler and frees its blocks
+        (a prefill instance's request whose KV is sent on keeps them, held)."""
+        running = self.scheduler.running[self.dp_rank]
+        self.batch.remove_rows([running.index(r) for r in requests if r.dp_group == self.dp_rank and r in running])
+        for request in requests:
+            group = request.dp_group
+            self.scheduler.remove(request)
+            if request.finish_reason != "error":  # what it wrote is cached (a failed request's KV is not trusted)
+                self.scheduler.cache_written(request, self.pools[group])
+            self.requests.pop(request.request_id, None)
+            if request.hold_kv and request.finish_reason in ("stop", "length"):  # its KV is sent on: blocks stay
+                self.handoff.hold(request)
+                continue
+            self.pools[group].release(request.blocks)
+            request.blocks = []
 
     @property
     def idle(self) -> bool:
@@ -275,9 +281,7 @@ class Engine:
             span = (0, self.batch.n)
             logits, kept, ids = self._decode(groups), None, None
         events = self._events(step, groups, self._read(groups, logits, span, step.kind, kept, ids))
-        for event in events:
-            if event.finished:
-                self._finish(event.request)
+        self._finish_all([event.request for event in events if event.finished])
         self.last_timing = StepTiming(step.kind, self.runner.clock() - start)
         return step, events
 
@@ -286,9 +290,7 @@ class Engine:
         the most recently admitted), and the blocks running requests took are written into their table rows, all
         in one small host-to-device copy."""
         running = self.scheduler.running[self.dp_rank]
-        for request, row in step.preempted:
-            if request.dp_group == self.dp_rank:
-                self.batch.remove(row)
+        self.batch.remove_rows([row for request, row in step.preempted if request.dp_group == self.dp_rank])
         grown = [(running.index(r), column, r.blocks[column]) for r, column in step.grown if r.dp_group == self.dp_rank]
         if grown:
             self.batch.grow(grown)
@@ -372,9 +374,7 @@ class Engine:
         decoding = sum(c.decode for c in own)
         self.batch.positions[:decoding] += 1  # the decode rows moved one position on (prefills: already past)
         events = self._events(step, groups, values)
-        for event in events:
-            if event.finished:
-                self._finish(event.request)
+        self._finish_all([event.request for event in events if event.finished])
         return events
 
     def _mixed_forward(self, chunks) -> torch.Tensor:

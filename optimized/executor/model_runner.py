@@ -261,7 +261,7 @@ class ModelRunner:
     def pool_blocks(self, prompts: list[list[int]], max_new_tokens: int) -> int:
         """The KV pool (per DP group) a `generate` of these prompts needs, the null block included, or the
         runner's fixed `kv_pool_blocks` when it holds them (ValueError when it does not). Under attention DP the
-        engine deals a batch added together round robin (request i to group i mod D)."""
+        engine deals a batch added together by load in tokens (scheduler.deal)."""
         from optimized.executor.plan import pool_blocks
 
         need = pool_blocks([len(p) + max_new_tokens for p in prompts], self.block_size, self.dp_size)

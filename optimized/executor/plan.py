@@ -18,6 +18,7 @@ from optimized.config import GRAPH_MODES, InferenceConfig, ParallelConfig
 from optimized.distributed import decode_plan, prefill_plan
 from optimized.errors import UsageError
 from optimized.executor.kv_pool import KVPool
+from optimized.executor.scheduler import deal
 from optimized.forward_metadata import default_buckets
 from optimized.layers.quantization.schemes import MXFP8_WIRE, QuantScheme, quant_scheme, scheme_row
 from optimized.path_plan import DP, SP, PhasePaths, decide_paths
@@ -54,10 +55,10 @@ def dispatch_batch(batch: int, dp_groups: int, graph: bool, buckets: tuple[int, 
 
 def pool_blocks(lengths: list[int], block_size: int, dp_groups: int = 1) -> int:
     """KV blocks per DP group (the null block included) for requests of these token budgets added together (the
-    engine deals them round robin, request i to group i mod D)."""
+    engine deals them by load in tokens, scheduler.deal)."""
     per_group = [1] * dp_groups
-    for i, n in enumerate(lengths):
-        per_group[i % dp_groups] += -(-n // block_size)
+    for g, n in zip(deal(lengths, dp_groups), lengths):
+        per_group[g] += -(-n // block_size)
     return max(per_group)
 
 

@@ -10,6 +10,12 @@ With chunked prefill (`chunk_budget`), `_schedule_chunked` decides instead: per 
 prefill chunks within the step's tokens, all in one "mixed" step of extends (`Step.chunks`); a plain decode when no
 group has a chunk. docs/architecture.md.
 
+Under attention DP a request joins a group when it is added, for good: the group with the least load in tokens, a
+group's load being the token budgets (prompt + max_tokens: the most KV each may come to hold) of its running and
+waiting requests; on a tie the lowest-numbered group (`least_loaded`). Requests of equal budgets are dealt round
+robin; every rank adds the same requests in the same order, so every rank deals them alike (`deal` is the rule for a
+batch added together, which sizes `generate`'s pool).
+
 Invariants: the decode after a prefill never preempts (admission leaves the running requests' next blocks free); a
 request admitted can always finish (`check_admissible` refuses one whose whole budget cannot fit its pool alone); a
 preempted request goes back to the head of its queue keeping its tokens and is recomputed (`Request.prefill_ids`);
@@ -95,6 +101,20 @@ class Request:
         return list(range(len(self.prompt) - 1)) if self.prompt_logprobs else []
 
 
+def least_loaded(loads: list[int]) -> int:
+    """The group a new request joins: the least load, the lowest index on a tie."""
+    return min(range(len(loads)), key=lambda g: (loads[g], g))
+
+
+def deal(budgets: list[int], dp_groups: int) -> list[int]:
+    """The groups of requests of these token budgets added in this order to an idle scheduler (`Scheduler.add`)."""
+    loads, groups = [0] * dp_groups, []
+    for n in budgets:
+        groups.append(least_loaded(loads))
+        loads[groups[-1]] += n
+    return groups
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One row of a mixed step: `length` tokens of the request written from position `start` over its KV so far
@@ -148,6 +168,7 @@ class Scheduler:
         self.group_batch = -(-batch_size // dp_groups)
         self.waiting: list[deque[Request]] = [deque() for _ in range(dp_groups)]
         self.running: list[list[Request]] = [[] for _ in range(dp_groups)]
+        self.group_tokens = [0] * dp_groups  # each group's load: its running and waiting requests' budgets
         self.prefix_identity = prefix_identity
         # prefix caching: prompt tokens looked up in the cache at admission, and those found (every group's)
         self.prefix_queries = self.prefix_hits = 0
@@ -193,8 +214,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_admissible(request)
-        load = [len(w) + len(r) for w, r in zip(self.waiting, self.running)]
-        request.dp_group = load.index(min(load))
+        request.dp_group = least_loaded(self.group_tokens)
+        self.group_tokens[request.dp_group] += request.budget
         self.waiting[request.dp_group].append(request)
 
     def schedule(self, pools) -> Step:
@@ -407,6 +428,9 @@ class Scheduler:
             self.running[group].remove(request)
         elif request in self.waiting[group]:
             self.waiting[group].remove(request)
+        else:
+            return
+        self.group_tokens[group] -= request.budget
 
     def num_waiting(self) -> int:
         return sum(len(w) for w in self.waiting)
