@@ -227,6 +227,7 @@ class Launch:
                 batch_invariant=m.batch_invariant,
                 enable_chunked_prefill=s.enable_chunked_prefill,
                 max_num_batched_tokens=s.max_num_batched_tokens,
+                async_scheduling=s.async_scheduling,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None

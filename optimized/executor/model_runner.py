@@ -115,6 +115,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         enable_chunked_prefill: bool = False,
         max_num_batched_tokens: int = 2048,
+        async_scheduling: bool = False,
     ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
@@ -127,7 +128,8 @@ class ModelRunner:
         (model_config): every step computes each row as if it were alone (optimized/ops/batch_invariant.py), so a
         request's logits do not depend on what it is batched with. enable_chunked_prefill and
         max_num_batched_tokens (scheduler_config): the engines built over this runner prefill in chunks of at most
-        that many tokens per step, decode rows riding in the same steps."""
+        that many tokens per step, decode rows riding in the same steps. async_scheduling (scheduler_config): their
+        decode steps overlap, each scheduled and launched before the previous one's results are read back."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -145,6 +147,7 @@ class ModelRunner:
         self.enable_prefix_caching = enable_prefix_caching
         self.batch_invariant = bool(batch_invariant)
         self.enable_chunked_prefill, self.max_num_batched_tokens = enable_chunked_prefill, max_num_batched_tokens
+        self.async_scheduling = bool(async_scheduling)
         self.clock = time.perf_counter  # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests
