@@ -5,6 +5,8 @@
 decode of every running one, then one batched token choice and one device-to-host read (the chosen ids and the
 logprobs asked for, packed in one float32 vector; raw logits rows only for requests that asked). With chunked
 prefill a step may instead be "mixed" (`_mixed_step`): decode rows and prefill chunks as one extend forward.
+With async_scheduling a decode that follows a decode is scheduled and launched before the previous step is read back
+(`_overlapped_step`: one step of lag, the shown tokens unchanged).
 `generate` is the engine run to completion (`ModelRunner.generate`), `serve` feeds it from HTTP.
 
 Invariants: a request's tokens depend only on its prompt and sampling (its own blocks and seeded draws), not on who
