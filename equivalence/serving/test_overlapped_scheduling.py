@@ -155,6 +155,44 @@ def test_an_arrival_reads_the_launched_step_back_before_its_prefill(monkeypatch)
     assert all(len(v) == 6 for v in shown.values())
 
 
+def test_a_decode_that_preempts_overlaps_and_shows_the_same_tokens(monkeypatch):
+    """Three requests whose growth empties a pool of 3 blocks: a decode launched while the previous one is unread
+    preempts (the preempted request leaves with its token in flight; it is read before the request is admitted
+    again and recomputed); the tokens are the synchronous engine's."""
+    from optimized.executor.engine import Engine
+    from optimized.executor.scheduler import Request
+
+    launches, unread = [], [0]
+    for name, delta in (("_launch", 1), ("_complete", -1)):
+        real = getattr(Engine, name)
+
+        def spy(self, arg, _f=real, _d=delta, _n=name):
+            if _n == "_launch":
+                launches.append((unread[0], len(arg.preempted)))
+            unread[0] += _d
+            return _f(self, arg)
+
+        monkeypatch.setattr(Engine, name, spy)
+
+    def run(overlapped: bool):
+        prompts = [list(range(40, 55)), list(range(100, 114)), list(range(7, 22))]
+        requests = [Request(f"r{i}", p, 12, stream=i) for i, p in enumerate(prompts)]
+        engine = Engine(_runner(), batch_size=3, num_blocks=4, async_scheduling=overlapped)
+        for r in requests:
+            engine.add(r)
+        preempted = 0
+        while not engine.idle:
+            step, _ = engine.step()
+            preempted += len(step.preempted)
+        assert engine.cache.free_blocks == 3
+        return [r.tokens for r in requests], preempted, engine.overlapped_steps
+
+    sync, overlapped = run(False), run(True)
+    assert overlapped[0] == sync[0]
+    assert overlapped[1] > 0 and overlapped[2] > 0, overlapped[1:]
+    assert any(before == 1 and preempted for before, preempted in launches), launches
+
+
 # ---- two ranks serving: the driver on rank 0, `ranks.follow` on rank 1
 
 

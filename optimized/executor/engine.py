@@ -308,8 +308,8 @@ class Engine:
         launched: N + 1's inputs are N's chosen ids and positions, already in the device batch (`record`), and the
         scheduler counts N's tokens as `Request.in_flight`. One step of lag: a request that N finishes (EOS, stop,
         abort) has computed one more token in N + 1, dropped here unread. Only a decode that follows a decode
-        overlaps; anything else (an admission, a preemption, a mixed step, recorded logits) first reads the
-        launched step back and then runs synchronously."""
+        overlaps; anything else (an admission, a mixed step, recorded logits) first reads the launched step back
+        and then runs synchronously."""
         start = self.runner.clock()
         launched, self._pending = self._pending, None
         if launched is None:
@@ -333,21 +333,16 @@ class Engine:
 
     def _follows(self, launched: Launched) -> bool:
         """The next step may be scheduled before `launched` is read: it can only be a decode of the running requests
-        (nothing waits to be admitted, no prefill under way), no group's pool runs short of the blocks its rows
-        grow into (a preemption recomputes tokens, which must be read first), and some row may still show a
-        token (not every row stops at max_tokens with its token in flight)."""
+        (nothing waits to be admitted, no prefill under way, no row keeps raw logits), and some row may still show
+        a token (not every row stops at max_tokens with its token in flight). A decode that preempts overlaps too:
+        the preempted request leaves with its token in flight, read with the launched step before any admission."""
         s = self.scheduler
         if any(s.waiting) or not any(s.running):
             return False
         rows = [r for group in s.running for r in group]
         if any(r.prefill_left or r.record_logits for r in rows):
             return False
-        if all(len(r.tokens) + r.in_flight >= r.max_tokens for r in rows):
-            return False
-        for running, pool in zip(s.running, self.pools):
-            if sum(max(0, s.blocks_for(r.length + 1) - len(r.blocks)) for r in running) > pool.free_blocks:
-                return False
-        return True
+        return not all(len(r.tokens) + r.in_flight >= r.max_tokens for r in rows)
 
     def _launch(self, step: Step) -> Launched:
         """Run a decode step's forward, choose its tokens into the device batch and gather the packed read vectors,
