@@ -155,6 +155,39 @@ def test_an_arrival_reads_the_launched_step_back_before_its_prefill(monkeypatch)
     assert all(len(v) == 6 for v in shown.values())
 
 
+def _spy_launches(monkeypatch, what) -> list:
+    """(launched steps not yet read, what(engine, step)) at each launch: 1 unread means step N + 1 launched before
+    step N's read."""
+    from optimized.executor.engine import Engine
+
+    launches, unread = [], [0]
+    launch, complete = Engine._launch, Engine._complete
+
+    def spy_launch(self, step):
+        launches.append((unread[0], what(self, step)))
+        unread[0] += 1
+        return launch(self, step)
+
+    def spy_complete(self, launched):
+        unread[0] -= 1
+        return complete(self, launched)
+
+    monkeypatch.setattr(Engine, "_launch", spy_launch)
+    monkeypatch.setattr(Engine, "_complete", spy_complete)
+    return launches
+
+
+def test_decodes_overlap_while_requests_wait_for_room_in_the_batch(monkeypatch):
+    """Batch 2, four requests at once: the later two wait while the first two decode, and those decodes still
+    overlap (nothing can be admitted until a read frees a row); each admission comes after a read."""
+    launches = _spy_launches(monkeypatch, lambda engine, step: engine.scheduler.num_waiting())
+    specs = _fixed() + [([4, 4, 4], 6, None, None)]
+    sync = _drive(_requests(specs), [0] * 4, [None] * 4, False, 2)
+    overlapped = _drive(_requests(specs), [0] * 4, [None] * 4, True, 2)
+    assert overlapped[0] == sync[0]
+    assert any(unread == 1 and waiting for unread, waiting in launches), launches
+
+
 def test_a_decode_that_preempts_overlaps_and_shows_the_same_tokens(monkeypatch):
     """Three requests whose growth empties a pool of 3 blocks: a decode launched while the previous one is unread
     preempts (the preempted request leaves with its token in flight; it is read before the request is admitted
@@ -162,17 +195,7 @@ def test_a_decode_that_preempts_overlaps_and_shows_the_same_tokens(monkeypatch):
     from optimized.executor.engine import Engine
     from optimized.executor.scheduler import Request
 
-    launches, unread = [], [0]
-    for name, delta in (("_launch", 1), ("_complete", -1)):
-        real = getattr(Engine, name)
-
-        def spy(self, arg, _f=real, _d=delta, _n=name):
-            if _n == "_launch":
-                launches.append((unread[0], len(arg.preempted)))
-            unread[0] += _d
-            return _f(self, arg)
-
-        monkeypatch.setattr(Engine, name, spy)
+    launches = _spy_launches(monkeypatch, lambda engine, step: len(step.preempted))
 
     def run(overlapped: bool):
         prompts = [list(range(40, 55)), list(range(100, 114)), list(range(7, 22))]

@@ -308,8 +308,8 @@ class Engine:
         launched: N + 1's inputs are N's chosen ids and positions, already in the device batch (`record`), and the
         scheduler counts N's tokens as `Request.in_flight`. One step of lag: a request that N finishes (EOS, stop,
         abort) has computed one more token in N + 1, dropped here unread. Only a decode that follows a decode
-        overlaps; anything else (an admission, a mixed step, recorded logits) first reads the launched step back
-        and then runs synchronously."""
+        overlaps; anything else (a possible admission, a mixed step, recorded logits) first reads the launched
+        step back and then runs synchronously."""
         start = self.runner.clock()
         launched, self._pending = self._pending, None
         if launched is None:
@@ -333,11 +333,12 @@ class Engine:
 
     def _follows(self, launched: Launched) -> bool:
         """The next step may be scheduled before `launched` is read: it can only be a decode of the running requests
-        (nothing waits to be admitted, no prefill under way, no row keeps raw logits), and some row may still show
+        (no group with room in its batch has a request waiting, no prefill under way, no row keeps raw logits: a
+        request waiting for room is admitted a step after the read that frees it), and some row may still show
         a token (not every row stops at max_tokens with its token in flight). A decode that preempts overlaps too:
         the preempted request leaves with its token in flight, read with the launched step before any admission."""
         s = self.scheduler
-        if any(s.waiting) or not any(s.running):
+        if not any(s.running) or any(w and len(r) < s.group_batch for w, r in zip(s.waiting, s.running)):
             return False
         rows = [r for group in s.running for r in group]
         if any(r.prefill_left or r.record_logits for r in rows):
