@@ -543,6 +543,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False  # serve: reuse the KV of cached full-block prompt prefixes
     enable_chunked_prefill: bool = False  # prompts prefilled in chunks, in steps that also carry decode rows
     max_num_batched_tokens: int = 2048  # with enable_chunked_prefill: tokens one step carries per DP group
+    async_scheduling: bool = False  # a decode step is scheduled and launched before the previous one is read back
 
     def _check(self, c: _Checker) -> None:
         for k in ("batch_size", "max_new_tokens", "block_size"):
@@ -550,6 +551,7 @@ class SchedulerConfig:
         c.non_negative_int(self, "max_prefill_tokens")
         c.non_negative_int(self, "num_reserved_decode_tokens")
         c.boolean(self, "enable_prefix_caching")
+        c.boolean(self, "async_scheduling")
         c.positive_int(self, "max_num_batched_tokens")
         if c.boolean(self, "enable_chunked_prefill") and self.enable_chunked_prefill:
             if _is_int(self.max_prefill_tokens) and self.max_prefill_tokens:

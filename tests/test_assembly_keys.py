@@ -108,6 +108,10 @@ def _chunked(run, engine, command):
     assert run.runner.enable_chunked_prefill and run.runner.max_num_batched_tokens == 8
 
 
+def _async(run, engine, command):
+    assert run.runner.async_scheduling is True and engine.async_scheduling is True
+
+
 def _nz_off(run, engine, command):
     layers = [m for m in run.model.modules() if getattr(m, "quant_method", None) is not None]
     assert layers and not any(m.weight_nz for m in layers), "model_config.enable_weight_nz: false was not honoured"
@@ -123,6 +127,7 @@ def _batch_invariant(run, engine, command):
 
 
 ROWS = {
+    "async_scheduling": ({"scheduler_config.async_scheduling": True}, _async),
     "batch_invariant": ({"model_config.batch_invariant": True}, _batch_invariant),
     "enable_weight_nz false": ({"model_config.enable_weight_nz": False}, _nz_off),
     "enable_weight_nz true": ({"model_config.enable_weight_nz": True}, _nz_on),

@@ -160,6 +160,7 @@ def test_yaml_merge_key_may_be_overridden(tmp_path):
         ),
         ({"model_config": {"with_ckpt": 1}}, "model_config.with_ckpt", ["must be a boolean"]),
         ({"model_config": {"with_ckpt": "yes"}}, "model_config.with_ckpt", ["must be a boolean"]),
+        ({"scheduler_config": {"async_scheduling": "on"}}, "scheduler_config.async_scheduling", ["must be a boolean"]),
         ({"model_config": {"enable_cache_compile": None}}, "model_config.enable_cache_compile", ["must be a boolean"]),
         (
             {"model_config": {"enable_cache_compile": True}},

@@ -53,6 +53,35 @@ def test_host_overhead_is_the_step_minus_its_forward(runner, monkeypatch):
     assert runner.decode_forward is slow_forward  # measure put the runner's decode back
 
 
+def test_overlapped_host_overhead_is_the_cycle_minus_the_synchronous_forward(runner, monkeypatch):
+    """Overlapped, a call launches the next decode before it reads the last: with a forward of 5 units and a read of
+    2, the decode calls of 3 steps take 5 + 5 + 2 (two launches, one read), 5 + 2 and 2 (the last read alone)."""
+    from optimized.benchmarks.host_overhead import format_report, measure_overlapped
+    from optimized.executor.engine import Engine
+
+    clock = FakeClock()
+    monkeypatch.setattr(runner, "clock", clock)
+    forward = runner.decode_forward
+
+    def slow_forward(*a):
+        clock.now += 5.0
+        return forward(*a)
+
+    monkeypatch.setattr(runner, "decode_forward", slow_forward)
+    complete = Engine._complete
+
+    def slow_complete(self, *a):
+        clock.now += 2.0
+        return complete(self, *a)
+
+    monkeypatch.setattr(Engine, "_complete", slow_complete)
+    row = measure_overlapped(runner, [[1, 2, 3], [4, 5, 6, 7]], decode_steps=3, forward_ms=5000.0, rounds=2)
+    assert row["overlap"] and row["batch"] == 2 and row["steps"] == 3
+    assert row["step_ms"] == 7000.0 and row["forward_ms"] == 5000.0 and row["host_ms"] == 2000.0
+    assert runner.async_scheduling is False  # measure put the runner's setting back
+    assert "      on" in format_report([row], "tiny")
+
+
 def test_bench_host_overhead_command_reports_both_batches(tmp_path, capsys):
     import json
     from optimized.__main__ import main
@@ -69,6 +98,7 @@ def test_bench_host_overhead_command_reports_both_batches(tmp_path, capsys):
                 "--host-overhead",
                 "--host-overhead-batches",
                 "1,3",
+                "--host-overhead-overlap",
                 "--decode-steps",
                 "2",
                 "--repeats",
@@ -82,6 +112,7 @@ def test_bench_host_overhead_command_reports_both_batches(tmp_path, capsys):
         == 0
     )
     rows = json.loads(out.read_text())["host_overhead"]
-    assert [r["batch"] for r in rows] == [1, 3] and all(r["steps"] == 2 for r in rows)
-    assert all(r["step_ms"] >= r["forward_ms"] > 0 for r in rows), rows
+    assert [(r["batch"], r["overlap"]) for r in rows] == [(1, False), (1, True), (3, False), (3, True)]
+    assert all(r["steps"] == 2 for r in rows)
+    assert all(r["step_ms"] >= r["forward_ms"] > 0 for r in rows if not r["overlap"]), rows
     assert "engine host overhead per decode step" in capsys.readouterr().out

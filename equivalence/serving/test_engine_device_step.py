@@ -36,9 +36,12 @@ PROMPTS = [[1, 2, 3], list(range(4, 21)), [9, 10, 11, 12, 13], list(range(30, 45
 GROW = "optimized/executor/device_batch.py"
 
 
-def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_cache_dtype="auto", num_blocks=12):
+def _engine_steps(
+    model, prompts, max_tokens, sampling=None, logprobs=None, kv_cache_dtype="auto", num_blocks=12, overlapped=False
+):
     """Run an engine to completion on the fake device; per step: (kind, host reads, host -> device copies, rows of
-    this rank's group that took a block, requests preempted, the model's MoE layers)."""
+    this rank's group that took a block, requests preempted, the model's MoE layers). overlapped: with
+    async_scheduling (a call then copies the blocks of the step it launches, not of the step it returns)."""
     from equivalence.support.fake_device import on_fake_device
     from optimized.executor.engine import Engine
     from optimized.executor.model_runner import ModelRunner
@@ -49,7 +52,7 @@ def _engine_steps(model, prompts, max_tokens, sampling=None, logprobs=None, kv_c
     moe_layers = sum(is_sparse_layer(model.config, i) for i in range(model.config.num_hidden_layers))
     steps, tokens = [], []
     with on_fake_device() as mode:
-        engine = Engine(runner, batch_size=4, num_blocks=num_blocks)
+        engine = Engine(runner, batch_size=4, num_blocks=num_blocks, async_scheduling=overlapped)
         requests = [
             Request(f"r{i}", p, max_tokens, sampling or GREEDY, logprobs=logprobs, stream=i)
             for i, p in enumerate(prompts)
@@ -125,6 +128,28 @@ def test_engine_steps_read_once_and_copy_only_their_metadata(sampled):
     steps, _ = _engine_steps(_fake_model("tiny"), PROMPTS, 4, sampling, logprobs=2 if sampled else None)
     check_budget(steps)
     assert any(grown for _, _, _, grown, *_ in steps), "no step took a block: the budget's growth rule is untested"
+
+
+@pytest.mark.equivalence
+def test_overlapped_steps_read_once_and_copy_only_their_table_entries():
+    """Overlapped scheduling keeps the budget: each call reads the device once (the step it returns), a decode call
+    copies nothing but the new table entries of the step it launches, and the run copies as many as the synchronous
+    one, with the same tokens."""
+    from optimized.executor.sampling import SamplingParams
+
+    model, sampling = _fake_model("tiny"), SamplingParams(0.8, 5, 0.9, seed=7)
+    sync, sync_tokens = _engine_steps(model, PROMPTS, 6, sampling, logprobs=2)
+    steps, tokens = _engine_steps(model, PROMPTS, 6, sampling, logprobs=2, overlapped=True)
+    assert tokens == sync_tokens
+    for i, (kind, reads, transfers, *_) in enumerate(steps):
+        assert len(reads) == 1 and ENGINE_READ in reads[0], f"call {i} ({kind}) read the device: {reads}"
+        if kind == "decode":
+            assert all(GROW in t for t in transfers), f"call {i} (decode) copied host data: {transfers}"
+
+    def grows(run):
+        return sum(GROW in t for kind, _, transfers, *_ in run if kind == "decode" for t in transfers)
+
+    assert grows(steps) == grows(sync) > 0
 
 
 @pytest.mark.equivalence

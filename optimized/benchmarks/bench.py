@@ -122,6 +122,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="batches of --host-overhead (default 1,16)",
     )
     p.add_argument(
+        "--host-overhead-overlap",
+        action="store_true",
+        help="with --host-overhead: each batch also with overlapped scheduling (scheduler_config.async_scheduling), "
+        "side by side",
+    )
+    p.add_argument(
         "--formula-only",
         action="store_true",
         help="with --world-size > 1: print only the decode layouts' MoE bytes per rank and the MC2 "
@@ -261,6 +267,8 @@ def run(args) -> int:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     if args.formula_only and args.world_size < 2:
         raise UsageError(f"--formula-only needs --world-size > 1; got {args.world_size}")
+    if args.host_overhead_overlap and not args.host_overhead:
+        raise UsageError("--host-overhead-overlap is a mode of --host-overhead: give both")
     if args.model_path and (args.world_size < 2 or args.formula_only):
         raise UsageError(
             "--model-path is for the parallel bench's runs (--world-size > 1, not --formula-only); the "

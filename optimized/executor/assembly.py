@@ -261,6 +261,7 @@ class Launch:
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 graph_buckets=buckets,
                 memory=memory,
+                async_scheduling=s.async_scheduling,
             )
         except QuantConfigError as e:
             raise UsageError(f"model_config.kv_cache_dtype: {e}") from None

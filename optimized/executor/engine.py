@@ -5,6 +5,8 @@
 decode of every running one, then one batched token choice and one device-to-host read (the chosen ids and the
 logprobs asked for, packed in one float32 vector; raw logits rows only for requests that asked). With chunked
 prefill a step may instead be "mixed" (`_mixed_step`): decode rows and prefill chunks as one extend forward.
+With async_scheduling a decode that follows a decode is scheduled and launched before the previous step is read back
+(`_overlapped_step`: one step of lag, the shown tokens unchanged).
 `generate` is the engine run to completion (`ModelRunner.generate`), `serve` feeds it from HTTP.
 
 Invariants: a request's tokens depend only on its prompt and sampling (its own blocks and seeded draws), not on who
@@ -47,6 +49,17 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None  # the request's top-k (token, logprob), best first
     finished: bool = False
     error: str | None = None  # the request failed at this step (non-finite logits)
+
+
+@dataclass
+class Launched:
+    """A decode step on the device whose results are not read yet (overlapped scheduling): its rows per group and
+    every group's packed read vector, gathered, still a device tensor."""
+
+    step: Step
+    groups: list[list[Request]]
+    packed: torch.Tensor
+    sizes: list[int]
 
 
 @dataclass(frozen=True)
@@ -99,13 +112,16 @@ class Engine:
         num_blocks: int,
         enable_prefix_caching: bool | None = None,
         chunked_prefill_tokens: int | None = None,
+        async_scheduling: bool | None = None,
     ):
         """num_blocks: the KV pool per layer (per DP group under attention DP), the null block included.
         enable_prefix_caching (scheduler_config): a request's cached full-block prefix is reused, its prefill an
         extend over it (optimized/executor/prefix_cache.py); None: the runner's setting (the assembly sets it from
         the config, so every engine built over that runner honours the key).
         chunked_prefill_tokens: chunked prefill's tokens per step per DP group (scheduler_config
-        max_num_batched_tokens with enable_chunked_prefill), 0: off; None: the runner's setting."""
+        max_num_batched_tokens with enable_chunked_prefill), 0: off; None: the runner's setting.
+        async_scheduling (scheduler_config): a decode step that follows a decode is scheduled and launched before
+        the previous step's results are read back (`_overlapped_step`); None: the runner's setting."""
         self.runner, self.model, self.device = runner, runner.model, runner.device
         self.dp_size, self.dp_rank = runner.dp_size, runner.dp_rank
         if enable_prefix_caching is None:
@@ -147,6 +163,11 @@ class Engine:
         self.steps = 0
         # parallel_config.enable_eplb: routed-token counts and rebalances, between steps (None when off)
         self.eplb = EplbController.for_model(self.model)
+        if async_scheduling is None:
+            async_scheduling = getattr(runner, "async_scheduling", False)
+        self.async_scheduling = bool(async_scheduling)
+        self._pending: Launched | None = None  # the launched decode step not read yet
+        self.overlapped_steps = 0  # steps launched while the previous one was still unread
         # The last step's kind and wall time (a serving engine runs for days: one value, not a growing log), and
         # each warm-up bucket's.
         self.last_timing: StepTiming | None = None
@@ -212,6 +233,7 @@ class Engine:
         running = self.scheduler.running[self.dp_rank]
         self.batch.remove_rows([running.index(r) for r in requests if r.dp_group == self.dp_rank and r in running])
         for request in requests:
+            request.in_flight = 0  # a token still on the device is never shown; its KV is not cached
             group = request.dp_group
             self.scheduler.remove(request)
             if request.finish_reason != "error":  # what it wrote is cached (a failed request's KV is not trusted)
@@ -225,7 +247,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return self.scheduler.idle
+        return self.scheduler.idle and self._pending is None
 
     @property
     def kv_usage(self) -> float:
@@ -259,11 +281,15 @@ class Engine:
     # ---- one step
     @torch.no_grad()
     def step(self) -> tuple[Step, list[TokenEvent]]:
+        """One step run and read back: the step and its token events. With async_scheduling a call may also launch
+        the next decode step before it reads this one (`_overlapped_step`)."""
+        if self.async_scheduling:
+            return self._overlapped_step()
         start = self.runner.clock()  # the step's wall time: scheduling to bookkeeping (the host overhead's base)
-        if self.eplb is not None:  # before the step, on every rank alike: the last step's counts, a rebalance
-            self.eplb.between_steps()
-        step = self.scheduler.schedule(self.pools)  # admitted requests take their blocks, running ones grow
-        self.steps += 1
+        return self._step(start, self._schedule())
+
+    def _step(self, start: float, step: Step) -> tuple[Step, list[TokenEvent]]:
+        """A scheduled step run synchronously: its forward, its token choice and its one host read."""
         if step.kind == "idle":
             self.last_timing = StepTiming("idle", 0.0)
             return step, []
@@ -284,6 +310,81 @@ class Engine:
         self._finish_all([event.request for event in events if event.finished])
         self.last_timing = StepTiming(step.kind, self.runner.clock() - start)
         return step, events
+
+    def _schedule(self) -> Step:
+        if self.eplb is not None:  # before the step, on every rank alike: the last step's counts, a rebalance
+            self.eplb.between_steps()
+        step = self.scheduler.schedule(self.pools)  # admitted requests take their blocks, running ones grow
+        self.steps += 1
+        return step
+
+    # ---- overlapped scheduling
+    def _overlapped_step(self) -> tuple[Step, list[TokenEvent]]:
+        """Step N (launched by the previous call, else now) is read back only after step N + 1 is scheduled and
+        launched: N + 1's inputs are N's chosen ids and positions, already in the device batch (`record`), and the
+        scheduler counts N's tokens as `Request.in_flight`. One step of lag: a request that N finishes (EOS, stop,
+        abort) has computed one more token in N + 1, dropped here unread. Only a decode that follows a decode
+        overlaps; anything else (a possible admission, a mixed step, recorded logits) first reads the launched
+        step back and then runs synchronously."""
+        start = self.runner.clock()
+        launched, self._pending = self._pending, None
+        if launched is None:
+            step = self._schedule()
+            if not self._launchable(step):
+                return self._step(start, step)
+            launched = self._launch(step)
+        if self._follows(launched):
+            step = self._schedule()
+            if not self._launchable(step):
+                raise RuntimeError(f"an overlapped step was scheduled as {step.kind!r}, not a plain decode")
+            self._pending = self._launch(step)
+            self.overlapped_steps += 1
+        events = self._complete(launched)
+        self.last_timing = StepTiming(launched.step.kind, self.runner.clock() - start)
+        return launched.step, events
+
+    def _launchable(self, step: Step) -> bool:
+        """A step that may run without its results read at once: a decode whose rows keep no logits on the host."""
+        return step.kind == "decode" and not any(r.record_logits for r in step.requests)
+
+    def _follows(self, launched: Launched) -> bool:
+        """The next step may be scheduled before `launched` is read: it can only be a decode of the running requests
+        (no group with room in its batch has a request waiting, no prefill under way, no row keeps raw logits: a
+        request waiting for room is admitted a step after the read that frees it), and some row may still show
+        a token (not every row stops at max_tokens with its token in flight). A decode that preempts overlaps too:
+        the preempted request leaves with its token in flight, read with the launched step before any admission."""
+        s = self.scheduler
+        if not any(s.running) or any(w and len(r) < s.group_batch for w, r in zip(s.waiting, s.running)):
+            return False
+        rows = [r for group in s.running for r in group]
+        if any(r.prefill_left or r.record_logits for r in rows):
+            return False
+        return not all(len(r.tokens) + r.in_flight >= r.max_tokens for r in rows)
+
+    def _launch(self, step: Step) -> Launched:
+        """Run a decode step's forward, choose its tokens into the device batch and gather the packed read vectors,
+        with no host read."""
+        groups = self._by_group(step)
+        self._apply_blocks(step)
+        logits = self._decode(groups)
+        packed = self._pack(groups[self.dp_rank], logits, None, (0, self.batch.n), "decode", None)
+        sizes = [sum(self._layout(g, "decode")) for g in groups]
+        packed = self._share(packed, sizes)
+        for r in step.requests:
+            r.in_flight += 1
+        return Launched(step, groups, packed, sizes)
+
+    def _complete(self, launched: Launched) -> list[TokenEvent]:
+        """The launched step's one host read and its events; a request finished meanwhile shows nothing."""
+        values, out, at = launched.packed.tolist(), [], 0
+        for n in launched.sizes:
+            out.append(values[at : at + n])
+            at += n
+        for r in launched.step.requests:
+            r.in_flight = max(0, r.in_flight - 1)
+        events = self._events(launched.step, launched.groups, out)
+        self._finish_all([e.request for e in events if e.finished])
+        return events
 
     def _apply_blocks(self, step: Step) -> None:
         """This group's rows follow the decode step's block changes: a preempted request's row leaves (the last row:
@@ -533,6 +634,8 @@ class Engine:
             if step.kind == "prefill":
                 self._prompt_logprobs(rows, v[sum(sizes[:3]) :])
             for i, (request, token) in enumerate(zip(rows, ids)):
+                if request.finish_reason is not None:  # finished before this step was read (overlapped scheduling)
+                    continue
                 lp = top = None
                 if request.logprobs is not None:
                     lp = chosen_lp[i]

@@ -117,6 +117,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         graph_buckets: tuple[int, ...] | None = None,
         memory=None,
+        async_scheduling: bool = False,
     ):
         """kv_pool_blocks: blocks of the paged KV pool per layer, the null block included (a serving engine's
         fixed pool); None: each generate() sizes its pool to what its requests need.
@@ -131,7 +132,9 @@ class ModelRunner:
         max_num_batched_tokens (scheduler_config): the engines built over this runner prefill in chunks of at most
         that many tokens per step, decode rows riding in the same steps. graph_buckets: a graph mode's captured decode
         batches (the plan's); None: the default rule's (1, 2, 4, 8, then every 16), each captured on first use.
-        memory: where the memory figures come from (optimized/executor/memory.py; None: the device's own)."""
+        memory: where the memory figures come from (optimized/executor/memory.py; None: the device's own).
+        async_scheduling (scheduler_config): the decode steps of the engines built over this runner overlap, each
+        scheduled and launched before the previous one's results are read back."""
         # The runner's tensors (KV cache, block table, metadata) live where the model's weights do.
         model_device = next(model.parameters()).device
         if device is not None and torch.device(device) != model_device:
@@ -153,6 +156,7 @@ class ModelRunner:
         self.enable_prefix_caching = enable_prefix_caching
         self.batch_invariant = bool(batch_invariant)
         self.enable_chunked_prefill, self.max_num_batched_tokens = enable_chunked_prefill, max_num_batched_tokens
+        self.async_scheduling = bool(async_scheduling)
         self.clock = time.perf_counter  # phase timer; the latency harness may swap it (e.g. thread CPU time)
         # One decode step, ids [B] (one token per running request) -> logits [B, V]: the model (eager) or its
         # compiled decode graph (ge_graph / acl_graph, optimized/executor/graph.py; a batch shrunk by finished requests

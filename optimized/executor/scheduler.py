@@ -68,6 +68,7 @@ class Request:
     cached_tokens: int = 0  # of prefill_ids, found in the prefix cache at its last admission (not computed again)
     block_hashes: list = field(default_factory=list)  # prefix-cache keys of prefill_ids' full blocks (so far)
     prefill_left: int = 0  # chunked prefill: tokens of prefill_ids not yet in the KV cache (0: it decodes)
+    in_flight: int = 0  # overlapped scheduling: tokens chosen on the device and not read yet (counted in length)
 
     @property
     def budget(self) -> int:
@@ -76,8 +77,9 @@ class Request:
 
     @property
     def length(self) -> int:
-        """Tokens in the KV cache after the next step's input is written: prompt + generated - 1."""
-        return len(self.prompt) + len(self.tokens) - 1
+        """Tokens in the KV cache after the next step's input is written: prompt + generated - 1 (generated: read
+        back, and chosen but not read yet)."""
+        return len(self.prompt) + len(self.tokens) + self.in_flight - 1
 
     @property
     def prefill_ids(self) -> list[int]:

@@ -1,7 +1,11 @@
 """The engine's own thread: it owns the engine (nothing else touches it), takes new requests and aborts from a
 thread-safe inbox between steps, steps while there is work, and hands every token event to the request's sink
 (the HTTP handler's queue). A step that fails (a rank failure, non-finite logits) stops the driver: every
-waiting handler gets the error and `on_fatal` is called, which stops the server."""
+waiting handler gets the error and `on_fatal` is called, which stops the server.
+
+With overlapped scheduling (scheduler_config.async_scheduling) a step returns once the next decode is launched, so
+handing its events to the sinks and taking the inbox (on rank 0 of a multi-rank server: its broadcast) run while the
+device computes that next step."""
 
 from __future__ import annotations
 
