@@ -88,8 +88,8 @@ def test_attn_dp_quantized_logits_match_fake_quant_reference_replaying_routing(s
     oracle, plain = ORACLES[scheme]("tiny"), bf16_reference("tiny")
     tol = f"model.{scheme}.bfloat16"
     slack = tolerance("router_tie.float32").rtol
-    routes = _request_routes(got["routes"], PROMPTS, got["tokens"], WORLD, LAYOUT)
-    inputs = _request_routes(got["router_inputs"], PROMPTS, got["tokens"], WORLD, LAYOUT)
+    routes = _request_routes(got["routes"], PROMPTS, got["tokens"], WORLD, LAYOUT, GEN_TOKENS)
+    inputs = _request_routes(got["router_inputs"], PROMPTS, got["tokens"], WORLD, LAYOUT, GEN_TOKENS)
     stats: list[RoutingStats] = []
     mine, replayed, unquantized = [], [], []
     for b, prompt in enumerate(PROMPTS):
