@@ -15,23 +15,10 @@ from optimized.config import ConfigError, InferenceConfig
 from optimized.distributed import decode_plan
 from optimized.errors import UsageError
 from optimized.executor import plan as P
+from optimized.model_loader.presets import preset_config
 from optimized.forward_metadata import batch_bucket, default_buckets
 
-QWEN3_235B = SimpleNamespace(
-    hidden_size=4096,
-    num_experts=128,
-    num_experts_per_tok=8,
-    num_hidden_layers=94,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    num_attention_heads=64,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=12288,
-    moe_intermediate_size=1536,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-)
+QWEN3_235B = preset_config("qwen3_235b_a22b")  # the released shapes
 
 
 def _cfg(batch: int, sizes=None, exe_mode: str = "ge_graph", **parallel) -> InferenceConfig:

@@ -9,11 +9,10 @@ The subprocess launch (`python -m optimized pd`, several layouts) is tests/test_
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 
-from equivalence.support.pd_served import MODEL, TIMEOUT_S, Served
+from equivalence.support.pd_served import MODEL, TIMEOUT_S, Served, post, stream_chunks
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -96,22 +95,6 @@ def deployment(request):
         d.close()
 
 
-def _post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=TIMEOUT_S)
-
-
-def _stream(url: str, path: str, body: dict) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", url + path, json=body, timeout=TIMEOUT_S) as r:
-        assert r.status_code == 200, r.read()
-        lines = list(r.iter_lines())
-    assert "data: [DONE]" in lines, lines[-3:]
-    for line in lines:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            chunks.append(json.loads(line[6:]))
-    return chunks
-
-
 def _comparable(out: dict) -> dict:
     return {k: v for k, v in out.items() if k not in ("id", "created")}
 
@@ -123,12 +106,12 @@ def test_through_the_router_every_request_equals_the_colocated_server(deployment
     path, body = CASES[case]
     body = {**body, "model": MODEL, "stream": stream}
     if stream:
-        want, got = _stream(d.colocated.url, path, body), _stream(d.url, path, body)
+        want, got = stream_chunks(d.colocated.url, path, body), stream_chunks(d.url, path, body)
         d.sent += 1
         assert [c["choices"] for c in got] == [c["choices"] for c in want]
         assert any(c["choices"] for c in got)
     else:
-        want, got = _post(d.colocated.url, path, body), _post(d.url, path, body)
+        want, got = post(d.colocated.url, path, body), post(d.url, path, body)
         d.sent += 1
         assert got.status_code == want.status_code == 200, got.text
         assert _comparable(got.json()) == _comparable(want.json())
@@ -145,7 +128,7 @@ def test_the_router_counts_one_handoff_per_request_and_nothing_released(deployme
     d = deployment
     if d.sent == 0:  # run alone: send the cases here
         for path, body in CASES.values():
-            assert _post(d.url, path, {**body, "model": MODEL}).status_code == 200
+            assert post(d.url, path, {**body, "model": MODEL}).status_code == 200
             d.sent += 1
     assert d.metric("handoffs_total") == [f"{METRICS}_handoffs_total {d.sent}"]
     assert d.metric("releases_total") == [f"{METRICS}_releases_total 0"]

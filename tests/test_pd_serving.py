@@ -10,14 +10,13 @@ without room (the requests wait or are recomputed, never ended early) leave no b
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from equivalence.support.pd_served import MODEL, TIMEOUT_S, Served
+from equivalence.support.pd_served import MODEL, TIMEOUT_S, Served, post, stream_chunks
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -37,22 +36,8 @@ def servers():
             s.close()
 
 
-def _post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=TIMEOUT_S)
-
-
-def _stream(url: str, path: str, body: dict) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", url + path, json=body, timeout=TIMEOUT_S) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    return chunks
-
-
 def _prefill(prefill, path: str, body: dict) -> dict:
-    r = _post(
+    r = post(
         prefill.url, path, {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     )
     assert r.status_code == 200, r.text
@@ -99,18 +84,21 @@ def test_prefill_then_decode_equals_the_colocated_server(servers, case, stream):
     body = {**body, "model": MODEL, "stream": stream}
     params = _prefill(prefill, path, body)
     if stream:
-        want, got = _stream(colocated.url, path, body), _stream(decode.url, path, _decode_body(prefill, body, params))
+        want, got = (
+            stream_chunks(colocated.url, path, body),
+            stream_chunks(decode.url, path, _decode_body(prefill, body, params)),
+        )
         assert [c["choices"] for c in got] == [c["choices"] for c in want]
     else:
-        want = _post(colocated.url, path, body)
-        got = _post(decode.url, path, _decode_body(prefill, body, params))
+        want = post(colocated.url, path, body)
+        got = post(decode.url, path, _decode_body(prefill, body, params))
         assert got.status_code == want.status_code == 200, got.text
         assert _comparable(got.json()) == _comparable(want.json())
     assert prefill.settled() and decode.settled(), "blocks left held or reserved"
 
 
 def _greedy(colocated, prompt, max_tokens=8):
-    r = _post(
+    r = post(
         colocated.url, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "model": MODEL}
     )
     return r.json()["choices"][0]["token_ids"]
@@ -152,7 +140,7 @@ def _hand_off(servers, prompt, num_tokens_delta=0):
     body = {"prompt": prompt, "max_tokens": 8, "model": MODEL, "temperature": 0}
     params = _prefill(prefill, "/v1/completions", body)
     params["num_tokens"] += num_tokens_delta
-    return _post(decode.url, "/v1/completions", _decode_body(prefill, body, params))
+    return post(decode.url, "/v1/completions", _decode_body(prefill, body, params))
 
 
 def test_a_transfer_error_is_retried_once(servers, faulty):
@@ -208,7 +196,7 @@ def test_held_kv_nobody_claims_is_released_after_the_hold_timeout():
         params = _prefill(prefill, "/v1/completions", {"prompt": PROMPTS[1], "model": MODEL})
         assert prefill.engine.cache.free_blocks < prefill.free
         assert prefill.settled()
-        r = _post(
+        r = post(
             prefill.url,
             "/pd/v1/transfer",
             {"transfer_id": params["transfer_id"], "decode": [{}], "decode_layout": {"tp": 1}},
@@ -230,12 +218,12 @@ def test_a_decode_pool_without_room_makes_requests_wait_never_end_early(servers)
         with ThreadPoolExecutor(3) as pool:
             out = list(
                 pool.map(
-                    lambda bp: _post(decode.url, "/v1/completions", _decode_body(prefill, *bp)), zip(bodies, params)
+                    lambda bp: post(decode.url, "/v1/completions", _decode_body(prefill, *bp)), zip(bodies, params)
                 )
             )
         for r, b in zip(out, bodies):
             assert r.status_code == 200, r.text
-            want = _post(colocated.url, "/v1/completions", b).json()["choices"][0]["token_ids"]
+            want = post(colocated.url, "/v1/completions", b).json()["choices"][0]["token_ids"]
             assert r.json()["choices"][0]["token_ids"] == want and len(want) == 8
         assert prefill.settled() and decode.settled()
     finally:
@@ -258,7 +246,7 @@ def test_info_names_the_role_and_the_cache(servers):
         }
     r = httpx.get(servers[0].url + "/pd/v1/info", timeout=TIMEOUT_S)
     assert r.status_code == 404 and "--pd-role" in r.json()["error"]["message"]
-    r = _post(
+    r = post(
         decode.url,
         "/v1/completions",
         {"prompt": [1, 2], "model": MODEL, "kv_transfer_params": {"do_remote_decode": True}},
@@ -275,7 +263,7 @@ def test_a_client_that_leaves_while_waiting_for_decode_blocks_leaves_no_block_be
         first, second = (_prefill(prefill, "/v1/completions", body) for _ in range(2))
         wrapper = faulty(pause=pause)
         with ThreadPoolExecutor(1) as pool:
-            done = pool.submit(_post, decode.url, "/v1/completions", _decode_body(prefill, body, first))
+            done = pool.submit(post, decode.url, "/v1/completions", _decode_body(prefill, body, first))
             deadline = time.monotonic() + TIMEOUT_S
             while not wrapper.calls:  # the first request holds the decode pool's one block, its KV being written
                 assert time.monotonic() < deadline, "the first transfer never started"
@@ -288,7 +276,7 @@ def test_a_client_that_leaves_while_waiting_for_decode_blocks_leaves_no_block_be
         assert r.status_code == 200, r.text
         assert (
             r.json()["choices"][0]["token_ids"]
-            == _post(colocated.url, "/v1/completions", body).json()["choices"][0]["token_ids"]
+            == post(colocated.url, "/v1/completions", body).json()["choices"][0]["token_ids"]
         )
         assert prefill.settled() and decode.settled()
     finally:
@@ -322,7 +310,7 @@ def test_a_decode_body_the_hand_off_cannot_serve_is_a_400_naming_why(servers, ex
     params = {"do_remote_prefill": True, "prefill_url": prefill.url, "transfer_id": "x", "first_token": 1}
     params |= {"num_tokens": 3, "prompt_token_ids": [1, 2, 3]}
     body = {"prompt": [1, 2, 3], "model": MODEL, "kv_transfer_params": params} | extra
-    r = _post(decode.url, "/v1/completions", body)
+    r = post(decode.url, "/v1/completions", body)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert decode.settled() and prefill.settled()
 
@@ -337,8 +325,8 @@ def test_fp8_kv_and_its_scales_hand_off_equal_to_the_colocated_server():
         for path, body in CASES[:2]:
             body = {**body, "model": MODEL}
             params = _prefill(prefill, path, body)
-            want = _post(colocated.url, path, body)
-            got = _post(decode.url, path, _decode_body(prefill, body, params))
+            want = post(colocated.url, path, body)
+            got = post(decode.url, path, _decode_body(prefill, body, params))
             assert got.status_code == want.status_code == 200, got.text
             assert _comparable(got.json()) == _comparable(want.json())
         assert prefill.settled() and decode.settled()
@@ -355,12 +343,12 @@ def test_a_prefill_instance_that_is_gone_is_a_502_naming_it_and_frees_the_decode
     params = _prefill(prefill, "/v1/completions", body)
     with unused_port() as port:  # nothing listens there: the prefill died after answering
         gone = f"http://127.0.0.1:{port}"
-        r = _post(
+        r = post(
             decode.url,
             "/v1/completions",
             {**body, "kv_transfer_params": {**params, "do_remote_prefill": True, "prefill_url": gone}},
         )
     assert r.status_code == 502 and gone in r.json()["error"]["message"], r.text
     assert decode.settled()
-    assert _post(prefill.url, "/pd/v1/release", {"transfer_id": params["transfer_id"]}).json()["released"]
+    assert post(prefill.url, "/pd/v1/release", {"transfer_id": params["transfer_id"]}).json()["released"]
     assert prefill.settled()

@@ -4,8 +4,10 @@ tiny fixture in fp32 or in bfloat16 with the per-token FP8 KV cache."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+
 
 TIMEOUT_S = 60  # a wait on a server, not a timing bound: a lost server fails the test instead of hanging it
 MODEL = "tiny"
@@ -69,3 +71,24 @@ class Served:
                 return True
             time.sleep(0.02)
         return False
+
+
+def post(url: str, path: str, body: dict):
+    import httpx  # the serving tests skip without it
+
+    return httpx.post(url + path, json=body, timeout=TIMEOUT_S)
+
+
+def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
+    """A streamed request's SSE chunks, parsed; the stream must end with `data: [DONE]`."""
+    import httpx
+
+    chunks = []
+    with httpx.stream("POST", url + path, json=body, timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200, r.read()
+        lines = list(r.iter_lines())
+    assert "data: [DONE]" in lines, lines[-3:]
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunks.append(json.loads(line[6:]))
+    return chunks
