@@ -10,6 +10,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from equivalence.support.plans import small_model_shapes
 from optimized.config import ConfigError, InferenceConfig, ParallelConfig, dense_layers
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
@@ -255,19 +256,7 @@ def test_top_level_must_be_a_mapping():
 
 
 def _model(**over):
-    base = dict(
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        moe_intermediate_size=24,
-        num_experts=8,
-        vocab_size=240,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-    )
-    base.update(over)
-    return SimpleNamespace(**base)
+    return small_model_shapes(**over)
 
 
 def _par(**p):

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from equivalence.support.plans import small_model_shapes
 from optimized.benchmarks.eplb_imbalance import measure
 from optimized.config import ConfigError, InferenceConfig
 from optimized.layers.eplb.placement import ExpertPlacement, PlacementError, to_physical
@@ -78,23 +79,7 @@ def test_a_bad_placement_is_refused_by_name(p2l, e, ep, fragment):
 
 
 def _model(**over):
-    from types import SimpleNamespace
-
-    base = dict(
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        moe_intermediate_size=24,
-        num_experts=8,
-        num_experts_per_tok=2,
-        vocab_size=240,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-        head_dim=16,
-        hidden_size=64,
-    )
-    return SimpleNamespace(**{**base, **over})
+    return small_model_shapes(**over)
 
 
 def _error(d: dict, model=None) -> str:

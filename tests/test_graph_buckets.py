@@ -5,12 +5,12 @@ largest."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from equivalence.support.plans import small_model_shapes
 from optimized.config import ConfigError, InferenceConfig
 from optimized.distributed import decode_plan
 from optimized.errors import UsageError
@@ -123,18 +123,7 @@ def test_a_plan_for_more_requests_than_the_largest_size_is_refused_naming_the_ke
 def test_force_eplb_is_checked_against_the_largest_captured_size():
     """With moe_tp_size > 1 the forced routing needs B * top_k <= num_experts for the padded decode batch: batch 3
     pads to 4 by default (8 > 6 refused); captured sizes [1, 3] pad it to 3 (6 <= 6)."""
-    model = SimpleNamespace(
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        moe_intermediate_size=24,
-        num_experts=6,
-        num_experts_per_tok=2,
-        vocab_size=240,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-    )
+    model = small_model_shapes(num_experts=6)
 
     def cfg(sizes):
         mc = {"exe_mode": "ge_graph", "force_eplb": True} | ({} if sizes is None else {"graph_batch_sizes": sizes})

@@ -25,26 +25,31 @@ def runner():
     return ModelRunner(load_model(checkpoint("tiny"), dtype=torch.float32), block_size=16)
 
 
-def test_host_overhead_is_the_step_minus_its_forward(runner, monkeypatch):
-    from optimized.benchmarks.host_overhead import format_report, measure
-    from optimized.executor.engine import Engine
-
+def _slow_steps(runner, monkeypatch, engine_class, read_method: str):
+    """A fake clock on the runner: each decode forward takes 5 units, each call of the engine's `read_method` (its
+    host read) 2. Returns the slowed forward."""
     clock = FakeClock()
     monkeypatch.setattr(runner, "clock", clock)
-    forward = runner.decode_forward
+    forward, read = runner.decode_forward, getattr(engine_class, read_method)
 
     def slow_forward(*a):
         clock.now += 5.0
         return forward(*a)
 
-    monkeypatch.setattr(runner, "decode_forward", slow_forward)
-    read = Engine._read
-
     def slow_read(self, *a):
         clock.now += 2.0
         return read(self, *a)
 
-    monkeypatch.setattr(Engine, "_read", slow_read)
+    monkeypatch.setattr(runner, "decode_forward", slow_forward)
+    monkeypatch.setattr(engine_class, read_method, slow_read)
+    return slow_forward
+
+
+def test_host_overhead_is_the_step_minus_its_forward(runner, monkeypatch):
+    from optimized.benchmarks.host_overhead import format_report, measure
+    from optimized.executor.engine import Engine
+
+    slow_forward = _slow_steps(runner, monkeypatch, Engine, "_read")
     row = measure(runner, [[1, 2, 3], [4, 5, 6, 7]], decode_steps=3, rounds=2)
     assert row["batch"] == 2 and row["steps"] == 3
     assert row["step_ms"] == 7000.0 and row["forward_ms"] == 5000.0 and row["host_ms"] == 2000.0
@@ -59,26 +64,11 @@ def test_overlapped_host_overhead_is_the_cycle_minus_the_synchronous_forward(run
     from optimized.benchmarks.host_overhead import format_report, measure_overlapped
     from optimized.executor.engine import Engine
 
-    clock = FakeClock()
-    monkeypatch.setattr(runner, "clock", clock)
-    forward = runner.decode_forward
-
-    def slow_forward(*a):
-        clock.now += 5.0
-        return forward(*a)
-
-    monkeypatch.setattr(runner, "decode_forward", slow_forward)
-    complete = Engine._complete
-
-    def slow_complete(self, *a):
-        clock.now += 2.0
-        return complete(self, *a)
-
-    monkeypatch.setattr(Engine, "_complete", slow_complete)
+    slow_forward = _slow_steps(runner, monkeypatch, Engine, "_complete")
     row = measure_overlapped(runner, [[1, 2, 3], [4, 5, 6, 7]], decode_steps=3, forward_ms=5000.0, rounds=2)
     assert row["overlap"] and row["batch"] == 2 and row["steps"] == 3
     assert row["step_ms"] == 7000.0 and row["forward_ms"] == 5000.0 and row["host_ms"] == 2000.0
-    assert runner.async_scheduling is False  # measure put the runner's setting back
+    assert runner.async_scheduling is False and runner.decode_forward is slow_forward  # measure put them back
     assert "      on" in format_report([row], "tiny")
 
 
