@@ -431,11 +431,18 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None, scale: float, p_dtype: torch.dtype
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    vis: torch.Tensor | None,
+    scale: float,
+    p_dtype: torch.dtype,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (R, Lq, Nq, D), k (R, Lkv, Nkv, D), v (R, Lkv, Nkv, Dv) fp32 for R requests of the same lengths; vis
     (Lq, Lkv) or None (all visible). -> out (R, Lq, Nq, Dv), lse (R, Nq, Lq). Each request's arithmetic is its own
-    (batched matmuls and row reductions): the same bits as alone.
+    (batched matmuls and row reductions): the same bits as alone. inplace: the softmax's elementwise steps write
+    into the scores tensor (eager only: a traced body may not mutate its temporaries); the same values either way.
 
     GQA: query head h = g*G + r reads KV head g (contiguous groups, same as repeat_interleave(G) on K/V)."""
     reqs, lq, nq, _ = q.shape
@@ -449,14 +456,23 @@ def _attend(
     # torch.bmm on 3-D operands (`_bmm`): torch.matmul folds a batch of one into a plain mm, another GEMM path.
     qg = q.reshape(reqs, lq, nkv, group, q.shape[-1]).permute(0, 2, 3, 1, 4).reshape(reqs * nkv, group * lq, -1)
     kt = k.permute(0, 2, 3, 1).reshape(reqs * nkv, -1, lkv)  # (R*Nkv, D, Lkv)
-    s = _bmm(qg.contiguous(), kt.contiguous()).reshape(reqs, nkv, group, lq, lkv) * scale  # (R, Nkv, G, Lq, Lkv)
-    if vis is not None:
-        s = s.masked_fill(~vis, -math.inf)
+    s = _bmm(qg.contiguous(), kt.contiguous()).reshape(reqs, nkv, group, lq, lkv)  # (R, Nkv, G, Lq, Lkv)
+    if inplace:  # eager: the same elementwise operations, written into the scores (no temporary per step)
+        s = s.contiguous()  # a dense copy where `_bmm` padded its matrices, as `s * scale` made one
+        s.mul_(scale)
+        if vis is not None:
+            s.masked_fill_(~vis, -math.inf)
+    else:
+        s = s * scale
+        if vis is not None:
+            s = s.masked_fill(~vis, -math.inf)
     m = s.amax(-1, keepdim=True)
     valid = torch.isfinite(m)
-    p = torch.exp(s - torch.where(valid, m, torch.zeros_like(m)))
+    shift = torch.where(valid, m, torch.zeros_like(m))
+    p = s.sub_(shift).exp_() if inplace else torch.exp(s - shift)
     l = p.sum(-1, keepdim=True)
-    probs = (p / torch.where(valid, l, torch.ones_like(l))).to(p_dtype).float()
+    norm = torch.where(valid, l, torch.ones_like(l))
+    probs = (p.div_(norm) if inplace else p / norm).to(p_dtype).float()
     out = _bmm(
         probs.reshape(reqs * nkv, group * lq, lkv).contiguous(),
         v.permute(0, 2, 1, 3).reshape(reqs * nkv, lkv, dv).contiguous(),
@@ -710,7 +726,7 @@ def _fia(
         )
         mask_b = None if mask3 is None else mask3[b0 if mask3.shape[0] > 1 else 0]
         vis = _visible(sparse_mode, lq[b0], lkv[b0], mask_b, pre_tokens, next_tokens, q_s_one, device)
-        o_g, lse_g = _attend(q_g.float(), k_g, v_g, vis, scale, plan.p_dtype)
+        o_g, lse_g = _attend(q_g.float(), k_g, v_g, vis, scale, plan.p_dtype, inplace=read_data)
         o_g, lse_g = o_g.to(plan.out_dtype), lse_g.transpose(1, 2)  # (R, Lq, Nq, Dv), (R, Lq, Nq)
         for i, b in enumerate(members):
             first = q_start[b] if layout == "TND" else b * seq

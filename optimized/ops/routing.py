@@ -656,10 +656,14 @@ def _finalize(
         _FIN,
         f"expanded_src_to_dst_row values must lie in [-1, {num_rows})",
     )
-    # -1 (and only -1) reads a zero row appended past the real ones; the where() below makes it contribute 0.
-    padded = torch.cat([rows2, rows2.new_zeros((1, h))])
-    gathered = padded.index_select(0, torch.where(valid, slot, num_rows).reshape(-1).long()).float()
-    values = gathered.view(n, kk, h)
+    # One choice j at a time over [N, H] rows (cache-sized pieces, nothing [N, K, H] materialized), each step the
+    # literal loop's arithmetic: the row gathered and widened, + bias, x scale, then added in ascending j.
+    # -1 gathers row 0 (a zero row if there is none) and the where() makes it contribute exactly 0; eagerly the
+    # where() is skipped when no index is -1 (adding the where()'s 0.0 to the accumulator changes no bit).
+    src = rows2 if num_rows else rows2.new_zeros((1, h))
+    index = torch.where(valid, slot, 0).long().t().contiguous()  # [K, N]
+    masked = not read_data or not bool(valid.all())
+    ex = None
     if bias is not None:
         ex = export.long()
         check(
@@ -669,17 +673,21 @@ def _finalize(
             _FIN,
             f"export_for_source_row values must lie in [0, {bias.shape[0]}) (bias rows) where an index is valid",
         )
-        values = values + bias.float().index_select(0, torch.where(valid, ex, 0).reshape(-1)).view(n, kk, h)
-    if scales is not None:
-        values = scales.float().unsqueeze(-1) * values
-    contrib = torch.where(valid.unsqueeze(-1), values, 0.0)
+        ex, bias_f = torch.where(valid, ex, 0).t().contiguous(), bias.float()
     acc = torch.zeros((n, h), dtype=torch.float32, device=rows.device)
     if skip1 is not None:
         acc = acc + skip1.float()
     if skip2 is not None:
         acc = acc + skip2.float()
     for j in range(kk):  # over the K choices (top-k, small), never over tokens: the spec's fixed ascending-j order
-        acc = acc + contrib[:, j]
+        value = src.index_select(0, index[j]).float()  # [N, H]
+        if bias is not None:
+            value = value + bias_f.index_select(0, ex[j])
+        if scales is not None:
+            value = scales[:, j : j + 1].float() * value
+        if masked:
+            value = torch.where(valid[:, j : j + 1], value, 0.0)
+        acc = acc + value
     return acc.to(rows.dtype)
 
 
