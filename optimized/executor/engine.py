@@ -530,8 +530,8 @@ class Engine:
             lp, targets, offset, token = [], [], 0, 0
             for r in rows:
                 n = len(r.kept_prompt_positions)
-                if r.echo:  # rows 0 .. len-2 predict prompt tokens 1 .. len-1 (on the device: ids)
-                    lp.append(self._log_softmax(kept[offset : offset + n]))
+                if r.echo:  # its first kept rows, 0 .. len-2, predict prompt tokens 1 .. len-1 (on the device: ids)
+                    lp.append(self._log_softmax(kept[offset : offset + len(r.prompt) - 1]))
                     targets.append(ids[token + 1 : token + len(r.prompt)])
                 offset += n
                 token += len(r.prefill_ids) - r.cached_tokens  # the tokens it computed (echo: all)
@@ -611,8 +611,8 @@ class Engine:
             for i, r in enumerate(g):
                 if kind == "prefill":
                     n = len(r.kept_prompt_positions)
-                    if r.prompt_positions is not None and not r.tokens:
-                        r.prompt_logits = prompt_rows[offset : offset + n]
+                    if r.prompt_positions is not None and not r.tokens:  # after echo's rows, when both
+                        r.prompt_logits = prompt_rows[offset + n - len(r.prompt_positions) : offset + n]
                     offset += n
                 if r.record_logits:
                     r.logits.append(last_rows[i])

@@ -94,13 +94,12 @@ class Request:
 
     @property
     def kept_prompt_positions(self) -> list[int]:
-        """Prompt positions whose logits the prefill returns besides the last: echo's and prompt_positions'
-        (none when it is recomputed: the first prefill returned them)."""
+        """Prompt positions whose logits the prefill returns besides the last: echo's (0 .. len - 2), then
+        prompt_positions' (none when it is recomputed: the first prefill returned them)."""
         if self.tokens:
             return []
-        if self.prompt_positions is not None:
-            return list(self.prompt_positions)
-        return list(range(len(self.prompt) - 1)) if self.prompt_logprobs else []
+        echo = list(range(len(self.prompt) - 1)) if self.prompt_logprobs else []
+        return echo + list(self.prompt_positions or [])
 
 
 def least_loaded(loads: list[int]) -> int:
