@@ -2,7 +2,8 @@
 token's expert, never the MoE layer's output: for every placement hypothesis draws (any permutation of the experts
 over the slots, redundant replicas of any expert, uneven replica counts, R = 0 included), the layer built with it
 equals the layer without EPLB on the same rows, over real gloo ranks, under every token exchange: tensor parallel
-(MoE TP and EP), EP all-gather, double routing (all-to-all) and MC2 dispatch / combine, fp32 and W8A8 / W4A8.
+(MoE TP and EP), EP all-gather, double routing (all-to-all) and MC2 dispatch / combine, fp32 and W8A8 / W4A8 /
+W4A4 (MXFP4 experts quantizing their own input to MXFP4: a row's codes and scales depend on that row alone).
 
 Bitwise where the per-expert arithmetic is unchanged: in batch-invariant mode (model_config.batch_invariant: each
 row's GEMM is a GEMM of one row, so a row's expert output does not depend on how many rows share its slot) the
@@ -96,7 +97,7 @@ def test_placement_keeps_the_layer_output_fp32(world, moe_tp, exchange):
     _check(world, moe_tp, exchange, "float32", 3)
 
 
-@pytest.mark.parametrize("quant", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("quant", ["w8a8", "w4a8", "w4a4"])
 @pytest.mark.parametrize("world, moe_tp, exchange", [(2, 1, TP), (2, 1, AG), (2, 1, DR), (4, 1, MC2)])
 def test_placement_keeps_the_layer_output_quantized(world, moe_tp, exchange, quant):
     _check(world, moe_tp, exchange, quant, 2)

@@ -5,7 +5,8 @@ all_gather):
 - without redundant slots, a layer loaded in order and rearranged to a drawn permutation holds, tensor for tensor
   and bit for bit, what a layer loaded from the checkpoint with its experts permuted that way holds (MXFP8 / MXFP4
   weights in their runtime layouts, NZ-cast where the model casts them, the same NZ layout recorded, and their E8M0
-  scale pairs);
+  scale pairs; W4A4's experts, FP4 packed along N and contiguous, are the ND case: their expert tensors are the
+  weights and scale pairs only, the Hadamard rotation acting on the attention linears only);
 - with redundant slots, a layer rearranged from the default placement to a drawn one holds what a layer built with
   the drawn placement loaded;
 - a planted rearrangement that moves the weights and not their scales is caught: its tensors differ, and so does
@@ -35,14 +36,22 @@ pytestmark = pytest.mark.distributed
 
 WORLD = 2
 LAYOUT = layout(WORLD, attn_tp_size=WORLD, moe_tp_size=1)
+ND_EXPERTS = ("float32", "w4a4")  # expert tensors kept ND: nothing NZ-cast to keep
+W4A4_EXPERT_TENSORS = {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"}
 
 
 def _tensors(block) -> dict[str, tuple[torch.Tensor, object]]:
-    """Each expert tensor's values and the NZ layout recorded on its storage (None: ND)."""
-    from optimized.layers.eplb.rearrange import expert_tensors
+    """Every tensor the experts hold stacked over their local slots (parameters, buffers, and tensors kept on the
+    module or its quant method, so per-expert state a rearrangement does not move is compared too): its values and
+    the NZ layout recorded on its storage (None: ND)."""
     from optimized.ops.formats import nz_layout
 
-    return {k: (v.detach().clone(), nz_layout(v)) for k, v in expert_tensors(block.experts).items()}
+    experts = block.experts
+    held = dict(experts.named_parameters(recurse=False)) | dict(experts.named_buffers(recurse=False))
+    for owner, where in ((experts, ""), (experts.quant_method, "quant_method.")):
+        held |= {where + k: v for k, v in vars(owner).items() if isinstance(v, torch.Tensor)}
+    per_slot = {k: v for k, v in held.items() if v.dim() and v.shape[0] == experts.local_experts}
+    return {k: (v.detach().clone(), nz_layout(v)) for k, v in per_slot.items()}
 
 
 def _rearrange_task(rank, world, quant, p2l, x, planted: bool):
@@ -58,6 +67,8 @@ def _rearrange_task(rank, world, quant, p2l, x, planted: bool):
     keep = rearrange.expert_tensors
     if planted:  # the bug a rearrangement once had: the weights move, their scales stay
         rearrange.expert_tensors = lambda experts: {k: v for k, v in keep(experts).items() if "scale" not in k}
+    with torch.no_grad():  # a forward first: whatever a kernel keeps of the old weights must follow the move
+        moved(x)
     try:
         moved.apply_placement(target)
     finally:
@@ -95,13 +106,15 @@ def _run(quant, p2l, seed, planted):
     return get_pool(WORLD).run(_rearrange_task, quant, p2l, x, planted, timeout=120)
 
 
-@pytest.mark.parametrize("quant", ["float32", "w8a8", "w4a8"])
+@pytest.mark.parametrize("quant", ["float32", "w8a8", "w4a8", "w4a4"])
 def test_rearranged_experts_equal_a_checkpoint_loaded_with_them_in_place(quant):
     def check(p2l, seed):
         for rank, (moved, loaded, out_moved, out_loaded) in enumerate(_run(quant, p2l, seed, planted=False)):
             what = f"{quant} rank {rank} placement {p2l}"
             assert moved.keys() == loaded.keys()
-            assert any(layout is not None for _, layout in moved.values()) or quant == "float32", what
+            assert any(layout is not None for _, layout in moved.values()) or quant in ND_EXPERTS, what
+            if quant == "w4a4":  # no other per-expert state (rotation, tuning) is left for the move to miss
+                assert set(moved) == W4A4_EXPERT_TENSORS, f"{what}: {sorted(moved)}"
             for name in moved:
                 assert_bitwise_equal(moved[name][0], loaded[name][0], f"{what}: {name}")
                 assert moved[name][1] == loaded[name][1], f"{what}: {name} layout {moved[name][1]} != {loaded[name][1]}"
@@ -110,7 +123,7 @@ def test_rearranged_experts_equal_a_checkpoint_loaded_with_them_in_place(quant):
     run_property(check, 3, p2l=placements(WORLD), seed=seeds)
 
 
-@pytest.mark.parametrize("quant", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("quant", ["w8a8", "w4a8", "w4a4"])
 def test_a_rearrangement_that_leaves_the_scales_behind_is_caught(quant):
     p2l = tuple(reversed(range(E)))  # every expert changes rank
     for rank, (moved, loaded, out_moved, out_loaded) in enumerate(_run(quant, p2l, 0, planted=True)):

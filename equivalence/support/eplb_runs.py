@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from fixtures.checkpoints import checkpoint, w4a8_checkpoint, w8a8_checkpoint
+from fixtures.checkpoints import checkpoint, w4a4_checkpoint, w4a8_checkpoint, w8a8_checkpoint
 from fixtures.tiny import tiny_config
 
 CONFIG = tiny_config("tiny")
 E = CONFIG.num_experts
-CHECKPOINTS = {"float32": checkpoint, "w8a8": w8a8_checkpoint, "w4a8": w4a8_checkpoint}
-DTYPES = {"float32": torch.float32, "w8a8": torch.bfloat16, "w4a8": torch.bfloat16}
+# W4A4: the experts are not rotated (only the attention linears are), so the unrotated conversion covers them.
+CHECKPOINTS = {"float32": checkpoint, "w8a8": w8a8_checkpoint, "w4a8": w4a8_checkpoint, "w4a4": w4a4_checkpoint}
+DTYPES = {"float32": torch.float32, "w8a8": torch.bfloat16, "w4a8": torch.bfloat16, "w4a4": torch.bfloat16}
 
 
 @st.composite
