@@ -4,7 +4,8 @@ every 2 steps from a window of 3 steps, with 2 redundant expert slots, gives eve
 tokens (fp32, each prompt alone), while the placements change (weights moved between the ranks between steps) and
 /metrics counts the rebalances. With W8A8 / W4A8 experts (bf16), the sequence-parallel prefill's double routing and
 the MC2 decode in batch-invariant mode, the rebalancing engine's tokens and every chosen token's logits are bitwise
-those of the same engine without EPLB."""
+those of the same engine without EPLB; W4A4 likewise with attention DP 2 (its prefill double-routed, its decode MC2),
+since the recipe's sequence-parallel prefill excludes W4A4."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from equivalence.support.engine_runs import run_engine
 from equivalence.support.parallel_support import rank_model, runner_of
 from equivalence.support.serving_prompts import PROMPTS, ref_greedy
 from equivalence.support.strategies import layout
-from fixtures.checkpoints import checkpoint, w4a8_checkpoint, w8a8_checkpoint
+from fixtures.checkpoints import checkpoint, w4a4_checkpoint, w4a8_checkpoint, w8a8_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -28,6 +29,8 @@ LAYOUTS = {
     "sp2_alltoall": layout(WORLD, attn_tp_size=WORLD, moe_tp_size=1, prefill_opt=True, moe_ep_scheme="alltoall"),
     "tp1xdp2_ep2": layout(WORLD, attn_tp_size=1, moe_tp_size=1, attn_dp=True),
 }
+# W4A4 has no sequence-parallel prefill (the recipe excludes it): attention DP, each rank's rows double-routed
+QUANT_LAYOUT = {"w4a4": "tp1xdp2_ep2"}
 ARRIVALS = [0, 0, 1, 3, 4]  # the step each prompt arrives at: requests join while others decode
 
 
@@ -73,8 +76,8 @@ def _quant_task(rank, world, quant, eplb: bool):
     from optimized.executor.model_runner import ModelRunner
     from optimized.executor.scheduler import Request
 
-    path = str({"w8a8": w8a8_checkpoint, "w4a8": w4a8_checkpoint}[quant]("tiny"))
-    lay = {**LAYOUTS["sp2_alltoall"], **(EPLB if eplb else {})}
+    path = str({"w8a8": w8a8_checkpoint, "w4a8": w4a8_checkpoint, "w4a4": w4a4_checkpoint}[quant]("tiny"))
+    lay = {**LAYOUTS[QUANT_LAYOUT.get(quant, "sp2_alltoall")], **(EPLB if eplb else {})}
     model = rank_model(path, lay, torch.bfloat16)
     engine = Engine(ModelRunner(model, 16, batch_invariant=True), batch_size=4, num_blocks=64)
     requests = [
@@ -86,7 +89,7 @@ def _quant_task(rank, world, quant, eplb: bool):
     return [(r.tokens, torch.stack([torch.as_tensor(x) for x in r.logits])) for _, r in requests], counts
 
 
-@pytest.mark.parametrize("quant", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("quant", ["w8a8", "w4a8", "w4a4"])
 def test_a_rebalancing_quantized_engine_is_bitwise_the_engine_without_eplb(quant):
     pool = get_pool(WORLD)
     with_eplb, without = (pool.run(_quant_task, quant, on, timeout=300) for on in (True, False))
