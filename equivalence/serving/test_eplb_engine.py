@@ -5,7 +5,8 @@ tokens (fp32, each prompt alone), while the placements change (weights moved bet
 /metrics counts the rebalances. With W8A8 / W4A8 experts (bf16), the sequence-parallel prefill's double routing and
 the MC2 decode in batch-invariant mode, the rebalancing engine's tokens and every chosen token's logits are bitwise
 those of the same engine without EPLB; W4A4 likewise with attention DP 2 (its prefill double-routed, its decode MC2),
-since the recipe's sequence-parallel prefill excludes W4A4."""
+since the recipe's sequence-parallel prefill excludes W4A4, unrotated and in the recipe's rotated form (the
+Hadamard rotation on the attention linears stays put while the experts move)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from equivalence.support.compare import assert_bitwise_equal
 from equivalence.support.dist import get_pool
 from equivalence.support.engine_runs import run_engine
 from equivalence.support.parallel_support import rank_model, runner_of
+from equivalence.support.parallel_support import test_device as worker_device
 from equivalence.support.serving_prompts import PROMPTS, ref_greedy
 from equivalence.support.strategies import layout
-from fixtures.checkpoints import checkpoint, w4a4_checkpoint, w4a8_checkpoint, w8a8_checkpoint
+from fixtures.checkpoints import checkpoint, rotation_dir, w4a4_checkpoint, w4a8_checkpoint, w8a8_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +32,8 @@ LAYOUTS = {
     "tp1xdp2_ep2": layout(WORLD, attn_tp_size=1, moe_tp_size=1, attn_dp=True),
 }
 # W4A4 has no sequence-parallel prefill (the recipe excludes it): attention DP, each rank's rows double-routed
-QUANT_LAYOUT = {"w4a4": "tp1xdp2_ep2"}
+ROTATED = "w4a4-rotated"
+QUANT_LAYOUT = {"w4a4": "tp1xdp2_ep2", ROTATED: "tp1xdp2_ep2"}
 ARRIVALS = [0, 0, 1, 3, 4]  # the step each prompt arrives at: requests join while others decode
 
 
@@ -71,14 +74,33 @@ def test_an_engine_rebalancing_every_two_steps_gives_the_reference_tokens(name):
     assert sum(got["moved"] for got in results) > 0, f"{name}: no expert slot moved"
 
 
+def _quant_model(quant: str, lay: dict):
+    """This rank's bf16 model of `quant`; `w4a4-rotated`: the recipe's form, a W4A4 conversion of a model whose
+    attention widths take the Hadamard rotation (tiny-h128), served with its rotation directory."""
+    if quant != ROTATED:
+        path = str({"w8a8": w8a8_checkpoint, "w4a8": w4a8_checkpoint, "w4a4": w4a4_checkpoint}[quant]("tiny"))
+        return rank_model(path, lay, torch.bfloat16)
+    from optimized.distributed import ParallelState
+    from optimized.model_loader.build import load_model
+
+    model = load_model(
+        w4a4_checkpoint("tiny-h128", "invertible"),
+        parallel=ParallelState.build(**lay),
+        dtype=torch.bfloat16,
+        device=worker_device(),
+        hadamard_weight_path=rotation_dir("invertible"),
+    )
+    assert all(layer.self_attn.merged_qkv_proj.input_rotation is not None for layer in model.layers), "not rotated"
+    return model
+
+
 def _quant_task(rank, world, quant, eplb: bool):
     from optimized.executor.engine import Engine
     from optimized.executor.model_runner import ModelRunner
     from optimized.executor.scheduler import Request
 
-    path = str({"w8a8": w8a8_checkpoint, "w4a8": w4a8_checkpoint, "w4a4": w4a4_checkpoint}[quant]("tiny"))
     lay = {**LAYOUTS[QUANT_LAYOUT.get(quant, "sp2_alltoall")], **(EPLB if eplb else {})}
-    model = rank_model(path, lay, torch.bfloat16)
+    model = _quant_model(quant, lay)
     engine = Engine(ModelRunner(model, 16, batch_invariant=True), batch_size=4, num_blocks=64)
     requests = [
         (step, Request(f"r{i}", list(p), MAX_TOKENS, record_logits=True))
@@ -89,7 +111,7 @@ def _quant_task(rank, world, quant, eplb: bool):
     return [(r.tokens, torch.stack([torch.as_tensor(x) for x in r.logits])) for _, r in requests], counts
 
 
-@pytest.mark.parametrize("quant", ["w8a8", "w4a8", "w4a4"])
+@pytest.mark.parametrize("quant", ["w8a8", "w4a8", "w4a4", ROTATED])
 def test_a_rebalancing_quantized_engine_is_bitwise_the_engine_without_eplb(quant):
     pool = get_pool(WORLD)
     with_eplb, without = (pool.run(_quant_task, quant, on, timeout=300) for on in (True, False))
