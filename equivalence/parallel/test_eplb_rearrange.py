@@ -9,6 +9,8 @@ all_gather):
   weights and scale pairs only, the Hadamard rotation acting on the attention linears only);
 - with redundant slots, a layer rearranged from the default placement to a drawn one holds what a layer built with
   the drawn placement loaded;
+- the layer runs once before it is rearranged, so a kernel's cached copy of the old weights (the oneDNN packed
+  copies of bf16 expert weights on the CPU) must follow the move for the outputs to agree;
 - a planted rearrangement that moves the weights and not their scales is caught: its tensors differ, and so does
   the layer's output.
 """
@@ -106,7 +108,7 @@ def _run(quant, p2l, seed, planted):
     return get_pool(WORLD).run(_rearrange_task, quant, p2l, x, planted, timeout=120)
 
 
-@pytest.mark.parametrize("quant", ["float32", "w8a8", "w4a8", "w4a4"])
+@pytest.mark.parametrize("quant", ["float32", "bfloat16", "w8a8", "w4a8", "w4a4"])
 def test_rearranged_experts_equal_a_checkpoint_loaded_with_them_in_place(quant):
     def check(p2l, seed):
         for rank, (moved, loaded, out_moved, out_loaded) in enumerate(_run(quant, p2l, seed, planted=False)):

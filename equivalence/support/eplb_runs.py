@@ -11,8 +11,21 @@ from fixtures.tiny import tiny_config
 CONFIG = tiny_config("tiny")
 E = CONFIG.num_experts
 # W4A4: the experts are not rotated (only the attention linears are), so the unrotated conversion covers them.
-CHECKPOINTS = {"float32": checkpoint, "w8a8": w8a8_checkpoint, "w4a8": w4a8_checkpoint, "w4a4": w4a4_checkpoint}
-DTYPES = {"float32": torch.float32, "w8a8": torch.bfloat16, "w4a8": torch.bfloat16, "w4a4": torch.bfloat16}
+# bfloat16: the float checkpoint served in bf16, whose CPU GEMMs read oneDNN packed copies of the expert weights.
+CHECKPOINTS = {
+    "float32": checkpoint,
+    "bfloat16": checkpoint,
+    "w8a8": w8a8_checkpoint,
+    "w4a8": w4a8_checkpoint,
+    "w4a4": w4a4_checkpoint,
+}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "w8a8": torch.bfloat16,
+    "w4a8": torch.bfloat16,
+    "w4a4": torch.bfloat16,
+}
 
 
 @st.composite

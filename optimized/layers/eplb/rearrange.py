@@ -69,6 +69,8 @@ def rearrange_experts(experts, new: ExpertPlacement) -> int:
         # local sources first copied aside: a source slot may itself be overwritten by another move
         local = {src: t.detach()[src - first].clone() for _, src in moves if src // per == ep.rank}
         for slot, src in moves:
-            t.data[slot].copy_(local[src] if src in local else remote[needed.index(src)])
+            # through detach(), not .data: the write bumps the parameter's version, which the CPU GEMMs' packed
+            # copies of it are checked against
+            t.detach()[slot].copy_(local[src] if src in local else remote[needed.index(src)])
     experts.placement = new
     return len(moves)
