@@ -145,6 +145,7 @@ def _disaggregated(kv: str, sampling, specs=SPECS, pair: Pair | None = None, **d
     assert pair.prefill.cache.free_blocks == pair.free[0], "released blocks are free again"
     rest = _run(pair.decode)
     assert pair.decode.cache.free_blocks == pair.free[1]
+    assert pair.decode.scheduler.group_tokens == [0], "every handed-over request left its group's load"
     return _seen({rid: [firsts[rid], *rest.get(rid, [])] for rid in firsts})
 
 
@@ -217,6 +218,7 @@ def test_a_request_dropped_during_the_hand_off_gives_its_blocks_back_on_both_sid
     assert pair.prefill.cache.free_blocks == pair.free[0]
     assert pair.decode.cache.free_blocks == pair.free[1]
     assert "r0" not in pair.decode.handoff and not pair.decode.requests and pair.decode.idle
+    assert pair.prefill.scheduler.group_tokens == pair.decode.scheduler.group_tokens == [0], "loads back to 0"
 
 
 def test_a_decode_engine_with_chunked_prefill_and_prefix_caching_takes_over_alike():

@@ -46,8 +46,9 @@ class KvHandoff:
 
     # ---- decode side
     def reserve(self, engine, request: Request) -> bool:
-        """Blocks for the request's prompt KV and the token its first decode writes, in the least loaded DP group;
-        False (nothing taken) while that group's pool has no room beside the running requests' next blocks."""
+        """Blocks for the request's prompt KV and the token its first decode writes, in the DP group of least load
+        in tokens (the scheduler's rule; it counts in that load from here, `Scheduler.join`); False (nothing taken)
+        while that group's pool has no room beside the running requests' next blocks."""
         if len(request.tokens) != 1:
             raise ValueError(f"a request taken over at decode carries exactly its first token; it has {request.tokens}")
         if request.max_tokens <= 1 or request.tokens[0] in request.stop_ids:
@@ -55,16 +56,13 @@ class KvHandoff:
         if request.request_id in self or request.request_id in engine.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         s = engine.scheduler
-        load = [len(w) + len(r) for w, r in zip(s.waiting, s.running)]
-        for r in [*self.reserved.values(), *self.ready]:
-            load[r.dp_group] += 1
-        group = load.index(min(load))
+        group = s.least_loaded_group()  # reserved and queued requests count in their group's load (`join`)
         pool = engine.pools[group]
         need = s.blocks_for(min(len(request.prompt) + 1, request.budget - 1))
-        growth = sum(s._growth(r) for r in s.running[group] if not r.prefill_left)  # their next blocks stay free
-        if need > pool.free_blocks - growth:
+        if need > pool.free_blocks - s.next_blocks(group):  # the running requests' next blocks stay free
             return False
-        request.dp_group, request.blocks = group, pool.take(need)
+        s.join(request, group)
+        request.blocks = pool.take(need)
         request.arrival_step = engine.steps
         self.reserved[request.request_id] = request
         return True
@@ -93,12 +91,15 @@ class KvHandoff:
 
     def drop(self, engine, request_id: str) -> bool:
         """A held, reserved or queued request's blocks go back (not cached); False when it is none of those."""
-        request = self.held.pop(request_id, None) or self.reserved.pop(request_id, None)
-        if request is None:
-            request = next((r for r in self.ready if r.request_id == request_id), None)
+        request = self.held.pop(request_id, None)
+        if request is None:  # reserved or queued: it still counts in its group's load (a held one left already)
+            request = self.reserved.pop(request_id, None)
             if request is None:
-                return False
-            self.ready.remove(request)
+                request = next((r for r in self.ready if r.request_id == request_id), None)
+                if request is None:
+                    return False
+                self.ready.remove(request)
+            engine.scheduler.leave(request)
         engine.pools[request.dp_group].release(request.blocks)
         request.blocks = []
         request.finish_reason = request.finish_reason or "abort"

@@ -199,6 +199,11 @@ class Scheduler:
         """Blocks a running request takes at its next decode: the one its next token starts, if it does."""
         return max(0, self.blocks_for(request.length + 1) - len(request.blocks))
 
+    def next_blocks(self, group: int) -> int:
+        """Blocks the group's running requests take at their next decode: what an admission leaves free (a request
+        still prefilling holds its blocks already: none)."""
+        return sum(self._growth(r) for r in self.running[group])
+
     def check_admissible(self, request: Request) -> None:
         """ValueError when the request could never run (so it is refused, never left waiting forever)."""
         if not self.chunk_budget and self.max_prefill_tokens and len(request.prompt) > self.max_prefill_tokens:
@@ -215,9 +220,19 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_admissible(request)
-        request.dp_group = least_loaded(self.group_tokens)
-        self.group_tokens[request.dp_group] += request.budget
+        self.join(request, self.least_loaded_group())
         self.waiting[request.dp_group].append(request)
+
+    def least_loaded_group(self) -> int:
+        return least_loaded(self.group_tokens)
+
+    def join(self, request: Request, group: int) -> None:
+        """The request belongs to `group` from now on and counts in its load until it `leave`s."""
+        request.dp_group = group
+        self.group_tokens[group] += request.budget
+
+    def leave(self, request: Request) -> None:
+        self.group_tokens[request.dp_group] -= request.budget
 
     def schedule(self, pools) -> Step:
         """The next step. pools: each group's `BlockPool` (kv_cache.py), from which admitted requests take their
@@ -242,7 +257,7 @@ class Scheduler:
     def _admit(self, group: int, pool) -> list[Request]:
         running, waiting = self.running[group], self.waiting[group]
         admitted, tokens = [], 0
-        reserve = sum(self._growth(r) for r in running)  # the running requests' next blocks stay free
+        reserve = self.next_blocks(group)  # the running requests' next blocks stay free
         while waiting:
             head = waiting[0]
             hit = self._cached_prefix(head, pool)
@@ -384,8 +399,7 @@ class Scheduler:
         head = waiting[0]
         hit = self._cached_prefix(head, pool)
         new = self.blocks_at_admission(head) - len(hit)
-        reserve = sum(self._growth(r) for r in running)
-        if new + pool.evictable(hit) > pool.free_blocks - reserve:
+        if new + pool.evictable(hit) > pool.free_blocks - self.next_blocks(group):
             return None
         self._take_blocks(waiting.popleft(), pool, hit, new)
         head.prefill_left = len(head.prefill_ids) - head.cached_tokens
@@ -431,7 +445,7 @@ class Scheduler:
             self.waiting[group].remove(request)
         else:
             return
-        self.group_tokens[group] -= request.budget
+        self.leave(request)
 
     def num_waiting(self) -> int:
         return sum(len(w) for w in self.waiting)
