@@ -366,23 +366,17 @@ class Engine:
         with no host read."""
         groups = self._by_group(step)
         self._apply_blocks(step)
-        logits = self._decode(groups)
-        packed = self._pack(groups[self.dp_rank], logits, None, (0, self.batch.n), "decode", None)
-        sizes = [sum(self._layout(g, "decode")) for g in groups]
-        packed = self._share(packed, sizes)
+        packed, sizes = self._gather(groups, self._decode(groups), (0, self.batch.n), "decode", None, None)
         for r in step.requests:
             r.in_flight += 1
         return Launched(step, groups, packed, sizes)
 
     def _complete(self, launched: Launched) -> list[TokenEvent]:
         """The launched step's one host read and its events; a request finished meanwhile shows nothing."""
-        values, out, at = launched.packed.tolist(), [], 0
-        for n in launched.sizes:
-            out.append(values[at : at + n])
-            at += n
+        values = _split(launched.packed.tolist(), launched.sizes)
         for r in launched.step.requests:
             r.in_flight = max(0, r.in_flight - 1)
-        events = self._events(launched.step, launched.groups, out)
+        events = self._events(launched.step, launched.groups, values)
         self._finish_all([e.request for e in events if e.finished])
         return events
 
@@ -573,16 +567,17 @@ class Engine:
     def _read(self, groups, logits, span, kind, kept, ids=None) -> list[list[float]]:
         """The step's one host read: every group's packed vector (this group's computed here, the others'
         gathered), split per group."""
-        own = groups[self.dp_rank]
-        packed = self._pack(own, logits, kept, span, kind, ids)
-        sizes = [sum(self._layout(g, kind)) for g in groups]
-        values = self._share(packed, sizes).tolist()
+        packed, sizes = self._gather(groups, logits, span, kind, kept, ids)
+        values = packed.tolist()
         self._keep_logits_rows(groups, logits, kept, kind)
-        out, at = [], 0
-        for n in sizes:
-            out.append(values[at : at + n])
-            at += n
-        return out
+        return _split(values, sizes)
+
+    def _gather(self, groups, logits, span, kind, kept, ids) -> tuple[torch.Tensor, list[int]]:
+        """Every group's packed vector on the device, group by group (this group's chosen and packed here, the
+        others' gathered), and each group's length."""
+        packed = self._pack(groups[self.dp_rank], logits, kept, span, kind, ids)
+        sizes = [sum(self._layout(g, kind)) for g in groups]
+        return self._share(packed, sizes), sizes
 
     def _keep_logits_rows(self, groups, logits, kept, kind) -> None:
         """Raw fp32 rows for the requests that asked (record_logits, prompt_positions): gathered over DP groups
@@ -681,6 +676,15 @@ class Engine:
             finished = "length"
         request.finish_reason = finished
         return TokenEvent(request, token, lp, top, finished is not None)
+
+
+def _split(values: list[float], sizes: list[int]) -> list[list[float]]:
+    """The read vector cut into each group's part."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(values[at : at + n])
+        at += n
+    return out
 
 
 def _check_extends(runner, key: str) -> None:
