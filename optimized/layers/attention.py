@@ -151,9 +151,13 @@ class Qwen3MoeAttention(nn.Module):
                 "(the sequence-parallel prefill, parallel_config.prefill_opt); use the tensor-parallel prefill"
             )
         return torch.ops.npu.npu_fused_infer_attention_score_v2(
-            q,
-            k,
-            v,
+            q, k, v, actual_seq_kvlen=meta.actual_seq_lengths_cu_q, **self._causal_tnd(meta, atten_mask)
+        )[0]
+
+    def _causal_tnd(self, meta: ForwardMetadata, atten_mask) -> dict:
+        """FIA's arguments shared by prefill and extend: TND queries with cumulative lengths, causal from the
+        bottom right (sparse_mode 3, the 2048 template)."""
+        return dict(
             num_query_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             softmax_scale=self.softmax_scale,
@@ -161,8 +165,7 @@ class Qwen3MoeAttention(nn.Module):
             sparse_mode=3,
             atten_mask=atten_mask,
             actual_seq_qlen=meta.actual_seq_lengths_cu_q,
-            actual_seq_kvlen=meta.actual_seq_lengths_cu_q,
-        )[0]
+        )
 
     def attention_extend(self, q, meta: ForwardMetadata, kv_cache, atten_mask):
         """Prefill over cached KV: row b's Lq_b new queries (TND, cumulative q lengths) over its Lkv_b = cached + new
@@ -176,15 +179,7 @@ class Qwen3MoeAttention(nn.Module):
         kv lengths, sparse_mode 3). Every key, the new ones included, is then read quantized, as a decode step
         reads them. -> [T, Nq_r, D]"""
         k_cache, v_cache, *scales = kv_cache
-        common = dict(
-            num_query_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            softmax_scale=self.softmax_scale,
-            input_layout="TND",
-            sparse_mode=3,
-            atten_mask=atten_mask,
-            actual_seq_qlen=meta.actual_seq_lengths_cu_q,
-        )
+        common = self._causal_tnd(meta, atten_mask)
         if scales:
             slots = meta.context_slots
             k = dequantize_rows(k_cache, scales[0], slots, q.dtype)
