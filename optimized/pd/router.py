@@ -41,6 +41,11 @@ MAX_BODY_BYTES = 16 * 1024 * 1024  # as the instances' own default limit
 HEALTH_TIMEOUT_S = 5.0
 
 
+def openai_error(status: int, message: str, kind: str, param=None) -> dict:
+    """The OpenAI error object, as the instances' servers answer it (optimized/serving/protocol.py `ApiError`)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 class RouterError(Exception):
     """A request's failure, answered as an OpenAI-style JSON error with `status` and counted under `cause`."""
 
@@ -49,8 +54,7 @@ class RouterError(Exception):
         self.status, self.cause, self.kind, self.param = status, cause, kind, param
 
     def body(self) -> bytes:
-        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}
-        return json.dumps({"error": error}).encode()
+        return json.dumps(openai_error(self.status, str(self), self.kind, self.param)).encode()
 
 
 class Relayed(Exception):
@@ -62,8 +66,8 @@ class Relayed(Exception):
         if not content_type.startswith("application/json"):
             text = body.decode("utf-8", "replace").strip()[:200]
             message = f"{instance.role} instance {instance.url} answered HTTP {status}: {text}"
-            error = {"message": message, "type": "upstream_error", "param": None, "code": status}
-            content_type, body = "application/json", json.dumps({"error": error}).encode()
+            body = json.dumps(openai_error(status, message, "upstream_error")).encode()
+            content_type = "application/json"
         self.status, self.content_type, self.raw, self.cause = status, content_type, body, cause
 
 
@@ -393,7 +397,7 @@ class Handler(BaseHTTPRequestHandler):
                 if not data:
                     if not tail.rstrip().endswith(b"data: [DONE]"):
                         metrics.count_error("stream_broken")
-                        event = {"error": {"message": why, "type": "service_unavailable", "param": None, "code": 503}}
+                        event = openai_error(503, why, "service_unavailable")
                         self._chunk(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
                     break
                 if client_gone(self.connection):
