@@ -126,12 +126,16 @@ def detokenize(batch):
     return out
 
 
-async def watch_disconnect(http: HttpRequest, events: asyncio.Queue) -> None:
-    """Waits for the client to go away (the body is read: the next ASGI message is the disconnect) and then puts a
-    `(None, None)` item on the choices' event queue, so the loop learns of it with its next item: one task per
-    response, nothing per token."""
+async def until_disconnect(http: HttpRequest) -> None:
+    """Returns when the client has gone away (the body is read: the next ASGI message is the disconnect)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+async def watch_disconnect(http: HttpRequest, events: asyncio.Queue) -> None:
+    """Waits for the client to go away and then puts a `(None, None)` item on the choices' event queue, so the loop
+    learns of it with its next item: one task per response, nothing per token."""
+    await until_disconnect(http)
     events.put_nowait((None, None))
 
 

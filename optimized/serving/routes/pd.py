@@ -24,7 +24,7 @@ from optimized.pd.digest import KvIntegrityError
 from optimized.pd.instance import UnknownTransfer
 from optimized.pd.kv_send import digest_data, digest_of, target_data
 from optimized.pd.transfer_engine import TransferError
-from optimized.serving.generation import error_of, submit
+from optimized.serving.generation import error_of, submit, until_disconnect
 from optimized.serving.protocol import ApiError
 from optimized.serving.state import ServerState, state_of
 
@@ -177,11 +177,6 @@ def prefill_result(state: ServerState, choice) -> dict:
     }
 
 
-async def _watch(http: HttpRequest) -> None:
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _post(client, url: str, body: dict) -> dict:
     r = await client.post(url, json=body, timeout=TRANSFER_TIMEOUT_S)
     if r.status_code != 200:
@@ -252,7 +247,7 @@ async def take_over(state: ServerState, http: HttpRequest, params: dict, request
             await _release(client, prefill, transfer_id)
             events.put_nowait((0, event))
             return events
-        gone = asyncio.ensure_future(_watch(http))
+        gone = asyncio.ensure_future(until_disconnect(http))
         try:
             await _hand_off(state, pd, client, gone, request, params, prefill)
         except BaseException:
