@@ -295,25 +295,15 @@ def test_echo_is_prefilled_whole_in_a_step_of_its_own_with_the_unchunked_prompt_
     assert long.tokens == _greedy(tuple(long.prompt), 12)
 
 
-def _sp_refusal_task(rank, world, path, lay):
-    from equivalence.support.parallel_support import rank_model
-    from equivalence.support.strategies import BLOCK_SIZE
-    from optimized.errors import UsageError
-    from optimized.executor.model_runner import ModelRunner
-
-    runner = ModelRunner(rank_model(path, lay, torch.float32), BLOCK_SIZE)
-    try:
-        _engine(runner, 4, 1, 8)
-    except UsageError as e:
-        return str(e)
-    return None
-
-
 @pytest.mark.distributed
 def test_the_sequence_parallel_prefill_refuses_chunked_prefill_by_name():
     from equivalence.support.dist import get_pool
+    from equivalence.support.engine_runs import engine_refusal_task
     from equivalence.support.strategies import sp_layout
     from fixtures.checkpoints import checkpoint
 
-    for refused in get_pool(2).run(_sp_refusal_task, str(checkpoint("tiny")), sp_layout(2, "alltoall"), timeout=180):
+    options = dict(batch_size=1, num_blocks=4, chunked_prefill_tokens=8)
+    for refused in get_pool(2).run(
+        engine_refusal_task, str(checkpoint("tiny")), sp_layout(2, "alltoall"), options, timeout=180
+    ):
         assert refused and "enable_chunked_prefill" in refused and "prefill_opt" in refused, refused

@@ -38,3 +38,20 @@ def run_engine(engine, arrivals: list[tuple[int, object]], max_steps: int = 500)
         step += 1
         assert step < max_steps, "the engine did not finish its requests"
     return [r for _, r in arrivals]
+
+
+def engine_refusal_task(rank, world, path, lay, engine_options: dict):
+    """One rank of a layout building an engine with `engine_options` over the tiny model: the UsageError's message
+    (a combination the layout's prefill path cannot take, refused by name), or None when it was built."""
+    from equivalence.support.parallel_support import rank_model
+    from equivalence.support.strategies import BLOCK_SIZE
+    from optimized.errors import UsageError
+    from optimized.executor.engine import Engine
+    from optimized.executor.model_runner import ModelRunner
+
+    runner = ModelRunner(rank_model(path, lay, torch.float32), BLOCK_SIZE)
+    try:
+        Engine(runner, **engine_options)
+    except UsageError as e:
+        return str(e)
+    return None
