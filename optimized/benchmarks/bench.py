@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from optimized import platform
+from optimized.benchmarks import graph_gain
 from optimized.benchmarks.latency import summarize
 from optimized.benchmarks.reference_timing import reference_model, reference_shapes, time_reference
 from optimized.config import EXE_MODES
@@ -471,6 +472,16 @@ def run(args) -> int:
     }
     if startup is not None:
         report["graph"] = graph_report(report, startup, args.exe_mode)
+        progress("graph gain bound: profiling one round of graph decode ...")
+        bound = graph_gain.measure(
+            models["graph"][1],
+            ids.tolist(),
+            args.decode_steps,
+            eager_ms=results["optimized"]["decode_ms_per_token"]["median"],
+            graph_ms=results["graph"]["decode_ms_per_token"]["median"],
+        )
+        if bound is not None:
+            report["graph"]["gain_bound"] = bound
     if args.pool_sweep or args.context_sweep:
         decoders = {"optimized": runner.decode_forward}
         if "graph" in models:
@@ -654,6 +665,7 @@ def format_graph(g: dict) -> list[str]:
     st = g["startup_s"]
     lines += [
         f"  graph decode / floor = {g['graph_over_floor']:.2f}x",
+        *(graph_gain.format_lines(g["gain_bound"]) if "gain_bound" in g else []),
         f"  start-up (first decode call): cold {st['cold']:.1f} s ({st['cold_source']}), cached "
         f"{st['cached']:.1f} s ({st['cached_source']}): {g['cold_over_cached']:.1f}x faster from the cache",
     ]
