@@ -242,6 +242,24 @@ def test_a_client_gone_mid_stream_releases_the_prefill_and_ends_the_decode_strea
     assert prefill.released == ["t0"]
 
 
+def test_a_client_gone_before_a_non_streamed_answer_ends_the_decode_request(deployment):
+    """A non-streamed answer comes whole when the generation ends: the router must not sit on the decode connection
+    until then, or the decode instance computes to max_tokens for nobody."""
+    (prefill,), (decode,), router = deployment(answer_delay_s=3 * WAIT_S)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
+    host, port = router.split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as client:
+        raw = json.dumps(body).encode()
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        client.sendall(head.encode() + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        assert decode.answer_waiting.wait(WAIT_S), "the request never reached the decode instance"
+    # the client closed while the decode instance computes: the router closes its decode connection at once
+    assert decode.answer_aborted.wait(WAIT_S), "the router kept the decode connection open for a client that left"
+    assert prefill.claimed == ["t0"]  # the decode instance had taken the transfer: nothing left to release
+    status, metrics = get(router, "/metrics")
+    assert status == 200 and 'qwen3_moe_pd_router_errors_total{cause="client_gone"} 1' in metrics.decode()
+
+
 def test_a_decode_instances_error_status_is_relayed_and_the_prefill_released(deployment):
     (prefill,), (decode,), router = deployment(fail_status=400)
     status, raw, ctype = post(router, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 3})

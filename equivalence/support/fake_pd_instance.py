@@ -19,6 +19,8 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import os
+import select
+import socket
 from pathlib import Path
 
 MODEL = "fake-model"
@@ -61,11 +63,14 @@ class FakeInstance:
         model: str = MODEL,
         attention_tp: int = 1,
         chunk_delay_s: float = 0.0,
+        answer_delay_s: float = 0.0,
         fail_status: int | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ):
         self.role, self.max_model_len, self.chunk_delay_s = role, max_model_len, chunk_delay_s
+        # decode: a non-streamed answer waits this long first, watching its client (as a real instance computes)
+        self.answer_delay_s = answer_delay_s
         self.fail_status = fail_status
         self.health_error: str | None = None  # set: /health answers 503 with it (an engine that stopped)
         self.plain_error = False  # True: an error status comes with a text/plain body (not an OpenAI error)
@@ -84,6 +89,8 @@ class FakeInstance:
         self.released: list[str] = []
         self.release_event = threading.Event()
         self.stream_aborted = threading.Event()  # decode: the client of a stream went away before its end
+        self.answer_waiting = threading.Event()  # decode: a non-streamed answer is being delayed
+        self.answer_aborted = threading.Event()  # decode: its client went away while the answer was delayed
         self.next_id = 0
         handler = type("Handler", (_Handler,), {"fake": self})
         self.server = ThreadingHTTPServer((host, port), handler)
@@ -223,6 +230,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(raw)
             return
         if stream is None:
+            if status == 200 and fake.role == "decode" and fake.answer_delay_s and not self._client_stays():
+                fake.answer_aborted.set()
+                self.close_connection = True
+                return
             self._json(status, answer)
             return
         self.send_response(200)
@@ -244,6 +255,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
+
+    def _client_stays(self) -> bool:
+        """Wait `answer_delay_s`; False as soon as the client closed its side (readable with nothing to read)."""
+        self.fake.answer_waiting.set()
+        readable, _, _ = select.select([self.connection], [], [], self.fake.answer_delay_s)
+        return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
 
 
 def fake_serve_command(die: str | None = None, die_after_s: float = 0.0, fail_start: str | None = None):

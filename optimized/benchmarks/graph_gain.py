@@ -14,7 +14,6 @@ launch overhead, which this bound does not model. Tested by tests/test_graph_gai
 
 from __future__ import annotations
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 # Inductor's name for one call of a compiled graph in the profiler (its own record_function).

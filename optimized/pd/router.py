@@ -29,6 +29,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from optimized.pd.router_instances import RELEASE_ROUTE, Instance, InstanceDown, Pool
@@ -163,8 +164,10 @@ class Router:
                 param="max_tokens",
             )
 
-    def decode_request(self, prefill: Instance, params: dict, body: dict, route: str):
-        """(decode instance, open connection, its response with status 200); a Relayed / RouterError otherwise."""
+    def decode_request(self, prefill: Instance, params: dict, body: dict, route: str, client: socket.socket):
+        """(decode instance, open connection, its response with status 200); a Relayed / RouterError otherwise;
+        ClientGone (the decode connection closed, so the instance aborts the request) when `client` leaves before
+        the decode instance starts answering (a non-streamed answer comes whole, at the end of the generation)."""
         decode = self.pool.acquire("decode")
         try:
             out = dict(body)
@@ -172,7 +175,11 @@ class Router:
             conn = decode.connection(self.timeout_s)
             try:
                 conn.request("POST", route, json.dumps(out).encode(), {"Content-Type": "application/json"})
+                await_answer(conn.sock, client, self.timeout_s)
                 response = conn.getresponse()
+            except ClientGone:
+                conn.close()
+                raise
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 raise _down(InstanceDown(decode, f"POST {route}: {type(e).__name__}: {e}")) from None
@@ -234,6 +241,28 @@ class Router:
             finally:
                 conn.close()
         raise _down(last)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the router waited for an instance's answer."""
+
+
+def await_answer(upstream: socket.socket, client: socket.socket, timeout_s: float) -> None:
+    """Return once `upstream` (an instance's connection) has its answer to read; ClientGone as soon as `client`
+    closes its side first; TimeoutError after `timeout_s` without either."""
+    deadline = time.monotonic() + timeout_s
+    watched = [upstream, client]
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no answer in {timeout_s:g} s")
+        readable, _, _ = select.select(watched, [], [], remaining)
+        if upstream in readable:
+            return
+        if client in readable:
+            if client_gone(client):
+                raise ClientGone
+            watched = [upstream]  # the client sent more bytes (a next request): its end shows only after the answer
 
 
 def client_gone(sock: socket.socket) -> bool:
@@ -352,7 +381,12 @@ class Handler(BaseHTTPRequestHandler):
                 router.metrics.count_error("client_gone")
                 self.close_connection = True
                 return
-            decode, conn, response = router.decode_request(prefill, params, body, route)
+            try:
+                decode, conn, response = router.decode_request(prefill, params, body, route, self.connection)
+            except ClientGone:
+                router.metrics.count_error("client_gone")
+                self.close_connection = True
+                return
             taken = True  # the decode instance answered 200: it owns the transfer from here
             router.metrics.count_handoff()
             try:
