@@ -24,6 +24,7 @@ INTERNAL = {
     "optimized.pd.digest.KvIntegrityError",  # the decode side's KV is not what prefill sent: the request fails
     "optimized.pd.router.RouterError",  # the PD router's HTTP error response to a client, never the CLI's
     "optimized.pd.router.Relayed",  # an instance's own error response, passed on to the client
+    "optimized.pd.router.ClientGone",  # the client left while the router waited: it only ends that request's work
     "optimized.pd.router_instances.InstanceDown",  # an instance unreachable: a 503 to the client (at start: a
     #   UsageError naming it)
     "optimized.pd.instance.UnknownTransfer",  # a transfer id no request holds (released or timed out): HTTP 404
