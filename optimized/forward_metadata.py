@@ -21,6 +21,7 @@ class DataParallelBatch:
     tokens: tuple[int, ...]
     tp_size: int
     picks: tuple[int, ...] | None = None
+    idle: tuple[bool, ...] = ()  # groups whose one token is a dummy (nothing to run this step); () none
 
     @property
     def rows(self) -> int:
@@ -29,6 +30,10 @@ class DataParallelBatch:
     def active(self, group: int, tp_rank: int) -> int:
         """Real tokens among the rows of TP rank `tp_rank` of DP group `group`."""
         return min(max(self.tokens[group] - tp_rank * self.rows, 0), self.rows)
+
+    def real(self, group: int, tp_rank: int) -> int:
+        """`active` less an idle group's dummy token: the rows of this rank that are a request's tokens."""
+        return 0 if self.idle and self.idle[group] else self.active(group, tp_rank)
 
     def picked(self, group: int) -> int:
         """Logits rows DP group `group` returns."""

@@ -18,6 +18,9 @@ process groups), never a module: the model is passed to `run`. The layouts: docs
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +84,12 @@ class SequenceParallelStep(TensorParallelStep):
         super().__init__(exchange)
         self.eplb_rows = EplbRows(decode=False, owner=OWN)
 
+    def for_step(self, real: int) -> "SequenceParallelStep":
+        """This forward's copy, knowing how many of this rank's rows are tokens (the tail rank's are padded)."""
+        step = copy.copy(self)
+        step.eplb_rows = replace(self.eplb_rows, real=real)
+        return step
+
     def wire(self, x: torch.Tensor):
         """What an activation travels as: bf16 as it is."""
         return x
@@ -140,15 +149,16 @@ class MxSequenceParallelStep(SequenceParallelStep):
 class DataParallelStep(TensorParallelStep):
     """Attention DP: this rank's `rows` of its DP group's tokens; attention over the group, MoE over every rank."""
 
-    def __init__(self, exchange, masks_padding: bool, active: int = 0):
+    def __init__(self, exchange, masks_padding: bool, active: int = 0, real: int | None = None):
         # masks_padding: the exchange takes every row and masks the padding (MC2 `own_rows`); otherwise it is given
-        # the real rows only (double routing). active: real rows of this rank in the step (`for_step`).
+        # the real rows only (double routing). active: real rows of this rank in the step (`for_step`), an idle
+        # group's dummy token included; real: without it (what EPLB's load counts; None: every row).
         self.exchange, self.masks_padding, self.active = exchange, masks_padding, active
-        self.eplb_rows = EplbRows(decode=masks_padding, owner=OWN)
+        self.eplb_rows = EplbRows(decode=masks_padding, owner=OWN, real=real)
 
-    def for_step(self, active: int) -> "DataParallelStep":
+    def for_step(self, active: int, real: int) -> "DataParallelStep":
         """This step's copy, knowing its real rows (a new object per step: nothing mutable a graph would bake in)."""
-        return DataParallelStep(self.exchange, self.masks_padding, active)
+        return DataParallelStep(self.exchange, self.masks_padding, active, real)
 
     def attention(self, attn, x, cos, sin, meta, kv_cache, atten_mask):
         """This rank's rows [n, H] -> [n, H]; cos / sin and `meta` describe the DP group's T real tokens."""
@@ -205,11 +215,12 @@ class SequenceParallelPrefill(TensorParallelPhase):
         n = -(-tokens // sp.size)
         ids = F.pad(input_ids, (0, n * sp.size - tokens))  # [P*n], padded with id 0
         mine = slice(sp.rank * n, (sp.rank + 1) * n)
+        step = self.step.for_step(min(max(tokens - sp.rank * n, 0), n))
         # A vocab-parallel lookup sums over its group, so every rank of that group looks up the same ids.
         hidden = model.embed_tokens(ids[mine]) if model.groups.embed_tp.size == 1 else model.embed_tokens(ids)[mine]
         residual = None  # [n, H] from here on
         for layer, kv_cache in zip(model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, self.step)
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache, model.atten_mask, step)
         hidden, _ = model.norm(hidden, residual)
         return comm.all_gather(hidden, sp.group)[:tokens]  # padding rows stripped
 
@@ -227,7 +238,7 @@ class DataParallelPhase(TensorParallelPhase):
         if dp is None:
             raise ValueError("attention DP needs ForwardMetadata.dp (every DP group's sizes; ModelRunner sets it)")
         n, tokens = dp.rows, input_ids.shape[0]
-        step = self.step.for_step(dp.active(model.groups.dp_rank, tp.rank))
+        step = self.step.for_step(dp.active(model.groups.dp_rank, tp.rank), dp.real(model.groups.dp_rank, tp.rank))
         ids = F.pad(input_ids, (0, n * tp.size - tokens))  # [P*n], padded with id 0
         mine = slice(tp.rank * n, (tp.rank + 1) * n)
         # The embedding group lies inside the DP group (config rule): its ranks look up the same ids.

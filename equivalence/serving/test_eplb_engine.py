@@ -6,7 +6,8 @@ tokens (fp32, each prompt alone), while the placements change (weights moved bet
 the MC2 decode in batch-invariant mode, the rebalancing engine's tokens and every chosen token's logits are bitwise
 those of the same engine without EPLB; W4A4 likewise with attention DP 2 (its prefill double-routed, its decode MC2),
 since the recipe's sequence-parallel prefill excludes W4A4, unrotated and in the recipe's rotated form (the
-Hadamard rotation on the attention linears stays put while the experts move)."""
+Hadamard rotation on the attention linears stays put while the experts move). In each layout the load the engine
+counts is top_k rows per token it computed, no padding row among them."""
 
 from __future__ import annotations
 
@@ -72,6 +73,34 @@ def test_an_engine_rebalancing_every_two_steps_gives_the_reference_tokens(name):
     before, after = results[0]["placements"]
     assert before != after, f"{name}: the rebalances kept every placement: {after}"
     assert sum(got["moved"] for got in results) > 0, f"{name}: no expert slot moved"
+
+
+def _count_task(rank, world, lay):
+    from optimized.executor.engine import Engine
+    from optimized.executor.scheduler import Request
+
+    # A window longer than the run and no rebalance: the window holds every step's counts after the first
+    model = rank_model(
+        str(checkpoint("tiny")), {**lay, **EPLB, "eplb_window_size": 64, "eplb_step_interval": 10**6}, torch.float32
+    )
+    engine = Engine(runner_of(model), batch_size=4, num_blocks=64)
+    requests = [(step, Request(f"r{i}", list(p), MAX_TOKENS)) for i, (step, p) in enumerate(zip(ARRIVALS, PROMPTS))]
+    run_engine(engine, requests)
+    last = torch.stack([block.expert_load for block in engine.eplb.blocks])  # the last step's, not closed yet
+    return (engine.eplb.window.sum(0) + last).sum(1).tolist(), [len(r.tokens) for _, r in requests], model.config
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_load_counts_each_real_token_once_and_no_padding_row(name):
+    """Summed over the ranks, a layer's routed rows are top_k per token the model computed: a prompt token or a fed
+    back one, never a padding row (the SP prefill's tail, a DP group padded to the largest group's batch, an idle
+    DP group's dummy row), which routes nowhere real and would draw replicas to the experts zeros choose."""
+    results = get_pool(WORLD).run(_count_task, LAYOUTS[name], timeout=300)
+    per_layer = [sum(counts) for counts in zip(*(rows for rows, _, _ in results))]
+    generated, config = results[0][1], results[0][2]
+    fed = sum(len(p) + n - 1 for p, n in zip(PROMPTS, generated))  # a request's last token is never fed back
+    top_k = config.num_experts_per_tok
+    assert per_layer == [fed * top_k] * len(per_layer), f"{name}: routed rows per layer {per_layer}, tokens {fed}"
 
 
 def _quant_model(quant: str, lay: dict):

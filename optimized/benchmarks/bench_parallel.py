@@ -292,8 +292,8 @@ def _bench_decode(layout: DecodeLayout, world: int, config, args: dict, prompts,
         phase.run, phase.logits = _count_calls(phase.run, step_log), _count_calls(phase.logits, logits_log)
         for_step = step.for_step  # each step runs a per-step copy (`for_step`): count its attention
 
-        def counted_step(active, _for_step=for_step):
-            copy = _for_step(active)
+        def counted_step(*sizes, _for_step=for_step):
+            copy = _for_step(*sizes)
             copy.attention = _count_calls(copy.attention, attn_log)
             return copy
 

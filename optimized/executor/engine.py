@@ -396,10 +396,13 @@ class Engine:
             groups[r.dp_group].append(r)
         return groups
 
-    def _dp(self, sizes: list[int], picks: list[int] | None = None) -> DataParallelBatch | None:
+    def _dp(self, sizes: list[int], picks: list[int] | None = None, groups=None) -> DataParallelBatch | None:
+        """The step's DP sizes; `groups`: each DP group's rows (requests or chunks), empty where it steps a dummy."""
         if self.dp_size == 1:
             return None
-        return DataParallelBatch(tuple(sizes), self.runner.attn_tp_size, None if picks is None else tuple(picks))
+        picks = None if picks is None else tuple(picks)
+        idle = () if groups is None else tuple(not g for g in groups)
+        return DataParallelBatch(tuple(sizes), self.runner.attn_tp_size, picks, idle)
 
     def _prefill(self, groups, span):
         """Logits [picks, V]: this group's kept prompt rows, then each request's last-token row; a group with no
@@ -423,6 +426,7 @@ class Engine:
         meta.dp = self._dp(
             [sum(len(r.prefill_ids) - r.cached_tokens for r in g) or 1 for g in groups],
             [sum(len(r.kept_prompt_positions) + 1 for r in g) or 1 for g in groups],
+            groups,
         )
         with self._invariant():
             logits = self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
@@ -437,7 +441,7 @@ class Engine:
             kv_lens,
             b.table[start:end],
             self.runner.block_size,
-            self._dp([len(g) or 1 for g in groups]),
+            self._dp([len(g) or 1 for g in groups], groups=groups),
         )
         with self._invariant():
             return self.runner.decode_forward(b.last_ids[start:end], meta, self.cache.layers)
@@ -484,7 +488,7 @@ class Engine:
         else:
             dummy = self.batch.dummy
             ids, meta, indices = self.runner.prefill_inputs([[0]], self.batch.table[dummy : dummy + 1, :1])
-        meta.dp = self._dp([sum(c.length for c in g) or 1 for g in chunks], [len(g) or 1 for g in chunks])
+        meta.dp = self._dp([sum(c.length for c in g) or 1 for g in chunks], [len(g) or 1 for g in chunks], chunks)
         return self.runner.model(ids, meta, self.cache.layers, logits_indices=indices)
 
     # ---- choosing and reading back

@@ -26,10 +26,12 @@ JOB, OWN, EP_SPLIT = "job", "own", "ep_split"
 
 @dataclass(frozen=True)
 class EplbRows:
-    """What a phase's MoE input holds on this rank, for the balanced ids: decode or prefill, and whose rows."""
+    """What a phase's MoE input holds on this rank: decode or prefill and whose rows (force_eplb's balanced ids), and
+    how many of its first rows are tokens (EPLB's load counts them alone; None: every row), the rest padding."""
 
     decode: bool
     owner: str = JOB
+    real: int | None = None
 
 
 class BalancedRouting:

@@ -169,9 +169,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         """The replica rule (layers/eplb/placement.py), counting the routed rows on the device as it goes."""
         slots = to_physical(topk_idx, self.replica_table, self.replica_count)
         if (eplb_rows is not None and eplb_rows.owner == OWN) or self.counts_shared_rows:
-            ones = torch.ones(topk_idx.numel(), dtype=torch.int64, device=topk_idx.device)
-            self.expert_load.index_add_(0, topk_idx.flatten().long(), ones)
-            self.slot_load.index_add_(0, slots.flatten().long(), ones)
+            real = None if eplb_rows is None else eplb_rows.real  # padding rows route nowhere real: not counted
+            experts, chosen = topk_idx[:real].flatten().long(), slots[:real].flatten().long()
+            ones = torch.ones(experts.numel(), dtype=torch.int64, device=topk_idx.device)
+            self.expert_load.index_add_(0, experts, ones)
+            self.slot_load.index_add_(0, chosen, ones)
         return slots
 
 
