@@ -4,10 +4,9 @@ runtime layout (NZ-cast, MX scale pairs, transposed views), slot by slot.
 Every expert tensor of a `FusedMoEGMM` is stacked over its local slots (leading dimension = slots per rank), so a
 slot's bytes are `t[slot]` in any layout: a move copies whole slots, in place (the parameters keep their storage, so
 an NZ layout recorded on it stays, a captured graph keeps its addresses, and the CPU kernels' packed copies see the
-new version). The slots some rank needs from another rank (known to every rank: the placements are) travel in one
-all_gather per tensor over the MoE EP group, each rank sending only those of its slots (as raw bytes, uneven sizes),
-run on every rank in the same order; when no rank needs a remote slot, nothing is communicated. A slot needed by
-several ranks travels once (to all of them: a point-to-point send to just those ranks would move less at scale).
+new version). The slots a rank needs from another rank (known to every rank: the placements are) travel in one
+all_to_all per tensor over the MoE EP group, as raw bytes with uneven splits: each slot goes only to the ranks that
+need it, run on every rank in the same order; when no rank needs a remote slot, nothing is communicated.
 """
 
 from __future__ import annotations
@@ -43,14 +42,21 @@ def sources(old: ExpertPlacement, new: ExpertPlacement, rank: int) -> list[tuple
     return moves
 
 
-def _remote_slots(t: torch.Tensor, group, placement: ExpertPlacement, rank: int, needed: list[int]) -> torch.Tensor:
-    """The slots `needed` (global ids, ascending) of `t` [S, ...] from every EP rank -> [len(needed), ...]: each rank
-    sends its own needed slots as bytes."""
-    per, row = placement.slots_per_rank, t[0].numel()
-    sizes = [sum(1 for s in needed if s // per == r) for r in range(placement.ep_size)]
-    mine = [s - rank * per for s in needed if s // per == rank]
-    raw = t.detach()[mine].contiguous().reshape(len(mine), row).view(torch.uint8)
-    return comm.all_gather(raw, group, sizes=sizes).view(t.dtype).view(len(needed), *t.shape[1:])
+def remote_needs(moves_of: list[list[tuple[int, int]]], per: int) -> list[list[int]]:
+    """For each EP rank, the old global slots it copies from other ranks (ascending, each once)."""
+    return [sorted({src for _, src in moves if src // per != r}) for r, moves in enumerate(moves_of)]
+
+
+def _remote_slots(t: torch.Tensor, group, per: int, rank: int, needs: list[list[int]]) -> dict[int, torch.Tensor]:
+    """The slots this rank needs from the others (`needs[rank]`) of `t` [S, ...], by old global slot: every rank sends
+    each rank the slots of its own that rank needs, as bytes, in ascending order."""
+    send = [[s - rank * per for s in needs[r] if s // per == rank] for r in range(len(needs))]
+    take = [[s for s in needs[rank] if s // per == q] for q in range(len(needs))]
+    rows = [i for slots in send for i in slots]
+    raw = t.detach()[rows].contiguous().reshape(len(rows), t[0].numel()).view(torch.uint8)
+    got = comm.all_to_all_single(raw, group, [len(x) for x in take], [len(x) for x in send])
+    slots = [s for x in take for s in x]
+    return dict(zip(slots, got.view(t.dtype).view(len(slots), *t.shape[1:])))
 
 
 @torch.no_grad()
@@ -62,15 +68,15 @@ def rearrange_experts(experts, new: ExpertPlacement) -> int:
         raise ValueError(f"a rearrangement keeps the slots: {old.num_physical} -> {new.num_physical}")
     per = old.slots_per_rank
     moves_of = [sources(old, new, r) for r in range(ep.size)]
-    needed = sorted({src for r, moves in enumerate(moves_of) for _, src in moves if src // per != r})
+    needs = remote_needs(moves_of, per)
     moves, first = moves_of[ep.rank], ep.rank * per
     for t in expert_tensors(experts).values():
-        remote = _remote_slots(t, ep.group, old, ep.rank, needed) if needed else None
+        remote = _remote_slots(t, ep.group, per, ep.rank, needs) if any(needs) else {}
         # local sources first copied aside: a source slot may itself be overwritten by another move
         local = {src: t.detach()[src - first].clone() for _, src in moves if src // per == ep.rank}
         for slot, src in moves:
             # through detach(), not .data: the write bumps the parameter's version, which the CPU GEMMs' packed
             # copies of it are checked against
-            t.detach()[slot].copy_(local[src] if src in local else remote[needed.index(src)])
+            t.detach()[slot].copy_(local[src] if src in local else remote[src])
     experts.placement = new
     return len(moves)
