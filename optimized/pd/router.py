@@ -377,11 +377,9 @@ class Handler(BaseHTTPRequestHandler):
         taken = False
         try:
             router.check_fits(params, body, chat)
-            if client_gone(self.connection):
-                router.metrics.count_error("client_gone")
-                self.close_connection = True
-                return
             try:
+                if client_gone(self.connection):  # gone during the prefill: no decode work at all
+                    raise ClientGone
                 decode, conn, response = router.decode_request(prefill, params, body, route, self.connection)
             except ClientGone:
                 router.metrics.count_error("client_gone")
