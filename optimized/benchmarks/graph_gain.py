@@ -4,8 +4,8 @@ A compiled decode step calls most of its work as opaque operators, exactly as ea
 GEMMs (lm_head, QKV, O), the experts' grouped matmul, the attention and the KV write are the same portable kernels
 in both modes (they read host data or hold oneDNN's packed weights, so the compiler cannot trace them). Only the
 code the compiler generated (the fused norms, rotary, routing and SwiGLU) and its wrapper can make a graph step
-faster than an eager one. `compiled_code_ms` profiles a graph runner's decode steps and returns that code's own
-time per step; `gain_bound` is eager decode over the graph step with that code taking no time at all: no compiled
+faster than an eager one. `profile_compiled_code` profiles a graph runner's decode steps and returns that code's
+own time per step (the median over the steps); `gain_bound` is eager decode over the graph step with that code taking no time at all: no compiled
 graph of this model beats it on this host, whatever the compiler does.
 
 CPU only: on an accelerator the profiler's host times are launch times, not kernel times, and there a graph removes
@@ -13,6 +13,8 @@ launch overhead, which this bound does not model. Tested by tests/test_graph_gai
 """
 
 from __future__ import annotations
+
+import statistics
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -22,28 +24,27 @@ COMPILED_CALL = "## Call CompiledFxGraph"
 WRAPPER_OPS = frozenset({"aten::empty", "aten::empty_strided", "aten::as_strided", "aten::resize_"})
 
 
-def compiled_code_ms(events) -> tuple[float, int]:
-    """(the compiled code's own milliseconds summed over the compiled calls in `events`, the number of calls): each
-    call's self time (the generated kernels and the wrapper's Python) plus its buffer allocations; the operators it
-    calls (and what they call) are not counted."""
-    total_us, calls = 0.0, 0
+def compiled_code_ms(events) -> list[float]:
+    """The compiled code's own milliseconds in each compiled call among `events`: the call's self time (the
+    generated kernels and the wrapper's Python) plus its buffer allocations; the operators it calls (and what they
+    call) are not counted."""
+    out = []
     for e in events:
-        if not e.name.startswith(COMPILED_CALL):
-            continue
-        calls += 1
-        opaque_us = sum(c.cpu_time_total for c in e.cpu_children if c.name not in WRAPPER_OPS)
-        total_us += e.cpu_time_total - opaque_us
-    return total_us / 1000, calls
+        if e.name.startswith(COMPILED_CALL):
+            opaque_us = sum(c.cpu_time_total for c in e.cpu_children if c.name not in WRAPPER_OPS)
+            out.append((e.cpu_time_total - opaque_us) / 1000)
+    return out
 
 
 def profile_compiled_code(run) -> float:
-    """Milliseconds of compiled code per compiled call while `run()` runs (e.g. a generate whose decode is a graph)."""
+    """The median over the compiled calls while `run()` runs (e.g. a generate whose decode is a graph) of the compiled
+    code's own milliseconds (the median: one call slowed by background load does not move it)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
-    ms, calls = compiled_code_ms(prof.events())
-    if calls == 0:
+    per_call = compiled_code_ms(prof.events())
+    if not per_call:
         raise RuntimeError("no compiled graph ran: the gain bound needs a graph runner's decode steps")
-    return ms / calls
+    return statistics.median(per_call)
 
 
 def gain_bound(eager_ms: float, graph_ms: float, compiled_ms: float) -> dict:
