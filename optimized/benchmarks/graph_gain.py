@@ -5,8 +5,8 @@ GEMMs (lm_head, QKV, O), the experts' grouped matmul, the attention and the KV w
 in both modes (they read host data or hold oneDNN's packed weights, so the compiler cannot trace them). Only the
 code the compiler generated (the fused norms, rotary, routing and SwiGLU) and its wrapper can make a graph step
 faster than an eager one. `profile_compiled_code` profiles a graph runner's decode steps and returns that code's
-own time per step (the median over the steps); `gain_bound` is eager decode over the graph step with that code taking no time at all: no compiled
-graph of this model beats it on this host, whatever the compiler does.
+own time per step (the median over the steps); `gain_bound` is eager decode over the graph step with that code
+taking no time at all: no compiled graph of this model beats it on this host, whatever the compiler does.
 
 CPU only: on an accelerator the profiler's host times are launch times, not kernel times, and there a graph removes
 launch overhead, which this bound does not model. Tested by tests/test_graph_gain.py.
