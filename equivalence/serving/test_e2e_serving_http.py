@@ -17,6 +17,7 @@ from equivalence.support.serving_prompts import (
     PROMPTS,
     _reference,
     ref_greedy,
+    staggered_clients,
 )
 from reference import tokenizer as ref_tok
 
@@ -72,37 +73,26 @@ def client(url):
 def test_concurrent_clients_get_reference_tokens(server):
     url, engine, _, _ = server
     c = client(url)
-    results, errors = {}, []
 
-    def one(i, prompt):
-        try:
-            time.sleep(0.05 * i)  # arrivals spread over engine steps
-            if i % 2:
-                r = c.completions.create(
-                    model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
-                )
-                results[i] = (r.choices[0].model_extra["token_ids"], r.usage.completion_tokens)
-            else:
-                ids = []
-                for chunk in c.completions.create(
-                    model=MODEL,
-                    prompt=prompt,
-                    max_tokens=6,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                ):
-                    ids += chunk.choices[0].model_extra["token_ids"]
-                results[i] = (ids, len(ids))
-        except Exception as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(repr(e))
+    def ask(i, prompt):
+        if i % 2:
+            r = c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return r.choices[0].model_extra["token_ids"], r.usage.completion_tokens
+        ids = []
+        for chunk in c.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            ids += chunk.choices[0].model_extra["token_ids"]
+        return ids, len(ids)
 
-    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S)
-    assert not errors, errors
+    results = staggered_clients(ask, PROMPTS, TIMEOUT_S)
     for i, prompt in enumerate(PROMPTS):
         want = ref_greedy(prompt, 6)
         assert results[i] == (want, 6), f"request {i}: {results[i]} != reference {want}"

@@ -9,13 +9,12 @@ waiting request and the server."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 from equivalence.endpoint import run_check, servers
-from equivalence.support.serving_prompts import PROMPTS, ref_greedy
+from equivalence.support.serving_prompts import PROMPTS, ref_greedy, staggered_clients
 from fixtures.checkpoints import checkpoint
 
 openai = pytest.importorskip("openai")
@@ -70,44 +69,32 @@ def test_torchrun_server_equals_reference_per_request(tmp_path, layout):
     launch = servers.ours(config, ranks=world)
     with servers.server_process(launch, log, start_s=START_S) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
-        results, errors = {}, []
 
-        def one(i, prompt):
-            try:
-                time.sleep(0.05 * i)
-                if i % 2:
-                    ids = [
-                        t
-                        for ch in client.completions.create(
-                            model="tiny",
-                            prompt=prompt,
-                            max_tokens=5,
-                            temperature=0,
-                            stream=True,
-                            extra_body={"ignore_eos": True},
-                        )
-                        for t in ch.choices[0].model_extra["token_ids"]
-                    ]
-                else:
-                    r = client.completions.create(
-                        model="tiny", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        def ask(i, prompt):
+            if i % 2:
+                return [
+                    t
+                    for ch in client.completions.create(
+                        model="tiny",
+                        prompt=prompt,
+                        max_tokens=5,
+                        temperature=0,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
                     )
-                    ids = r.choices[0].model_extra["token_ids"]
-                results[i] = ids
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(repr(e))
+                    for t in ch.choices[0].model_extra["token_ids"]
+                ]
+            r = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return r.choices[0].model_extra["token_ids"]
 
         started = log.read_text()
         if "dp" in layout:  # the plan says the decode runs MC2 under attention DP
             assert "under attention DP" in started and "MC2 window" in started, started
         if exe_mode == "ge_graph":  # the plan's decode graphs, every bucket compiled before the port opened
             assert "decode steps as ge_graph graphs: buckets [1]" in started, started
-        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS[:4])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT_S)
-        assert not errors, errors
+        results = staggered_clients(ask, PROMPTS[:4], TIMEOUT_S)
         for i, prompt in enumerate(PROMPTS[:4]):
             assert results[i] == ref_greedy(prompt, 5), f"request {i}"
         if layout in ENDPOINT_CHECKED:  # the endpoint checker on the same server: every position's logprobs (echo)

@@ -6,13 +6,11 @@ shows each MoE layer's measured imbalance."""
 from __future__ import annotations
 
 import re
-import threading
-import time
 
 import pytest
 
 from equivalence.endpoint import servers
-from equivalence.support.serving_prompts import PROMPTS, ref_greedy
+from equivalence.support.serving_prompts import PROMPTS, ref_greedy, staggered_clients
 from fixtures.checkpoints import checkpoint
 
 openai = pytest.importorskip("openai")
@@ -36,24 +34,14 @@ def test_a_rebalancing_server_gives_the_reference_tokens_and_counts_its_rebalanc
     config.write_text(CONFIG)
     with servers.server_process(servers.ours(config, ranks=2), tmp_path / "server.log", start_s=START_S) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
-        results, errors = {}, []
 
-        def one(i, prompt):
-            try:
-                time.sleep(0.05 * i)
-                r = client.completions.create(
-                    model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
-                )
-                results[i] = r.choices[0].model_extra["token_ids"]
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(repr(e))
+        def ask(i, prompt):
+            r = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return r.choices[0].model_extra["token_ids"]
 
-        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(PROMPTS[:4])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT_S)
-        assert not errors, errors
+        results = staggered_clients(ask, PROMPTS[:4], TIMEOUT_S)
         for i, prompt in enumerate(PROMPTS[:4]):
             assert results[i] == ref_greedy(prompt, MAX_TOKENS), f"request {i}"
         text = httpx.get(url + "/metrics", timeout=TIMEOUT_S).text

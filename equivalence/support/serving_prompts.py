@@ -1,8 +1,10 @@
-"""The serving proofs' prompts and the reference's greedy tokens for them."""
+"""The serving proofs' prompts, the reference's greedy tokens for them, and concurrent clients sending them."""
 
 from __future__ import annotations
 
 import functools
+import threading
+import time
 
 import torch
 
@@ -29,3 +31,25 @@ def ref_greedy(prompt: list[int], n: int, eos=()) -> list[int]:
 
 
 PROMPTS = [[5, 9, 200, 17, 3], [44, 1, 2], list(range(30, 52)), [7] * 11, [100, 101, 102, 103, 104, 105, 106]]
+
+
+def staggered_clients(ask, prompts, timeout_s: float, spacing_s: float = 0.05) -> list:
+    """`ask(i, prompt)` for every prompt, each on its own thread, arrivals `spacing_s` apart (spread over engine
+    steps); their answers in prompt order. Any client's exception, or one still waiting after `timeout_s`, fails."""
+    results, errors = {}, []
+
+    def one(i, prompt):
+        try:
+            time.sleep(spacing_s * i)
+            results[i] = ask(i, prompt)
+        except Exception as e:  # noqa: BLE001 - reported by the calling thread
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not errors, errors
+    assert len(results) == len(prompts), f"clients without an answer after {timeout_s} s: {len(prompts) - len(results)}"
+    return [results[i] for i in range(len(prompts))]
