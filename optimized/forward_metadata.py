@@ -7,6 +7,12 @@ from dataclasses import dataclass
 import torch
 
 
+def rank_rows(tokens: int, rank: int, rows: int) -> int:
+    """Of `tokens` packed `rows` to a rank (rank i: tokens [i*rows, (i+1)*rows), the tail padded), how many rank
+    `rank` holds."""
+    return min(max(tokens - rank * rows, 0), rows)
+
+
 @dataclass(frozen=True)
 class DataParallelBatch:
     """Host data of one attention-DP step, the same on every rank (the engine knows every DP group's request counts).
@@ -29,7 +35,7 @@ class DataParallelBatch:
 
     def active(self, group: int, tp_rank: int) -> int:
         """Real tokens among the rows of TP rank `tp_rank` of DP group `group`."""
-        return min(max(self.tokens[group] - tp_rank * self.rows, 0), self.rows)
+        return rank_rows(self.tokens[group], tp_rank, self.rows)
 
     def real(self, group: int, tp_rank: int) -> int:
         """`active` less an idle group's dummy token: the rows of this rank that are a request's tokens."""

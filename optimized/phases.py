@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from optimized.distributed import collectives as comm
+from optimized.forward_metadata import rank_rows
 from optimized.layers.exchange import build_exchange
 from optimized.layers.force_eplb import EP_SPLIT, JOB, OWN, EplbRows
 from optimized.layers.quantization.mx_layout import BLOCK
@@ -215,7 +216,7 @@ class SequenceParallelPrefill(TensorParallelPhase):
         n = -(-tokens // sp.size)
         ids = F.pad(input_ids, (0, n * sp.size - tokens))  # [P*n], padded with id 0
         mine = slice(sp.rank * n, (sp.rank + 1) * n)
-        step = self.step.for_step(min(max(tokens - sp.rank * n, 0), n))
+        step = self.step.for_step(rank_rows(tokens, sp.rank, n))
         # A vocab-parallel lookup sums over its group, so every rank of that group looks up the same ids.
         hidden = model.embed_tokens(ids[mine]) if model.groups.embed_tp.size == 1 else model.embed_tokens(ids)[mine]
         residual = None  # [n, H] from here on
