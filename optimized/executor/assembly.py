@@ -408,16 +408,23 @@ class Assembly:
         return profiled(directory, self.env.rank)
 
     def close(self) -> None:
-        """The model's subgroups first, then the default group."""
+        """The model's subgroups first, then the default group; then the groups themselves are freed."""
         if self._closed:
             return
         self._closed = True
+        import gc
+
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             if self.state is not None:
                 self.state.close()
             dist.destroy_process_group()
+        # What holds the groups goes, so each gloo group's worker threads stop now, while Python runs. Left to the
+        # interpreter's exit, a worker still releasing its last collective's tensors needs the GIL during
+        # finalization and aborts the process ("terminate called without an active exception").
+        self.state = self.model = self.runner = None
+        gc.collect()
 
 
 # ---- rank models outside a config run: the parallel bench, the latency harness, the first-divergence report
