@@ -10,6 +10,8 @@ alike), the profiler (a trace written alike). A key that one entry point dropped
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import yaml
@@ -42,7 +44,7 @@ def _generate(path, monkeypatch):
 
     def capture(self, **kw):
         run = start(self, **kw)
-        started.append(run)
+        started.append(copy.copy(run))  # the run as generate had it: its own close lets go of the model and runner
         return run
 
     monkeypatch.setattr(assembly.Launch, "start", capture)
